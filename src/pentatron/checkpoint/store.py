@@ -1,0 +1,78 @@
+"""Atomic checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout: `<dir>/step_00000100/` (DCP files + meta.json) and `<dir>/latest` naming the newest complete one.
+A checkpoint is written into `step_XXXXXXXX.tmp/` and renamed only after every rank has finished, and
+`latest` is replaced atomically afterwards: a crash at any moment leaves the previous good checkpoint
+intact and pointed to. Tensors are keyed by parameter name, so later layouts can re-shard them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class CheckpointStore:
+    def __init__(self, root: Path, keep: int = 2) -> None:
+        self.root = root
+        self.keep = keep
+
+    def _dir(self, step: int) -> Path:
+        return self.root / f"step_{step:08d}"
+
+    def latest(self) -> Path | None:
+        pointer = self.root / "latest"
+        if not pointer.is_file():
+            return None
+        path = self.root / pointer.read_text().strip()
+        if not (path / "meta.json").is_file():
+            raise RuntimeError(f"{pointer} names {path}, which is not a complete checkpoint; "
+                               "remove the pointer to start fresh")
+        return path
+
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
+        final, tmp = self._dir(step), self._dir(step).with_suffix(".tmp")
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        dcp.save(state, checkpoint_id=tmp)
+        _barrier()
+        if _rank() == 0:
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            pointer_tmp = self.root / "latest.tmp"
+            pointer_tmp.write_text(final.name)
+            os.replace(pointer_tmp, self.root / "latest")
+            self._prune()
+        _barrier()
+        return final
+
+    def load(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
+        """Load tensors in place into `state` (same keys as saved); return the saved metadata."""
+        dcp.load(state, checkpoint_id=path)
+        return json.loads((path / "meta.json").read_text())
+
+    def _prune(self) -> None:
+        done = sorted(p for p in self.root.glob("step_*") if p.is_dir() and p.suffix != ".tmp")
+        for old in done[: max(len(done) - self.keep, 0)]:
+            shutil.rmtree(old, ignore_errors=True)
+
+

@@ -1,0 +1,340 @@
+"""Typed run configuration: TOML files, dotted command-line overrides, validation with clear errors.
+
+A config is loaded in one pass that collects *every* problem (unknown keys, wrong types, bad values,
+inconsistent combinations) and raises one `ConfigError` listing them all, before any process group
+or model exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+from pentatron.models.config import ModelConfig
+from pentatron.models.registry import get_model_config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """All the problems found in a configuration, one per line."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+@dataclass
+class ModelSection:
+    """A registry name, optionally with any shape field overridden (e.g. n_layers = 2)."""
+
+    name: str = "debug"
+    vocab_size: int | None = None
+    hidden_size: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_hidden_size: int | None = None
+    max_seq_len: int | None = None
+    rope_theta: float | None = None
+    norm_eps: float | None = None
+    tie_embeddings: bool | None = None
+    mlp: Literal["swiglu", "gelu"] | None = None
+    init_std: float | None = None
+
+
+@dataclass
+class ParallelConfig:
+    dp: int | None = None  # None: whatever the world size leaves after tp·pp·cp
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sp: bool = False
+    pp_schedule: Literal["afab", "1f1b", "interleaved", "zb"] = "1f1b"
+    pp_virtual: int = 1
+    bucket_mb: float = 25.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    seq_len: int = 256
+    micro_batch: int = 8
+    global_batch: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 10
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    decay_fraction: float = 0.2  # wsd: share of the steps spent in the final decay
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip: float = 1.0  # global gradient-norm clip; 0 disables
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    recompute: Literal["none", "selective", "full"] = "none"
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    peak_tflops: float | None = None  # per device, for MFU; default from the hardware table
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # a directory written by `pentatron tokenize`; empty: the built-in default corpus
+    cache_dir: str = ".cache/data"
+    default_corpus_bytes: int = 6_000_000
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # empty: no checkpoints
+    every: int = 0  # steps between saves; 0: only at the end (when dir is set)
+    keep: int = 2
+    resume: bool = True  # continue from the newest checkpoint in dir if there is one
+
+
+@dataclass
+class LogConfig:
+    dir: str = "runs/default"
+    every: int = 1
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def model_config(self) -> ModelConfig:
+        base = get_model_config(self.model.name)
+        overrides = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "name" and v is not None}
+        return dataclasses.replace(base, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- loading with type checks
+
+
+def _check_value(path: str, value: Any, tp: Any, problems: list[str]) -> Any:
+    """Check (and gently coerce int→float) one value against a type hint; record a problem if wrong."""
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        non_none = [o for o in options if o is not type(None)]
+        sub: list[str] = []
+        out = _check_value(path, value, non_none[0], sub)
+        problems.extend(sub)
+        return out
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            problems.append(f"{path} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            problems.append(f"{path} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(f"{path} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append(f"{path} must be a number, got {value!r}")
+            return value
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            problems.append(f"{path} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {tp!r} for {path}")  # a bug in this file, not user input
+
+
+def _build_section(cls: type, name: str, data: Any, problems: list[str]) -> Any:
+    if not isinstance(data, dict):
+        problems.append(f"[{name}] must be a table, got {data!r}")
+        return cls()
+    hints = get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if key not in hints:
+            close = difflib.get_close_matches(key, hints, n=1)
+            hint = f" (did you mean {name}.{close[0]}?)" if close else ""
+            problems.append(f"unknown key {name}.{key}{hint}")
+            continue
+        kwargs[key] = _check_value(f"{name}.{key}", value, hints[key], problems)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict[str, Any], world_size: int | None = None) -> Config:
+    problems: list[str] = []
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    hints = get_type_hints(Config)
+    built = {}
+    for key, value in data.items():
+        if key not in sections:
+            close = difflib.get_close_matches(key, sections, n=1)
+            problems.append(f"unknown section [{key}]" + (f" (did you mean [{close[0]}]?)" if close else ""))
+            continue
+        built[key] = _build_section(hints[key], key, value, problems)
+    cfg = Config(**built)
+    if not problems:
+        problems = validate(cfg, world_size)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'train.lr=1e-3' → (['train', 'lr'], 0.001). Values are read as TOML, else kept as strings."""
+    if "=" not in item:
+        raise ConfigError([f"override {item!r} must look like section.key=value"])
+    key, raw = item.split("=", 1)
+    parts = key.strip().lstrip("-").split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError([f"override key {key!r} must look like section.key (e.g. train.steps)"])
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return parts, value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), world_size: int | None = None) -> Config:
+    """Read a TOML file (or start from defaults), apply `section.key=value` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError([f"config file {str(p)!r} does not exist"])
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError([f"{p}: not valid TOML: {e}"]) from None
+    for item in overrides:
+        (section, key), value = parse_override(item)
+        table = data.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError([f"[{section}] must be a table"])
+        table[key] = value
+    return config_from_dict(data, world_size)
+
+
+# ---------------------------------------------------------------- semantic validation
+
+
+def validate(cfg: Config, world_size: int | None = None) -> list[str]:
+    """Every semantic problem with a type-correct config (empty list when valid)."""
+    p: list[str] = []
+    try:
+        model = cfg.model_config()
+    except KeyError as e:
+        p.append(f"model.name: {e.args[0]}")
+        model = None
+    if model is not None:
+        p += model.problems()
+
+    par, tr = cfg.parallel, cfg.train
+    for name in ("tp", "pp", "cp", "ep", "pp_virtual"):
+        if getattr(par, name) < 1:
+            p.append(f"parallel.{name} must be ≥ 1, got {getattr(par, name)}")
+    if par.dp is not None and par.dp < 1:
+        p.append(f"parallel.dp must be ≥ 1, got {par.dp}")
+    if par.zero not in (0, 1, 2, 3):
+        p.append(f"parallel.zero must be 0, 1, 2 or 3, got {par.zero}")
+    if par.bucket_mb <= 0:
+        p.append(f"parallel.bucket_mb must be > 0, got {par.bucket_mb}")
+    for name in ("tp", "pp", "cp", "ep"):
+        if getattr(par, name) > 1:
+            p.append(f"parallel.{name}={getattr(par, name)}: this parallel dimension is not available yet; "
+                     f"use parallel.{name}=1")
+    dp = _resolve_dp(par, world_size, p)
+
+    positive = {"steps": tr.steps, "seq_len": tr.seq_len, "micro_batch": tr.micro_batch,
+                "global_batch": tr.global_batch}
+    for name, v in positive.items():
+        if v <= 0:
+            p.append(f"train.{name} must be > 0, got {v}")
+    if tr.lr <= 0:
+        p.append(f"train.lr must be > 0, got {tr.lr}")
+    if not 0 <= tr.min_lr_ratio <= 1:
+        p.append(f"train.min_lr_ratio must be within [0, 1], got {tr.min_lr_ratio}")
+    if tr.warmup < 0:
+        p.append(f"train.warmup must be ≥ 0, got {tr.warmup}")
+    elif tr.steps > 0 and tr.warmup > tr.steps:
+        p.append(f"train.warmup={tr.warmup} is longer than train.steps={tr.steps}")
+    if not 0 < tr.decay_fraction <= 1:
+        p.append(f"train.decay_fraction must be within (0, 1], got {tr.decay_fraction}")
+    if tr.weight_decay < 0:
+        p.append(f"train.weight_decay must be ≥ 0, got {tr.weight_decay}")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(tr, name) < 1:
+            p.append(f"train.{name} must be within [0, 1), got {getattr(tr, name)}")
+    if tr.eps <= 0:
+        p.append(f"train.eps must be > 0, got {tr.eps}")
+    if tr.clip < 0:
+        p.append(f"train.clip must be ≥ 0 (0 disables clipping), got {tr.clip}")
+    if tr.peak_tflops is not None and tr.peak_tflops <= 0:
+        p.append(f"train.peak_tflops must be > 0, got {tr.peak_tflops}")
+    if model is not None and tr.seq_len > model.max_seq_len:
+        p.append(f"train.seq_len={tr.seq_len} is longer than the model's max_seq_len={model.max_seq_len}")
+    if tr.micro_batch > 0 and tr.global_batch > 0:
+        dp_or_1 = dp or 1
+        if tr.global_batch % (tr.micro_batch * dp_or_1):
+            p.append(f"train.global_batch={tr.global_batch} is not divisible by train.micro_batch="
+                     f"{tr.micro_batch} × dp={dp_or_1}")
+
+    if cfg.data.path and not Path(cfg.data.path).exists():
+        p.append(f"data.path {cfg.data.path!r} does not exist (create it with `pentatron tokenize`)")
+    if cfg.data.default_corpus_bytes <= 0:
+        p.append(f"data.default_corpus_bytes must be > 0, got {cfg.data.default_corpus_bytes}")
+    if cfg.checkpoint.every < 0:
+        p.append(f"checkpoint.every must be ≥ 0, got {cfg.checkpoint.every}")
+    if cfg.checkpoint.keep < 1:
+        p.append(f"checkpoint.keep must be ≥ 1, got {cfg.checkpoint.keep}")
+    if cfg.log.every < 1:
+        p.append(f"log.every must be ≥ 1, got {cfg.log.every}")
+    return p
+
+
+def _resolve_dp(par: ParallelConfig, world_size: int | None, problems: list[str]) -> int | None:
+    inner = par.tp * par.pp * par.cp
+    if world_size is None:
+        return par.dp
+    if inner < 1:
+        return None
+    if par.dp is None:
+        if world_size % inner:
+            problems.append(f"world size {world_size} is not divisible by tp×pp×cp = {inner}")
+            return None
+        return world_size // inner
+    if par.dp * inner != world_size:
+        problems.append(f"parallel.dp×tp×pp×cp = {par.dp}×{par.tp}×{par.pp}×{par.cp} = {par.dp * inner} "
+                        f"does not equal the world size {world_size} (processes launched)")
+    return par.dp
+
+
+def resolved_dp(cfg: Config, world_size: int) -> int:
+    """The data-parallel degree once the world size is known (validated by `load_config`)."""
+    par = cfg.parallel
+    return par.dp if par.dp is not None else world_size // (par.tp * par.pp * par.cp)

@@ -1,0 +1,526 @@
+"""Hugging Face interop: Llama `config.json` + safetensors checkpoints ↔ Pentatron's `Llama`.
+
+Import reads `model.safetensors` or a sharded `model.safetensors.index.json`, validates every tensor's
+name and shape against the config from the safetensors headers (before reading any data), and loads
+the tensors straight into a model built on the meta device, so no random-init copy is ever allocated.
+Export writes a `LlamaForCausalLM`-compatible directory atomically (temporary directory, then rename).
+Tied embeddings follow transformers: `tie_word_embeddings: true` and no `lm_head.weight` tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from pentatron.models.config import ModelConfig, RopeScaling
+from pentatron.models.llama import Llama
+
+CONFIG_NAME = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# Per-layer HF name → our name (relative to `model.layers.{i}.` / `layers.{i}.`).
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn.q_proj.weight",
+    "self_attn.k_proj.weight": "attn.k_proj.weight",
+    "self_attn.v_proj.weight": "attn.v_proj.weight",
+    "self_attn.o_proj.weight": "attn.o_proj.weight",
+    "post_attention_layernorm.weight": "mlp_norm.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+              "lm_head.weight": "lm_head.weight"}
+# Tensors that some older checkpoints carry but that hold no learned state (recomputed from config).
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq|model\.rotary_emb\.inv_freq")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json
+# ---------------------------------------------------------------------------------------------
+
+def _rope_from_hf(d: dict[str, Any], problems: list[str]) -> tuple[float, RopeScaling | None]:
+    """rope_theta and Llama-3.1 scaling from either spelling: transformers 5.x `rope_parameters`
+    (which also carries rope_theta) or 4.x top-level `rope_theta` + `rope_scaling`."""
+    key = "rope_parameters" if d.get("rope_parameters") is not None else "rope_scaling"
+    rp = d.get(key)
+    theta = d.get("rope_theta")
+    if rp is None:
+        return float(theta if theta is not None else 10000.0), None
+    if not isinstance(rp, dict):
+        problems.append(f"{key} must be an object or null, got {rp!r}")
+        return 10000.0, None
+    if rp and all(isinstance(v, dict) or v is None for v in rp.values()):
+        problems.append(f"{key} is nested per layer type ({', '.join(rp)}); "
+                        "only one global RoPE is supported")
+        return 10000.0, None
+    theta = rp.get("rope_theta", theta)
+    theta = float(theta if theta is not None else 10000.0)
+    if rp.get("partial_rotary_factor", 1.0) != 1.0:
+        problems.append(f"{key}.partial_rotary_factor={rp['partial_rotary_factor']} is not supported "
+                        "(only 1.0)")
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type != "llama3":
+        problems.append(f"{key}.rope_type={rope_type!r} is not supported (only 'default' and 'llama3')")
+        return theta, None
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if rp.get(k) is None]
+    if missing:
+        problems.append(f"{key} (rope_type 'llama3') is missing {', '.join(missing)}")
+        return theta, None
+    # HF falls back to the top-level value, then to max_position_embeddings.
+    orig = rp.get("original_max_position_embeddings",
+                  d.get("original_max_position_embeddings", d.get("max_position_embeddings", 2048)))
+    return theta, RopeScaling(factor=float(rp["factor"]), low_freq_factor=float(rp["low_freq_factor"]),
+                              high_freq_factor=float(rp["high_freq_factor"]), original_max_position=int(orig))
+
+
+def config_from_hf(d: dict[str, Any]) -> ModelConfig:
+    """A `ModelConfig` from a Llama `config.json` dict. Raises one `ValueError` listing every
+    unsupported or inconsistent key (each named) at once."""
+    problems: list[str] = []
+    if d.get("model_type") != "llama":
+        problems.append(f"model_type={d.get('model_type')!r} is not supported (only 'llama')")
+    for k in ("attention_bias", "mlp_bias"):
+        if d.get(k):
+            problems.append(f"{k}={d[k]!r} is not supported (Pentatron's Llama has no biases)")
+    act = d.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):  # transformers maps both names to SiLU
+        problems.append(f"hidden_act={act!r} is not supported (only 'silu')")
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in required if d.get(k) is None]
+    if missing:
+        problems.append(f"config is missing {', '.join(missing)}")
+    theta, scaling = _rope_from_hf(d, problems)
+    if problems:
+        raise ValueError("unsupported Hugging Face config: " + "; ".join(problems))
+
+    hidden, heads = d["hidden_size"], d["num_attention_heads"]
+    head_dim = d.get("head_dim")
+    if head_dim is not None and heads and head_dim * heads != hidden:
+        problems.append(f"head_dim={head_dim} is not hidden_size/num_attention_heads={hidden}/{heads} "
+                        "(decoupled head_dim is not supported)")
+    cfg = ModelConfig(
+        vocab_size=d["vocab_size"], hidden_size=hidden, n_layers=d["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=d.get("num_key_value_heads") or heads, ffn_hidden_size=d["intermediate_size"],
+        max_seq_len=d.get("max_position_embeddings", 2048), rope_theta=theta, rope_scaling=scaling,
+        norm_eps=float(d.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        mlp="swiglu", init_std=float(d.get("initializer_range", 0.02)),
+    )
+    problems += cfg.problems()
+    if problems:
+        raise ValueError("unsupported Hugging Face config: " + "; ".join(problems))
+    return cfg
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """A `LlamaConfig`-compatible config.json dict (4.x spelling, which transformers 5.x also reads)."""
+    problems = cfg.problems()
+    if cfg.mlp != "swiglu":
+        problems.append(f"model.mlp={cfg.mlp!r} has no LlamaForCausalLM equivalent (only 'swiglu')")
+    if problems:
+        raise ValueError("cannot export to Hugging Face Llama: " + "; ".join(problems))
+    rs = cfg.rope_scaling
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if rs is None else {
+            "rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position,
+        },
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "initializer_range": cfg.init_std,
+        "torch_dtype": _dtype_name(dtype),
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+def read_hf_config(path: Path) -> ModelConfig:
+    """`config_from_hf` of `path/config.json`, with a clear error when it is missing or not JSON."""
+    f = Path(path) / CONFIG_NAME
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"{path}: not a directory (expected a Hugging Face model directory)")
+    if not f.is_file():
+        raise FileNotFoundError(f"{f}: missing (a Hugging Face model directory needs config.json)")
+    try:
+        d = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{f}: expected a JSON object")
+    return config_from_hf(d)
+
+
+# ---------------------------------------------------------------------------------------------
+# names and shapes
+# ---------------------------------------------------------------------------------------------
+
+def hf_to_pentatron_name(name: str) -> str:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    raise KeyError(f"no Pentatron parameter for Hugging Face tensor {name!r}")
+
+
+def pentatron_to_hf_name(name: str) -> str:
+    inverse = {v: k for k, v in _TOP_NAMES.items()}
+    if name in inverse:
+        return inverse[name]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    layer_inverse = {v: k for k, v in _LAYER_NAMES.items()}
+    if m and m.group(2) in layer_inverse:
+        return f"model.layers.{m.group(1)}.{layer_inverse[m.group(2)]}"
+    raise KeyError(f"no Hugging Face tensor for Pentatron parameter {name!r}")
+
+
+def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Llama checkpoint of this shape holds, in transformers' order (the tied LM head
+    is absent, as transformers saves it)."""
+    h, f, kv, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.kv_dim, cfg.vocab_size
+    q = cfg.n_heads * cfg.head_dim
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        out |= {p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "post_attention_layernorm.weight": (h,), p + "mlp.gate_proj.weight": (f, h),
+                p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
+    out["model.norm.weight"] = (h,)
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = (v, h)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+# ---------------------------------------------------------------------------------------------
+
+def _weight_map(path: Path) -> dict[str, Path]:
+    """Tensor name → the safetensors file holding it; checks that every referenced file exists."""
+    single, index = path / SINGLE_FILE, path / INDEX_FILE
+    if single.is_file():  # transformers also prefers the single file when both exist
+        with _open(single) as f:
+            return dict.fromkeys(f.keys(), single)
+    if not index.is_file():
+        other = sorted(p.name for p in path.glob("*.bin"))
+        hint = f" (found {', '.join(other)}: only safetensors checkpoints are supported)" if other else ""
+        raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found{hint}")
+    try:
+        wm = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{index}: not a valid safetensors index ({e!r})") from None
+    out: dict[str, Path] = {}
+    for name, fname in wm.items():
+        if not isinstance(fname, str) or Path(fname).name != fname:
+            raise ValueError(f"{index}: shard name {fname!r} for tensor {name!r} is not a plain file name")
+        out[name] = path / fname
+    missing = sorted({p.name for p in out.values() if not p.is_file()})
+    if missing:
+        raise FileNotFoundError(f"{path}: missing shard file(s) listed in {INDEX_FILE}: {', '.join(missing)}")
+    return out
+
+
+def _open(file: Path) -> Any:
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+def _by_file(names: dict[str, Path]) -> dict[Path, list[str]]:
+    groups: dict[Path, list[str]] = {}
+    for name, file in names.items():
+        groups.setdefault(file, []).append(name)
+    return groups
+
+
+def load_hf_state_dict(path: Path, cfg: ModelConfig | None = None, *, device: torch.device | str = "cpu",
+                       dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a Hugging Face Llama checkpoint directory, under their HF names.
+
+    Names and shapes are validated against `cfg` (default: the directory's config.json) from the
+    safetensors headers before any tensor data is read. Tensors are read one at a time and moved/cast
+    to `device`/`dtype` (default: stored dtype), so peak memory is the result plus one tensor."""
+    path = Path(path)
+    cfg = read_hf_config(path) if cfg is None else cfg
+    expected = hf_param_shapes(cfg)
+    where = _weight_map(path)
+    if cfg.tie_embeddings:
+        where.pop("lm_head.weight", None)  # transformers ignores a stored head when tied; so do we
+    missing = [n for n in expected if n not in where]
+    if missing:
+        raise ValueError(f"{path}: checkpoint is missing tensor(s): {', '.join(missing[:8])}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    unexpected = sorted(n for n in where if n not in expected and not _IGNORED.fullmatch(n))
+    if unexpected:
+        raise ValueError(f"{path}: checkpoint has tensor(s) that Pentatron's Llama does not: "
+                         f"{', '.join(unexpected[:8])}" + (f" and {len(unexpected) - 8} more"
+                                                          if len(unexpected) > 8 else ""))
+    wanted = {n: where[n] for n in expected}
+    # Pass 1: headers only (cheap), so a bad shape deep in the last shard fails before any big read.
+    for file, names in _by_file(wanted).items():
+        with _open(file) as f:
+            present = set(f.keys())
+            for n in names:
+                if n not in present:
+                    raise ValueError(f"{file}: tensor {n!r} listed in {INDEX_FILE} is not in this shard")
+                got = tuple(f.get_slice(n).get_shape())
+                if got != expected[n]:
+                    raise ValueError(f"{file}: tensor {n!r} has shape {list(got)}, expected "
+                                     f"{list(expected[n])} from config.json")
+    out: dict[str, torch.Tensor] = {}
+    for file, names in _by_file(wanted).items():
+        with _open(file) as f:
+            for n in names:
+                out[n] = f.get_tensor(n).to(device=device, dtype=dtype)
+    return {n: out[n] for n in expected}  # transformers' canonical order
+
+
+def import_hf(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Llama:
+    """A Pentatron `Llama` holding the weights of a Hugging Face Llama directory. Built on the meta
+    device and filled by assignment, so the only weight memory is the loaded tensors themselves."""
+    path = Path(path)
+    cfg = read_hf_config(path)
+    hf_sd = load_hf_state_dict(path, cfg, device=device, dtype=dtype)
+    sd = {hf_to_pentatron_name(n): t for n, t in hf_sd.items()}
+    if cfg.tie_embeddings:
+        sd["lm_head.weight"] = sd["embed.weight"]  # state_dict() lists the tied head under both names
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.tie_weights()  # assign=True made two Parameters on one tensor; restore a single shared one
+    # RoPE tables are non-persistent fp32 buffers (as in build_model): materialise and compute them.
+    model.rotary.to_empty(device=device)
+    model.rotary.reset_parameters()
+    still_meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if still_meta:  # a guard against a future module whose state we don't map
+        raise RuntimeError(f"import_hf left tensors on the meta device: {', '.join(still_meta)}")
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+# ---------------------------------------------------------------------------------------------
+
+def _hf_tensors(model: Llama) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) in transformers' order; the tied head is left out, as transformers does."""
+    sd = model.state_dict()
+    for name in hf_param_shapes(model.cfg):
+        ours = hf_to_pentatron_name(name)
+        if ours not in sd:
+            raise ValueError(f"model has no parameter {ours!r} (needed for {name!r})")
+        yield name, sd[ours]
+
+
+def _plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Greedy in order: a new shard starts when the next tensor would overflow this one (a tensor
+    larger than max_bytes gets a shard of its own), as transformers' save_pretrained does."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, n in sizes:
+        if shards[-1] and used + n > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += n
+    return shards
+
+
+def _publish(tmp: Path, out_dir: Path, overwrite: bool) -> None:
+    """Move the finished temporary directory into place. rename() is atomic on one filesystem and
+    also replaces an empty directory; a non-empty one is swapped out only with overwrite=True."""
+    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
+        if not overwrite:
+            raise FileExistsError(f"{out_dir}: exists and is not an empty directory (pass overwrite=True)")
+        old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+        return
+    os.rename(tmp, out_dir)
+
+
+def export_hf(model: Llama, out_dir: Path, max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
+              *, overwrite: bool = False) -> None:
+    """Write `model` as a transformers `LlamaForCausalLM` directory: config.json and model.safetensors,
+    or `model-0000i-of-0000N.safetensors` shards + model.safetensors.index.json when the weights exceed
+    `max_shard_bytes`. `dtype` casts on the way out (default: each parameter's own dtype). Atomic:
+    written to a sibling temporary directory that is renamed into place only when complete."""
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    out_dir = Path(out_dir)
+    hf_config = config_to_hf(model.cfg, dtype or model.embed.weight.dtype)
+    tensors = dict(_hf_tensors(model))
+    nbytes = {n: t.numel() * (dtype or t.dtype).itemsize for n, t in tensors.items()}
+    shards = _plan_shards(list(nbytes.items()), max_shard_bytes)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # A uniquely named sibling (not tempfile.mkdtemp, whose 0700 mode would survive the rename).
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        files = [SINGLE_FILE] if len(shards) == 1 else [
+            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        for fname, names in zip(files, shards, strict=True):
+            # One shard's worth of CPU copies at a time bounds the extra memory to max_shard_bytes.
+            part = {n: tensors[n].detach().to(device="cpu", dtype=dtype).contiguous() for n in names}
+            save_file(part, str(tmp / fname), metadata={"format": "pt"})  # transformers checks "format"
+            del part
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(nbytes.values()),
+                                  "total_parameters": sum(t.numel() for t in tensors.values())},
+                     "weight_map": {n: f for f, names in zip(files, shards, strict=True) for n in names}}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (tmp / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
+        _publish(tmp, out_dir, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def parse_size(s: str) -> int:
+    """'5GB', '500MB', '64KiB', '1234' → bytes (decimal units for kB/MB/GB, binary for KiB/MiB/GiB)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?)?[bB]?\s*", s)
+    if not m:
+        raise ValueError(f"not a size: {s!r} (e.g. 5GB, 500MB, 2GiB)")
+    unit = (m.group(2) or "").lower()
+    power = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}[unit[:1]]
+    base = 1024 if unit.endswith("i") else 1000
+    return int(math.floor(float(m.group(1)) * base**power))
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r} (choose from {', '.join(_DTYPES)})")
+    return _DTYPES[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# `pentatron convert`
+# ---------------------------------------------------------------------------------------------
+
+def add_convert_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `pentatron convert {hf-roundtrip, verify}` (sets `func=run_convert`)."""
+    p = subparsers.add_parser(
+        "convert", help="Hugging Face checkpoint import/export and validation",
+        description="Hugging Face Llama interop. (Converting to/from Pentatron's own checkpoints will be "
+                    "added with the checkpoint format.)")
+    sub = p.add_subparsers(dest="convert_command", required=True)
+    rt = sub.add_parser("hf-roundtrip", help="import a HF Llama directory and export it again",
+                        description="Import IN_DIR into Pentatron and export it to OUT_DIR (validates the "
+                                    "checkpoint; can also re-shard or cast it).")
+    rt.add_argument("in_dir", type=Path, metavar="IN_DIR")
+    rt.add_argument("out_dir", type=Path, metavar="OUT_DIR")
+    rt.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                    help="cast weights on export (default: keep the stored dtype)")
+    rt.add_argument("--max-shard-size", default="5GiB", help="shard above this size (default 5GiB)")
+    rt.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists and is not empty")
+    ver = sub.add_parser("verify", help="import a HF Llama directory and compare logits with transformers",
+                         description="Import IN_DIR, run a forward on a fixed random batch and, if "
+                                     "transformers is installed, compare the logits with "
+                                     "LlamaForCausalLM.from_pretrained(IN_DIR) (local files only).")
+    ver.add_argument("in_dir", type=Path, metavar="IN_DIR")
+    ver.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
+                     help="compute dtype for both models (default float32)")
+    ver.add_argument("--batch", type=int, default=2)
+    ver.add_argument("--seq-len", type=int, default=64, help="capped at max_position_embeddings")
+    ver.add_argument("--tol", type=float, default=1e-4,
+                     help="fail (exit 1) if max|ours-HF| / max|HF logit| exceeds this (default 1e-4)")
+    p.set_defaults(func=run_convert)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    """Exit code: 0 ok; 2 bad input (one line on stderr, no traceback); 1 logits disagree."""
+    try:
+        if args.convert_command == "hf-roundtrip":
+            return _roundtrip(args)
+        return _verify(args)
+    except (ValueError, OSError) as e:  # our validation errors and missing/unreadable files
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"pentatron: error: convert {args.convert_command}: {msg}", file=sys.stderr)
+        return 2
+
+
+def _roundtrip(args: argparse.Namespace) -> int:
+    max_bytes = parse_size(args.max_shard_size)
+    dtype = None if args.dtype is None else dtype_from_name(args.dtype)
+    model = import_hf(args.in_dir)
+    export_hf(model, args.out_dir, max_shard_bytes=max_bytes, dtype=dtype, overwrite=args.overwrite)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"exported {n:,} parameters from {args.in_dir} to {args.out_dir}")
+    return 0
+
+
+@torch.no_grad()
+def _verify(args: argparse.Namespace) -> int:
+    if args.batch < 1 or args.seq_len < 1:
+        raise ValueError(f"--batch and --seq-len must be ≥ 1, got {args.batch} and {args.seq_len}")
+    dtype = dtype_from_name(args.dtype)
+    model = import_hf(args.in_dir, dtype=dtype).eval()
+    cfg = model.cfg
+    seq = min(args.seq_len, cfg.max_seq_len)
+    g = torch.Generator().manual_seed(0)  # a fixed batch, so runs are comparable
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, seq), generator=g)
+    ours = model(tokens).float()
+    n = sum(p.numel() for p in model.parameters())
+    print(f"imported {n:,} parameters; logits {list(ours.shape)}, finite: {bool(ours.isfinite().all())}")
+    try:
+        import transformers
+    except ImportError:
+        print("transformers is not installed: skipped the comparison with LlamaForCausalLM")
+        return 0
+    # Only the local directory (validated by import_hf above), never the hub; eager attention is the
+    # plain reference implementation. 5.x renamed torch_dtype to dtype.
+    key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        str(args.in_dir), local_files_only=True, attn_implementation="eager", **{key: dtype}).eval()
+    ref = hf(tokens).logits.float()
+    err = (ours - ref).abs().max().item()
+    rel = err / max(ref.abs().max().item(), 1e-30)
+    print(f"max abs error {err:.3e}; max rel error {rel:.3e} (max abs error / max |HF logit|)")
+    if not rel <= args.tol:  # also catches NaN
+        print(f"pentatron: error: convert verify: relative error {rel:.3e} exceeds --tol {args.tol:g}",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,213 @@
+"""A Llama-family decoder in plain single-device PyTorch.
+
+RMSNorm, RoPE (rotate-half convention, as in Hugging Face weights; optional Llama-3.1 frequency
+scaling), grouped-query attention through `scaled_dot_product_attention`, SwiGLU (or GELU) MLP,
+optional tied embeddings. The model knows nothing about parallelism: local head counts are derived
+from the projection widths at run time, so parallel code can shard the linears without touching it.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pentatron.models.config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 for stability, as the reference implementation does, then cast back.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq
+    # Llama-3.1: wavelengths longer than the original context are slowed by `factor`, shorter than
+    # original/high_freq_factor are kept, and the band between is interpolated smoothly.
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary(nn.Module):
+    """Cos/sin tables for RoPE, kept as non-persistent fp32 buffers (recomputed, never checkpointed)."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None) -> None:
+        super().__init__()
+        self.head_dim, self.max_seq_len, self.theta, self.scaling = head_dim, max_seq_len, theta, scaling
+        self.register_buffer("cos", torch.empty(max_seq_len, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_dim), persistent=False)
+
+    def reset_parameters(self) -> None:
+        if self.cos.is_meta:
+            return
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+        t = torch.arange(self.max_seq_len, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos.copy_(emb.cos())
+        self.sin.copy_(emb.sin())
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions], self.sin[positions]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [b, s, heads, head_dim]; cos/sin: [s, head_dim] or [b, s, head_dim]."""
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+class AttentionCore(nn.Module):
+    """softmax(QKᵀ/√d)V with a causal mask. Its own module so that selective recompute can wrap it
+    and context parallelism can replace it. Inputs are [b, s, heads, head_dim]."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        gqa = k.shape[1] != q.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.core = AttentionCore()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # Head counts come from the (possibly sharded) projection widths, not from the config.
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.core(q, k, v)
+        return self.o_proj(out.reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.kind = cfg.mlp
+        if cfg.mlp == "swiglu":
+            self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "swiglu":
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        problems = cfg.problems()
+        if problems:
+            raise ValueError("invalid model config: " + "; ".join(problems))
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [b, s] int64 → logits [b, s, vocab]. `positions` defaults to 0..s-1 (context
+        parallelism passes the global positions of its sequence shard)."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        cos, sin = self.rotary(positions)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
+def _param_seed(seed: int, name: str) -> int:
+    # A stable per-parameter seed (crc32, not Python's salted hash): a parameter's initial value
+    # depends only on (seed, name), whatever else is built, sharded or skipped on this process.
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+@torch.no_grad()
+def init_weights(model: Llama, seed: int) -> None:
+    """Deterministic init of a materialised model. Linear/embedding weights ~ N(0, std); output
+    projections scaled by 1/sqrt(2·layers) (GPT-2 style) so the residual stream stays O(1)."""
+    cfg = model.cfg
+    out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    for name, p in model.named_parameters():
+        if p.ndim == 1:
+            p.fill_(1.0)  # RMSNorm gains
+            continue
+        std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else cfg.init_std
+        g = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
+        p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(std).to(p.dtype))
+    model.rotary.reset_parameters()
+
+
+def build_model(cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> Llama:
+    """Build on the meta device (no memory), then materialise on `device` with a deterministic init."""
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.to_empty(device=device)
+    model.tie_weights()
+    init_weights(model, seed)
+    # Cast parameters only: the RoPE tables stay fp32 whatever the compute dtype.
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model

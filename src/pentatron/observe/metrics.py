@@ -1,0 +1,60 @@
+"""Per-step metrics to JSONL, TensorBoard and the console (rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+
+class MetricsLogger:
+    COLUMNS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_bytes")
+
+    def __init__(self, log_dir: Path, total_steps: int, tensorboard: bool, progress: bool,
+                 start_step: int = 0) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.path = log_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(log_dir / "tensorboard"))
+        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                         disable=not progress, dynamic_ncols=True, leave=False)
+        self._header_done = False
+
+    def log(self, record: dict[str, Any], console: bool) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
+                    self._tb.add_scalar(f"train/{key}", value, record["step"])
+        self._bar.update(1)
+        self._bar.set_postfix(loss=f"{record['loss']:.4f}")
+        if console:
+            if not self._header_done:
+                self._bar.write(self._row(("step", "loss", "grad_norm", "lr", "tokens/s", "MFU", "peak mem")))
+                self._header_done = True
+            self._bar.write(self._row(self._cells(record)))
+
+    @staticmethod
+    def _cells(r: dict[str, Any]) -> tuple[str, ...]:
+        mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.2f}%"
+        return (str(r["step"]), f"{r['loss']:.4f}", f"{r['grad_norm']:.3f}", f"{r['lr']:.2e}",
+                f"{r['tokens_per_s']:,.0f}", mfu, f"{r['peak_mem_bytes'] / 2**20:,.0f} MiB")
+
+    @staticmethod
+    def _row(cells: tuple[str, ...]) -> str:
+        widths = (6, 9, 10, 10, 12, 8, 12)
+        return " ".join(c.rjust(w) for c, w in zip(cells, widths))
+
+    def close(self) -> None:
+        self._bar.close()
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,367 @@
+"""Pipeline schedules as data: for every rank, the ordered list of compute actions it runs in one step.
+
+One definition, three users: the pipeline engine executes a `Schedule`, the planner `simulate`s it for
+the bubble and the in-flight activation count, and the drawing tool draws its `Timeline`.
+
+Conventions
+* `Action.chunk` is the **local** virtual-chunk index on the rank (0..v-1). Stages are placed
+  Megatron-style: rank r holds global stages r, r+p, r+2p, ..., so `stage = chunk * p + rank`.
+* Kinds: F forward; BW full backward; B backward w.r.t. inputs only; W backward w.r.t. weights only.
+  Per (stage, micro-batch) a schedule has exactly one F and either one BW or one B and one W.
+* Communication is implied by the dependencies (no explicit send/recv actions): an action whose input
+  comes from another rank waits for it; sends are asynchronous (the engine uses batched isend/irecv),
+  receives block in list order. Under these semantics a schedule either runs or deadlocks regardless of
+  the action costs, and `validate` decides which by executing it.
+* Bubble fraction = (p * makespan - total busy time) / total busy time: idle time over ideal compute
+  time, the Ultra-Scale Playbook's definition, which makes AFAB/1F1B come out at (p-1)/m.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class ScheduleError(ValueError):
+    """An invalid schedule request or a schedule that breaks a dependency or deadlocks."""
+
+
+class Kind(str, Enum):
+    F = "F"
+    B = "B"
+    W = "W"
+    BW = "BW"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Kind
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    p: int  # pipeline ranks
+    m: int  # micro-batches per step
+    v: int  # virtual chunks (stages) per rank
+    actions: list[list[Action]]  # actions[rank] in execution order
+    name: str = "custom"
+
+    @property
+    def n_stages(self) -> int:
+        return self.p * self.v
+
+    def stage(self, rank: int, chunk: int) -> int:
+        return chunk * self.p + rank
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.p
+
+    @property
+    def split_backward(self) -> bool:
+        return any(a.kind in (Kind.B, Kind.W) for acts in self.actions for a in acts)
+
+
+F, B, W, BW = Kind.F, Kind.B, Kind.W, Kind.BW
+
+
+def _check_pm(p: int, m: int, name: str) -> None:
+    for k, val in (("p", p), ("m", m)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ScheduleError(f"{name}: {k} must be a positive integer, got {val!r}")
+
+
+# ---------------------------------------------------------------- generators
+def afab(p: int, m: int) -> Schedule:
+    """All-forward-all-backward (GPipe): every micro-batch forward, then every backward. Holds m."""
+    _check_pm(p, m, "afab")
+    acts = [[Action(F, i) for i in range(m)] + [Action(BW, i) for i in range(m)] for _ in range(p)]
+    return Schedule(p, m, 1, acts, "afab")
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B (PipeDream-Flush): rank r runs min(p-1-r, m) warm-up forwards, then alternates F and BW, then
+    drains. Same bubble as AFAB, but at most p - r micro-batches in flight. Works for any m >= 1."""
+    _check_pm(p, m, "1f1b")
+    acts = []
+    for r in range(p):
+        nw = min(p - 1 - r, m)
+        a = [Action(F, i) for i in range(nw)]
+        for i in range(m - nw):
+            a += [Action(F, nw + i), Action(BW, i)]
+        a += [Action(BW, i) for i in range(m - nw, m)]
+        acts.append(a)
+    return Schedule(p, m, 1, acts, "1f1b")
+
+
+def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
+    """Megatron-LM interleaved 1F1B with v chunks per rank (rank r holds stages r, r+p, ...).
+
+    Rule (as Megatron-LM's schedules.py): m must be a multiple of p (so m >= p). Micro-batches advance in
+    groups of p through chunk 0, then chunk 1, ...; warm-up is 2(p-1-r) + (v-1)p forwards (all of them
+    when m == p). Bubble (p-1)/(v m). v == 1 is plain 1F1B.
+    """
+    _check_pm(p, m, "interleaved")
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ScheduleError(f"interleaved: v (virtual chunks per rank) must be a positive integer, got {v!r}")
+    if v == 1:
+        return one_f_one_b(p, m)
+    if m % p:
+        raise ScheduleError(f"interleaved: micro-batches m={m} must be a multiple of pipeline ranks p={p} "
+                            f"(and so m >= p); try m={max(p, (m // p + 1) * p)}")
+    total = m * v
+
+    def mb_chunk(k: int, forward: bool) -> tuple[int, int]:
+        group, within = divmod(k, p * v)
+        c = within // p
+        return group * p + within % p, (c if forward else v - 1 - c)
+
+    acts = []
+    for r in range(p):
+        nw = total if m == p else min(2 * (p - 1 - r) + (v - 1) * p, total)
+        a = [Action(F, *mb_chunk(k, True)) for k in range(nw)]
+        for k in range(total - nw):
+            a.append(Action(F, *mb_chunk(nw + k, True)))
+            a.append(Action(BW, *mb_chunk(k, False)))
+        a += [Action(BW, *mb_chunk(k, False)) for k in range(total - nw, total)]
+        acts.append(a)
+    return Schedule(p, m, v, acts, "interleaved")
+
+
+def zero_bubble_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): backward split into B (input grads,
+    on the critical path) and W (weight grads, deferrable). Built like the paper's heuristic: a greedy
+    list schedule under unit costs with B before F before W, at most p - r micro-batches whose B is still
+    pending on rank r (1F1B's activation bound), and W filling the slots 1F1B leaves idle. With
+    t_F = t_B = t_W its bubble is (p-1)(t_F + t_B - t_W), a third of 1F1B's."""
+    _check_pm(p, m, "zb-h1")
+    acts: list[list[Action]] = [[] for _ in range(p)]
+    f_end = [[-1] * m for _ in range(p)]  # end time of F(r, i); -1 = not run
+    b_end = [[-1] * m for _ in range(p)]
+    nf, nb = [0] * p, [0] * p
+    w_queue: list[list[int]] = [[] for _ in range(p)]
+    free = [0] * p
+    t, remaining = 0, 3 * m * p
+    while remaining:
+        for r in range(p):
+            if free[r] > t:
+                continue
+            i = nb[r]
+            b_ready = (i < nf[r] and 0 <= f_end[r][i] <= t
+                       and (r == p - 1 or 0 <= b_end[r + 1][i] <= t))
+            j = nf[r]
+            f_ready = (j < m and nf[r] - nwd[r] < p - r + EXTRA and (r == 0 or 0 <= f_end[r - 1][j] <= t))
+            if b_ready:
+                acts[r].append(Action(B, i))
+                b_end[r][i] = t + 1
+                nb[r] += 1
+                w_queue[r].append(i)
+            elif f_ready:
+                acts[r].append(Action(F, j))
+                f_end[r][j] = t + 1
+                nf[r] += 1
+            elif w_queue[r]:
+                acts[r].append(Action(W, w_queue[r].pop(0)))
+            else:
+                continue
+            free[r] = t + 1
+            remaining -= 1
+        t += 1
+    return Schedule(p, m, 1, acts, "zb-h1")
+
+
+SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
+
+
+def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """Generator by config name (`parallel.pp_schedule`: afab | 1f1b | interleaved | zb)."""
+    key = name.lower().replace("_", "-")
+    if key in ("afab", "gpipe"):
+        gen = afab(p, m)
+    elif key in ("1f1b", "one-f-one-b"):
+        gen = one_f_one_b(p, m)
+    elif key in ("interleaved", "interleaved-1f1b"):
+        return interleaved_1f1b(p, m, v)
+    elif key in ("zb", "zb-h1", "zero-bubble"):
+        gen = zero_bubble_h1(p, m)
+    else:
+        raise ScheduleError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    if v != 1:
+        raise ScheduleError(f"{gen.name}: v (virtual chunks) must be 1, got {v}; only 'interleaved' uses v")
+    return gen
+
+
+# ---------------------------------------------------------------- validation and simulation
+@dataclass(frozen=True)
+class Slot:
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    p: int
+    slots: list[list[Slot]]  # per rank, in execution order
+    makespan: float
+    busy: list[float]  # per rank compute time
+    name: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle time / ideal compute time over all ranks (the playbook's bubble)."""
+        total = sum(self.busy)
+        return (self.p * self.makespan - total) / total if total else 0.0
+
+    @property
+    def idle(self) -> list[float]:
+        return [self.makespan - b for b in self.busy]
+
+
+def _per_stage(cost: float | Sequence[float], n: int, what: str) -> list[float]:
+    if isinstance(cost, int | float):
+        vals = [float(cost)] * n
+    else:
+        vals = [float(c) for c in cost]
+        if len(vals) != n:
+            raise ScheduleError(f"{what}: expected one cost per stage ({n}), got {len(vals)}")
+    if any(c < 0 for c in vals):
+        raise ScheduleError(f"{what}: costs must be >= 0")
+    return vals
+
+
+def _check_structure(s: Schedule) -> None:
+    if len(s.actions) != s.p:
+        raise ScheduleError(f"{s.name}: expected action lists for {s.p} ranks, got {len(s.actions)}")
+    seen: dict[tuple[Kind, int, int], int] = {}
+    for r, acts in enumerate(s.actions):
+        for pos, a in enumerate(acts):
+            if not isinstance(a.kind, Kind):
+                raise ScheduleError(f"{s.name}: rank {r} position {pos}: unknown action kind {a.kind!r}")
+            if not 0 <= a.microbatch < s.m or not 0 <= a.chunk < s.v:
+                raise ScheduleError(f"{s.name}: rank {r} position {pos}: {a} is out of range "
+                                    f"(m={s.m}, v={s.v})")
+            key = (a.kind, s.stage(r, a.chunk), a.microbatch)
+            if key in seen:
+                raise ScheduleError(f"{s.name}: rank {r}: {a} appears twice (positions {seen[key]} and {pos})")
+            seen[key] = pos
+            if a.kind in (B, W, BW):
+                if (F, key[1], key[2]) not in seen:
+                    raise ScheduleError(f"{s.name}: rank {r} position {pos}: {a} comes before its forward")
+                if a.kind == W and (B, key[1], key[2]) not in seen:
+                    raise ScheduleError(f"{s.name}: rank {r} position {pos}: {a} comes before its B")
+    for st in range(s.n_stages):
+        for i in range(s.m):
+            has = {k for k in Kind if (k, st, i) in seen}
+            where = f"stage {st} (rank {s.rank_of(st)}, chunk {st // s.p}), micro-batch {i}"
+            if F not in has:
+                raise ScheduleError(f"{s.name}: {where} has no forward")
+            if has - {F} not in ({BW}, {B, W}):
+                raise ScheduleError(f"{s.name}: {where} needs exactly one BW, or one B and one W; "
+                                    f"has {sorted(k.value for k in has - {F})}")
+
+
+def _deps(s: Schedule, r: int, a: Action) -> list[tuple[str, int, int]]:
+    """Events (kind class, stage, micro-batch) that must finish before `a` may start on rank r."""
+    st, i = s.stage(r, a.chunk), a.microbatch
+    if a.kind == F:
+        return [("F", st - 1, i)] if st > 0 else []
+    if a.kind == W:
+        return [("B", st, i)]
+    deps = [("F", st, i)]
+    if st < s.n_stages - 1:
+        deps.append(("B", st + 1, i))
+    return deps
+
+
+def simulate(s: Schedule, cost_f: float | Sequence[float] = 1.0, cost_b: float | Sequence[float] = 1.0,
+             cost_w: float | Sequence[float] = 1.0, comm: float = 0.0) -> Timeline:
+    """Execute the schedule in list order with the given per-stage costs (scalar = uniform; a sequence has
+    one entry per global stage). `cost_b` is the input-gradient pass; a BW costs cost_b + cost_w. `comm`
+    is added to every dependency that crosses ranks. Raises ScheduleError on a broken or deadlocking
+    schedule."""
+    _check_structure(s)
+    n = s.n_stages
+    cf, cb, cw = _per_stage(cost_f, n, "cost_f"), _per_stage(cost_b, n, "cost_b"), _per_stage(cost_w, n, "cost_w")
+    cost = {F: cf, B: cb, W: cw, BW: [x + y for x, y in zip(cb, cw, strict=True)]}
+    done: dict[tuple[str, int, int], float] = {}
+    ptr, free = [0] * s.p, [0.0] * s.p
+    slots: list[list[Slot]] = [[] for _ in range(s.p)]
+    busy = [0.0] * s.p
+    left = sum(len(a) for a in s.actions)
+    while left:
+        progressed = False
+        for r in range(s.p):
+            acts = s.actions[r]
+            while ptr[r] < len(acts):
+                a = acts[ptr[r]]
+                start = free[r]
+                ready = True
+                for kind, st, i in _deps(s, r, a):
+                    end = done.get((kind, st, i))
+                    if end is None:
+                        ready = False
+                        break
+                    start = max(start, end + (comm if s.rank_of(st) != r else 0.0))
+                if not ready:
+                    break
+                st = s.stage(r, a.chunk)
+                end = start + cost[a.kind][st]
+                slots[r].append(Slot(r, a, start, end))
+                busy[r] += end - start
+                free[r] = end
+                if a.kind == F:
+                    done[("F", st, a.microbatch)] = end
+                if a.kind in (B, BW):
+                    done[("B", st, a.microbatch)] = end
+                ptr[r] += 1
+                left -= 1
+                progressed = True
+        if not progressed:
+            stuck = []
+            for r in range(s.p):
+                if ptr[r] < len(s.actions[r]):
+                    a = s.actions[r][ptr[r]]
+                    need = [f"{k}{i} of stage {st}" for k, st, i in _deps(s, r, a) if (k, st, i) not in done]
+                    stuck.append(f"rank {r} at {a} waits for {', '.join(need)}")
+            raise ScheduleError(f"{s.name}: deadlock: " + "; ".join(stuck))
+    makespan = max(free) if s.p else 0.0
+    return Timeline(s.p, slots, makespan, busy, s.name)
+
+
+def validate(s: Schedule) -> None:
+    """Raise ScheduleError unless every dependency is respected and the schedule runs to completion."""
+    simulate(s, 1.0, 1.0, 1.0, 0.0)
+
+
+def peak_in_flight(s: Schedule) -> list[int]:
+    """Per rank, the most (chunk, micro-batch) pairs whose forward has run and whose last backward action
+    (BW, or W when split) has not: the number of activation sets the rank holds at its peak. For v > 1
+    the unit is one chunk's activations (1/v of the rank's layers)."""
+    out = []
+    for acts in s.actions:
+        cur = peak = 0
+        for a in acts:
+            if a.kind == F:
+                cur += 1
+                peak = max(peak, cur)
+            elif a.kind in (BW, W):
+                cur -= 1
+        out.append(peak)
+    return out
+
+
+def bubble_fraction(name: str, p: int, m: int, v: int = 1, *, t_f: float = 1.0, t_b: float = 1.0,
+                    t_w: float = 1.0, comm: float = 0.0) -> float:
+    """Simulated bubble of a named schedule with uniform per-stage costs (per chunk for interleaved)."""
+    return simulate(make_schedule(name, p, m, v), t_f, t_b, t_w, comm).bubble_fraction

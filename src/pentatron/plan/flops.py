@@ -1,0 +1,204 @@
+"""FLOPs per token for a Llama-family decoder (dense or MoE), forward/backward split, recompute overhead.
+
+Convention (the one the trainer's MFU uses): **PaLM / Megatron / torchtitan**,
+
+    model FLOPs per token = 6 * N_matmul + 12 * L * h_q * s
+
+* `N_matmul` = parameters that take part in a matmul for one token: every linear weight of the decoder
+  (attention q/k/v/o, MLP, for MoE only the top-k routed + shared experts and the router) plus the LM
+  head projection (also when tied to the embedding: the matmul still happens). The embedding *lookup*
+  and the RMSNorm gains do no matmul and are excluded. 2 FLOPs per multiply-add.
+* `12 * L * h_q * s` is the attention score/value term (QK^T and PV: 2 matmuls of 2*s*h_q FLOPs each per
+  token, times 3 for forward+backward) counted over the **full** s x s square, i.e. the causal mask is
+  *not* halved. That is what PaLM (App. B), Megatron (Narayanan et al. 2021) and torchtitan count, so
+  MFU figures stay comparable; `torch.utils.flop_counter` also counts SDPA this way.
+* backward = 2 x forward: for every matmul y = x W one matmul for dx (backward-input, "B") and one for dW
+  (backward-weight, "W"). Attention scores have no weights, so their whole backward is in B.
+
+The work a fused causal kernel really executes (FlashAttention skips the masked half, and its backward
+re-computes QK^T) is in `executed_phase_flops`; the time model uses that, MFU/HFU use the convention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pentatron.models.config import ModelConfig
+
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Mixture-of-experts shape, until ModelConfig grows these fields (then `moe_of` reads them there)."""
+
+    num_experts: int
+    top_k: int
+    expert_ffn_hidden_size: int
+    n_shared_experts: int = 0
+    shared_ffn_hidden_size: int = 0  # 0 -> same as expert_ffn_hidden_size
+    first_dense_layers: int = 0  # leading layers that keep the dense MLP (DeepSeek style)
+
+    def problems(self) -> list[str]:
+        out = []
+        for f in ("num_experts", "top_k", "expert_ffn_hidden_size"):
+            if getattr(self, f) <= 0:
+                out.append(f"moe.{f} must be > 0, got {getattr(self, f)}")
+        if self.top_k > self.num_experts:
+            out.append(f"moe.top_k={self.top_k} exceeds moe.num_experts={self.num_experts}")
+        if self.n_shared_experts < 0 or self.first_dense_layers < 0 or self.shared_ffn_hidden_size < 0:
+            out.append("moe.n_shared_experts, shared_ffn_hidden_size and first_dense_layers must be >= 0")
+        return out
+
+    @property
+    def shared_ffn(self) -> int:
+        return self.shared_ffn_hidden_size or self.expert_ffn_hidden_size
+
+
+def moe_of(cfg: ModelConfig, moe: MoESpec | None = None) -> MoESpec | None:
+    """The MoE spec to use: the explicit one, else one carried by the config (future field `moe`)."""
+    if moe is not None:
+        return moe
+    m = getattr(cfg, "moe", None)
+    return m if isinstance(m, MoESpec) else None
+
+
+def _mlp_mats(cfg: ModelConfig) -> int:
+    return 3 if cfg.mlp == "swiglu" else 2
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """Parameter counts of one decoder layer, by role (exact for our bias-free RMSNorm architecture)."""
+
+    attn: int  # q, k, v, o
+    mlp_active: int  # matmul weights one token passes through (dense MLP, or router + top-k + shared)
+    mlp_total: int  # all MLP weights held (dense MLP, or router + all experts + shared)
+    expert_total: int  # routed-expert weights only (sharded by EP); 0 for dense layers
+    norms: int  # the two RMSNorm gains
+
+
+def layer_params(cfg: ModelConfig, index: int = 0, moe: MoESpec | None = None) -> LayerParams:
+    """Parameters of layer `index` (MoE layers differ from the first `first_dense_layers`)."""
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    attn = 2 * h * cfg.n_heads * cfg.head_dim + 2 * h * cfg.kv_dim
+    k = _mlp_mats(cfg)
+    moe = moe_of(cfg, moe)
+    if moe is None or index < moe.first_dense_layers:
+        return LayerParams(attn, k * h * f, k * h * f, 0, 2 * h)
+    expert = k * h * moe.expert_ffn_hidden_size
+    shared = moe.n_shared_experts * k * h * moe.shared_ffn
+    router = h * moe.num_experts
+    return LayerParams(attn, router + moe.top_k * expert + shared, router + moe.num_experts * expert + shared,
+                       moe.num_experts * expert, 2 * h)
+
+
+def total_params(cfg: ModelConfig, moe: MoESpec | None = None) -> int:
+    """All parameters held by the model (equals `cfg.num_params()` for dense models)."""
+    layers = sum(lp.attn + lp.mlp_total + lp.norms for lp in (layer_params(cfg, i, moe)
+                                                              for i in range(cfg.n_layers)))
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size
+    return cfg.vocab_size * cfg.hidden_size + layers + cfg.hidden_size + head
+
+
+def matmul_params(cfg: ModelConfig, moe: MoESpec | None = None) -> int:
+    """N_matmul: weights one token multiplies through (active experts only), LM head included."""
+    layers = sum(lp.attn + lp.mlp_active for lp in (layer_params(cfg, i, moe) for i in range(cfg.n_layers)))
+    return layers + cfg.vocab_size * cfg.hidden_size
+
+
+@dataclass(frozen=True)
+class FlopBreakdown:
+    """Forward FLOPs per token by component; backward and totals derived from the B/W split."""
+
+    layers_matmul: float  # decoder linear layers (attention projections + MLP/experts)
+    attention: float  # QK^T and PV
+    lm_head: float
+
+    @property
+    def forward(self) -> float:
+        return self.layers_matmul + self.attention + self.lm_head
+
+    @property
+    def backward_input(self) -> float:
+        """"B" pass: gradients w.r.t. activations (every matmul once, attention scores twice)."""
+        return self.layers_matmul + 2 * self.attention + self.lm_head
+
+    @property
+    def backward_weight(self) -> float:
+        """"W" pass: gradients w.r.t. weights (only weighted matmuls)."""
+        return self.layers_matmul + self.lm_head
+
+    @property
+    def backward(self) -> float:
+        return self.backward_input + self.backward_weight
+
+    @property
+    def training(self) -> float:
+        return self.forward + self.backward
+
+
+def flop_breakdown(cfg: ModelConfig, seq_len: int, *, causal: bool = False,
+                   moe: MoESpec | None = None) -> FlopBreakdown:
+    """Forward FLOPs per token. `causal=True` counts only the unmasked half of the score square
+    (the mean key count over positions 1..s is (s+1)/2), i.e. what a block-skipping kernel does."""
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be > 0, got {seq_len}")
+    moe = moe_of(cfg, moe)
+    layers = sum(lp.attn + lp.mlp_active for lp in (layer_params(cfg, i, moe) for i in range(cfg.n_layers)))
+    keys = (seq_len + 1) / 2 if causal else seq_len
+    hq = cfg.n_heads * cfg.head_dim
+    return FlopBreakdown(layers_matmul=2.0 * layers, attention=4.0 * cfg.n_layers * hq * keys,
+                         lm_head=2.0 * cfg.hidden_size * cfg.vocab_size)
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int, *, moe: MoESpec | None = None) -> float:
+    return flop_breakdown(cfg, seq_len, moe=moe).forward
+
+
+def backward_flops_per_token(cfg: ModelConfig, seq_len: int, *, moe: MoESpec | None = None) -> float:
+    return flop_breakdown(cfg, seq_len, moe=moe).backward
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int, *, moe: MoESpec | None = None) -> float:
+    """Training FLOPs per token (fwd + bwd = 3x fwd) = 6*N_matmul + 12*L*h*s. The MFU numerator."""
+    return flop_breakdown(cfg, seq_len, moe=moe).training
+
+
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Recompute, *,
+                              causal: bool = False, moe: MoESpec | None = None) -> float:
+    """Extra forward work re-done in backward. selective: the attention core (scores, softmax, PV), the
+    Korthikanti et al. 2022 choice; full: every decoder layer's forward (the LM head is not checkpointed)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
+    fb = flop_breakdown(cfg, seq_len, causal=causal, moe=moe)
+    if recompute == "none":
+        return 0.0
+    if recompute == "selective":
+        return fb.attention
+    return fb.layers_matmul + fb.attention
+
+
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Recompute = "none", *,
+                             moe: MoESpec | None = None) -> float:
+    """Model FLOPs plus recomputation, same counting convention: the HFU numerator."""
+    return model_flops_per_token(cfg, seq_len, moe=moe) + recompute_flops_per_token(cfg, seq_len, recompute,
+                                                                                     moe=moe)
+
+
+def executed_phase_flops(cfg: ModelConfig, seq_len: int, recompute: Recompute = "none", *,
+                         moe: MoESpec | None = None) -> tuple[float, float, float]:
+    """(F, B, W) FLOPs per token that a FlashAttention-style causal kernel really executes: half the
+    score square; its backward does 5 score-sized matmuls (dQ, dK, dV, dP and a re-computed QK^T) against
+    2 in forward. Recomputation is charged to B, where it runs. The time model uses these."""
+    fb = flop_breakdown(cfg, seq_len, causal=True, moe=moe)
+    f = fb.forward
+    b = fb.layers_matmul + 2.5 * fb.attention + fb.lm_head
+    b += recompute_flops_per_token(cfg, seq_len, recompute, causal=True, moe=moe)
+    return f, b, fb.backward_weight
+
+
+def model_flops_per_step(cfg: ModelConfig, seq_len: int, tokens: int, *, moe: MoESpec | None = None) -> float:
+    return model_flops_per_token(cfg, seq_len, moe=moe) * tokens

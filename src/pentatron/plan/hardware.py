@@ -1,0 +1,267 @@
+"""Hardware catalogue: what one accelerator (and its node and network) can do, from datasheets or bench.
+
+All rates are per GPU and per direction, in SI units (FLOP/s, bytes/s, seconds); capacities in bytes.
+The trainer uses `detect_gpu(torch.cuda.get_device_name())` and `peak_flops` for MFU; the planner uses
+every field. Numbers quoted "dense" are without 2:4 structured sparsity (datasheets usually print the
+sparse figure, twice as large).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - 3.10 fallback
+    import tomli as tomllib  # type: ignore[no-redef]
+
+TFLOPS = 1e12
+GB = 1e9
+GiB = 2**30
+US = 1e-6
+
+# Collective name -> ((message bytes, bus bandwidth B/s), ...) measured by `pentatron bench`.
+BusBwTable = dict[str, tuple[tuple[float, float], ...]]
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator model plus the node and network it usually sits in."""
+
+    name: str
+    peak_flops: dict[str, float]  # dtype ("bf16", "fp16", "fp8", "tf32", "fp32") -> dense FLOP/s
+    hbm_bytes: int
+    hbm_bandwidth: float  # bytes/s
+    gpus_per_node: int = 8
+    intra_node_bandwidth: float = 0.0  # NVLink, bytes/s per GPU per direction
+    inter_node_bandwidth: float = 0.0  # InfiniBand/RoCE, bytes/s per GPU per direction (rail-optimised)
+    intra_node_latency: float = 2 * US  # alpha per collective step inside a node
+    inter_node_latency: float = 6 * US  # alpha per collective step across nodes
+    # Fraction of peak that large, well-shaped GEMMs reach (cuBLAS micro-benchmark, not training runs).
+    matmul_efficiency: float = 0.75
+    # Fraction of link bandwidth NCCL's ring/tree algorithms reach as bus bandwidth (nccl-tests).
+    collective_efficiency: float = 0.80
+    # Optional measured bus-bandwidth curves (from `pentatron bench`), replacing the link model above.
+    measured_busbw: BusBwTable = field(default_factory=dict)
+    source: str = ""
+
+    def flops(self, dtype: str) -> float:
+        """Dense peak FLOP/s for `dtype` ("bf16", "fp8", ...); KeyError naming what this GPU has."""
+        key = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
+        if key not in self.peak_flops:
+            raise KeyError(f"{self.name} has no {dtype!r} peak; known: {', '.join(sorted(self.peak_flops))}")
+        return self.peak_flops[key]
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.peak_flops or any(not (v > 0) for v in self.peak_flops.values()):
+            out.append(f"hardware {self.name!r}: peak_flops must be positive numbers, got {self.peak_flops}")
+        for f in ("hbm_bytes", "hbm_bandwidth", "gpus_per_node", "intra_node_bandwidth",
+                  "inter_node_bandwidth"):
+            v = getattr(self, f)
+            if not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+                out.append(f"hardware {self.name!r}: {f} must be > 0, got {v!r}")
+        for f in ("matmul_efficiency", "collective_efficiency"):
+            v = getattr(self, f)
+            if not 0 < v <= 1:
+                out.append(f"hardware {self.name!r}: {f} must be in (0, 1], got {v!r}")
+        return out
+
+
+_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
+                  "float8": "fp8", "float8_e4m3fn": "fp8"}
+
+
+# Sources (all per GPU, dense):
+#  A100: NVIDIA A100 Tensor Core GPU datasheet (2021): BF16/FP16 312 TF, TF32 156 TF, FP32 19.5 TF;
+#        HBM2 40 GB @ 1,555 GB/s, HBM2e 80 GB @ 2,039 GB/s; NVLink3 600 GB/s total (300 each way).
+#        DGX A100 user guide: 8x ConnectX-6 200 Gb/s HDR for compute -> 25 GB/s per GPU.
+#  H100 SXM5: NVIDIA H100 datasheet (2023): BF16 989.4 TF, FP8 1,978.9 TF, TF32 494.7 TF, FP32 66.9 TF;
+#        HBM3 80 GB @ 3.35 TB/s; NVLink4 900 GB/s total. DGX H100: 8x ConnectX-7 400 Gb/s NDR -> 50 GB/s.
+#  H200 SXM: NVIDIA H200 datasheet (2024): compute as H100 SXM; HBM3e 141 GB @ 4.8 TB/s; NVLink4 900 GB/s.
+#  B200: NVIDIA DGX B200 datasheet (2024) / HGX B200 spec: FP8 4.5 PF, BF16 2.25 PF, TF32 1.1 PF dense,
+#        FP32 ~75 TF; HBM3e 180 GB @ 8 TB/s; NVLink5 1.8 TB/s total; 8x ConnectX-7 400 Gb/s per node.
+#  Latencies: nccl-tests small-message all_reduce on 8-GPU NVLink nodes (~10-20 us for ~14 ring steps ->
+#        ~1-2 us per step); IB hop ~5-6 us with NCCL protocol overhead.
+#  matmul_efficiency: "maximum achievable matmul FLOPS" micro-benchmarks (S. Bekman, ml-engineering,
+#        compute/accelerator/benchmarks/mamf-finder.py): A100 SXM ~87%, H100 SXM ~80% of dense peak.
+#        B200 figure is an assumption carried over from H100 until measured.
+#  collective_efficiency: nccl-tests all_reduce bus bandwidth ~ 80% of NVLink/IB line rate at >=256 MB.
+#  HBM capacity is the nominal GiB; torch reports slightly less (e.g. 79.1 GiB on an H100 80GB).
+_CATALOGUE: dict[str, GPUSpec] = {
+    "a100-40gb": GPUSpec(
+        name="a100-40gb",
+        peak_flops={"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "tf32": 156 * TFLOPS, "fp32": 19.5 * TFLOPS},
+        hbm_bytes=40 * GiB, hbm_bandwidth=1555 * GB, gpus_per_node=8,
+        intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
+        intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.87,
+        source="NVIDIA A100 datasheet; DGX A100 user guide"),
+    "a100-80gb": GPUSpec(
+        name="a100-80gb",
+        peak_flops={"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "tf32": 156 * TFLOPS, "fp32": 19.5 * TFLOPS},
+        hbm_bytes=80 * GiB, hbm_bandwidth=2039 * GB, gpus_per_node=8,
+        intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
+        intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.87,
+        source="NVIDIA A100 datasheet; DGX A100 user guide"),
+    "h100-sxm": GPUSpec(
+        name="h100-sxm",
+        peak_flops={"bf16": 989.4 * TFLOPS, "fp16": 989.4 * TFLOPS, "fp8": 1978.9 * TFLOPS,
+                    "tf32": 494.7 * TFLOPS, "fp32": 66.9 * TFLOPS},
+        hbm_bytes=80 * GiB, hbm_bandwidth=3350 * GB, gpus_per_node=8,
+        intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
+        intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.80,
+        source="NVIDIA H100 datasheet; DGX H100 user guide"),
+    "h200": GPUSpec(
+        name="h200",
+        peak_flops={"bf16": 989.4 * TFLOPS, "fp16": 989.4 * TFLOPS, "fp8": 1978.9 * TFLOPS,
+                    "tf32": 494.7 * TFLOPS, "fp32": 66.9 * TFLOPS},
+        hbm_bytes=141 * GiB, hbm_bandwidth=4800 * GB, gpus_per_node=8,
+        intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
+        intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.80,
+        source="NVIDIA H200 datasheet; DGX H200 user guide"),
+    "b200": GPUSpec(
+        name="b200",
+        peak_flops={"bf16": 2250 * TFLOPS, "fp16": 2250 * TFLOPS, "fp8": 4500 * TFLOPS,
+                    "tf32": 1100 * TFLOPS, "fp32": 75 * TFLOPS},
+        hbm_bytes=180 * GiB, hbm_bandwidth=8000 * GB, gpus_per_node=8,
+        intra_node_bandwidth=900 * GB, inter_node_bandwidth=50 * GB,
+        intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.80,
+        source="NVIDIA DGX B200 datasheet; HGX B200 specification"),
+}
+
+_ALIASES = {"a100": "a100-80gb", "a100-40": "a100-40gb", "a100-80": "a100-80gb", "h100": "h100-sxm",
+            "h100-80gb": "h100-sxm", "h100-sxm5": "h100-sxm", "h200-sxm": "h200", "b200-sxm": "b200"}
+
+
+def gpu_names() -> list[str]:
+    """Catalogue names (aliases such as "h100" are accepted by `get_gpu` too)."""
+    return sorted(_CATALOGUE)
+
+
+def get_gpu(name: str) -> GPUSpec:
+    """The catalogue entry for `name` (case-insensitive, aliases allowed); KeyError listing known names."""
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in _CATALOGUE:
+        raise KeyError(f"unknown GPU {name!r}; known GPUs: {', '.join(gpu_names() + sorted(_ALIASES))}")
+    return _CATALOGUE[key]
+
+
+def detect_gpu(device_name: str) -> GPUSpec | None:
+    """Map a `torch.cuda.get_device_name()` string to the catalogue, or None when unknown.
+
+    Variants with different clocks or memory (H100 PCIe/NVL, GH200) return None rather than a wrong peak,
+    so MFU is not silently misreported.
+    """
+    s = device_name.lower()
+    if re.search(r"\bgh200\b|\bgb200\b", s):
+        return None
+    if re.search(r"\bb200\b", s):
+        return _CATALOGUE["b200"]
+    if re.search(r"\bh200\b", s):
+        return _CATALOGUE["h200"]
+    if re.search(r"\bh100\b", s):
+        if "pcie" in s or "nvl" in s:
+            return None
+        return _CATALOGUE["h100-sxm"]
+    if re.search(r"\ba100\b", s):
+        if "pcie" in s:
+            return None
+        return _CATALOGUE["a100-80gb" if "80gb" in s else "a100-40gb"]
+    return None
+
+
+# ---- user-defined hardware (TOML) ----
+# Human units in the file; converted to SI on load. A `base` key starts from a catalogue entry.
+_TOML_SCALARS = {
+    "hbm_gib": ("hbm_bytes", GiB),
+    "hbm_bandwidth_gb_s": ("hbm_bandwidth", GB),
+    "gpus_per_node": ("gpus_per_node", 1),
+    "intra_node_bandwidth_gb_s": ("intra_node_bandwidth", GB),
+    "inter_node_bandwidth_gb_s": ("inter_node_bandwidth", GB),
+    "intra_node_latency_us": ("intra_node_latency", US),
+    "inter_node_latency_us": ("inter_node_latency", US),
+    "matmul_efficiency": ("matmul_efficiency", 1),
+    "collective_efficiency": ("collective_efficiency", 1),
+}
+
+
+def hardware_from_dict(d: dict[str, Any], where: str = "hardware") -> GPUSpec:
+    """A GPUSpec from the TOML layout in docs/planner.md; ValueError listing every problem at once."""
+    d = dict(d)
+    problems: list[str] = []
+    base_name = d.pop("base", None)
+    kw: dict[str, Any] = {}
+    if base_name is not None:
+        try:
+            kw = {f.name: getattr(get_gpu(str(base_name)), f.name) for f in fields(GPUSpec)}
+        except KeyError as e:
+            problems.append(f"{where}: base: {e.args[0]}")
+    kw["name"] = str(d.pop("name", kw.get("name", "custom")))
+    kw["source"] = str(d.pop("source", kw.get("source", "user TOML")))
+    peak = d.pop("peak_tflops", None)
+    if peak is not None:
+        if not isinstance(peak, dict):
+            problems.append(f"{where}: peak_tflops must be a table like {{ bf16 = 989 }}")
+        else:
+            kw["peak_flops"] = {_DTYPE_ALIASES.get(k.lower(), k.lower()): float(v) * TFLOPS
+                                for k, v in peak.items()}
+    busbw = d.pop("busbw", None)
+    if busbw is not None:
+        kw["measured_busbw"] = _parse_busbw(busbw, where, problems)
+    for key, (attr, scale) in _TOML_SCALARS.items():
+        if key in d:
+            v = d.pop(key)
+            if not isinstance(v, int | float) or isinstance(v, bool):
+                problems.append(f"{where}: {key} must be a number, got {v!r}")
+                continue
+            kw[attr] = int(v * scale) if attr in ("hbm_bytes", "gpus_per_node") else float(v * scale)
+    d.pop("measured", None)  # free-form bench metadata (host, torch version, ...)
+    if d:
+        problems.append(f"{where}: unknown key(s): {', '.join(sorted(d))}")
+    for req in ("peak_flops", "hbm_bytes", "hbm_bandwidth"):
+        if req not in kw:
+            problems.append(f"{where}: missing {req} (or give base = \"h100\" to start from the catalogue)")
+    if problems:
+        raise ValueError("; ".join(problems))
+    spec = GPUSpec(**kw)
+    if spec.problems():
+        raise ValueError("; ".join(spec.problems()))
+    return spec
+
+
+def _parse_busbw(tbl: Any, where: str, problems: list[str]) -> BusBwTable:
+    out: BusBwTable = {}
+    if not isinstance(tbl, dict):
+        problems.append(f"{where}: busbw must be a table of collectives")
+        return out
+    for op, t in tbl.items():
+        sizes, bws = (t.get("bytes"), t.get("gb_s")) if isinstance(t, dict) else (None, None)
+        if not isinstance(sizes, list) or not isinstance(bws, list) or len(sizes) != len(bws) or not sizes:
+            problems.append(f"{where}: busbw.{op} needs equal-length lists `bytes` and `gb_s`")
+            continue
+        out[op] = tuple(sorted((float(s), float(b) * GB) for s, b in zip(sizes, bws, strict=True)))
+    return out
+
+
+def load_hardware_toml(path: str | Path) -> GPUSpec:
+    """Load user-defined hardware or a `pentatron bench` profile. The GPU may sit under a [gpu] table."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"hardware file {str(p)!r} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"hardware file {str(p)!r}: invalid TOML: {e}") from None
+    if "gpu" in data and isinstance(data["gpu"], dict):
+        data = data["gpu"]
+    return hardware_from_dict(data, where=str(p))
+
+
+def with_overrides(spec: GPUSpec, **kw: Any) -> GPUSpec:
+    """A copy with some fields changed (e.g. gpus_per_node for a different node size)."""
+    return replace(spec, **kw)

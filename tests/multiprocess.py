@@ -1,0 +1,72 @@
+"""Run a function on N real processes joined by a gloo process group (the basis of every parity test).
+
+    results = run_ranks(fn, world_size=4, args=(cfg,))   # fn(rank, world_size, *args) on each rank
+
+`fn` must be importable (defined at module level). Each rank gets a gloo process group initialised
+through a FileStore in a fresh temporary directory (no ports to race for), one intra-op thread (the
+CI machine has 2 cores), and its return value is sent back to the caller. A failure on any rank is
+re-raised here with that rank's traceback; a rank that does not finish within `timeout` seconds fails
+the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class RankFailed(RuntimeError):
+    pass
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, args: tuple,
+           results: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - everything must reach the parent, or it would wait forever
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 180.0) -> list[Any]:
+    """Run fn(rank, world_size, *args) on `world_size` spawned processes; return results by rank."""
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="pentatron-ranks-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store, args, results), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        outs: dict[int, Any] = {}
+        try:
+            while len(outs) < world_size:
+                try:
+                    rank, ok, payload = results.get(timeout=timeout)
+                except queue.Empty:
+                    missing = sorted(set(range(world_size)) - set(outs))
+                    raise RankFailed(f"ranks {missing} did not finish within {timeout:.0f}s (hang?)") from None
+                if not ok:
+                    raise RankFailed(f"rank {rank} failed:\n{payload}")
+                outs[rank] = payload
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    return [outs[r] for r in range(world_size)]

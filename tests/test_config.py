@@ -1,0 +1,83 @@
+import pytest
+
+from pentatron.config import ConfigError, load_config, parse_override
+
+
+def _problems(tmp_path, toml: str = "", overrides=(), world_size=None) -> list[str]:
+    path = tmp_path / "c.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as e:
+        load_config(path, list(overrides), world_size=world_size)
+    return e.value.problems
+
+
+def test_defaults_and_registry_model_load(tmp_path):
+    (tmp_path / "c.toml").write_text('[model]\nname = "debug"\nn_layers = 2\n[train]\nsteps = 3\nwarmup = 1\n')
+    cfg = load_config(tmp_path / "c.toml", ["train.lr=1e-4", "parallel.zero=1"], world_size=1)
+    assert cfg.train.steps == 3 and cfg.train.lr == 1e-4 and cfg.parallel.zero == 1
+    assert cfg.model_config().n_layers == 2 and cfg.model_config().hidden_size == 128
+
+
+def test_int_is_accepted_for_float_fields(tmp_path):
+    (tmp_path / "c.toml").write_text("[train]\nlr = 1\n")
+    assert load_config(tmp_path / "c.toml").train.lr == 1.0
+
+
+@pytest.mark.parametrize(("toml", "overrides", "world", "expected"), [
+    ("[trian]\nsteps = 1", (), None, "unknown section [trian] (did you mean [train]?)"),
+    ("[train]\nstep = 1", (), None, "unknown key train.step (did you mean train.steps?)"),
+    ("[train]\nsteps = 'ten'", (), None, "train.steps must be an integer, got 'ten'"),
+    ("[train]\nlr = 0", (), None, "train.lr must be > 0, got 0.0"),
+    ("[train]\nlr = -1e-3", (), None, "train.lr must be > 0"),
+    ("[train]\nseq_len = 4096", (), None, "train.seq_len=4096 is longer than the model's max_seq_len=512"),
+    ("[train]\nglobal_batch = 10\nmicro_batch = 4", (), None,
+     "train.global_batch=10 is not divisible by train.micro_batch=4 × dp=1"),
+    ("[train]\nglobal_batch = 8\nmicro_batch = 4", (), 4,
+     "train.global_batch=8 is not divisible by train.micro_batch=4 × dp=4"),
+    ("[parallel]\nzero = 4", (), None, "parallel.zero must be 0, 1, 2 or 3, got 4"),
+    ("[parallel]\ndp = 3", (), 4, "parallel.dp×tp×pp×cp = 3×1×1×1 = 3 does not equal the world size 4"),
+    ("[train]\nprecision = 'fp8'", (), None, "train.precision must be one of 'auto', 'fp32', 'bf16'"),
+    ("[train]\nrecompute = 'some'", (), None, "train.recompute must be one of 'none', 'selective', 'full'"),
+    ("[train]\nwarmup = 50\nsteps = 10", (), None, "train.warmup=50 is longer than train.steps=10"),
+    ("[train]\nclip = -1.0", (), None, "train.clip must be ≥ 0"),
+    ("[train]\nbeta2 = 1.0", (), None, "train.beta2 must be within [0, 1)"),
+    ("[model]\nname = 'gpt5'", (), None, "model.name: unknown model 'gpt5'"),
+    ("[model]\nn_heads = 3", (), None, "model.n_heads=3 does not divide model.hidden_size=128"),
+    ("[model]\nn_kv_heads = 3", (), None, "model.n_kv_heads=3 does not divide model.n_heads=4"),
+    ("[data]\npath = '/no/such/dir'", (), None, "data.path '/no/such/dir' does not exist"),
+    ("[log]\ntensorboard = 'yes'", (), None, "log.tensorboard must be true or false, got 'yes'"),
+    ("", ("train.steps=0",), None, "train.steps must be > 0, got 0"),
+    ("[train]\nmicro_batch = 0", (), None, "train.micro_batch must be > 0, got 0"),
+])
+def test_each_bad_value_gets_a_message_naming_the_field(tmp_path, toml, overrides, world, expected):
+    problems = _problems(tmp_path, toml, overrides, world)
+    assert any(expected in p for p in problems), problems
+
+
+def test_all_problems_are_reported_at_once(tmp_path):
+    problems = _problems(tmp_path, "[train]\nlr = 0\nsteps = 0\nclip = -1.0\n[parallel]\nzero = 9\n")
+    assert len(problems) == 4, problems
+
+
+def test_unimplemented_dimension_is_a_clear_error(tmp_path):
+    problems = _problems(tmp_path, "[parallel]\ntp = 2", world_size=2)
+    assert any("parallel.tp=2" in p for p in problems)
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    (tmp_path / "bad.toml").write_text("[train\nsteps=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(tmp_path / "bad.toml")
+
+
+def test_override_parsing():
+    assert parse_override("train.lr=1e-3") == (["train", "lr"], 1e-3)
+    assert parse_override("--train.steps=5") == (["train", "steps"], 5)
+    assert parse_override("log.dir=runs/x") == (["log", "dir"], "runs/x")
+    assert parse_override("parallel.sp=true") == (["parallel", "sp"], True)
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_override("train.lr")
+    with pytest.raises(ConfigError, match="section.key"):
+        parse_override("lr=3")

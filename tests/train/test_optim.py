@@ -1,0 +1,65 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from pentatron.config import TrainConfig
+from pentatron.train.grad_buffer import GradBuffer
+from pentatron.train.optim import MixedPrecisionAdamW, clip_by_total_norm, grad_norm_squared, lr_at
+
+
+def test_cosine_schedule_warmup_peak_and_floor():
+    cfg = TrainConfig(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1, schedule="cosine")
+    lrs = [lr_at(s, cfg) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[10] == pytest.approx(1.0)
+    assert lrs[55] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lr_at(100, cfg) == pytest.approx(0.1)
+
+
+def test_wsd_schedule_is_flat_then_decays_linearly():
+    cfg = TrainConfig(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.0, schedule="wsd", decay_fraction=0.2)
+    assert [lr_at(s, cfg) for s in (10, 50, 79)] == [1.0, 1.0, 1.0]
+    assert lr_at(80, cfg) == pytest.approx(1 - 1 / 20)
+    assert lr_at(99, cfg) == pytest.approx(0.0)
+
+
+def test_clipping_scales_to_max_norm_and_leaves_small_grads():
+    grads = [torch.full((3,), 3.0), torch.full((4,), 4.0)]
+    norm = grad_norm_squared(grads).sqrt()
+    assert float(norm) == pytest.approx(math.sqrt(27 + 64))
+    clip_by_total_norm(grads, norm, 1.0)
+    assert float(grad_norm_squared(grads).sqrt()) == pytest.approx(1.0, rel=1e-5)
+    small = [torch.full((2,), 0.1)]
+    clip_by_total_norm(small, grad_norm_squared(small).sqrt(), 1.0)
+    assert torch.equal(small[0], torch.full((2,), 0.1))
+
+
+def test_bf16_params_step_fp32_master_with_fp32_accumulation():
+    """The bf16 path must equal an fp32 AdamW on the fp32 master, with grads accumulated in fp32."""
+    torch.manual_seed(0)
+    ref = nn.Linear(8, 4, bias=False)
+    model = nn.Linear(8, 4, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        model.weight.copy_(ref.weight)
+        ref.weight.copy_(model.weight.float())  # both start from the bf16-representable value
+    cfg = TrainConfig(lr=1e-2, weight_decay=0.0)
+    buf = GradBuffer([model.weight])
+    opt = MixedPrecisionAdamW([model.weight], cfg, torch.float32)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    x = torch.randn(2, 5, 8)
+    for micro in x:  # two micro-batches accumulate
+        model(micro.bfloat16()).float().pow(2).mean().backward()
+    assert model.weight.grad is None and model.weight.main_grad.dtype == torch.float32
+    expected = sum(torch.autograd.grad(nn.functional.linear(m.bfloat16(), model.weight).float().pow(2).mean(),
+                                       model.weight)[0].float() for m in x)
+    torch.testing.assert_close(model.weight.main_grad, expected)
+    ref.weight.grad = model.weight.main_grad.clone()
+    opt.step(1e-2)
+    ref_opt.step()
+    torch.testing.assert_close(opt.master[0], ref.weight.detach())
+    assert model.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(model.weight.float(), ref.weight.detach().bfloat16().float())
+    buf.remove_hooks()
