@@ -51,7 +51,7 @@ class CheckpointStore:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        dcp.save(state, checkpoint_id=tmp)
+        dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
         _barrier()
         if _rank() == 0:
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -67,7 +67,7 @@ class CheckpointStore:
 
     def load(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
         """Load tensors in place into `state` (same keys as saved); return the saved metadata."""
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
         return json.loads((path / "meta.json").read_text())
 
     def _prune(self) -> None:

@@ -6,6 +6,7 @@ docstrings), and selecting them is deterministic for a given interpreter build.
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -23,11 +24,18 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _skipped(rel: Path) -> bool:
-    if any(part in _SKIP_DIRS or part.startswith(".") for part in rel.parts[:-1]):
-        return True
-    # Generated at build time and machine-specific; not part of the "same on every install" text.
-    return rel.name.startswith("_sysconfigdata")
+def _source_files(root: Path) -> list[str]:
+    """Relative POSIX paths of the eligible `*.py` files, sorted."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Prune in place so os.walk never descends into site-packages (often far larger than the stdlib).
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
+        rel = Path(dirpath).relative_to(root)
+        for name in filenames:
+            # _sysconfigdata* is generated at build time and machine-specific.
+            if name.endswith(".py") and not name.startswith("_sysconfigdata"):
+                found.append((rel / name).as_posix())
+    return sorted(found)
 
 
 def default_corpus_files(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
@@ -41,12 +49,9 @@ def default_corpus_files(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
     if not root.is_dir():
         raise DataError(f"the default corpus needs the Python standard library sources at {root}, "
                         "which do not exist in this installation; pass input files to tokenize instead")
-    candidates = sorted((p.relative_to(root) for p in root.rglob("*.py")), key=lambda r: r.as_posix())
     chosen: list[Path] = []
     used = 0
-    for rel in candidates:
-        if _skipped(rel):
-            continue
+    for rel in _source_files(root):
         path = root / rel
         if not path.is_file():
             continue

@@ -23,8 +23,9 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(log_dir / "tensorboard"))
+        # disable=None: a live bar on a terminal only; piped output keeps just the table rows.
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
-                         disable=not progress, dynamic_ncols=True, leave=False)
+                         disable=None if progress else True, dynamic_ncols=True, leave=False)
         self._header_done = False
 
     def log(self, record: dict[str, Any], console: bool) -> None:

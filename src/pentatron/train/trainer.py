@@ -109,7 +109,7 @@ class Trainer:
             n = sum(p.numel() for p in self.params)
             print(f"pentatron: {self.model_cfg.name} ({n / 1e6:.2f}M parameters), world={self.world_size} "
                   f"dp={self.dp}, device={self.device}, precision={self.policy.name}, "
-                  f"recompute={cfg.train.recompute}, {self.dataset.total_tokens:,} tokens in dataset, "
+                  f"recompute={cfg.train.recompute}, {len(self.dataset):,} tokens in dataset, "
                   f"peak {self.peak_flops / 1e12:.2f} TFLOP/s ({self.peak_source})", flush=True)
         records = []
         try:

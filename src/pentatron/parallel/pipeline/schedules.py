@@ -137,44 +137,21 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 
 
 def zero_bubble_h1(p: int, m: int) -> Schedule:
-    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): backward split into B (input grads,
-    on the critical path) and W (weight grads, deferrable). Built like the paper's heuristic: a greedy
-    list schedule under unit costs with B before F before W, at most p - r micro-batches whose B is still
-    pending on rank r (1F1B's activation bound), and W filling the slots 1F1B leaves idle. With
-    t_F = t_B = t_W its bubble is (p-1)(t_F + t_B - t_W), a third of 1F1B's."""
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", handcrafted H1): backward split into B
+    (input grads, on the critical path) and W (weight grads, deferrable). Rank r steps x = 0 .. m+p-2 and
+    at each step runs F(x), B(x-(p-1-r)), W(x-(p-1)) when those micro-batches exist: the 1F1B order of F
+    and B, with W trailing by p-1 so that it fills the idle slots 1F1B leaves in cool-down. At most p
+    micro-batches are in flight (F run, W not yet), as in 1F1B; with t_F = t_B = t_W the bubble is
+    (p-1)(t_F + t_B - t_W) per rank, a third of 1F1B's (p-1)(t_F + t_B + t_W)."""
     _check_pm(p, m, "zb-h1")
-    acts: list[list[Action]] = [[] for _ in range(p)]
-    f_end = [[-1] * m for _ in range(p)]  # end time of F(r, i); -1 = not run
-    b_end = [[-1] * m for _ in range(p)]
-    nf, nb = [0] * p, [0] * p
-    w_queue: list[list[int]] = [[] for _ in range(p)]
-    free = [0] * p
-    t, remaining = 0, 3 * m * p
-    while remaining:
-        for r in range(p):
-            if free[r] > t:
-                continue
-            i = nb[r]
-            b_ready = (i < nf[r] and 0 <= f_end[r][i] <= t
-                       and (r == p - 1 or 0 <= b_end[r + 1][i] <= t))
-            j = nf[r]
-            f_ready = (j < m and nf[r] - nwd[r] < p - r + EXTRA and (r == 0 or 0 <= f_end[r - 1][j] <= t))
-            if b_ready:
-                acts[r].append(Action(B, i))
-                b_end[r][i] = t + 1
-                nb[r] += 1
-                w_queue[r].append(i)
-            elif f_ready:
-                acts[r].append(Action(F, j))
-                f_end[r][j] = t + 1
-                nf[r] += 1
-            elif w_queue[r]:
-                acts[r].append(Action(W, w_queue[r].pop(0)))
-            else:
-                continue
-            free[r] = t + 1
-            remaining -= 1
-        t += 1
+    acts = []
+    for r in range(p):
+        a = []
+        for x in range(m + p - 1):
+            for kind, i in ((F, x), (B, x - (p - 1 - r)), (W, x - (p - 1))):
+                if 0 <= i < m:
+                    a.append(Action(kind, i))
+        acts.append(a)
     return Schedule(p, m, 1, acts, "zb-h1")
 
 

@@ -1,0 +1,199 @@
+"""Packed training samples from a tokenized dataset: deterministic, resumable, sharded by DP rank.
+
+The whole dataset is one token stream (shards concatenated, documents separated by EOS). Sample i
+is the window stream[i*L : i*L + L + 1]: inputs are its first L tokens, targets the same window
+shifted by one. Windows overlap by exactly one token, so every token but the first is a target
+exactly once per epoch.
+
+The order is a global one, identical on every rank: epoch e visits the samples in the permutation
+drawn from `default_rng([seed, e])`, and epochs follow each other without a seam. Optimizer step s
+consumes positions [s*G, (s+1)*G) of that order; DP rank r takes the contiguous slice
+[r*G/dp, (r+1)*G/dp) and cuts it into micro-batches. So a dp=N run sees exactly the samples of
+the dp=1 run, and the only resume state is `consumed_samples` (independent of dp and micro_batch).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pentatron.data.errors import DataError
+from pentatron.data.tokenize import DatasetIndex, check_shards, read_index
+
+STATE_VERSION = 1
+
+
+class TokenDataset:
+    """A tokenized dataset directory (see `tokenize.py`), memory-mapped as one logical token stream."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.index: DatasetIndex = read_index(self.path)
+        check_shards(self.path, self.index)
+        # Empty shards cannot be memory-mapped (and hold nothing), so they are left out.
+        self._shards = [np.memmap(self.path / s.file, dtype=self.index.dtype, mode="r", shape=(s.tokens,))
+                        for s in self.index.shards if s.tokens]
+        self._starts = np.cumsum([0] + [len(m) for m in self._shards])
+
+    def __len__(self) -> int:
+        return self.index.total_tokens
+
+    @property
+    def vocab_size(self) -> int:
+        return self.index.vocab_size
+
+    @property
+    def eos_id(self) -> int:
+        return self.index.eos_id
+
+    @property
+    def max_token_id(self) -> int:
+        return self.index.max_token_id
+
+    def check_vocab(self, model_vocab_size: int) -> None:
+        """Every token id must index the model's embedding table."""
+        if self.max_token_id >= model_vocab_size:
+            raise DataError(f"dataset {self.path} has token ids up to {self.max_token_id} but "
+                            f"model.vocab_size={model_vocab_size}; set model.vocab_size to at least "
+                            f"{self.max_token_id + 1} (the tokenizer's vocabulary is {self.vocab_size}) "
+                            "or tokenize with a smaller --vocab-size")
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the stream, read across shard boundaries (a view when in one shard)."""
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError(f"token range [{start}, {stop}) outside a stream of {len(self)} tokens")
+        i = int(np.searchsorted(self._starts, start, side="right")) - 1
+        parts = []
+        while start < stop:
+            shard = self._shards[i]
+            off = start - int(self._starts[i])
+            n = min(stop - start, len(shard) - off)
+            parts.append(shard[off:off + n])
+            start += n
+            i += 1
+        if not parts:
+            return np.empty(0, dtype=self.index.dtype)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+class TokenLoader:
+    """Yields, per optimizer step, this DP rank's micro-batches of (inputs, targets) int64 tensors."""
+
+    def __init__(self, dataset: TokenDataset, seq_len: int, micro_batch: int, global_batch: int,
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, consumed_samples: int = 0) -> None:
+        problems = [f"{name} must be a positive integer, got {v!r}"
+                    for name, v in (("seq_len", seq_len), ("micro_batch", micro_batch),
+                                    ("global_batch", global_batch), ("dp_size", dp_size))
+                    if not isinstance(v, int) or isinstance(v, bool) or v <= 0]
+        if not problems and not 0 <= dp_rank < dp_size:
+            problems.append(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
+        if not problems and global_batch % (dp_size * micro_batch):
+            problems.append(f"global_batch={global_batch} must be divisible by dp*micro_batch = "
+                            f"{dp_size}*{micro_batch} = {dp_size * micro_batch}, so every DP rank runs the "
+                            "same whole number of micro-batches per step")
+        if not isinstance(seed, int) or seed < 0:
+            problems.append(f"seed must be a non-negative integer, got {seed!r}")
+        if not isinstance(consumed_samples, int) or consumed_samples < 0:
+            problems.append(f"consumed_samples must be a non-negative integer, got {consumed_samples!r}")
+        if problems:
+            raise DataError("; ".join(problems))
+        self.dataset = dataset
+        self.seq_len = seq_len
+        self.micro_batch = micro_batch
+        self.global_batch = global_batch
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.consumed_samples = consumed_samples
+        self.num_samples = (len(dataset) - 1) // seq_len
+        if self.num_samples <= 0:
+            raise DataError(f"dataset {dataset.path} has {len(dataset)} tokens, fewer than seq_len+1 = "
+                            f"{seq_len + 1} needed for one sample; use a shorter train.seq_len or more data")
+        self._orders: dict[int, np.ndarray] = {}
+
+    @property
+    def local_batch(self) -> int:
+        """Samples per step on this rank."""
+        return self.global_batch // self.dp_size
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return self.local_batch // self.micro_batch
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next sample comes from."""
+        return self.consumed_samples // self.num_samples
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            # A step straddles at most a few epochs and reads them in increasing order: keep the newest two.
+            while len(self._orders) >= 2:
+                del self._orders[min(self._orders)]
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        return self._orders[epoch]
+
+    def sample_ids(self, position: int, count: int) -> np.ndarray:
+        """Sample indices at positions [position, position+count) of the global order."""
+        out = np.empty(count, dtype=np.int64)
+        done = 0
+        while done < count:
+            epoch, pos = divmod(position + done, self.num_samples)
+            n = min(count - done, self.num_samples - pos)
+            out[done:done + n] = self._order(epoch)[pos:pos + n]
+            done += n
+        return out
+
+    def sample(self, index: int) -> np.ndarray:
+        """The L+1 tokens of packed sample `index` (inputs = [:-1], targets = [1:])."""
+        start = index * self.seq_len
+        return self.dataset.read(start, start + self.seq_len + 1)
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches for the next optimizer step; advances by one global batch."""
+        first = self.consumed_samples + self.dp_rank * self.local_batch
+        ids = self.sample_ids(first, self.local_batch)
+        tokens = torch.from_numpy(np.stack([self.sample(int(i)) for i in ids]).astype(np.int64))
+        self.consumed_samples += self.global_batch
+        mb = self.micro_batch
+        return [(tokens[j:j + mb, :-1].contiguous(), tokens[j:j + mb, 1:].contiguous())
+                for j in range(0, self.local_batch, mb)]
+
+    def __iter__(self) -> TokenLoader:
+        return self
+
+    def __next__(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.next_step()  # endless: epochs continue seamlessly
+
+    def state_dict(self) -> dict[str, Any]:
+        """Rank-independent resume state (the same on every DP rank)."""
+        return {"version": STATE_VERSION, "consumed_samples": self.consumed_samples, "seed": self.seed,
+                "seq_len": self.seq_len, "global_batch": self.global_batch, "num_samples": self.num_samples,
+                "dataset_fingerprint": self.dataset.index.fingerprint}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()`. The data order depends on the dataset, seq_len and seed, so a
+        different dataset or seq_len is refused (it would silently replay a different order); a
+        different global_batch, dp_size or micro_batch is fine."""
+        try:
+            consumed, seed = int(state["consumed_samples"]), int(state["seed"])
+            seq_len = int(state["seq_len"])
+            fingerprint = state.get("dataset_fingerprint")
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"data loader state is malformed ({type(e).__name__}: {e})") from e
+        if seq_len != self.seq_len:
+            raise DataError(f"data loader state was saved with seq_len={seq_len} but this run uses "
+                            f"seq_len={self.seq_len}; the sample order would differ, so resuming is refused")
+        if fingerprint is not None and fingerprint != self.dataset.index.fingerprint:
+            raise DataError(f"data loader state was saved for dataset fingerprint {fingerprint} but "
+                            f"{self.dataset.path} has {self.dataset.index.fingerprint}; resume with the "
+                            "same dataset")
+        if consumed < 0:
+            raise DataError(f"data loader state has consumed_samples={consumed} < 0")
+        self.consumed_samples = consumed
+        if seed != self.seed:
+            self.seed = seed
+            self._orders.clear()

@@ -1,0 +1,630 @@
+"""Text → token shards: one tokenizer, flat numpy shards, and an index that says what they hold.
+
+On-disk layout of a tokenized dataset directory:
+
+    tokenizer.json        the Hugging Face `tokenizers` tokenizer that produced the ids
+    shard_00000.bin ...   raw little-endian token ids (uint16 if vocab <= 65536, else uint32)
+    index.json            format version, dtype, vocab, eos id, shard sizes, totals, fingerprint
+
+Documents are concatenated into one stream, each followed by the end-of-document token; shards
+are fixed-size cuts of that stream (a document may span two shards). The directory is built
+under a hidden temporary name and renamed into place only when complete, so a crash leaves no
+directory that looks like a valid dataset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
+
+from pentatron.data.corpus import DEFAULT_CORPUS_BYTES, default_corpus_files
+from pentatron.data.errors import DataError
+
+INDEX_VERSION = 1
+INDEX_FILE = "index.json"
+TOKENIZER_FILE = "tokenizer.json"
+EOS_TOKEN = "<|endoftext|>"
+# End-of-document tokens of common existing tokenizers (GPT-2/NeoX, Llama 3, Llama 2/Mistral, Gemma),
+# tried in order when an existing tokenizer is used and no eos_token is given.
+KNOWN_EOS_TOKENS = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+_BYTE_ALPHABET = 256
+
+
+@dataclass
+class TokenizeSettings:
+    vocab_size: int = 4096
+    """Vocabulary to train; with an existing tokenizer, the largest vocabulary accepted."""
+    tokenizer_path: Path | None = None
+    """An existing tokenizer.json (or a directory holding one); None trains a byte-level BPE."""
+    text_field: str = "text"
+    """JSONL key / Parquet column holding each document's text."""
+    shard_tokens: int = 16_777_216
+    batch_docs: int = 1024
+    """Documents per `encode_batch` call (the Rust side parallelises within a batch)."""
+    eos_token: str | None = None
+    """End-of-document token; None means `<|endoftext|>` when training, auto-detected otherwise."""
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("vocab_size", "shard_tokens", "batch_docs"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                out.append(f"{name} must be a positive integer, got {v!r}")
+        v = self.vocab_size
+        if self.tokenizer_path is None and isinstance(v, int) and 0 < v <= _BYTE_ALPHABET:
+            out.append(f"vocab_size={v} is too small for a byte-level BPE: it needs {_BYTE_ALPHABET} byte "
+                       f"tokens + 1 end-of-document token; use at least {_BYTE_ALPHABET + 1}")
+        if isinstance(self.vocab_size, int) and self.vocab_size > 2**32:
+            out.append(f"vocab_size={self.vocab_size} does not fit in uint32 token ids")
+        if not self.text_field:
+            out.append("text_field must be a non-empty column/key name")
+        if self.eos_token is not None and not self.eos_token:
+            out.append("eos_token must be a non-empty string (or None for the default)")
+        return out
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    file: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class DatasetIndex:
+    """The contents of index.json."""
+
+    version: int
+    dtype: str
+    vocab_size: int
+    eos_id: int
+    eos_token: str
+    shards: tuple[ShardInfo, ...]
+    total_tokens: int
+    num_documents: int
+    max_token_id: int
+    fingerprint: str
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shards"] = [asdict(s) for s in self.shards]
+        return d
+
+    @classmethod
+    def from_json(cls, data: Any, source: Path) -> DatasetIndex:
+        redo = "re-create the dataset with `pentatron tokenize`"
+        if not isinstance(data, dict):
+            raise DataError(f"{source} is not a dataset index (expected a JSON object); {redo}")
+        if data.get("version") != INDEX_VERSION:
+            raise DataError(f"{source} has format version {data.get('version')!r}, this Pentatron reads "
+                            f"version {INDEX_VERSION}; {redo}")
+        try:
+            shards = tuple(ShardInfo(file=str(s["file"]), tokens=int(s["tokens"])) for s in data["shards"])
+            index = cls(version=int(data["version"]), dtype=str(data["dtype"]),
+                        vocab_size=int(data["vocab_size"]),
+                        eos_id=int(data["eos_id"]), eos_token=str(data["eos_token"]), shards=shards,
+                        total_tokens=int(data["total_tokens"]), num_documents=int(data["num_documents"]),
+                        max_token_id=int(data["max_token_id"]), fingerprint=str(data["fingerprint"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"{source} is malformed ({type(e).__name__}: {e}); {redo}") from e
+        if index.dtype not in ("uint16", "uint32"):
+            raise DataError(f"{source} has dtype {index.dtype!r}; expected uint16 or uint32; {redo}")
+        if sum(s.tokens for s in shards) != index.total_tokens or any(s.tokens < 0 for s in shards):
+            raise DataError(f"{source} is inconsistent: shard token counts do not add up to "
+                            f"total_tokens={index.total_tokens}; {redo}")
+        for s in shards:
+            if Path(s.file).name != s.file:  # never follow an index outside its own directory
+                raise DataError(f"{source} names shard {s.file!r}, which is not a plain file name; {redo}")
+        return index
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def read_index(directory: Path) -> DatasetIndex:
+    """Parse `directory/index.json`, raising DataError that says how to create it when absent."""
+    directory = Path(directory)
+    path = directory / INDEX_FILE
+    if not path.is_file():
+        raise DataError(f"no tokenized dataset in {directory}: {INDEX_FILE} is missing; create one with "
+                        f"`pentatron tokenize INPUTS --out {directory}`")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path} is not readable JSON ({e}); "
+                        "re-create the dataset with `pentatron tokenize`") from e
+    return DatasetIndex.from_json(data, path)
+
+
+def check_shards(directory: Path, index: DatasetIndex) -> None:
+    """Every shard exists with exactly the byte size the index promises."""
+    itemsize = np.dtype(index.dtype).itemsize
+    for s in index.shards:
+        path = Path(directory) / s.file
+        if not path.is_file():
+            raise DataError(f"shard {path} is missing (listed in {INDEX_FILE}); the dataset is incomplete, "
+                            "re-create it with `pentatron tokenize`")
+        size, want = path.stat().st_size, s.tokens * itemsize
+        if size != want:
+            raise DataError(f"shard {path} has {size} bytes but {INDEX_FILE} expects {want} "
+                            f"({s.tokens} {index.dtype} tokens); the file is truncated or replaced, "
+                            "re-create the dataset with `pentatron tokenize`")
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def expand_inputs(inputs: Sequence[Path], exclude: Path | None = None) -> list[Path]:
+    """Files in the given order; directories expanded recursively, sorted, hidden entries skipped.
+
+    `exclude` (the output directory) is never read back as input, so tokenizing `data/` into
+    `data/tok` twice does not swallow the first run's shards.
+    """
+    excluded = exclude.resolve() if exclude is not None else None
+    files: list[Path] = []
+    for p in map(Path, inputs):
+        if p.is_dir():
+            found = []
+            for f in p.rglob("*"):
+                rel = f.relative_to(p)
+                if any(part.startswith(".") for part in rel.parts) or not f.is_file():
+                    continue
+                if excluded is not None and f.resolve().is_relative_to(excluded):
+                    continue
+                found.append(f)
+            files.extend(sorted(found, key=lambda f: f.relative_to(p).as_posix()))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise DataError(f"input {p} does not exist; check the path (inputs are files or directories)")
+    return files
+
+
+def _decode(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8 or "
+                        "leave it out of the inputs (compressed files are not read)") from e
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read input {path}: {e.strerror or e}") from e
+
+
+def _jsonl_documents(path: Path, text_field: str, advance: Callable[[int], None]) -> Iterator[str]:
+    try:
+        f = path.open("rb")
+    except OSError as e:
+        raise DataError(f"cannot read input {path}: {e.strerror or e}") from e
+    with f:
+        for lineno, raw in enumerate(f, start=1):
+            advance(len(raw))
+            line = _decode(raw, f"{path}:{lineno}").strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e}); "
+                                "each line must be one JSON object") from e
+            if not isinstance(record, dict) or text_field not in record:
+                keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+                raise DataError(f"{path}:{lineno}: no {text_field!r} field (found: {keys}); "
+                                "pass --text-field NAME to read another key")
+            text = record[text_field]
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{lineno}: field {text_field!r} holds {type(text).__name__}, "
+                                "not text; pass --text-field NAME for the text key")
+            if text:
+                yield text
+
+
+def _parquet_documents(path: Path, text_field: str, batch: int) -> Iterator[str]:
+    import datasets  # heavy import, paid only when Parquet is actually read
+
+    try:
+        # Streaming reads the local file directly: no copy into the HF cache, no network.
+        ds = datasets.load_dataset("parquet", data_files=[str(path.resolve())], split="train", streaming=True)
+        features = ds.features
+    except Exception as e:
+        raise DataError(f"cannot read Parquet file {path} ({type(e).__name__}: {e})") from e
+    if features is None or text_field not in features:
+        cols = ", ".join(features) if features else "none readable"
+        raise DataError(f"Parquet file {path} has no column {text_field!r} (columns: {cols}); "
+                        "pass --text-field NAME to read another column")
+    feat = features[text_field]
+    if not (isinstance(feat, datasets.Value) and feat.dtype in ("string", "large_string")):
+        raise DataError(f"Parquet column {text_field!r} in {path} holds {feat}, not text; "
+                        "pass --text-field NAME for a string column")
+    try:
+        for rows in ds.select_columns([text_field]).iter(batch_size=batch):
+            yield from (t for t in rows[text_field] if t)
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"cannot read column {text_field!r} of Parquet file {path} "
+                        f"({type(e).__name__}: {e})") from e
+
+
+def iter_documents(files: Sequence[Path], settings: TokenizeSettings,
+                   advance: Callable[[int], None] = lambda n: None) -> Iterator[str]:
+    """Non-empty documents of every file, in order; `advance(n)` reports n input bytes consumed."""
+    for path in files:
+        suffix = path.suffix.lower()
+        if suffix in JSONL_SUFFIXES:
+            yield from _jsonl_documents(path, settings.text_field, advance)
+        elif suffix in PARQUET_SUFFIXES:
+            yield from _parquet_documents(path, settings.text_field, settings.batch_docs)
+            advance(path.stat().st_size)
+        else:
+            raw = _read_bytes(path)
+            advance(len(raw))
+            if raw:
+                yield _decode(raw, str(path))
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    except OSError as e:
+        raise DataError(f"cannot read input {path}: {e.strerror or e}") from e
+    return h.hexdigest()
+
+
+def _tokenizer_file(path: Path) -> Path:
+    path = Path(path)
+    if path.is_dir():  # a Hugging Face model directory
+        path = path / TOKENIZER_FILE
+    if not path.is_file():
+        raise DataError(f"tokenizer {path} does not exist; pass the path of a tokenizer.json "
+                        "(or omit --tokenizer to train one)")
+    return path
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    """Load a Hugging Face `tokenizers` tokenizer.json (or a directory that holds one)."""
+    file = _tokenizer_file(path)
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:
+        raise DataError(f"{file} is not a Hugging Face tokenizers tokenizer.json ({e})") from e
+
+
+def _find_eos(tok: Tokenizer, settings: TokenizeSettings, source: Path) -> tuple[str, int]:
+    names = (settings.eos_token,) if settings.eos_token else KNOWN_EOS_TOKENS
+    for name in names:
+        tid = tok.token_to_id(name)
+        if tid is not None:
+            return name, tid
+    raise DataError(f"tokenizer {source} has no end-of-document token (looked for {', '.join(names)}); "
+                    "pass --eos-token TOKEN naming one it has")
+
+
+def _train_tokenizer(documents: Iterator[str], vocab_size: int, eos_token: str) -> Tokenizer:
+    """Byte-level BPE: every byte is in the base alphabet, so no input is ever unrepresentable.
+
+    The trainer is deterministic for identical input (ties between equally frequent pairs are broken
+    by pair order), which the tests check across processes.
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos_token], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(documents, trainer=trainer)
+    return tok
+
+
+# ---------------------------------------------------------------- writing
+
+
+class _ShardWriter:
+    """Cuts the token stream into fixed-size shard files, fsynced, and tracks the index totals."""
+
+    def __init__(self, directory: Path, dtype: np.dtype, shard_tokens: int) -> None:
+        self.directory = directory
+        self.buf = np.empty(shard_tokens, dtype=dtype)
+        self.fill = 0
+        self.shards: list[ShardInfo] = []
+        self.total = 0
+        self.max_id = -1
+
+    def add(self, ids: np.ndarray) -> None:
+        if ids.size:
+            self.max_id = max(self.max_id, int(ids.max()))
+        ids = ids.astype(self.buf.dtype, copy=False)
+        pos = 0
+        while pos < ids.size:
+            n = min(ids.size - pos, self.buf.size - self.fill)
+            self.buf[self.fill:self.fill + n] = ids[pos:pos + n]
+            self.fill += n
+            pos += n
+            if self.fill == self.buf.size:
+                self.flush()
+
+    def flush(self) -> None:
+        if not self.fill:
+            return
+        name = f"shard_{len(self.shards):05d}.bin"
+        with (self.directory / name).open("wb") as f:
+            self.buf[:self.fill].tofile(f)
+            f.flush()
+            os.fsync(f.fileno())
+        self.shards.append(ShardInfo(name, self.fill))
+        self.total += self.fill
+        self.fill = 0
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # not every platform/filesystem can open a directory; durability is best-effort there
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def dataset_fingerprint(files: Sequence[Path], settings: TokenizeSettings) -> str:
+    """16 hex digits over the input bytes (in order) and every setting that changes the output.
+
+    File names are left out on purpose: the same text at another path is the same dataset.
+    `batch_docs` is left out because it does not change a single token.
+    """
+    h = hashlib.sha256()
+    tok_hash = _sha256_file(_tokenizer_file(settings.tokenizer_path)) if settings.tokenizer_path else None
+    h.update(json.dumps({"version": INDEX_VERSION, "vocab_size": settings.vocab_size, "tokenizer": tok_hash,
+                         "text_field": settings.text_field, "shard_tokens": settings.shard_tokens,
+                         "eos_token": settings.eos_token}, sort_keys=True).encode())
+    for f in files:
+        h.update(f"\n{Path(f).suffix.lower()}:{_sha256_file(Path(f))}".encode())
+    return h.hexdigest()[:16]
+
+
+def _existing_dataset(out_dir: Path, fingerprint: str) -> DatasetIndex | None:
+    """The index at `out_dir` if it is a complete dataset with this fingerprint, else None."""
+    try:
+        index = read_index(out_dir)
+        if index.fingerprint != fingerprint:
+            return None
+        check_shards(out_dir, index)
+    except DataError:
+        return None
+    return index
+
+
+def _publish(tmp: Path, out_dir: Path, fingerprint: str) -> DatasetIndex | None:
+    """Rename the finished temp dir into place; if another process got there first with the same
+    dataset (e.g. several ranks building the default corpus), keep theirs and return its index."""
+    try:
+        os.rename(tmp, out_dir)  # atomic; replaces an empty directory on POSIX
+    except OSError as e:
+        theirs = _existing_dataset(out_dir, fingerprint)
+        if theirs is None:
+            hint = ("it appeared meanwhile with other contents; remove it or choose another --out"
+                    if out_dir.exists() else "check that its parent directory is writable")
+            raise DataError(f"cannot move the finished dataset to {out_dir} ({e.strerror or e}); {hint}") from e
+        shutil.rmtree(tmp, ignore_errors=True)
+        return theirs
+    _fsync_dir(out_dir.parent)
+    return None
+
+
+def tokenize_to_shards(inputs: list[Path], out_dir: Path, settings: TokenizeSettings,
+                       progress: bool = True) -> DatasetIndex:
+    """Tokenize `inputs` into a dataset directory at `out_dir` and return its index.
+
+    If `out_dir` already holds the same dataset (same fingerprint, shards intact) it is returned
+    as is; any other existing, non-empty `out_dir` is an error rather than silently replaced.
+    """
+    if problems := settings.problems():
+        raise DataError("; ".join(problems))
+    out_dir = Path(out_dir)
+    files = expand_inputs(inputs, exclude=out_dir)
+    if not files:
+        raise DataError(f"no text found in inputs: {', '.join(map(str, inputs)) or '(none given)'}; "
+                        "give plain-text, .jsonl or .parquet files (or directories holding them)")
+    fingerprint = dataset_fingerprint(files, settings)
+    if out_dir.exists():
+        if (same := _existing_dataset(out_dir, fingerprint)) is not None:
+            return same
+        if not out_dir.is_dir() or any(out_dir.iterdir()):
+            raise DataError(f"output directory {out_dir} already exists and holds something else; "
+                            "remove it or choose another --out")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Hidden, unique sibling (same filesystem, so the final rename is atomic); os.mkdir honours the
+    # umask, unlike tempfile.mkdtemp's 0700, so a shared cache stays readable by others.
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    os.mkdir(tmp)
+    try:
+        index = _build(files, tmp, settings, fingerprint, progress, inputs)
+        theirs = _publish(tmp, out_dir, fingerprint)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return theirs or index
+
+
+def _build(files: list[Path], tmp: Path, settings: TokenizeSettings, fingerprint: str, progress: bool,
+           inputs: Sequence[Path]) -> DatasetIndex:
+    total_bytes = sum(f.stat().st_size for f in files)
+    records = any(f.suffix.lower() in JSONL_SUFFIXES + PARQUET_SUFFIXES for f in files)
+    empty = DataError(f"no text found in inputs: {', '.join(map(str, inputs))}; every document is empty"
+                      + (f" (records read from field {settings.text_field!r})" if records else ""))
+
+    def bar(desc: str) -> tqdm:
+        return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, disable=not progress,
+                    file=sys.stderr, dynamic_ncols=True)
+
+    if settings.tokenizer_path is not None:
+        tok = load_tokenizer(settings.tokenizer_path)
+        vocab = tok.get_vocab_size(with_added_tokens=True)
+        if vocab > settings.vocab_size:
+            raise DataError(f"tokenizer {settings.tokenizer_path} has {vocab} tokens, more than the "
+                            f"requested vocab_size={settings.vocab_size}; pass --vocab-size {vocab} (and use "
+                            f"model.vocab_size >= {vocab}) or a smaller tokenizer")
+        eos_token, eos_id = _find_eos(tok, settings, settings.tokenizer_path)
+        shutil.copyfile(_tokenizer_file(settings.tokenizer_path), tmp / TOKENIZER_FILE)
+    else:
+        eos_token = settings.eos_token or EOS_TOKEN
+        seen = 0
+        with bar("training tokenizer") as pb:
+            def counted() -> Iterator[str]:
+                nonlocal seen
+                for doc in iter_documents(files, settings, pb.update):
+                    seen += 1
+                    yield doc
+            tok = _train_tokenizer(counted(), settings.vocab_size, eos_token)
+        if not seen:
+            raise empty
+        eos_id = tok.token_to_id(eos_token)
+        vocab = tok.get_vocab_size(with_added_tokens=True)
+        tok.save(str(tmp / TOKENIZER_FILE))
+
+    dtype = token_dtype(vocab)
+    writer = _ShardWriter(tmp, dtype, settings.shard_tokens)
+    eos = np.array([eos_id], dtype=np.uint32)
+    num_docs = 0
+
+    def encode(batch: list[str]) -> None:
+        parts: list[np.ndarray] = []
+        for enc in tok.encode_batch(batch, add_special_tokens=False):
+            parts += (np.asarray(enc.ids, dtype=np.uint32), eos)
+        writer.add(np.concatenate(parts))
+
+    with bar("tokenizing") as pb:
+        batch: list[str] = []
+        for doc in iter_documents(files, settings, pb.update):
+            batch.append(doc)
+            num_docs += 1
+            if len(batch) >= settings.batch_docs:
+                encode(batch)
+                batch = []
+        if batch:
+            encode(batch)
+    writer.flush()
+    if not num_docs:
+        raise empty
+    if writer.max_id >= vocab:  # a tokenizer whose ids exceed its own vocab size would corrupt training
+        raise DataError(f"tokenizer produced token id {writer.max_id} but reports vocab size {vocab}")
+    index = DatasetIndex(version=INDEX_VERSION, dtype=dtype.name, vocab_size=vocab, eos_id=eos_id,
+                         eos_token=eos_token, shards=tuple(writer.shards), total_tokens=writer.total,
+                         num_documents=num_docs, max_token_id=writer.max_id, fingerprint=fingerprint)
+    _write_json(tmp / INDEX_FILE, index.to_json())  # last: its presence marks a complete dataset
+    _fsync_dir(tmp)
+    return index
+
+
+def ensure_default_dataset(cache_dir: Path, vocab_size: int = 4096, max_bytes: int = DEFAULT_CORPUS_BYTES,
+                           progress: bool = True) -> Path:
+    """The built-in corpus (Python stdlib source) tokenized once into `cache_dir/<fingerprint>/`.
+
+    Later calls find the finished directory and return at once (cost: hashing the ~6 MB corpus).
+    """
+    files = default_corpus_files(max_bytes)
+    settings = TokenizeSettings(vocab_size=vocab_size)
+    out = Path(cache_dir) / dataset_fingerprint(files, settings)
+    if _existing_dataset(out, out.name) is None:
+        tokenize_to_shards(files, out, settings, progress=progress)
+    return out
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def add_tokenize_parser(subparsers: Any) -> None:
+    """Register `pentatron tokenize` on an argparse sub-parsers object."""
+    defaults = TokenizeSettings()
+    p = subparsers.add_parser(
+        "tokenize", help="turn text into token shards for training",
+        description="Tokenize plain-text files (one document each), JSONL (one document per line) and "
+                    "Parquet files into a dataset directory for training. With no inputs, the built-in "
+                    "corpus (this Python's standard-library source) is used.")
+    p.add_argument("inputs", nargs="*", type=Path, metavar="INPUT",
+                   help="files or directories (searched recursively); .jsonl/.ndjson and .parquet are "
+                        "read as records, anything else as one text document")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="dataset directory to create")
+    p.add_argument("--tokenizer", type=Path, metavar="PATH",
+                   help="existing tokenizer.json (or a directory holding one); "
+                        "default: train a byte-level BPE")
+    p.add_argument("--vocab-size", type=int, metavar="N",
+                   help=f"vocabulary to train (default {defaults.vocab_size}); with --tokenizer, the "
+                        "largest accepted (default: the tokenizer's own)")
+    p.add_argument("--text-field", default=defaults.text_field, metavar="NAME",
+                   help="JSONL key / Parquet column with the text (default %(default)s)")
+    p.add_argument("--shard-tokens", type=int, default=defaults.shard_tokens, metavar="N",
+                   help="tokens per shard file (default %(default)s)")
+    p.add_argument("--eos-token", metavar="TOKEN",
+                   help=f"end-of-document token (default {EOS_TOKEN}; auto-detected for --tokenizer)")
+    p.add_argument("--default-corpus", action="store_true", help="tokenize the built-in corpus")
+    p.add_argument("--corpus-bytes", type=int, default=DEFAULT_CORPUS_BYTES, metavar="N",
+                   help="size budget of the built-in corpus (default %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run_tokenize)
+
+
+def run_tokenize(args: argparse.Namespace) -> int:
+    """Entry point of `pentatron tokenize`: 0 on success, 2 on an input error (one line on stderr)."""
+    try:
+        if args.default_corpus and args.inputs:
+            raise DataError("give INPUT files or --default-corpus, not both")
+        inputs = list(args.inputs) or default_corpus_files(args.corpus_bytes)
+        vocab = args.vocab_size
+        if vocab is None:
+            vocab = (load_tokenizer(args.tokenizer).get_vocab_size(with_added_tokens=True)
+                     if args.tokenizer is not None else TokenizeSettings.vocab_size)
+        settings = TokenizeSettings(vocab_size=vocab, tokenizer_path=args.tokenizer,
+                                    text_field=args.text_field, shard_tokens=args.shard_tokens,
+                                    eos_token=args.eos_token)
+        index = tokenize_to_shards(inputs, args.out, settings, progress=not args.no_progress)
+    except DataError as e:
+        print(f"pentatron tokenize: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.out}: {index.total_tokens:,} tokens, {index.num_documents:,} documents, "
+          f"{len(index.shards)} shard(s), vocab {index.vocab_size}, fingerprint {index.fingerprint}")
+    return 0
+
+
+__all__ = [
+    "DataError", "DatasetIndex", "ShardInfo", "TokenizeSettings", "add_tokenize_parser", "check_shards",
+    "dataset_fingerprint", "ensure_default_dataset", "expand_inputs", "iter_documents", "load_tokenizer",
+    "read_index", "run_tokenize", "token_dtype", "tokenize_to_shards",
+]

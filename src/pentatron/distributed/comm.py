@@ -1,0 +1,250 @@
+"""Every collective and point-to-point call, and the per-step communication ledger.
+
+Nothing else in Pentatron calls `torch.distributed` collectives: each call here records one
+`CommEvent` (op, mesh dimension, dtype, bytes, time issued), which is what makes the ledger exact.
+
+What "bytes" means (per rank, per call), for a tensor of S bytes and a group of N ranks:
+
+- `payload_bytes`: the logical buffer the op works on: the tensor of an all-reduce or broadcast, the
+  *full* (N-chunk) input of a reduce-scatter, the *full* output of an all-gather, the message of a
+  send/recv.
+- `bytes` (the number the ledger sums and the trainer logs as `comm_bytes`): what this rank sends
+  on the wire under the bandwidth-optimal ring algorithm NCCL uses for large messages, which is also
+  what it receives: all-reduce 2(N−1)/N·S, reduce-scatter (N−1)/N·S, all-gather (N−1)/N·S,
+  broadcast (N−1)/N·S (pipelined ring, averaged over ranks), send S (sent), recv S (received).
+  These are the Ultra-Scale Playbook's volumes; they do not depend on the backend actually used.
+
+A group of size 1 (or a 1-process run) moves nothing: the op degenerates to a local copy and
+nothing is recorded. On gloo (CPU), torch ≥ 2.11 implements `reduce_scatter_tensor` and
+`all_gather_into_tensor` natively, so the same calls run on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from pentatron.distributed.context import ParallelContext
+
+Op = Literal["all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "barrier"]
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def ring_bytes(op: str, payload_bytes: int, n: int) -> int:
+    """Bytes one rank sends (= receives) for `op` on a ring of n ranks; see the module docstring."""
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * payload_bytes // n
+    if op in ("reduce_scatter", "all_gather", "broadcast"):
+        return (n - 1) * payload_bytes // n
+    if op in ("send", "recv"):
+        return payload_bytes
+    return 0
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    op: str
+    dim: str
+    dtype: str
+    payload_bytes: int
+    bytes: int
+    group_size: int
+    seq: int
+    t: float  # time.perf_counter() when issued
+
+
+@dataclass
+class CommSummary:
+    """One step's communication: by dimension, then op → bytes / payload bytes / calls."""
+
+    by_dim: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+
+    def bytes(self, dim: str | None = None, op: str | None = None) -> int:
+        return sum(v["bytes"] for d, ops in self.by_dim.items() if dim in (None, d)
+                   for o, v in ops.items() if op in (None, o))
+
+    def calls(self, dim: str | None = None, op: str | None = None) -> int:
+        return sum(v["calls"] for d, ops in self.by_dim.items() if dim in (None, d)
+                   for o, v in ops.items() if op in (None, o))
+
+    def bytes_map(self) -> dict[str, dict[str, int]]:
+        """{dimension: {op: bytes}}: the `comm_bytes` metrics field."""
+        return {d: {o: v["bytes"] for o, v in ops.items()} for d, ops in self.by_dim.items()}
+
+    def table(self) -> str:
+        rows = [f"{'dim':<6} {'op':<15} {'calls':>6} {'payload':>12} {'wire bytes/rank':>16}"]
+        for d, ops in sorted(self.by_dim.items()):
+            for o, v in sorted(ops.items()):
+                rows.append(f"{d:<6} {o:<15} {v['calls']:>6} {_human(v['payload_bytes']):>12} "
+                            f"{_human(v['bytes']):>16}")
+        if len(rows) == 1:
+            rows.append("(no communication)")
+        return "\n".join(rows)
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+class CommLedger:
+    """Collects `CommEvent`s between `begin_step()` and `end_step()`."""
+
+    def __init__(self) -> None:
+        self.events: list[CommEvent] = []
+        self._seq = 0
+
+    def begin_step(self) -> None:
+        self.events = []
+
+    def record(self, op: str, dim: str, dtype: torch.dtype, payload_bytes: int, group_size: int) -> None:
+        self._seq += 1
+        self.events.append(CommEvent(op, dim, str(dtype).removeprefix("torch."), payload_bytes,
+                                     ring_bytes(op, payload_bytes, group_size), group_size, self._seq,
+                                     time.perf_counter()))
+
+    def summary(self) -> CommSummary:
+        agg: dict[str, dict[str, dict[str, int]]] = defaultdict(
+            lambda: defaultdict(lambda: {"bytes": 0, "payload_bytes": 0, "calls": 0}))
+        for e in self.events:
+            v = agg[e.dim][e.op]
+            v["bytes"] += e.bytes
+            v["payload_bytes"] += e.payload_bytes
+            v["calls"] += 1
+        return CommSummary({d: dict(ops) for d, ops in agg.items()})
+
+    def end_step(self) -> CommSummary:
+        return self.summary()
+
+
+class Work:
+    """A handle on an issued collective (or an already finished local one)."""
+
+    def __init__(self, work: Any | None = None) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+
+@dataclass(frozen=True)
+class P2P:
+    """One send or receive of a batched exchange; `peer` is a rank *within the dimension's group*."""
+
+    op: Literal["send", "recv"]
+    tensor: torch.Tensor
+    peer: int
+
+
+class Comm:
+    """The comm layer bound to one ParallelContext. `dim` names a mesh dimension ("dp", "tp", …,
+    "dp_cp") or "world"."""
+
+    def __init__(self, ctx: ParallelContext, ledger: CommLedger) -> None:
+        self.ctx = ctx
+        self.ledger = ledger
+
+    def _group(self, dim: str) -> tuple[dist.ProcessGroup | None, int]:
+        if dim == "world":
+            n = self.ctx.world_size
+            return (dist.group.WORLD if n > 1 else None), n
+        return self.ctx.group(dim), self.ctx.size(dim)
+
+    def _done(self, work: Any, async_op: bool) -> Work | None:
+        w = Work(work)
+        if async_op:
+            return w
+        w.wait()
+        return None
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, dim: str, op: str = "sum", async_op: bool = False) -> Work | None:
+        group, n = self._group(dim)
+        if group is None or n == 1:
+            return self._done(None, async_op)
+        self.ledger.record("all_reduce", dim, tensor.dtype, _nbytes(tensor), n)
+        return self._done(dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op), async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, dim: str, op: str = "sum",
+                       async_op: bool = False) -> Work | None:
+        """`input` holds N equal chunks (flat, chunk r for group rank r); `output` gets this rank's
+        chunk reduced over the group."""
+        group, n = self._group(dim)
+        if input.numel() != n * output.numel():
+            raise ValueError(f"reduce_scatter over {dim} (size {n}): input has {input.numel()} elements, "
+                             f"output {output.numel()}; input must be exactly {n}× output")
+        if group is None or n == 1:
+            output.copy_(input.view_as(output))
+            return self._done(None, async_op)
+        self.ledger.record("reduce_scatter", dim, input.dtype, _nbytes(input), n)
+        work = dist.reduce_scatter_tensor(output, input, op=_REDUCE_OPS[op], group=group, async_op=async_op)
+        return self._done(work, async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, dim: str,
+                   async_op: bool = False) -> Work | None:
+        """`output` (N× the size of `input`) gets every group rank's `input`, concatenated in rank order."""
+        group, n = self._group(dim)
+        if output.numel() != n * input.numel():
+            raise ValueError(f"all_gather over {dim} (size {n}): output has {output.numel()} elements, "
+                             f"input {input.numel()}; output must be exactly {n}× input")
+        if group is None or n == 1:
+            output.copy_(input.view_as(output))
+            return self._done(None, async_op)
+        self.ledger.record("all_gather", dim, input.dtype, _nbytes(output), n)
+        return self._done(dist.all_gather_into_tensor(output, input, group=group, async_op=async_op), async_op)
+
+    def broadcast(self, tensor: torch.Tensor, dim: str, src: int = 0, async_op: bool = False) -> Work | None:
+        """Broadcast from group rank `src` along `dim`."""
+        group, n = self._group(dim)
+        if group is None or n == 1:
+            return self._done(None, async_op)
+        self.ledger.record("broadcast", dim, tensor.dtype, _nbytes(tensor), n)
+        work = dist.broadcast(tensor, src=self._global(dim, src), group=group, async_op=async_op)
+        return self._done(work, async_op)
+
+    def barrier(self, dim: str = "world") -> None:
+        group, n = self._group(dim)
+        if group is not None and n > 1:
+            dist.barrier(group=group)
+
+    # ------------------------------------------------------------------ point to point
+    def send(self, tensor: torch.Tensor, dim: str, dst: int) -> None:
+        self.batch_p2p([P2P("send", tensor, dst)], dim)[0].wait()
+
+    def recv(self, tensor: torch.Tensor, dim: str, src: int) -> None:
+        self.batch_p2p([P2P("recv", tensor, src)], dim)[0].wait()
+
+    def batch_p2p(self, ops: list[P2P], dim: str) -> list[Work]:
+        """Issue several sends/receives together (deadlock-free for exchanges); returns their handles."""
+        group, n = self._group(dim)
+        if not ops:
+            return []
+        if group is None or n == 1:
+            raise ValueError(f"point-to-point along {dim!r} needs a group of more than one rank")
+        p2p = []
+        for o in ops:
+            self.ledger.record(o.op, dim, o.tensor.dtype, _nbytes(o.tensor), n)
+            fn = dist.isend if o.op == "send" else dist.irecv
+            p2p.append(dist.P2POp(fn, o.tensor, self._global(dim, o.peer), group=group))
+        return [Work(w) for w in dist.batch_isend_irecv(p2p)]
+
+    def _global(self, dim: str, group_rank: int) -> int:
+        if dim == "world":
+            return group_rank
+        return self.ctx.group_ranks(dim)[group_rank]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,188 @@
+"""ParallelContext: the parallel degrees → a DeviceMesh, one named process group per dimension, and
+rank ↔ coordinate arithmetic. Built once from an initialised default process group and passed
+explicitly (no globals).
+
+Rank order (the mesh's dims, outermost first) is ("pp", "dp", "cp", "tp"): tp is innermost so that a
+tensor-parallel group sits on consecutive ranks (one node), pp outermost. Expert parallelism borrows
+its ranks from dp×cp and so is not a mesh dimension of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from pentatron.distributed.comm import Comm, CommLedger
+
+MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Degrees:
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, d) for d in MESH_DIMS)
+
+
+def degree_problems(world_size: int | None, *, dp: int | None, tp: int = 1, pp: int = 1, cp: int = 1,
+                    ep: int = 1) -> list[str]:
+    """Every problem with a set of degrees (empty when valid); `dp=None` means 'whatever is left'.
+
+    The one place that decides whether degrees fit a world size: `config.validate` calls it before
+    any process group exists, and `ParallelContext` calls it again on the live world.
+    """
+    p: list[str] = []
+    for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+        if v < 1:
+            p.append(f"parallel.{name} must be ≥ 1, got {v}")
+    if dp is not None and dp < 1:
+        p.append(f"parallel.dp must be ≥ 1, got {dp}")
+    if p or world_size is None:
+        return p
+    inner = tp * pp * cp
+    if dp is None:
+        if world_size % inner:
+            p.append(f"world size {world_size} is not divisible by tp×pp×cp = {inner}")
+            return p
+        dp = world_size // inner
+    elif dp * inner != world_size:
+        p.append(f"parallel.dp×tp×pp×cp = {dp}×{tp}×{pp}×{cp} = {dp * inner} does not equal the world size "
+                 f"{world_size} (processes launched)"
+                 + (f"; dp={dp} does not divide the world size" if world_size % dp else ""))
+        return p
+    if (dp * cp) % ep:
+        p.append(f"parallel.ep={ep} must divide dp×cp = {dp}×{cp} = {dp * cp} (experts borrow those ranks)")
+    return p
+
+
+def resolve_degrees(world_size: int, *, dp: int | None, tp: int = 1, pp: int = 1, cp: int = 1,
+                    ep: int = 1) -> Degrees:
+    problems = degree_problems(world_size, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    if problems:
+        raise ValueError("invalid parallel degrees: " + "; ".join(problems))
+    return Degrees(pp=pp, dp=dp if dp is not None else world_size // (tp * pp * cp), cp=cp, tp=tp, ep=ep)
+
+
+class ParallelContext:
+    """Who this rank is in the (pp, dp, cp, tp) grid, the group for each dimension, and the comm layer.
+
+    `group(dim)` is None for a dimension of size 1 or in a single-process run: the comm layer then
+    short-circuits (nothing moves, nothing is recorded)."""
+
+    def __init__(self, degrees: Degrees, rank: int, device: torch.device,
+                 groups: Mapping[str, dist.ProcessGroup | None], mesh: DeviceMesh | None = None,
+                 ledger: CommLedger | None = None) -> None:
+        self.degrees = degrees
+        self.rank = rank
+        self.world_size = degrees.world_size
+        self.device = device
+        self.mesh = mesh
+        self._groups = dict(groups)
+        self.coords = self.coords_of(rank)
+        self.comm = Comm(self, ledger or CommLedger())
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> ParallelContext:
+        """A 1-process context (no process group needed)."""
+        return cls(Degrees(), 0, torch.device(device), {d: None for d in (*MESH_DIMS, "dp_cp")})
+
+    @classmethod
+    def from_degrees(cls, degrees: Degrees, device: torch.device | str) -> ParallelContext:
+        """Build the mesh and groups from the initialised default process group (a collective call:
+        every rank must make it). Falls back to `single` when no process group is running."""
+        device = torch.device(device)
+        if not dist.is_initialized():
+            if degrees.world_size != 1:
+                raise RuntimeError(f"degrees {degrees} need {degrees.world_size} processes, but no process "
+                                   "group is initialised")
+            return cls.single(device)
+        world = dist.get_world_size()
+        if degrees.world_size != world:
+            raise ValueError(f"degrees {degrees} multiply to {degrees.world_size}, but the world size is {world}")
+        mesh = init_device_mesh(device.type, degrees.shape(), mesh_dim_names=MESH_DIMS)
+        groups: dict[str, dist.ProcessGroup | None] = {
+            d: mesh.get_group(d) if getattr(degrees, d) > 1 else None for d in MESH_DIMS}
+        groups["dp_cp"] = groups["dp"] if degrees.cp == 1 else (
+            groups["cp"] if degrees.dp == 1 else _flat_group(degrees, dist.get_rank()))
+        return cls(degrees, dist.get_rank(), device, groups, mesh)
+
+    # ------------------------------------------------------------------ coordinates
+    def coords_of(self, rank: int) -> dict[str, int]:
+        out, rest = {}, rank
+        for d in reversed(MESH_DIMS):
+            size = getattr(self.degrees, d)
+            out[d] = rest % size
+            rest //= size
+        return {d: out[d] for d in MESH_DIMS}
+
+    def rank_of(self, **coords: int) -> int:
+        """Global rank at the given coordinates; missing dimensions default to this rank's own."""
+        unknown = set(coords) - set(MESH_DIMS)
+        if unknown:
+            raise KeyError(f"unknown mesh dimensions {sorted(unknown)}; known: {MESH_DIMS}")
+        rank = 0
+        for d in MESH_DIMS:
+            c = coords.get(d, self.coords[d])
+            rank = rank * getattr(self.degrees, d) + c
+        return rank
+
+    def group_ranks(self, dim: str) -> list[int]:
+        """Global ranks of this rank's group along `dim`, in group-rank order."""
+        return [self.rank_of(**{dim: i}) for i in range(self.size(dim))]
+
+    # ------------------------------------------------------------------ groups
+    def group(self, dim: str) -> dist.ProcessGroup | None:
+        if dim not in self._groups:
+            raise KeyError(f"unknown parallel dimension {dim!r}; known: {sorted(self._groups)}")
+        return self._groups[dim]
+
+    def size(self, dim: str) -> int:
+        if dim == "dp_cp":
+            return self.degrees.dp * self.degrees.cp
+        return getattr(self.degrees, dim)
+
+    def local_rank(self, dim: str) -> int:
+        if dim == "dp_cp":
+            return self.coords["dp"] * self.degrees.cp + self.coords["cp"]
+        return self.coords[dim]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp"]
+
+    @property
+    def dp_size(self) -> int:
+        return self.degrees.dp
+
+    def __repr__(self) -> str:
+        deg = " ".join(f"{d}={getattr(self.degrees, d)}" for d in (*MESH_DIMS, "ep"))
+        return f"ParallelContext(rank={self.rank}/{self.world_size}, {deg}, coords={self.coords})"
+
+
+def _flat_group(degrees: Degrees, rank: int) -> dist.ProcessGroup:
+    """The dp×cp group of `rank` (for expert parallelism later). `new_group` is collective over the
+    whole world, so every rank creates every such group, in the same order."""
+    mine = None
+    grid = torch.arange(degrees.world_size).view(degrees.shape())  # [pp, dp, cp, tp]
+    for pp in range(degrees.pp):
+        for tp in range(degrees.tp):
+            ranks = grid[pp, :, :, tp].flatten().tolist()
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                mine = g
+    assert mine is not None
+    return mine

@@ -1,0 +1,40 @@
+import json
+import subprocess
+import sys
+
+from pentatron.cli import _split_dotted, main
+
+
+def test_config_error_exits_2_with_field_names_and_no_traceback(capsys):
+    code = main(["train", "configs/debug.toml", "--set", "train.lr=0", "--train.micro_batch=3"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "train.lr must be > 0" in err and "micro_batch=3" in err and "Traceback" not in err
+
+
+def test_nproc_must_divide_batch_before_anything_launches(capsys):
+    code = main(["train", "configs/debug.toml", "--nproc", "3"])
+    assert code == 2 and "not divisible by train.micro_batch=4 × dp=3" in capsys.readouterr().err
+
+
+def test_dotted_flags_become_overrides():
+    rest, dotted = _split_dotted(["train", "c.toml", "--train.steps=5", "--log.dir", "x", "--nproc", "2"])
+    assert rest == ["train", "c.toml", "--nproc", "2"] and dotted == ["train.steps=5", "log.dir=x"]
+
+
+def test_token_ids_beyond_model_vocab_is_a_clear_data_error(tmp_path, default_dataset, capsys):
+    code = main(["train", "configs/debug.toml", f"--data.path={json.dumps(str(default_dataset))}",
+                 "--model.vocab_size=1000", f"--log.dir={json.dumps(str(tmp_path))}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "vocab_size=1000" in err and "Traceback" not in err
+
+
+def test_train_with_nproc_2_runs_under_torchrun(tmp_path, default_dataset):
+    """`pentatron train --nproc 2` launches two ranks through torchrun and finishes cleanly."""
+    cmd = [sys.executable, "-m", "pentatron.cli", "train", "configs/debug.toml", "--nproc", "2",
+           "--set", "train.steps=2", "--set", f"data.path={json.dumps(str(default_dataset))}",
+           "--set", f"log.dir={json.dumps(str(tmp_path / 'log'))}", "--set", "log.progress=false"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]
