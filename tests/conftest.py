@@ -10,4 +10,4 @@ def default_dataset(tmp_path_factory):
     from pentatron.data.tokenize import ensure_default_dataset
 
     return ensure_default_dataset(tmp_path_factory.mktemp("data-cache"), vocab_size=4096,
-                                  max_bytes=SMALL_CORPUS_BYTES)
+                                  max_bytes=SMALL_CORPUS_BYTES, progress=False)

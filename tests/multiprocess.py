@@ -54,6 +54,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
         for p in procs:
             p.start()
         outs: dict[int, Any] = {}
+        ok = False
         try:
             while len(outs) < world_size:
                 try:
@@ -64,9 +65,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
                 if not ok:
                     raise RankFailed(f"rank {rank} failed:\n{payload}")
                 outs[rank] = payload
+            ok = True
         finally:
+            # After a failure the other ranks are usually blocked in a collective: stop them now.
             for p in procs:
-                p.join(timeout=10)
+                p.join(timeout=30 if ok else 0.5)
                 if p.is_alive():
                     p.kill()
+                    p.join()
     return [outs[r] for r in range(world_size)]

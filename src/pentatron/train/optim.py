@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -10,56 +11,100 @@ from torch import nn
 from pentatron.config import TrainConfig
 
 
-class MixedPrecisionAdamW:
-    """AdamW that steps fp32 master weights from the fp32 `main_grad`s and copies the result back
-    into the (possibly bf16) model parameters. With fp32 parameters the master *is* the parameter.
-    Norm gains (1-D tensors) get no weight decay."""
+@dataclass(eq=False)
+class Slot:
+    """One tensor the optimizer updates: a whole parameter, or (ZeRO) one rank's piece of it.
 
-    def __init__(self, params: list[nn.Parameter], cfg: TrainConfig, master_dtype: torch.dtype) -> None:
-        self.params = params
-        self.master = [p if p.dtype == master_dtype else p.detach().to(master_dtype).clone() for p in params]
-        decay = [m for m in self.master if m.ndim >= 2]
-        no_decay = [m for m in self.master if m.ndim < 2]
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        self.inner = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
-                                       betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    `master` is the fp32 tensor stepped in place, `grad` its fp32 gradient (same shape), `model` the
+    lower-precision copy to refresh after the step (None when the master *is* the model's storage),
+    `key` the checkpoint name ("<param name>" or "<param name>[lo:hi]" for a piece of the flattened
+    parameter)."""
+
+    key: str
+    master: torch.Tensor
+    grad: torch.Tensor
+    model: torch.Tensor | None
+    decay: bool
+
+
+class AdamW:
+    """AdamW over `Slot`s (torch's implementation, so the arithmetic is torch's). Weight decay is
+    decoupled and per element, so stepping a parameter whole or in pieces gives identical values."""
+
+    def __init__(self, slots: list[Slot], cfg: TrainConfig) -> None:
+        self.slots = slots
+        self.master = [s.master for s in slots]
+        groups = [{"params": [s.master for s in slots if s.decay], "weight_decay": cfg.weight_decay},
+                  {"params": [s.master for s in slots if not s.decay], "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]] or [{"params": [torch.zeros(0)], "weight_decay": 0.0}]
+        self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
         for g in self.inner.param_groups:
             g["lr"] = lr
-        for m, p in zip(self.master, self.params):
-            m.grad = p.main_grad
+        for s in self.slots:
+            s.master.grad = s.grad
         self.inner.step()
-        for m, p in zip(self.master, self.params):
+        for s in self.slots:
             # Drop the alias: autograd must never accumulate into main_grad through `.grad`.
-            m.grad = None
-            if m is not p:
-                p.copy_(m)
+            s.master.grad = None
+            if s.model is not None:
+                s.model.copy_(s.master)
 
-    def named_state(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The optimizer state as {"<param name>.<field>": tensor}, keyed by parameter name so a
+    def named_state(self) -> dict[str, torch.Tensor]:
+        """The optimizer state as {"<slot key>.<field>": tensor}, keyed by parameter name so a
         checkpoint does not depend on parameter order. Tensors are the live state: loading into
         them in place restores the optimizer. Fresh state is created (zeros, step 0) if needed."""
         out: dict[str, torch.Tensor] = {}
-        for name, m, p in zip(names, self.master, self.params):
-            state = self.inner.state[m]
+        for s in self.slots:
+            state = self.inner.state[s.master]
             if not state:
-                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(m),
-                             exp_avg_sq=torch.zeros_like(m))
+                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(s.master),
+                             exp_avg_sq=torch.zeros_like(s.master))
             for key in ("step", "exp_avg", "exp_avg_sq"):
-                out[f"{name}.{key}"] = state[key]
-            if m is not p:
-                out[f"{name}.master"] = m
+                out[f"{s.key}.{key}"] = state[key]
+            if s.model is not None:
+                out[f"{s.key}.master"] = s.master
         return out
 
     @torch.no_grad()
-    def load_named_state(self, state: dict[str, torch.Tensor], names: list[str]) -> None:
+    def load_named_state(self, state: dict[str, torch.Tensor] | None = None) -> None:
         """Finish a restore done in place into `named_state()`'s tensors: refresh the model copies."""
-        for m, p in zip(self.master, self.params):
-            if m is not p:
-                p.copy_(m)
+        for s in self.slots:
+            if s.model is not None:
+                s.model.copy_(s.master)
+
+    def state_bytes(self) -> int:
+        """Bytes of Adam moments (allocated lazily by torch; counted as they will be after step 1)."""
+        return sum(2 * s.master.numel() * s.master.element_size() for s in self.slots)
+
+
+class MixedPrecisionAdamW(AdamW):
+    """AdamW that steps fp32 master weights from the fp32 `main_grad`s and copies the result back
+    into the (possibly bf16) model parameters. With fp32 parameters the master *is* the parameter.
+    Norm gains (1-D tensors) get no weight decay."""
+
+    def __init__(self, params: list[nn.Parameter], cfg: TrainConfig, master_dtype: torch.dtype,
+                 names: list[str] | None = None) -> None:
+        names = names or [str(i) for i in range(len(params))]
+        self.params = params
+        slots = []
+        for name, p in zip(names, params):
+            master = p if p.dtype == master_dtype else p.detach().to(master_dtype).clone()
+            slots.append(Slot(name, master, p.main_grad, None if master is p else p, p.ndim >= 2))
+        super().__init__(slots, cfg)
+
+    def named_state(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        if names is not None:  # keys are the slot keys; accept the legacy argument for callers
+            for s, n in zip(self.slots, names):
+                s.key = n
+        return super().named_state()
+
+    @torch.no_grad()
+    def load_named_state(self, state: dict[str, torch.Tensor] | None = None,
+                         names: list[str] | None = None) -> None:
+        super().load_named_state(state)
 
 
 def grad_norm_squared(grads: list[torch.Tensor]) -> torch.Tensor:

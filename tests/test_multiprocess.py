@@ -1,0 +1,39 @@
+"""The multi-process helper every parity test builds on: real gloo ranks, errors and hangs reported."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.multiprocess import RankFailed, run_ranks
+
+
+def _all_reduce_rank(rank: int, world_size: int, scale: float) -> float:
+    t = torch.tensor([float(rank) * scale])
+    dist.all_reduce(t)
+    return float(t)
+
+
+def _fail_on_rank_1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()
+
+
+def _hang(rank: int, world_size: int) -> None:
+    time.sleep(30)
+
+
+def test_ranks_really_communicate():
+    assert run_ranks(_all_reduce_rank, 4, args=(2.0,)) == [12.0] * 4
+
+
+def test_a_failing_rank_is_reported_with_its_traceback():
+    with pytest.raises(RankFailed, match=r"rank 1 failed:(.|\n)*boom on purpose"):
+        run_ranks(_fail_on_rank_1, 2, timeout=60)
+
+
+def test_a_hang_fails_instead_of_blocking():
+    with pytest.raises(RankFailed, match="did not finish within 3s"):
+        run_ranks(_hang, 2, timeout=3)
