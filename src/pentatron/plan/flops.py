@@ -168,24 +168,35 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, *, moe: MoESpec | None
 
 
 def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Recompute, *,
-                              causal: bool = False, moe: MoESpec | None = None) -> float:
-    """Extra forward work re-done in backward. selective: the attention core (scores, softmax, PV), the
-    Korthikanti et al. 2022 choice; full: every decoder layer's forward (the LM head is not checkpointed)."""
+                              causal: bool = False, moe: MoESpec | None = None,
+                              attention: str = "flash") -> float:
+    """Extra forward work replayed in backward by torch's non-reentrant checkpoint, which stops once
+    every tensor the backward needs is rebuilt (early stop), so a region's trailing ops whose outputs are
+    not saved are not replayed.
+    selective (checkpointed `attn.core`): with a fused kernel (`attention="flash"`, GPU) the whole
+    attention forward reruns; with the math path (meta/CPU) only QK^T does (PV's output is not saved).
+    full (checkpointed decoder block): the block forward except the MLP down projection (its output
+    only feeds the residual add). MoE layers are charged in full (the combine needs expert outputs)."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
+    if attention not in ("flash", "math"):
+        raise ValueError(f"attention must be 'flash' or 'math', got {attention!r}")
     fb = flop_breakdown(cfg, seq_len, causal=causal, moe=moe)
     if recompute == "none":
         return 0.0
     if recompute == "selective":
-        return fb.attention
-    return fb.layers_matmul + fb.attention
+        return fb.attention if attention == "flash" else fb.attention / 2
+    moe = moe_of(cfg, moe)
+    dense_layers = cfg.n_layers if moe is None else min(cfg.n_layers, moe.first_dense_layers)
+    down = 2.0 * cfg.hidden_size * cfg.ffn_hidden_size * dense_layers
+    return fb.layers_matmul + fb.attention - down
 
 
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Recompute = "none", *,
-                             moe: MoESpec | None = None) -> float:
+                             moe: MoESpec | None = None, attention: str = "flash") -> float:
     """Model FLOPs plus recomputation, same counting convention: the HFU numerator."""
-    return model_flops_per_token(cfg, seq_len, moe=moe) + recompute_flops_per_token(cfg, seq_len, recompute,
-                                                                                     moe=moe)
+    return model_flops_per_token(cfg, seq_len, moe=moe) + recompute_flops_per_token(
+        cfg, seq_len, recompute, moe=moe, attention=attention)
 
 
 def executed_phase_flops(cfg: ModelConfig, seq_len: int, recompute: Recompute = "none", *,

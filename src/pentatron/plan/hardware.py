@@ -45,6 +45,10 @@ class GPUSpec:
     matmul_efficiency: float = 0.75
     # Fraction of link bandwidth NCCL's ring/tree algorithms reach as bus bandwidth (nccl-tests).
     collective_efficiency: float = 0.80
+    # Streaming multiprocessors: GEMM tiles are spread over them in waves (wave quantisation).
+    sm_count: int = 132
+    # Fraction of peak a fused attention kernel reaches, forward and backward (FlashAttention papers).
+    attention_efficiency: tuple[float, float] = (0.70, 0.55)
     # Optional measured bus-bandwidth curves (from `pentatron bench`), replacing the link model above.
     measured_busbw: BusBwTable = field(default_factory=dict)
     source: str = ""
@@ -52,6 +56,8 @@ class GPUSpec:
     def flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for `dtype` ("bf16", "fp8", ...); KeyError naming what this GPU has."""
         key = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
+        if key == "tf32" and key not in self.peak_flops and "fp32" in self.peak_flops:
+            key = "fp32"  # no TF32 units (CPUs, bench profiles): fp32 matmuls run at the fp32 rate
         if key not in self.peak_flops:
             raise KeyError(f"{self.name} has no {dtype!r} peak; known: {', '.join(sorted(self.peak_flops))}")
         return self.peak_flops[key]
@@ -69,6 +75,11 @@ class GPUSpec:
             v = getattr(self, f)
             if not 0 < v <= 1:
                 out.append(f"hardware {self.name!r}: {f} must be in (0, 1], got {v!r}")
+        if not all(0 < x <= 1 for x in self.attention_efficiency):
+            out.append(f"hardware {self.name!r}: attention_efficiency must be in (0, 1], "
+                       f"got {self.attention_efficiency}")
+        if self.sm_count < 1:
+            out.append(f"hardware {self.name!r}: sm_count must be >= 1, got {self.sm_count}")
         return out
 
 
@@ -91,6 +102,9 @@ _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float3
 #        compute/accelerator/benchmarks/mamf-finder.py): A100 SXM ~87%, H100 SXM ~80% of dense peak.
 #        B200 figure is an assumption carried over from H100 until measured.
 #  collective_efficiency: nccl-tests all_reduce bus bandwidth ~ 80% of NVLink/IB line rate at >=256 MB.
+#  sm_count: A100 108, H100 SXM/H200 132 (NVIDIA Hopper/Ampere whitepapers), B200 148 (2 dies x 74).
+#  attention_efficiency: FlashAttention-2 (Dao 2023): A100 fwd up to 73%, bwd up to 63% of peak;
+#        FlashAttention-3 (Shah et al. 2024): H100 bf16 fwd ~740 TF (75%), bwd ~60%; B200 assumed as H100.
 #  HBM capacity is the nominal GiB; torch reports slightly less (e.g. 79.1 GiB on an H100 80GB).
 _CATALOGUE: dict[str, GPUSpec] = {
     "a100-40gb": GPUSpec(
@@ -99,6 +113,7 @@ _CATALOGUE: dict[str, GPUSpec] = {
         hbm_bytes=40 * GiB, hbm_bandwidth=1555 * GB, gpus_per_node=8,
         intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
         intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.87,
+        sm_count=108, attention_efficiency=(0.73, 0.63),
         source="NVIDIA A100 datasheet; DGX A100 user guide"),
     "a100-80gb": GPUSpec(
         name="a100-80gb",
@@ -106,6 +121,7 @@ _CATALOGUE: dict[str, GPUSpec] = {
         hbm_bytes=80 * GiB, hbm_bandwidth=2039 * GB, gpus_per_node=8,
         intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
         intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.87,
+        sm_count=108, attention_efficiency=(0.73, 0.63),
         source="NVIDIA A100 datasheet; DGX A100 user guide"),
     "h100-sxm": GPUSpec(
         name="h100-sxm",
@@ -114,6 +130,7 @@ _CATALOGUE: dict[str, GPUSpec] = {
         hbm_bytes=80 * GiB, hbm_bandwidth=3350 * GB, gpus_per_node=8,
         intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
         intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.80,
+        sm_count=132, attention_efficiency=(0.75, 0.60),
         source="NVIDIA H100 datasheet; DGX H100 user guide"),
     "h200": GPUSpec(
         name="h200",
@@ -122,6 +139,7 @@ _CATALOGUE: dict[str, GPUSpec] = {
         hbm_bytes=141 * GiB, hbm_bandwidth=4800 * GB, gpus_per_node=8,
         intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
         intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.80,
+        sm_count=132, attention_efficiency=(0.75, 0.60),
         source="NVIDIA H200 datasheet; DGX H200 user guide"),
     "b200": GPUSpec(
         name="b200",
@@ -130,6 +148,7 @@ _CATALOGUE: dict[str, GPUSpec] = {
         hbm_bytes=180 * GiB, hbm_bandwidth=8000 * GB, gpus_per_node=8,
         intra_node_bandwidth=900 * GB, inter_node_bandwidth=50 * GB,
         intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.80,
+        sm_count=148, attention_efficiency=(0.75, 0.60),
         source="NVIDIA DGX B200 datasheet; HGX B200 specification"),
 }
 
@@ -187,6 +206,7 @@ _TOML_SCALARS = {
     "inter_node_latency_us": ("inter_node_latency", US),
     "matmul_efficiency": ("matmul_efficiency", 1),
     "collective_efficiency": ("collective_efficiency", 1),
+    "sm_count": ("sm_count", 1),
 }
 
 
@@ -219,7 +239,13 @@ def hardware_from_dict(d: dict[str, Any], where: str = "hardware") -> GPUSpec:
             if not isinstance(v, int | float) or isinstance(v, bool):
                 problems.append(f"{where}: {key} must be a number, got {v!r}")
                 continue
-            kw[attr] = int(v * scale) if attr in ("hbm_bytes", "gpus_per_node") else float(v * scale)
+            kw[attr] = int(v * scale) if attr in ("hbm_bytes", "gpus_per_node", "sm_count") else float(v * scale)
+    ae = d.pop("attention_efficiency", None)
+    if ae is not None:
+        if not (isinstance(ae, list) and len(ae) == 2 and all(isinstance(x, int | float) for x in ae)):
+            problems.append(f"{where}: attention_efficiency must be [forward, backward] fractions")
+        else:
+            kw["attention_efficiency"] = (float(ae[0]), float(ae[1]))
     d.pop("measured", None)  # free-form bench metadata (host, torch version, ...)
     if d:
         problems.append(f"{where}: unknown key(s): {', '.join(sorted(d))}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 from typing import Any
 
 from pentatron.models.config import ModelConfig
@@ -129,6 +130,8 @@ def problems(w: Workload, lay: Layout, gpu: GPUSpec, gpus: int | None = None) ->
     chunks = lay.pp * lay.pp_virtual
     if chunks > cfg.n_layers:
         out.append(f"pp*v={chunks} pipeline chunks exceed the {cfg.n_layers} layers")
+    elif lay.pp_virtual > 1 and cfg.n_layers % chunks:
+        out.append(f"interleaved: the {cfg.n_layers} layers do not divide into pp*v={chunks} equal chunks")
     if lay.pp_schedule not in PP_SCHEDULES:
         out.append(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got {lay.pp_schedule!r}")
     if lay.pp_virtual > 1 and lay.pp_schedule != "interleaved":
@@ -160,15 +163,20 @@ def compute_dtype(precision: str) -> str:
     return _dtype_key(precision)
 
 
-def layers_per_chunk(n_layers: int, chunks: int) -> list[int]:
-    """Decoder layers of each pipeline chunk (global stage order), as even as possible, extra layers on
-    the middle stages so the first (embedding) and last (LM head) stages are not the heaviest."""
-    base, extra = divmod(n_layers, chunks)
-    out = [base] * chunks
-    order = sorted(range(chunks), key=lambda s: (s in (0, chunks - 1), abs(s - (chunks - 1) / 2)))
-    for s in order[:extra]:
-        out[s] += 1
-    return out
+@lru_cache(maxsize=1024)
+def layers_per_chunk(cfg: ModelConfig, seq_len: int, pp: int, v: int = 1) -> tuple[int, ...]:
+    """Decoder layers of each pipeline chunk (global stage order), exactly as the pipeline engine will
+    partition them (`parallel/pipeline/stages.py`): equal chunks for interleaving, otherwise balanced by
+    its cost estimate, in which the embedding and the LM head count like layers."""
+    from pentatron.parallel.pipeline.stages import StageCosts, partition
+
+    chunks = pp * v
+    if chunks <= 1:
+        return (cfg.n_layers,)
+    if v > 1 or cfg.n_layers < chunks:
+        base, extra = divmod(cfg.n_layers, chunks)  # only reached for layouts `problems` rejects, or even
+        return tuple(base + (1 if i < extra else 0) for i in range(chunks))
+    return tuple(len(r) for r in partition(cfg.n_layers, chunks, costs=StageCosts.of(cfg, seq_len)))
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -262,58 +262,80 @@ def _deps(s: Schedule, r: int, a: Action) -> list[tuple[str, int, int]]:
 
 
 def simulate(s: Schedule, cost_f: float | Sequence[float] = 1.0, cost_b: float | Sequence[float] = 1.0,
-             cost_w: float | Sequence[float] = 1.0, comm: float = 0.0) -> Timeline:
+             cost_w: float | Sequence[float] = 1.0, comm: float = 0.0, *, record: bool = True) -> Timeline:
     """Execute the schedule in list order with the given per-stage costs (scalar = uniform; a sequence has
     one entry per global stage). `cost_b` is the input-gradient pass; a BW costs cost_b + cost_w. `comm`
     is added to every dependency that crosses ranks. Raises ScheduleError on a broken or deadlocking
-    schedule."""
+    schedule. `record=False` skips the per-action slots (faster, for the planner's search)."""
     _check_structure(s)
-    n = s.n_stages
+    n, m, p = s.n_stages, s.m, s.p
     cf, cb, cw = _per_stage(cost_f, n, "cost_f"), _per_stage(cost_b, n, "cost_b"), _per_stage(cost_w, n, "cost_w")
     cost = {F: cf, B: cb, W: cw, BW: [x + y for x, y in zip(cb, cw, strict=True)]}
-    done: dict[tuple[str, int, int], float] = {}
-    ptr, free = [0] * s.p, [0.0] * s.p
-    slots: list[list[Slot]] = [[] for _ in range(s.p)]
-    busy = [0.0] * s.p
-    left = sum(len(a) for a in s.actions)
+    # Event ids: forward done (stage, mb) -> st*m+i; input-gradient done -> (n+st)*m+i.
+    nev = 2 * n * m
+    done = [-1.0] * nev
+    plans = []  # per rank: (duration, produced event ids, [(dep event id, extra delay)])
+    for r in range(p):
+        plan = []
+        for a in s.actions[r]:
+            st, i = s.stage(r, a.chunk), a.microbatch
+            deps = []
+            if a.kind == F:
+                if st > 0:
+                    deps.append(((st - 1) * m + i, comm if s.rank_of(st - 1) != r else 0.0))
+                prod = st * m + i
+            elif a.kind == W:
+                deps.append(((n + st) * m + i, 0.0))
+                prod = -1
+            else:
+                deps.append((st * m + i, 0.0))
+                if st < n - 1:
+                    deps.append(((n + st + 1) * m + i, comm if s.rank_of(st + 1) != r else 0.0))
+                prod = (n + st) * m + i
+            plan.append((cost[a.kind][st], prod, deps))
+        plans.append(plan)
+    ptr, free = [0] * p, [0.0] * p
+    slots: list[list[Slot]] = [[] for _ in range(p)]
+    busy = [0.0] * p
+    left = sum(len(x) for x in plans)
     while left:
         progressed = False
-        for r in range(s.p):
-            acts = s.actions[r]
-            while ptr[r] < len(acts):
-                a = acts[ptr[r]]
-                start = free[r]
-                ready = True
-                for kind, st, i in _deps(s, r, a):
-                    end = done.get((kind, st, i))
-                    if end is None:
-                        ready = False
+        for r in range(p):
+            plan, k = plans[r], ptr[r]
+            t_free = free[r]
+            while k < len(plan):
+                dur, prod, deps = plan[k]
+                start = t_free
+                for ev, delay in deps:
+                    end = done[ev]
+                    if end < 0:
                         break
-                    start = max(start, end + (comm if s.rank_of(st) != r else 0.0))
-                if not ready:
-                    break
-                st = s.stage(r, a.chunk)
-                end = start + cost[a.kind][st]
-                slots[r].append(Slot(r, a, start, end))
-                busy[r] += end - start
-                free[r] = end
-                if a.kind == F:
-                    done[("F", st, a.microbatch)] = end
-                if a.kind in (B, BW):
-                    done[("B", st, a.microbatch)] = end
-                ptr[r] += 1
-                left -= 1
+                    if end + delay > start:
+                        start = end + delay
+                else:
+                    t_free = start + dur
+                    if prod >= 0:
+                        done[prod] = t_free
+                    if record:
+                        slots[r].append(Slot(r, s.actions[r][k], start, t_free))
+                    busy[r] += dur
+                    k += 1
+                    continue
+                break
+            if k != ptr[r]:
+                left -= k - ptr[r]
+                ptr[r], free[r] = k, t_free
                 progressed = True
         if not progressed:
             stuck = []
-            for r in range(s.p):
+            for r in range(p):
                 if ptr[r] < len(s.actions[r]):
                     a = s.actions[r][ptr[r]]
-                    need = [f"{k}{i} of stage {st}" for k, st, i in _deps(s, r, a) if (k, st, i) not in done]
+                    need = [f"{k}{i} of stage {st}" for k, st, i in _deps(s, r, a)
+                            if done[(st if k == "F" else n + st) * m + i] < 0]
                     stuck.append(f"rank {r} at {a} waits for {', '.join(need)}")
             raise ScheduleError(f"{s.name}: deadlock: " + "; ".join(stuck))
-    makespan = max(free) if s.p else 0.0
-    return Timeline(s.p, slots, makespan, busy, s.name)
+    return Timeline(p, slots, max(free) if p else 0.0, busy, s.name)
 
 
 def validate(s: Schedule) -> None:
@@ -336,6 +358,50 @@ def peak_in_flight(s: Schedule) -> list[int]:
                 cur -= 1
         out.append(peak)
     return out
+
+
+def peak_awaiting_backward(s: Schedule, rank: int, chunk: int) -> int:
+    """Most micro-batches of one (rank, chunk) whose forward has run and whose input-gradient pass (B or
+    BW) has not: how many copies of state freed by B (e.g. the last stage's loss) the chunk holds."""
+    cur = peak = 0
+    for a in s.actions[rank]:
+        if a.chunk != chunk:
+            continue
+        if a.kind == F:
+            cur += 1
+            peak = max(peak, cur)
+        elif a.kind in (B, BW):
+            cur -= 1
+    return peak
+
+
+def peak_in_flight_closed(name: str, p: int, m: int, v: int = 1) -> list[int]:
+    """`peak_in_flight` of a generated schedule without generating it (the planner's search asks for
+    thousands): AFAB m; 1F1B min(p - r, m); ZB-H1 min(p, m); interleaved min(2(p-1-r) + (v-1)p + 1, mv)
+    (every forward first when m == p). Tests check these against the schedules themselves."""
+    key = name.lower().replace("_", "-")
+    if key in ("afab", "gpipe"):
+        return [m] * p
+    if key in ("1f1b", "one-f-one-b") or (key in ("interleaved", "interleaved-1f1b") and v == 1):
+        return [min(p - r, m) for r in range(p)]
+    if key in ("zb", "zb-h1", "zero-bubble"):
+        return [min(p, m)] * p
+    if key in ("interleaved", "interleaved-1f1b"):
+        if m == p:
+            return [m * v] * p
+        return [min(2 * (p - 1 - r) + (v - 1) * p + 1, m * v) for r in range(p)]
+    raise ScheduleError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
+
+
+def last_stage_awaiting_backward_closed(name: str, p: int, m: int, v: int = 1) -> int:
+    """`peak_awaiting_backward` of the last stage (rank p-1, chunk v-1), which holds the loss: AFAB m;
+    1F1B and ZB-H1 1 (B follows F at once); interleaved 1, or m when m == p (all forwards first)."""
+    key = name.lower().replace("_", "-")
+    if key in ("afab", "gpipe") or (key in ("interleaved", "interleaved-1f1b") and v > 1 and m == p):
+        return m
+    if key in ("1f1b", "one-f-one-b", "zb", "zb-h1", "zero-bubble", "interleaved", "interleaved-1f1b"):
+        return 1
+    raise ScheduleError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
 
 
 def bubble_fraction(name: str, p: int, m: int, v: int = 1, *, t_f: float = 1.0, t_b: float = 1.0,

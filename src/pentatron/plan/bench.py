@@ -1,0 +1,305 @@
+"""`pentatron bench`: measure this machine and write a hardware profile the planner reads instead of
+datasheet numbers.
+
+Measured: dense matmul FLOP/s (bf16 and fp32/TF32), memory-copy bandwidth, and the bus bandwidth of
+all-reduce / all-gather / reduce-scatter by message size over N local processes (gloo on CPU, NCCL
+on GPU), through the project's comm layer. Bus bandwidth follows nccl-tests: algorithm bandwidth
+(payload / time) times 2(n-1)/n for all-reduce and (n-1)/n for all-gather and reduce-scatter, so it
+is comparable across group sizes and with link speeds. Only one machine is measured: inter-node
+figures stay those of the catalogue entry (or equal the intra-node ones on an unknown device).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pentatron.plan.hardware import GB, GiB, detect_gpu
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+class BenchError(ValueError):
+    """The requested measurement cannot run here (reported as an input error)."""
+
+
+@dataclass
+class BenchResult:
+    device: str
+    device_name: str
+    nproc: int
+    backend: str
+    matmul_flops: dict[str, float]  # dtype -> FLOP/s
+    copy_bandwidth: float  # bytes/s (read + write)
+    memory_bytes: int
+    busbw: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # op -> [(bytes, B/s)]
+    torch_version: str = torch.__version__
+    host: str = field(default_factory=platform.node)
+    when: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        lines = [f"device: {self.device_name} ({self.device}), {self.nproc} process(es), backend {self.backend}"]
+        for k, v in self.matmul_flops.items():
+            lines.append(f"  matmul {k:<5} {v / 1e12:10.3f} TFLOP/s")
+        lines.append(f"  memory copy  {self.copy_bandwidth / GB:10.2f} GB/s")
+        for op, pts in self.busbw.items():
+            best = max(b for _, b in pts)
+            lines.append(f"  {op:<14} bus bandwidth up to {best / GB:.2f} GB/s "
+                         f"({_size(pts[0][0])} .. {_size(pts[-1][0])})")
+        if self.nproc < 2:
+            lines.append("  collectives: skipped (one process)")
+        return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    for unit, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= s:
+            return f"{n / s:g} {unit}"
+    return f"{n:g} B"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Any, device: torch.device, seconds: float, min_iters: int = 3) -> float:
+    """Mean seconds per call: one warm-up, then repeat until the budget is used (at least min_iters)."""
+    fn()
+    _sync(device)
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        if n >= min_iters:
+            _sync(device)
+            if time.perf_counter() - t0 >= seconds:
+                break
+    _sync(device)
+    return (time.perf_counter() - t0) / n
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype, n: int, seconds: float) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    t = _timed(lambda: torch.mm(a, b, out=out), device, seconds)
+    return 2 * n**3 / t
+
+
+def measure_copy(device: torch.device, nbytes: int, seconds: float) -> float:
+    src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    t = _timed(lambda: dst.copy_(src), device, seconds)
+    return 2 * nbytes / t  # read + write
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 * GiB
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sizes(max_bytes: int) -> list[int]:
+    out, n = [], 4096
+    while n <= max_bytes:
+        out.append(n)
+        n *= 4
+    return out or [max_bytes]
+
+
+def _timed_collective(fn: Any, comm: Any, device: torch.device, seconds: float) -> float:
+    """Like `_timed`, but every rank must run the same number of calls: calibrate, agree on the largest
+    count (all-reduce max), then time."""
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(2):
+        fn()
+    _sync(device)
+    per = max((time.perf_counter() - t0) / 2, 1e-7)
+    n = torch.tensor([float(min(1000, max(3, int(seconds / per))))], device=device)
+    comm.all_reduce(n, "dp", op="max")
+    iters = int(n.item())
+    comm.barrier("dp")
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / iters
+
+
+def _collective_worker(rank: int, world: int, port: int, device_type: str, max_bytes: int, seconds: float,
+                       out_path: str) -> None:
+    """One process of the collective benchmark; rank 0 writes the result file."""
+    import torch.distributed as dist
+
+    from pentatron.distributed.context import Degrees, ParallelContext
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # *_tensor collective names, torch >= 2.12
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world)
+    try:
+        ctx = ParallelContext.from_degrees(Degrees(dp=world), device)
+        comm = ctx.comm
+        results: dict[str, list[tuple[int, float]]] = {op: [] for op in OPS}
+        sizes = _sizes(max_bytes)
+        budget = seconds / max(1, len(sizes))
+        for size in sizes:
+            n = max(world, size // 4 // world * world)  # float32 elements, divisible by the group
+            full = torch.ones(n, device=device)
+            shard = torch.ones(n // world, device=device)
+            payload = n * 4
+            calls = {
+                "all_reduce": lambda full=full: comm.all_reduce(full, "dp"),
+                "all_gather": lambda full=full, shard=shard: comm.all_gather(full, shard, "dp"),
+                "reduce_scatter": lambda full=full, shard=shard: comm.reduce_scatter(shard, full, "dp"),
+            }
+            for op in OPS:
+                t = _timed_collective(calls[op], comm, device, budget)
+                factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+                results[op].append((payload, payload * factor / t))
+            comm.ledger.begin_step()  # the ledger is per step: do not let it grow across sizes
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: int | None = None,
+                   seconds: float = 0.1) -> BenchResult:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda: no CUDA device is available")
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    if nproc is None:
+        nproc = torch.cuda.device_count() if device == "cuda" else 2
+    if device == "cuda" and nproc > torch.cuda.device_count():
+        raise BenchError(f"--nproc {nproc} exceeds the {torch.cuda.device_count()} CUDA devices")
+    max_bytes = max_bytes or (256 * 2**20 if device == "cuda" else 2**20)
+    if device == "cuda":
+        name = torch.cuda.get_device_name(dev)
+        flops = {"bf16": measure_matmul(dev, torch.bfloat16, 8192, seconds),
+                 "tf32": measure_matmul(dev, torch.float32, 4096, seconds)}
+        copy = measure_copy(dev, 1 * GiB, seconds)
+    else:
+        name = platform.processor() or platform.machine() or "cpu"
+        flops = {"fp32": measure_matmul(dev, torch.float32, 512, seconds),
+                 "bf16": measure_matmul(dev, torch.bfloat16, 256, seconds)}
+        copy = measure_copy(dev, 64 * 2**20, seconds)
+    result = BenchResult(device, name, nproc, "nccl" if device == "cuda" else "gloo", flops, copy,
+                         _memory_bytes(dev))
+    if nproc >= 2:
+        import torch.multiprocessing as mp
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "busbw.json")
+            mp.spawn(_collective_worker, args=(nproc, _free_port(), device, max_bytes, seconds * 3, out),
+                     nprocs=nproc, join=True)
+            result.busbw = {op: [tuple(x) for x in pts] for op, pts in json.loads(Path(out).read_text()).items()}
+    return result
+
+
+def profile_dict(r: BenchResult) -> dict[str, Any]:
+    """The profile in `load_hardware_toml`'s layout (human units)."""
+    known = detect_gpu(r.device_name) if r.device == "cuda" else None
+    gpu: dict[str, Any] = {"name": f"bench-{known.name if known else r.device}",
+                           "source": f"pentatron bench on {r.host} ({r.device_name}), {r.when}"}
+    best_bus = max((b for pts in r.busbw.values() for _, b in pts), default=r.copy_bandwidth)
+    if known is not None:
+        # keep the datasheet peak (the MFU denominator); the measurement sets the achievable fraction
+        gpu["base"] = known.name
+        gpu["matmul_efficiency"] = round(min(1.0, r.matmul_flops["bf16"] / known.peak_flops["bf16"]), 4)
+    else:
+        gpu["peak_tflops"] = {k: v / 1e12 for k, v in r.matmul_flops.items()}
+        gpu["matmul_efficiency"] = 1.0
+        gpu["sm_count"] = 1 if r.device == "cpu" else 132
+        gpu["inter_node_bandwidth_gb_s"] = best_bus / GB  # not measurable on one machine
+        gpu["collective_efficiency"] = 1.0
+    gpu["hbm_gib"] = r.memory_bytes / GiB
+    gpu["hbm_bandwidth_gb_s"] = r.copy_bandwidth / GB
+    gpu["gpus_per_node"] = max(1, r.nproc)
+    gpu["intra_node_bandwidth_gb_s"] = best_bus / GB
+    if r.busbw:
+        gpu["busbw"] = {op: {"bytes": [s for s, _ in pts], "gb_s": [b / GB for _, b in pts]}
+                        for op, pts in r.busbw.items()}
+    gpu["measured"] = {"host": r.host, "when": r.when, "torch": r.torch_version, "device": r.device_name,
+                       "nproc": r.nproc, "backend": r.backend}
+    return {"gpu": gpu}
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v) if isinstance(v, int) else f"{v:.6g}"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def to_toml(d: dict[str, Any]) -> str:
+    """Minimal TOML writer for the profile's nesting (tables of scalars, lists and inline tables)."""
+    lines: list[str] = []
+
+    def table(prefix: str, t: dict[str, Any]) -> None:
+        scalars = {k: v for k, v in t.items() if not (isinstance(v, dict) and k in ("busbw", "measured", "gpu"))
+                   and not (isinstance(v, dict) and all(isinstance(x, dict) for x in v.values()) and v)}
+        subs = {k: v for k, v in t.items() if k not in scalars}
+        if prefix:
+            lines.append(f"[{prefix}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items())
+        lines.append("")
+        for k, v in subs.items():
+            table(f"{prefix}.{k}" if prefix else k, v)
+
+    table("", d)
+    return "\n".join(lines).strip() + "\n"
+
+
+def write_profile(r: BenchResult, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof = profile_dict(r)
+    if path.suffix == ".json":
+        path.write_text(json.dumps(prof, indent=2) + "\n")
+    else:
+        path.write_text("# Hardware profile measured by `pentatron bench`; read by `pentatron plan "
+                        "--hardware-profile`.\n" + to_toml(prof))
+    return path

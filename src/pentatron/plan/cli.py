@@ -1,0 +1,403 @@
+"""`pentatron plan` and `pentatron bench` sub-commands (registered by the top-level `pentatron.cli`).
+
+Exit codes: 0 a prediction was printed; 1 nothing fits / --verify disagreed beyond 2% / bench failed;
+2 bad input (one line on stderr naming the flag, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+KNOB_FLAGS = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "pp_virtual", "micro_batch", "recompute")
+
+
+class InputError(ValueError):
+    """Bad user input: reported as one line, exit code 2."""
+
+
+def _fail(cmd: str, msg: str) -> int:
+    print(f"pentatron {cmd}: error: {msg}", file=sys.stderr)
+    return 2
+
+
+_SUFFIX = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+_SUFFIX_DEC = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9, "t": 10**12}
+
+
+def parse_count(text: str, flag: str, *, binary: bool = True) -> int:
+    """'4M' -> 4*2^20 for batch sizes (binary, as token batches are powers of two in practice), or
+    4*10^6 with binary=False (training-token totals like '15T'); plain integers and 4e6 are literal."""
+    s = str(text).strip().lower().replace("_", "").replace(",", "")
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgtb]?)i?", s)
+    try:
+        if m and m.group(2):
+            table = _SUFFIX if binary and m.group(2) != "b" else _SUFFIX_DEC
+            val = float(m.group(1)) * table[m.group(2)]
+        else:
+            val = float(s)
+    except (ValueError, KeyError):
+        raise InputError(f"{flag}: cannot read {text!r} as a count (e.g. 4M, 1048576, 4e6)") from None
+    if val <= 0 or val != int(val):
+        raise InputError(f"{flag}: {text!r} must be a positive whole number")
+    return int(val)
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan", help="predict memory, step time and the best mesh for a model on N GPUs",
+        description="Search every valid (dp, tp, pp, cp, ep, ZeRO, micro-batch, recompute, schedule) layout "
+                    "and rank them by predicted throughput, or evaluate one layout when any of the layout "
+                    "flags is given (the others are searched). See docs/planner.md.")
+    m = p.add_argument_group("model (a registry name, a TOML file, or an explicit shape)")
+    m.add_argument("--model", help="registry name, e.g. llama3-70b")
+    m.add_argument("--model-file", help="TOML with the ModelConfig fields (optionally under [model])")
+    for flag, hlp in (("--layers", "decoder layers"), ("--hidden", "hidden size"), ("--heads", "attention heads"),
+                      ("--kv-heads", "KV heads (default: heads)"), ("--ffn-hidden", "MLP width"),
+                      ("--vocab", "vocabulary size")):
+        m.add_argument(flag, type=int, help=hlp)
+    m.add_argument("--mlp", choices=("swiglu", "gelu"), help="MLP kind (default swiglu)")
+    m.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
+    m.add_argument("--experts", type=int, help="MoE: routed experts")
+    m.add_argument("--top-k", type=int, help="MoE: experts per token")
+    m.add_argument("--expert-ffn-hidden", type=int, help="MoE: expert MLP width (default --ffn-hidden)")
+    m.add_argument("--shared-experts", type=int, default=0, help="MoE: always-on shared experts")
+    w = p.add_argument_group("workload and hardware")
+    w.add_argument("--seq", type=int, help="sequence length (default min(4096, model max))")
+    w.add_argument("--global-batch-tokens", help="tokens per optimizer step, e.g. 4M (= 4*2^20)")
+    w.add_argument("--global-batch", type=int, help="sequences per optimizer step (instead of tokens)")
+    w.add_argument("--gpus", type=int, help="number of GPUs")
+    w.add_argument("--gpu", default="h100", help="catalogue GPU (default h100); see --list-gpus")
+    w.add_argument("--hardware", help="user-defined hardware TOML (overrides --gpu)")
+    w.add_argument("--hardware-profile", help="profile written by `pentatron bench` (overrides --gpu)")
+    w.add_argument("--gpus-per-node", type=int, help="override the node size")
+    w.add_argument("--precision", choices=("bf16", "fp32", "fp8"), default="bf16")
+    w.add_argument("--kernels", choices=("fused", "eager"), default="fused",
+                   help="elementwise ops fused (torch.compile/Megatron kernels) or one PyTorch op each")
+    k = p.add_argument_group("layout (any of these evaluates that layout; the rest are searched)")
+    for name in ("dp", "tp", "pp", "cp", "ep", "zero"):
+        k.add_argument(f"--{name}", type=int)
+    k.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None, help="sequence parallelism")
+    k.add_argument("--pp-schedule", choices=("afab", "1f1b", "interleaved", "zb"))
+    k.add_argument("--pp-virtual", type=int, help="chunks per rank for the interleaved schedule")
+    k.add_argument("--micro-batch", type=int, help="sequences per micro-batch")
+    k.add_argument("--recompute", choices=("none", "selective", "full"))
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
+    o.add_argument("--json", action="store_true", help="print JSON (schema pentatron.plan/1) instead of text")
+    o.add_argument("--chart", help="write a PNG of the memory breakdown of the top layouts")
+    o.add_argument("--train-tokens", help="report time and cost to train this many tokens (e.g. 15T)")
+    o.add_argument("--price", type=float, help="USD per GPU-hour for the cost estimate")
+    o.add_argument("--verify", action="store_true",
+                   help="also build the real model on the meta device and check parameters, FLOPs and "
+                        "activation bytes against the formulas (fails beyond 2%%)")
+    o.add_argument("--list-gpus", action="store_true", help="list catalogue GPUs and exit")
+    p.set_defaults(func=run_plan)
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench", help="measure this machine (matmul, memory, collectives) into a hardware profile",
+        description="Measure matmul FLOP/s, memory-copy bandwidth and all-reduce / all-gather / "
+                    "reduce-scatter bus bandwidth by message size over N local processes (gloo on CPU, "
+                    "NCCL on GPU), and write a profile for `pentatron plan --hardware-profile`.")
+    p.add_argument("--nproc", type=int, default=None, help="local processes (default: 2 on CPU, all GPUs)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--out", default="hardware-profile.toml", help="profile to write (.toml or .json)")
+    p.add_argument("--max-bytes", default=None, help="largest collective message (default 1M CPU, 256M GPU)")
+    p.add_argument("--seconds", type=float, default=0.1, help="time budget per measurement (default 0.1)")
+    p.add_argument("--json", action="store_true", help="also print the measurements as JSON")
+    p.set_defaults(func=run_bench)
+
+
+# ---------------------------------------------------------------- plan
+def _model(args: argparse.Namespace) -> tuple[Any, Any]:
+    from pentatron.models.config import ModelConfig
+    from pentatron.models.registry import get_model_config
+    from pentatron.plan.flops import MoESpec
+
+    shape = {"n_layers": args.layers, "hidden_size": args.hidden, "n_heads": args.heads,
+             "n_kv_heads": args.kv_heads, "ffn_hidden_size": args.ffn_hidden, "vocab_size": args.vocab,
+             "mlp": args.mlp, "tie_embeddings": args.tie_embeddings}
+    given = {k: v for k, v in shape.items() if v is not None}
+    if args.model and args.model_file:
+        raise InputError("give --model or --model-file, not both")
+    if args.model:
+        try:
+            cfg = get_model_config(args.model)
+        except KeyError as e:
+            raise InputError(f"--model: {e.args[0]}") from None
+        cfg = replace(cfg, **given)
+    elif args.model_file:
+        cfg = _model_from_toml(args.model_file, given)
+    else:
+        missing = [f for f, k in (("--layers", "n_layers"), ("--hidden", "hidden_size"), ("--heads", "n_heads"),
+                                  ("--ffn-hidden", "ffn_hidden_size"), ("--vocab", "vocab_size")) if k not in given]
+        if missing:
+            raise InputError("no model: give --model NAME, --model-file FILE, or an explicit shape "
+                             f"(missing {', '.join(missing)})")
+        given.setdefault("n_kv_heads", given["n_heads"])
+        cfg = ModelConfig(max_seq_len=131072, name="custom", **given)
+    probs = cfg.problems()
+    if probs:
+        raise InputError("; ".join(probs))
+    moe = None
+    if args.experts is not None or args.top_k is not None:
+        if args.experts is None or args.top_k is None:
+            raise InputError("MoE needs both --experts and --top-k")
+        moe = MoESpec(num_experts=args.experts, top_k=args.top_k,
+                      expert_ffn_hidden_size=args.expert_ffn_hidden or cfg.ffn_hidden_size,
+                      n_shared_experts=args.shared_experts)
+        if moe.problems():
+            raise InputError("; ".join(moe.problems()))
+    return cfg, moe
+
+
+def _model_from_toml(path: str, given: dict[str, Any]) -> Any:
+    import tomllib
+
+    from pentatron.models.config import ModelConfig
+    from pentatron.models.registry import get_model_config
+
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise InputError(f"--model-file: {path!r} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise InputError(f"--model-file {path!r}: invalid TOML: {e}") from None
+    data = dict(data.get("model", data))
+    try:
+        base = None
+        if "name" in data:
+            try:  # a registry name with some fields overridden
+                base = get_model_config(str(data["name"]))
+            except KeyError:
+                base = None
+        if base is not None:
+            data.pop("name")
+            return replace(base, **data, **given)
+        return replace(ModelConfig.from_dict(data), **given)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"--model-file {path!r}: {e}") from None
+
+
+def _hardware(args: argparse.Namespace) -> Any:
+    from pentatron.plan.hardware import get_gpu, load_hardware_toml, with_overrides
+
+    path = args.hardware_profile or args.hardware
+    if args.hardware and args.hardware_profile:
+        raise InputError("give --hardware or --hardware-profile, not both")
+    try:
+        if path:
+            gpu = _load_profile(path) if path.endswith(".json") else load_hardware_toml(path)
+        else:
+            gpu = get_gpu(args.gpu)
+    except KeyError as e:
+        raise InputError(f"--gpu: {e.args[0]}") from None
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if args.gpus_per_node is not None:
+        if args.gpus_per_node < 1:
+            raise InputError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
+        gpu = with_overrides(gpu, gpus_per_node=args.gpus_per_node)
+    return gpu
+
+
+def _load_profile(path: str) -> Any:
+    from pentatron.plan.hardware import hardware_from_dict
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"hardware file {path!r} not found") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"hardware file {path!r}: invalid JSON: {e}") from None
+    return hardware_from_dict(data.get("gpu", data), where=path)
+
+
+def _workload(args: argparse.Namespace, cfg: Any, moe: Any) -> Any:
+    from pentatron.plan.layout import Workload
+
+    seq = args.seq if args.seq is not None else min(4096, cfg.max_seq_len)
+    if seq < 1:
+        raise InputError(f"--seq must be >= 1, got {seq}")
+    if args.global_batch is not None and args.global_batch_tokens is not None:
+        raise InputError("give --global-batch (sequences) or --global-batch-tokens, not both")
+    if args.global_batch is not None:
+        if args.global_batch < 1:
+            raise InputError(f"--global-batch must be >= 1, got {args.global_batch}")
+        gb = args.global_batch
+    else:
+        tokens = parse_count(args.global_batch_tokens or "4M", "--global-batch-tokens")
+        if tokens % seq:
+            raise InputError(f"--global-batch-tokens {tokens:,} is not a multiple of --seq {seq} "
+                             f"(e.g. {max(1, tokens // seq) * seq:,})")
+        gb = tokens // seq
+    return Workload(cfg, seq, gb, moe)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        return _run_plan(args)
+    except InputError as e:
+        return _fail("plan", str(e))
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from pentatron.plan import report
+    from pentatron.plan.hardware import gpu_names
+
+    if args.list_gpus:
+        from pentatron.plan.hardware import get_gpu
+
+        for n in gpu_names():
+            g = get_gpu(n)
+            print(f"{n:<10} {g.hbm_bytes / 2**30:>5.0f} GiB  bf16 {g.peak_flops['bf16'] / 1e12:>6.0f} TFLOP/s  "
+                  f"HBM {g.hbm_bandwidth / 1e12:.2f} TB/s  ({g.source})")
+        return 0
+    cfg, moe = _model(args)
+    gpu = _hardware(args)
+    w = _workload(args, cfg, moe)
+    if args.top < 1:
+        raise InputError(f"--top must be >= 1, got {args.top}")
+    train_tokens = parse_count(args.train_tokens, "--train-tokens", binary=False) if args.train_tokens else None
+    fixed = {k: getattr(args, k) for k in KNOB_FLAGS if getattr(args, k) is not None}
+    fixed["precision"] = args.precision
+    verify_rows = None
+    rc = 0
+    if args.verify:
+        from pentatron.plan.verify import format_checks, verify_model
+
+        mb = fixed.get("micro_batch", 1)
+        checks = verify_model(cfg, w.seq_len, micro_batch=mb, recompute=fixed.get("recompute", "none"),
+                              precision=args.precision)
+        verify_rows = [c.as_dict() for c in checks]
+        if not args.json:
+            print(format_checks(cfg.name, w.seq_len, mb, checks))
+        if not all(c.ok for c in checks):
+            rc = 1
+        if args.gpus is None:
+            if args.json:
+                print(json.dumps({"schema": report.SCHEMA, "verify": verify_rows}, indent=2))
+            return rc
+    if args.gpus is None:
+        raise InputError("--gpus is required (the number of GPUs to plan for)")
+    if args.gpus < 1:
+        raise InputError(f"--gpus must be >= 1, got {args.gpus}")
+    return max(rc, _plan(args, w, gpu, fixed, train_tokens, verify_rows))
+
+
+def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], train_tokens: float | None,
+          verify_rows: list[dict[str, Any]] | None) -> int:
+    from pentatron.plan import report
+    from pentatron.plan.layout import problems
+    from pentatron.plan.search import predict, search, suggest_fixes
+
+    evaluate = any(k in fixed for k in KNOB_FLAGS)
+    for name in ("dp", "tp", "pp", "cp", "ep", "pp_virtual", "micro_batch"):
+        if name in fixed and fixed[name] < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {fixed[name]}")
+    if fixed.get("zero") is not None and fixed["zero"] not in (0, 1, 2, 3):
+        raise InputError(f"--zero must be 0, 1, 2 or 3, got {fixed['zero']}")
+    if w.global_batch % 1 or w.global_batch < 1:
+        raise InputError("global batch must hold at least one sequence")
+    res = search(w, gpu, args.gpus, fixed=fixed, top=args.top, kernels=args.kernels)
+    probs: list[str] = []
+    suggestions: list[str] = []
+    preds = res.ranked
+    if not preds:
+        # Nothing valid or nothing fits: explain with the requested (or simplest) layout.
+        lay = _requested_layout(fixed, args.gpus, w)
+        probs = problems(w, lay, gpu, args.gpus)
+        if probs and not res.valid:
+            if args.json:
+                print(json.dumps(report.plan_json(w, gpu, args.gpus, [], result=res, problems=probs,
+                                                  verify=verify_rows), indent=2))
+            raise InputError("; ".join(probs))
+        if not probs:
+            pred = predict(w, lay, gpu, kernels=args.kernels)
+            suggestions = suggest_fixes(w, lay, gpu, args.gpus)
+            msg = (f"{lay.short()} needs {pred.memory.total / 2**30:.1f} GiB per GPU, {gpu.name} has "
+                   f"{gpu.hbm_bytes / 2**30:.0f} GiB")
+            msg += (": try " + " or ".join(suggestions[:4])) if suggestions else ": no single change makes it fit"
+            preds = [pred]
+        else:
+            msg = (f"no layout of {args.gpus} x {gpu.name} fits ({res.valid} valid layouts checked); "
+                   "add GPUs, shorten --seq, or use more recompute/ZeRO")
+        if args.json:
+            print(json.dumps(report.plan_json(w, gpu, args.gpus, preds, result=res, problems=[msg],
+                                              suggestions=suggestions, verify=verify_rows,
+                                              train_tokens=train_tokens, price=args.price), indent=2))
+        else:
+            print(report.header(w, gpu, args.gpus))
+            if preds:
+                print(report.detail(w, preds[0], gpu, train_tokens=train_tokens, price=args.price))
+            print(f"cannot run: {msg}")
+        return 1
+    if args.chart:
+        report.memory_chart(preds, gpu, args.chart, title=f"{w.cfg.name} on {args.gpus} x {gpu.name}")
+    if args.json:
+        print(json.dumps(report.plan_json(w, gpu, args.gpus, preds, result=res, verify=verify_rows,
+                                          train_tokens=train_tokens, price=args.price), indent=2))
+        return 0
+    print(report.header(w, gpu, args.gpus))
+    print(f"searched {res.enumerated:,} layouts, {res.valid:,} valid, {res.fitting:,} fit in memory "
+          f"({res.seconds:.2f} s)")
+    print(report.ranked_table(w, preds))
+    print("\nwhy the best layout:")
+    for r in res.reasons:
+        print(f"  {r}")
+    if evaluate:
+        print("\nprediction for the best layout matching the given flags:")
+    print()
+    print(report.detail(w, preds[0], gpu, train_tokens=train_tokens, price=args.price))
+    if args.chart:
+        print(f"memory chart: {args.chart}")
+    return 0
+
+
+def _requested_layout(fixed: dict[str, Any], gpus: int, w: Any) -> Any:
+    from pentatron.plan.layout import Layout
+
+    tp, pp, cp = fixed.get("tp", 1), fixed.get("pp", 1), fixed.get("cp", 1)
+    dp = fixed.get("dp") or max(1, gpus // max(1, tp * pp * cp))
+    sched = fixed.get("pp_schedule", "1f1b")
+    return Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=fixed.get("ep", 1), zero=fixed.get("zero", 0),
+                  sp=fixed.get("sp", tp > 1), pp_schedule=sched,
+                  pp_virtual=fixed.get("pp_virtual", 2 if sched == "interleaved" else 1),
+                  micro_batch=fixed.get("micro_batch", 1), recompute=fixed.get("recompute", "none"),
+                  precision=fixed.get("precision", "bf16"))
+
+
+# ---------------------------------------------------------------- bench
+def run_bench(args: argparse.Namespace) -> int:
+    from pentatron.plan.bench import BenchError, run_benchmarks, write_profile
+
+    try:
+        max_bytes = parse_count(args.max_bytes, "--max-bytes") if args.max_bytes else None
+        if args.nproc is not None and args.nproc < 1:
+            raise InputError(f"--nproc must be >= 1, got {args.nproc}")
+        if args.seconds <= 0:
+            raise InputError(f"--seconds must be > 0, got {args.seconds}")
+        if not str(args.out).endswith((".toml", ".json")):
+            raise InputError(f"--out {args.out!r} must end in .toml or .json")
+    except InputError as e:
+        return _fail("bench", str(e))
+    try:
+        result = run_benchmarks(device=args.device, nproc=args.nproc, max_bytes=max_bytes, seconds=args.seconds)
+    except BenchError as e:
+        return _fail("bench", str(e))
+    except RuntimeError as e:  # a worker died: a failure, not an input error
+        print(f"pentatron bench: failed: {e}", file=sys.stderr)
+        return 1
+    path = write_profile(result, args.out)
+    print(result.summary())
+    print(f"profile written to {path} (use: pentatron plan --hardware-profile {path})")
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    return 0

@@ -1,0 +1,245 @@
+"""Communication: which collectives a layout issues, how many bytes each GPU moves per step per mesh
+dimension, and how long each takes on the hardware (alpha-beta model on ring algorithms).
+
+Byte counts use the same convention as the trainer's ledger (`distributed/comm.ring_bytes`): what one
+rank sends on the wire under NCCL's bandwidth-optimal ring, all-reduce 2(n-1)/n S, all-gather and
+reduce-scatter (n-1)/n S, all-to-all (n-1)/n S, send S. Time = steps * alpha + wire bytes / bus
+bandwidth, where bus bandwidth is NVLink inside a node or, for a group spread over nodes with k of
+its ranks per node, min(NVLink, k * per-GPU NIC) (rail-optimised nodes: one NIC per GPU), both times
+`collective_efficiency`; a `pentatron bench` profile replaces the link model by measured curves.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+from pentatron.distributed.comm import ring_bytes
+from pentatron.plan.flops import MoESpec
+from pentatron.plan.hardware import GPUSpec
+from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, nodes_spanned
+from pentatron.plan.memory import act_bytes
+
+
+@dataclass(frozen=True)
+class Group:
+    dim: str
+    size: int
+    per_node: int  # ranks of this group inside one node
+    nodes: int
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.nodes > 1
+
+
+def group_of(lay: Layout, dim: str, gpu: GPUSpec) -> Group:
+    """Placement of one group of `dim` in the (pp, dp, cp, tp) rank order (tp innermost)."""
+    size, stride = {
+        "tp": (lay.tp, 1),
+        "cp": (lay.cp, lay.tp),
+        "dp": (lay.dp, lay.tp * lay.cp),
+        "dp_cp": (lay.dp * lay.cp, lay.tp),  # dense gradients reduce over dp x cp
+        "ep": (lay.ep, lay.tp),  # experts borrow consecutive ranks of dp x cp
+        "edp": (max(1, lay.dp * lay.cp // lay.ep), lay.tp * lay.ep),  # expert gradients
+        "pp": (lay.pp, lay.dp * lay.cp * lay.tp),
+    }[dim]
+    per_node, nodes = nodes_spanned(size, stride, gpu.gpus_per_node)
+    return Group(dim, size, per_node, nodes)
+
+
+def wire_bytes(op: str, payload: float, n: int) -> float:
+    if op == "all_to_all":
+        return payload * (n - 1) / n if n > 1 else 0.0
+    return float(ring_bytes(op, int(payload), n))
+
+
+def _interp_busbw(table: tuple[tuple[float, float], ...], nbytes: float) -> float:
+    sizes = [s for s, _ in table]
+    i = bisect.bisect_left(sizes, nbytes)
+    if i == 0:
+        return table[0][1]
+    if i >= len(table):
+        return table[-1][1]
+    (s0, b0), (s1, b1) = table[i - 1], table[i]
+    f = (math.log(nbytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
+    return b0 + f * (b1 - b0)
+
+
+def bus_bandwidth(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
+    """Achievable bus bandwidth (bytes/s) for `op` on group `g`."""
+    key = "all_reduce" if op == "all_to_all" else op
+    if not g.crosses_nodes and key in gpu.measured_busbw:
+        return _interp_busbw(gpu.measured_busbw[key], payload)
+    if g.crosses_nodes:
+        link = min(gpu.intra_node_bandwidth, g.per_node * gpu.inter_node_bandwidth)
+    else:
+        link = gpu.intra_node_bandwidth
+    return link * gpu.collective_efficiency
+
+
+def collective_time(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
+    """Seconds for one collective of `payload` bytes (the logical buffer, as in the ledger)."""
+    n = g.size
+    if n <= 1 or payload <= 0:
+        return 0.0
+    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
+    measured = not g.crosses_nodes and ("all_reduce" if op == "all_to_all" else op) in gpu.measured_busbw
+    alpha = 0.0 if measured else (gpu.inter_node_latency if g.crosses_nodes else gpu.intra_node_latency)
+    return steps * alpha + wire_bytes(op, payload, n) / bus_bandwidth(gpu, op, payload, g)
+
+
+def p2p_time(gpu: GPUSpec, nbytes: float, inter_node: bool) -> float:
+    if nbytes <= 0:
+        return 0.0
+    if inter_node:
+        return gpu.inter_node_latency + nbytes / (gpu.inter_node_bandwidth * gpu.collective_efficiency)
+    return gpu.intra_node_latency + nbytes / (gpu.intra_node_bandwidth * gpu.collective_efficiency)
+
+
+# ---------------------------------------------------------------- what a layout communicates
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective issued `count` times per step by one GPU."""
+
+    dim: str
+    op: str
+    payload: float  # bytes per call (the logical buffer, as in the ledger)
+    count: float  # calls per step on the busiest rank
+    time: float  # seconds per call
+    where: str  # which phase issues it (for the report)
+    wire: float  # bytes this GPU sends per call (ledger convention)
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.wire * self.count
+
+    @property
+    def time_per_step(self) -> float:
+        return self.time * self.count
+
+
+def _coll(gpu: GPUSpec, g: Group, op: str, payload: float, count: float, where: str) -> Collective:
+    return Collective(g.dim, op, payload, count, collective_time(gpu, op, payload, g), where,
+                      wire_bytes(op, payload, g.size))
+
+
+@dataclass(frozen=True)
+class LayerComm:
+    """Per decoder layer and micro-batch, the communication on the critical path of compute."""
+
+    tp_fwd: float  # seconds, exposed (TP/SP collectives are on the critical path)
+    tp_bwd: float
+    cp_fwd: float  # seconds of ring-attention KV exchange (overlapped with attention compute)
+    cp_bwd: float
+    ep_fwd: float  # seconds of MoE all-to-all (exposed)
+    ep_bwd: float
+
+
+def layer_comm(w: Workload, lay: Layout, gpu: GPUSpec, layer_is_moe: bool) -> LayerComm:
+    cfg = w.cfg
+    a = act_bytes(lay.precision)
+    tokens = lay.micro_batch * w.seq_len // lay.cp
+    act = tokens * cfg.hidden_size * a  # one full [b, s/cp, h] activation
+    tp_g = group_of(lay, "tp", gpu)
+    if lay.sp:  # all-gather before, reduce-scatter after attention and MLP
+        tp_one = collective_time(gpu, "all_gather", act, tp_g) + collective_time(gpu, "reduce_scatter", act, tp_g)
+    else:  # the f/g operators: one all-reduce after attention and one after the MLP
+        tp_one = collective_time(gpu, "all_reduce", act, tp_g)
+    tp_fwd = 2 * tp_one if lay.tp > 1 else 0.0
+    cp_fwd = cp_bwd = 0.0
+    if lay.cp > 1:
+        kv = 2 * tokens * kv_heads_per_tp_rank(cfg, lay.tp) * cfg.head_dim * a
+        g = group_of(lay, "cp", gpu)
+        hop = p2p_time(gpu, kv, g.crosses_nodes)
+        cp_fwd, cp_bwd = (lay.cp - 1) * hop, 2 * (lay.cp - 1) * hop  # backward: KV and dKV circulate
+    ep_fwd = ep_bwd = 0.0
+    moe: MoESpec | None = w.moe_spec
+    if layer_is_moe and moe is not None and lay.ep > 1:
+        g = group_of(lay, "ep", gpu)
+        routed = tokens * moe.top_k * cfg.hidden_size * a
+        ep_fwd = 2 * collective_time(gpu, "all_to_all", routed, g)  # dispatch + combine
+        ep_bwd = ep_fwd
+    return LayerComm(tp_fwd, tp_fwd, cp_fwd, cp_bwd, ep_fwd, ep_bwd)
+
+
+def pp_message_bytes(w: Workload, lay: Layout) -> float:
+    """One activation (or gradient) sent between pipeline stages for one micro-batch."""
+    tokens = lay.micro_batch * w.seq_len // lay.cp
+    return tokens * w.cfg.hidden_size * act_bytes(lay.precision) / (lay.tp if lay.sp else 1)
+
+
+def pp_hop_time(w: Workload, lay: Layout, gpu: GPUSpec) -> float:
+    if lay.pp == 1:
+        return 0.0
+    return p2p_time(gpu, pp_message_bytes(w, lay), group_of(lay, "pp", gpu).crosses_nodes)
+
+
+def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float, expert_params: float,
+                     layers_on_rank: int, moe_layers_on_rank: int, first: bool, last: bool
+                     ) -> list[Collective]:
+    """Every collective one GPU of the busiest pipeline rank issues in one optimizer step."""
+    cfg = w.cfg
+    a = act_bytes(lay.precision)
+    m = lay.microbatches(w)
+    tokens = lay.micro_batch * w.seq_len // lay.cp
+    act = tokens * cfg.hidden_size * a
+    out: list[Collective] = []
+    recompute_fwd = 1 if lay.recompute == "full" else 0  # full recompute replays the forward's TP comm
+    if lay.tp > 1:
+        g = group_of(lay, "tp", gpu)
+        per_mb = (2 + 2 + 2 * recompute_fwd) * layers_on_rank + (1 if first else 0) + (2 if last else 0)
+        if lay.sp:
+            out.append(_coll(gpu, g, "all_gather", act, m * per_mb / 2, "layers fwd+bwd (SP)"))
+            out.append(_coll(gpu, g, "reduce_scatter", act, m * per_mb / 2, "layers fwd+bwd (SP)"))
+        else:
+            out.append(_coll(gpu, g, "all_reduce", act, m * per_mb, "layers fwd+bwd"))
+    if lay.cp > 1:
+        kv = 2 * tokens * kv_heads_per_tp_rank(cfg, lay.tp) * cfg.head_dim * a
+        g = group_of(lay, "cp", gpu)
+        calls = m * layers_on_rank * 3 * (lay.cp - 1) * (1 + recompute_fwd / 3)
+        out.append(Collective("cp", "send", kv, calls, p2p_time(gpu, kv, g.crosses_nodes), "ring attention", kv))
+    moe = w.moe_spec
+    if lay.ep > 1 and moe is not None and moe_layers_on_rank:
+        g = group_of(lay, "ep", gpu)
+        routed = tokens * moe.top_k * cfg.hidden_size * a
+        out.append(_coll(gpu, g, "all_to_all", routed, m * moe_layers_on_rank * 4, "MoE dispatch/combine"))
+    if lay.pp > 1:
+        msg = pp_message_bytes(w, lay)
+        g = group_of(lay, "pp", gpu)
+        sends = m * lay.pp_virtual * 2 - (m if first else 0) - (m if last else 0)
+        out.append(Collective("pp", "send", msg, sends, p2p_time(gpu, msg, g.crosses_nodes), "stage boundary", msg))
+    out += dp_collectives(lay, gpu, dense_params, "dp_cp", m, a)
+    if expert_params:
+        out += dp_collectives(lay, gpu, expert_params, "edp", m, a)
+    return out
+
+
+def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a: int) -> list[Collective]:
+    """Gradient reduction (fp32, as the trainer's grad buffer) and ZeRO parameter gathers.
+    ZeRO-0: one all-reduce per step; ZeRO-1: reduce-scatter + all-gather per step (the same volume);
+    ZeRO-2: gradients are sharded, so each micro-batch's are reduce-scattered; ZeRO-3: parameters are
+    all-gathered for forward and again for backward of every micro-batch."""
+    g = group_of(lay, dim, gpu)
+    if g.size <= 1 or params <= 0:
+        return []
+    grads, weights = params * 4, params * a
+    if lay.zero == 0:
+        return [_coll(gpu, g, "all_reduce", grads, 1, "gradients")]
+    if lay.zero == 1:
+        return [_coll(gpu, g, "reduce_scatter", grads, 1, "gradients"),
+                _coll(gpu, g, "all_gather", weights, 1, "updated parameters")]
+    if lay.zero == 2:
+        return [_coll(gpu, g, "reduce_scatter", grads, m, "gradients per micro-batch"),
+                _coll(gpu, g, "all_gather", weights, 1, "updated parameters")]
+    return [_coll(gpu, g, "reduce_scatter", grads, m, "gradients per micro-batch"),
+            _coll(gpu, g, "all_gather", weights, 2 * m, "parameters fwd+bwd per micro-batch")]
+
+
+def bytes_by_dim(colls: list[Collective]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for c in colls:
+        key = "dp" if c.dim in ("dp_cp", "edp") else c.dim
+        out[key] = out.get(key, 0.0) + c.wire * c.count
+    return out

@@ -1,0 +1,335 @@
+"""Memory per GPU: model states (parameters, gradients, master weights, optimizer) under ZeRO, and
+activations under TP/SP/CP/PP/recompute, with the in-flight micro-batch count taken from the schedule.
+
+Two activation models:
+* `llama_layer_activation_bytes`: what *our* `models/llama.py` keeps for backward, tensor by tensor
+  (checked exactly against the real model on the meta device by `plan --verify`).
+* `korthikanti_layer_activation_bytes`: the GPT-style formula of Korthikanti et al. 2022 that the
+  Ultra-Scale Playbook uses (34 sbh + 5 a s^2 b, 16-bit activations, dropout, 4h GELU MLP, attention
+  scores materialised). Kept as the reference that reproduces the playbook's published figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+from pentatron.models.config import ModelConfig
+from pentatron.parallel.pipeline.schedules import last_stage_awaiting_backward_closed, peak_in_flight_closed
+from pentatron.plan.flops import MoESpec, layer_params, moe_of
+from pentatron.plan.hardware import GiB, GPUSpec
+from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, layers_per_chunk
+
+MiB = 2**20
+
+
+# ---------------------------------------------------------------- model states
+@dataclass(frozen=True)
+class StatePrecision:
+    """Bytes per parameter held for training."""
+
+    name: str
+    param: float
+    grad: float
+    master: float
+    optimizer: float  # Adam first and second moments
+
+    @property
+    def total(self) -> float:
+        return self.param + self.grad + self.master + self.optimizer
+
+
+# Our trainer (train/precision.py, grad_buffer.py): bf16 weights, fp32 gradient accumulation buffer,
+# fp32 master weights, fp32 Adam moments -> 18 bytes/param. fp8 keeps the bf16 recipe's states (the fp8
+# copies of weights are transient). fp32: no master copy -> 16.
+STATE_PRECISIONS: dict[str, StatePrecision] = {
+    "bf16": StatePrecision("bf16", 2, 4, 4, 8),
+    "fp8": StatePrecision("fp8", 2, 4, 4, 8),
+    "fp32": StatePrecision("fp32", 4, 4, 0, 8),
+}
+# The playbook's accounting (mixed precision with bf16 gradients: 2+2+4+8 = 16 bytes/param; adding an
+# fp32 gradient-accumulation copy: 2+(2+4)+4+8 = 20 bytes/param).
+PLAYBOOK_16 = StatePrecision("playbook-bf16", 2, 2, 4, 8)
+PLAYBOOK_20 = StatePrecision("playbook-bf16-fp32grads", 2, 6, 4, 8)
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    parameters: float
+    gradients: float
+    master_weights: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.master_weights + self.optimizer
+
+
+def model_state_bytes(n_params: float, prec: StatePrecision, zero: int = 0, dp: int = 1) -> ModelStates:
+    """ZeRO (Rajbhandari et al. 2020, playbook section "ZeRO"): stage 1 shards optimizer state and
+    master weights over dp, stage 2 also gradients, stage 3 also parameters."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0..3, got {zero}")
+    def shard(stage: int) -> float:
+        return dp if zero >= stage else 1
+    return ModelStates(parameters=n_params * prec.param / shard(3), gradients=n_params * prec.grad / shard(2),
+                       master_weights=n_params * prec.master / shard(1),
+                       optimizer=n_params * prec.optimizer / shard(1))
+
+
+# ---------------------------------------------------------------- activations
+def korthikanti_layer_activation_bytes(s: int, b: int, h: int, a: int, *, tp: int = 1, sp: bool = False,
+                                       recompute: str = "none") -> float:
+    """Activation bytes of one GPT layer (Korthikanti et al. 2022, eqs. 1-4; playbook "activation
+    memory"): no TP  sbh(34 + 5as/h); TP  sbh(10 + 24/t + 5as/(ht)); TP+SP  sbh/t (34 + 5as/h).
+    selective recompute drops the 5as/h attention-score term; full keeps only the layer input (2sbh,
+    /t with SP)."""
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (tp if sp else 1)
+    score = 0.0 if recompute == "selective" else 5 * a * s / h
+    if tp == 1 or sp:
+        return sbh * (34 + score) / tp
+    return sbh * (10 + 24 / tp + score / tp)
+
+
+def act_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class LayerActivation:
+    """Bytes one decoder layer keeps for backward, for one micro-batch on one GPU."""
+
+    saved: float  # retained until this layer's backward
+    working: float  # extra live only while the layer is recomputed (full recompute)
+
+
+@lru_cache(maxsize=16384)
+def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *, precision: str = "bf16",
+                                 tp: int = 1, sp: bool = False, recompute: str = "none", layer: int = 0,
+                                 moe: MoESpec | None = None) -> LayerActivation:
+    """Saved tensors of one `DecoderBlock` of models/llama.py for `tokens` local tokens (micro_batch *
+    seq/cp) of sequences `seq_len/cp` long. Per token, a = activation bytes:
+      RMSNorm x2: fp32 copy of the input (4h), rstd (4), normalised a*h, gain product = next matmul's
+      input a*h; attention: q and out a*h_q, k and v a*kv (FlashAttention keeps q, k, v, out and the
+      fp32 logsumexp 4*heads; the o_proj input is a view of out); SwiGLU: gate, up, silu(gate) and the
+      product, 4*a*f (GELU: 2*a*f); RoPE: per layer the cos/sin tables cast to the activation dtype,
+      twice (q and k): 4 * s * head_dim * a per layer and micro-batch (none in fp32: no cast).
+    TP shards heads and the MLP width; SP also the hidden-sized tensors (Megatron keeps the sharded
+    input of each all-gather). Selective recompute checkpoints `attn.core`: its inputs q, k, v are kept,
+    out is kept as o_proj's input, so only the logsumexp goes. Full recompute keeps the block input."""
+    h, a = cfg.hidden_size, act_bytes(precision)
+    hd = cfg.head_dim
+    hq = cfg.n_heads * hd / tp
+    kv = kv_heads_per_tp_rank(cfg, tp) * hd
+    heads = cfg.n_heads / tp
+    hs = h / tp if sp else h  # hidden-sized tensors
+    moe = moe_of(cfg, moe)
+    norms = 2 * (4 * hs + 4 / (tp if sp else 1) + a * hs) + 2 * a * hs  # + the two matmul inputs
+    attn = a * hq + 2 * a * kv + a * hq + 4 * heads
+    lp = layer_params(cfg, layer, moe)
+    mlp_mats = 3 if cfg.mlp == "swiglu" else 2
+    per_f = 4 if cfg.mlp == "swiglu" else 2
+    if lp.expert_total and moe is not None:
+        # Routed tokens: top_k copies of the input plus each expert's MLP internals; router logits and
+        # probabilities in fp32. Approximation until the MoE code exists (no capacity padding).
+        routed = moe.top_k * (a * h + per_f * a * moe.expert_ffn_hidden_size / tp)
+        shared = moe.n_shared_experts * per_f * a * moe.shared_ffn / tp
+        mlp = routed + shared + 8 * moe.num_experts
+    else:
+        mlp = per_f * a * (lp.mlp_active / (mlp_mats * h)) / tp
+    rope_tables = 4 * seq_len * hd * a if a != 4 else 0.0  # [s, head_dim] each, whatever the batch
+    per_token_none = norms + attn + mlp
+    full_layer = tokens * per_token_none + rope_tables
+    if recompute == "none":
+        return LayerActivation(full_layer, 0.0)
+    if recompute == "selective":
+        return LayerActivation(full_layer - tokens * 4 * heads, tokens * 4 * heads)
+    return LayerActivation(tokens * a * hs, full_layer)
+
+
+def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, precision: str = "bf16",
+                 tp: int = 1, sp: bool = False) -> tuple[float, float]:
+    """(saved, transient) bytes outside the decoder layers for one micro-batch: the token ids the
+    embedding keeps (first stage); the final RMSNorm, LM-head input and the loss's fp32 log-softmax
+    plus targets (last stage). Transient: the bf16 logits and their fp32 copy while the loss runs."""
+    h, a, v = cfg.hidden_size, act_bytes(precision), cfg.vocab_size / tp
+    hs = h / tp if sp else h
+    saved = transient = 0.0
+    if first:
+        saved += 8 * tokens
+    if last:
+        saved += tokens * (4 * hs + 4 / (tp if sp else 1) + 2 * a * hs + 4 * v + 8)
+        transient += tokens * (a + 4) * v
+    return saved, transient
+
+
+def rope_shared_bytes(cfg: ModelConfig, seq_len: int, precision: str, recompute: str) -> float:
+    """The fp32 cos/sin rows indexed once per forward: kept when the layers save them directly (fp32
+    activations: no cast) or as checkpoint inputs (full recompute); otherwise only their casts are."""
+    return 2 * seq_len * cfg.head_dim * 4 if (act_bytes(precision) == 4 or recompute == "full") else 0.0
+
+
+# ---------------------------------------------------------------- per-GPU breakdown
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    rank: int  # pipeline rank this breakdown is for (the worst one)
+    parameters: float
+    gradients: float
+    master_weights: float
+    optimizer: float
+    activations: float
+    logits_loss: float
+    recompute_working: float
+    comm_buffers: float
+    reserved: float  # CUDA context, cuBLAS workspace, NCCL, allocator fragmentation
+    in_flight: int  # micro-batches (chunks for interleaved) holding activations at the peak
+
+    @property
+    def total(self) -> float:
+        return (self.parameters + self.gradients + self.master_weights + self.optimizer + self.activations
+                + self.logits_loss + self.recompute_working + self.comm_buffers + self.reserved)
+
+    def as_dict(self) -> dict[str, float]:
+        d = asdict(self)
+        d["total"] = self.total
+        return d
+
+
+COMPONENTS = ("parameters", "gradients", "master_weights", "optimizer", "activations", "logits_loss",
+              "recompute_working", "comm_buffers", "reserved")
+
+RUNTIME_RESERVED = 1 * GiB  # CUDA context + cuBLAS workspace + NCCL channels (typical, nvidia-smi)
+FRAGMENTATION = 0.05  # caching-allocator slack on top of live tensors
+DP_BUCKET = 25 * MiB  # gradient bucket (ParallelConfig.bucket_mb), double-buffered
+
+
+@dataclass(frozen=True)
+class RankParams:
+    dense: float  # sharded over tp only (replicated over dp*cp)
+    expert: float  # sharded over tp*ep (replicated over dp*cp/ep)
+    largest_layer: float  # full (dp-unsharded) parameters of the biggest layer, for ZeRO-3 gathers
+
+
+@lru_cache(maxsize=64)
+def _layer_shards(cfg: ModelConfig, moe: MoESpec | None, tp: int, ep: int) -> tuple[tuple[float, float], ...]:
+    """Per layer: (dense params per GPU after TP, expert params per GPU after TP x EP). Cached: the
+    search asks for the same model many times."""
+    kv_rep = kv_heads_per_tp_rank(cfg, tp) * tp / cfg.n_kv_heads  # >1 when KV heads are replicated
+    kv_w = 2 * cfg.hidden_size * cfg.kv_dim
+    out = []
+    for i in range(cfg.n_layers):
+        lpi = layer_params(cfg, i, moe)
+        attn = (lpi.attn - kv_w + kv_w * kv_rep) / tp
+        out.append((attn + (lpi.mlp_total - lpi.expert_total) / tp + lpi.norms, lpi.expert_total / (tp * ep)))
+    return tuple(out)
+
+
+def rank_layers(per_chunk: tuple[int, ...], pp: int, v: int, rank: int) -> list[range]:
+    """Decoder-layer index ranges of each chunk pipeline rank `rank` holds (chunk c = stage c*pp+rank)."""
+    starts = [sum(per_chunk[:i]) for i in range(pp * v)]
+    return [range(starts[c * pp + rank], starts[c * pp + rank] + per_chunk[c * pp + rank]) for c in range(v)]
+
+
+def rank_params(w: Workload, lay: Layout, rank: int) -> RankParams:
+    """Parameters pipeline rank `rank` holds per GPU (TP/EP-sharded, before ZeRO)."""
+    per_chunk = layers_per_chunk(w.cfg, w.seq_len, lay.pp, lay.pp_virtual)
+    return _rank_params(w.cfg, w.moe_spec, lay.tp, lay.ep, lay.pp, lay.pp_virtual, rank, per_chunk)
+
+
+@lru_cache(maxsize=8192)
+def _rank_params(cfg: ModelConfig, moe: MoESpec | None, tp: int, ep: int, pp: int, v: int, rank: int,
+                 per_chunk: tuple[int, ...]) -> RankParams:
+    shards = _layer_shards(cfg, moe, tp, ep)
+    dense = expert = largest = 0.0
+    for r in rank_layers(per_chunk, pp, v, rank):
+        for i in r:
+            d, e = shards[i]
+            dense += d
+            expert += e
+            largest = max(largest, d + e)
+    emb = cfg.vocab_size * cfg.hidden_size / tp
+    if rank == 0:
+        dense += emb
+    if rank == pp - 1:
+        dense += cfg.hidden_size  # final norm
+        if not cfg.tie_embeddings or pp > 1:  # tied across stages: the last stage keeps a copy
+            dense += emb
+    return RankParams(dense, expert, largest)
+
+
+def schedule_in_flight(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
+    """Peak in-flight (chunk, micro-batch) pairs per rank of the schedule (closed forms that the tests
+    check against the generated schedules)."""
+    if p == 1:
+        return (1,)
+    return tuple(peak_in_flight_closed(name, p, m, v))
+
+
+@lru_cache(maxsize=16384)
+def _states(rp: RankParams, prec: StatePrecision, zero: int, dpcp: int, ep: int) -> tuple[ModelStates, ModelStates]:
+    return (model_state_bytes(rp.dense, prec, zero, dpcp),
+            model_state_bytes(rp.expert, prec, zero, max(1, dpcp // ep)))
+
+
+def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int) -> MemoryBreakdown:
+    cfg, moe = w.cfg, w.moe_spec
+    prec = STATE_PRECISIONS[lay.precision]
+    a = act_bytes(lay.precision)
+    seq_local = w.seq_len // lay.cp
+    tokens = lay.micro_batch * seq_local
+    rp = rank_params(w, lay, rank)
+    dpcp = lay.dp * lay.cp
+    dense, expert = _states(rp, prec, lay.zero, dpcp, lay.ep)
+
+    # activations: layers on this rank x micro-batches in flight (weighted per chunk for interleaved)
+    m = lay.microbatches(w)
+    per_chunk = layers_per_chunk(cfg, w.seq_len, lay.pp, lay.pp_virtual)
+    in_flight = schedule_in_flight(lay.pp_schedule, lay.pp, m, lay.pp_virtual)[rank] if lay.pp > 1 else 1
+    layer_act = llama_layer_activation_bytes(cfg, tokens, seq_local, precision=lay.precision, tp=lay.tp,
+                                             sp=lay.sp, recompute=lay.recompute, moe=moe)
+    first, last = rank == 0, rank == lay.pp - 1
+    extra_saved, extra_transient = stage_extras(cfg, tokens, first=first, last=last, precision=lay.precision,
+                                                tp=lay.tp, sp=lay.sp)
+    n_rank_layers = [per_chunk[c * lay.pp + rank] for c in range(lay.pp_virtual)]
+    # In-flight chunks are the rank's chunks in turn; the heaviest ones bound the peak.
+    per_chunk_bytes = sorted((n * layer_act.saved for n in n_rank_layers), reverse=True)
+    full_sets, rest = divmod(in_flight, lay.pp_virtual)
+    acts = full_sets * sum(per_chunk_bytes) + sum(per_chunk_bytes[:rest])
+    acts += rope_shared_bytes(cfg, seq_local, lay.precision, lay.recompute) * min(in_flight, m)
+    # logits/loss: the last stage keeps the loss state of each micro-batch until its backward (B) runs
+    loss_sets = last_stage_awaiting_backward_closed(lay.pp_schedule, lay.pp, m, lay.pp_virtual) if last else 1
+    logits_loss = extra_saved * loss_sets + extra_transient
+    working = layer_act.working
+
+    comm = 0.0
+    if lay.pp > 1:
+        comm += 2 * tokens * cfg.hidden_size * a / (lay.tp if lay.sp else 1)  # recv activation + gradient
+    if lay.tp > 1 and lay.sp:
+        comm += tokens * cfg.hidden_size * a  # all-gathered layer input
+    if dpcp > 1:
+        comm += 2 * DP_BUCKET
+    if lay.zero == 3 and dpcp > 1:
+        comm += 2 * rp.largest_layer * a  # current + prefetched gathered layer
+    if lay.ep > 1 and moe is not None:
+        comm += 2 * tokens * moe.top_k * cfg.hidden_size * a  # all-to-all send/recv buffers
+    live = (dense.total + expert.total + acts + logits_loss + working + comm)
+    return MemoryBreakdown(
+        rank=rank, parameters=dense.parameters + expert.parameters, gradients=dense.gradients + expert.gradients,
+        master_weights=dense.master_weights + expert.master_weights, optimizer=dense.optimizer + expert.optimizer,
+        activations=acts, logits_loss=logits_loss, recompute_working=working, comm_buffers=comm,
+        reserved=RUNTIME_RESERVED + FRAGMENTATION * live, in_flight=in_flight)
+
+
+def memory_per_gpu(w: Workload, lay: Layout, gpu: GPUSpec) -> MemoryBreakdown:
+    """The breakdown of the pipeline rank that needs the most memory: the first (embedding, most
+    micro-batches in flight), the last (LM head and loss) or one holding the most layers."""
+    if lay.pp <= 3:
+        ranks: list[int] | range = range(lay.pp)
+    else:
+        per_chunk = layers_per_chunk(w.cfg, w.seq_len, lay.pp, lay.pp_virtual)
+        per_rank = [sum(per_chunk[c * lay.pp + r] for c in range(lay.pp_virtual)) for r in range(lay.pp)]
+        heavy = per_rank.index(max(per_rank))
+        ranks = sorted({0, 1, heavy, lay.pp - 1})
+    return max((memory_for_rank(w, lay, gpu, r) for r in ranks), key=lambda mb: mb.total)

@@ -1,0 +1,207 @@
+"""Planner output: the ranked table, the full prediction of one layout, `--json` (keys documented in
+docs/planner.md, schema "pentatron.plan/1") and a PNG of the memory breakdown per GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pentatron.plan.comm import bytes_by_dim
+from pentatron.plan.flops import matmul_params, total_params
+from pentatron.plan.hardware import GiB, GPUSpec
+from pentatron.plan.layout import Workload, compute_dtype
+from pentatron.plan.memory import COMPONENTS
+from pentatron.plan.search import Prediction, SearchResult
+
+SCHEMA = "pentatron.plan/1"
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.1f}"
+
+
+def _si(x: float, unit: str = "") -> str:
+    for k, s in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if abs(x) >= k:
+            return f"{x / k:.2f} {s}{unit}"
+    return f"{x:.0f} {unit}".rstrip()
+
+
+def _mode(p: Prediction) -> str:
+    lay = p.layout
+    if lay.pp == 1:
+        return "-"
+    return lay.pp_schedule + (f"/v{lay.pp_virtual}" if lay.pp_schedule == "interleaved" else "")
+
+
+def ranked_table(w: Workload, preds: list[Prediction]) -> str:
+    head = ["#", "dp", "tp", "sp", "pp", "sched", "cp", "ep", "zero", "mb", "m", "recompute", "mem GiB",
+            "step s", "tok/s/GPU", "MFU", "bubble"]
+    rows = []
+    for i, p in enumerate(preds, 1):
+        lay = p.layout
+        rows.append([str(i), str(lay.dp), str(lay.tp), "y" if lay.sp else "-", str(lay.pp), _mode(p), str(lay.cp),
+                     str(lay.ep), str(lay.zero), str(lay.micro_batch), str(lay.microbatches(w)), lay.recompute,
+                     _gib(p.memory.total), f"{p.step.step:.2f}", f"{p.rate.tokens_per_s_per_gpu:,.0f}",
+                     f"{100 * p.rate.mfu:.1f}%", f"{100 * p.step.bubble_fraction:.1f}%"])
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    line = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True))  # noqa: E731
+    return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def header(w: Workload, gpu: GPUSpec, gpus: int | None) -> str:
+    cfg = w.cfg
+    n = total_params(cfg, w.moe_spec)
+    s = (f"model {cfg.name}: {n / 1e9:.2f}B parameters ({matmul_params(cfg, w.moe_spec) / 1e9:.2f}B in matmuls), "
+         f"L={cfg.n_layers} h={cfg.hidden_size} heads={cfg.n_heads}/{cfg.n_kv_heads} ffn={cfg.ffn_hidden_size} "
+         f"vocab={cfg.vocab_size}")
+    s += f"\nworkload: seq {w.seq_len}, global batch {w.global_batch} sequences = {w.tokens_per_step:,} tokens"
+    if gpus:
+        s += f"\nhardware: {gpus} x {gpu.name} ({gpu.hbm_bytes / GiB:.0f} GiB, {gpu.gpus_per_node}/node)"
+    return s
+
+
+def detail(w: Workload, p: Prediction, gpu: GPUSpec, *, train_tokens: float | None = None,
+           price: float | None = None) -> str:
+    lay, mem, st, rate = p.layout, p.memory, p.step, p.rate
+    m = lay.microbatches(w)
+    out = [f"layout: {lay.short()}  ({m} micro-batches of {lay.micro_batch} x {w.seq_len} tokens per step, "
+           f"precision {lay.precision})"]
+    out.append(f"memory per GPU (pipeline rank {mem.rank}, {mem.in_flight} micro-batch activation sets in flight):")
+    for c in COMPONENTS:
+        out.append(f"  {c:<18} {_gib(getattr(mem, c)):>8} GiB")
+    verdict = "fits" if p.fits else "DOES NOT FIT"
+    out.append(f"  {'total':<18} {_gib(mem.total):>8} GiB  of {gpu.hbm_bytes / GiB:.0f} GiB -> {verdict}")
+    out.append(f"FLOPs per token: model {_si(rate.model_flops_per_token, 'FLOP')} (MFU numerator), hardware "
+               f"{_si(rate.hardware_flops_per_token, 'FLOP')} (with recompute); per step "
+               f"{_si(rate.model_flops_per_token * w.tokens_per_step, 'FLOP')}")
+    out.append("communication per GPU per step:")
+    by_dim = bytes_by_dim(list(st.collectives))
+    times: dict[str, float] = {}
+    for c in st.collectives:
+        key = "dp" if c.dim in ("dp_cp", "edp") else c.dim
+        times[key] = times.get(key, 0.0) + c.time_per_step
+    for dim in sorted(by_dim):
+        out.append(f"  {dim:<3} {_si(by_dim[dim], 'B'):>10}  busy {times.get(dim, 0.0):7.3f} s  exposed "
+                   f"{st.exposed_by_dim.get(dim, 0.0):7.3f} s")
+    if not by_dim:
+        out.append("  (none: a single GPU)")
+    out.append(f"pipeline: {st.pipeline:.3f} s incl. bubble {100 * st.bubble_fraction:.1f}% "
+               f"(simulated {_mode(p)} schedule)" if lay.pp > 1 else f"compute: {st.pipeline:.3f} s")
+    out.append(f"step time {st.step:.3f} s = pipeline {st.pipeline:.3f} + exposed DP {st.dp_exposed:.3f} + optimizer "
+               f"{st.optimizer:.3f} + SM contention {st.contention:.3f}")
+    out.append(f"throughput: {rate.tokens_per_s:,.0f} tokens/s, {rate.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+               f"MFU {100 * rate.mfu:.1f}%, HFU {100 * rate.hfu:.1f}% (peak {compute_dtype(lay.precision)} "
+               f"{gpu.flops(compute_dtype(lay.precision)) / 1e12:.0f} TFLOP/s)")
+    if train_tokens:
+        days, hours, cost = training_cost(rate.tokens_per_s, lay.world, train_tokens, price)
+        s = f"training {train_tokens:.3g} tokens: {days:.1f} days, {hours:,.0f} GPU-hours"
+        out.append(s + (f", ${cost:,.0f} at ${price}/GPU-hour" if cost is not None else ""))
+    out += [f"note: {n}" for n in p.notes]
+    return "\n".join(out)
+
+
+def training_cost(tokens_per_s: float, gpus: int, train_tokens: float, price: float | None
+                  ) -> tuple[float, float, float | None]:
+    seconds = train_tokens / tokens_per_s
+    hours = seconds / 3600 * gpus
+    return seconds / 86400, hours, (hours * price if price is not None else None)
+
+
+# ---------------------------------------------------------------- JSON
+def prediction_json(w: Workload, p: Prediction, rank: int, *, train_tokens: float | None = None,
+                    price: float | None = None) -> dict[str, Any]:
+    lay, st = p.layout, p.step
+    by_dim = bytes_by_dim(list(st.collectives))
+    times: dict[str, float] = {}
+    for c in st.collectives:
+        key = "dp" if c.dim in ("dp_cp", "edp") else c.dim
+        times[key] = times.get(key, 0.0) + c.time_per_step
+    d: dict[str, Any] = {
+        "rank": rank,
+        "layout": {**lay.to_dict(), "microbatches": lay.microbatches(w), "gpus": lay.world},
+        "fits": p.fits,
+        "memory_bytes": {**{c: getattr(p.memory, c) for c in COMPONENTS}, "total": p.memory.total},
+        "memory_rank": p.memory.rank,
+        "in_flight_microbatches": p.memory.in_flight,
+        "step_time_s": st.step,
+        "pipeline_time_s": st.pipeline,
+        "bubble_fraction": st.bubble_fraction,
+        "dp_exposed_s": st.dp_exposed,
+        "optimizer_s": st.optimizer,
+        "contention_s": st.contention,
+        "tokens_per_s": p.rate.tokens_per_s,
+        "tokens_per_s_per_gpu": p.rate.tokens_per_s_per_gpu,
+        "mfu": p.rate.mfu,
+        "hfu": p.rate.hfu,
+        "model_flops_per_token": p.rate.model_flops_per_token,
+        "hardware_flops_per_token": p.rate.hardware_flops_per_token,
+        "comm": {dim: {"bytes_per_step": by_dim[dim], "time_s": times.get(dim, 0.0),
+                       "exposed_s": st.exposed_by_dim.get(dim, 0.0)} for dim in sorted(by_dim)},
+        "stage_phase_s": [{"f": x.f, "b": x.b, "w": x.w} for x in st.phases],
+        "notes": list(p.notes),
+    }
+    if train_tokens:
+        days, hours, cost = training_cost(p.rate.tokens_per_s, lay.world, train_tokens, price)
+        d["train"] = {"tokens": train_tokens, "days": days, "gpu_hours": hours, "cost_usd": cost}
+    return d
+
+
+def plan_json(w: Workload, gpu: GPUSpec, gpus: int | None, preds: list[Prediction], *,
+              result: SearchResult | None = None, problems: list[str] | None = None,
+              suggestions: list[str] | None = None, verify: list[dict[str, Any]] | None = None,
+              train_tokens: float | None = None, price: float | None = None) -> dict[str, Any]:
+    cfg = w.cfg
+    out: dict[str, Any] = {
+        "schema": SCHEMA,
+        "model": {"name": cfg.name, "params": total_params(cfg, w.moe_spec),
+                  "matmul_params": matmul_params(cfg, w.moe_spec), "n_layers": cfg.n_layers,
+                  "hidden_size": cfg.hidden_size, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
+                  "ffn_hidden_size": cfg.ffn_hidden_size, "vocab_size": cfg.vocab_size, "mlp": cfg.mlp,
+                  "tie_embeddings": cfg.tie_embeddings,
+                  "moe": None if w.moe_spec is None else vars(w.moe_spec)},
+        "hardware": {"name": gpu.name, "gpus": gpus, "gpus_per_node": gpu.gpus_per_node,
+                     "hbm_bytes": gpu.hbm_bytes, "peak_flops": dict(gpu.peak_flops), "source": gpu.source},
+        "workload": {"seq_len": w.seq_len, "global_batch": w.global_batch, "global_batch_tokens": w.tokens_per_step},
+        "predictions": [prediction_json(w, p, i, train_tokens=train_tokens, price=price)
+                        for i, p in enumerate(preds, 1)],
+        "problems": list(problems or []),
+        "suggestions": list(suggestions or []),
+    }
+    if result is not None:
+        out["search"] = {"enumerated": result.enumerated, "valid": result.valid, "fitting": result.fitting,
+                         "seconds": result.seconds}
+        out["reasons"] = list(result.reasons)
+    if verify is not None:
+        out["verify"] = verify
+    return out
+
+
+# ---------------------------------------------------------------- chart
+def memory_chart(preds: list[Prediction], gpu: GPUSpec, path: str | Path, title: str = "") -> Path:
+    """Stacked bars of the per-GPU memory breakdown of each prediction, with the HBM line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(preds) + 3), 4.8))
+    labels = [f"#{i}\n{p.layout.short().replace(' z', chr(10) + 'z', 1)}" for i, p in enumerate(preds, 1)]
+    bottom = [0.0] * len(preds)
+    for comp in COMPONENTS:
+        vals = [getattr(p.memory, comp) / GiB for p in preds]
+        ax.bar(range(len(preds)), vals, bottom=bottom, label=comp.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.axhline(gpu.hbm_bytes / GiB, color="black", linestyle="--", linewidth=1)
+    ax.text(len(preds) - 0.5, gpu.hbm_bytes / GiB, f" {gpu.name} {gpu.hbm_bytes / GiB:.0f} GiB", va="bottom",
+            ha="right", fontsize=8)
+    ax.set_xticks(range(len(preds)), labels, fontsize=6)
+    ax.set_ylabel("GiB per GPU")
+    ax.set_title(title or "memory per GPU")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

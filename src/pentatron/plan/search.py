@@ -1,0 +1,265 @@
+"""Search: every valid layout for a workload on N GPUs, filtered by memory, ranked by predicted
+throughput. Candidates are first ranked with the closed-form bubble (fast), then the best few are
+re-timed by simulating their actual pipeline schedule; the table shows the simulated numbers.
+
+Pruning rules (each keeps the optimum of the model): recompute is the lightest mode that fits (more
+recompute only adds time); sequence parallelism is on whenever tp > 1 (same bytes as TP's all-reduce,
+1/tp of the hidden-sized activations); AFAB is only evaluated when asked for (1F1B has its bubble with
+less memory).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pentatron.plan.hardware import GiB, GPUSpec
+from pentatron.plan.layout import Layout, Workload, problems
+from pentatron.plan.memory import MemoryBreakdown, memory_per_gpu
+from pentatron.plan.timing import StepTime, Throughput, step_time, throughput
+
+KNOBS = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "pp_virtual", "micro_batch", "recompute")
+RECOMPUTE_ORDER = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Everything predicted for one layout."""
+
+    layout: Layout
+    memory: MemoryBreakdown
+    fits: bool
+    step: StepTime
+    rate: Throughput
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Scored:
+    layout: Layout
+    memory_total: float
+    fits: bool
+    est_tokens_per_s: float  # closed-form estimate (0 when it does not fit)
+
+
+@dataclass
+class SearchResult:
+    workload: Workload
+    gpu: GPUSpec
+    gpus: int
+    ranked: list[Prediction]  # simulated, best first
+    enumerated: int
+    valid: int
+    fitting: int
+    seconds: float
+    reasons: list[str] = field(default_factory=list)
+    pool: list[Scored] = field(default_factory=list)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, x = [], 1
+    while x <= n:
+        out.append(x)
+        x *= 2
+    return out
+
+
+def memory_budget(gpu: GPUSpec) -> float:
+    return float(gpu.hbm_bytes)
+
+
+def predict(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", exact: bool = True) -> Prediction:
+    mem = memory_per_gpu(w, lay, gpu)
+    st = step_time(w, lay, gpu, kernels=kernels, exact=exact)
+    notes = []
+    if lay.pp > 1 and lay.microbatches(w) < 2 * lay.pp:
+        notes.append(f"only {lay.microbatches(w)} micro-batches for pp={lay.pp}: bubble "
+                     f"{100 * st.bubble_fraction:.0f}%")
+    return Prediction(lay, mem, mem.total <= memory_budget(gpu), st, throughput(w, lay, gpu, st), tuple(notes))
+
+
+def enumerate_layouts(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any]) -> Iterator[Layout]:
+    """All layouts (before memory) satisfying `problems`, with `fixed` knobs pinned."""
+    cfg, moe = w.cfg, w.moe_spec
+
+    def opts(name: str, values: list[Any]) -> list[Any]:
+        return [fixed[name]] if fixed.get(name) is not None else values
+
+    precision = fixed.get("precision") or "bf16"
+    for tp in opts("tp", [t for t in _pow2_upto(min(gpu.gpus_per_node, gpus)) if gpus % t == 0]):
+        for cp in opts("cp", [c for c in _pow2_upto(16) if gpus % (tp * c) == 0]):
+            if gpus % (tp * cp):
+                continue
+            for pp in opts("pp", [p for p in _divisors(gpus // (tp * cp)) if p <= cfg.n_layers]):
+                if gpus % (tp * cp * pp):
+                    continue
+                dp = gpus // (tp * cp * pp)
+                if fixed.get("dp") is not None and fixed["dp"] != dp:
+                    continue
+                if w.global_batch % dp:
+                    continue
+                eps = [e for e in _divisors(moe.num_experts) if (dp * cp) % e == 0] if moe else [1]
+                for ep in opts("ep", eps):
+                    per_dp = w.global_batch // dp
+                    mbs = [b for b in _pow2_upto(min(per_dp, 32)) if per_dp % b == 0]
+                    for mb in opts("micro_batch", mbs):
+                        yield from _knob_variants(w, gpu, gpus, fixed, precision, dp, tp, pp, cp, ep, mb)
+
+
+def _knob_variants(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any], precision: str, dp: int,
+                   tp: int, pp: int, cp: int, ep: int, mb: int) -> Iterator[Layout]:
+    cfg = w.cfg
+    zeros = [0, 1, 2, 3] if dp * cp > 1 else [0]
+    if pp > 1:
+        zeros = [z for z in zeros if z < 3]
+    if fixed.get("zero") is not None:
+        zeros = [fixed["zero"]]
+    sps = [fixed["sp"]] if fixed.get("sp") is not None else [tp > 1]
+    if pp == 1:
+        scheds = [("1f1b", 1)]
+    else:
+        scheds = [("1f1b", 1), ("zb", 1)]
+        per_stage = cfg.n_layers // pp
+        scheds += [("interleaved", v) for v in range(2, min(per_stage, 8) + 1) if cfg.n_layers % (pp * v) == 0]
+    if fixed.get("pp_schedule") is not None:
+        want_v = fixed.get("pp_virtual")
+        scheds = [(s, v) for s, v in scheds if s == fixed["pp_schedule"]] or [(fixed["pp_schedule"], want_v or 1)]
+        if want_v is not None:
+            scheds = [(s, want_v) for s, _ in scheds[:1]]
+    elif fixed.get("pp_virtual") is not None:
+        scheds = [("interleaved", fixed["pp_virtual"])] if fixed["pp_virtual"] > 1 else scheds
+    recs = [fixed["recompute"]] if fixed.get("recompute") is not None else list(RECOMPUTE_ORDER)
+    for zero in zeros:
+        for sp in sps:
+            for sched, v in scheds:
+                for rc in recs:
+                    lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp, pp_schedule=sched,
+                                 pp_virtual=v, micro_batch=mb, recompute=rc, precision=precision)
+                    if not problems(w, lay, gpu, gpus):
+                        yield lay
+
+
+def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None = None, top: int = 10,
+           kernels: str = "fused", exact_pool: int | None = None) -> SearchResult:
+    t0 = time.perf_counter()
+    fixed = dict(fixed or {})
+    budget = memory_budget(gpu)
+    pool: list[Scored] = []
+    n_enum = n_valid = 0
+    stop_rc: set[tuple] = set()  # (layout without recompute) that already fit with lighter recompute
+    for lay in enumerate_layouts(w, gpu, gpus, fixed):
+        n_enum += 1
+        key = (lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.sp, lay.pp_schedule, lay.pp_virtual,
+               lay.micro_batch)
+        if key in stop_rc and fixed.get("recompute") is None:
+            continue
+        n_valid += 1
+        mem = memory_per_gpu(w, lay, gpu)
+        fits = mem.total <= budget
+        est = 0.0
+        if fits:
+            stop_rc.add(key)
+            st = step_time(w, lay, gpu, kernels=kernels, exact=False)
+            est = w.tokens_per_step / st.step
+        pool.append(Scored(lay, mem.total, fits, est))
+    fitting = [s for s in pool if s.fits]
+    fitting.sort(key=lambda s: (-s.est_tokens_per_s, s.memory_total))
+    k = exact_pool if exact_pool is not None else max(3 * top, 24)
+    ranked = [predict(w, s.layout, gpu, kernels=kernels) for s in fitting[:k]]
+    ranked.sort(key=lambda p: (-p.rate.tokens_per_s, p.memory.total))
+    res = SearchResult(w, gpu, gpus, ranked[:top], n_enum, n_valid, len(fitting), 0.0, pool=pool)
+    if ranked:
+        res.reasons = reasons_for(ranked[0].layout, pool, gpu, fixed, w=w, gpus=gpus, kernels=kernels)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+LOCAL_KNOBS = {"zero": (0, 1, 2, 3), "micro_batch": (1, 2, 4, 8, 16, 32), "recompute": RECOMPUTE_ORDER,
+               "sp": (False, True)}
+
+
+def _score(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str) -> Scored:
+    mem = memory_per_gpu(w, lay, gpu).total
+    fits = mem <= memory_budget(gpu)
+    est = w.tokens_per_step / step_time(w, lay, gpu, kernels=kernels, exact=False).step if fits else 0.0
+    return Scored(lay, mem, fits, est)
+
+
+def reasons_for(best: Layout, pool: list[Scored], gpu: GPUSpec, fixed: dict[str, Any], *,
+                w: Workload | None = None, gpus: int | None = None, kernels: str = "fused") -> list[str]:
+    """Why each knob of `best` has its value: for knobs that change alone (ZeRO, micro-batch, recompute,
+    SP) the best layout with that knob changed; for mesh knobs (whose product is fixed) the best layout
+    in the search with another value. Each with its cost: slower by x%, or the memory it would need."""
+    ref = max((s.est_tokens_per_s for s in pool if s.layout == best), default=0.0)
+    if not ref:
+        ref = max((s.est_tokens_per_s for s in pool), default=0.0)
+    local: dict[str, dict[Any, list[Scored]]] = {}
+    if w is not None:
+        for knob, values in LOCAL_KNOBS.items():
+            for v in values:
+                alt = best.with_(**{knob: v})
+                if v != getattr(best, knob) and not problems(w, alt, gpu, gpus):
+                    local.setdefault(knob, {})[v] = [_score(w, alt, gpu, kernels)]
+    out = []
+    for knob in ("tp", "sp", "pp", "pp_schedule", "dp", "cp", "ep", "zero", "micro_batch", "recompute"):
+        val = getattr(best, knob)
+        if fixed.get(knob) is not None:
+            out.append(f"{knob}={val}: fixed on the command line")
+            continue
+        alts: dict[Any, list[Scored]] = {}
+        if knob in LOCAL_KNOBS and w is not None:
+            alts = local.get(knob, {})
+        else:
+            for s in pool:
+                other = getattr(s.layout, knob)
+                if other != val:
+                    alts.setdefault(other, []).append(s)
+        if not alts:
+            out.append(f"{knob}={val}: the only valid value")
+            continue
+        parts = []
+        for other, group in sorted(alts.items(), key=lambda kv: (isinstance(kv[0], str), str(kv[0]).zfill(8))):
+            fit = [s for s in group if s.fits]
+            if fit:
+                b = max(s.est_tokens_per_s for s in fit)
+                slower = 100 * (1 - b / ref) if ref else 0.0
+                parts.append(f"{other}: {slower:.1f}% slower" if slower >= 0 else
+                             f"{other}: {-slower:.1f}% faster by the closed-form estimate, slower when simulated")
+            else:
+                need = min(s.memory_total for s in group)
+                parts.append(f"{other}: needs >= {need / GiB:.1f} GiB > {gpu.hbm_bytes / GiB:.0f} GiB")
+        out.append(f"{knob}={val}: vs " + "; ".join(parts[:4]) + ("; ..." if len(parts) > 4 else ""))
+    return out
+
+
+def suggest_fixes(w: Workload, lay: Layout, gpu: GPUSpec, gpus: int) -> list[str]:
+    """Single-knob changes that make a layout that does not fit, fit (with the memory they need)."""
+    budget = memory_budget(gpu)
+    trials: list[tuple[str, Layout]] = []
+    for z in range(lay.zero + 1, 4):
+        trials.append((f"zero={z}", lay.with_(zero=z)))
+    for i, rc in enumerate(RECOMPUTE_ORDER):
+        if i > RECOMPUTE_ORDER.index(lay.recompute):
+            trials.append((f"recompute={rc}", lay.with_(recompute=rc)))
+    if lay.tp > 1 and not lay.sp:
+        trials.append(("sp", lay.with_(sp=True)))
+    if lay.micro_batch > 1:
+        trials.append((f"micro_batch={lay.micro_batch // 2}", lay.with_(micro_batch=lay.micro_batch // 2)))
+    if lay.dp % 2 == 0:
+        trials.append((f"tp={2 * lay.tp}", lay.with_(tp=2 * lay.tp, dp=lay.dp // 2, sp=lay.sp or lay.tp == 1)))
+        trials.append((f"pp={2 * lay.pp}", lay.with_(pp=2 * lay.pp, dp=lay.dp // 2)))
+        trials.append((f"cp={2 * lay.cp}", lay.with_(cp=2 * lay.cp, dp=lay.dp // 2)))
+    out = []
+    for label, t in trials:
+        if problems(w, t, gpu, gpus):
+            continue
+        need = memory_per_gpu(w, t, gpu).total
+        if need <= budget:
+            out.append(f"{label} ({need / GiB:.1f} GiB)")
+    return out

@@ -1,0 +1,347 @@
+"""Step time from first principles: GEMM roofline with wave quantisation, fused-attention efficiency,
+memory-bound elementwise traffic, exposed communication, and the pipeline bubble of the *actual*
+schedule (simulated by `parallel/pipeline/schedules.py`).
+
+Overlap rules (what hides behind what):
+* TP/SP collectives and MoE all-to-alls sit on the critical path (exposed).
+* Ring-attention (CP) KV exchange overlaps the attention kernel of the same step: exposed = excess.
+* Pipeline p2p delays only the dependent action on the next rank (asynchronous sends), as simulated.
+* DP gradient reduction overlaps the last micro-batch's backward (bucketed); the last bucket never
+  hides. ZeRO-2 reduce-scatters each micro-batch behind that micro-batch's backward. ZeRO-1/2
+  parameter all-gathers after the optimizer hide behind the next step's first forward. ZeRO-3 gathers
+  each layer behind the previous layer's compute (prefetch).
+* The optimizer step is memory-bound and exposed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from pentatron.parallel.pipeline.schedules import make_schedule, simulate
+from pentatron.plan.comm import (
+    Collective,
+    collective_time,
+    group_of,
+    layer_comm,
+    pp_hop_time,
+    step_collectives,
+)
+from pentatron.plan.flops import hardware_flops_per_token, layer_params, model_flops_per_token
+from pentatron.plan.hardware import GPUSpec
+from pentatron.plan.layout import Layout, Workload, compute_dtype, kv_heads_per_tp_rank, layers_per_chunk
+from pentatron.plan.memory import DP_BUCKET, STATE_PRECISIONS, act_bytes, rank_layers, rank_params
+
+TILE = 128  # output tile edge of tensor-core GEMM kernels (cuBLAS/CUTLASS 128x128 class)
+KERNEL_OVERHEAD = 3e-6  # per GEMM launch/tail on the GPU (seconds)
+OPTIMIZER_BYTES_PER_PARAM = 34  # AdamW step: read grad 4, r/w master 8, r/w moments 16, write param 2, norm 4
+KERNELS = ("fused", "eager")
+# A collective overlapped with compute still occupies SMs: NCCL runs one CTA per channel (16 channels is
+# its usual choice on NVLink/IB systems), so compute slows by channels/SMs while it runs.
+NCCL_CHANNELS = 16
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Seconds one micro-batch spends in a chunk: forward, backward-input, backward-weight."""
+
+    f: float
+    b: float
+    w: float
+
+    def __add__(self, o: Phase) -> Phase:
+        return Phase(self.f + o.f, self.b + o.b, self.w + o.w)
+
+    def scale(self, k: float) -> Phase:
+        return Phase(self.f * k, self.b * k, self.w * k)
+
+    @property
+    def total(self) -> float:
+        return self.f + self.b + self.w
+
+
+ZERO = Phase(0.0, 0.0, 0.0)
+
+
+def gemm_time(gpu: GPUSpec, m: float, n: float, k: float, peak: float, a: int) -> float:
+    """C[m,n] = A[m,k] B[k,n]: max(compute at peak x matmul_efficiency x wave efficiency, HBM traffic)."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    tiles = math.ceil(m / TILE) * math.ceil(n / TILE)
+    waves = math.ceil(tiles / gpu.sm_count)
+    wave_eff = tiles / (waves * gpu.sm_count)
+    compute = 2 * m * n * k / (peak * gpu.matmul_efficiency * wave_eff)
+    memory = (m * k + k * n + m * n) * a / gpu.hbm_bandwidth
+    return max(compute, memory) + KERNEL_OVERHEAD
+
+
+def _linear(gpu: GPUSpec, tokens: float, n_out: float, n_in: float, peak: float, a: int) -> Phase:
+    """y = x W for `tokens` rows: forward, dX = dY W^T, dW = X^T dY."""
+    return Phase(gemm_time(gpu, tokens, n_out, n_in, peak, a), gemm_time(gpu, tokens, n_in, n_out, peak, a),
+                 gemm_time(gpu, n_in, n_out, tokens, peak, a))
+
+
+def _elementwise_bytes(w: Workload, lay: Layout, kernels: str) -> float:
+    """HBM bytes per token of one layer's forward outside GEMMs and attention (backward ~2x).
+    eager = our plain-PyTorch ops one by one (RMSNorm in fp32: ~(28 + 4a) per element; RoPE ~10a;
+    residual add 3a; SwiGLU 5a per MLP element); fused = one read + one write per op chain."""
+    cfg, a = w.cfg, act_bytes(lay.precision)
+    hs = cfg.hidden_size / (lay.tp if lay.sp else 1)
+    rope = cfg.n_heads * cfg.head_dim / lay.tp + kv_heads_per_tp_rank(cfg, lay.tp) * cfg.head_dim
+    f = cfg.ffn_hidden_size / lay.tp
+    if kernels == "eager":
+        return 2 * (28 + 4 * a) * hs + 10 * a * rope + 2 * 3 * a * hs + (5 if cfg.mlp == "swiglu" else 2) * a * f
+    return 2 * 2 * a * hs + 2 * a * rope + 2 * 3 * a * hs + (3 if cfg.mlp == "swiglu" else 2) * a * f
+
+
+def attention_times(w: Workload, lay: Layout, gpu: GPUSpec) -> tuple[float, float]:
+    """Causal fused attention over the whole sequence, this GPU's share (1/cp of the query-key pairs
+    with load balancing, 1/tp of the heads): forward and backward seconds per layer and micro-batch.
+    fp8 runs attention in bf16."""
+    cfg = w.cfg
+    peak = gpu.flops("bf16" if lay.precision == "fp8" else compute_dtype(lay.precision))
+    flops = 4 * cfg.n_heads * cfg.head_dim / lay.tp * lay.micro_batch * w.seq_len * (w.seq_len + 1) / 2 / lay.cp
+    eff_f, eff_b = gpu.attention_efficiency
+    return flops / (peak * eff_f), 2.5 * flops / (peak * eff_b)  # bwd: dQ, dK, dV, dP and QK^T again
+
+
+def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str = "fused") -> Phase:
+    """One decoder layer, one micro-batch, one GPU: GEMMs + attention + elementwise + exposed comm,
+    with recomputation charged to the backward-input pass."""
+    cfg, moe = w.cfg, w.moe_spec
+    a = act_bytes(lay.precision)
+    peak = gpu.flops(compute_dtype(lay.precision))
+    tokens = lay.micro_batch * w.seq_len / lay.cp
+    h, tp = cfg.hidden_size, lay.tp
+    hq, kvl = cfg.n_heads * cfg.head_dim / tp, kv_heads_per_tp_rank(cfg, tp) * cfg.head_dim
+    ph = _linear(gpu, tokens, hq, h, peak, a) + _linear(gpu, tokens, kvl, h, peak, a).scale(2)
+    ph = ph + _linear(gpu, tokens, h, hq, peak, a)
+    lp = layer_params(cfg, index, moe)
+    mats = 3 if cfg.mlp == "swiglu" else 2
+    down = ZERO
+    if lp.expert_total and moe is not None:
+        local_experts = moe.num_experts / lay.ep
+        per_expert = tokens * moe.top_k / local_experts  # balanced routing
+        fe = moe.expert_ffn_hidden_size / tp
+        ex = _linear(gpu, per_expert, fe, h, peak, a).scale(mats - 1) + _linear(gpu, per_expert, h, fe, peak, a)
+        ph = ph + ex.scale(local_experts) + _linear(gpu, tokens, moe.num_experts, h, peak, a)
+        if moe.n_shared_experts:
+            fs = moe.shared_ffn / tp
+            sh = _linear(gpu, tokens, fs, h, peak, a).scale(mats - 1) + _linear(gpu, tokens, h, fs, peak, a)
+            ph = ph + sh.scale(moe.n_shared_experts)
+    else:
+        f = cfg.ffn_hidden_size / tp
+        down = _linear(gpu, tokens, h, f, peak, a)
+        ph = ph + _linear(gpu, tokens, f, h, peak, a).scale(mats - 1) + down
+    attn_f, attn_b = attention_times(w, lay, gpu)
+    elem = tokens * _elementwise_bytes(w, lay, kernels) / gpu.hbm_bandwidth
+    lc = layer_comm(w, lay, gpu, bool(lp.expert_total))
+    f = ph.f + attn_f + elem + lc.tp_fwd + lc.ep_fwd + max(0.0, lc.cp_fwd - attn_f)
+    b = ph.b + attn_b + 2 * elem + lc.tp_bwd + lc.ep_bwd + max(0.0, lc.cp_bwd - attn_b)
+    if lay.recompute == "selective":
+        b += attn_f + max(0.0, lc.cp_fwd - attn_f)
+    elif lay.recompute == "full":  # checkpoint early stop: the down projection is not replayed
+        b += f - (down.f if not lp.expert_total else 0.0)
+    return Phase(f, b, ph.w)
+
+
+def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -> Phase:
+    """Final norm, LM head and the cross-entropy loss (vocab-parallel under TP)."""
+    cfg = w.cfg
+    a = act_bytes(lay.precision)
+    peak = gpu.flops(compute_dtype(lay.precision))
+    tokens = lay.micro_batch * w.seq_len / lay.cp
+    v = cfg.vocab_size / lay.tp
+    ph = _linear(gpu, tokens, v, cfg.hidden_size, peak, a)
+    # logits: bf16 write, fp32 copy, log-softmax write; backward reads them back and writes grads
+    per_logit = (a + 4 + 4 + 4) if kernels == "eager" else (a + 4)
+    loss = tokens * v * per_logit / gpu.hbm_bandwidth
+    act = tokens * cfg.hidden_size * a
+    g = group_of(lay, "tp", gpu)
+    tp = 0.0
+    if lay.tp > 1:
+        tp = collective_time(gpu, "all_gather" if lay.sp else "all_reduce", act, g)
+    return Phase(ph.f + loss + tp, ph.b + 1.5 * loss + tp, ph.w)
+
+
+def embed_phase(w: Workload, lay: Layout, gpu: GPUSpec) -> Phase:
+    a = act_bytes(lay.precision)
+    tokens = lay.micro_batch * w.seq_len / lay.cp
+    act = tokens * w.cfg.hidden_size * a
+    tp = 0.0
+    if lay.tp > 1:
+        tp = collective_time(gpu, "reduce_scatter" if lay.sp else "all_reduce", act, group_of(lay, "tp", gpu))
+    # gather rows forward; scatter-add fp32 gradient rows backward (memory-bound)
+    return Phase(2 * act / gpu.hbm_bandwidth + tp, 0.0, tokens * w.cfg.hidden_size * 8 / gpu.hbm_bandwidth)
+
+
+def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -> list[Phase]:
+    """Per global pipeline stage (chunk), the F/B/W seconds of one micro-batch."""
+    cfg = w.cfg
+    chunks = lay.pp * lay.pp_virtual
+    per_chunk = layers_per_chunk(cfg, w.seq_len, lay.pp, lay.pp_virtual)
+    cache: dict[bool, Phase] = {}
+    moe = w.moe_spec
+    out, start = [], 0
+    for s in range(chunks):
+        ph = ZERO
+        n_moe = sum(1 for i in range(start, start + per_chunk[s]) if moe and i >= moe.first_dense_layers)
+        for key, count in ((False, per_chunk[s] - n_moe), (True, n_moe)):
+            if count:
+                if key not in cache:
+                    first = moe.first_dense_layers if key and moe else 0
+                    cache[key] = layer_phase(w, lay, gpu, first, kernels)
+                ph = ph + cache[key].scale(count)
+        start += per_chunk[s]
+        if s == 0:
+            ph = ph + embed_phase(w, lay, gpu)
+        if s == chunks - 1:
+            ph = ph + head_phase(w, lay, gpu, kernels)
+        out.append(ph)
+    return out
+
+
+# ---------------------------------------------------------------- pipeline
+SIM_MAX_MICROBATCHES = 48  # beyond this the makespan is extrapolated (it is affine in m)
+
+
+@lru_cache(maxsize=2048)
+def _simulate_cached(name: str, p: int, m: int, v: int, f: tuple[float, ...], b: tuple[float, ...],
+                     w: tuple[float, ...], comm: float) -> tuple[float, float]:
+    # BW actions cost b + w, so the same costs serve split and unsplit schedules
+    tl = simulate(make_schedule(name, p, m, v), list(f), list(b), list(w), comm, record=False)
+    return tl.makespan, tl.bubble_fraction
+
+
+def pipeline_makespan(name: str, p: int, m: int, v: int, phases: list[Phase], comm: float) -> tuple[float, float]:
+    """(makespan, bubble fraction) of one step's micro-batches through the pipeline, by simulating the
+    schedule. For many micro-batches the steady state is periodic, so the makespan is affine in m: it
+    is simulated at two sizes m1 < m2 (same divisibility) and extrapolated."""
+    if p == 1:
+        t = m * phases[0].total
+        return t, 0.0
+    f = tuple(x.f for x in phases)
+    b = tuple(x.b for x in phases)
+    w = tuple(x.w for x in phases)
+    busy = m * sum(x.total for x in phases) / p
+    cap = max(SIM_MAX_MICROBATCHES, 4 * p)
+    if m <= cap:
+        return _simulate_cached(name, p, m, v, f, b, w, comm)
+    m1 = (cap // (2 * p)) * p if name == "interleaved" else cap // 2
+    m2 = 2 * m1
+    t1, _ = _simulate_cached(name, p, m1, v, f, b, w, comm)
+    t2, _ = _simulate_cached(name, p, m2, v, f, b, w, comm)
+    t = t1 + (m - m1) * (t2 - t1) / (m2 - m1)
+    return t, max(0.0, (t - busy) / busy)
+
+
+def closed_form_makespan(name: str, p: int, m: int, v: int, phases: list[Phase], comm: float) -> float:
+    """Fast estimate for ranking many candidates: the busiest rank's work plus the textbook bubble."""
+    if p == 1:
+        return m * phases[0].total
+    per_rank = [sum(phases[c * p + r].total for c in range(v)) for r in range(p)]
+    avg = sum(x.total for x in phases) / len(phases)
+    if name == "zb":
+        ff = sum(x.f for x in phases) / len(phases)
+        bb = sum(x.b for x in phases) / len(phases)
+        ww = sum(x.w for x in phases) / len(phases)
+        bubble = (p - 1) * max(ff + bb - ww, 0.0)
+    else:
+        bubble = (p - 1) * avg
+    return m * max(per_rank) + bubble + 2 * (p - 1) * comm
+
+
+# ---------------------------------------------------------------- the step
+@dataclass(frozen=True)
+class StepTime:
+    step: float
+    pipeline: float  # F/B/W of all micro-batches through the pipeline incl. bubble and p2p
+    bubble_fraction: float
+    dp_exposed: float  # gradient reduction and ZeRO gathers not hidden behind compute
+    optimizer: float
+    contention: float  # compute slowed by SMs that overlapped collectives occupy
+    phases: tuple[Phase, ...]  # per stage, one micro-batch
+    collectives: tuple[Collective, ...]
+    exposed_by_dim: dict[str, float]
+
+
+def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", exact: bool = True) -> StepTime:
+    m = lay.microbatches(w)
+    phases = stage_phases(w, lay, gpu, kernels)
+    hop = pp_hop_time(w, lay, gpu)
+    if exact:
+        pipe, bubble = pipeline_makespan(lay.pp_schedule, lay.pp, m, lay.pp_virtual, phases, hop)
+    else:
+        pipe = closed_form_makespan(lay.pp_schedule, lay.pp, m, lay.pp_virtual, phases, hop)
+        busy = m * sum(x.total for x in phases) / lay.pp
+        bubble = max(0.0, (pipe - busy) / busy)
+    # the busiest pipeline rank for DP/optimizer purposes: rank 0 (embedding; finishes last in 1F1B)
+    rp = rank_params(w, lay, 0)
+    ranges = rank_layers(layers_per_chunk(w.cfg, w.seq_len, lay.pp, lay.pp_virtual), lay.pp, lay.pp_virtual, 0)
+    n_layers = sum(len(r) for r in ranges)
+    moe = w.moe_spec
+    n_moe = sum(1 for r in ranges for i in r if moe and i >= moe.first_dense_layers)
+    colls = step_collectives(w, lay, gpu, rp.dense, rp.expert, n_layers, n_moe, first=True, last=lay.pp == 1)
+    last_bwd = phases[0].b + phases[0].w  # rank 0's last action: backward of chunk 0
+    first_fwd = phases[0].f
+    dp_exposed = 0.0
+    exposed: dict[str, float] = {}
+    hidden = 0.0  # communication overlapped with compute (costs SMs, see NCCL_CHANNELS)
+    for c in colls:
+        if c.dim not in ("dp_cp", "edp"):
+            continue
+        total = c.time_per_step
+        grad_bytes = c.payload
+        tail = c.time * min(1.0, DP_BUCKET / grad_bytes) if grad_bytes else 0.0
+        if c.op == "reduce_scatter" and c.count > 1:  # ZeRO-2/3: each micro-batch behind its backward
+            e = c.count * max(0.0, c.time - last_bwd) + tail
+        elif c.op == "all_gather" and c.count > 1:  # ZeRO-3: layer by layer behind compute (prefetch)
+            per_layer = c.time / max(1, n_layers)
+            layer_compute = (phases[0].f + phases[0].b) / max(1, n_layers) / 2
+            e = c.count * (n_layers * max(0.0, per_layer - layer_compute) + per_layer)
+        elif c.op == "all_gather":  # updated parameters, behind the next step's first forward
+            e = max(0.0, total - first_fwd)
+        else:  # gradient all-reduce / reduce-scatter behind the last backward
+            e = max(0.0, total - last_bwd) + tail
+        dp_exposed += e
+        hidden += max(0.0, total - e)
+        exposed["dp"] = exposed.get("dp", 0.0) + e
+    prec = STATE_PRECISIONS[lay.precision]
+    shard = lay.dp * lay.cp if lay.zero >= 1 else 1
+    local = rp.dense / shard + rp.expert / (max(1, lay.dp * lay.cp // lay.ep) if lay.zero >= 1 else 1)
+    optimizer = local * OPTIMIZER_BYTES_PER_PARAM * (prec.param / 2 if lay.precision == "fp32" else 1)
+    optimizer /= gpu.hbm_bandwidth
+    for c in colls:  # exposure inside the pipeline, reported per dimension
+        if c.dim in ("tp", "ep"):
+            exposed[c.dim] = exposed.get(c.dim, 0.0) + c.time_per_step
+        elif c.dim == "pp":
+            exposed["pp"] = exposed.get("pp", 0.0) + 2 * (lay.pp - 1) * hop
+    if lay.cp > 1:
+        attn_f, attn_b = attention_times(w, lay, gpu)
+        lc = layer_comm(w, lay, gpu, False)
+        fwd_passes = 2 if lay.recompute != "none" else 1
+        per = max(0.0, lc.cp_fwd - attn_f) * fwd_passes + max(0.0, lc.cp_bwd - attn_b)
+        exposed["cp"] = m * n_layers * per
+        hidden += m * n_layers * (min(lc.cp_fwd, attn_f) * fwd_passes + min(lc.cp_bwd, attn_b))
+    contention = hidden * min(1.0, NCCL_CHANNELS / gpu.sm_count)
+    step = pipe + dp_exposed + optimizer + contention
+    return StepTime(step, pipe, bubble, dp_exposed, optimizer, contention, tuple(phases), tuple(colls), exposed)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    hfu: float
+    model_flops_per_token: float
+    hardware_flops_per_token: float
+
+
+def throughput(w: Workload, lay: Layout, gpu: GPUSpec, st: StepTime) -> Throughput:
+    tps = w.tokens_per_step / st.step
+    peak = gpu.flops(compute_dtype(lay.precision))
+    mf = model_flops_per_token(w.cfg, w.seq_len, moe=w.moe_spec)
+    hf = hardware_flops_per_token(w.cfg, w.seq_len, lay.recompute, moe=w.moe_spec)
+    return Throughput(tps, tps / lay.world, tps * mf / (lay.world * peak), tps * hf / (lay.world * peak), mf, hf)

@@ -1,0 +1,167 @@
+"""Schedules as data: closed-form bubbles and in-flight counts come out of the simulator, and the
+validator catches broken or deadlocking schedules."""
+
+from __future__ import annotations
+
+import pytest
+
+from pentatron.parallel.pipeline.schedules import (
+    BW,
+    Action,
+    B,
+    F,
+    Schedule,
+    ScheduleError,
+    W,
+    afab,
+    bubble_fraction,
+    interleaved_1f1b,
+    last_stage_awaiting_backward_closed,
+    make_schedule,
+    one_f_one_b,
+    peak_awaiting_backward,
+    peak_in_flight,
+    peak_in_flight_closed,
+    simulate,
+    validate,
+    zero_bubble_h1,
+)
+
+GRID = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 12, 32)]
+
+
+@pytest.mark.parametrize("name", ["afab", "1f1b"])
+@pytest.mark.parametrize(("p", "m"), GRID)
+def test_afab_and_1f1b_bubble_is_p_minus_1_over_m(name, p, m):
+    assert bubble_fraction(name, p, m) == pytest.approx((p - 1) / m, abs=1e-12)
+
+
+def test_playbook_bubble_figures():
+    # Ultra-Scale Playbook, pipeline section, p = 8
+    assert bubble_fraction("1f1b", 8, 1) == pytest.approx(7.0)
+    assert bubble_fraction("1f1b", 8, 8) == pytest.approx(0.875)
+    assert round(bubble_fraction("1f1b", 8, 32), 3) == 0.219
+    assert round(bubble_fraction("interleaved", 8, 32, 8), 3) == 0.027
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 16, 3), (8, 8, 4),
+                                           (8, 32, 8), (3, 9, 5)])
+def test_interleaved_bubble_is_p_minus_1_over_vm(p, m, v):
+    # per-chunk costs are 1/v of a stage's: the ratio does not depend on the scale
+    assert bubble_fraction("interleaved", p, m, v, t_f=1 / v, t_b=2 / v, t_w=0) == pytest.approx(
+        (p - 1) / (v * m), abs=1e-12)
+
+
+@pytest.mark.parametrize(("p", "m"), [(p, m) for p, m in GRID if p > 1])
+def test_zero_bubble_h1_beats_1f1b(p, m):
+    zb, ofob = bubble_fraction("zb", p, m), bubble_fraction("1f1b", p, m)
+    assert zb < ofob
+    if m >= p:  # Qi et al.: (p-1)(tF + tB - tW) against 1F1B's (p-1)(tF + tB + tW)
+        assert zb == pytest.approx((p - 1) * (1 + 1 - 1) / (3 * m), abs=1e-12)
+
+
+@pytest.mark.parametrize(("p", "m"), GRID)
+def test_peak_in_flight(p, m):
+    assert peak_in_flight(afab(p, m)) == [m] * p
+    ofob = peak_in_flight(one_f_one_b(p, m))
+    assert max(ofob) <= p and ofob == [min(p - r, m) for r in range(p)]
+    assert max(peak_in_flight(zero_bubble_h1(p, m))) <= p
+
+
+@pytest.mark.parametrize("name", ["afab", "1f1b", "zb", "interleaved"])
+@pytest.mark.parametrize(("p", "m", "v"), [(1, 3, 1), (2, 4, 2), (4, 4, 2), (4, 8, 3), (4, 12, 2), (8, 16, 4),
+                                           (3, 9, 1)])
+def test_closed_form_in_flight_matches_schedule(name, p, m, v):
+    vv = v if name == "interleaved" else 1
+    sched = make_schedule(name, p, m, vv)
+    assert peak_in_flight_closed(name, p, m, vv) == peak_in_flight(sched)
+    assert last_stage_awaiting_backward_closed(name, p, m, vv) == peak_awaiting_backward(sched, p - 1, vv - 1)
+
+
+@pytest.mark.parametrize("name", ["afab", "1f1b", "zb"])
+@pytest.mark.parametrize(("p", "m"), GRID)
+def test_generated_schedules_validate(name, p, m):
+    s = make_schedule(name, p, m)
+    validate(s)
+    per_rank = 3 * m if name == "zb" else 2 * m
+    assert all(len(a) == per_rank for a in s.actions)
+
+
+def test_interleaved_places_stages_megatron_style():
+    s = interleaved_1f1b(4, 8, 2)
+    validate(s)
+    assert s.n_stages == 8 and s.stage(1, 1) == 5 and s.rank_of(5) == 1
+    # every rank runs every micro-batch through both of its chunks
+    for r in range(4):
+        fwd = {(a.microbatch, a.chunk) for a in s.actions[r] if a.kind == F}
+        assert fwd == {(i, c) for i in range(8) for c in range(2)}
+
+
+def test_non_uniform_costs_and_comm():
+    p, m = 4, 8
+    s = one_f_one_b(p, m)
+    costs = [1.0, 1.0, 1.0, 3.0]  # a heavy last stage (LM head) bounds the step
+    t = simulate(s, costs, costs, 0.0)
+    assert t.makespan >= m * (3.0 + 3.0)
+    # m = 1: the makespan is the chain F0..F3 then B3..B0 plus one hop per boundary each way
+    t1 = simulate(one_f_one_b(p, 1), 1.0, 2.0, 0.0, comm=0.5)
+    assert t1.makespan == pytest.approx(p * 3.0 + 2 * (p - 1) * 0.5)
+
+
+def test_timeline_respects_dependencies():
+    s = interleaved_1f1b(4, 8, 2)
+    t = simulate(s, 1.0, 1.5, 0.5, comm=0.1)
+    end = {}
+    for r, slots in enumerate(t.slots):
+        for a, b in zip(slots, slots[1:], strict=False):
+            assert b.start >= a.end - 1e-12  # one action at a time per rank
+        for sl in slots:
+            end[(sl.action.kind, s.stage(r, sl.action.chunk), sl.action.microbatch)] = sl.end
+    for r, slots in enumerate(t.slots):
+        for sl in slots:
+            st, i = s.stage(r, sl.action.chunk), sl.action.microbatch
+            if sl.action.kind == F and st > 0:
+                assert sl.start >= end[(F, st - 1, i)] + 0.1 - 1e-12
+            if sl.action.kind == BW and st < s.n_stages - 1:
+                assert sl.start >= end[(BW, st + 1, i)] + 0.1 - 1e-12
+    assert sum(t.busy) == pytest.approx(4 * 8 * 2 * (1.0 + 1.5 + 0.5))
+
+
+def test_validator_catches_deadlock():
+    # rank 1 waits for F1 from rank 0, which waits for rank 1's backward of micro-batch 0
+    s = Schedule(2, 2, 1, [[Action(F, 0), Action(BW, 0), Action(F, 1), Action(BW, 1)],
+                           [Action(F, 1), Action(F, 0), Action(BW, 0), Action(BW, 1)]])
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate(s)
+
+
+@pytest.mark.parametrize(("actions", "match"), [
+    ([[Action(BW, 0), Action(F, 0)], [Action(F, 0), Action(BW, 0)]], "before its forward"),
+    ([[Action(F, 0)], [Action(F, 0), Action(BW, 0)]], "needs exactly one BW"),
+    ([[Action(F, 0), Action(F, 0), Action(BW, 0)], [Action(F, 0), Action(BW, 0)]], "appears twice"),
+    ([[Action(F, 0), Action(W, 0), Action(B, 0)], [Action(F, 0), Action(BW, 0)]], "before its B"),
+    ([[Action(F, 0), Action(B, 0), Action(BW, 0)], [Action(F, 0), Action(BW, 0)]], "needs exactly one BW"),
+    ([[Action(F, 3), Action(BW, 3)], [Action(F, 0), Action(BW, 0)]], "out of range"),
+    ([[Action(F, 0), Action(BW, 0)]], "2 ranks"),
+])
+def test_validator_catches_broken_schedules(actions, match):
+    with pytest.raises(ScheduleError, match=match):
+        validate(Schedule(2, 1, 1, actions))
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda: interleaved_1f1b(4, 6, 2), "multiple of pipeline ranks"),
+    (lambda: interleaved_1f1b(4, 2, 2), "multiple of pipeline ranks"),
+    (lambda: interleaved_1f1b(4, 8, 0), "v .* must be a positive integer"),
+    (lambda: one_f_one_b(0, 4), "p must be a positive integer"),
+    (lambda: afab(2, 0), "m must be a positive integer"),
+    (lambda: make_schedule("gpipe2", 2, 2), "unknown pipeline schedule"),
+    (lambda: make_schedule("1f1b", 2, 2, 2), "only 'interleaved' uses v"),
+])
+def test_bad_requests(call, match):
+    with pytest.raises(ScheduleError, match=match):
+        call()
+
+
+def test_interleaved_v1_is_1f1b():
+    assert interleaved_1f1b(4, 8, 1).actions == one_f_one_b(4, 8).actions

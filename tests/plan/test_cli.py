@@ -1,0 +1,124 @@
+"""`pentatron plan` / `pentatron bench` through their argparse registration, as the top-level CLI uses them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from pentatron.plan.cli import add_bench_parser, add_plan_parser, parse_count
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pentatron")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_plan_parser(sub)
+    add_bench_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_the_70b_example_prints_a_ranked_table(capsys):
+    rc = run(["plan", "--model", "llama3-70b", "--gpus", "256", "--gpu", "h100", "--seq", "4096",
+              "--global-batch-tokens", "4M"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "tok/s/GPU" in out and "\n 1 " in out and "\n10 " in out
+    assert "why the best layout" in out and "MFU" in out and "total" in out
+
+
+def test_json_keys_are_stable(capsys, tmp_path):
+    chart = tmp_path / "mem.png"
+    rc = run(["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch-tokens", "1M", "--json",
+              "--top", "3", "--train-tokens", "1T", "--price", "2.5", "--chart", str(chart)])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["schema"] == "pentatron.plan/1"
+    assert {"model", "hardware", "workload", "predictions", "search", "reasons", "problems"} <= set(d)
+    p = d["predictions"][0]
+    for key in ("layout", "fits", "memory_bytes", "step_time_s", "bubble_fraction", "tokens_per_s_per_gpu",
+                "mfu", "hfu", "comm", "train", "model_flops_per_token"):
+        assert key in p
+    assert p["memory_bytes"]["total"] == pytest.approx(sum(v for k, v in p["memory_bytes"].items() if k != "total"))
+    assert p["train"]["cost_usd"] == pytest.approx(p["train"]["gpu_hours"] * 2.5)
+    assert d["workload"]["global_batch_tokens"] == 2**20
+    assert chart.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_evaluate_one_layout(capsys):
+    rc = run(["plan", "--model", "llama3-70b", "--gpus", "256", "--global-batch-tokens", "4M", "--dp", "4",
+              "--tp", "8", "--pp", "8", "--zero", "1", "--sp", "--pp-schedule", "interleaved", "--pp-virtual", "5",
+              "--micro-batch", "1", "--recompute", "none"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "dp4 tp8+sp pp8 cp1 interleaved/v5 z1 mb1" in out
+    for word in ("parameters", "activations", "communication per GPU", "bubble", "HFU", "tokens/s/GPU"):
+        assert word in out
+
+
+def test_layout_that_does_not_fit_explains(capsys):
+    rc = run(["plan", "--model", "llama3-70b", "--gpus", "256", "--dp", "32", "--tp", "8", "--pp", "1",
+              "--cp", "1", "--zero", "0", "--micro-batch", "1", "--recompute", "none"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "needs" in out and "h100-sxm has 80 GiB: try" in out and "zero=" in out
+
+
+def test_explicit_shape_and_model_file(capsys, tmp_path):
+    rc = run(["plan", "--layers", "8", "--hidden", "512", "--heads", "8", "--kv-heads", "4", "--ffn-hidden",
+              "1536", "--vocab", "32000", "--seq", "1024", "--global-batch", "32", "--gpus", "2", "--json"])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["model"]["params"] > 0
+    f = tmp_path / "m.toml"
+    f.write_text("[model]\nname = \"llama3-8b\"\nn_layers = 4\n")
+    assert run(["plan", "--model-file", str(f), "--gpus", "8", "--global-batch", "64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["n_layers"] == 4
+
+
+def test_verify_flag(capsys):
+    rc = run(["plan", "--model", "debug", "--seq", "256", "--verify"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "bytes saved for backward" in out and "FAIL" not in out
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--model", "llama9", "--gpus", "8"], "unknown model 'llama9'"),
+    (["--model", "debug", "--gpus", "8", "--gpu", "v100"], "unknown GPU 'v100'"),
+    (["--model", "debug", "--gpus", "0"], "--gpus must be >= 1"),
+    (["--model", "debug", "--seq", "256", "--global-batch-tokens", "1000"], "not a multiple of --seq 256"),
+    (["--model", "debug", "--seq", "256", "--global-batch-tokens", "lots", "--gpus", "2"], "cannot read 'lots'"),
+    (["--model", "llama3-70b", "--gpus", "256", "--tp", "3"], "tp=3 does not divide the 64 attention heads"),
+    (["--model", "llama3-70b", "--gpus", "100", "--tp", "16"], "exceeds the 8 GPUs of a node"),
+    (["--model", "debug", "--gpus", "8", "--seq", "256", "--global-batch", "4", "--dp", "8"], "not divisible"),
+    (["--gpus", "8"], "no model"),
+    (["--model", "debug", "--model-file", "x.toml", "--gpus", "2"], "not both"),
+    (["--model", "debug", "--gpus", "2", "--hardware", "/nonexistent.toml"], "not found"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, argv, needle):
+    assert run(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_parse_count():
+    assert parse_count("4M", "x") == 4 * 2**20
+    assert parse_count("4Mi", "x") == 4 * 2**20
+    assert parse_count("1048576", "x") == 2**20
+    assert parse_count("4e6", "x") == 4_000_000
+    assert parse_count("15T", "x", binary=False) == 15 * 10**12
+
+
+def test_bench_writes_a_profile_the_planner_reads(capsys, tmp_path):
+    out = tmp_path / "prof.toml"
+    assert run(["bench", "--nproc", "2", "--max-bytes", "64K", "--seconds", "0.02", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "all_reduce" in text and out.exists()
+    from pentatron.plan.hardware import load_hardware_toml
+
+    prof = load_hardware_toml(out)
+    assert set(prof.measured_busbw) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert all(b > 0 for pts in prof.measured_busbw.values() for _, b in pts)
+    assert run(["plan", "--model", "debug", "--seq", "256", "--global-batch", "8", "--gpus", "2",
+                "--hardware-profile", str(out), "--precision", "fp32"]) == 0
+    assert run(["bench", "--out", str(tmp_path / "p.yaml")]) == 2

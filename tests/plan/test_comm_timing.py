@@ -1,0 +1,126 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pentatron.distributed.comm import ring_bytes
+from pentatron.models.registry import get_model_config
+from pentatron.parallel.pipeline.schedules import make_schedule, simulate
+from pentatron.plan.comm import bus_bandwidth, bytes_by_dim, collective_time, group_of, step_collectives, wire_bytes
+from pentatron.plan.hardware import get_gpu
+from pentatron.plan.layout import Layout, Workload, layers_per_chunk, problems
+from pentatron.plan.timing import Phase, gemm_time, pipeline_makespan, step_time, throughput
+
+H100 = get_gpu("h100")
+
+
+def test_wire_bytes_follow_the_ledger():
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        for n in (2, 8, 64):
+            assert wire_bytes(op, 2**20, n) == ring_bytes(op, 2**20, n)
+    assert wire_bytes("all_to_all", 800, 8) == 700
+
+
+def test_group_placement():
+    lay = Layout(dp=4, tp=8, pp=8)
+    tp, dp, pp = group_of(lay, "tp", H100), group_of(lay, "dp", H100), group_of(lay, "pp", H100)
+    assert not tp.crosses_nodes and tp.per_node == 8
+    assert dp.crosses_nodes and dp.per_node == 1 and dp.nodes == 4
+    assert pp.crosses_nodes
+    small = group_of(Layout(dp=16, tp=2), "dp", H100)
+    assert small.per_node == 4 and small.nodes == 4  # 4 of the group per node share 4 NICs
+    assert bus_bandwidth(H100, "all_reduce", 1e9, small) == pytest.approx(4 * 50e9 * 0.8)
+
+
+def test_collective_time_alpha_beta():
+    g = group_of(Layout(tp=8), "tp", H100)
+    small, big = collective_time(H100, "all_reduce", 1024, g), collective_time(H100, "all_reduce", 2**30, g)
+    assert small == pytest.approx(14 * H100.intra_node_latency, rel=0.01)  # latency-bound
+    assert big == pytest.approx(14 * 2e-6 + 2 * 7 / 8 * 2**30 / (450e9 * 0.8))
+    assert collective_time(H100, "all_reduce", 2**30, group_of(Layout(), "tp", H100)) == 0
+
+
+def test_measured_busbw_replaces_link_model():
+    prof = dataclasses.replace(H100, measured_busbw={"all_reduce": ((1e3, 1e9), (1e9, 100e9))})
+    g = group_of(Layout(tp=8), "tp", H100)
+    assert bus_bandwidth(prof, "all_reduce", 1e9, g) == pytest.approx(100e9)
+    assert bus_bandwidth(prof, "all_reduce", 1e6, g) == pytest.approx(1e9 + 0.5 * 99e9)  # log-interpolated
+
+
+def test_dp_and_zero_volumes():
+    w = Workload(get_model_config("llama3-8b"), 4096, 64)
+    n = 1e9
+    by = {z: bytes_by_dim(step_collectives(w, Layout(dp=8, zero=z), H100, n, 0, 32, 0, True, True))["dp"]
+          for z in range(4)}
+    ar = 2 * 7 / 8 * 4 * n  # fp32 gradients all-reduced
+    assert by[0] == pytest.approx(ar)
+    assert by[1] == pytest.approx(7 / 8 * 4 * n + 7 / 8 * 2 * n)  # reduce-scatter fp32 + all-gather bf16
+    m = 8
+    assert by[3] == pytest.approx(m * 7 / 8 * 4 * n + 2 * m * 7 / 8 * 2 * n)
+
+
+def test_gemm_roofline():
+    big = gemm_time(H100, 8192, 8192, 8192, H100.flops("bf16"), 2)
+    waves = 4096 / (32 * 132)  # 4096 tiles of 128x128 in 32 waves over 132 SMs
+    assert big == pytest.approx(2 * 8192**3 / (989.4e12 * 0.8 * waves) + 3e-6, rel=1e-6)
+    skinny = gemm_time(H100, 1, 8192, 8192, H100.flops("bf16"), 2)
+    assert skinny > 8192 * 8192 * 2 / H100.hbm_bandwidth  # memory-bound
+    # wave quantisation: 19 x 7 = 133 tiles need two waves on 132 SMs, one on 133
+    two = gemm_time(H100, 128 * 19, 128 * 7, 16384, 1e15, 2) - 3e-6
+    one = gemm_time(dataclasses.replace(H100, sm_count=133), 128 * 19, 128 * 7, 16384, 1e15, 2) - 3e-6
+    assert two / one == pytest.approx(2 * 132 / 133)
+
+
+@pytest.mark.parametrize(("name", "p", "m", "v"), [("1f1b", 4, 200, 1), ("zb", 4, 130, 1), ("afab", 2, 97, 1),
+                                                   ("interleaved", 4, 64, 2)])
+def test_extrapolated_makespan_matches_simulation(name, p, m, v):
+    phases = [Phase(1.0 + 0.1 * s, 2.0, 0.7) for s in range(p * v)]
+    phases[-1] = Phase(2.0, 3.0, 1.0)  # heavier last stage
+    t, _ = pipeline_makespan(name, p, m, v, phases, 0.05)
+    exact = simulate(make_schedule(name, p, m, v), [x.f for x in phases], [x.b for x in phases],
+                     [x.w for x in phases], 0.05).makespan
+    assert t == pytest.approx(exact, rel=1e-9)
+
+
+def test_layers_per_chunk_follow_the_engine_partition():
+    cfg = get_model_config("llama3-70b")
+    assert layers_per_chunk(cfg, 4096, 8, 2) == (5,) * 16  # interleaved: equal chunks
+    split = layers_per_chunk(cfg, 4096, 8)
+    assert sum(split) == 80 and split[-1] < max(split)  # the LM head stage gets fewer layers
+    small = layers_per_chunk(get_model_config("debug"), 256, 2)
+    assert small[0] > small[1]  # a small model's LM head costs layers
+
+
+def test_step_time_and_mfu():
+    w = Workload(get_model_config("llama3-70b"), 4096, 1024)
+    lay = Layout(dp=4, tp=8, pp=8, sp=True, zero=1, pp_schedule="interleaved", pp_virtual=5)
+    assert problems(w, lay, H100, 256) == []
+    st = step_time(w, lay, H100)
+    rate = throughput(w, lay, H100, st)
+    assert 0 < rate.mfu < 1 and rate.hfu == pytest.approx(rate.mfu)
+    assert st.step >= st.pipeline > 0 and 0 < st.bubble_fraction < 0.2
+    assert st.exposed_by_dim["tp"] > 0
+    # more recompute: same model FLOPs, more hardware FLOPs, longer step
+    st2 = step_time(w, lay.with_(recompute="full"), H100)
+    r2 = throughput(w, lay.with_(recompute="full"), H100, st2)
+    assert st2.step > st.step and r2.hfu > r2.mfu
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"tp": 16, "dp": 16}, "exceeds the 8 GPUs of a node"),
+    ({"tp": 3}, "does not divide the 64 attention heads"),
+    ({"sp": True}, "needs tp > 1"),
+    ({"pp": 8, "dp": 32, "micro_batch": 16}, "micro-batches < pp"),
+    ({"pp": 8, "dp": 32, "pp_schedule": "interleaved", "pp_virtual": 3}, r"do not divide into pp\*v=24"),
+    ({"dp": 3}, "does not equal --gpus"),
+    ({"ep": 2, "dp": 256}, "mixture-of-experts"),
+    ({"zero": 3, "pp": 2, "dp": 128}, "zero=3 with pp>1"),
+    ({"cp": 3, "dp": 1}, "load-balanced ring|does not equal"),
+])
+def test_layout_problems(kw, match):
+    w = Workload(get_model_config("llama3-70b"), 4096, 1024)
+    base = {"dp": 256}
+    base.update(kw)
+    msgs = problems(w, Layout(**base), H100, 256)
+    assert any(__import__("re").search(match, m) for m in msgs), msgs

@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import pytest
+
+from pentatron.plan.hardware import GiB, detect_gpu, get_gpu, gpu_names, hardware_from_dict, load_hardware_toml
+
+
+def test_catalogue_entries_are_sane():
+    assert set(gpu_names()) == {"a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200"}
+    for n in gpu_names():
+        g = get_gpu(n)
+        assert g.problems() == []
+        assert g.flops("bf16") > g.flops("fp32")
+    h100 = get_gpu("H100")
+    assert h100.name == "h100-sxm" and h100.peak_flops["bf16"] == pytest.approx(989.4e12)
+    assert h100.hbm_bytes == 80 * GiB and get_gpu("h200").hbm_bytes == 141 * GiB
+    assert "fp8" not in get_gpu("a100").peak_flops
+
+
+def test_unknown_gpu_lists_known_names():
+    with pytest.raises(KeyError, match="known GPUs: .*h100-sxm"):
+        get_gpu("tpu-v5")
+    with pytest.raises(KeyError, match="no 'fp8' peak"):
+        get_gpu("a100-40gb").flops("fp8")
+
+
+@pytest.mark.parametrize(("name", "expect"), [
+    ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+    ("NVIDIA H200", "h200"),
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+    ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+    ("NVIDIA B200", "b200"),
+    ("NVIDIA H100 PCIe", None),
+    ("NVIDIA GH200 480GB", None),
+    ("Tesla T4", None),
+])
+def test_detect_gpu(name, expect):
+    g = detect_gpu(name)
+    assert (g.name if g else None) == expect
+
+
+def test_user_hardware_toml(tmp_path):
+    p = tmp_path / "hw.toml"
+    p.write_text('[gpu]\nname = "h100-4x"\nbase = "h100"\ngpus_per_node = 4\ninter_node_bandwidth_gb_s = 25\n'
+                 '[gpu.peak_tflops]\nbf16 = 900\n')
+    g = load_hardware_toml(p)
+    assert g.name == "h100-4x" and g.gpus_per_node == 4 and g.peak_flops == {"bf16": 900e12}
+    assert g.inter_node_bandwidth == 25e9 and g.hbm_bytes == 80 * GiB  # rest from the base
+
+
+@pytest.mark.parametrize(("data", "match"), [
+    ({"name": "x"}, "missing peak_flops"),
+    ({"base": "nope"}, "unknown GPU"),
+    ({"base": "h100", "hbm_gb": 80}, "unknown key"),
+    ({"base": "h100", "hbm_gib": "lots"}, "must be a number"),
+    ({"base": "h100", "matmul_efficiency": 1.5}, r"matmul_efficiency must be in \(0, 1\]"),
+    ({"base": "h100", "busbw": {"all_reduce": {"bytes": [1, 2], "gb_s": [1]}}}, "equal-length"),
+])
+def test_bad_hardware_is_reported(data, match):
+    with pytest.raises(ValueError, match=match):
+        hardware_from_dict(data)
+
+
+def test_missing_or_invalid_file(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        load_hardware_toml(tmp_path / "none.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = \n")
+    with pytest.raises(ValueError, match="invalid TOML"):
+        load_hardware_toml(bad)

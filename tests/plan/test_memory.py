@@ -1,0 +1,125 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pentatron.models.registry import get_model_config
+from pentatron.plan.flops import total_params
+from pentatron.plan.hardware import GiB, get_gpu
+from pentatron.plan.layout import Layout, Workload
+from pentatron.plan.memory import (
+    PLAYBOOK_16,
+    PLAYBOOK_20,
+    STATE_PRECISIONS,
+    korthikanti_layer_activation_bytes,
+    llama_layer_activation_bytes,
+    memory_for_rank,
+    memory_per_gpu,
+    model_state_bytes,
+    rank_params,
+)
+
+H100 = get_gpu("h100")
+
+
+@pytest.mark.parametrize(("billions", "gb16", "gb20"), [(1, 16, 20), (7, 112, 140), (70, 1120, 1400),
+                                                          (405, 6480, 8100)])
+def test_playbook_bytes_per_param(billions, gb16, gb20):
+    n = billions * 1e9
+    assert model_state_bytes(n, PLAYBOOK_16).total / 1e9 == pytest.approx(gb16)
+    assert model_state_bytes(n, PLAYBOOK_20).total / 1e9 == pytest.approx(gb20)
+    assert STATE_PRECISIONS["bf16"].total == 18  # our trainer: bf16 weights, fp32 grads/master/Adam
+
+
+@pytest.mark.parametrize("nd", [2, 8, 64])
+def test_zero_stage_formulas(nd):
+    # ZeRO paper / playbook, k = 12 (fp32 master + Adam): 2Ψ + 2Ψ + kΨ sharded progressively
+    psi, k = 1e9, 12
+    expect = {0: 2 * psi + 2 * psi + k * psi, 1: 2 * psi + 2 * psi + k * psi / nd,
+              2: 2 * psi + (2 * psi + k * psi) / nd, 3: (2 * psi + 2 * psi + k * psi) / nd}
+    for stage, v in expect.items():
+        assert model_state_bytes(psi, PLAYBOOK_16, stage, nd).total == pytest.approx(v)
+
+
+def test_playbook_activation_figures():
+    # 8B-like: L=32, h=4096, a=32, s=1024, b=1 -> 9.25 / 4.25 / 0.25 GiB (mixed precision, GPT layer)
+    per = {rc: 32 * korthikanti_layer_activation_bytes(1024, 1, 4096, 32, recompute=rc) / GiB
+           for rc in ("none", "selective", "full")}
+    assert per == {"none": 9.25, "selective": 4.25, "full": 0.25}
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_tp_and_sp_activation_formulas(t):
+    s, b, h, a = 4096, 1, 8192, 64
+    sbh = s * b * h
+    assert korthikanti_layer_activation_bytes(s, b, h, a, tp=t) == pytest.approx(
+        sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert korthikanti_layer_activation_bytes(s, b, h, a, tp=t, sp=True) == pytest.approx(
+        sbh / t * (34 + 5 * a * s / h))
+    assert korthikanti_layer_activation_bytes(s, b, h, a, tp=t, sp=True, recompute="full") == 2 * sbh / t
+
+
+def test_llama_activation_terms_shard_with_tp_and_sp():
+    cfg = get_model_config("llama3-70b")
+    s = 4096
+    rope = 4 * s * cfg.head_dim * 2  # [s, head_dim] casts, independent of TP and batch
+    full = llama_layer_activation_bytes(cfg, s, s).saved - rope
+    sp8 = llama_layer_activation_bytes(cfg, s, s, tp=8, sp=True).saved - rope
+    tp8 = llama_layer_activation_bytes(cfg, s, s, tp=8).saved - rope
+    assert sp8 == pytest.approx(full / 8)  # with SP every per-token term is sharded (8 KV heads / 8)
+    assert sp8 < tp8 < full  # without SP the norms and matmul inputs stay replicated
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    assert full == pytest.approx(s * (20 * h + 4 * cfg.kv_dim + 8 + 4 * cfg.n_heads + 8 * f))
+    sel = llama_layer_activation_bytes(cfg, s, s, recompute="selective").saved - rope
+    assert full - sel == pytest.approx(s * 4 * cfg.n_heads)  # only the logsumexp goes
+    assert llama_layer_activation_bytes(cfg, 2 * s, s, recompute="full").saved == 2 * s * 2 * h
+
+
+def _w(name: str = "llama3-70b", seq: int = 4096, gb: int = 1024) -> Workload:
+    return Workload(get_model_config(name), seq, gb)
+
+
+def test_params_per_rank_add_up():
+    w = _w("debug-untied", 256, 64)
+    for pp in (1, 2, 4):
+        lay = Layout(dp=1, pp=pp)
+        assert sum(rank_params(w, lay, r).dense for r in range(pp)) == total_params(w.cfg)
+    tied = _w("debug", 256, 64)
+    emb = tied.cfg.vocab_size * tied.cfg.hidden_size
+    # tied embeddings: the last stage keeps its own copy of the shared matrix (gradients summed)
+    assert sum(rank_params(tied, Layout(pp=2), r).dense for r in range(2)) == total_params(tied.cfg) + emb
+
+
+def test_schedule_sets_in_flight_activations():
+    w = _w()
+    base = Layout(dp=4, tp=8, pp=8, sp=True, zero=1, micro_batch=1)
+    m = base.microbatches(w)
+    afab = memory_for_rank(w, base.with_(pp_schedule="afab"), H100, 0)
+    ofob = memory_for_rank(w, base.with_(pp_schedule="1f1b"), H100, 0)
+    assert afab.in_flight == m and ofob.in_flight == 8
+    assert afab.activations == pytest.approx(ofob.activations * m / 8, rel=1e-3)
+    last = memory_for_rank(w, base, H100, 7)
+    assert last.in_flight == 1 and last.logits_loss > ofob.logits_loss
+
+
+def test_zero_stages_reduce_memory():
+    w = _w("llama3-8b", 4096, 256)
+    totals = [memory_per_gpu(w, Layout(dp=64, zero=z, recompute="full"), H100).total for z in range(4)]
+    assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
+    z3 = memory_per_gpu(w, Layout(dp=64, zero=3, recompute="full"), H100)
+    assert z3.parameters == pytest.approx(w.cfg.num_params() * 2 / 64)
+
+
+def test_70b_fits_only_when_sharded():
+    w = _w()
+    assert memory_per_gpu(w, Layout(dp=4, tp=8, pp=8, sp=True, zero=1), H100).total < H100.hbm_bytes
+    assert memory_per_gpu(w, Layout(dp=256), H100).total > 10 * H100.hbm_bytes
+
+
+def test_fp32_states():
+    w = _w("debug", 256, 8)
+    m32 = memory_per_gpu(w, Layout(precision="fp32"), H100)
+    assert m32.master_weights == 0 and m32.parameters == pytest.approx(4 * total_params(w.cfg))
+    w2 = dataclasses.replace(w, seq_len=128)
+    assert memory_per_gpu(w2, Layout(precision="fp32"), H100).activations < m32.activations
