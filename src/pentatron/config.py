@@ -264,11 +264,13 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"parallel.zero must be 0, 1, 2 or 3, got {par.zero}")
     if par.bucket_mb <= 0:
         p.append(f"parallel.bucket_mb must be > 0, got {par.bucket_mb}")
-    for name in ("tp", "pp", "cp", "ep"):
+    for name in ("pp", "cp", "ep"):
         if getattr(par, name) > 1:
             p.append(f"parallel.{name}={getattr(par, name)}: this parallel dimension is not available yet; "
                      f"use parallel.{name}=1")
     dp = _resolve_dp(par, world_size, p)
+    if model is not None and not model.problems():
+        p += tensor_parallel_problems(model, par.tp, par.sp, tr.seq_len)
 
     positive = {"steps": tr.steps, "seq_len": tr.seq_len, "micro_batch": tr.micro_batch,
                 "global_batch": tr.global_batch}
@@ -317,21 +319,75 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     return p
 
 
+def tensor_parallel_problems(model: ModelConfig, tp: int, sp: bool, seq_len: int | None = None) -> list[str]:
+    """Every reason `model` cannot be split `tp` ways (empty when it can). Pure arithmetic, so it runs
+    before any process group; `parallel.tensor.apply_tensor_parallel` calls it again on the live model.
+
+    The vocabulary must divide by tp: we do not pad it (as Megatron does), because padding changes the
+    embedding's shape in checkpoints and exports and needs masked logits; every registry model's
+    vocabulary divides by 8."""
+    if tp < 1:
+        return []  # reported with the other degrees
+    p: list[str] = []
+    if sp and tp == 1:
+        p.append("parallel.sp=true needs parallel.tp > 1 (the sequence is sharded over the tp ranks)")
+    if tp == 1:
+        return p
+    if model.n_heads % tp:
+        p.append(f"parallel.tp={tp} does not divide model.n_heads={model.n_heads}")
+    elif model.n_kv_heads % tp and tp % model.n_kv_heads:
+        # tp > kv heads is fine when each kv head is replicated on tp/n_kv ranks; it must divide evenly.
+        p.append(f"parallel.tp={tp} must divide model.n_kv_heads={model.n_kv_heads}, or be a multiple of it "
+                 f"(kv heads are then replicated, up to tp = n_heads = {model.n_heads})")
+    if model.ffn_hidden_size % tp:
+        p.append(f"parallel.tp={tp} does not divide model.ffn_hidden_size={model.ffn_hidden_size}")
+    if model.vocab_size % tp:
+        p.append(f"parallel.tp={tp} does not divide model.vocab_size={model.vocab_size} (the vocabulary is "
+                 "sharded over tp and is not padded)")
+    if sp and seq_len is not None and seq_len % tp:
+        p.append(f"parallel.sp=true needs train.seq_len={seq_len} to be divisible by parallel.tp={tp}")
+    return p
+
+
+def tensor_parallel_warnings(tp: int, node_size: int | None) -> list[str]:
+    """Advice that is not an error: a tp group spanning nodes runs its per-layer all-reduces over the
+    slow inter-node network."""
+    if node_size is not None and tp > node_size:
+        return [f"parallel.tp={tp} is larger than the node size ({node_size} devices): tensor-parallel "
+                "all-reduces will cross the inter-node network; keep tp within a node"]
+    return []
+
+
 def _resolve_dp(par: ParallelConfig, world_size: int | None, problems: list[str]) -> int | None:
-    inner = par.tp * par.pp * par.cp
+    if min(par.tp, par.pp, par.cp, par.ep) < 1 or (par.dp is not None and par.dp < 1):
+        return par.dp  # reported with the other per-field checks
+    dp, found = degree_problems(world_size, dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep)
+    problems.extend(found)
+    return dp
+
+
+def degree_problems(world_size: int | None, *, dp: int | None, tp: int = 1, pp: int = 1, cp: int = 1,
+                    ep: int = 1) -> tuple[int | None, list[str]]:
+    """(resolved dp, problems) for positive degrees on `world_size` processes (None: not known yet);
+    `dp=None` means whatever tp·pp·cp leaves. The one place that decides whether degrees fit: config
+    validation calls it before any process group exists, `ParallelContext` again on the live world."""
+    p: list[str] = []
+    inner = tp * pp * cp
     if world_size is None:
-        return par.dp
-    if inner < 1:
-        return None
-    if par.dp is None:
+        return dp, p
+    if dp is None:
         if world_size % inner:
-            problems.append(f"world size {world_size} is not divisible by tp×pp×cp = {inner}")
-            return None
-        return world_size // inner
-    if par.dp * inner != world_size:
-        problems.append(f"parallel.dp×tp×pp×cp = {par.dp}×{par.tp}×{par.pp}×{par.cp} = {par.dp * inner} "
-                        f"does not equal the world size {world_size} (processes launched)")
-    return par.dp
+            p.append(f"world size {world_size} is not divisible by tp×pp×cp = {inner}")
+            return None, p
+        dp = world_size // inner
+    elif dp * inner != world_size:
+        p.append(f"parallel.dp×tp×pp×cp = {dp}×{tp}×{pp}×{cp} = {dp * inner} does not equal the world size "
+                 f"{world_size} (processes launched)"
+                 + (f"; dp={dp} does not divide the world size" if world_size % dp else ""))
+        return dp, p
+    if (dp * cp) % ep:
+        p.append(f"parallel.ep={ep} must divide dp×cp = {dp}×{cp} = {dp * cp} (experts borrow those ranks)")
+    return dp, p
 
 
 def resolved_dp(cfg: Config, world_size: int) -> int:

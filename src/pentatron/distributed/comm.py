@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from pentatron.distributed.context import ParallelContext
 
 Op = Literal["all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "barrier"]
+# torch 2.13 renamed the flat-tensor collectives (the old names still work, with a warning).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -78,6 +81,9 @@ class CommSummary:
     def bytes_map(self) -> dict[str, dict[str, int]]:
         """{dimension: {op: bytes}}: the `comm_bytes` metrics field."""
         return {d: {o: v["bytes"] for o, v in ops.items()} for d, ops in self.by_dim.items()}
+
+    def calls_map(self) -> dict[str, dict[str, int]]:
+        return {d: {o: v["calls"] for o, v in ops.items()} for d, ops in self.by_dim.items()}
 
     def table(self) -> str:
         rows = [f"{'dim':<6} {'op':<15} {'calls':>6} {'payload':>12} {'wire bytes/rank':>16}"]
@@ -189,7 +195,7 @@ class Comm:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
         self.ledger.record("reduce_scatter", dim, input.dtype, _nbytes(input), n)
-        work = dist.reduce_scatter_tensor(output, input, op=_REDUCE_OPS[op], group=group, async_op=async_op)
+        work = _reduce_scatter(output, input, op=_REDUCE_OPS[op], group=group, async_op=async_op)
         return self._done(work, async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, dim: str,
@@ -203,7 +209,7 @@ class Comm:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
         self.ledger.record("all_gather", dim, input.dtype, _nbytes(output), n)
-        return self._done(dist.all_gather_into_tensor(output, input, group=group, async_op=async_op), async_op)
+        return self._done(_all_gather(output, input, group=group, async_op=async_op), async_op)
 
     def broadcast(self, tensor: torch.Tensor, dim: str, src: int = 0, async_op: bool = False) -> Work | None:
         """Broadcast from group rank `src` along `dim`."""

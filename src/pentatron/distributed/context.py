@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pentatron.config import degree_problems
 from pentatron.distributed.comm import Comm, CommLedger
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
@@ -37,43 +38,17 @@ class Degrees:
         return tuple(getattr(self, d) for d in MESH_DIMS)
 
 
-def degree_problems(world_size: int | None, *, dp: int | None, tp: int = 1, pp: int = 1, cp: int = 1,
-                    ep: int = 1) -> list[str]:
-    """Every problem with a set of degrees (empty when valid); `dp=None` means 'whatever is left'.
-
-    The one place that decides whether degrees fit a world size: `config.validate` calls it before
-    any process group exists, and `ParallelContext` calls it again on the live world.
-    """
-    p: list[str] = []
-    for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
-        if v < 1:
-            p.append(f"parallel.{name} must be ≥ 1, got {v}")
-    if dp is not None and dp < 1:
-        p.append(f"parallel.dp must be ≥ 1, got {dp}")
-    if p or world_size is None:
-        return p
-    inner = tp * pp * cp
-    if dp is None:
-        if world_size % inner:
-            p.append(f"world size {world_size} is not divisible by tp×pp×cp = {inner}")
-            return p
-        dp = world_size // inner
-    elif dp * inner != world_size:
-        p.append(f"parallel.dp×tp×pp×cp = {dp}×{tp}×{pp}×{cp} = {dp * inner} does not equal the world size "
-                 f"{world_size} (processes launched)"
-                 + (f"; dp={dp} does not divide the world size" if world_size % dp else ""))
-        return p
-    if (dp * cp) % ep:
-        p.append(f"parallel.ep={ep} must divide dp×cp = {dp}×{cp} = {dp * cp} (experts borrow those ranks)")
-    return p
-
-
 def resolve_degrees(world_size: int, *, dp: int | None, tp: int = 1, pp: int = 1, cp: int = 1,
                     ep: int = 1) -> Degrees:
-    problems = degree_problems(world_size, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    """Degrees for a live world, validated by the same function as the config (`degree_problems`)."""
+    problems = [f"parallel.{n} must be ≥ 1, got {v}" for n, v in
+                (("dp", 1 if dp is None else dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)) if v < 1]
+    if not problems:
+        dp, problems = degree_problems(world_size, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     if problems:
         raise ValueError("invalid parallel degrees: " + "; ".join(problems))
-    return Degrees(pp=pp, dp=dp if dp is not None else world_size // (tp * pp * cp), cp=cp, tp=tp, ep=ep)
+    assert dp is not None
+    return Degrees(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep)
 
 
 class ParallelContext:

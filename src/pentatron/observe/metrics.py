@@ -37,7 +37,7 @@ class MetricsLogger:
                     self._tb.add_scalar(f"train/{key}", value, record["step"])
         self._bar.update(1)
         self._bar.set_postfix(loss=f"{record['loss']:.4f}")
-        if console:
+        if console or not self._header_done:  # the first step is always shown
             if not self._header_done:
                 self._bar.write(self._row(("step", "loss", "grad_norm", "lr", "tokens/s", "MFU", "peak mem")))
                 self._header_done = True

@@ -38,7 +38,8 @@ class MemoryReport:
         mib = 2**20
         return (f"params {self.params / mib:.2f} MiB, grads {self.grads / mib:.2f} MiB, optimizer "
                 f"{self.optimizer / mib:.2f} MiB, master {self.master / mib:.2f} MiB "
-                f"(total {self.total / mib:.2f} MiB per rank; transient peak {self.transient_peak / mib:.2f} MiB)")
+                f"(total {self.total / mib:.2f} MiB per rank"
+                + (f"; transient peak {self.transient_peak / mib:.2f} MiB)" if self.transient_peak else ")"))
 
 
 def zero_formula(stage: int, numel: int, dp: int, param_bytes: int, master: bool) -> MemoryReport:

@@ -76,8 +76,16 @@ class AdamW:
                 s.model.copy_(s.master)
 
     def state_bytes(self) -> int:
-        """Bytes of Adam moments (allocated lazily by torch; counted as they will be after step 1)."""
-        return sum(2 * s.master.numel() * s.master.element_size() for s in self.slots)
+        """Bytes of the Adam moments: measured once torch has allocated them (at the first step),
+        before that the two fp32 tensors per slot that step will allocate."""
+        total = 0
+        for s in self.slots:
+            state = self.inner.state.get(s.master)
+            if state:
+                total += sum(state[k].numel() * state[k].element_size() for k in ("exp_avg", "exp_avg_sq"))
+            else:
+                total += 2 * s.master.numel() * s.master.element_size()
+        return total
 
 
 class MixedPrecisionAdamW(AdamW):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -15,15 +16,15 @@ from pentatron.checkpoint.store import CheckpointStore
 from pentatron.config import Config, resolved_dp
 from pentatron.data.loader import TokenDataset, TokenLoader
 from pentatron.data.tokenize import ensure_default_dataset
+from pentatron.distributed.context import ParallelContext, resolve_degrees
 from pentatron.distributed.launch import local_device
 from pentatron.models.llama import build_model
 from pentatron.observe.metrics import MetricsLogger
 from pentatron.observe.system import peak_flops, peak_memory_bytes
+from pentatron.parallel.parallelize import parallelize
 from pentatron.plan.flops import model_flops_per_token
-from pentatron.train.grad_buffer import GradBuffer
-from pentatron.train.optim import MixedPrecisionAdamW, clip_by_total_norm, grad_norm_squared, lr_at
+from pentatron.train.optim import lr_at
 from pentatron.train.precision import resolve_precision
-from pentatron.train.recompute import apply_recompute
 
 
 def resolve_dataset(cfg: Config, vocab_size: int) -> Path:
@@ -37,28 +38,33 @@ class Trainer:
     def __init__(self, cfg: Config, dataset_dir: Path | None = None) -> None:
         self.cfg = cfg
         tr = cfg.train
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.dp = resolved_dp(cfg, self.world_size)
-        self.dp_rank = self.rank % self.dp
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.device = local_device(tr.device)
+        par = cfg.parallel
+        degrees = resolve_degrees(world_size, dp=resolved_dp(cfg, world_size), tp=par.tp, pp=par.pp,
+                                  cp=par.cp, ep=par.ep)
+        self.ctx = ParallelContext.from_degrees(degrees, self.device)
+        self.rank, self.world_size = self.ctx.rank, self.ctx.world_size
+        self.dp, self.dp_rank = self.ctx.dp_size, self.ctx.dp_rank
+        self.comm = self.ctx.comm
         self.policy = resolve_precision(tr.precision, self.device)
         torch.manual_seed(tr.seed)
 
         self.model_cfg = cfg.model_config()
         self.model = build_model(self.model_cfg, seed=tr.seed, device=self.device, dtype=self.policy.param_dtype)
-        apply_recompute(self.model, tr.recompute)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.names = {p: n for n, p in self.model.named_parameters()}
-        self.grads = GradBuffer(self.params, dtype=self.policy.grad_dtype)
-        self.optimizer = MixedPrecisionAdamW(self.params, tr, self.policy.master_dtype)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        # Recompute, then data parallel / ZeRO: the engine owns gradient sync and the optimizer.
+        self.engine = parallelize(self.model, self.ctx, cfg, self.policy)
+        self.params = self.engine.params
+        self.names = self.engine.names
+        self.optimizer = self.engine.optimizer
+        self.memory = self.engine.memory()
 
         if dataset_dir is None:
             # Rank 0 tokenizes the default corpus once; the others wait rather than race on the cache.
             if self.rank == 0:
                 dataset_dir = resolve_dataset(cfg, self.model_cfg.vocab_size)
-            if dist.is_initialized():
-                dist.barrier()
+            self.comm.barrier()
             dataset_dir = dataset_dir or resolve_dataset(cfg, self.model_cfg.vocab_size)
         self.dataset = TokenDataset(dataset_dir)
         self.dataset.check_vocab(self.model_cfg.vocab_size)
@@ -80,24 +86,30 @@ class Trainer:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def train_step(self) -> dict[str, Any]:
+        self.comm.ledger.begin_step()
         micro_batches = self.loader.next_step()
-        self.grads.zero()
+        self.engine.zero_grad()
         loss_sum = torch.zeros((), device=self.device)
-        for inputs, targets in micro_batches:
+        for i, (inputs, targets) in enumerate(micro_batches):
+            # Only the last micro-step's backward synchronises gradients (DDP, ZeRO-1).
+            self.engine.micro_step(last=i == len(micro_batches) - 1)
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             loss = self.loss_fn(self.model(inputs), targets)
             # Mean over the rank's micro-batches; the data-parallel reduction averages over ranks.
             (loss / len(micro_batches)).backward()
             loss_sum += loss.detach()
-        loss = loss_sum / len(micro_batches)
-
-        grads = [p.main_grad for p in self.params]
-        norm = grad_norm_squared(grads).sqrt()
-        clip_by_total_norm(grads, norm, self.cfg.train.clip)
+        self.engine.finish_grad_sync()
+        norm = self.engine.clip_grads(self.cfg.train.clip)
         lr = lr_at(self.step, self.cfg.train)
-        self.optimizer.step(lr)
+        self.engine.step(lr)
+        # The logged loss is the mean over dp ranks (each rank saw an equal share of the batch).
+        loss = loss_sum / len(micro_batches)
+        self.comm.all_reduce(loss, "dp")
+        loss = loss / self.dp
         self.step += 1
-        return {"step": self.step, "loss": float(loss), "grad_norm": float(norm), "lr": lr}
+        self.last_comm = comm = self.comm.ledger.end_step()
+        return {"step": self.step, "loss": float(loss), "grad_norm": float(norm), "lr": lr,
+                "comm_bytes": comm.bytes_map(), "comm_calls": comm.calls_map()}
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, Any]]:
@@ -106,12 +118,15 @@ class Trainer:
         logger = MetricsLogger(Path(cfg.log.dir), cfg.train.steps, cfg.log.tensorboard,
                                cfg.log.progress, start_step=self.step) if is_main else None
         if is_main:
-            n = sum(p.numel() for p in self.params)
-            print(f"pentatron: {self.model_cfg.name} ({n / 1e6:.2f}M parameters), world={self.world_size} "
-                  f"dp={self.dp}, device={self.device}, precision={self.policy.name}, "
-                  f"recompute={cfg.train.recompute}, {len(self.dataset):,} tokens in dataset, "
+            print(f"pentatron: {self.model_cfg.name} ({self.n_params / 1e6:.2f}M parameters), "
+                  f"world={self.world_size} dp={self.dp} zero={cfg.parallel.zero}, device={self.device}, "
+                  f"precision={self.policy.name}, recompute={cfg.train.recompute}, "
+                  f"{len(self.dataset):,} tokens in dataset, "
                   f"peak {self.peak_flops / 1e12:.2f} TFLOP/s ({self.peak_source})", flush=True)
+            print(f"pentatron: model state per rank (ZeRO-{cfg.parallel.zero}, dp={self.dp}): "
+                  f"{self.memory.describe()}", flush=True)
         records = []
+        last_table = None
         try:
             while self.step < cfg.train.steps:
                 start = time.perf_counter()
@@ -125,14 +140,20 @@ class Trainer:
                     mfu=tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size),
                     peak_mem_bytes=peak_memory_bytes(self.device),
                     step_time_s=elapsed,
-                    comm_bytes={},
                 )
+                if not records:  # the first record of a run carries the per-rank memory accounting
+                    record["memory"] = self.engine.memory().to_dict()
                 if not math.isfinite(record["loss"]):
                     raise FloatingPointError(f"loss became {record['loss']} at step {self.step}")
                 records.append(record)
                 if logger is not None:
                     console = self.step % cfg.log.every == 0 or self.step == cfg.train.steps
                     logger.log(record, console=console)
+                    # The comm table: on the first step, and again whenever the pattern changes.
+                    table = self.last_comm.table()
+                    if console and table != last_table:
+                        print(f"pentatron: communication per rank, step {self.step}:\n{table}", flush=True)
+                        last_table = table
                 if self.store is not None and self._checkpoint_due():
                     self.save_checkpoint()
         finally:
@@ -146,12 +167,14 @@ class Trainer:
         return self.step == self.cfg.train.steps or (every > 0 and self.step % every == 0)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": {self.names[p]: p for p in self.params},
-                "optim": self.optimizer.named_state([self.names[p] for p in self.params])}
+        """Tensors keyed by parameter name: whole tensors when replicated (DCP writes one copy), and
+        "<name>[lo:hi]" ranges of the flattened parameter for ZeRO shards (each rank writes its own)."""
+        return self.engine.state_dict()
 
     def save_checkpoint(self) -> Path:
         assert self.store is not None
-        meta = {"step": self.step, "loader": self.loader.state_dict(), "model": self.model_cfg.to_dict()}
+        meta = {"step": self.step, "loader": self.loader.state_dict(), "model": self.model_cfg.to_dict(),
+                "layout": self.engine.layout_meta()}
         return self.store.save(self.step, self.state_dict(), meta)
 
     def _resume(self) -> None:
@@ -159,9 +182,15 @@ class Trainer:
         latest = self.store.latest()
         if latest is None:
             return
+        saved = json.loads((latest / "meta.json").read_text()).get("layout", {"zero": 0})
+        mine = self.engine.layout_meta()
+        if saved != mine and not (saved.get("zero") == 0 and mine["zero"] == 0):
+            # Sharded state is keyed by ranges of the flat layout; re-sharding is not implemented yet.
+            raise RuntimeError(f"checkpoint {latest} was written with layout {saved}, this run has {mine}; "
+                               "resume with the same parallel.zero, dp and bucket_mb")
         state = self.state_dict()
         meta = self.store.load(latest, state)
-        self.optimizer.load_named_state(state["optim"], [self.names[p] for p in self.params])
+        self.engine.after_load()
         self.step = meta["step"]
         self.loader.load_state_dict(meta["loader"])
         if self.rank == 0:

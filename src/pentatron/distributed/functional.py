@@ -1,0 +1,117 @@
+"""Autograd-aware collectives: the conjugate operator pairs of Megatron-style tensor/sequence parallelism.
+
+Each operator is a `torch.autograd.Function` whose forward and backward both go through `Comm`, so
+the comm ledger counts the backward traffic too. With N ranks along `dim` (normally "tp"):
+
+    copy_to_parallel       f   forward: identity              backward: all-reduce (sum)
+    reduce_from_parallel   g   forward: all-reduce (sum)      backward: identity
+    gather_sequence        ḡ   forward: all-gather along seq   backward: reduce-scatter along seq
+    scatter_sequence       ḡ*  forward: reduce-scatter on seq  backward: all-gather along seq
+
+f/g bracket a tensor-parallel region (column-parallel in, row-parallel out); the sequence pair does
+the same with the activations outside the region sharded along the sequence (Korthikanti et al.,
+2022): an all-reduce is a reduce-scatter followed by an all-gather, so the bytes on the wire are the
+same. Tensors are batch-first ([b, s, …]); `seq_dim` names the sequence axis. A group of size 1
+degenerates to the identity (Comm records nothing).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd import Function
+
+from pentatron.distributed.comm import Comm
+
+
+def _all_reduce(x: torch.Tensor, comm: Comm, dim: str) -> torch.Tensor:
+    out = x.contiguous().clone()  # gradients may be shared between branches: never reduce them in place
+    comm.all_reduce(out, dim)
+    return out
+
+
+def _all_gather(x: torch.Tensor, comm: Comm, dim: str, seq_dim: int) -> torch.Tensor:
+    # all_gather_into_tensor concatenates along the flat leading axis, so move the sequence axis first.
+    n = comm.ctx.size(dim)
+    if n == 1:
+        return x
+    local = x.movedim(seq_dim, 0).contiguous()
+    out = torch.empty((n * local.shape[0], *local.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(out, local, dim)
+    return out.movedim(0, seq_dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, comm: Comm, dim: str, seq_dim: int) -> torch.Tensor:
+    n = comm.ctx.size(dim)
+    if n == 1:
+        return x
+    full = x.movedim(seq_dim, 0).contiguous()
+    if full.shape[0] % n:
+        raise ValueError(f"sequence length {full.shape[0]} is not divisible by the {dim} size {n}")
+    out = torch.empty((full.shape[0] // n, *full.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.reduce_scatter(out, full, dim)
+    return out.movedim(0, seq_dim).contiguous()
+
+
+class _CopyToParallel(Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: str) -> torch.Tensor:
+        ctx.comm, ctx.dim = comm, dim
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_reduce(grad, ctx.comm, ctx.dim), None, None
+
+
+class _ReduceFromParallel(Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: str) -> torch.Tensor:
+        return _all_reduce(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
+
+
+class _GatherSequence(Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: str, seq_dim: int) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.seq_dim = comm, dim, seq_dim
+        return _all_gather(x, comm, dim, seq_dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _reduce_scatter(grad, ctx.comm, ctx.dim, ctx.seq_dim), None, None, None
+
+
+class _ScatterSequence(Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: str, seq_dim: int) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.seq_dim = comm, dim, seq_dim
+        return _reduce_scatter(x, comm, dim, seq_dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _all_gather(grad, ctx.comm, ctx.dim, seq_dim=ctx.seq_dim), None, None, None
+
+
+def copy_to_parallel(x: torch.Tensor, comm: Comm, dim: str = "tp") -> torch.Tensor:
+    """f: enter a tensor-parallel region with a replicated input (grads summed over `dim`)."""
+    return _CopyToParallel.apply(x, comm, dim)
+
+
+def reduce_from_parallel(x: torch.Tensor, comm: Comm, dim: str = "tp") -> torch.Tensor:
+    """g: leave a tensor-parallel region by summing partial outputs over `dim`."""
+    return _ReduceFromParallel.apply(x, comm, dim)
+
+
+def gather_sequence(x: torch.Tensor, comm: Comm, dim: str = "tp", seq_dim: int = 1) -> torch.Tensor:
+    """Enter a tensor-parallel region from a sequence-sharded input: all-gather along `seq_dim`."""
+    return _GatherSequence.apply(x, comm, dim, seq_dim)
+
+
+def scatter_sequence(x: torch.Tensor, comm: Comm, dim: str = "tp", seq_dim: int = 1) -> torch.Tensor:
+    """Leave a tensor-parallel region into a sequence-sharded output: reduce-scatter along `seq_dim`."""
+    return _ScatterSequence.apply(x, comm, dim, seq_dim)

@@ -1,0 +1,254 @@
+"""Partition a Llama into pipeline stages, and keep tied embeddings tied across the first and last stage.
+
+A *stage* (a "chunk" when a rank holds several, for interleaving) is a contiguous range of decoder
+layers; stage 0 also owns the embedding and the last stage the final norm, the LM head (and so the
+loss). Stages are placed Megatron-style, as `schedules.Schedule` defines: rank r holds stages
+r, r + p, r + 2p, ... (chunk c of rank r is stage c·p + r).
+
+Layers are assigned either from an explicit per-stage list, or balanced by a cost estimate in which
+the embedding and the LM head + loss count like layers do (for a small model the LM head alone costs
+several layers' FLOPs, so an even split would leave the last stage the bottleneck). Interleaved
+schedules use equal chunks (their bubble formula assumes it), so there the layers must divide evenly.
+
+Every rank builds the full model (each parameter's init depends only on (seed, name)) and keeps only
+its own stages; parameter names are the full model's ("layers.5.mlp.up_proj.weight"), so checkpoints
+and parity tests line up with the 1-process model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pentatron.distributed.comm import P2P, Comm
+from pentatron.models.config import ModelConfig
+from pentatron.models.llama import Llama
+from pentatron.parallel.pipeline.schedules import SCHEDULES, ScheduleError, make_schedule
+
+
+class PartitionError(ValueError):
+    """A partition request that cannot be met (raised before any process group starts)."""
+
+
+# ---------------------------------------------------------------- cost estimate and partition
+@dataclass(frozen=True)
+class StageCosts:
+    """Forward FLOPs per token of each piece of the model (backward is ~2x for all of them alike)."""
+
+    layer: float
+    embed: float
+    head: float
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, seq_len: int) -> StageCosts:
+        h, v = cfg.hidden_size, cfg.vocab_size
+        # Matmuls: 2 FLOPs per weight per token; attention scores + weighted sum: 2·2·s·h (causal
+        # halves it, but FlashAttention-style kernels do roughly the full work on CPU anyway).
+        layer = 2 * cfg.layer_params() + 4 * seq_len * h
+        # The embedding is a lookup (memory-bound, ~no FLOPs) but its backward scatters h values per
+        # token into a V×h gradient: count it as touching h values, like a norm.
+        embed = float(4 * h)
+        # LM head matmul + log-softmax/cross-entropy over the vocabulary (~5 FLOPs per logit).
+        head = 2 * h * v + 5 * v
+        return cls(float(layer), embed, float(head))
+
+
+def _balanced(n_layers: int, n_stages: int, costs: StageCosts) -> list[int]:
+    """Layers per stage (each ≥ 1, contiguous) minimising the most expensive stage; ties broken
+    towards earlier stages holding more layers. Exact dynamic programme, O(stages · layers²)."""
+    inf = float("inf")
+
+    def cost(stage: int, lo: int, hi: int) -> float:
+        c = (hi - lo) * costs.layer
+        if stage == 0:
+            c += costs.embed
+        if stage == n_stages - 1:
+            c += costs.head
+        return c
+
+    # best[s][i]: minimal max-cost putting the first i layers into stages 0..s-1.
+    best = [[inf] * (n_layers + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n_layers + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for i in range(s, n_layers - (n_stages - s) + 1):
+            for j in range(s - 1, i):
+                val = max(best[s - 1][j], cost(s - 1, j, i))
+                if val < best[s][i] - 1e-9 * abs(val):
+                    best[s][i], cut[s][i] = val, j
+    counts, i = [], n_layers
+    for s in range(n_stages, 0, -1):
+        j = cut[s][i]
+        counts.append(i - j)
+        i = j
+    return counts[::-1]
+
+
+def partition_problems(n_layers: int, n_stages: int, *, uniform: bool = False,
+                       layers: Sequence[int] | None = None, what: str = "pipeline stages") -> list[str]:
+    """Every reason `partition` would refuse (empty when it will succeed)."""
+    if n_stages < 1:
+        return [f"the number of {what} must be ≥ 1, got {n_stages}"]
+    if layers is not None:
+        out = []
+        if len(layers) != n_stages:
+            out.append(f"parallel.pp_layers lists {len(layers)} stages but there are {n_stages} {what}")
+        if any(not isinstance(c, int) or c < 1 for c in layers):
+            out.append(f"parallel.pp_layers entries must be integers ≥ 1, got {list(layers)}")
+        if sum(layers) != n_layers:
+            out.append(f"parallel.pp_layers={list(layers)} sums to {sum(layers)}, but the model has "
+                       f"{n_layers} layers")
+        return out
+    if n_layers < n_stages:
+        return [f"model.n_layers={n_layers} is fewer than the {n_stages} {what}: every stage needs a layer"]
+    if uniform and n_layers % n_stages:
+        return [f"model.n_layers={n_layers} is not divisible by the {n_stages} {what}"]
+    return []
+
+
+def partition(n_layers: int, n_stages: int, *, costs: StageCosts | None = None, uniform: bool = False,
+              layers: Sequence[int] | None = None) -> list[range]:
+    """Layer ranges for stages 0..n_stages-1: from `layers` (counts per stage) if given, else equal
+    (`uniform`, or no `costs`), else balanced by `costs`."""
+    problems = partition_problems(n_layers, n_stages, uniform=uniform or costs is None, layers=layers)
+    if problems:
+        raise PartitionError("; ".join(problems))
+    if layers is not None:
+        counts = list(layers)
+    elif uniform or costs is None:
+        counts = [n_layers // n_stages] * n_stages
+    else:
+        counts = _balanced(n_layers, n_stages, costs)
+    out, lo = [], 0
+    for c in counts:
+        out.append(range(lo, lo + c))
+        lo += c
+    return out
+
+
+def pipeline_problems(cfg: ModelConfig, *, pp: int, schedule: str, virtual: int, microbatches: int,
+                      layers: Sequence[int] | None = None) -> list[str]:
+    """Config-time checks for pipeline parallelism, every problem at once, before any process starts:
+    known schedule, v only with interleaving, micro-batches the schedule accepts, layers that divide."""
+    if pp <= 1:
+        return []
+    out: list[str] = []
+    if schedule not in SCHEDULES:
+        return [f"parallel.pp_schedule={schedule!r} is unknown; known: {', '.join(SCHEDULES)}"]
+    if virtual > 1 and schedule != "interleaved":
+        out.append(f"parallel.pp_virtual={virtual} needs parallel.pp_schedule='interleaved' (got {schedule!r})")
+    try:
+        make_schedule(schedule, pp, microbatches, virtual if schedule == "interleaved" else 1)
+    except ScheduleError as e:
+        out.append(f"parallel.pp_schedule={schedule!r} with pp={pp}, {microbatches} micro-batches per step "
+                   f"(train.global_batch / (dp · train.micro_batch)): {e}")
+    interleaved = schedule == "interleaved" and virtual > 1
+    n_stages = pp * (virtual if interleaved else 1)
+    if interleaved and layers is None and cfg.n_layers % virtual:
+        out.append(f"parallel.pp_virtual={virtual} does not divide model.n_layers={cfg.n_layers}")
+    elif interleaved and layers is None and cfg.n_layers % n_stages:
+        out.append(f"model.n_layers={cfg.n_layers} is not divisible by pp × pp_virtual = {pp} × {virtual} = "
+                   f"{n_stages}: interleaved chunks must hold equal numbers of layers")
+    else:
+        what = f"pipeline stages (pp={pp} × pp_virtual={virtual})" if interleaved else f"pipeline stages (pp={pp})"
+        out += partition_problems(cfg.n_layers, n_stages, layers=layers, what=what)
+    return out
+
+
+def stage_layers(cfg: ModelConfig, pp: int, virtual: int, seq_len: int,
+                 layers: Sequence[int] | None = None) -> list[range]:
+    """The partition the runtime uses: explicit if given; equal chunks for interleaving; else balanced."""
+    n_stages = pp * virtual
+    if layers is not None:
+        return partition(cfg.n_layers, n_stages, layers=layers)
+    if virtual > 1:
+        return partition(cfg.n_layers, n_stages, uniform=True)
+    return partition(cfg.n_layers, n_stages, costs=StageCosts.of(cfg, seq_len))
+
+
+# ---------------------------------------------------------------- the stage module
+class PipelineStage(nn.Module):
+    """One stage of a Llama: [embedding] → layers[lo:hi] → [final norm → LM head].
+
+    Holds the full model's submodules (not copies) under the full model's attribute names, so its
+    `named_parameters()` are a subset of the model's. Input: token ids on stage 0, else the hidden
+    state [b, s, h]; output: the hidden state, or logits on the last stage.
+    """
+
+    def __init__(self, model: Llama, index: int, n_stages: int, layers: range) -> None:
+        super().__init__()
+        self.index, self.n_stages = index, n_stages
+        self.is_first, self.is_last = index == 0, index == n_stages - 1
+        self.cfg = model.cfg
+        self.rotary = model.rotary  # RoPE tables are non-persistent buffers, needed by every stage
+        if self.is_first:
+            self.embed = model.embed
+        # A dict keyed by the global layer index keeps the names "layers.<i>.…" of the full model.
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
+        if self.is_last:
+            self.norm = model.norm
+            self.lm_head = model.lm_head
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return [int(k) for k in self.layers]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        seq = x.shape[1]
+        if positions is None:
+            positions = torch.arange(seq, device=x.device)
+        cos, sin = self.rotary(positions)
+        if self.is_first:
+            x = self.embed(x)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)
+        if self.is_last:
+            x = self.lm_head(self.norm(x))
+        return x
+
+
+def build_stages(model: Llama, pp: int, pp_rank: int, ranges: Sequence[range]) -> list[PipelineStage]:
+    """This rank's stages, in chunk order (chunk c = stage c·pp + pp_rank). The rest of `model` is
+    no longer referenced by them and can be dropped by the caller."""
+    n_stages = len(ranges)
+    if n_stages % pp:
+        raise PartitionError(f"{n_stages} stages cannot be spread evenly over pp={pp} ranks")
+    return [PipelineStage(model, s, n_stages, ranges[s]) for s in range(pp_rank, n_stages, pp)]
+
+
+def tied_parameter(stages: Sequence[PipelineStage]) -> nn.Parameter | None:
+    """The tied embedding/LM-head weight this rank holds, when it must be kept in sync with another
+    rank: the model ties them and the first and last stage live on different ranks."""
+    if not stages or not stages[0].cfg.tie_embeddings:
+        return None
+    first = next((s for s in stages if s.is_first), None)
+    last = next((s for s in stages if s.is_last), None)
+    if first is not None and last is not None:
+        return None  # both on this rank: one Parameter object, autograd already sums its gradients
+    if first is not None:
+        return first.embed.weight
+    if last is not None:
+        return last.lm_head.weight
+    return None
+
+
+def sync_tied_grads(stages: Sequence[PipelineStage], comm: Comm, pp_rank: int, pp: int, dim: str = "pp") -> None:
+    """Sum the tied weight's gradient between the first stage's rank and the last stage's rank.
+
+    Both ranks exchange their gradients and add: a + b and b + a are the same float, so both copies get
+    bitwise-identical gradients and (with identical optimizer state) stay identical forever. Only the
+    two ranks involved move data; middle stages do nothing."""
+    param = tied_parameter(stages)
+    if param is None:
+        return
+    peer = pp - 1 if pp_rank == 0 else 0
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    theirs = torch.empty_like(param.grad)
+    works = comm.batch_p2p([P2P("send", param.grad, peer), P2P("recv", theirs, peer)], dim)
+    for w in works:
+        w.wait()
+    param.grad.add_(theirs)

@@ -1,0 +1,374 @@
+"""Tensor parallelism (Megatron-style) and sequence parallelism, applied to a plain model in place.
+
+A decoder block becomes two tensor-parallel regions, each entered once and left once:
+
+    attention: [enter] → q/k/v column-parallel (local heads) → RoPE, SDPA on local heads → o row-parallel [leave]
+    MLP:       [enter] → gate/up column-parallel → SwiGLU → down row-parallel [leave]
+
+Without sequence parallelism (SP) *enter* is f (identity; all-reduce of the input grad) and *leave* is
+g (all-reduce of the partial outputs): 2 all-reduces of s·b·h forward and 2 backward per layer. With
+SP the residual stream, the norms and the residual adds run on a 1/tp slice of the sequence; *enter*
+all-gathers the sequence and *leave* reduce-scatters it (the same bytes on the wire as the
+all-reduce). Entering is a forward pre-hook on the `Attention`/`MLP` module, not a step of each
+column linear, because q, k and v (gate and up) share one input: one gather, not three.
+
+The embedding is vocab-parallel (rows sharded; its partial lookups are summed, or reduce-scattered
+along the sequence under SP), the LM head is column-parallel over the vocabulary (sharing the
+embedding's Parameter when tied), and `vocab_parallel_cross_entropy` computes the loss from the
+vocab-sharded logits with three all-reduces of b·s numbers, never materialising the full logits.
+
+Replicated parameters whose gradients are partial per rank get a gradient hook that sums them over
+tp before they are accumulated, so every optimizer/DP/ZeRO wrapper downstream sees complete grads:
+the norm weights under SP (each rank saw only its sequence slice), and the k/v projections of a kv
+head that is replicated on tp/n_kv ranks (each rank used it for its own query heads only). Every
+parameter carries a `TPShard` (`p.tp_shard`) saying how it is laid out over tp, which
+`gather_full_params` and `grad_norm_squared` read.
+
+The model needs no change: attention derives its local head count from the projection widths.
+Initialisation: every rank builds the full model from the same seed and keeps its slice, so a TP run
+starts from exactly the unsharded model. The model has no dropout; if one is added, dropout inside a
+region (local heads/ffn columns) needs a per-tp-rank seed and dropout on the SP residual stream a
+per-tp-rank seed too, while the non-SP residual stream needs the same seed on every tp rank.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+
+from pentatron.config import tensor_parallel_problems, tensor_parallel_warnings
+from pentatron.distributed.comm import Comm
+from pentatron.distributed.context import ParallelContext
+from pentatron.distributed.functional import (
+    copy_to_parallel,
+    gather_sequence,
+    reduce_from_parallel,
+    scatter_sequence,
+)
+
+TP = "tp"
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """How a local parameter relates to the full one. `dim` is the axis split over tp (None: the
+    whole tensor on every rank); `replicas` is how many consecutive tp ranks hold this same local
+    tensor (tp for a replicated tensor, tp/n_kv for replicated kv heads, 1 for a plain shard)."""
+
+    dim: int | None
+    replicas: int = 1
+
+
+def tp_shard(p: torch.Tensor) -> TPShard | None:
+    return getattr(p, "tp_shard", None)
+
+
+def _shard_param(full: torch.Tensor, dim: int, start: int, length: int, replicas: int = 1) -> nn.Parameter:
+    local = nn.Parameter(full.detach().narrow(dim, start, length).clone(), requires_grad=full.requires_grad)
+    local.tp_shard = TPShard(dim, replicas)
+    return local
+
+
+# ---------------------------------------------------------------------------------------- layers
+def _enter(x: torch.Tensor, comm: Comm, sequence_parallel: bool) -> torch.Tensor:
+    return gather_sequence(x, comm, TP) if sequence_parallel else copy_to_parallel(x, comm, TP)
+
+
+def _leave(x: torch.Tensor, comm: Comm, sequence_parallel: bool) -> torch.Tensor:
+    return scatter_sequence(x, comm, TP) if sequence_parallel else reduce_from_parallel(x, comm, TP)
+
+
+class ColumnParallelLinear(nn.Linear):
+    """y_local = x · W_localᵀ with W split along its output features; the output stays split.
+
+    With `communicate_input`, the layer enters the parallel region itself (f, or the sequence
+    all-gather under SP); inside a block the region's pre-hook does it once for q/k/v instead."""
+
+    def __init__(self, weight: nn.Parameter, comm: Comm, *, sequence_parallel: bool = False,
+                 communicate_input: bool = True) -> None:
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+        self.register_parameter("bias", None)
+        self.comm, self.sequence_parallel, self.communicate_input = comm, sequence_parallel, communicate_input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.communicate_input:
+            x = _enter(x, self.comm, self.sequence_parallel)
+        return F.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out_local={self.out_features}, sp={self.sequence_parallel}, "
+                f"communicate_input={self.communicate_input}")
+
+
+class RowParallelLinear(nn.Linear):
+    """y = Σ_ranks x_local · W_localᵀ with W split along its input features: the input is the split
+    output of a column-parallel layer; the partial products are all-reduced (g) or, under SP,
+    reduce-scattered along the sequence."""
+
+    def __init__(self, weight: nn.Parameter, comm: Comm, *, sequence_parallel: bool = False) -> None:
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+        self.register_parameter("bias", None)
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _leave(F.linear(x, self.weight), self.comm, self.sequence_parallel)
+
+    def extra_repr(self) -> str:
+        return f"in_local={self.in_features}, out={self.out_features}, sp={self.sequence_parallel}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [vocab_start, vocab_start + V/tp) of the table on each rank. Tokens outside the slice
+    look up zeros, so summing over tp (or reduce-scattering along the sequence under SP) gives the
+    full lookup."""
+
+    def __init__(self, weight: nn.Parameter, vocab_start: int, comm: Comm, *,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.weight = weight
+        self.vocab_start = vocab_start
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return _leave(out, self.comm, self.sequence_parallel)
+
+    def extra_repr(self) -> str:
+        return f"vocab=[{self.vocab_start}, {self.vocab_start + self.weight.shape[0]}), dim={self.weight.shape[1]}"
+
+
+# ---------------------------------------------------------------------------------------- loss
+class _VocabParallelCrossEntropy(Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, comm: Comm, ignore_index: int
+                ) -> torch.Tensor:
+        # logits: [N, V/tp] float, this rank's vocabulary slice; targets: [N] global ids.
+        v_local = logits.shape[-1]
+        start = comm.ctx.local_rank(TP) * v_local
+        logits_max = logits.detach().amax(dim=-1)
+        comm.all_reduce(logits_max, TP, op="max")  # any shift is exact; the global max avoids overflow
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        local_t = targets - start
+        mine = (local_t >= 0) & (local_t < v_local)
+        local_t = local_t.masked_fill(~mine, 0)
+        target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        both = torch.stack([target_logit, sum_exp])  # one all-reduce for the two sums
+        comm.all_reduce(both, TP)
+        target_logit, sum_exp = both[0], both[1]
+
+        valid = targets != ignore_index
+        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_t, mine & valid, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, local_t, hit, valid = ctx.saved_tensors
+        # d loss_i / d logit_ij = softmax_ij − [j is the target]; zero for ignored rows.
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_t] -= hit.to(grad.dtype)
+        grad.mul_((grad_loss * valid.to(grad_loss.dtype)).unsqueeze(-1))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, comm: Comm,
+                                 ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """`F.cross_entropy(full_logits, targets)` from this rank's vocabulary slice of the logits.
+
+    local_logits: [..., V/tp] (rank r holds vocabulary ids [r·V/tp, (r+1)·V/tp)); targets: [...].
+    Communication: one max all-reduce and one all-reduce of two sums, each of b·s numbers."""
+    loss = _VocabParallelCrossEntropy.apply(local_logits.reshape(-1, local_logits.shape[-1]),
+                                            targets.reshape(-1), comm, ignore_index)
+    if reduction == "none":
+        return loss.view(targets.shape)
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        return loss.sum() / (targets != ignore_index).sum().clamp(min=1)
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+# ---------------------------------------------------------------------------------------- apply
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """What `apply_tensor_parallel` did; kept on the model as `model.tensor_parallel`."""
+
+    tp: int
+    rank: int
+    sequence_parallel: bool
+    kv_replicas: int  # tp ranks sharing one kv head (1: kv heads are split, not replicated)
+    comm: Comm
+
+
+def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, comm: Comm | None = None, sp: bool = False,
+                          node_size: int | None = None) -> nn.Module:
+    """Shard a plain Llama in place over ctx's tp dimension (q/k/v, gate/up column-wise; o, down
+    row-wise; embedding and LM head over the vocabulary). Parameter names are unchanged. Returns
+    the model; its forward now returns this rank's vocabulary slice of the logits, to be fed to
+    `vocab_parallel_cross_entropy`. `node_size` (devices per node, when known) only adds a warning."""
+    comm = comm or ctx.comm
+    tp, rank = ctx.size(TP), ctx.local_rank(TP)
+    if hasattr(model, "tensor_parallel"):
+        raise ValueError("apply_tensor_parallel: this model is already tensor-parallel")
+    if node_size is None and ctx.device.type == "cuda":
+        node_size = torch.cuda.device_count()
+    for w in tensor_parallel_warnings(tp, node_size):
+        warnings.warn(w, stacklevel=2)
+    problems = tensor_parallel_problems(model.cfg, tp, sp)
+    if problems:
+        raise ValueError("cannot apply tensor parallelism: " + "; ".join(problems))
+    if tp == 1:
+        return model
+
+    handles: list[Any] = []
+    kv_replicas = 1
+    for block in model.layers:
+        kv_replicas = _shard_attention(block.attn, comm, tp, rank, sp, handles)
+        _shard_mlp(block.mlp, comm, tp, rank, sp)
+        for region in (block.attn, block.mlp):
+            handles.append(region.register_forward_pre_hook(_region_entry(comm, sp)))
+        for norm in (block.attn_norm, block.mlp_norm):
+            _replicate(norm.weight, tp, comm if sp else None, handles)
+    _replicate(model.norm.weight, tp, comm if sp else None, handles)
+    _shard_vocab(model, comm, tp, rank, sp)
+    for p in model.parameters():
+        if tp_shard(p) is None:  # anything the plan did not mention is replicated (and in sync)
+            p.tp_shard = TPShard(None, tp)
+    model.tensor_parallel = TensorParallelPlan(tp, rank, sp, kv_replicas, comm)
+    model._tensor_parallel_hooks = handles
+    return model
+
+
+def _region_entry(comm: Comm, sp: bool) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (_enter(args[0], comm, sp), *args[1:])
+
+    return hook
+
+
+def _shard_attention(attn: nn.Module, comm: Comm, tp: int, rank: int, sp: bool, handles: list[Any]) -> int:
+    d = attn.head_dim
+    n_heads, n_kv = attn.q_proj.weight.shape[0] // d, attn.k_proj.weight.shape[0] // d
+    q_local = n_heads // tp * d
+    attn.q_proj = ColumnParallelLinear(_shard_param(attn.q_proj.weight, 0, rank * q_local, q_local), comm,
+                                       sequence_parallel=sp, communicate_input=False)
+    if n_kv % tp == 0:
+        replicas, kv_start, kv_local = 1, rank * (n_kv // tp) * d, n_kv // tp * d
+    else:  # tp > n_kv: ranks r·(tp/n_kv) … hold kv head r, the one their query heads attend with
+        replicas = tp // n_kv
+        kv_start, kv_local = (rank // replicas) * d, d
+    for name in ("k_proj", "v_proj"):
+        w = _shard_param(getattr(attn, name).weight, 0, kv_start, kv_local, replicas)
+        if replicas > 1:
+            handles.append(w.register_hook(_sum_over_replicas(comm, tp, rank, replicas)))
+        setattr(attn, name, ColumnParallelLinear(w, comm, sequence_parallel=sp, communicate_input=False))
+    attn.o_proj = RowParallelLinear(_shard_param(attn.o_proj.weight, 1, rank * q_local, q_local), comm,
+                                    sequence_parallel=sp)
+    return replicas
+
+
+def _shard_mlp(mlp: nn.Module, comm: Comm, tp: int, rank: int, sp: bool) -> None:
+    f_local = mlp.up_proj.weight.shape[0] // tp
+    for name in ("gate_proj", "up_proj"):
+        if hasattr(mlp, name):
+            w = _shard_param(getattr(mlp, name).weight, 0, rank * f_local, f_local)
+            setattr(mlp, name, ColumnParallelLinear(w, comm, sequence_parallel=sp, communicate_input=False))
+    mlp.down_proj = RowParallelLinear(_shard_param(mlp.down_proj.weight, 1, rank * f_local, f_local), comm,
+                                      sequence_parallel=sp)
+
+
+def _shard_vocab(model: nn.Module, comm: Comm, tp: int, rank: int, sp: bool) -> None:
+    tied = model.lm_head.weight is model.embed.weight
+    v_local = model.embed.weight.shape[0] // tp
+    emb = _shard_param(model.embed.weight, 0, rank * v_local, v_local)
+    model.embed = VocabParallelEmbedding(emb, rank * v_local, comm, sequence_parallel=sp)
+    # Tied: the head uses the very same Parameter, so its gradient is the sum of both uses.
+    head = emb if tied else _shard_param(model.lm_head.weight, 0, rank * v_local, v_local)
+    model.lm_head = ColumnParallelLinear(head, comm, sequence_parallel=sp, communicate_input=True)
+
+
+def _replicate(p: nn.Parameter, tp: int, comm: Comm | None, handles: list[Any]) -> None:
+    p.tp_shard = TPShard(None, tp)
+    if comm is not None:
+        # Under SP each rank's grad covers its sequence slice only: the full grad is their sum.
+        handles.append(p.register_hook(lambda g: _sum_grad(g, comm)))
+
+
+def _sum_grad(g: torch.Tensor, comm: Comm) -> torch.Tensor:
+    g = g.contiguous().clone()
+    comm.all_reduce(g, TP)
+    return g
+
+
+def _sum_over_replicas(comm: Comm, tp: int, rank: int, replicas: int) -> Any:
+    """Sum a replicated kv head's grad over the ranks sharing it. The comm layer has groups per mesh
+    dimension only, so each rank writes its grad into its head's slot of a [n_kv, …] buffer and the
+    buffer is all-reduced over tp (n_kv·d·h numbers: the size of the full projection)."""
+    n_kv, head = tp // replicas, rank // replicas
+
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        buf = g.new_zeros((n_kv, *g.shape))
+        buf[head] = g
+        comm.all_reduce(buf, TP)
+        return buf[head].clone()
+
+    return hook
+
+
+# ---------------------------------------------------------------------------------------- helpers
+@torch.no_grad()
+def gather_full_params(model: nn.Module, comm: Comm, tensors: dict[str, torch.Tensor] | None = None
+                       ) -> dict[str, torch.Tensor]:
+    """Every parameter at its full (unsharded) shape, by name — identical on all tp ranks (a
+    collective: every tp rank must call it). `tensors` (name → this rank's local tensor, e.g. the
+    parameters a ZeRO engine gathered over dp) replaces the model's own parameter data."""
+    tp = comm.ctx.size(TP)
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        local = (tensors[name] if tensors is not None else p).detach()
+        spec = tp_shard(p)
+        if spec is None or spec.dim is None or tp == 1:
+            out[name] = local.clone()
+            continue
+        local = local.movedim(spec.dim, 0).contiguous()
+        full = torch.empty((tp * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
+        comm.all_gather(full, local, TP)
+        chunks = full.chunk(tp)[:: spec.replicas]  # one copy of each replicated kv head
+        out[name] = torch.cat(chunks).movedim(0, spec.dim).contiguous()
+    return out
+
+
+def tp_replicas(p: torch.Tensor, tp: int) -> int:
+    """How many tp ranks hold the same local tensor as `p` (unmarked tensors: all of them)."""
+    spec = tp_shard(p)
+    return tp if spec is None else spec.replicas
+
+
+def grad_norm_squared(params: Iterable[torch.Tensor], grads: Iterable[torch.Tensor], comm: Comm) -> torch.Tensor:
+    """Σ‖g‖² over the *full* model from this rank's local grads, counting every element once: a
+    tensor held identically by k tp ranks contributes ‖g‖²/k on each. The result is all-reduced
+    over tp; callers that also shard over dp (ZeRO) sum that dimension as they already do."""
+    tp = comm.ctx.size(TP)
+    parts = [g.float().pow(2).sum() / tp_replicas(p, tp) for p, g in zip(params, grads, strict=True)]
+    total = torch.stack(parts).sum() if parts else torch.zeros(())
+    comm.all_reduce(total, TP)
+    return total

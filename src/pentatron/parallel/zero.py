@@ -1,0 +1,435 @@
+"""ZeRO-1/2/3: optimizer state, then gradients, then parameters sharded over the dp ranks.
+
+All three use one `FlatLayout`: buckets padded to a multiple of dp, rank r owning the r-th equal
+slice of every bucket (so a bucket is reduce-scattered or all-gathered with one collective, and a
+shard is a set of global offsets). Each rank's optimizer steps only its `Piece`s of the parameters.
+
+- ZeRO-1: full fp32 gradient buffer (accumulation as in DDP, no communication until the last
+  micro-step); each bucket is reduce-scattered in place as soon as it is complete; after the step
+  every bucket is all-gathered in place from the owners' updated slices.
+- ZeRO-2: gradient buckets are transient: a bucket is reduce-scattered as soon as it is complete, on
+  *every* micro-step (keeping only the shard is the point, so accumulation cannot wait), its shard
+  added into the persistent fp32 gradient shard, and the bucket freed. Parameters as ZeRO-1.
+- ZeRO-3: one bucket per unit (each decoder layer; embedding, final norm and head as units of their
+  own, a tied head sharing the embedding's unit). Each rank keeps only its parameter shard; a unit is
+  all-gathered before its forward and again before its backward and freed after each, the next unit's
+  all-gather is prefetched (issued asynchronously) while the current one computes, and gradients are
+  reduce-scattered per unit as soon as the unit's backward is done.
+Communication per step for Ψ parameters and N ranks (ring): ZeRO-1/2 (N−1)/N·Ψ reduce-scatter +
+(N−1)/N·Ψ all-gather ≈ 2Ψ; ZeRO-3 adds the second all-gather ≈ 3Ψ (times the micro-steps for the
+parts that run per micro-step).
+
+Checkpoints: optimizer state (and ZeRO-3's parameters) are saved per piece, keyed
+"<param name>[lo:hi]" (a range of the flattened parameter; just "<param name>" when a rank holds all of
+it), so each rank writes only what it owns and a resume in the same layout reads it back. Re-sharding
+into another dp/stage/bucket size needs only these keys: for each piece the new layout wants, read the
+overlapping saved ranges of the same parameter (the DCP metadata lists them) — not implemented yet;
+the trainer refuses such a resume with a clear message.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from pentatron.config import TrainConfig
+from pentatron.distributed.comm import Work
+from pentatron.distributed.context import ParallelContext
+from pentatron.parallel.data import DataParallelBase
+from pentatron.parallel.memory import MemoryReport
+from pentatron.train.grad_buffer import Bucket, FlatLayout, GradBuffer, Piece
+from pentatron.train.optim import AdamW, Slot
+from pentatron.train.precision import PrecisionPolicy
+
+_MAX_IN_FLIGHT = 2  # reduce-scatters in flight before the oldest is waited on (bounds transient memory)
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class _ShardedBase(DataParallelBase):
+    """What ZeRO-1/2/3 share: the sharded optimizer over this rank's pieces, norm over the shard."""
+
+    sharded_grads = True
+
+    def _build_optimizer(self, train: TrainConfig, param_store: torch.Tensor, store_is_global: bool,
+                         grad_of: Any) -> None:
+        """`param_store`: where the model's copy of each piece lives (indexed by global offset when
+        `store_is_global`, else by local offset); `grad_of(piece)`: the piece's fp32 gradient."""
+        self.pieces = self.layout.pieces(self.dp_rank)
+        fp32 = param_store.dtype == torch.float32
+        self.master_shard = None if fp32 else torch.zeros(self.layout.shard_numel, dtype=torch.float32,
+                                                          device=param_store.device)
+        slots = []
+        for pc in self.pieces:
+            at = pc.glob if store_is_global else pc.local
+            model = param_store[at: at + pc.numel]
+            master = model if fp32 else self.master_shard[pc.local: pc.local + pc.numel]
+            if not fp32:
+                master.copy_(model)
+            slots.append(Slot(self._key(pc), master, grad_of(pc), None if fp32 else model,
+                              len(self.layout.shapes[pc.param]) >= 2))
+        self.optimizer = AdamW(slots, train)
+
+    def _key(self, pc: Piece) -> str:
+        """A checkpoint key: the parameter name, with the flattened range when only part is here."""
+        name = self.names[pc.param]
+        whole = pc.lo == 0 and pc.hi == self.layout.shapes[pc.param].numel()
+        return name if whole else f"{name}[{pc.lo}:{pc.hi}]"
+
+    def layout_meta(self) -> dict[str, Any]:
+        return {"zero": self.stage, "dp": self.dp, "buckets": [b.padded for b in self.layout.buckets]}
+
+    def _optim_memory(self) -> tuple[int, int]:
+        return self.optimizer.state_bytes(), _nbytes(self.master_shard)
+
+
+class ZeroDataParallel(_ShardedBase):
+    """ZeRO-1 (stage=1) and ZeRO-2 (stage=2): replicated parameters, sharded optimizer (and grads)."""
+
+    def __init__(self, model: nn.Module, ctx: ParallelContext, train: TrainConfig, policy: PrecisionPolicy,
+                 bucket_mb: float, stage: int) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroDataParallel implements ZeRO-1 and ZeRO-2, got stage {stage}")
+        super().__init__(model, ctx, train, policy, bucket_mb)
+        self.stage = stage
+        self.layout = FlatLayout.by_size(list(reversed(self.params)), self.bucket_numel, shards=self.dp)
+        # Parameters become views of one flat buffer, so each bucket is all-gathered in place.
+        self.param_flat = torch.zeros(self.layout.total, dtype=policy.param_dtype, device=ctx.device)
+        with torch.no_grad():
+            for p in self.params:
+                off = self.layout.offset(p)
+                view = self.param_flat[off: off + p.numel()].view(p.shape)
+                view.copy_(p)
+                p.data = view
+        self.grads = GradBuffer(self.params, policy.grad_dtype, self._grad_ready, self.layout,
+                                persistent=stage == 1)
+        self.grad_shard = None if stage == 1 else torch.zeros(self.layout.shard_numel, dtype=policy.grad_dtype,
+                                                              device=ctx.device)
+        self._build_optimizer(train, self.param_flat, True, self._piece_grad)
+        self._in_flight: deque[tuple[Bucket, torch.Tensor, Work]] = deque()
+        self._works: list[Work] = []
+        self._transient_peak = 0
+        self._reset_counts(self.layout)
+
+    def _piece_grad(self, pc: Piece) -> torch.Tensor:
+        if self.grad_shard is None:
+            return self.grads.data[pc.glob: pc.glob + pc.numel]
+        return self.grad_shard[pc.local: pc.local + pc.numel]
+
+    def _own(self, b: Bucket) -> slice:
+        """This rank's shard of bucket b, as a slice of the bucket's own storage."""
+        lo, hi = self.layout.shard_range(b, self.dp_rank)
+        return slice(lo - b.start, hi - b.start)
+
+    # ------------------------------------------------------------------ gradients
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        if self.stage == 1 and not self._last_micro:
+            return
+        b = self._count(self.layout, p)
+        if b is None:
+            return
+        if self.stage == 1:
+            self._launched.add(b.index)
+            data = self.grads.bucket_data(b)
+            self._works.append(self.comm.reduce_scatter(data[self._own(b)], data, "dp", async_op=True))
+        else:
+            self._reduce_transient(b)
+            self._remaining[b.index] = len(b.params)  # the next micro-step refills a fresh bucket
+
+    def _reduce_transient(self, b: Bucket) -> None:
+        data = self.grads.bucket_data(b)
+        self.grads.release(b)  # the next gradients of this bucket go to a fresh buffer
+        work = self.comm.reduce_scatter(data[self._own(b)], data, "dp", async_op=True)
+        self._in_flight.append((b, data, work))
+        self._transient_peak = max(self._transient_peak, self.grads.transient_bytes
+                                   + sum(_nbytes(d) for _, d, _ in self._in_flight))
+        self._drain(_MAX_IN_FLIGHT)
+
+    def _drain(self, keep: int) -> None:
+        while len(self._in_flight) > keep:
+            b, data, work = self._in_flight.popleft()
+            work.wait()
+            lo, hi = self.layout.local_range(b)
+            self.grad_shard[lo:hi].add_(data[self._own(b)])
+
+    def zero_grad(self) -> None:
+        if self.grad_shard is None:
+            self.grads.zero()
+        else:
+            self.grad_shard.zero_()
+
+    def finish_grad_sync(self) -> None:
+        if self.stage == 1:
+            for b in self.layout.buckets:
+                if b.index not in self._launched:
+                    data = self.grads.bucket_data(b)
+                    self._works.append(self.comm.reduce_scatter(data[self._own(b)], data, "dp", async_op=True))
+            for w in self._works:
+                w.wait()
+            self._works.clear()
+            if self.dp > 1:
+                for g in self.owned_grads():
+                    g.div_(self.dp)
+        else:
+            for b in self.layout.buckets:  # partially filled (a parameter without gradient)
+                if self._remaining[b.index] != len(b.params):
+                    self._reduce_transient(b)
+            self._drain(0)
+            if self.dp > 1:
+                self.grad_shard.div_(self.dp)
+        self._reset_counts(self.layout)
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        if self.grad_shard is not None:
+            return [self.grad_shard]
+        return [self.grads.data[slice(*self.layout.shard_range(b, self.dp_rank))] for b in self.layout.buckets]
+
+    # ------------------------------------------------------------------ parameters
+    def step(self, lr: float) -> None:
+        self.optimizer.step(lr)
+        works = []
+        for b in self.layout.buckets:
+            full = self.param_flat[b.start: b.end]
+            works.append(self.comm.all_gather(full, full[self._own(b)], "dp", async_op=True))
+        for w in works:
+            w.wait()
+
+    def memory(self) -> MemoryReport:
+        optim, master = self._optim_memory()
+        grads = _nbytes(self.grads.data) + _nbytes(self.grad_shard)
+        return MemoryReport(_nbytes(self.param_flat), grads, optim, master, self._transient_peak)
+
+    def close(self) -> None:
+        self.grads.remove_hooks()
+
+
+class _Unit:
+    """A group of parameters gathered and freed together (one ZeRO-3 bucket) and the modules using them."""
+
+    def __init__(self, bucket: Bucket, modules: list[nn.Module]) -> None:
+        self.bucket = bucket
+        self.modules = modules
+        self.full: torch.Tensor | None = None  # gathered parameters (bucket-sized), while held
+        self.work: Work | None = None  # the all-gather filling `full`, while in flight
+        self.forward_pending: set[int] = set()
+        self.backward_done = False
+
+
+def zero3_units(model: nn.Module) -> list[tuple[list[nn.Module], list[nn.Parameter]]]:
+    """(modules, parameters) per ZeRO-3 unit, in forward order: each of `model.layers`, then every
+    other top-level child with parameters. A child whose parameters already belong to a unit (a tied
+    LM head) joins that unit."""
+    units: list[tuple[list[nn.Module], list[nn.Parameter]]] = []
+    owner: dict[nn.Parameter, int] = {}
+    if any(True for _ in model.named_parameters(recurse=False)):
+        raise NotImplementedError("ZeRO-3 wraps child modules; parameters on the root module are not supported")
+    for name, child in model.named_children():
+        blocks = list(child) if name == "layers" else [child]
+        for m in blocks:
+            params = [p for p in m.parameters() if p.requires_grad]
+            if not params:
+                continue
+            shared = {owner[p] for p in params if p in owner}
+            if shared:
+                if len(shared) > 1 or any(p not in owner for p in params):
+                    raise NotImplementedError(f"module {name} shares parameters with several units")
+                units[shared.pop()][0].append(m)
+                continue
+            for p in params:
+                owner[p] = len(units)
+            units.append(([m], params))
+    return units
+
+
+class FullyShardedDataParallel(_ShardedBase):
+    """ZeRO-3: parameters, gradients and optimizer state sharded; units gathered on demand."""
+
+    stage = 3
+
+    def __init__(self, model: nn.Module, ctx: ParallelContext, train: TrainConfig, policy: PrecisionPolicy,
+                 bucket_mb: float) -> None:
+        super().__init__(model, ctx, train, policy, bucket_mb)
+        spec = zero3_units(model)
+        self.layout = FlatLayout([params for _, params in spec], shards=self.dp)
+        self.units = [_Unit(b, mods) for b, (mods, _) in zip(self.layout.buckets, spec)]
+        self.unit_of = {b.index: u for b, u in zip(self.layout.buckets, self.units)}
+        # This rank's parameter shard is the only persistent copy of the weights.
+        self.param_shard = torch.zeros(self.layout.shard_numel, dtype=policy.param_dtype, device=ctx.device)
+        with torch.no_grad():
+            for pc in self.layout.pieces(self.dp_rank):
+                self.param_shard[pc.local: pc.local + pc.numel].copy_(pc.param.detach().flatten()[pc.lo: pc.hi])
+        self._empty = torch.empty(0, dtype=policy.param_dtype, device=ctx.device)
+        for p in self.params:
+            p.data = self._empty
+        self.grads = GradBuffer(self.params, policy.grad_dtype, self._grad_ready, self.layout, persistent=False)
+        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=policy.grad_dtype, device=ctx.device)
+        self._build_optimizer(train, self.param_shard, False,
+                              lambda pc: self.grad_shard[pc.local: pc.local + pc.numel])
+        # Module call order (registration order), for prefetching the next unit in either direction.
+        self.events: list[tuple[nn.Module, _Unit]] = [(m, u) for u in self.units for m in u.modules]
+        self.events.sort(key=lambda e: self._registration_index(e[0]))
+        self._in_flight: deque[tuple[Bucket, torch.Tensor, Work]] = deque()
+        self._transient_peak = 0
+        self._hooks = []
+        for i, (m, u) in enumerate(self.events):
+            self._hooks.append(m.register_forward_pre_hook(self._make_pre_forward(i, u)))
+            self._hooks.append(m.register_forward_hook(self._make_post_forward(i, u, m)))
+        self._reset_counts(self.layout)
+
+    def _registration_index(self, module: nn.Module) -> int:
+        return next(i for i, m in enumerate(self.model.modules()) if m is module)
+
+    # ------------------------------------------------------------------ gather / free
+    def _gather(self, u: _Unit) -> None:
+        """Issue u's all-gather (asynchronously) unless u is already held or in flight."""
+        if u.full is not None:
+            return
+        lo, hi = self.layout.local_range(u.bucket)
+        u.full = torch.empty(u.bucket.padded, dtype=self.param_shard.dtype, device=self.param_shard.device)
+        u.work = self.comm.all_gather(u.full, self.param_shard[lo:hi], "dp", async_op=True)
+        self._note_transient()
+
+    def _ensure(self, u: _Unit) -> None:
+        """Make u's parameters usable: gather (or finish the prefetch) and point them at the result."""
+        self._gather(u)
+        if u.work is not None:
+            u.work.wait()
+            u.work = None
+            b = u.bucket
+            for p in b.params:
+                off = b.offsets[p] - b.start
+                p.data = u.full[off: off + self.layout.shapes[p].numel()].view(self.layout.shapes[p])
+
+    def _free(self, u: _Unit) -> None:
+        if u.work is not None:
+            u.work.wait()
+            u.work = None
+        for p in u.bucket.params:
+            p.data = self._empty
+        u.full = None
+
+    def _note_transient(self) -> None:
+        held = sum(_nbytes(u.full) for u in self.units)
+        grads = self.grads.transient_bytes + sum(_nbytes(d) for _, d, _ in self._in_flight)
+        self._transient_peak = max(self._transient_peak, held + grads)
+
+    # ------------------------------------------------------------------ hooks
+    def _make_pre_forward(self, i: int, u: _Unit):  # noqa: ANN202 - a hook
+        def hook(module: nn.Module, args: Any) -> None:
+            if i == 0:  # a new forward pass
+                for unit in self.units:
+                    unit.forward_pending = {id(m) for m in unit.modules}
+                    unit.backward_done = False
+            self._ensure(u)
+            if i + 1 < len(self.events):
+                self._gather(self.events[i + 1][1])  # prefetch: overlaps this module's compute
+        return hook
+
+    def _make_post_forward(self, i: int, u: _Unit, module: nn.Module):  # noqa: ANN202 - a hook
+        def hook(mod: nn.Module, args: Any, output: Any) -> Any:
+            u.forward_pending.discard(id(module))
+            if not u.forward_pending:
+                self._free(u)
+            if torch.is_grad_enabled():
+                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                for t in tensors:
+                    t.register_hook(self._make_pre_backward(i, u))
+            return output
+        return hook
+
+    def _make_pre_backward(self, i: int, u: _Unit):  # noqa: ANN202 - a hook
+        def hook(grad: torch.Tensor) -> None:
+            if u.backward_done:
+                return
+            self._ensure(u)
+            # Prefetch the unit whose backward comes next (the previous module in forward order).
+            for j in range(i - 1, -1, -1):
+                nxt = self.events[j][1]
+                if nxt is not u:
+                    if not nxt.backward_done:
+                        self._gather(nxt)
+                    break
+        return hook
+
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        b = self._count(self.layout, p)
+        if b is None:
+            return
+        u = self.unit_of[b.index]
+        self._reduce_unit(u)
+        self._free(u)
+        u.backward_done = True
+
+    def _reduce_unit(self, u: _Unit) -> None:
+        b = u.bucket
+        data = self.grads.bucket_data(b)
+        self.grads.release(b)
+        lo, hi = self.layout.shard_range(b, self.dp_rank)
+        work = self.comm.reduce_scatter(data[lo - b.start: hi - b.start], data, "dp", async_op=True)
+        self._in_flight.append((b, data, work))
+        self._note_transient()
+        self._remaining[b.index] = len(b.params)
+        self._drain(_MAX_IN_FLIGHT)
+
+    def _drain(self, keep: int) -> None:
+        while len(self._in_flight) > keep:
+            b, data, work = self._in_flight.popleft()
+            work.wait()
+            lo, hi = self.layout.shard_range(b, self.dp_rank)
+            llo, lhi = self.layout.local_range(b)
+            self.grad_shard[llo:lhi].add_(data[lo - b.start: hi - b.start])
+
+    # ------------------------------------------------------------------ the step
+    def zero_grad(self) -> None:
+        self.grad_shard.zero_()
+
+    def finish_grad_sync(self) -> None:
+        for u in self.units:
+            b = u.bucket
+            if self._remaining[b.index] != len(b.params):  # a parameter that got no gradient
+                self._reduce_unit(u)
+            self._free(u)
+        self._drain(0)
+        if self.dp > 1:
+            self.grad_shard.div_(self.dp)
+        self._reset_counts(self.layout)
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        return [self.grad_shard]
+
+    def _count(self, layout: FlatLayout, p: nn.Parameter) -> Bucket | None:
+        # ZeRO-3 reduces every micro-step, so a bucket is never "already launched".
+        b = layout.bucket_of[p]
+        self._remaining[b.index] -= 1
+        return b if self._remaining[b.index] == 0 else None
+
+    def state_dict(self) -> dict[str, Any]:
+        model = {self._key(pc): self.param_shard[pc.local: pc.local + pc.numel] for pc in self.pieces}
+        return {"model": model, "optim": self.optimizer.named_state()}
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for u in self.units:
+            self._ensure(u)
+            for p in u.bucket.params:
+                out[self.names[p]] = p.detach().clone()
+            self._free(u)
+        return out
+
+    def memory(self) -> MemoryReport:
+        optim, master = self._optim_memory()
+        return MemoryReport(_nbytes(self.param_shard), _nbytes(self.grad_shard), optim, master,
+                            self._transient_peak)
+
+    def close(self) -> None:
+        self.grads.remove_hooks()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

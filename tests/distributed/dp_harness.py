@@ -1,0 +1,207 @@
+"""Shared multi-process runs for the data-parallel / ZeRO tests.
+
+Starting gloo ranks is the expensive part on the 2-core CI machine, so one `run_ranks` call per world
+size runs every configuration in sequence inside the ranks (ZeRO 0–3 × with/without gradient
+accumulation, plus the overlap probes, checkpoint round trips and bf16 memory accounting) and the
+results are cached for the whole session; test_data.py and test_zero.py read them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pentatron.config import Config, load_config
+from tests.multiprocess import run_ranks
+
+STEPS = 10
+SEQ_LEN = 32
+GLOBAL_BATCH = 8
+BUCKET_MB = 1.0  # several buckets for the 1.1M-parameter debug model (the default 25 MB would be one)
+STAGES = (0, 1, 2, 3)
+
+
+def micro_batch(world: int, accumulate: bool) -> int:
+    """Per-rank micro-batch: the whole local batch at once, or two micro-steps of half of it."""
+    local = GLOBAL_BATCH // world
+    return local // 2 if accumulate else local
+
+
+def make_config(world: int, zero: int = 0, micro: int = GLOBAL_BATCH, *extra: str) -> Config:
+    overrides = [f"train.seq_len={SEQ_LEN}", f"train.global_batch={GLOBAL_BATCH}", f"train.micro_batch={micro}",
+                 f"train.steps={STEPS}", "train.peak_tflops=1.0", f"parallel.zero={zero}",
+                 f"parallel.bucket_mb={BUCKET_MB}", "log.progress=false", "log.tensorboard=false", *extra]
+    return load_config(None, overrides, world_size=world)
+
+
+def _train(cfg: Config, dataset: str, want_params: bool) -> dict[str, Any]:
+    from pentatron.train.trainer import Trainer
+
+    trainer = Trainer(cfg, dataset_dir=Path(dataset))
+    memory_before = trainer.engine.memory().to_dict()
+    records = [trainer.train_step() for _ in range(cfg.train.steps)]
+    params = trainer.engine.full_parameters()
+    digest = float(sum(p.double().sum() * (i + 1) for i, p in enumerate(params.values())))
+    trainer.engine.close()
+    return {"losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records],
+            "comm": trainer.last_comm.by_dim, "calls": records[-1]["comm_calls"],
+            "memory": trainer.engine.memory().to_dict(), "memory_before": memory_before,
+            "numel": trainer.engine.layout.total, "n_params": trainer.n_params, "digest": digest,
+            # numpy, not tensors: tensors would cross the result queue as shared memory that dies with the rank
+            "params": {n: p.numpy() for n, p in params.items()} if want_params else None}
+
+
+def _overlap_probe(world: int, dataset: str) -> dict[str, Any]:
+    """DDP: no communication during an accumulation micro-step; on the last one, how many bucket
+    all-reduces were issued by the time backward reaches the embedding (its last module)."""
+    from pentatron.train.trainer import Trainer
+
+    trainer = Trainer(make_config(world, 0, micro_batch(world, True), "parallel.bucket_mb=0.5"),
+                      dataset_dir=Path(dataset))
+    engine, ledger = trainer.engine, trainer.comm.ledger
+    (x1, y1), (x2, y2) = trainer.loader.next_step()
+    ledger.begin_step()
+    engine.zero_grad()
+    engine.micro_step(last=False)
+    trainer.loss_fn(trainer.model(x1), y1).backward()
+    during_accumulation = len(ledger.events)
+    engine.micro_step(last=True)
+    seen: dict[str, list[str]] = {}
+
+    def snapshot(grad: torch.Tensor) -> None:
+        seen.setdefault("ops", [e.op for e in ledger.events])
+
+    def at_embedding(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
+        out.register_hook(snapshot)
+
+    handle = trainer.model.embed.register_forward_hook(at_embedding)
+    trainer.loss_fn(trainer.model(x2), y2).backward()
+    handle.remove()
+    issued_by_end_of_backward = len(ledger.events)
+    engine.finish_grad_sync()
+    engine.close()
+    return {"during_accumulation": during_accumulation, "before_embedding_backward": seen["ops"],
+            "by_end_of_backward": issued_by_end_of_backward, "buckets": len(engine.layout.buckets)}
+
+
+def _prefetch_probe(world: int, dataset: str) -> dict[str, Any]:
+    """ZeRO-3: when layers[1] starts computing, which all-gathers have been issued and which units are
+    held (our hooks were registered first, so they have already run)."""
+    from pentatron.train.trainer import Trainer
+
+    trainer = Trainer(make_config(world, 3, micro_batch(world, False)), dataset_dir=Path(dataset))
+    engine, ledger = trainer.engine, trainer.comm.ledger
+    (x, y), = trainer.loader.next_step()
+    seen: dict[str, Any] = {}
+
+    def before_layer1(module: torch.nn.Module, args: Any) -> None:
+        seen["all_gathers"] = sum(e.op == "all_gather" for e in ledger.events)
+        seen["held"] = sum(u.full is not None for u in engine.units)
+        seen["param_numel"] = trainer.model.layers[1].mlp.up_proj.weight.numel()
+        seen["later_layer_numel"] = trainer.model.layers[3].mlp.up_proj.weight.numel()
+
+    handle = trainer.model.layers[1].register_forward_pre_hook(before_layer1)
+    ledger.begin_step()
+    engine.zero_grad()
+    engine.micro_step(last=True)
+    trainer.loss_fn(trainer.model(x), y).backward()
+    handle.remove()
+    seen["held_after_backward"] = sum(u.full is not None for u in engine.units)
+    engine.finish_grad_sync()
+    seen["units"] = len(engine.units)
+    engine.close()
+    return seen
+
+
+def _checkpoint_round_trips(world: int, dataset: str, root: Path) -> dict[str, Any]:
+    """Each stage: 4 straight steps vs 2 steps + save + resume + 2 steps (same layout). Then a ZeRO-1
+    checkpoint opened by a ZeRO-2 run must fail with a clear message."""
+    from pentatron.train.trainer import Trainer
+
+    out: dict[str, Any] = {}
+    common = ("train.schedule='constant'", "train.warmup=0", f"log.dir={json.dumps(str(root / 'log'))}")
+    for zero in STAGES:
+        micro = micro_batch(world, True)
+        ckpt = f"checkpoint.dir={json.dumps(str(root / f'zero{zero}'))}"
+        straight = Trainer(make_config(world, zero, micro, "train.steps=4", *common), Path(dataset)).fit()
+        first = Trainer(make_config(world, zero, micro, "train.steps=2", ckpt, *common), Path(dataset)).fit()
+        resumed = Trainer(make_config(world, zero, micro, "train.steps=4", ckpt, *common), Path(dataset)).fit()
+        out[zero] = {"straight": [r["loss"] for r in straight], "resumed": [r["loss"] for r in first + resumed],
+                     "steps": [r["step"] for r in first + resumed]}
+    lines = (root / "log" / "metrics.jsonl").read_text().splitlines() if (root / "log").exists() else []
+    out["first_metrics"] = json.loads(lines[0]) if lines else None
+    try:
+        Trainer(make_config(world, 2, micro_batch(world, True), "train.steps=4", *common,
+                            f"checkpoint.dir={json.dumps(str(root / 'zero1'))}"), Path(dataset))
+        out["layout_error"] = None
+    except RuntimeError as e:
+        out["layout_error"] = str(e)
+    return out
+
+
+def _bf16_memory(world: int, dataset: str) -> dict[int, dict[str, int]]:
+    """Memory accounting with bf16 parameters (fp32 master weights appear), measured after one step."""
+    from pentatron.train.trainer import Trainer
+
+    out = {}
+    for zero in STAGES:
+        trainer = Trainer(make_config(world, zero, micro_batch(world, False), "train.precision='bf16'",
+                                      "train.steps=1", "train.warmup=1"), Path(dataset))
+        trainer.train_step()
+        out[zero] = {**trainer.engine.memory().to_dict(), "numel": trainer.engine.layout.total}
+        trainer.engine.close()
+    return out
+
+
+def _rank_main(rank: int, world: int, dataset: str, root: str) -> dict[str, Any]:
+    results: dict[str, Any] = {"parity": {}}
+    for zero in STAGES:
+        for accumulate in (False, True):
+            cfg = make_config(world, zero, micro_batch(world, accumulate))
+            results["parity"][zero, accumulate] = _train(cfg, dataset, want_params=rank == 0)
+    if world == 2:
+        # ZeRO-3 under full activation recompute: the recomputed forward runs inside backward and
+        # must find its layer gathered by the pre-backward hook.
+        results["recompute"] = _train(make_config(world, 3, micro_batch(world, True), "train.recompute='full'"),
+                                      dataset, want_params=rank == 0)
+        results["overlap"] = _overlap_probe(world, dataset)
+        results["prefetch"] = _prefetch_probe(world, dataset)
+        results["checkpoint"] = _checkpoint_round_trips(world, dataset, Path(root))
+        results["bf16_memory"] = _bf16_memory(world, dataset)
+    return results
+
+
+@functools.cache
+def dp_runs(world: int, dataset: str) -> list[dict[str, Any]]:
+    """Every rank's results for `world` ranks (computed once per test session)."""
+    root = tempfile.mkdtemp(prefix=f"pentatron-dp{world}-")
+    atexit.register(shutil.rmtree, root, True)
+    return run_ranks(_rank_main, world, args=(dataset, root), timeout=600)
+
+
+@functools.cache
+def reference(dataset: str) -> dict[str, Any]:
+    """The 1-process run every configuration is compared with (whole batch in one micro-batch)."""
+    return _train(make_config(1, 0, GLOBAL_BATCH), dataset, want_params=True)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def assert_parity(got: dict[str, Any], ref: dict[str, Any], rtol: float = 1e-5) -> None:
+    """Same loss at every step and the same final parameters as the 1-process run (fp32)."""
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"]), start=1):
+        assert abs(a - b) <= rtol * abs(b), f"step {step}: loss {a} vs 1-process {b}"
+    assert len(got["losses"]) == len(ref["losses"]) == STEPS
+    assert got["params"].keys() == ref["params"].keys()
+    for name, p in ref["params"].items():
+        err = relative_error(torch.from_numpy(got["params"][name]), torch.from_numpy(p))
+        assert err <= rtol, f"final {name}: relative error {err:.2e}"

@@ -1,0 +1,146 @@
+"""ZeRO-1/2/3: parity with 1 process on real gloo ranks (every step, final parameters), communication
+volume against the playbook formulas, per-rank memory against the ZeRO formulas, ZeRO-3 prefetch and
+freeing, sharded checkpoints, and the flat layout's sharding arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pentatron.distributed.comm import ring_bytes
+from pentatron.models.llama import build_model
+from pentatron.models.registry import get_model_config
+from pentatron.parallel.memory import zero_formula
+from pentatron.parallel.zero import zero3_units
+from pentatron.train.grad_buffer import FlatLayout
+from tests.distributed.dp_harness import assert_parity, dp_runs, reference
+
+
+@pytest.fixture(scope="module")
+def ds(default_dataset) -> str:
+    return str(default_dataset)
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["no-accum", "accum"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_matches_one_process_every_step(ds, world, stage, accumulate):
+    ranks = dp_runs(world, ds)
+    got, ref = ranks[0]["parity"][stage, accumulate], reference(ds)
+    assert_parity(got, ref)  # final parameters gathered from the shards for ZeRO-3
+    for a, b in zip(got["grad_norms"], ref["grad_norms"]):  # global norm over the full gradient
+        assert a == pytest.approx(b, rel=1e-5)
+    assert len({r["parity"][stage, accumulate]["digest"] for r in ranks}) == 1, "ranks disagree"
+
+
+def test_zero3_with_full_activation_recompute_matches_one_process(ds):
+    assert_parity(dp_runs(2, ds)[0]["recompute"], reference(ds))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_communication_volume_is_the_playbook_formula(ds, world):
+    """Per rank per step, ring volumes: ZeRO-1/2 reduce-scatter + all-gather = 2(N−1)/N·Ψ, ZeRO-3
+    3(N−1)/N·Ψ (fp32 bytes); the reduce-scatters of ZeRO-2/3 and the gathers of ZeRO-3 run on every
+    micro-step, ZeRO-1's on the last only."""
+    ring = (world - 1) / world
+    for accumulate in (False, True):
+        micro = 2 if accumulate else 1
+        for stage in (1, 2, 3):
+            run = dp_runs(world, ds)[0]["parity"][stage, accumulate]
+            psi = run["n_params"]
+            dp = run["comm"]["dp"]
+            rs, ag = dp["reduce_scatter"]["bytes"], dp["all_gather"]["bytes"]
+            per_micro = {1: 0, 2: 1, 3: 1}[stage]
+            expected_rs = ring * psi * 4 * (micro if per_micro else 1)
+            expected_ag = ring * psi * 4 * (2 * micro if stage == 3 else 1)
+            assert rs == pytest.approx(expected_rs, rel=0.01), (stage, accumulate)
+            assert ag == pytest.approx(expected_ag, rel=0.01), (stage, accumulate)
+            if not accumulate:
+                assert rs + ag == pytest.approx((3 if stage == 3 else 2) * ring * psi * 4, rel=0.01)
+            # Exactly: the padded flat layout, plus two scalars (loss average, squared grad norm).
+            assert rs == ring_bytes("reduce_scatter", run["numel"] * 4, world) * (micro if stage > 1 else 1)
+            assert dp["all_reduce"]["bytes"] == 2 * ring_bytes("all_reduce", 4, world)
+            assert dp["all_reduce"]["calls"] == 2
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_memory_per_rank_is_the_formula(ds, world, stage):
+    """fp32 parameters: P = 4 bytes, no separate master. Measured after training (Adam state exists)."""
+    run = dp_runs(world, ds)[0]["parity"][stage, False]
+    assert run["numel"] >= run["n_params"] and run["numel"] - run["n_params"] < 0.01 * run["n_params"]
+    expected = zero_formula(stage, run["numel"], world, 4, False)
+    got = run["memory"]
+    assert (got["params"], got["grads"], got["optimizer"], got["master"]) == (
+        expected.params, expected.grads, expected.optimizer, expected.master)
+    ddp = dp_runs(world, ds)[0]["parity"][0, False]["memory"]
+    assert got["total"] < ddp["total"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_memory_with_bf16_params_and_fp32_master(ds, stage):
+    mem = dp_runs(2, ds)[0]["bf16_memory"][stage]
+    expected = zero_formula(stage, mem["numel"], 2, 2, True)
+    assert (mem["params"], mem["grads"], mem["optimizer"], mem["master"]) == (
+        expected.params, expected.grads, expected.optimizer, expected.master)
+
+
+def test_zero3_prefetches_the_next_layer_and_frees_the_previous(ds):
+    """When layers[1] starts computing, the all-gathers of the embedding unit, layers[0], layers[1] and
+    (prefetched) layers[2] have been issued, layers[0] has been freed again, and after backward no
+    unit is held."""
+    probe = dp_runs(2, ds)[0]["prefetch"]
+    assert probe["all_gathers"] == 4
+    assert probe["held"] == 3  # tied embedding/head (used again by the head), layers[1], layers[2]
+    assert probe["held_after_backward"] == 0
+    assert probe["units"] == 6  # embedding(+tied head), 4 layers, final norm
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sharded_checkpoint_resume_is_exact(ds, stage):
+    ck = dp_runs(2, ds)[0]["checkpoint"][stage]
+    assert ck["steps"] == [1, 2, 3, 4]
+    assert ck["resumed"] == pytest.approx(ck["straight"], rel=1e-6)
+
+
+def test_resuming_a_sharded_checkpoint_in_another_layout_is_a_clear_error(ds):
+    msg = dp_runs(2, ds)[0]["checkpoint"]["layout_error"]
+    assert msg is not None and "layout" in msg and "'zero': 1" in msg and "'zero': 2" in msg
+
+
+# ---------------------------------------------------------------------- layout arithmetic (no processes)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 4])
+def test_flat_layout_pieces_cover_every_element_exactly_once(shards):
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (5, 7, 1, 12, 3)]
+    layout = FlatLayout.by_size(params, bucket_numel=10, shards=shards)
+    assert all(b.padded % shards == 0 and b.padded - b.numel < shards for b in layout.buckets)
+    assert layout.total == sum(b.padded for b in layout.buckets)
+    seen = {id(p): torch.zeros(p.numel(), dtype=torch.int64) for p in params}
+    local_used = []
+    for rank in range(shards):
+        for pc in layout.pieces(rank):
+            seen[id(pc.param)][pc.lo: pc.hi] += 1
+            lo, hi = layout.shard_range(layout.bucket_of[pc.param], rank)
+            assert lo <= pc.glob and pc.glob + pc.numel <= hi
+            assert layout.offset(pc.param) + pc.lo == pc.glob
+            local_used.append((rank, pc.local, pc.local + pc.numel))
+    assert all(bool((c == 1).all()) for c in seen.values())
+    for rank in range(shards):  # local offsets within a rank's shard never overlap
+        spans = sorted((a, b) for r, a, b in local_used if r == rank)
+        assert all(b1 <= a2 for (_, b1), (a2, _) in zip(spans, spans[1:]))
+        assert all(b <= layout.shard_numel for _, b in spans)
+
+
+def test_zero3_units_are_layers_plus_embedding_norm_and_a_tied_head_joins_the_embedding():
+    tied = build_model(get_model_config("debug"), device="meta")
+    units = zero3_units(tied)
+    assert len(units) == tied.cfg.n_layers + 2
+    (embed_mods, embed_params), *_, (norm_mods, _) = units
+    assert embed_mods == [tied.embed, tied.lm_head] and embed_params == [tied.embed.weight]
+    assert norm_mods == [tied.norm]
+    untied = build_model(get_model_config("debug-untied"), device="meta")
+    assert len(zero3_units(untied)) == untied.cfg.n_layers + 3
+    all_params = [p for _, ps in zero3_units(untied) for p in ps]
+    assert len(all_params) == len(list(untied.parameters()))
