@@ -28,6 +28,7 @@ from pentatron.config import TrainConfig
 from pentatron.distributed.comm import Work
 from pentatron.distributed.context import ParallelContext
 from pentatron.parallel.memory import MemoryReport
+from pentatron.parallel.tensor import tp_replicas
 from pentatron.train.grad_buffer import Bucket, FlatLayout, GradBuffer
 from pentatron.train.optim import AdamW, MixedPrecisionAdamW, clip_by_total_norm, grad_norm_squared
 from pentatron.train.precision import PrecisionPolicy
@@ -91,10 +92,25 @@ class DataParallelBase:
         rank when sharded, on every rank when replicated)."""
         raise NotImplementedError
 
+    def owned_param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """`owned_grads()` split by parameter: (parameter, its owned gradient elements)."""
+        raise NotImplementedError
+
     def grad_norm(self) -> torch.Tensor:
-        sq = grad_norm_squared(self.owned_grads())
+        tp = self.ctx.size("tp")
+        if tp == 1:
+            sq = grad_norm_squared(self.owned_grads())
+        else:
+            # Tensor parallel: every element of the full model once — a tensor held identically by
+            # k tp ranks (replicated norms, replicated kv heads) counts 1/k on each, then sum over tp.
+            pairs = self.owned_param_grads()
+            sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+            for p, g in pairs:
+                sq += g.float().pow(2).sum() / tp_replicas(p, tp)
         if self.sharded_grads:
             self.comm.all_reduce(sq, "dp")
+        if tp > 1:
+            self.comm.all_reduce(sq, "tp")
         return sq.sqrt()
 
     def clip_grads(self, max_norm: float) -> torch.Tensor:
@@ -171,6 +187,9 @@ class DataParallel(DataParallelBase):
 
     def owned_grads(self) -> list[torch.Tensor]:
         return [self.grads.data]
+
+    def owned_param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        return [(p, p.main_grad) for p in self.params]
 
     def memory(self) -> MemoryReport:
         params = sum(p.numel() * p.element_size() for p in self.params)

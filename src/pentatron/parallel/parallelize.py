@@ -3,8 +3,8 @@
     split into pipeline stages → tensor/sequence parallel → context parallel → expert parallel
     → activation checkpointing → compile → data parallel / ZeRO
 
-Only the steps that exist so far are applied; the others are rejected by config validation (tp, pp,
-cp, ep > 1) before any process group starts.
+Only the steps that exist so far are applied; the others are rejected by config validation (pp, cp,
+ep > 1) before any process group starts.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch import nn
 from pentatron.config import Config
 from pentatron.distributed.context import ParallelContext
 from pentatron.parallel.data import DataParallel, DataParallelBase
+from pentatron.parallel.tensor import apply_tensor_parallel
 from pentatron.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
 from pentatron.train.precision import PrecisionPolicy
 from pentatron.train.recompute import apply_recompute
@@ -22,6 +23,8 @@ from pentatron.train.recompute import apply_recompute
 def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: PrecisionPolicy) -> DataParallelBase:
     """Apply every parallelism the config asks for to `model` (in place) and return the data-parallel
     engine that owns gradient synchronisation and the optimizer."""
+    if ctx.size("tp") > 1:
+        apply_tensor_parallel(model, ctx, ctx.comm, sp=cfg.parallel.sp)
     apply_recompute(model, cfg.train.recompute)
     return data_parallel(model, ctx, cfg, policy)
 

@@ -76,6 +76,10 @@ class _ShardedBase(DataParallelBase):
                               len(self.layout.shapes[pc.param]) >= 2))
         self.optimizer = AdamW(slots, train)
 
+    def owned_param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        # One optimizer slot per owned piece, in the same order, holding that piece's gradient.
+        return [(pc.param, slot.grad) for pc, slot in zip(self.pieces, self.optimizer.slots, strict=True)]
+
     def _key(self, pc: Piece) -> str:
         """A checkpoint key: the parameter name, with the flattened range when only part is here."""
         name = self.names[pc.param]

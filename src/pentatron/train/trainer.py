@@ -22,6 +22,7 @@ from pentatron.models.llama import build_model
 from pentatron.observe.metrics import MetricsLogger
 from pentatron.observe.system import peak_flops, peak_memory_bytes
 from pentatron.parallel.parallelize import parallelize
+from pentatron.parallel.tensor import vocab_parallel_cross_entropy
 from pentatron.plan.flops import model_flops_per_token
 from pentatron.train.optim import lr_at
 from pentatron.train.precision import resolve_precision
@@ -83,6 +84,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ one optimizer step
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.ctx.size("tp") > 1:
+            # The model returns this rank's vocabulary slice of the logits; never gather them.
+            return vocab_parallel_cross_entropy(logits.float(), targets, self.comm)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def train_step(self) -> dict[str, Any]:
