@@ -126,7 +126,8 @@ def pipeline_worker(rank: int, world_size: int, cases: list[Case], dataset_dir: 
             if out.loss is not None:
                 losses.append(float(out.loss))
         results.append({"case": case, "losses": losses, "grads": grads, "peaks": peaks, "slots": slots,
-                        "comm": comm, "bubble": bubble, "params": {n: prm.detach().numpy().copy() for n, prm in params.items()},
+                        "comm": comm, "bubble": bubble,
+                        "params": {n: prm.detach().numpy().copy() for n, prm in params.items()},
                         "layers": [st.layer_ids for st in stages]})
     return results
 

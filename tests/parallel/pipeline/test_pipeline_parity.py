@@ -129,7 +129,7 @@ def test_recorded_step_merges_across_ranks(pipelined):
     for i, case in enumerate(cases):
         tl = recorded_timeline([per_rank[r][i]["slots"] for r in range(p)], case.schedule)
         assert tl.p == p and all(b > 0 for b in tl.busy)
-        assert all(0 <= s.start and s.end <= tl.makespan + 1e-9 for slots in tl.slots for s in slots)
+        assert all(s.start >= 0 and s.end <= tl.makespan + 1e-9 for slots in tl.slots for s in slots)
         firsts = [slots[0].start for slots in tl.slots]
         assert firsts == sorted(firsts), f"{case.label}: rank r+1 started before rank r: {firsts}"
         assert 0 < tl.bubble_fraction < 10
