@@ -271,6 +271,10 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     dp = _resolve_dp(par, world_size, p)
     if model is not None and not model.problems():
         p += tensor_parallel_problems(model, par.tp, par.sp, tr.seq_len)
+    if par.tp > 1 and cfg.checkpoint.dir:
+        # Checkpoints key tensors by parameter name; tp shards of one parameter would collide.
+        p.append(f"checkpoint.dir with parallel.tp={par.tp}: checkpointing a tensor-parallel run is not "
+                 "supported yet; leave checkpoint.dir empty or use parallel.tp=1")
 
     positive = {"steps": tr.steps, "seq_len": tr.seq_len, "micro_batch": tr.micro_batch,
                 "global_batch": tr.global_batch}

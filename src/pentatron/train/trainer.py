@@ -123,7 +123,8 @@ class Trainer:
                                cfg.log.progress, start_step=self.step) if is_main else None
         if is_main:
             print(f"pentatron: {self.model_cfg.name} ({self.n_params / 1e6:.2f}M parameters), "
-                  f"world={self.world_size} dp={self.dp} zero={cfg.parallel.zero}, device={self.device}, "
+                  f"world={self.world_size} dp={self.dp} tp={cfg.parallel.tp}{' +sp' if cfg.parallel.sp else ''} "
+                  f"zero={cfg.parallel.zero}, device={self.device}, "
                   f"precision={self.policy.name}, recompute={cfg.train.recompute}, "
                   f"{len(self.dataset):,} tokens in dataset, "
                   f"peak {self.peak_flops / 1e12:.2f} TFLOP/s ({self.peak_source})", flush=True)
