@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from pentatron.models.config import ModelConfig
 from pentatron.models.registry import get_model_config
+from pentatron.parallel.pipeline.stages import pipeline_problems
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -110,6 +111,7 @@ class LogConfig:
     every: int = 1
     tensorboard: bool = True
     progress: bool = True
+    pp_trace: bool = False  # pipeline runs: dump each logged step's timeline as a Chrome trace into dir
 
 
 @dataclass
@@ -264,13 +266,15 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"parallel.zero must be 0, 1, 2 or 3, got {par.zero}")
     if par.bucket_mb <= 0:
         p.append(f"parallel.bucket_mb must be > 0, got {par.bucket_mb}")
-    for name in ("pp", "cp", "ep"):
+    for name in ("cp", "ep"):
         if getattr(par, name) > 1:
             p.append(f"parallel.{name}={getattr(par, name)}: this parallel dimension is not available yet; "
                      f"use parallel.{name}=1")
     dp = _resolve_dp(par, world_size, p)
     if model is not None and not model.problems():
         p += tensor_parallel_problems(model, par.tp, par.sp, tr.seq_len)
+    if model is not None and not model.problems():
+        p += _pipeline_config_problems(cfg, model, dp)
     if par.tp > 1 and cfg.checkpoint.dir:
         # Checkpoints key tensors by parameter name; tp shards of one parameter would collide.
         p.append(f"checkpoint.dir with parallel.tp={par.tp}: checkpointing a tensor-parallel run is not "
@@ -320,6 +324,31 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"checkpoint.keep must be ≥ 1, got {cfg.checkpoint.keep}")
     if cfg.log.every < 1:
         p.append(f"log.every must be ≥ 1, got {cfg.log.every}")
+    return p
+
+
+def _pipeline_config_problems(cfg: Config, model: ModelConfig, dp: int | None) -> list[str]:
+    """pp > 1: the schedule, micro-batch count and partition (`pipeline_problems`), and the features
+    that do not compose with the pipeline yet."""
+    par, tr = cfg.parallel, cfg.train
+    if par.pp <= 1:
+        if par.pp_virtual > 1:
+            return [f"parallel.pp_virtual={par.pp_virtual} needs parallel.pp > 1"]
+        return []
+    p: list[str] = []
+    if tr.micro_batch > 0 and tr.global_batch > 0 and par.pp_virtual >= 1:
+        m = max(1, tr.global_batch // (tr.micro_batch * (dp or 1)))
+        p += pipeline_problems(model, pp=par.pp, schedule=par.pp_schedule, virtual=par.pp_virtual, microbatches=m)
+    if par.zero == 3:
+        p.append(f"parallel.zero=3 with parallel.pp={par.pp}: ZeRO-3 with pipeline parallelism is not supported "
+                 "(parameters would be re-gathered for every micro-batch); use parallel.zero ≤ 2")
+    if par.zero == 2 and model.tie_embeddings:
+        p.append(f"parallel.zero=2 with parallel.pp={par.pp} and tied embeddings (model.tie_embeddings=true) is "
+                 "not supported: the tied gradient must be summed across the first and last stage before "
+                 "ZeRO-2 reduce-scatters it during backward; use parallel.zero=1 or an untied model")
+    if cfg.checkpoint.dir:
+        p.append(f"checkpoint.dir with parallel.pp={par.pp}: checkpointing a pipeline-parallel run is not "
+                 "supported yet; leave checkpoint.dir empty or use parallel.pp=1")
     return p
 
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,19 +21,27 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+@contextmanager
+def _dcp_mode() -> Iterator[bool]:
+    """Yields DCP's `no_dist` flag; a 1-process save/load is intended, so DCP's notice about it is muted."""
+    single = not dist.is_initialized()
+    with warnings.catch_warnings():
+        if single:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield single
+
+
 class CheckpointStore:
-    def __init__(self, root: Path, keep: int = 2) -> None:
+    """`barrier` waits for every rank (the trainer passes the comm layer's; a 1-process run needs none)."""
+
+    def __init__(self, root: Path, keep: int = 2, barrier: Callable[[], None] = lambda: None) -> None:
         self.root = root
         self.keep = keep
+        self._barrier = barrier
 
     def _dir(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
@@ -50,9 +61,10 @@ class CheckpointStore:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        _barrier()
-        dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-        _barrier()
+        self._barrier()
+        with _dcp_mode() as single:
+            dcp.save(state, checkpoint_id=tmp, no_dist=single)
+        self._barrier()
         if _rank() == 0:
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
@@ -62,12 +74,13 @@ class CheckpointStore:
             pointer_tmp.write_text(final.name)
             os.replace(pointer_tmp, self.root / "latest")
             self._prune()
-        _barrier()
+        self._barrier()
         return final
 
     def load(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
         """Load tensors in place into `state` (same keys as saved); return the saved metadata."""
-        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        with _dcp_mode() as single:
+            dcp.load(state, checkpoint_id=path, no_dist=single)
         return json.loads((path / "meta.json").read_text())
 
     def _prune(self) -> None:

@@ -40,6 +40,9 @@ class DataParallelBase:
 
     stage: int = 0
     sharded_grads: bool = False  # True when each rank holds only its shard of the reduced gradient
+    # Parameters whose gradient another pipeline rank also holds and counts in the global norm (the
+    # last stage's copy of a tied embedding): left out here so that the norm counts them once.
+    counted_elsewhere: frozenset[nn.Parameter] | set[nn.Parameter] = frozenset()
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, train: TrainConfig, policy: PrecisionPolicy,
                  bucket_mb: float) -> None:
@@ -97,20 +100,24 @@ class DataParallelBase:
         raise NotImplementedError
 
     def grad_norm(self) -> torch.Tensor:
-        tp = self.ctx.size("tp")
-        if tp == 1:
+        tp, pp = self.ctx.size("tp"), self.ctx.size("pp")
+        if tp == 1 and not self.counted_elsewhere:
             sq = grad_norm_squared(self.owned_grads())
         else:
             # Tensor parallel: every element of the full model once — a tensor held identically by
             # k tp ranks (replicated norms, replicated kv heads) counts 1/k on each, then sum over tp.
+            # Pipeline: a tied embedding held by the first and the last stage counts on the first.
             pairs = self.owned_param_grads()
             sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
             for p, g in pairs:
-                sq += g.float().pow(2).sum() / tp_replicas(p, tp)
+                if p not in self.counted_elsewhere:
+                    sq += g.float().pow(2).sum() / tp_replicas(p, tp)
         if self.sharded_grads:
             self.comm.all_reduce(sq, "dp")
         if tp > 1:
             self.comm.all_reduce(sq, "tp")
+        if pp > 1:
+            self.comm.all_reduce(sq, "pp")  # each pipeline rank holds only its stages' parameters
         return sq.sqrt()
 
     def clip_grads(self, max_norm: float) -> torch.Tensor:

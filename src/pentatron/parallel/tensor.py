@@ -241,14 +241,18 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, comm: Comm | N
 
     handles: list[Any] = []
     kv_replicas = 1
-    for block in model.layers:
+    # A pipeline stage holds its layers in a dict keyed by global index, and only some of the
+    # embedding / final norm / LM head: shard whatever this module has.
+    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for block in layers:
         kv_replicas = _shard_attention(block.attn, comm, tp, rank, sp, handles)
         _shard_mlp(block.mlp, comm, tp, rank, sp)
         for region in (block.attn, block.mlp):
             handles.append(region.register_forward_pre_hook(_region_entry(comm, sp)))
         for norm in (block.attn_norm, block.mlp_norm):
             _replicate(norm.weight, tp, comm if sp else None, handles)
-    _replicate(model.norm.weight, tp, comm if sp else None, handles)
+    if getattr(model, "norm", None) is not None:
+        _replicate(model.norm.weight, tp, comm if sp else None, handles)
     _shard_vocab(model, comm, tp, rank, sp)
     for p in model.parameters():
         if tp_shard(p) is None:  # anything the plan did not mention is replicated (and in sync)
@@ -297,13 +301,18 @@ def _shard_mlp(mlp: nn.Module, comm: Comm, tp: int, rank: int, sp: bool) -> None
 
 
 def _shard_vocab(model: nn.Module, comm: Comm, tp: int, rank: int, sp: bool) -> None:
-    tied = model.lm_head.weight is model.embed.weight
-    v_local = model.embed.weight.shape[0] // tp
-    emb = _shard_param(model.embed.weight, 0, rank * v_local, v_local)
-    model.embed = VocabParallelEmbedding(emb, rank * v_local, comm, sequence_parallel=sp)
-    # Tied: the head uses the very same Parameter, so its gradient is the sum of both uses.
-    head = emb if tied else _shard_param(model.lm_head.weight, 0, rank * v_local, v_local)
-    model.lm_head = ColumnParallelLinear(head, comm, sequence_parallel=sp, communicate_input=True)
+    embed, lm_head = getattr(model, "embed", None), getattr(model, "lm_head", None)
+    tied = embed is not None and lm_head is not None and lm_head.weight is embed.weight
+    emb = None
+    if embed is not None:
+        v_local = embed.weight.shape[0] // tp
+        emb = _shard_param(embed.weight, 0, rank * v_local, v_local)
+        model.embed = VocabParallelEmbedding(emb, rank * v_local, comm, sequence_parallel=sp)
+    if lm_head is not None:
+        v_local = lm_head.weight.shape[0] // tp
+        # Tied: the head uses the very same Parameter, so its gradient is the sum of both uses.
+        head = emb if tied else _shard_param(lm_head.weight, 0, rank * v_local, v_local)
+        model.lm_head = ColumnParallelLinear(head, comm, sequence_parallel=sp, communicate_input=True)
 
 
 def _replicate(p: nn.Parameter, tp: int, comm: Comm | None, handles: list[Any]) -> None:

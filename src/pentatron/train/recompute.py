@@ -25,6 +25,8 @@ def apply_recompute(model: nn.Module, mode: str) -> None:
         return
     if mode not in ("selective", "full"):
         raise ValueError(f"train.recompute must be none, selective or full, got {mode!r}")
-    for block in model.layers:
+    # A pipeline rank's stages keep their layers in a dict keyed by global index.
+    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for block in blocks:
         target = block.attn.core if mode == "selective" else block
         target.forward = _checkpointed(target.forward)

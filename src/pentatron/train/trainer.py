@@ -22,6 +22,10 @@ from pentatron.models.llama import build_model
 from pentatron.observe.metrics import MetricsLogger
 from pentatron.observe.system import peak_flops, peak_memory_bytes
 from pentatron.parallel.parallelize import parallelize
+from pentatron.parallel.pipeline.engine import PipelineEngine, measured_bubble
+from pentatron.parallel.pipeline.schedules import make_schedule
+from pentatron.parallel.pipeline.stages import sync_tied_grads
+from pentatron.parallel.pipeline.trace import write_rank_trace
 from pentatron.parallel.tensor import vocab_parallel_cross_entropy
 from pentatron.plan.flops import model_flops_per_token
 from pentatron.train.optim import lr_at
@@ -52,10 +56,15 @@ class Trainer:
         torch.manual_seed(tr.seed)
 
         self.model_cfg = cfg.model_config()
-        self.model = build_model(self.model_cfg, seed=tr.seed, device=self.device, dtype=self.policy.param_dtype)
-        self.n_params = sum(p.numel() for p in self.model.parameters())
-        # Recompute, then data parallel / ZeRO: the engine owns gradient sync and the optimizer.
-        self.engine = parallelize(self.model, self.ctx, cfg, self.policy)
+        model = build_model(self.model_cfg, seed=tr.seed, device=self.device, dtype=self.policy.param_dtype)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        # Pipeline stages, TP, recompute, then data parallel / ZeRO: the engine owns gradient sync and
+        # the optimizer. With pp > 1 only this rank's stages remain (`self.model` is a LocalStages).
+        self.engine = parallelize(model, self.ctx, cfg, self.policy)
+        self.model = self.engine.model
+        self.pp, self.pp_rank = self.ctx.size("pp"), self.ctx.local_rank("pp")
+        self.pipeline = self._pipeline_engine() if self.pp > 1 else None
+        self.last_pipeline = None
         self.params = self.engine.params
         self.names = self.engine.names
         self.optimizer = self.engine.optimizer
@@ -73,7 +82,7 @@ class Trainer:
                                   global_batch=tr.global_batch, dp_rank=self.dp_rank, dp_size=self.dp,
                                   seed=tr.seed)
         self.step = 0
-        self.store = CheckpointStore(Path(cfg.checkpoint.dir), keep=cfg.checkpoint.keep) \
+        self.store = CheckpointStore(Path(cfg.checkpoint.dir), keep=cfg.checkpoint.keep, barrier=self.comm.barrier) \
             if cfg.checkpoint.dir else None
         if self.store is not None and cfg.checkpoint.resume:
             self._resume()
@@ -89,10 +98,33 @@ class Trainer:
             return vocab_parallel_cross_entropy(logits.float(), targets, self.comm)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
-    def train_step(self) -> dict[str, Any]:
-        self.comm.ledger.begin_step()
-        micro_batches = self.loader.next_step()
-        self.engine.zero_grad()
+    def _pipeline_engine(self) -> PipelineEngine:
+        par, tr = self.cfg.parallel, self.cfg.train
+        v = par.pp_virtual if par.pp_schedule == "interleaved" else 1
+        m = tr.global_batch // (self.dp * tr.micro_batch)
+        schedule = make_schedule(par.pp_schedule, self.pp, m, v)
+        tp = self.ctx.size("tp")
+        shards = tp if par.sp else 1  # sequence parallelism: stages exchange [b, s/tp, h] slices
+        hidden = self.model_cfg.hidden_size
+        return PipelineEngine(self.model.stages, schedule, self.comm, self.pp_rank, self.loss_fn,
+                              act_shape=lambda x: torch.Size((x.shape[0], x.shape[1] // shards, hidden)))
+
+    def _forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Every micro-batch's forward and backward (gradients accumulate, each loss divided by their
+        number); returns this rank's mean loss over them."""
+        if self.pipeline is not None:
+            # Gradients are synchronised after the whole schedule (the backward order interleaves
+            # micro-batches), so no backward is "the last" one.
+            self.engine.micro_step(last=False)
+            result = self.pipeline.step([(x.to(self.device), y.to(self.device)) for x, y in micro_batches])
+            self.last_pipeline = result
+            # Only the last stage computes the loss: every pipeline rank logs the same number.
+            loss = result.loss.detach().float() if result.loss is not None else torch.zeros((), device=self.device)
+            self.comm.broadcast(loss, "pp", src=self.pp - 1)
+            # The tied embedding's gradient is summed over its two stages before any dp reduction
+            # (ZeRO shards the first and the last rank's gradients with different layouts).
+            sync_tied_grads(self.model.stages, self.comm, self.pp_rank, self.pp)
+            return loss
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             # Only the last micro-step's backward synchronises gradients (DDP, ZeRO-1).
@@ -102,18 +134,40 @@ class Trainer:
             # Mean over the rank's micro-batches; the data-parallel reduction averages over ranks.
             (loss / len(micro_batches)).backward()
             loss_sum += loss.detach()
+        return loss_sum / len(micro_batches)
+
+    def train_step(self) -> dict[str, Any]:
+        self.comm.ledger.begin_step()
+        micro_batches = self.loader.next_step()
+        self.engine.zero_grad()
+        loss = self._forward_backward(micro_batches)
         self.engine.finish_grad_sync()
         norm = self.engine.clip_grads(self.cfg.train.clip)
         lr = lr_at(self.step, self.cfg.train)
         self.engine.step(lr)
         # The logged loss is the mean over dp ranks (each rank saw an equal share of the batch).
-        loss = loss_sum / len(micro_batches)
         self.comm.all_reduce(loss, "dp")
         loss = loss / self.dp
         self.step += 1
+        extra: dict[str, Any] = {}
+        if self.last_pipeline is not None:
+            extra["bubble"] = measured_bubble(self.last_pipeline, self.comm)
+            extra["pp_peak_in_flight"] = self.last_pipeline.peak_in_flight
+            self._write_pp_trace()
         self.last_comm = comm = self.comm.ledger.end_step()
         return {"step": self.step, "loss": float(loss), "grad_norm": float(norm), "lr": lr,
-                "comm_bytes": comm.bytes_map(), "comm_calls": comm.calls_map()}
+                "comm_bytes": comm.bytes_map(), "comm_calls": comm.calls_map(), **extra}
+
+    def _write_pp_trace(self) -> None:
+        """log.pp_trace: one Chrome trace file per pipeline rank (from dp/tp rank 0) for each logged step;
+        `pentatron schedule` / `trace.read_chrome_trace` merge a step's files into one timeline."""
+        cfg = self.cfg
+        if not cfg.log.pp_trace or self.last_pipeline is None or self.dp_rank != 0 or self.ctx.local_rank("tp"):
+            return
+        if self.step % cfg.log.every and self.step != cfg.train.steps:
+            return
+        path = Path(cfg.log.dir) / "pp_trace" / f"step{self.step:06d}.rank{self.pp_rank}.json"
+        write_rank_trace(path, self.last_pipeline.slots, self.pp_rank, self.pp, cfg.parallel.pp_schedule)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, Any]]:
@@ -124,6 +178,7 @@ class Trainer:
         if is_main:
             print(f"pentatron: {self.model_cfg.name} ({self.n_params / 1e6:.2f}M parameters), "
                   f"world={self.world_size} dp={self.dp} tp={cfg.parallel.tp}{' +sp' if cfg.parallel.sp else ''} "
+                  f"pp={self.pp}{f' ({cfg.parallel.pp_schedule})' if self.pp > 1 else ''} "
                   f"zero={cfg.parallel.zero}, device={self.device}, "
                   f"precision={self.policy.name}, recompute={cfg.train.recompute}, "
                   f"{len(self.dataset):,} tokens in dataset, "

@@ -191,13 +191,16 @@ class PipelineStage(nn.Module):
         if self.is_last:
             self.norm = model.norm
             self.lm_head = model.lm_head
+        # Ranks sharing the sequence of a received hidden state (sequence parallelism shards it over
+        # tp): the rotary positions must cover the whole sequence, not the local slice.
+        self.sequence_shards = 1
 
     @property
     def layer_ids(self) -> list[int]:
         return [int(k) for k in self.layers]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        seq = x.shape[1]
+        seq = x.shape[1] if self.is_first else x.shape[1] * self.sequence_shards
         if positions is None:
             positions = torch.arange(seq, device=x.device)
         cos, sin = self.rotary(positions)
@@ -245,10 +248,14 @@ def sync_tied_grads(stages: Sequence[PipelineStage], comm: Comm, pp_rank: int, p
     if param is None:
         return
     peer = pp - 1 if pp_rank == 0 else 0
-    if param.grad is None:
-        param.grad = torch.zeros_like(param)
-    theirs = torch.empty_like(param.grad)
-    works = comm.batch_p2p([P2P("send", param.grad, peer), P2P("recv", theirs, peer)], dim)
+    # A data-parallel engine keeps the accumulated gradient in its flat buffer (`main_grad`).
+    grad = getattr(param, "main_grad", None)
+    if grad is None:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        grad = param.grad
+    theirs = torch.empty_like(grad)
+    works = comm.batch_p2p([P2P("send", grad, peer), P2P("recv", theirs, peer)], dim)
     for w in works:
         w.wait()
-    param.grad.add_(theirs)
+    grad.add_(theirs)

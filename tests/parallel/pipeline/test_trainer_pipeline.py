@@ -1,0 +1,154 @@
+"""Pipeline parallelism through the real `Trainer`: 10 steps of the (tied) debug model equal the
+1-process run — losses and grad norms each step, final parameters gathered from every stage — for
+pp=2 with each of the four schedules (interleaved with v=2 over the 4 layers), pp=4 with 1F1B,
+pp=2 × dp=2 with ZeRO-1, and pp=2 × tp=2 with and without sequence parallelism.
+
+One `run_ranks` call per world size runs its configurations in sequence (process start-up dominates
+on the 2-core CI machine). AdamW eps is 1e-4 and lr 1e-3, as in tests/parallel/test_tensor_parity.py,
+so that Adam does not amplify last-bit differences of the reordered sums (see that module's note).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pentatron.cli import main
+from pentatron.config import Config, ConfigError, load_config
+from pentatron.parallel.pipeline.schedules import bubble_fraction
+from pentatron.parallel.pipeline.trace import read_chrome_trace
+from pentatron.parallel.tensor import gather_full_params
+from tests.multiprocess import run_ranks
+
+STEPS, SEQ, MICRO, GLOBAL = 10, 32, 2, 8
+TOL = 1e-5
+LR, EPS = 1e-3, 1e-4
+
+# (label, world size, overrides): m = GLOBAL / (dp · MICRO) micro-batches per step.
+CASES: dict[int, list[tuple[str, list[str]]]] = {
+    2: [(f"pp=2 {s}", ["parallel.pp=2", f"parallel.pp_schedule={s}"]) for s in ("afab", "1f1b", "zb")]
+    + [("pp=2 interleaved v=2", ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2"])],
+    4: [("pp=4 1f1b", ["parallel.pp=4"]),
+        ("pp=2 dp=2 zero=1", ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1"]),
+        ("pp=2 tp=2", ["parallel.pp=2", "parallel.tp=2"]),
+        ("pp=2 tp=2 sp", ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true"]),
+        # ZeRO-2 reduce-scatters a bucket whenever it completes, in the pipeline's backward order; the
+        # tied embedding is refused with ZeRO-2 (its sum over the stages must precede the scatter).
+        ("pp=2 dp=2 zero=2 untied", ["parallel.pp=2", "parallel.dp=2", "parallel.zero=2", "model.name=debug-untied"])],
+}
+
+
+def _config(world: int, extra: list[str], log_dir: str = "runs/test") -> Config:
+    return load_config(None, [f"train.steps={STEPS}", f"train.seq_len={SEQ}", f"train.micro_batch={MICRO}",
+                              f"train.global_batch={GLOBAL}", f"train.lr={LR}", f"train.eps={EPS}", "train.warmup=2",
+                              "train.peak_tflops=1.0", "parallel.bucket_mb=1.0", "log.progress=false",
+                              "log.tensorboard=false", f"log.dir={log_dir}", *extra], world_size=world)
+
+
+def _run(cfg: Config, dataset_dir: Path) -> dict[str, Any]:
+    from pentatron.train.trainer import Trainer
+
+    trainer = Trainer(cfg, dataset_dir=dataset_dir)
+    records = [trainer.train_step() for _ in range(cfg.train.steps)]
+    full = gather_full_params(trainer.model, trainer.comm, tensors=trainer.engine.full_parameters())
+    trainer.engine.close()
+    return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
+            "bubble": [r.get("bubble") for r in records], "peak": records[-1].get("pp_peak_in_flight"),
+            "params": {n: p.numpy() for n, p in full.items()}, "comm": trainer.last_comm.bytes_map()}
+
+
+def _ranks(rank: int, world: int, dataset_dir: Path, log_dir: str) -> dict[str, dict[str, Any]]:
+    out = {}
+    for label, extra in CASES[world]:
+        trace = ["log.pp_trace=true"] if label == "pp=2 1f1b" else []
+        out[label] = _run(_config(world, extra + trace, log_dir), dataset_dir)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(default_dataset) -> dict[str, Any]:
+    return _run(_config(1, []), default_dataset)
+
+
+def _merged_params(runs: list[dict[str, Any]], label: str) -> dict[str, np.ndarray]:
+    """The full model from every rank's stages; each replica of a tensor must be identical."""
+    merged: dict[str, np.ndarray] = {}
+    for res in runs:
+        for name, p in res[label]["params"].items():
+            if name in merged:
+                np.testing.assert_array_equal(p, merged[name], err_msg=f"{label}: replicas of {name} differ")
+            merged[name] = p
+    if "untied" not in label:
+        # The last stage's copy of the tied embedding (its LM head) equals the first stage's, bit for bit.
+        np.testing.assert_array_equal(merged.pop("lm_head.weight"), merged["embed.weight"], err_msg=label)
+    return merged
+
+
+def _assert_parity(ref: dict[str, Any], runs: list[dict[str, Any]], label: str) -> None:
+    for rank, res in enumerate(runs):
+        got = res[label]
+        np.testing.assert_allclose(got["losses"], ref["losses"], rtol=TOL, err_msg=f"{label} rank {rank}: losses")
+        np.testing.assert_allclose(got["norms"], ref["norms"], rtol=TOL, err_msg=f"{label} rank {rank}: norms")
+        assert all(b is not None and b >= 0 for b in got["bubble"]), got["bubble"]
+        assert got["comm"]["pp"], got["comm"]
+    params = _merged_params(runs, label)
+    assert params.keys() == ref["params"].keys()
+    for name, full in ref["params"].items():
+        err = np.abs(params[name] - full).max() / np.abs(full).max()
+        assert err <= TOL, f"{label}: {name} differs by {err:.2e} (relative to its max)"
+
+
+def test_pp2_every_schedule_through_the_trainer_equals_one_process(reference, default_dataset, tmp_path):
+    runs = run_ranks(_ranks, 2, args=(default_dataset, str(tmp_path)))
+    assert reference["losses"][-1] < reference["losses"][0] - 0.2  # it trains: parity is not vacuous
+    for label, _ in CASES[2]:
+        _assert_parity(reference, runs, label)
+    # Engine-counted in-flight micro-batches (m = 4): all of them for AFAB, at most p for 1F1B.
+    assert [r["pp=2 afab"]["peak"] for r in runs] == [4, 4]
+    assert max(r["pp=2 1f1b"]["peak"] for r in runs) <= 2
+    # log.pp_trace: one Chrome trace per pipeline rank per step; merged they form the step's timeline.
+    files = sorted((tmp_path / "pp_trace").glob(f"step{STEPS:06d}.rank*.json"))
+    assert len(files) == 2 and all(json.loads(f.read_text())["traceEvents"] for f in files)
+    timeline = read_chrome_trace(files)
+    assert timeline.p == 2 and all(len(s) == 2 * 4 for s in timeline.slots)  # m F + m B per rank
+    print("measured bubble pp=2 m=4:", {label: round(float(np.mean(runs[0][label]["bubble"][1:])), 3)
+                                         for label, _ in CASES[2]},
+          "closed form 1f1b:", bubble_fraction("1f1b", 2, 4))
+
+
+def test_pp_with_dp_zero1_and_tp_sp_through_the_trainer_equals_one_process(reference, default_dataset, tmp_path):
+    runs = run_ranks(_ranks, 4, args=(default_dataset, str(tmp_path)))
+    untied = _run(_config(1, ["model.name=debug-untied"]), default_dataset)
+    for label, _ in CASES[4]:
+        _assert_parity(untied if "untied" in label else reference, runs, label)
+    assert runs[0]["pp=2 dp=2 zero=1"]["comm"]["dp"] and runs[0]["pp=2 tp=2"]["comm"]["tp"]
+
+
+# ------------------------------------------------------------------------------------ errors before launch
+@pytest.mark.parametrize(("overrides", "message"), [
+    # debug.toml: global 8 / (dp 2 · micro 4) = 1 micro-batch < p = 2 (1F1B/AFAB/ZB accept any m ≥ 1)
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2"],
+     "must be a multiple of pipeline ranks p=2"),
+    (["parallel.pp=4", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "train.micro_batch=1"],
+     "not divisible by pp × pp_virtual"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=3", "train.micro_batch=1"],
+     "pp_virtual=3 does not divide model.n_layers=4"),
+    (["parallel.pp=4", "model.n_layers=3", "train.micro_batch=1"], "fewer than the 4"),
+    (["parallel.pp=2", "parallel.pp_virtual=2", "train.micro_batch=1"], "needs parallel.pp_schedule='interleaved'"),
+    (["parallel.pp=2", "parallel.zero=3", "parallel.dp=2", "train.micro_batch=1"], "ZeRO-3"),
+    (["parallel.pp=2", "parallel.zero=2", "parallel.dp=2", "train.micro_batch=1"], "tied embeddings"),
+])
+def test_cli_refuses_bad_pipeline_configs_before_launch(capsys, overrides, message):
+    args = [a for o in overrides for a in ("--set", o)]
+    code = main(["train", "configs/debug.toml", "--nproc", "4", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_pipeline_checkpoint_is_refused_clearly():
+    with pytest.raises(ConfigError, match="checkpointing a pipeline-parallel run"):
+        _config(2, ["parallel.pp=2", "checkpoint.dir=/tmp/x"])
