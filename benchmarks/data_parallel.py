@@ -11,16 +11,15 @@ tokens/s counts every rank's tokens; the first `--warmup` steps are not timed.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import resource
-import tempfile
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ranks import run_on_ranks
 
 IMPLS = ("ours-ddp", "torch-ddp", "ours-zero3", "torch-fsdp2")
 
@@ -125,35 +124,16 @@ def _run(impl: str, rank: int, world: int, args: argparse.Namespace) -> dict[str
             "step_ms": 1000 * elapsed / args.steps, "state_bytes": state_bytes()}
 
 
-def _entry(impl: str, rank: int, world: int, store: str, args: argparse.Namespace, q: mp.Queue) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        q.put((rank, _run(impl, rank, world, args)))
-    except BaseException as e:  # noqa: BLE001 - report, never hang the parent
-        q.put((rank, {"error": f"{type(e).__name__}: {e}"}))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _rank_main(rank: int, world: int, impl: str, args: argparse.Namespace) -> dict[str, Any]:
+    return _run(impl, rank, world, args)
 
 
 def run_impl(impl: str, args: argparse.Namespace) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    q: mp.Queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_entry, args=(impl, r, args.ranks, os.path.join(tmp, "store"), args, q))
-                 for r in range(args.ranks)]
-        for p in procs:
-            p.start()
-        results = dict(q.get(timeout=1800) for _ in procs)
-        for p in procs:
-            p.join()
-    errors = [r["error"] for r in results.values() if "error" in r]
-    if errors:
-        raise RuntimeError(f"{impl}: {errors[0]}")
-    return {"tokens_per_s": min(r["tokens_per_s"] for r in results.values()),
-            "step_ms": max(r["step_ms"] for r in results.values()),
-            "peak_rss_delta": max(r["peak_rss_delta"] for r in results.values()),
-            "state_bytes": max(r["state_bytes"] for r in results.values())}
+    results = run_on_ranks(_rank_main, args.ranks, (impl, args), impl)
+    return {"tokens_per_s": min(r["tokens_per_s"] for r in results),
+            "step_ms": max(r["step_ms"] for r in results),
+            "peak_rss_delta": max(r["peak_rss_delta"] for r in results),
+            "state_bytes": max(r["state_bytes"] for r in results)}
 
 
 def main() -> None:

@@ -14,15 +14,14 @@ equal computations. Collective calls per step are counted with our ledger (ours)
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import tempfile
 import time
 from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from ranks import run_on_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 IMPLS = ("ours-tp", "torch-tp", "ours-tp-sp", "torch-tp-sp")
@@ -144,34 +143,15 @@ def _run(impl: str, rank: int, world: int, args: argparse.Namespace) -> dict[str
             "calls": calls, "check_err": err}
 
 
-def _entry(impl: str, rank: int, world: int, store: str, args: argparse.Namespace, q: mp.Queue) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        q.put((rank, _run(impl, rank, world, args)))
-    except BaseException as e:  # noqa: BLE001 - report, never hang the parent
-        q.put((rank, {"error": f"{type(e).__name__}: {e}"}))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _rank_main(rank: int, world: int, impl: str, args: argparse.Namespace) -> dict[str, Any]:
+    return _run(impl, rank, world, args)
 
 
 def run_impl(impl: str, args: argparse.Namespace) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    q: mp.Queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_entry, args=(impl, r, args.tp, os.path.join(tmp, "store"), args, q))
-                 for r in range(args.tp)]
-        for p in procs:
-            p.start()
-        results = dict(q.get(timeout=1800) for _ in procs)
-        for p in procs:
-            p.join()
-    errors = [r["error"] for r in results.values() if "error" in r]
-    if errors:
-        raise RuntimeError(f"{impl}: {errors[0]}")
-    return {"tokens_per_s": min(r["tokens_per_s"] for r in results.values()),
-            "step_ms": max(r["step_ms"] for r in results.values()),
-            "calls": results[0]["calls"], "check_err": max(r["check_err"] for r in results.values())}
+    results = run_on_ranks(_rank_main, args.tp, (impl, args), impl)
+    return {"tokens_per_s": min(r["tokens_per_s"] for r in results),
+            "step_ms": max(r["step_ms"] for r in results),
+            "calls": results[0]["calls"], "check_err": max(r["check_err"] for r in results)}
 
 
 def main() -> None:
