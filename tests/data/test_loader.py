@@ -10,15 +10,9 @@ import pytest
 import torch
 
 from pentatron.data.errors import DataError
+from pentatron.data.index import INDEX_VERSION, DatasetIndex, ShardInfo, token_dtype
 from pentatron.data.loader import TokenDataset, TokenLoader
-from pentatron.data.tokenize import (
-    INDEX_VERSION,
-    DatasetIndex,
-    ShardInfo,
-    TokenizeSettings,
-    token_dtype,
-    tokenize_to_shards,
-)
+from pentatron.data.tokenize import TokenizeSettings, tokenize_to_shards
 
 
 def write_dataset(directory: Path, tokens: np.ndarray, shard_tokens: int, vocab_size: int = 1000,

@@ -19,12 +19,12 @@ from tokenizers import Tokenizer
 from pentatron.data import tokenize as tk
 from pentatron.data.corpus import default_corpus_files, stdlib_dir
 from pentatron.data.errors import DataError
+from pentatron.data.index import INDEX_VERSION, read_index
 from pentatron.data.tokenize import (
     EOS_TOKEN,
     TokenizeSettings,
     add_tokenize_parser,
     ensure_default_dataset,
-    read_index,
     tokenize_to_shards,
 )
 
@@ -89,7 +89,7 @@ def test_text_files_roundtrip_through_shards_and_index(tmp_path):
 
     assert index == read_index(out)
     on_disk = json.loads((out / "index.json").read_text())
-    assert on_disk["version"] == tk.INDEX_VERSION and on_disk["dtype"] == "uint16"
+    assert on_disk["version"] == INDEX_VERSION and on_disk["dtype"] == "uint16"
     assert index.eos_id == 0 and index.eos_token == EOS_TOKEN and index.vocab_size <= VOCAB
     assert index.num_documents == 3 and len(index.shards) > 1
     assert [s.file for s in index.shards] == [f"shard_{i:05d}.bin" for i in range(len(index.shards))]

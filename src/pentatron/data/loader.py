@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pentatron.data.errors import DataError
-from pentatron.data.tokenize import DatasetIndex, check_shards, read_index
+from pentatron.data.index import DatasetIndex, check_shards, read_index
 
 STATE_VERSION = 1
 

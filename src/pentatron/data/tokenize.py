@@ -1,10 +1,5 @@
-"""Text → token shards: one tokenizer, flat numpy shards, and an index that says what they hold.
-
-On-disk layout of a tokenized dataset directory:
-
-    tokenizer.json        the Hugging Face `tokenizers` tokenizer that produced the ids
-    shard_00000.bin ...   raw little-endian token ids (uint16 if vocab <= 65536, else uint32)
-    index.json            format version, dtype, vocab, eos id, shard sizes, totals, fingerprint
+"""Text → token shards: one tokenizer, flat numpy shards, and an index that says what they hold
+(the on-disk layout is described in `data/index.py`; inputs are read by `data/readers.py`).
 
 Documents are concatenated into one stream, each followed by the end-of-document token; shards
 are fixed-size cuts of that stream (a document may span two shards). The directory is built
@@ -21,8 +16,8 @@ import os
 import secrets
 import shutil
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +27,22 @@ from tqdm import tqdm
 
 from pentatron.data.corpus import DEFAULT_CORPUS_BYTES, default_corpus_files
 from pentatron.data.errors import DataError
+from pentatron.data.index import (
+    INDEX_FILE,
+    INDEX_VERSION,
+    DatasetIndex,
+    ShardInfo,
+    check_shards,
+    read_index,
+    token_dtype,
+)
+from pentatron.data.readers import JSONL_SUFFIXES, PARQUET_SUFFIXES, expand_inputs, iter_documents
 
-INDEX_VERSION = 1
-INDEX_FILE = "index.json"
 TOKENIZER_FILE = "tokenizer.json"
 EOS_TOKEN = "<|endoftext|>"
 # End-of-document tokens of common existing tokenizers (GPT-2/NeoX, Llama 3, Llama 2/Mistral, Gemma),
 # tried in order when an existing tokenizer is used and no eos_token is given.
 KNOWN_EOS_TOKENS = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
-PARQUET_SUFFIXES = (".parquet",)
 _BYTE_ALPHABET = 256
 
 
@@ -76,212 +77,6 @@ class TokenizeSettings:
         if self.eos_token is not None and not self.eos_token:
             out.append("eos_token must be a non-empty string (or None for the default)")
         return out
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    file: str
-    tokens: int
-
-
-@dataclass(frozen=True)
-class DatasetIndex:
-    """The contents of index.json."""
-
-    version: int
-    dtype: str
-    vocab_size: int
-    eos_id: int
-    eos_token: str
-    shards: tuple[ShardInfo, ...]
-    total_tokens: int
-    num_documents: int
-    max_token_id: int
-    fingerprint: str
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["shards"] = [asdict(s) for s in self.shards]
-        return d
-
-    @classmethod
-    def from_json(cls, data: Any, source: Path) -> DatasetIndex:
-        redo = "re-create the dataset with `pentatron tokenize`"
-        if not isinstance(data, dict):
-            raise DataError(f"{source} is not a dataset index (expected a JSON object); {redo}")
-        if data.get("version") != INDEX_VERSION:
-            raise DataError(f"{source} has format version {data.get('version')!r}, this Pentatron reads "
-                            f"version {INDEX_VERSION}; {redo}")
-        try:
-            shards = tuple(ShardInfo(file=str(s["file"]), tokens=int(s["tokens"])) for s in data["shards"])
-            index = cls(version=int(data["version"]), dtype=str(data["dtype"]),
-                        vocab_size=int(data["vocab_size"]),
-                        eos_id=int(data["eos_id"]), eos_token=str(data["eos_token"]), shards=shards,
-                        total_tokens=int(data["total_tokens"]), num_documents=int(data["num_documents"]),
-                        max_token_id=int(data["max_token_id"]), fingerprint=str(data["fingerprint"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise DataError(f"{source} is malformed ({type(e).__name__}: {e}); {redo}") from e
-        if index.dtype not in ("uint16", "uint32"):
-            raise DataError(f"{source} has dtype {index.dtype!r}; expected uint16 or uint32; {redo}")
-        if sum(s.tokens for s in shards) != index.total_tokens or any(s.tokens < 0 for s in shards):
-            raise DataError(f"{source} is inconsistent: shard token counts do not add up to "
-                            f"total_tokens={index.total_tokens}; {redo}")
-        for s in shards:
-            if Path(s.file).name != s.file:  # never follow an index outside its own directory
-                raise DataError(f"{source} names shard {s.file!r}, which is not a plain file name; {redo}")
-        return index
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
-
-
-def read_index(directory: Path) -> DatasetIndex:
-    """Parse `directory/index.json`, raising DataError that says how to create it when absent."""
-    directory = Path(directory)
-    path = directory / INDEX_FILE
-    if not path.is_file():
-        raise DataError(f"no tokenized dataset in {directory}: {INDEX_FILE} is missing; create one with "
-                        f"`pentatron tokenize INPUTS --out {directory}`")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path} is not readable JSON ({e}); "
-                        "re-create the dataset with `pentatron tokenize`") from e
-    return DatasetIndex.from_json(data, path)
-
-
-def check_shards(directory: Path, index: DatasetIndex) -> None:
-    """Every shard exists with exactly the byte size the index promises."""
-    itemsize = np.dtype(index.dtype).itemsize
-    for s in index.shards:
-        path = Path(directory) / s.file
-        if not path.is_file():
-            raise DataError(f"shard {path} is missing (listed in {INDEX_FILE}); the dataset is incomplete, "
-                            "re-create it with `pentatron tokenize`")
-        size, want = path.stat().st_size, s.tokens * itemsize
-        if size != want:
-            raise DataError(f"shard {path} has {size} bytes but {INDEX_FILE} expects {want} "
-                            f"({s.tokens} {index.dtype} tokens); the file is truncated or replaced, "
-                            "re-create the dataset with `pentatron tokenize`")
-
-
-# ---------------------------------------------------------------- inputs
-
-
-def expand_inputs(inputs: Sequence[Path], exclude: Path | None = None) -> list[Path]:
-    """Files in the given order; directories expanded recursively, sorted, hidden entries skipped.
-
-    `exclude` (the output directory) is never read back as input, so tokenizing `data/` into
-    `data/tok` twice does not swallow the first run's shards.
-    """
-    excluded = exclude.resolve() if exclude is not None else None
-    files: list[Path] = []
-    for p in map(Path, inputs):
-        if p.is_dir():
-            found = []
-            for f in p.rglob("*"):
-                rel = f.relative_to(p)
-                if any(part.startswith(".") for part in rel.parts) or not f.is_file():
-                    continue
-                if excluded is not None and f.resolve().is_relative_to(excluded):
-                    continue
-                found.append(f)
-            files.extend(sorted(found, key=lambda f: f.relative_to(p).as_posix()))
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise DataError(f"input {p} does not exist; check the path (inputs are files or directories)")
-    return files
-
-
-def _decode(raw: bytes, where: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{where} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8 or "
-                        "leave it out of the inputs (compressed files are not read)") from e
-
-
-def _read_bytes(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise DataError(f"cannot read input {path}: {e.strerror or e}") from e
-
-
-def _jsonl_documents(path: Path, text_field: str, advance: Callable[[int], None]) -> Iterator[str]:
-    try:
-        f = path.open("rb")
-    except OSError as e:
-        raise DataError(f"cannot read input {path}: {e.strerror or e}") from e
-    with f:
-        for lineno, raw in enumerate(f, start=1):
-            advance(len(raw))
-            line = _decode(raw, f"{path}:{lineno}").strip()
-            if not line:
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e}); "
-                                "each line must be one JSON object") from e
-            if not isinstance(record, dict) or text_field not in record:
-                keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
-                raise DataError(f"{path}:{lineno}: no {text_field!r} field (found: {keys}); "
-                                "pass --text-field NAME to read another key")
-            text = record[text_field]
-            if text is None:
-                continue
-            if not isinstance(text, str):
-                raise DataError(f"{path}:{lineno}: field {text_field!r} holds {type(text).__name__}, "
-                                "not text; pass --text-field NAME for the text key")
-            if text:
-                yield text
-
-
-def _parquet_documents(path: Path, text_field: str, batch: int) -> Iterator[str]:
-    import datasets  # heavy import, paid only when Parquet is actually read
-
-    try:
-        # Streaming reads the local file directly: no copy into the HF cache, no network.
-        ds = datasets.load_dataset("parquet", data_files=[str(path.resolve())], split="train", streaming=True)
-        features = ds.features
-    except Exception as e:
-        raise DataError(f"cannot read Parquet file {path} ({type(e).__name__}: {e})") from e
-    if features is None or text_field not in features:
-        cols = ", ".join(features) if features else "none readable"
-        raise DataError(f"Parquet file {path} has no column {text_field!r} (columns: {cols}); "
-                        "pass --text-field NAME to read another column")
-    feat = features[text_field]
-    if not (isinstance(feat, datasets.Value) and feat.dtype in ("string", "large_string")):
-        raise DataError(f"Parquet column {text_field!r} in {path} holds {feat}, not text; "
-                        "pass --text-field NAME for a string column")
-    try:
-        for rows in ds.select_columns([text_field]).iter(batch_size=batch):
-            yield from (t for t in rows[text_field] if t)
-    except DataError:
-        raise
-    except Exception as e:
-        raise DataError(f"cannot read column {text_field!r} of Parquet file {path} "
-                        f"({type(e).__name__}: {e})") from e
-
-
-def iter_documents(files: Sequence[Path], settings: TokenizeSettings,
-                   advance: Callable[[int], None] = lambda n: None) -> Iterator[str]:
-    """Non-empty documents of every file, in order; `advance(n)` reports n input bytes consumed."""
-    for path in files:
-        suffix = path.suffix.lower()
-        if suffix in JSONL_SUFFIXES:
-            yield from _jsonl_documents(path, settings.text_field, advance)
-        elif suffix in PARQUET_SUFFIXES:
-            yield from _parquet_documents(path, settings.text_field, settings.batch_docs)
-            advance(path.stat().st_size)
-        else:
-            raw = _read_bytes(path)
-            advance(len(raw))
-            if raw:
-                yield _decode(raw, str(path))
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -509,7 +304,7 @@ def _build(files: list[Path], tmp: Path, settings: TokenizeSettings, fingerprint
         with bar("training tokenizer") as pb:
             def counted() -> Iterator[str]:
                 nonlocal seen
-                for doc in iter_documents(files, settings, pb.update):
+                for doc in iter_documents(files, settings.text_field, settings.batch_docs, pb.update):
                     seen += 1
                     yield doc
             tok = _train_tokenizer(counted(), settings.vocab_size, eos_token)
@@ -532,7 +327,7 @@ def _build(files: list[Path], tmp: Path, settings: TokenizeSettings, fingerprint
 
     with bar("tokenizing") as pb:
         batch: list[str] = []
-        for doc in iter_documents(files, settings, pb.update):
+        for doc in iter_documents(files, settings.text_field, settings.batch_docs, pb.update):
             batch.append(doc)
             num_docs += 1
             if len(batch) >= settings.batch_docs:
@@ -621,10 +416,3 @@ def run_tokenize(args: argparse.Namespace) -> int:
     print(f"{args.out}: {index.total_tokens:,} tokens, {index.num_documents:,} documents, "
           f"{len(index.shards)} shard(s), vocab {index.vocab_size}, fingerprint {index.fingerprint}")
     return 0
-
-
-__all__ = [
-    "DataError", "DatasetIndex", "ShardInfo", "TokenizeSettings", "add_tokenize_parser", "check_shards",
-    "dataset_fingerprint", "ensure_default_dataset", "expand_inputs", "iter_documents", "load_tokenizer",
-    "read_index", "run_tokenize", "token_dtype", "tokenize_to_shards",
-]

@@ -1,0 +1,128 @@
+"""Input documents for tokenization: plain text files (one document each), JSONL (one document per line)
+and local Parquet files (one document per row), with errors that say which file and line is wrong."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from pentatron.data.errors import DataError
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+
+
+def expand_inputs(inputs: Sequence[Path], exclude: Path | None = None) -> list[Path]:
+    """Files in the given order; directories expanded recursively, sorted, hidden entries skipped.
+
+    `exclude` (the output directory) is never read back as input, so tokenizing `data/` into
+    `data/tok` twice does not swallow the first run's shards.
+    """
+    excluded = exclude.resolve() if exclude is not None else None
+    files: list[Path] = []
+    for p in map(Path, inputs):
+        if p.is_dir():
+            found = []
+            for f in p.rglob("*"):
+                rel = f.relative_to(p)
+                if any(part.startswith(".") for part in rel.parts) or not f.is_file():
+                    continue
+                if excluded is not None and f.resolve().is_relative_to(excluded):
+                    continue
+                found.append(f)
+            files.extend(sorted(found, key=lambda f: f.relative_to(p).as_posix()))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise DataError(f"input {p} does not exist; check the path (inputs are files or directories)")
+    return files
+
+
+def _decode(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8 or "
+                        "leave it out of the inputs (compressed files are not read)") from e
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read input {path}: {e.strerror or e}") from e
+
+
+def _jsonl_documents(path: Path, text_field: str, advance: Callable[[int], None]) -> Iterator[str]:
+    try:
+        f = path.open("rb")
+    except OSError as e:
+        raise DataError(f"cannot read input {path}: {e.strerror or e}") from e
+    with f:
+        for lineno, raw in enumerate(f, start=1):
+            advance(len(raw))
+            line = _decode(raw, f"{path}:{lineno}").strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e}); "
+                                "each line must be one JSON object") from e
+            if not isinstance(record, dict) or text_field not in record:
+                keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+                raise DataError(f"{path}:{lineno}: no {text_field!r} field (found: {keys}); "
+                                "pass --text-field NAME to read another key")
+            text = record[text_field]
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{lineno}: field {text_field!r} holds {type(text).__name__}, "
+                                "not text; pass --text-field NAME for the text key")
+            if text:
+                yield text
+
+
+def _parquet_documents(path: Path, text_field: str, batch: int) -> Iterator[str]:
+    import datasets  # heavy import, paid only when Parquet is actually read
+
+    try:
+        # Streaming reads the local file directly: no copy into the HF cache, no network.
+        ds = datasets.load_dataset("parquet", data_files=[str(path.resolve())], split="train", streaming=True)
+        features = ds.features
+    except Exception as e:
+        raise DataError(f"cannot read Parquet file {path} ({type(e).__name__}: {e})") from e
+    if features is None or text_field not in features:
+        cols = ", ".join(features) if features else "none readable"
+        raise DataError(f"Parquet file {path} has no column {text_field!r} (columns: {cols}); "
+                        "pass --text-field NAME to read another column")
+    feat = features[text_field]
+    if not (isinstance(feat, datasets.Value) and feat.dtype in ("string", "large_string")):
+        raise DataError(f"Parquet column {text_field!r} in {path} holds {feat}, not text; "
+                        "pass --text-field NAME for a string column")
+    try:
+        for rows in ds.select_columns([text_field]).iter(batch_size=batch):
+            yield from (t for t in rows[text_field] if t)
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"cannot read column {text_field!r} of Parquet file {path} "
+                        f"({type(e).__name__}: {e})") from e
+
+
+def iter_documents(files: Sequence[Path], text_field: str = "text", batch_docs: int = 1024,
+                   advance: Callable[[int], None] = lambda n: None) -> Iterator[str]:
+    """Non-empty documents of every file, in order; `advance(n)` reports n input bytes consumed."""
+    for path in files:
+        suffix = path.suffix.lower()
+        if suffix in JSONL_SUFFIXES:
+            yield from _jsonl_documents(path, text_field, advance)
+        elif suffix in PARQUET_SUFFIXES:
+            yield from _parquet_documents(path, text_field, batch_docs)
+            advance(path.stat().st_size)
+        else:
+            raw = _read_bytes(path)
+            advance(len(raw))
+            if raw:
+                yield _decode(raw, str(path))
