@@ -275,10 +275,6 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p += tensor_parallel_problems(model, par.tp, par.sp, tr.seq_len)
     if model is not None and not model.problems():
         p += _pipeline_config_problems(cfg, model, dp)
-    if par.tp > 1 and cfg.checkpoint.dir:
-        # Checkpoints key tensors by parameter name; tp shards of one parameter would collide.
-        p.append(f"checkpoint.dir with parallel.tp={par.tp}: checkpointing a tensor-parallel run is not "
-                 "supported yet; leave checkpoint.dir empty or use parallel.tp=1")
 
     positive = {"steps": tr.steps, "seq_len": tr.seq_len, "micro_batch": tr.micro_batch,
                 "global_batch": tr.global_batch}
@@ -346,9 +342,6 @@ def _pipeline_config_problems(cfg: Config, model: ModelConfig, dp: int | None) -
         p.append(f"parallel.zero=2 with parallel.pp={par.pp} and tied embeddings (model.tie_embeddings=true) is "
                  "not supported: the tied gradient must be summed across the first and last stage before "
                  "ZeRO-2 reduce-scatters it during backward; use parallel.zero=1 or an untied model")
-    if cfg.checkpoint.dir:
-        p.append(f"checkpoint.dir with parallel.pp={par.pp}: checkpointing a pipeline-parallel run is not "
-                 "supported yet; leave checkpoint.dir empty or use parallel.pp=1")
     return p
 
 

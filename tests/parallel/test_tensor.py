@@ -318,8 +318,9 @@ def test_config_reports_tp_problems_before_any_process_group(tmp_path):
         load_config(tmp_path / "c.toml", world_size=3)
     assert any("does not divide model.n_heads=4" in p for p in e.value.problems)
     assert any("seq_len=64 to be divisible by parallel.tp=3" in p for p in e.value.problems)
-    with pytest.raises(ConfigError, match="checkpointing a tensor-parallel run is not supported yet"):
-        load_config(None, ["parallel.tp=2", "checkpoint.dir=/tmp/x", "train.micro_batch=4"], world_size=2)
+    # Tensor-parallel checkpoints are supported (tests/checkpoint/test_parallel_checkpoint.py).
+    assert load_config(None, ["parallel.tp=2", "checkpoint.dir=/tmp/x", "train.micro_batch=4"],
+                       world_size=2).checkpoint.dir == "/tmp/x"
     ok = load_config(None, ["parallel.tp=2", "parallel.sp=true", "train.seq_len=64", "train.micro_batch=4"],
                      world_size=4)
     assert ok.parallel.tp == 2 and ok.parallel.sp

@@ -28,7 +28,7 @@ from pentatron.config import TrainConfig
 from pentatron.distributed.comm import Work
 from pentatron.distributed.context import ParallelContext
 from pentatron.parallel.memory import MemoryReport
-from pentatron.parallel.tensor import tp_replicas
+from pentatron.parallel.tensor import tp_checkpoint_key, tp_replicas
 from pentatron.train.grad_buffer import Bucket, FlatLayout, GradBuffer
 from pentatron.train.optim import AdamW, MixedPrecisionAdamW, clip_by_total_norm, grad_norm_squared
 from pentatron.train.precision import PrecisionPolicy
@@ -51,6 +51,11 @@ class DataParallelBase:
         # named_parameters() lists a tied weight once, under its first name (embed.weight).
         self.names: dict[nn.Parameter, str] = {p: n for n, p in model.named_parameters() if p.requires_grad}
         self.params = list(self.names)
+        # Checkpoint keys: the name, plus the tp shard coordinates for a tensor-parallel shard (its
+        # shards share the name). Pipeline ranks hold disjoint names (the last stage's copy of a tied
+        # embedding is "lm_head.weight", the first stage's "embed.weight"), so no pp suffix is needed.
+        tp, tp_rank = ctx.size("tp"), ctx.local_rank("tp")
+        self.keys: dict[nn.Parameter, str] = {p: tp_checkpoint_key(n, p, tp, tp_rank) for p, n in self.names.items()}
         self.bucket_numel = max(1, int(bucket_mb * 2**20) // 4)  # buckets hold fp32 gradients
         self._last_micro = True
         self._remaining: dict[int, int] = {}
@@ -131,8 +136,8 @@ class DataParallelBase:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Checkpoint state keyed by parameter name (DCP dedups replicated tensors across ranks)."""
-        return {"model": {self.names[p]: p for p in self.params}, "optim": self.optimizer.named_state()}
+        """Checkpoint state keyed by `self.keys` (DCP dedups replicated tensors across ranks)."""
+        return {"model": {self.keys[p]: p for p in self.params}, "optim": self.optimizer.named_state()}
 
     def after_load(self) -> None:
         """Finish a restore done in place into `state_dict()`'s tensors."""
@@ -163,7 +168,7 @@ class DataParallel(DataParallelBase):
         self.layout = FlatLayout.by_size(list(reversed(self.params)), self.bucket_numel)
         self.grads = GradBuffer(self.params, policy.grad_dtype, self._grad_ready, self.layout)
         self.optimizer = MixedPrecisionAdamW(self.params, train, policy.master_dtype,
-                                             names=[self.names[p] for p in self.params])
+                                             names=[self.keys[p] for p in self.params])
         self._works: list[Work] = []
         self._reset_counts(self.layout)
 

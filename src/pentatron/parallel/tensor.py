@@ -366,6 +366,17 @@ def gather_full_params(model: nn.Module, comm: Comm, tensors: dict[str, torch.Te
     return out
 
 
+def tp_checkpoint_key(name: str, p: torch.Tensor, tp: int, rank: int) -> str:
+    """The checkpoint key of this tp rank's local tensor of parameter `name`: the name itself when every
+    tp rank holds the same tensor (tp = 1, replicated norms), else "<name>|tp<i>/<n>": shard i of the n
+    distinct shards (ranks holding a replicated kv head share one key, so DCP writes it once and each
+    of them reads it back). The same local tensor gets the same key on every rank that holds it."""
+    spec = tp_shard(p)
+    if tp == 1 or spec is None or spec.replicas >= tp:
+        return name
+    return f"{name}|tp{rank // spec.replicas}/{tp // spec.replicas}"
+
+
 def tp_replicas(p: torch.Tensor, tp: int) -> int:
     """How many tp ranks hold the same local tensor as `p` (unmarked tensors: all of them)."""
     spec = tp_shard(p)

@@ -20,11 +20,12 @@ Communication per step for Ψ parameters and N ranks (ring): ZeRO-1/2 (N−1)/N�
 parts that run per micro-step).
 
 Checkpoints: optimizer state (and ZeRO-3's parameters) are saved per piece, keyed
-"<param name>[lo:hi]" (a range of the flattened parameter; just "<param name>" when a rank holds all of
-it), so each rank writes only what it owns and a resume in the same layout reads it back. Re-sharding
-into another dp/stage/bucket size needs only these keys: for each piece the new layout wants, read the
-overlapping saved ranges of the same parameter (the DCP metadata lists them) — not implemented yet;
-the trainer refuses such a resume with a clear message.
+"<param key>[lo:hi]" (a range of the flattened local parameter; just "<param key>" when a rank holds all
+of it; the key is the name, or "<name>|tp<i>/<n>" for a tensor-parallel shard), so each rank writes only
+what it owns and a resume in the same layout reads it back. Re-sharding into another dp/stage/bucket size
+needs only these keys: for each piece the new layout wants, read the overlapping saved ranges of the same
+parameter (the DCP metadata lists them) — not implemented yet; the trainer refuses such a resume with a
+clear message.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ class _ShardedBase(DataParallelBase):
         return [(pc.param, slot.grad) for pc, slot in zip(self.pieces, self.optimizer.slots, strict=True)]
 
     def _key(self, pc: Piece) -> str:
-        """A checkpoint key: the parameter name, with the flattened range when only part is here."""
-        name = self.names[pc.param]
+        """A checkpoint key: the parameter's key (name, tp shard), with the flattened range when only part
+        is here."""
+        name = self.keys[pc.param]
         whole = pc.lo == 0 and pc.hi == self.layout.shapes[pc.param].numel()
         return name if whole else f"{name}[{pc.lo}:{pc.hi}]"
 

@@ -1,0 +1,92 @@
+"""Checkpoints of tensor- and pipeline-parallel runs: 3 steps + save, then a fresh Trainer resumes to step 6,
+and its losses equal an uninterrupted 6-step run in the same layout — for tp=2 (with kv heads replicated
+over the two tp ranks), pp=2 (1F1B, tied embedding held by both stages), and tp=2 × dp=2 with ZeRO-1.
+Opening such a checkpoint in another layout is a clear error naming both layouts.
+
+One `run_ranks` call per world size runs its cases in sequence (process start-up dominates on CI).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pentatron.config import Config, load_config
+from tests.multiprocess import run_ranks
+
+SEQ, MICRO, GLOBAL = 32, 2, 8
+
+# (label, overrides, overrides of a different layout that must refuse the checkpoint)
+CASES: dict[int, list[tuple[str, list[str], list[str]]]] = {
+    2: [("tp=2 replicated kv", ["parallel.tp=2", "model.n_kv_heads=1"], ["parallel.dp=2", "model.n_kv_heads=1"]),
+        ("pp=2 1f1b", ["parallel.pp=2"], ["parallel.tp=2"])],
+    4: [("tp=2 dp=2 zero=1", ["parallel.tp=2", "parallel.dp=2", "parallel.zero=1"],
+         ["parallel.dp=4", "parallel.zero=1"])],
+}
+
+
+def _config(world: int, root: Path, label: str, steps: int, extra: list[str], ckpt: bool) -> Config:
+    tag = "".join(c if c.isalnum() else "_" for c in label)
+    over = [f"train.steps={steps}", f"train.seq_len={SEQ}", f"train.micro_batch={MICRO}",
+            f"train.global_batch={GLOBAL}", "train.schedule='constant'", "train.warmup=0",
+            "train.peak_tflops=1.0", "parallel.bucket_mb=1.0", "log.progress=false", "log.tensorboard=false",
+            f"log.dir={json.dumps(str(root / 'log' / tag))}", *extra]
+    if ckpt:
+        over.append(f"checkpoint.dir={json.dumps(str(root / 'ckpt' / tag))}")
+    return load_config(None, over, world_size=world)
+
+
+def _rank_fn(rank: int, world: int, dataset: str, root: str) -> dict[str, Any]:
+    from pentatron.train.trainer import Trainer
+
+    out: dict[str, Any] = {}
+    for label, extra, other in CASES[world]:
+        def fit(steps: int, ckpt: bool, label: str = label, over: list[str] = extra) -> list[dict[str, Any]]:
+            trainer = Trainer(_config(world, Path(root), label, steps, over, ckpt), dataset_dir=Path(dataset))
+            records = trainer.fit()
+            trainer.engine.close()
+            return records
+
+        straight = fit(6, False)
+        first = fit(3, True)
+        resumed = fit(6, True)
+        try:
+            Trainer(_config(world, Path(root), label, 6, other, True), dataset_dir=Path(dataset))
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        out[label] = {"straight": [r["loss"] for r in straight], "resumed": [r["loss"] for r in first + resumed],
+                      "steps": [r["step"] for r in first + resumed], "error": error}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(default_dataset, tmp_path_factory) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for world in CASES:
+        root = tmp_path_factory.mktemp(f"ckpt-world{world}")
+        ranks = run_ranks(_rank_fn, world, args=(str(default_dataset), str(root)))
+        for label in ranks[0]:
+            out[label] = [r[label] for r in ranks]
+    return out
+
+
+LABELS = [label for cases in CASES.values() for label, _, _ in cases]
+
+
+@pytest.mark.parametrize("label", LABELS)
+def test_resume_in_the_same_layout_is_exact(results, label):
+    for r in results[label]:  # every rank logs the same (dp-averaged, pp-broadcast) loss
+        assert r["steps"] == [1, 2, 3, 4, 5, 6]
+        assert r["resumed"] == pytest.approx(r["straight"], rel=1e-6), (r["straight"], r["resumed"])
+
+
+@pytest.mark.parametrize("label", LABELS)
+def test_resume_in_another_layout_is_a_clear_error(results, label):
+    for r in results[label]:  # every rank refuses (none is left waiting in a collective)
+        msg = r["error"]
+        assert msg is not None and "layout" in msg and "not supported yet" in msg, msg
+        assert "'tp':" in msg and "'pp':" in msg and msg.count("'zero':") == 2, msg
