@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ranks import run_on_ranks
+from ranks import best_of, run_on_ranks
 
 IMPLS = ("ours-ddp", "torch-ddp", "ours-zero3", "torch-fsdp2")
 
@@ -146,12 +146,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     ap.add_argument("--repeats", type=int, default=1, help="run the whole comparison this many times; best kept")
     args = ap.parse_args()
-    best: dict[str, dict[str, Any]] = {}
-    for _ in range(args.repeats):
-        for impl in IMPLS:  # interleaved, so machine-load drift hits every implementation alike
-            r = run_impl(impl, args)
-            if impl not in best or r["tokens_per_s"] > best[impl]["tokens_per_s"]:
-                best[impl] = r
+    best = best_of(IMPLS, args.repeats, lambda impl: run_impl(impl, args))
     print(f"{args.ranks} gloo ranks on CPU ({os.cpu_count()} cores), debug model, seq_len {args.seq_len}, "
           f"micro-batch {args.micro_batch} per rank, {args.steps} timed steps, best of {args.repeats}\n")
     print("| implementation | tokens/s | step (ms) | model state per rank (MiB) | peak RSS over baseline, "

@@ -44,3 +44,15 @@ def run_on_ranks(fn: RankFn, world: int, args: tuple, label: str, timeout: float
     if errors:
         raise RuntimeError(f"{label}: {errors[0]}")
     return [results[r] for r in range(world)]
+
+
+def best_of(impls: tuple[str, ...], repeats: int, run: Callable[[str], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Run every implementation `repeats` times and keep each one's fastest run (by tokens/s). The
+    implementations are interleaved, so machine-load drift hits every one of them alike."""
+    best: dict[str, dict[str, Any]] = {}
+    for _ in range(repeats):
+        for impl in impls:
+            r = run(impl)
+            if impl not in best or r["tokens_per_s"] > best[impl]["tokens_per_s"]:
+                best[impl] = r
+    return best

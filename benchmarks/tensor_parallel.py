@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from ranks import run_on_ranks
+from ranks import best_of, run_on_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 IMPLS = ("ours-tp", "torch-tp", "ours-tp-sp", "torch-tp-sp")
@@ -166,12 +166,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     ap.add_argument("--repeats", type=int, default=1, help="run the whole comparison this many times; best kept")
     args = ap.parse_args()
-    best: dict[str, dict[str, Any]] = {}
-    for _ in range(args.repeats):
-        for impl in IMPLS:  # interleaved, so machine-load drift hits every implementation alike
-            r = run_impl(impl, args)
-            if impl not in best or r["tokens_per_s"] > best[impl]["tokens_per_s"]:
-                best[impl] = r
+    best = best_of(IMPLS, args.repeats, lambda impl: run_impl(impl, args))
     cfg = _model_cfg(args)
     print(f"tp={args.tp} gloo ranks on CPU ({os.cpu_count()} cores, {args.threads} thread/rank), {cfg.n_layers} "
           f"decoder blocks (h={cfg.hidden_size}, {cfg.n_heads} heads, {cfg.n_kv_heads} kv heads, "
