@@ -57,6 +57,8 @@ class CheckpointStore:
         return path
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
+        """Write `state` (DCP, every rank its part) and `meta`, then publish it; returns the directory
+        as named on rank 0, which alone renames and prunes."""
         final, tmp = self._dir(step), self._dir(step).with_suffix(".tmp")
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -67,8 +69,7 @@ class CheckpointStore:
         self._barrier()
         if _rank() == 0:
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
-                shutil.rmtree(final)
+            final = self._fresh_name(final)
             os.replace(tmp, final)
             pointer_tmp = self.root / "latest.tmp"
             pointer_tmp.write_text(final.name)
@@ -76,6 +77,16 @@ class CheckpointStore:
             self._prune()
         self._barrier()
         return final
+
+    @staticmethod
+    def _fresh_name(final: Path) -> Path:
+        """A step saved again (e.g. a rerun from an older checkpoint) goes to `step_X-rN`: the copy that
+        `latest` may point to is never removed before the new one is complete and pointed to."""
+        candidate, n = final, 0
+        while candidate.exists():
+            n += 1
+            candidate = final.with_name(f"{final.name}-r{n}")
+        return candidate
 
     def load(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
         """Load tensors in place into `state` (same keys as saved); return the saved metadata."""

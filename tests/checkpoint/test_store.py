@@ -1,0 +1,30 @@
+"""The checkpoint store's atomicity rules, on a 1-process DCP save/load."""
+
+import torch
+
+from pentatron.checkpoint.store import CheckpointStore
+
+
+def _save(store: CheckpointStore, step: int, value: float):
+    return store.save(step, {"w": torch.full((4,), value)}, {"step": step})
+
+
+def test_latest_points_to_the_newest_complete_checkpoint_and_old_ones_are_pruned(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        _save(store, step, float(step))
+    assert (tmp_path / "latest").read_text() == "step_00000003"
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000002", "step_00000003"]
+    state = {"w": torch.zeros(4)}
+    assert store.load(store.latest(), state) == {"step": 3} and torch.equal(state["w"], torch.full((4,), 3.0))
+
+
+def test_saving_a_step_again_never_removes_the_checkpoint_latest_names(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    first = _save(store, 2, 1.0)
+    again = _save(store, 2, 5.0)
+    assert first.name == "step_00000002" and again.name == "step_00000002-r1"
+    assert first.is_dir() and (tmp_path / "latest").read_text() == again.name
+    state = {"w": torch.zeros(4)}
+    store.load(store.latest(), state)
+    assert torch.equal(state["w"], torch.full((4,), 5.0))
