@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ranks import best_of, run_on_ranks
+from ranks import add_timing_args, best_of, run_on_ranks
 
 IMPLS = ("ours-ddp", "torch-ddp", "ours-zero3", "torch-fsdp2")
 
@@ -139,12 +139,7 @@ def run_impl(impl: str, args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    ap.add_argument("--repeats", type=int, default=1, help="run the whole comparison this many times; best kept")
+    add_timing_args(ap)
     args = ap.parse_args()
     best = best_of(IMPLS, args.repeats, lambda impl: run_impl(impl, args))
     print(f"{args.ranks} gloo ranks on CPU ({os.cpu_count()} cores), debug model, seq_len {args.seq_len}, "

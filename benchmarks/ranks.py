@@ -6,6 +6,7 @@ alone. A rank that raises reports `{"error": ...}` instead of leaving the parent
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import os
 import tempfile
@@ -56,3 +57,13 @@ def best_of(impls: tuple[str, ...], repeats: int, run: Callable[[str], dict[str,
             if impl not in best or r["tokens_per_s"] > best[impl]["tokens_per_s"]:
                 best[impl] = r
     return best
+
+
+def add_timing_args(ap: argparse.ArgumentParser) -> None:
+    """The flags every side-by-side benchmark shares: timed steps, warm-up, batch shape, threads, repeats."""
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    ap.add_argument("--repeats", type=int, default=1, help="run the whole comparison this many times; best kept")

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from ranks import best_of, run_on_ranks
+from ranks import add_timing_args, best_of, run_on_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 IMPLS = ("ours-tp", "torch-tp", "ours-tp-sp", "torch-tp-sp")
@@ -159,12 +159,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    ap.add_argument("--repeats", type=int, default=1, help="run the whole comparison this many times; best kept")
+    add_timing_args(ap)
     args = ap.parse_args()
     best = best_of(IMPLS, args.repeats, lambda impl: run_impl(impl, args))
     cfg = _model_cfg(args)
