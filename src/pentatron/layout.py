@@ -89,13 +89,13 @@ class ParallelLayout:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 p.append(f"{_field(name)} must be an integer ≥ 1, got {v!r}")
+        if p:
+            return p  # the rest is arithmetic on these numbers
         if self.zero not in (0, 1, 2, 3):
             p.append(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.zero3_gather not in ZERO3_GATHER:
             p.append(f"parallel.zero3_gather must be one of {', '.join(map(repr, ZERO3_GATHER))}, "
                      f"got {self.zero3_gather!r}")
-        if p:
-            return p  # the rest is arithmetic on these numbers
         if world_size is not None and self.world != world_size:
             p.append(f"parallel.dp×tp×pp×cp = {self.dp}×{self.tp}×{self.pp}×{self.cp} = {self.world} does not "
                      f"equal the world size {world_size} (processes launched)")

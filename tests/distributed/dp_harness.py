@@ -70,7 +70,7 @@ def _overlap_probe(world: int, dataset: str) -> dict[str, Any]:
     ledger.begin_step()
     engine.zero_grad()
     engine.micro_step(last=False)
-    trainer.loss_fn(trainer.model(x1), y1).backward()
+    trainer.runner.loss_fn(trainer.model(x1), y1).backward()
     during_accumulation = len(ledger.events)
     engine.micro_step(last=True)
     seen: dict[str, list[str]] = {}
@@ -82,7 +82,7 @@ def _overlap_probe(world: int, dataset: str) -> dict[str, Any]:
         out.register_hook(snapshot)
 
     handle = trainer.model.embed.register_forward_hook(at_embedding)
-    trainer.loss_fn(trainer.model(x2), y2).backward()
+    trainer.runner.loss_fn(trainer.model(x2), y2).backward()
     handle.remove()
     issued_by_end_of_backward = len(ledger.events)
     engine.finish_grad_sync()
@@ -111,7 +111,7 @@ def _prefetch_probe(world: int, dataset: str) -> dict[str, Any]:
     ledger.begin_step()
     engine.zero_grad()
     engine.micro_step(last=True)
-    trainer.loss_fn(trainer.model(x), y).backward()
+    trainer.runner.loss_fn(trainer.model(x), y).backward()
     handle.remove()
     seen["held_after_backward"] = sum(u.full is not None for u in engine.units)
     engine.finish_grad_sync()

@@ -21,7 +21,6 @@ from pentatron.cli import main
 from pentatron.config import Config, load_config
 from pentatron.parallel.pipeline.schedules import bubble_fraction
 from pentatron.parallel.pipeline.trace import read_chrome_trace
-from pentatron.parallel.tensor import gather_full_params
 from tests.multiprocess import run_ranks
 
 STEPS, SEQ, MICRO, GLOBAL = 10, 32, 2, 8
@@ -54,7 +53,7 @@ def _run(cfg: Config, dataset_dir: Path) -> dict[str, Any]:
 
     trainer = Trainer(cfg, dataset_dir=dataset_dir)
     records = [trainer.train_step() for _ in range(cfg.train.steps)]
-    full = gather_full_params(trainer.model, trainer.comm, tensors=trainer.engine.full_parameters())
+    full = trainer.runner.full_parameters()
     trainer.engine.close()
     return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
             "bubble": [r.get("bubble") for r in records], "peak": records[-1].get("pp_peak_in_flight"),
