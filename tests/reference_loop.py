@@ -1,8 +1,8 @@
 """The reference every parity test compares against: a plain single-process PyTorch training loop that
 shares no code with the parallel runtime or the trainer — torch's own `AdamW` with the same decay groups
 (matrices decayed, norm gains not), global-norm clipping as `clip_grad_norm_` defines it, the loss as
-plain `F.cross_entropy` over the whole global batch, and its own warmup + cosine schedule. Only the model definition and the data
-loader (whose global batch does not depend on the layout) are Pentatron's.
+plain `F.cross_entropy` over the whole global batch, and its own warmup + cosine schedule. Only the
+model definition and the data loader (whose global batch does not depend on the layout) are Pentatron's.
 
     ref = reference_run(dataset_dir, steps=10, seq_len=32, global_batch=8, lr=1e-3, eps=1e-4, ...)
     ref["losses"][k], ref["norms"][k], ref["grads"][name] (step-1 gradients, after clipping)
