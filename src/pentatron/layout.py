@@ -147,11 +147,6 @@ class ParallelLayout:
         """Sound layouts that training cannot run yet (the planner may evaluate, never recommend them)."""
         out = [f"parallel.{name}={getattr(self, name)}: this parallel dimension is not available yet; "
                f"use parallel.{name}=1" for name in ("cp", "ep") if getattr(self, name) > 1]
-        if self.pp > 1 and self.zero == 3:
-            out.append(f"parallel.zero=3 with parallel.pp={self.pp} is not available yet; use parallel.zero ≤ 2")
-        if self.pp > 1 and self.zero == 2 and model is not None and model.tie_embeddings:
-            out.append(f"parallel.zero=2 with parallel.pp={self.pp} and tied embeddings is not available yet; "
-                       "use parallel.zero=1 or an untied model")
         return out
 
     def warnings(self, node_size: int | None) -> list[str]:
