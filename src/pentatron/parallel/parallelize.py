@@ -39,9 +39,13 @@ class LocalStages(nn.Module):
     def __init__(self, stages: Sequence[PipelineStage]) -> None:
         super().__init__()
         self.cfg = stages[0].cfg
+        # Registered in forward order (embedding, layers, final norm, head): ZeRO-3 prefetches by it.
+        for st in stages:
+            if hasattr(st, "embed"):
+                self.embed = st.embed
         self.layers = nn.ModuleDict({k: m for st in stages for k, m in st.layers.items()})
         for st in stages:
-            for name in ("embed", "norm", "lm_head"):
+            for name in ("norm", "lm_head"):
                 if hasattr(st, name):
                     self.add_module(name, getattr(st, name))
 
