@@ -126,15 +126,24 @@ def _checkpoint_round_trips(world: int, dataset: str, root: Path) -> dict[str, A
     from pentatron.train.trainer import Trainer
 
     out: dict[str, Any] = {}
-    common = ("train.schedule='constant'", "train.warmup=0", f"log.dir={json.dumps(str(root / 'log'))}")
+    # Resumed in the middle of the cosine decay: the schedule, the loader and Adam's step count all matter.
+    common = ("train.schedule='cosine'", "train.warmup=1", f"log.dir={json.dumps(str(root / 'log'))}")
+
+    def fit(zero: int, *extra: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        trainer = Trainer(make_config(world, zero, micro_batch(world, True), *extra, *common), Path(dataset))
+        records = trainer.fit()
+        state = {f"{part}/{k}": t.detach().clone().numpy() for part, tensors in trainer.state_dict().items()
+                 for k, t in tensors.items()}
+        trainer.engine.close()
+        return records, state
+
     for zero in STAGES:
-        micro = micro_batch(world, True)
         ckpt = f"checkpoint.dir={json.dumps(str(root / f'zero{zero}'))}"
-        straight = Trainer(make_config(world, zero, micro, "train.steps=4", *common), Path(dataset)).fit()
-        first = Trainer(make_config(world, zero, micro, "train.steps=2", ckpt, *common), Path(dataset)).fit()
-        resumed = Trainer(make_config(world, zero, micro, "train.steps=4", ckpt, *common), Path(dataset)).fit()
+        straight, straight_state = fit(zero, "train.steps=4")
+        first, _ = fit(zero, "train.steps=2", ckpt)
+        resumed, resumed_state = fit(zero, "train.steps=4", ckpt)
         out[zero] = {"straight": [r["loss"] for r in straight], "resumed": [r["loss"] for r in first + resumed],
-                     "steps": [r["step"] for r in first + resumed]}
+                     "steps": [r["step"] for r in first + resumed], "state": (straight_state, resumed_state)}
     lines = (root / "log" / "metrics.jsonl").read_text().splitlines() if (root / "log").exists() else []
     out["first_metrics"] = json.loads(lines[0]) if lines else None
     try:
