@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 from pentatron.config import Config, load_config
 from tests.multiprocess import run_ranks
