@@ -69,10 +69,10 @@ def _overlap_probe(world: int, dataset: str) -> dict[str, Any]:
     (x1, y1), (x2, y2) = trainer.loader.next_step()
     ledger.begin_step()
     engine.zero_grad()
-    engine.micro_step(last=False)
+    engine.before_backward(0, last=False)
     trainer.runner.loss_fn(trainer.model(x1), y1).backward()
     during_accumulation = len(ledger.events)
-    engine.micro_step(last=True)
+    engine.before_backward(0, last=True)
     seen: dict[str, list[str]] = {}
 
     def snapshot(grad: torch.Tensor) -> None:
@@ -101,19 +101,22 @@ def _prefetch_probe(world: int, dataset: str) -> dict[str, Any]:
     (x, y), = trainer.loader.next_step()
     seen: dict[str, Any] = {}
 
+    def held() -> int:  # gathered units, counted on the parameters' real storages (one per unit)
+        return len({p.data.untyped_storage().data_ptr() for p in trainer.model.parameters() if p.data.numel()})
+
     def before_layer1(module: torch.nn.Module, args: Any) -> None:
         seen["all_gathers"] = sum(e.op == "all_gather" for e in ledger.events)
-        seen["held"] = sum(u.full is not None for u in engine.units)
+        seen["held"] = held()
         seen["param_numel"] = trainer.model.layers[1].mlp.up_proj.weight.numel()
         seen["later_layer_numel"] = trainer.model.layers[3].mlp.up_proj.weight.numel()
 
     handle = trainer.model.layers[1].register_forward_pre_hook(before_layer1)
     ledger.begin_step()
     engine.zero_grad()
-    engine.micro_step(last=True)
+    engine.before_backward(0, last=True)
     trainer.runner.loss_fn(trainer.model(x), y).backward()
     handle.remove()
-    seen["held_after_backward"] = sum(u.full is not None for u in engine.units)
+    seen["held_after_backward"] = held()
     engine.finish_grad_sync()
     seen["units"] = len(engine.units)
     engine.close()

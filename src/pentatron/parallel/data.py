@@ -80,10 +80,6 @@ class DataParallelBase:
             self.comm.broadcast(p.data, "dp", src=0)
 
     # ------------------------------------------------------------------ micro-steps and buckets
-    def micro_step(self, last: bool) -> None:
-        """Declare whether the coming backward is the last of this optimizer step."""
-        self._last_micro = last
-
     def before_backward(self, chunk: int, last: bool, weights_only: bool = False) -> None:
         """A backward on pipeline chunk `chunk` (0 without pp) is coming; `last`: it is the step's last one
         producing weight gradients for that chunk (its gradients can be reduced as they complete);
@@ -102,7 +98,7 @@ class DataParallelBase:
         b = layout.bucket_of[p]
         if b.index in self._launched:
             raise RuntimeError(f"gradient of {self.names[p]} arrived after its bucket was already reduced: "
-                               "call micro_step(last=False) before every backward but the step's last")
+                               "call before_backward(chunk, last=False) before every backward but the chunk's last")
         self._remaining[b.index] -= 1
         return b if self._remaining[b.index] == 0 else None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pentatron.checkpoint.layout import check_resumable, layout_record
 from pentatron.checkpoint.store import CheckpointStore
 from pentatron.config import Config, resolved_dp
 from pentatron.data.loader import TokenDataset, TokenLoader
@@ -178,35 +180,11 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         assert self.store is not None
         meta = {"step": self.step, "loader": self.loader.state_dict(), "model": self.model_cfg.to_dict(),
-                "layout": self.layout_meta()}
+                "layout": self.layout_meta(), "parallel_layout": dataclasses.asdict(self.runner.layout)}
         return self.store.save(self.step, self.state_dict(), meta)
 
     def layout_meta(self) -> dict[str, Any]:
-        """What the checkpoint's tensor keys and shapes depend on, identical on every rank (so each rank
-        reaches the same resume decision): the degrees, the ZeRO stage, and the bucketing (the padded
-        bucket sizes themselves when pp = 1; with pp > 1 they differ per stage, so bucket_mb), plus the
-        pipeline schedule that decides which layers a rank holds."""
-        par = self.cfg.parallel
-        meta = self.engine.layout_meta()
-        meta.update(tp=self.ctx.size("tp"), pp=self.pp)
-        if self.pp > 1:
-            meta.pop("buckets", None)
-            meta.update(bucket_mb=par.bucket_mb, pp_schedule=par.pp_schedule,
-                        pp_virtual=par.pp_virtual if par.pp_schedule == "interleaved" else 1)
-        return meta
-
-    @staticmethod
-    def layout_differences(saved: dict[str, Any], mine: dict[str, Any]) -> list[str]:
-        """The layout fields in which a checkpoint and this run differ (empty: it can be resumed).
-        Checkpoints written before tp/pp were recorded were tp = pp = 1. Replicated state (ZeRO-0) is
-        keyed independently of dp and bucketing, so those may change."""
-        saved = {"tp": 1, "pp": 1, **saved}
-        keys = sorted(set(saved) | set(mine))
-        diff = [k for k in keys if saved.get(k) != mine.get(k)
-                and (k in saved and k in mine or k in ("tp", "pp", "pp_schedule", "pp_virtual"))]
-        if saved.get("zero") == 0 and mine.get("zero") == 0:
-            diff = [k for k in diff if k not in ("dp", "buckets", "bucket_mb")]
-        return diff
+        return layout_record(self.runner.layout, self.engine.layout_meta(), self.cfg.parallel.bucket_mb)
 
     def _resume(self) -> None:
         assert self.store is not None
@@ -214,15 +192,7 @@ class Trainer:
         if latest is None:
             return
         saved = json.loads((latest / "meta.json").read_text()).get("layout", {"zero": 0})
-        mine = self.layout_meta()
-        diff = self.layout_differences(saved, mine)
-        if diff:
-            # Shards are keyed by tp coordinates and ranges of the flat layout; re-sharding is not
-            # implemented yet. Every rank sees the same two layouts, so every rank raises.
-            raise RuntimeError(f"checkpoint {latest} was written with layout {saved}, this run has layout {mine} "
-                               f"(they differ in {', '.join(diff)}); resuming into another layout is not "
-                               "supported yet: resume with the same parallel.dp, tp, pp, zero, bucket_mb, "
-                               "pp_schedule and pp_virtual")
+        check_resumable(latest, saved, self.layout_meta())
         state = self.state_dict()
         meta = self.store.load(latest, state)
         self.engine.after_load()
