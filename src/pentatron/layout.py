@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pentatron.models.config import ModelConfig
-from pentatron.parallel.pipeline.schedules import SCHEDULES, ScheduleError, make_schedule
+from pentatron.schedules import SCHEDULES, ScheduleError, make_schedule
 
 Zero3Gather = Literal["micro_batch", "step"]
 ZERO3_GATHER: tuple[str, ...] = ("micro_batch", "step")

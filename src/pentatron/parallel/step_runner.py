@@ -23,10 +23,10 @@ from pentatron.distributed.context import ParallelContext
 from pentatron.layout import ParallelLayout
 from pentatron.parallel.data import DataParallelBase
 from pentatron.parallel.pipeline.engine import PipelineEngine, PipelineStepResult, measured_bubble
-from pentatron.parallel.pipeline.schedules import make_schedule
 from pentatron.parallel.pipeline.stages import PipelineStage
 from pentatron.parallel.placement import Placement
 from pentatron.parallel.tensor import gather_full_tensor
+from pentatron.schedules import make_schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]

@@ -19,8 +19,8 @@ import pytest
 
 from pentatron.cli import main
 from pentatron.config import Config, load_config
-from pentatron.parallel.pipeline.schedules import bubble_fraction
 from pentatron.parallel.pipeline.trace import read_chrome_trace
+from pentatron.schedules import bubble_fraction
 from tests.multiprocess import run_ranks
 
 STEPS, SEQ, MICRO, GLOBAL = 10, 32, 2, 8

@@ -28,9 +28,9 @@ from typing import Protocol
 import torch
 
 from pentatron.distributed.comm import P2P, Comm, Work
-from pentatron.parallel.pipeline.schedules import Action, Kind, Schedule, Slot, validate
 from pentatron.parallel.pipeline.split_backward import SplitBackward
 from pentatron.parallel.pipeline.stages import PipelineStage
+from pentatron.schedules import Action, Kind, Schedule, Slot, validate
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
