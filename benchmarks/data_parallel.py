@@ -68,18 +68,15 @@ def _run(impl: str, rank: int, world: int, args: argparse.Namespace) -> dict[str
 
     if impl.startswith("ours"):
         ctx = ParallelContext.from_degrees(Degrees(dp=world), "cpu")
-        engine = parallelize(model, ctx, cfg, resolve_precision("fp32", torch.device("cpu")))
+        runner = parallelize(model, ctx, cfg, resolve_precision("fp32", torch.device("cpu")))
 
         def step(tokens: torch.Tensor) -> None:
-            engine.zero_grad()
-            engine.before_backward(0, last=True)
-            loss_of(model, tokens).backward()
-            engine.finish_grad_sync()
-            engine.clip_grads(clip)
-            engine.step(lr)
+            runner.forward_backward([(tokens[:, :-1], tokens[:, 1:])])
+            runner.clip_grads(clip)
+            runner.step(lr)
 
         def state_bytes() -> int:
-            return engine.memory().total
+            return runner.memory().total
     else:
         if impl == "torch-ddp":
             from torch.nn.parallel import DistributedDataParallel

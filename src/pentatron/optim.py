@@ -77,6 +77,10 @@ class AdamW:
             if s.model is not None:
                 s.model.copy_(s.master)
 
+    def master_bytes(self) -> int:
+        """Bytes of the fp32 masters kept apart from the model's (bf16) parameters."""
+        return sum(s.master.numel() * s.master.element_size() for s in self.slots if s.model is not None)
+
     def state_bytes(self) -> int:
         """Bytes of the Adam moments: measured once torch has allocated them (at the first step),
         before that the two fp32 tensors per slot that step will allocate."""
@@ -90,31 +94,23 @@ class AdamW:
         return total
 
 
+def param_slots(params: list[nn.Parameter], names: list[str], master_dtype: torch.dtype) -> list[Slot]:
+    """One slot per whole parameter, stepping an fp32 master from the parameter's fp32 `main_grad` and
+    copying the result back into the (possibly bf16) parameter; with fp32 parameters the master *is* the
+    parameter. Norm gains (1-D tensors) get no weight decay."""
+    slots = []
+    for name, p in zip(names, params, strict=True):
+        master = p if p.dtype == master_dtype else p.detach().to(master_dtype).clone()
+        slots.append(Slot(name, master, p.main_grad, None if master is p else p, p.ndim >= 2))
+    return slots
+
+
 class MixedPrecisionAdamW(AdamW):
-    """AdamW that steps fp32 master weights from the fp32 `main_grad`s and copies the result back
-    into the (possibly bf16) model parameters. With fp32 parameters the master *is* the parameter.
-    Norm gains (1-D tensors) get no weight decay."""
+    """AdamW over whole parameters (`param_slots`)."""
 
     def __init__(self, params: list[nn.Parameter], cfg: TrainConfig, master_dtype: torch.dtype,
                  names: list[str] | None = None) -> None:
-        names = names or [str(i) for i in range(len(params))]
-        self.params = params
-        slots = []
-        for name, p in zip(names, params):
-            master = p if p.dtype == master_dtype else p.detach().to(master_dtype).clone()
-            slots.append(Slot(name, master, p.main_grad, None if master is p else p, p.ndim >= 2))
-        super().__init__(slots, cfg)
-
-    def named_state(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-        if names is not None:  # keys are the slot keys; accept the legacy argument for callers
-            for s, n in zip(self.slots, names):
-                s.key = n
-        return super().named_state()
-
-    @torch.no_grad()
-    def load_named_state(self, state: dict[str, torch.Tensor] | None = None,
-                         names: list[str] | None = None) -> None:
-        super().load_named_state(state)
+        super().__init__(param_slots(params, names or [str(i) for i in range(len(params))], master_dtype), cfg)
 
 
 def grad_norm_squared(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -45,14 +45,14 @@ def _train(cfg: Config, dataset: str, want_params: bool) -> dict[str, Any]:
     from pentatron.train.trainer import Trainer
 
     trainer = Trainer(cfg, dataset_dir=Path(dataset))
-    memory_before = trainer.engine.memory().to_dict()
+    memory_before = trainer.runner.memory().to_dict()
     records = [trainer.train_step() for _ in range(cfg.train.steps)]
     params = trainer.engine.full_parameters()
     digest = float(sum(p.double().sum() * (i + 1) for i, p in enumerate(params.values())))
     trainer.engine.close()
     return {"losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records],
             "comm": trainer.last_comm.by_dim, "calls": records[-1]["comm_calls"],
-            "memory": trainer.engine.memory().to_dict(), "memory_before": memory_before,
+            "memory": trainer.runner.memory().to_dict(), "memory_before": memory_before,
             "numel": trainer.engine.layout.total, "n_params": trainer.n_params, "digest": digest,
             # numpy, not tensors: tensors would cross the result queue as shared memory that dies with the rank
             "params": {n: p.numpy() for n, p in params.items()} if want_params else None}
@@ -167,7 +167,7 @@ def _bf16_memory(world: int, dataset: str) -> dict[int, dict[str, int]]:
         trainer = Trainer(make_config(world, zero, micro_batch(world, False), "train.precision='bf16'",
                                       "train.steps=1", "train.warmup=1"), Path(dataset))
         trainer.train_step()
-        out[zero] = {**trainer.engine.memory().to_dict(), "numel": trainer.engine.layout.total}
+        out[zero] = {**trainer.runner.memory().to_dict(), "numel": trainer.engine.layout.total}
         trainer.engine.close()
     return out
 

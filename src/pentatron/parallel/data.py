@@ -1,4 +1,4 @@
-"""Data parallelism: the interface every DP/ZeRO stage offers the trainer, and plain DDP (ZeRO-0).
+"""Data parallelism: the interface every DP/ZeRO stage offers the step runner, and plain DDP (ZeRO-0).
 
 The step runner (`parallel/step_runner.py`) drives any stage the same way:
 
@@ -10,7 +10,8 @@ The step runner (`parallel/step_runner.py`) drives any stage the same way:
     engine.finish_grad_sync()            # wait for the reductions still in flight; average over dp
     engine.sync_tied_grads()             # a tied weight held by two pipeline ranks: sum the two copies
     norm = engine.clip_grads(max_norm)   # global norm of the full gradient, whatever is sharded
-    engine.step(lr)
+    optimizer.step(lr)                   # an AdamW over `engine.slots`: the elements this rank owns
+    engine.after_optimizer_step()        # ZeRO-1/2: all-gather the updated parameter shards
 
 How each parameter is laid out (tp shard, pipeline stage, tied peer, ZeRO pieces, reduction dims) is
 read from and written to its `Placement` (`parallel/placement.py`), keyed by the parameter's name.
@@ -29,10 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pentatron.config import TrainConfig
 from pentatron.distributed.comm import P2P, Work
 from pentatron.distributed.context import ParallelContext
-from pentatron.optim import AdamW, MixedPrecisionAdamW, clip_by_total_norm, grad_norm_squared
+from pentatron.optim import AdamW, Slot, clip_by_total_norm, grad_norm_squared, param_slots
 from pentatron.parallel.grad_buffer import Bucket, FlatLayout, GradBuffer
 from pentatron.parallel.memory import MemoryReport
 from pentatron.parallel.placement import Placement
@@ -41,12 +41,13 @@ from pentatron.precision import PrecisionPolicy
 
 class DataParallelBase:
     """Shared by every stage: parameters and names, micro-step bookkeeping, bucket readiness,
-    global-norm clipping. Subclasses own the gradient storage and the optimizer."""
+    global-norm clipping. Subclasses own the gradient storage and define `slots`, what this rank's
+    optimizer updates (the step runner builds the optimizer over them)."""
 
     stage: int = 0
     sharded_grads: bool = False  # True when each rank holds only its shard of the reduced gradient
 
-    def __init__(self, model: nn.Module, ctx: ParallelContext, train: TrainConfig, policy: PrecisionPolicy,
+    def __init__(self, model: nn.Module, ctx: ParallelContext, policy: PrecisionPolicy,
                  bucket_mb: float, placements: dict[str, Placement] | None = None) -> None:
         self.model, self.ctx, self.comm, self.policy = model, ctx, ctx.comm, policy
         self.dp, self.dp_rank = ctx.dp_size, ctx.dp_rank
@@ -69,7 +70,7 @@ class DataParallelBase:
         self._last_micro = True
         self._remaining: dict[int, int] = {}
         self._launched: set[int] = set()
-        self.optimizer: AdamW
+        self.slots: list[Slot]
         self._broadcast_params()
 
     @torch.no_grad()
@@ -165,17 +166,14 @@ class DataParallelBase:
         clip_by_total_norm(self.owned_grads(), norm, max_norm)
         return norm
 
-    def step(self, lr: float) -> None:
-        self.optimizer.step(lr)
+    def after_optimizer_step(self) -> None:
+        """Make the parameters current after the optimizer stepped `slots` (nothing when it stepped them
+        in place)."""
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """Checkpoint state keyed by `self.keys` (DCP dedups replicated tensors across ranks)."""
-        return {"model": {self.keys[p]: p for p in self.params}, "optim": self.optimizer.named_state()}
-
-    def after_load(self) -> None:
-        """Finish a restore done in place into `state_dict()`'s tensors."""
-        self.optimizer.load_named_state()
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The model's checkpoint tensors keyed by `self.keys` (DCP dedups replicated ones across ranks)."""
+        return {self.keys[p]: p for p in self.params}
 
     def layout_meta(self) -> dict[str, Any]:
         """What a checkpoint's tensor keys depend on (resume requires the same)."""
@@ -186,7 +184,7 @@ class DataParallelBase:
         """Every parameter, whole, on every rank (a copy)."""
         return {self.names[p]: p.detach().clone() for p in self.params}
 
-    def memory(self) -> MemoryReport:
+    def memory(self, optimizer: AdamW) -> MemoryReport:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -196,13 +194,12 @@ class DataParallelBase:
 class DataParallel(DataParallelBase):
     """ZeRO-0: replicated parameters and optimizer, bucketed all-reduce of gradients."""
 
-    def __init__(self, model: nn.Module, ctx: ParallelContext, train: TrainConfig, policy: PrecisionPolicy,
+    def __init__(self, model: nn.Module, ctx: ParallelContext, policy: PrecisionPolicy,
                  bucket_mb: float, placements: dict[str, Placement] | None = None) -> None:
-        super().__init__(model, ctx, train, policy, bucket_mb, placements)
+        super().__init__(model, ctx, policy, bucket_mb, placements)
         self.layout = FlatLayout.by_size(list(reversed(self.params)), self.bucket_numel, isolate=self.isolated)
         self.grads = GradBuffer(self.params, policy.grad_dtype, self._grad_ready, self.layout)
-        self.optimizer = MixedPrecisionAdamW(self.params, train, policy.master_dtype,
-                                             names=[self.keys[p] for p in self.params])
+        self.slots = param_slots(self.params, [self.keys[p] for p in self.params], policy.master_dtype)
         self._works: list[Work] = []
         self._reset_counts(self.layout)
 
@@ -237,12 +234,10 @@ class DataParallel(DataParallelBase):
     def owned_param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         return [(p, p.main_grad) for p in self.params]
 
-    def memory(self) -> MemoryReport:
+    def memory(self, optimizer: AdamW) -> MemoryReport:
         params = sum(p.numel() * p.element_size() for p in self.params)
-        master = sum(s.master.numel() * s.master.element_size() for s in self.optimizer.slots
-                     if s.model is not None)
         return MemoryReport(params, self.grads.data.numel() * self.grads.data.element_size(),
-                            self.optimizer.state_bytes(), master)
+                            optimizer.state_bytes(), optimizer.master_bytes())
 
     def close(self) -> None:
         self.grads.remove_hooks()

@@ -100,7 +100,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
     placements = _placements(module, stages, tp_shards, layout)
     apply_recompute(module, cfg.train.recompute)
     engine = data_parallel(module, ctx, cfg, policy, placements, stages)
-    return StepRunner(module, engine, ctx, layout, _loss_fn(ctx), stages, model.cfg.hidden_size)
+    return StepRunner(module, engine, ctx, layout, _loss_fn(ctx), stages, model.cfg.hidden_size, cfg.train)
 
 
 def _loss_fn(ctx: ParallelContext):  # noqa: ANN202 - returns the loss function
@@ -114,12 +114,12 @@ def _loss_fn(ctx: ParallelContext):  # noqa: ANN202 - returns the loss function
 def data_parallel(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: PrecisionPolicy,
                   placements: dict[str, Placement] | None = None,
                   stages: list[PipelineStage] | None = None) -> DataParallelBase:
-    par, train = cfg.parallel, cfg.train
+    par = cfg.parallel
     if par.zero == 0:
-        return DataParallel(model, ctx, train, policy, par.bucket_mb, placements)
+        return DataParallel(model, ctx, policy, par.bucket_mb, placements)
     if par.zero in (1, 2):
-        return ZeroDataParallel(model, ctx, train, policy, par.bucket_mb, stage=par.zero, placements=placements)
+        return ZeroDataParallel(model, ctx, policy, par.bucket_mb, stage=par.zero, placements=placements)
     if par.zero == 3:
-        return FullyShardedDataParallel(model, ctx, train, policy, par.bucket_mb, placements,
+        return FullyShardedDataParallel(model, ctx, policy, par.bucket_mb, placements,
                                         chunks=list(stages) if stages else None, gather=par.zero3_gather)
     raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {par.zero}")

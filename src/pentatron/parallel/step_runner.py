@@ -19,9 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from pentatron.config import TrainConfig
 from pentatron.distributed.context import ParallelContext
 from pentatron.layout import ParallelLayout
+from pentatron.optim import AdamW
 from pentatron.parallel.data import DataParallelBase
+from pentatron.parallel.memory import MemoryReport
 from pentatron.parallel.pipeline.engine import PipelineEngine, PipelineStepResult, measured_bubble
 from pentatron.parallel.pipeline.stages import PipelineStage
 from pentatron.parallel.placement import Placement
@@ -34,8 +37,11 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 class StepRunner:
     def __init__(self, model: nn.Module, engine: DataParallelBase, ctx: ParallelContext, layout: ParallelLayout,
-                 loss_fn: LossFn, stages: Sequence[PipelineStage] | None, hidden: int) -> None:
+                 loss_fn: LossFn, stages: Sequence[PipelineStage] | None, hidden: int, train: TrainConfig) -> None:
         self.model, self.engine, self.ctx, self.layout, self.loss_fn = model, engine, ctx, layout, loss_fn
+        # The optimizer is its own object, over the elements this rank owns (whole parameters, or ZeRO
+        # pieces), fed by the engine's reduced gradient shards.
+        self.optimizer = AdamW(engine.slots, train)
         self.comm, self.device = ctx.comm, ctx.device
         self.stages = list(stages) if stages else None
         self.pipeline: PipelineEngine | None = None
@@ -85,7 +91,21 @@ class StepRunner:
         return self.engine.clip_grads(max_norm)
 
     def step(self, lr: float) -> None:
-        self.engine.step(lr)
+        self.optimizer.step(lr)
+        self.engine.after_optimizer_step()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpoint tensors: the model's (keyed by name, tp shard and ZeRO range) and the optimizer's;
+        loading in place into them and calling `after_load` restores the run."""
+        return {"model": self.engine.model_state(), "optim": self.optimizer.named_state()}
+
+    def after_load(self) -> None:
+        self.optimizer.load_named_state()
+
+    def memory(self) -> MemoryReport:
+        """This rank's model-state memory: parameters, gradients, optimizer state, fp32 masters."""
+        return self.engine.memory(self.optimizer)
 
     def step_stats(self) -> dict[str, Any]:
         """Per-step figures of the pipeline (a collective over pp): measured bubble, peak in flight."""

@@ -37,7 +37,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from pentatron.config import TrainConfig
 from pentatron.distributed.comm import Work
 from pentatron.distributed.context import ParallelContext
 from pentatron.optim import AdamW, Slot
@@ -59,8 +58,7 @@ class _ShardedBase(DataParallelBase):
 
     sharded_grads = True
 
-    def _build_optimizer(self, train: TrainConfig, param_store: torch.Tensor, store_is_global: bool,
-                         grad_of: Any) -> None:
+    def _build_slots(self, param_store: torch.Tensor, store_is_global: bool, grad_of: Any) -> None:
         """`param_store`: where the model's copy of each piece lives (indexed by global offset when
         `store_is_global`, else by local offset); `grad_of(piece)`: the piece's fp32 gradient."""
         self.pieces = self.layout.pieces(self.dp_rank)
@@ -81,11 +79,11 @@ class _ShardedBase(DataParallelBase):
                 master.copy_(model)
             slots.append(Slot(self._key(pc), master, grad_of(pc), None if fp32 else model,
                               len(self.layout.shapes[pc.param]) >= 2))
-        self.optimizer = AdamW(slots, train)
+        self.slots = slots
 
     def owned_param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         # One optimizer slot per owned piece, in the same order, holding that piece's gradient.
-        return [(pc.param, slot.grad) for pc, slot in zip(self.pieces, self.optimizer.slots, strict=True)]
+        return [(pc.param, slot.grad) for pc, slot in zip(self.pieces, self.slots, strict=True)]
 
     def _key(self, pc: Piece) -> str:
         """A checkpoint key: the parameter's key (name, tp shard), with the flattened range when only part
@@ -95,18 +93,18 @@ class _ShardedBase(DataParallelBase):
     def layout_meta(self) -> dict[str, Any]:
         return {"zero": self.stage, "dp": self.dp, "buckets": [b.padded for b in self.layout.buckets]}
 
-    def _optim_memory(self) -> tuple[int, int]:
-        return self.optimizer.state_bytes(), _nbytes(self.master_shard)
+    def _optim_memory(self, optimizer: AdamW) -> tuple[int, int]:
+        return optimizer.state_bytes(), _nbytes(self.master_shard)
 
 
 class ZeroDataParallel(_ShardedBase):
     """ZeRO-1 (stage=1) and ZeRO-2 (stage=2): replicated parameters, sharded optimizer (and grads)."""
 
-    def __init__(self, model: nn.Module, ctx: ParallelContext, train: TrainConfig, policy: PrecisionPolicy,
+    def __init__(self, model: nn.Module, ctx: ParallelContext, policy: PrecisionPolicy,
                  bucket_mb: float, stage: int, placements: dict[str, Placement] | None = None) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements ZeRO-1 and ZeRO-2, got stage {stage}")
-        super().__init__(model, ctx, train, policy, bucket_mb, placements)
+        super().__init__(model, ctx, policy, bucket_mb, placements)
         self.stage = stage
         self.layout = FlatLayout.by_size(list(reversed(self.params)), self.bucket_numel, shards=self.dp,
                                          isolate=self.isolated)
@@ -122,7 +120,7 @@ class ZeroDataParallel(_ShardedBase):
                                 persistent=stage == 1)
         self.grad_shard = None if stage == 1 else torch.zeros(self.layout.shard_numel, dtype=policy.grad_dtype,
                                                               device=ctx.device)
-        self._build_optimizer(train, self.param_flat, True, self._piece_grad)
+        self._build_slots(self.param_flat, True, self._piece_grad)
         self._in_flight: deque[tuple[Bucket, torch.Tensor, Work]] = deque()
         self._works: list[Work] = []
         self._transient_peak = 0
@@ -202,8 +200,7 @@ class ZeroDataParallel(_ShardedBase):
         return [self.grads.data[slice(*self.layout.shard_range(b, self.dp_rank))] for b in self.layout.buckets]
 
     # ------------------------------------------------------------------ parameters
-    def step(self, lr: float) -> None:
-        self.optimizer.step(lr)
+    def after_optimizer_step(self) -> None:
         works = []
         for b in self.layout.buckets:
             full = self.param_flat[b.start: b.end]
@@ -211,8 +208,8 @@ class ZeroDataParallel(_ShardedBase):
         for w in works:
             w.wait()
 
-    def memory(self) -> MemoryReport:
-        optim, master = self._optim_memory()
+    def memory(self, optimizer: AdamW) -> MemoryReport:
+        optim, master = self._optim_memory(optimizer)
         grads = _nbytes(self.grads.data) + _nbytes(self.grad_shard)
         return MemoryReport(_nbytes(self.param_flat), grads, optim, master, self._transient_peak)
 
@@ -279,10 +276,10 @@ class FullyShardedDataParallel(_ShardedBase):
 
     stage = 3
 
-    def __init__(self, model: nn.Module, ctx: ParallelContext, train: TrainConfig, policy: PrecisionPolicy,
+    def __init__(self, model: nn.Module, ctx: ParallelContext, policy: PrecisionPolicy,
                  bucket_mb: float, placements: dict[str, Placement] | None = None,
                  chunks: list[nn.Module] | None = None, gather: str = "micro_batch") -> None:
-        super().__init__(model, ctx, train, policy, bucket_mb, placements)
+        super().__init__(model, ctx, policy, bucket_mb, placements)
         if gather not in ("micro_batch", "step"):
             raise ValueError(f"gather must be 'micro_batch' or 'step', got {gather!r}")
         spec = zero3_units(model)
@@ -302,8 +299,7 @@ class FullyShardedDataParallel(_ShardedBase):
             p.data = self._empty
         self.grads = GradBuffer(self.params, policy.grad_dtype, self._grad_ready, self.layout, persistent=False)
         self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=policy.grad_dtype, device=ctx.device)
-        self._build_optimizer(train, self.param_shard, False,
-                              lambda pc: self.grad_shard[pc.local: pc.local + pc.numel])
+        self._build_slots(self.param_shard, False, lambda pc: self.grad_shard[pc.local: pc.local + pc.numel])
         # Module call order (registration order) within each chunk, for prefetching the next unit.
         events = sorted(((m, u) for u in self.units for m in u.modules), key=lambda e: self._registration_index(e[0]))
         self.events: list[tuple[nn.Module, _Unit]] = events
@@ -478,9 +474,8 @@ class FullyShardedDataParallel(_ShardedBase):
         self._remaining[b.index] -= 1
         return b if self._remaining[b.index] == 0 else None
 
-    def state_dict(self) -> dict[str, Any]:
-        model = {self._key(pc): self.param_shard[pc.local: pc.local + pc.numel] for pc in self.pieces}
-        return {"model": model, "optim": self.optimizer.named_state()}
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return {self._key(pc): self.param_shard[pc.local: pc.local + pc.numel] for pc in self.pieces}
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -492,8 +487,8 @@ class FullyShardedDataParallel(_ShardedBase):
             self._free(u)
         return out
 
-    def memory(self) -> MemoryReport:
-        optim, master = self._optim_memory()
+    def memory(self, optimizer: AdamW) -> MemoryReport:
+        optim, master = self._optim_memory(optimizer)
         return MemoryReport(_nbytes(self.param_shard), _nbytes(self.grad_shard), optim, master,
                             self._transient_peak)
 

@@ -64,8 +64,8 @@ class Trainer:
         self.pp, self.pp_rank = self.ctx.size("pp"), self.ctx.local_rank("pp")
         self.params = self.engine.params
         self.names = self.engine.names
-        self.optimizer = self.engine.optimizer
-        self.memory = self.engine.memory()
+        self.optimizer = self.runner.optimizer
+        self.memory = self.runner.memory()
 
         if dataset_dir is None:
             # Rank 0 tokenizes the default corpus once; the others wait rather than race on the cache.
@@ -147,7 +147,7 @@ class Trainer:
                     step_time_s=elapsed,
                 )
                 if not records:  # the first record of a run carries the per-rank memory accounting
-                    record["memory"] = self.engine.memory().to_dict()
+                    record["memory"] = self.runner.memory().to_dict()
                 if not math.isfinite(record["loss"]):
                     raise FloatingPointError(f"loss became {record['loss']} at step {self.step}")
                 records.append(record)
@@ -175,7 +175,7 @@ class Trainer:
         """Tensors keyed by parameter name: whole tensors when replicated (DCP writes one copy),
         "<name>|tp<i>/<n>" for tensor-parallel shard i of n, and "<key>[lo:hi]" ranges of the flattened
         local parameter for ZeRO shards (each rank writes its own). Pipeline ranks hold disjoint names."""
-        return self.engine.state_dict()
+        return self.runner.state_dict()
 
     def save_checkpoint(self) -> Path:
         assert self.store is not None
@@ -195,7 +195,7 @@ class Trainer:
         check_resumable(latest, saved, self.layout_meta())
         state = self.state_dict()
         meta = self.store.load(latest, state)
-        self.engine.after_load()
+        self.runner.after_load()
         self.step = meta["step"]
         self.loader.load_state_dict(meta["loader"])
         if self.rank == 0:
