@@ -1,6 +1,8 @@
 """Tensor parallelism (Megatron-style) and sequence parallelism, applied to a plain model in place.
 
-A decoder block becomes two tensor-parallel regions, each entered once and left once:
+The layers and the styles are generic; which module gets which style is the model's table
+(`models/llama_tp_plan.py` for the Llama). For the Llama, a decoder block becomes two tensor-parallel
+regions, each entered once and left once:
 
     attention: [enter] → q/k/v column-parallel (local heads) → RoPE, SDPA on local heads → o row-parallel [leave]
     MLP:       [enter] → gate/up column-parallel → SwiGLU → down row-parallel [leave]
@@ -24,7 +26,7 @@ head that is replicated on tp/n_kv ranks (each rank used it for its own query he
 returned records, per parameter name, a `TPShard` saying how the local tensor relates to the full
 one; `parallelize` copies it into each parameter's `Placement`.
 
-The model needs no change: attention derives its local head count from the projection widths.
+The model code needs no change: attention derives its local head count from the projection widths.
 Initialisation: every rank builds the full model from the same seed and keeps its slice, so a TP run
 starts from exactly the unsharded model. The model has no dropout; if one is added, dropout inside a
 region (local heads/ffn columns) needs a per-tp-rank seed and dropout on the SP residual stream a
@@ -33,7 +35,9 @@ per-tp-rank seed too, while the non-SP residual stream needs the same seed on ev
 
 from __future__ import annotations
 
+import fnmatch
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +55,7 @@ from pentatron.distributed.functional import (
     scatter_sequence,
 )
 from pentatron.layout import tensor_parallel_problems, tensor_parallel_warnings
+from pentatron.models.llama_tp_plan import LLAMA_TP_PLAN
 from pentatron.parallel.placement import TPShard
 
 TP = "tp"
@@ -211,16 +216,23 @@ class TensorParallelPlan:
     shards: dict[str, TPShard]  # by parameter name: how each local tensor relates to the full one
 
 
+TP_STYLES = ("region", "colwise", "colwise_heads", "rowwise", "sequence_norm", "vocab_embedding", "vocab_head")
+
+
 def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, comm: Comm | None = None, sp: bool = False,
-                          node_size: int | None = None) -> nn.Module:
-    """Shard a plain Llama in place over ctx's tp dimension (q/k/v, gate/up column-wise; o, down
-    row-wise; embedding and LM head over the vocabulary). Parameter names are unchanged. Returns
+                          plan: Mapping[str, str] = LLAMA_TP_PLAN, node_size: int | None = None) -> nn.Module:
+    """Shard a model in place over ctx's tp dimension as its `plan` says (module path pattern → style,
+    see `models/llama_tp_plan.py`); modules the plan does not name stay replicated. Parameter names
+    are unchanged. Works on a whole model or on a pipeline stage (whatever modules it holds). Returns
     the model; its forward now returns this rank's vocabulary slice of the logits, to be fed to
     `vocab_parallel_cross_entropy`. `node_size` (devices per node, when known) only adds a warning."""
     comm = comm or ctx.comm
     tp, rank = ctx.size(TP), ctx.local_rank(TP)
     if hasattr(model, "tensor_parallel"):
         raise ValueError("apply_tensor_parallel: this model is already tensor-parallel")
+    unknown = sorted({style for style in plan.values() if style not in TP_STYLES})
+    if unknown:
+        raise ValueError(f"unknown tensor-parallel styles {unknown}; known: {', '.join(TP_STYLES)}")
     if node_size is None and ctx.device.type == "cuda":
         node_size = torch.cuda.device_count()
     for w in tensor_parallel_warnings(tp, node_size):
@@ -233,20 +245,43 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, comm: Comm | N
 
     handles: list[Any] = []
     made: _Made = {}
+    new_of: dict[nn.Parameter, nn.Parameter] = {}  # full parameter → this rank's shard (ties follow)
     kv_replicas = 1
-    # A pipeline stage holds its layers in a dict keyed by global index, and only some of the
-    # embedding / final norm / LM head: shard whatever this module has.
-    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
-    for block in layers:
-        kv_replicas = _shard_attention(block.attn, comm, tp, rank, sp, handles, made)
-        _shard_mlp(block.mlp, comm, tp, rank, sp, made)
-        for region in (block.attn, block.mlp):
-            handles.append(region.register_forward_pre_hook(_region_entry(comm, sp)))
-        for norm in (block.attn_norm, block.mlp_norm):
-            _replicate(norm.weight, comm if sp else None, handles)
-    if getattr(model, "norm", None) is not None:
-        _replicate(model.norm.weight, comm if sp else None, handles)
-    _shard_vocab(model, comm, tp, rank, sp, made)
+    for name, module in list(model.named_modules()):  # parents before children
+        style = next((st for pattern, st in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
+        if style is None:
+            continue
+        if style == "region":
+            handles.append(module.register_forward_pre_hook(_region_entry(comm, sp)))
+            continue
+        if style == "sequence_norm":
+            _replicate(module.weight, comm if sp else None, handles)
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        full = module.weight
+        if style == "colwise_heads":
+            n = full.shape[0] // parent.head_dim
+            replicas = 1 if n % tp == 0 else tp // n  # tp > n heads: ranks r·(tp/n)… share head r
+            kv_replicas = max(kv_replicas, replicas)
+            shard = _shard_param(full, 0, rank // replicas, tp // replicas, tp, made)
+            if replicas > 1:
+                handles.append(shard.register_hook(_sum_over_replicas(comm, tp, rank, replicas)))
+            new = ColumnParallelLinear(shard, comm, sequence_parallel=sp, communicate_input=False)
+        elif style == "colwise":
+            shard = _shard_param(full, 0, rank, tp, tp, made)
+            new = ColumnParallelLinear(shard, comm, sequence_parallel=sp, communicate_input=False)
+        elif style == "rowwise":
+            shard = _shard_param(full, 1, rank, tp, tp, made)
+            new = RowParallelLinear(shard, comm, sequence_parallel=sp)
+        elif style == "vocab_embedding":
+            shard = _shard_param(full, 0, rank, tp, tp, made)
+            new = VocabParallelEmbedding(shard, rank * shard.shape[0], comm, sequence_parallel=sp)
+        else:  # vocab_head: a tied head uses the embedding's shard, so its gradient sums both uses
+            shard = new_of[full] if full in new_of else _shard_param(full, 0, rank, tp, tp, made)
+            new = ColumnParallelLinear(shard, comm, sequence_parallel=sp, communicate_input=True)
+        new_of[full] = shard
+        setattr(parent, attr, new)
     # Anything not sharded above is replicated over tp (and kept in sync).
     shards = {n: made.get(p, TPShard(None, 0, 1, tp)) for n, p in model.named_parameters()}
     model.tensor_parallel = TensorParallelPlan(tp, rank, sp, kv_replicas, comm, shards)
@@ -259,46 +294,6 @@ def _region_entry(comm: Comm, sp: bool) -> Any:
         return (_enter(args[0], comm, sp), *args[1:])
 
     return hook
-
-
-def _shard_attention(attn: nn.Module, comm: Comm, tp: int, rank: int, sp: bool, handles: list[Any],
-                     made: _Made) -> int:
-    n_kv = attn.k_proj.weight.shape[0] // attn.head_dim
-    attn.q_proj = ColumnParallelLinear(_shard_param(attn.q_proj.weight, 0, rank, tp, tp, made), comm,
-                                       sequence_parallel=sp, communicate_input=False)
-    # tp > n_kv: ranks r·(tp/n_kv) … hold kv head r, the one their query heads attend with.
-    replicas = 1 if n_kv % tp == 0 else tp // n_kv
-    parts = tp // replicas
-    for name in ("k_proj", "v_proj"):
-        w = _shard_param(getattr(attn, name).weight, 0, rank // replicas, parts, tp, made)
-        if replicas > 1:
-            handles.append(w.register_hook(_sum_over_replicas(comm, tp, rank, replicas)))
-        setattr(attn, name, ColumnParallelLinear(w, comm, sequence_parallel=sp, communicate_input=False))
-    attn.o_proj = RowParallelLinear(_shard_param(attn.o_proj.weight, 1, rank, tp, tp, made), comm,
-                                    sequence_parallel=sp)
-    return replicas
-
-
-def _shard_mlp(mlp: nn.Module, comm: Comm, tp: int, rank: int, sp: bool, made: _Made) -> None:
-    for name in ("gate_proj", "up_proj"):
-        if hasattr(mlp, name):
-            w = _shard_param(getattr(mlp, name).weight, 0, rank, tp, tp, made)
-            setattr(mlp, name, ColumnParallelLinear(w, comm, sequence_parallel=sp, communicate_input=False))
-    mlp.down_proj = RowParallelLinear(_shard_param(mlp.down_proj.weight, 1, rank, tp, tp, made), comm,
-                                      sequence_parallel=sp)
-
-
-def _shard_vocab(model: nn.Module, comm: Comm, tp: int, rank: int, sp: bool, made: _Made) -> None:
-    embed, lm_head = getattr(model, "embed", None), getattr(model, "lm_head", None)
-    tied = embed is not None and lm_head is not None and lm_head.weight is embed.weight
-    emb = None
-    if embed is not None:
-        emb = _shard_param(embed.weight, 0, rank, tp, tp, made)
-        model.embed = VocabParallelEmbedding(emb, rank * emb.shape[0], comm, sequence_parallel=sp)
-    if lm_head is not None:
-        # Tied: the head uses the very same Parameter, so its gradient is the sum of both uses.
-        head = emb if tied else _shard_param(lm_head.weight, 0, rank, tp, tp, made)
-        model.lm_head = ColumnParallelLinear(head, comm, sequence_parallel=sp, communicate_input=True)
 
 
 def _replicate(p: nn.Parameter, comm: Comm | None, handles: list[Any]) -> None:
