@@ -46,7 +46,9 @@ def _train(cfg: Config, dataset: str, want_params: bool) -> dict[str, Any]:
 
     trainer = Trainer(cfg, dataset_dir=Path(dataset))
     memory_before = trainer.runner.memory().to_dict()
-    records = [trainer.train_step() for _ in range(cfg.train.steps)]
+    records = [trainer.train_step()]
+    grads = trainer.runner.full_gradients()  # step 1, after clipping (a collective: every rank calls it)
+    records += [trainer.train_step() for _ in range(cfg.train.steps - 1)]
     params = trainer.engine.full_parameters()
     digest = float(sum(p.double().sum() * (i + 1) for i, p in enumerate(params.values())))
     trainer.engine.close()
@@ -55,7 +57,8 @@ def _train(cfg: Config, dataset: str, want_params: bool) -> dict[str, Any]:
             "memory": trainer.runner.memory().to_dict(), "memory_before": memory_before,
             "numel": trainer.engine.layout.total, "n_params": trainer.n_params, "digest": digest,
             # numpy, not tensors: tensors would cross the result queue as shared memory that dies with the rank
-            "params": {n: p.numpy() for n, p in params.items()} if want_params else None}
+            "params": {n: p.numpy() for n, p in params.items()} if want_params else None,
+            "grads": {n: g.numpy() for n, g in grads.items()} if want_params else None}
 
 
 def _overlap_probe(world: int, dataset: str) -> dict[str, Any]:
@@ -209,10 +212,15 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def assert_parity(got: dict[str, Any], ref: dict[str, Any], rtol: float = 1e-5) -> None:
-    """Same loss at every step and the same final parameters as the 1-process run (fp32)."""
+    """Same loss at every step, the same step-1 gradient of every parameter and the same final parameters
+    as the 1-process run (fp32)."""
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"]), start=1):
         assert abs(a - b) <= rtol * abs(b), f"step {step}: loss {a} vs 1-process {b}"
     assert len(got["losses"]) == len(ref["losses"]) == STEPS
+    assert got["grads"].keys() == ref["grads"].keys()
+    for name, g in ref["grads"].items():
+        err = relative_error(torch.from_numpy(got["grads"][name]), torch.from_numpy(g))
+        assert err <= rtol, f"step-1 gradient of {name}: relative error {err:.2e}"
     assert got["params"].keys() == ref["params"].keys()
     for name, p in ref["params"].items():
         err = relative_error(torch.from_numpy(got["params"][name]), torch.from_numpy(p))

@@ -32,6 +32,7 @@ from pentatron.parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 from tests.multiprocess import run_ranks
+from tests.reference_loop import relative_error
 
 STEPS, SEQ, MICRO, GLOBAL, CLIP = 10, 32, 2, 4, 1.0
 TOL = 1e-5
@@ -133,11 +134,13 @@ def _trainer_run(cfg: Any, dataset_dir: Path) -> dict[str, Any]:
     from pentatron.train.trainer import Trainer
 
     trainer = Trainer(cfg, dataset_dir=dataset_dir)
-    records = [trainer.train_step() for _ in range(cfg.train.steps)]
+    records = [trainer.train_step()]
+    grads = {n: g.numpy() for n, g in trainer.runner.full_gradients().items()}  # step 1, after clipping
+    records += [trainer.train_step() for _ in range(cfg.train.steps - 1)]
     full = trainer.runner.full_parameters()
     trainer.engine.close()
     return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
-            "params": {n: p.numpy() for n, p in full.items()}, "comm": trainer.last_comm.bytes_map()}
+            "params": {n: p.numpy() for n, p in full.items()}, "grads": grads, "comm": trainer.last_comm.bytes_map()}
 
 
 def _trainer_runs(rank: int, world_size: int, dataset_dir: Path) -> dict[tuple[int, bool], dict[str, Any]]:
@@ -152,5 +155,8 @@ def test_tp2_dp2_zero1_and_zero3_through_the_trainer_equal_one_process(default_d
         for rank, res in enumerate(runs):
             got = res[zero, sp]
             _assert_parity(ref, got, f"tp=2 dp=2 zero={zero} sp={sp} rank {rank}")
+            assert got["grads"].keys() == ref["grads"].keys()
+            for name, g in got["grads"].items():
+                assert relative_error(g, ref["grads"][name]) <= TOL, f"zero={zero} sp={sp}: step-1 grad of {name}"
             # The ledger splits bytes by mesh dimension: activations over tp, gradients/params over dp.
             assert got["comm"]["tp"] and got["comm"]["dp"], got["comm"]

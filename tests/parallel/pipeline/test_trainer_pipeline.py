@@ -1,5 +1,6 @@
 """Pipeline parallelism through the real `Trainer`: 10 steps of the (tied) debug model equal the
-1-process run — losses and grad norms each step, final parameters gathered from every stage — for
+1-process run — losses and grad norms each step, every parameter's step-1 gradient, final parameters
+gathered from every stage — for
 pp=2 with each of the four schedules (interleaved with v=2 over the 4 layers), pp=4 with 1F1B,
 pp=2 × dp=2 with ZeRO-1, and pp=2 × tp=2 with and without sequence parallelism.
 
@@ -22,6 +23,7 @@ from pentatron.config import Config, load_config
 from pentatron.parallel.pipeline.trace import read_chrome_trace
 from pentatron.schedules import bubble_fraction
 from tests.multiprocess import run_ranks
+from tests.reference_loop import relative_error
 
 STEPS, SEQ, MICRO, GLOBAL = 10, 32, 2, 8
 TOL = 1e-5
@@ -52,12 +54,14 @@ def _run(cfg: Config, dataset_dir: Path) -> dict[str, Any]:
     from pentatron.train.trainer import Trainer
 
     trainer = Trainer(cfg, dataset_dir=dataset_dir)
-    records = [trainer.train_step() for _ in range(cfg.train.steps)]
+    records = [trainer.train_step()]
+    grads = {n: g.numpy() for n, g in trainer.runner.full_gradients().items()}  # step 1, after clipping
+    records += [trainer.train_step() for _ in range(cfg.train.steps - 1)]
     full = trainer.runner.full_parameters()
     trainer.engine.close()
     return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
             "bubble": [r.get("bubble") for r in records], "peak": records[-1].get("pp_peak_in_flight"),
-            "params": {n: p.numpy() for n, p in full.items()}, "comm": trainer.last_comm.bytes_map()}
+            "params": {n: p.numpy() for n, p in full.items()}, "grads": grads, "comm": trainer.last_comm.bytes_map()}
 
 
 def _ranks(rank: int, world: int, dataset_dir: Path, log_dir: str) -> dict[str, dict[str, Any]]:
@@ -73,11 +77,11 @@ def reference(default_dataset) -> dict[str, Any]:
     return _run(_config(1, []), default_dataset)
 
 
-def _merged_params(runs: list[dict[str, Any]], label: str) -> dict[str, np.ndarray]:
-    """The full model from every rank's stages; each replica of a tensor must be identical."""
+def _merged_params(runs: list[dict[str, Any]], label: str, key: str = "params") -> dict[str, np.ndarray]:
+    """The full model (or its step-1 gradients) from every rank's stages; each replica must be identical."""
     merged: dict[str, np.ndarray] = {}
     for res in runs:
-        for name, p in res[label]["params"].items():
+        for name, p in res[label][key].items():
             if name in merged:
                 np.testing.assert_array_equal(p, merged[name], err_msg=f"{label}: replicas of {name} differ")
             merged[name] = p
@@ -94,6 +98,11 @@ def _assert_parity(ref: dict[str, Any], runs: list[dict[str, Any]], label: str) 
         np.testing.assert_allclose(got["norms"], ref["norms"], rtol=TOL, err_msg=f"{label} rank {rank}: norms")
         assert all(b is not None and b >= 0 for b in got["bubble"]), got["bubble"]
         assert got["comm"]["pp"], got["comm"]
+    grads = _merged_params(runs, label, "grads")
+    assert grads.keys() == ref["grads"].keys()
+    for name, full in ref["grads"].items():
+        err = relative_error(grads[name], full)
+        assert err <= TOL, f"{label}: step-1 gradient of {name} off by {err:.2e}"
     params = _merged_params(runs, label)
     assert params.keys() == ref["params"].keys()
     for name, full in ref["params"].items():
