@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 
 def _add_train_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -25,56 +27,128 @@ def _add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense TFLOP/s per device for MFU (default: hardware table / measured)")
+    multi = p.add_argument_group("several machines (run the same command on each, with its --node-rank)")
+    multi.add_argument("--nnodes", type=int, default=1, help="machines in the job (default 1)")
+    multi.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 … nnodes-1")
+    multi.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="node 0's address and a free port, where the ranks meet")
+    # Set by the launcher for its ranks: the checks it already made and the run directory it chose.
+    p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--preflight-done", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=run_train)
 
 
 def run_train(args: argparse.Namespace) -> int:
     from pentatron.config import ConfigError, load_config
-    from pentatron.data.errors import DataError
-    from pentatron.distributed.launch import launched_world_size, run_under_torchrun
+    from pentatron.distributed.launch import launched_world_size
 
     overrides = list(args.overrides) + list(args.dotted)
     if args.peak_tflops is not None:
         overrides.append(f"train.peak_tflops={args.peak_tflops}")
     outer = launched_world_size()
-    if outer is not None and args.nproc not in (None, outer):
-        return _input_error(f"--nproc {args.nproc} conflicts with the outer launcher's WORLD_SIZE={outer}; "
-                            "drop --nproc under torchrun/srun")
+    if outer is not None and (args.nproc not in (None, outer) or args.nnodes != 1):
+        return _input_error(f"--nproc/--nnodes conflict with the outer launcher's WORLD_SIZE={outer}; "
+                            "drop them under torchrun/srun")
     if args.nproc is not None and args.nproc < 1:
         return _input_error(f"--nproc must be ≥ 1, got {args.nproc}")
-    world = outer or args.nproc or 1
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        return _input_error(f"--node-rank must be within 0 … --nnodes-1, got --nnodes {args.nnodes} "
+                            f"--node-rank {args.node_rank}")
+    if args.nnodes > 1 and not (args.rdzv_endpoint and ":" in args.rdzv_endpoint):
+        return _input_error("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address and a free port)")
+    world = outer or (args.nproc or 1) * args.nnodes
     try:
         cfg = load_config(args.config, overrides, world_size=world)
     except ConfigError as e:
+        if outer is not None and outer > 1:
+            return _stop_all_ranks([str(e)])  # printed once, by rank 0
         return _input_error(str(e))
 
     if outer is None and world > 1:
-        # Validated above, so no process group ever starts on a bad config. Pre-build the default
-        # dataset once here, so that the ranks find it cached.
-        try:
-            _prepare_data(cfg)
-        except DataError as e:
-            return _input_error(str(e))
-        argv = ["train"] + ([args.config] if args.config else []) + [f"--set={o}" for o in overrides]
-        return run_under_torchrun(world, argv)
-    return _train_in_this_process(cfg)
+        return _launch(cfg, args, overrides, world)
+    return _train_in_this_process(cfg, args)
 
 
-def _prepare_data(cfg) -> None:  # noqa: ANN001 - Config, imported lazily
-    from pentatron.train.trainer import resolve_dataset
+def _launch(cfg, args: argparse.Namespace, overrides: list[str], world: int) -> int:  # noqa: ANN001
+    """The launcher: every check before any worker starts (so no process group ever starts on a bad
+    input), then the ranks, which find the default dataset and the CPU peak cached."""
+    from pentatron.distributed.launch import launch_local_ranks
+    from pentatron.observe.rundir import resolve_run_dir
+    from pentatron.preflight import preflight_problems
 
-    resolve_dataset(cfg, cfg.model_config().vocab_size)
+    problems = preflight_problems(cfg, world_size=world, build_default_data=True)
+    if problems:
+        return _problems_error(problems)
+    _refresh_cpu_peak(cfg)
+    argv = ["train"] + ([args.config] if args.config else []) + [f"--set={o}" for o in overrides]
+    argv.append("--preflight-done")
+    if args.node_rank == 0:
+        argv.append(f"--run-dir={resolve_run_dir(cfg).path}")
+    return launch_local_ranks(args.nproc or 1, argv, nnodes=args.nnodes, node_rank=args.node_rank,
+                              rdzv_endpoint=args.rdzv_endpoint)
 
 
-def _train_in_this_process(cfg) -> int:  # noqa: ANN001
+def _refresh_cpu_peak(cfg) -> None:  # noqa: ANN001
+    """Measure this machine's CPU peak (for MFU) while no rank competes for its threads."""
+    from pentatron.distributed.launch import local_device
+    from pentatron.observe.peak import cpu_peak_flops
+    from pentatron.train.precision import resolve_precision
+
+    device = local_device(cfg.train.device)
+    if device.type == "cpu" and cfg.train.peak_tflops is None:
+        cpu_peak_flops(resolve_precision(cfg.train.precision, device).param_dtype, refresh=True)
+
+
+def _train_in_this_process(cfg, args: argparse.Namespace) -> int:  # noqa: ANN001
+    """One rank (or the only process): checks agreed with the other ranks, then the run."""
     from pentatron.data.errors import DataError
-    from pentatron.distributed.launch import init_distributed, local_device
+    from pentatron.distributed.launch import (
+        agree_on_preflight,
+        init_distributed,
+        local_device,
+        rendezvous,
+        shutdown_distributed,
+    )
+    from pentatron.observe.rundir import RunDir, record_run, resolve_run_dir
+    from pentatron.observe.summary import finish_run
+    from pentatron.preflight import environment_problems, preflight_problems
     from pentatron.train.trainer import Trainer
 
-    rank = int(os.environ.get("RANK", "0"))
+    started = time.time()
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world > 1 and environment_problems():
+        # Without a complete environment the ranks cannot meet to agree: each says it (once per host).
+        return _problems_error(environment_problems()) if local_rank == 0 else 2
+    problems = preflight_problems(cfg, world_size=world, build_default_data=rank == 0)
+
+    def leader() -> dict[str, str]:
+        return {"run_dir": args.run_dir or str(resolve_run_dir(cfg).path)}
+
+    store = None
+    if world > 1:
+        store, rank, world = rendezvous()
+        if local_rank == 0 and not problems and not args.preflight_done:
+            _refresh_cpu_peak(cfg)  # the host's other ranks wait for the verdict meanwhile
+        verdict = agree_on_preflight(store, rank, world, problems, leader)
+    else:
+        if not problems:
+            _refresh_cpu_peak(cfg)
+        verdict = {"problems": problems, **({} if problems else leader())}
+    if verdict["problems"]:
+        return _problems_error(verdict["problems"]) if rank == 0 else 2
+    run_dir = RunDir(Path(verdict["run_dir"]), resumed=False)
+    cfg.log.dir = str(run_dir.path)
+
+    finished = False
     try:
-        init_distributed(local_device(cfg.train.device))
-        Trainer(cfg).fit()
+        init_distributed(local_device(cfg.train.device), store)
+        trainer = Trainer(cfg)
+        if rank == 0:
+            record_run(cfg, run_dir, trainer.dataset.path)
+        records = trainer.fit()
+        finish_run(trainer, records, wall_s=time.time() - started)
+        finished = True
     except DataError as e:
         return _input_error(f"rank {rank}: {e}")
     except KeyboardInterrupt:
@@ -85,11 +159,28 @@ def _train_in_this_process(cfg) -> int:  # noqa: ANN001
         print(f"pentatron: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_distributed(finished)
     return 0
+
+
+def _stop_all_ranks(problems: list[str]) -> int:
+    """Under an outer launcher: the ranks meet on the rendezvous store, rank 0 reports every rank's
+    problems once, and all exit 2."""
+    from pentatron.distributed.launch import agree_on_preflight, rendezvous
+    from pentatron.preflight import environment_problems
+
+    if environment_problems():
+        problems = environment_problems() + problems
+        return _problems_error(problems) if os.environ.get("LOCAL_RANK", "0") == "0" else 2
+    store, rank, world = rendezvous()
+    verdict = agree_on_preflight(store, rank, world, problems, dict)
+    return _problems_error(verdict["problems"]) if rank == 0 else 2
+
+
+def _problems_error(problems: list[str]) -> int:
+    if len(problems) == 1:
+        return _input_error(problems[0])
+    return _input_error("cannot start the run:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def _input_error(message: str) -> int:
