@@ -130,13 +130,13 @@ def _train_in_this_process(cfg, args: argparse.Namespace) -> int:  # noqa: ANN00
         store, rank, world = rendezvous()
         if local_rank == 0 and not problems and not args.preflight_done:
             _refresh_cpu_peak(cfg)  # the host's other ranks wait for the verdict meanwhile
-        verdict = agree_on_preflight(store, rank, world, problems, leader)
+        verdict = agree_on_preflight(store, rank, world, problems, leader, report=_problems_error)
     else:
         if not problems:
             _refresh_cpu_peak(cfg)
         verdict = {"problems": problems, **({} if problems else leader())}
     if verdict["problems"]:
-        return _problems_error(verdict["problems"]) if rank == 0 else 2
+        return 2 if world > 1 else _problems_error(verdict["problems"])
     run_dir = RunDir(Path(verdict["run_dir"]), resumed=False)
     cfg.log.dir = str(run_dir.path)
 
@@ -173,8 +173,8 @@ def _stop_all_ranks(problems: list[str]) -> int:
         problems = environment_problems() + problems
         return _problems_error(problems) if os.environ.get("LOCAL_RANK", "0") == "0" else 2
     store, rank, world = rendezvous()
-    verdict = agree_on_preflight(store, rank, world, problems, dict)
-    return _problems_error(verdict["problems"]) if rank == 0 else 2
+    agree_on_preflight(store, rank, world, problems, dict, report=_problems_error)
+    return 2
 
 
 def _problems_error(problems: list[str]) -> int:

@@ -112,20 +112,25 @@ def rendezvous(timeout_s: float = 600.0) -> tuple[dist.Store, int, int]:
 
 
 def agree_on_preflight(store: dist.Store, rank: int, world: int, problems: list[str],
-                       leader: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+                       leader: Callable[[], dict[str, Any]],
+                       report: Callable[[list[str]], object] = lambda problems: None) -> dict[str, Any]:
     """Pool every rank's preflight problems; returns {"problems": [...], **leader()} on every rank
-    (`leader` runs on rank 0, only when nothing is wrong). Nothing here needs a process group."""
+    (`leader` runs on rank 0, only when nothing is wrong). When something is wrong rank 0 `report`s
+    it before any rank returns, so no launcher stops rank 0 before it has spoken. Nothing here needs
+    a process group."""
     pre = dist.PrefixStore("pentatron/preflight", store)
     pre.set(f"rank{rank}", json.dumps(problems))
     if rank == 0:
         found = [json.loads(pre.get(f"rank{r}")) for r in range(world)]
         merged = merge_problems(found)
         verdict = {"problems": merged, **({} if merged else leader())}
+        if merged:
+            report(merged)
         pre.set("verdict", json.dumps(verdict))
     else:
         verdict = json.loads(pre.get("verdict"))
     pre.add("read", 1)
-    if rank == 0 and verdict["problems"]:
+    if rank == 0 and verdict["problems"] and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         # Under srun rank 0 hosts the store: stay until every rank has the verdict, then all exit 2.
         deadline = time.monotonic() + 60
         while pre.add("read", 0) < world and time.monotonic() < deadline:
