@@ -38,7 +38,7 @@ def machine_key(dtype: torch.dtype) -> str:
 
 
 def measure_cpu_peak(dtype: torch.dtype = torch.float32, sizes: tuple[int, ...] = SIZES, repeats: int = 3,
-                     seconds: float = 0.15) -> float:
+                     seconds: float = 0.08) -> float:
     """Best achieved FLOP/s of square matmuls over `sizes` × `repeats`, using every hardware thread."""
     previous = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or previous)
