@@ -27,8 +27,9 @@ class MetricsLogger:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.path = log_dir / "metrics.jsonl"
         # A resumed run redoes the steps after its checkpoint: drop their old records, so every step
-        # appears once (a fresh run, start_step 0, starts an empty file).
-        _keep_steps_up_to(self.path, start_step)
+        # appears once. (A fresh run gets a fresh directory from `observe.rundir`.)
+        if start_step > 0:
+            _keep_steps_up_to(self.path, start_step)
         self._file = self.path.open("a")
         self.tensorboard_dir: Path | None = None
         self._tb = None

@@ -19,7 +19,11 @@ def finish_run(trainer: Any, records: list[dict[str, Any]], wall_s: float) -> di
     peak = torch.tensor([max((r["peak_mem_bytes"] for r in records), default=0)], dtype=torch.int64,
                         device=trainer.device)
     trainer.comm.all_reduce(peak, "world", op="max")
-    if trainer.rank != 0 or not records:
+    if trainer.rank != 0:
+        return None
+    if not records:
+        print(f"pentatron: nothing to train: the checkpoint is at step {trainer.step} = train.steps; raise "
+              "train.steps to continue, or set checkpoint.resume=false to start over", flush=True)
         return None
     summary = build_summary(trainer, records, wall_s, int(peak.item()))
     path = Path(trainer.cfg.log.dir) / SUMMARY_FILE
