@@ -51,3 +51,20 @@ def test_multinode_flags_are_checked_before_launch(capsys):
     assert main(["train", "configs/debug.toml", "--nnodes", "2", "--node-rank", "2",
                  "--rdzv-endpoint", "h:1"]) == 2
     assert "--node-rank must be within" in capsys.readouterr().err
+
+
+
+def test_multinode_srun_without_master_addr_says_what_to_export(monkeypatch):
+    import os
+
+    from pentatron.distributed.launch import adopt_slurm_env
+    from pentatron.preflight import environment_problems
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(SLURM_PROCID="1", SLURM_NTASKS="4", SLURM_LOCALID="1", SLURM_NNODES="2")
+    monkeypatch.setattr(os, "environ", env)
+    adopt_slurm_env()
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("1", "4", "1", "2")
+    problems = environment_problems()
+    assert len(problems) == 2 and all("scontrol show hostnames" in p for p in problems)
+    assert problems[0].startswith("MASTER_ADDR is not set")

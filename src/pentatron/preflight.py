@@ -49,8 +49,12 @@ def environment_problems() -> list[str]:
     env = os.environ
     if "WORLD_SIZE" not in env:
         return []
-    p = [f"{name} is not set, but WORLD_SIZE={env['WORLD_SIZE']} is: start the ranks with torchrun or "
-         "srun (or set MASTER_ADDR/MASTER_PORT/RANK yourself)"
+    if "SLURM_PROCID" in env:
+        how = ('in the job script, export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1) '
+               "and MASTER_PORT=<a free port> before srun (README: Beyond one machine)")
+    else:
+        how = "start the ranks with torchrun or srun (or set MASTER_ADDR, MASTER_PORT and RANK yourself)"
+    p = [f"{name} is not set, but WORLD_SIZE={env['WORLD_SIZE']} is: {how}"
          for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in env]
     if not p and not env["MASTER_PORT"].isdigit():
         p.append(f"MASTER_PORT={env['MASTER_PORT']!r} is not a port number")
