@@ -7,12 +7,8 @@ traceback); 1 any other failure, with a message naming the rank.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 
 def _add_train_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -41,6 +37,7 @@ def _add_train_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_train(args: argparse.Namespace) -> int:
     from pentatron.config import ConfigError, load_config
     from pentatron.distributed.launch import launched_world_size
+    from pentatron.runner import launch, stop_all_ranks, train_in_this_process
 
     overrides = list(args.overrides) + list(args.dotted)
     if args.peak_tflops is not None:
@@ -61,126 +58,14 @@ def run_train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides, world_size=world)
     except ConfigError as e:
         if outer is not None and outer > 1:
-            return _stop_all_ranks([str(e)])  # printed once, by rank 0
+            return stop_all_ranks([str(e)])  # printed once, by rank 0
         return _input_error(str(e))
 
     if outer is None and world > 1:
-        return _launch(cfg, args, overrides, world)
-    return _train_in_this_process(cfg, args)
-
-
-def _launch(cfg, args: argparse.Namespace, overrides: list[str], world: int) -> int:  # noqa: ANN001
-    """The launcher: every check before any worker starts (so no process group ever starts on a bad
-    input), then the ranks, which find the default dataset and the CPU peak cached."""
-    from pentatron.distributed.launch import launch_local_ranks
-    from pentatron.observe.rundir import resolve_run_dir
-    from pentatron.preflight import preflight_problems
-
-    problems = preflight_problems(cfg, world_size=world, build_default_data=True)
-    if problems:
-        return _problems_error(problems)
-    _refresh_cpu_peak(cfg)
-    argv = ["train"] + ([args.config] if args.config else []) + [f"--set={o}" for o in overrides]
-    argv.append("--preflight-done")
-    if args.node_rank == 0:
-        argv.append(f"--run-dir={resolve_run_dir(cfg).path}")
-    return launch_local_ranks(args.nproc or 1, argv, nnodes=args.nnodes, node_rank=args.node_rank,
-                              rdzv_endpoint=args.rdzv_endpoint)
-
-
-def _refresh_cpu_peak(cfg) -> None:  # noqa: ANN001
-    """Measure this machine's CPU peak (for MFU) while no rank competes for its threads."""
-    from pentatron.distributed.launch import local_device
-    from pentatron.observe.peak import cpu_peak_flops
-    from pentatron.train.precision import resolve_precision
-
-    device = local_device(cfg.train.device)
-    if device.type == "cpu" and cfg.train.peak_tflops is None:
-        cpu_peak_flops(resolve_precision(cfg.train.precision, device).param_dtype, refresh=True)
-
-
-def _train_in_this_process(cfg, args: argparse.Namespace) -> int:  # noqa: ANN001
-    """One rank (or the only process): checks agreed with the other ranks, then the run."""
-    from pentatron.data.errors import DataError
-    from pentatron.distributed.launch import (
-        agree_on_preflight,
-        init_distributed,
-        local_device,
-        rendezvous,
-        shutdown_distributed,
-    )
-    from pentatron.observe.rundir import RunDir, record_run, resolve_run_dir
-    from pentatron.observe.summary import finish_run
-    from pentatron.preflight import environment_problems, preflight_problems
-    from pentatron.train.trainer import Trainer
-
-    started = time.time()
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if world > 1 and environment_problems():
-        # Without a complete environment the ranks cannot meet to agree: each says it (once per host).
-        return _problems_error(environment_problems()) if local_rank == 0 else 2
-    problems = preflight_problems(cfg, world_size=world, build_default_data=rank == 0)
-
-    def leader() -> dict[str, str]:
-        return {"run_dir": args.run_dir or str(resolve_run_dir(cfg).path)}
-
-    store = None
-    if world > 1:
-        store, rank, world = rendezvous()
-        if local_rank == 0 and not problems and not args.preflight_done:
-            _refresh_cpu_peak(cfg)  # the host's other ranks wait for the verdict meanwhile
-        verdict = agree_on_preflight(store, rank, world, problems, leader, report=_problems_error)
-    else:
-        if not problems:
-            _refresh_cpu_peak(cfg)
-        verdict = {"problems": problems, **({} if problems else leader())}
-    if verdict["problems"]:
-        return 2 if world > 1 else _problems_error(verdict["problems"])
-    run_dir = RunDir(Path(verdict["run_dir"]), resumed=False)
-    cfg.log.dir = str(run_dir.path)
-
-    finished = False
-    try:
-        init_distributed(local_device(cfg.train.device), store)
-        trainer = Trainer(cfg)
-        if rank == 0:
-            record_run(cfg, run_dir, trainer.dataset.path)
-        records = trainer.fit()
-        finish_run(trainer, records, wall_s=time.time() - started)
-        finished = True
-    except DataError as e:
-        return _input_error(f"rank {rank}: {e}")
-    except KeyboardInterrupt:
-        print(f"pentatron: rank {rank} interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # noqa: BLE001 - report which rank failed, with the traceback for debugging
-        traceback.print_exc()
-        print(f"pentatron: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    finally:
-        shutdown_distributed(finished)
-    return 0
-
-
-def _stop_all_ranks(problems: list[str]) -> int:
-    """Under an outer launcher: the ranks meet on the rendezvous store, rank 0 reports every rank's
-    problems once, and all exit 2."""
-    from pentatron.distributed.launch import agree_on_preflight, rendezvous
-    from pentatron.preflight import environment_problems
-
-    if environment_problems():
-        problems = environment_problems() + problems
-        return _problems_error(problems) if os.environ.get("LOCAL_RANK", "0") == "0" else 2
-    store, rank, world = rendezvous()
-    agree_on_preflight(store, rank, world, problems, dict, report=_problems_error)
-    return 2
-
-
-def _problems_error(problems: list[str]) -> int:
-    if len(problems) == 1:
-        return _input_error(problems[0])
-    return _input_error("cannot start the run:\n" + "\n".join(f"  - {p}" for p in problems))
+        argv = ["train"] + ([args.config] if args.config else []) + [f"--set={o}" for o in overrides]
+        return launch(cfg, argv, nproc=args.nproc or 1, nnodes=args.nnodes, node_rank=args.node_rank,
+                      rdzv_endpoint=args.rdzv_endpoint)
+    return train_in_this_process(cfg, run_dir=args.run_dir, preflight_done=args.preflight_done)
 
 
 def _input_error(message: str) -> int:
