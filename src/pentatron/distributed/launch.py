@@ -61,6 +61,7 @@ def launch_local_ranks(nproc: int, argv: list[str], nnodes: int = 1, node_rank: 
                        rdzv_endpoint: str | None = None) -> int:
     """Start `nproc` local copies of `pentatron <argv>` with torchrun's launcher (elastic agent) and
     return 0, 2 when the ranks stopped on a user error (they printed it), else 1 naming the ranks."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
@@ -88,6 +89,9 @@ def launch_local_ranks(nproc: int, argv: list[str], nnodes: int = 1, node_rank: 
             print(f"pentatron: rank {rank} exited with code {code}" +
                   (" (killed by a signal)" if code < 0 else ""), file=sys.stderr)
         return 1
+    except SignalException as e:  # Ctrl-C or a scheduler's SIGTERM: the agent has stopped the ranks
+        print(f"pentatron: stopped by {e.sigval.name}", file=sys.stderr)
+        return 128 + int(e.sigval)
     return 0
 
 
