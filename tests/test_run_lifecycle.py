@@ -22,16 +22,15 @@ def _flags(tmp: Path, dataset: Path, *extra: str) -> list[str]:
             "--set=log.progress=false", *extra]
 
 
-def test_finished_multiprocess_runs_exit_0_each_in_its_own_directory(tmp_path, default_dataset):
-    """Two runs of one config on 2 ranks: both exit 0 (no abort at shutdown), each logs to a fresh
-    directory, each with its summary; MFU ≤ 1 on every step. (benchmarks/teardown_stress.py repeats
-    the run 30 times.)"""
-    for _ in range(2):
-        done = pentatron_nproc([CONFIG, *_flags(tmp_path, default_dataset, "--set=train.steps=2")], 2, tmp_path)
-        assert done.codes == [0] and "terminate called" not in done.output, done.output[-3000:]
-        assert "run summary" in done.output and "tokens/s for the whole job" in done.output
+def test_finished_multiprocess_run_exits_0_in_its_own_directory(tmp_path, default_dataset):
+    """A run on 2 ranks exits 0 (no abort at shutdown) and logs to a fresh directory with its summary;
+    MFU ≤ 1 on every step. (benchmarks/teardown_stress.py repeats the run 30 times; two runs of one
+    config getting two directories is checked below, on 1 process.)"""
+    done = pentatron_nproc([CONFIG, *_flags(tmp_path, default_dataset, "--set=train.steps=2")], 2, tmp_path)
+    assert done.codes == [0] and "terminate called" not in done.output, done.output[-3000:]
+    assert "run summary" in done.output and "tokens/s for the whole job" in done.output
     runs = sorted(p for p in (tmp_path / "runs").iterdir() if not p.is_symlink())
-    assert len(runs) == 2
+    assert len(runs) == 1
     for run in runs:
         assert _steps(run) == [1, 2]
         summary = json.loads((run / "summary.json").read_text())
