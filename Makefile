@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m pentatron.cli train configs/demo.toml
+	$(PY) -m pentatron.cli demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests

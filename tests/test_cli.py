@@ -36,5 +36,35 @@ def test_train_with_nproc_2_runs_under_torchrun(tmp_path, default_dataset):
            "--set", f"log.dir={json.dumps(str(tmp_path / 'log'))}", "--set", "log.progress=false"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()
+    lines = (tmp_path / "log" / "latest" / "metrics.jsonl").read_text().splitlines()  # the run's own directory
     assert [json.loads(x)["step"] for x in lines] == [1, 2]
+
+
+def test_config_path_that_is_a_directory_says_so(tmp_path, capsys):
+    assert main(["train", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_multinode_flags_are_checked_before_launch(capsys):
+    assert main(["train", "configs/debug.toml", "--nproc", "2", "--nnodes", "2"]) == 2
+    assert "--rdzv-endpoint" in capsys.readouterr().err
+    assert main(["train", "configs/debug.toml", "--nnodes", "2", "--node-rank", "2",
+                 "--rdzv-endpoint", "h:1"]) == 2
+    assert "--node-rank must be within" in capsys.readouterr().err
+
+
+
+def test_multinode_srun_without_master_addr_says_what_to_export(monkeypatch):
+    import os
+
+    from pentatron.distributed.launch import adopt_slurm_env
+    from pentatron.preflight import environment_problems
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(SLURM_PROCID="1", SLURM_NTASKS="4", SLURM_LOCALID="1", SLURM_NNODES="2")
+    monkeypatch.setattr(os, "environ", env)
+    adopt_slurm_env()
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("1", "4", "1", "2")
+    problems = environment_problems()
+    assert len(problems) == 2 and all("scontrol show hostnames" in p for p in problems)
+    assert problems[0].startswith("MASTER_ADDR is not set")

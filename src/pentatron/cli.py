@@ -1,4 +1,4 @@
-"""`pentatron train | plan | bench | tokenize | convert | schedule` — the user-facing entry point.
+"""`pentatron train | plan | bench | tokenize | convert | schedule | generate | demo` — the user-facing entry point.
 
 Exit codes: 0 done; 2 configuration or input error (one message on stderr naming the field, no
 traceback); 1 any other failure, with a message naming the rank.
@@ -7,9 +7,7 @@ traceback); 1 any other failure, with a message naming the rank.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import traceback
 from collections.abc import Callable
 
 
@@ -25,71 +23,49 @@ def _add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense TFLOP/s per device for MFU (default: hardware table / measured)")
+    multi = p.add_argument_group("several machines (run the same command on each, with its --node-rank)")
+    multi.add_argument("--nnodes", type=int, default=1, help="machines in the job (default 1)")
+    multi.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 … nnodes-1")
+    multi.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="node 0's address and a free port, where the ranks meet")
+    # Set by the launcher for its ranks: the checks it already made and the run directory it chose.
+    p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--preflight-done", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=run_train)
 
 
 def run_train(args: argparse.Namespace) -> int:
     from pentatron.config import ConfigError, load_config
-    from pentatron.data.errors import DataError
-    from pentatron.distributed.launch import launched_world_size, run_under_torchrun
+    from pentatron.distributed.launch import launched_world_size
+    from pentatron.runner import launch, stop_all_ranks, train_in_this_process
 
     overrides = list(args.overrides) + list(args.dotted)
     if args.peak_tflops is not None:
         overrides.append(f"train.peak_tflops={args.peak_tflops}")
     outer = launched_world_size()
-    if outer is not None and args.nproc not in (None, outer):
-        return _input_error(f"--nproc {args.nproc} conflicts with the outer launcher's WORLD_SIZE={outer}; "
-                            "drop --nproc under torchrun/srun")
+    if outer is not None and (args.nproc not in (None, outer) or args.nnodes != 1):
+        return _input_error(f"--nproc/--nnodes conflict with the outer launcher's WORLD_SIZE={outer}; "
+                            "drop them under torchrun/srun")
     if args.nproc is not None and args.nproc < 1:
         return _input_error(f"--nproc must be ≥ 1, got {args.nproc}")
-    world = outer or args.nproc or 1
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        return _input_error(f"--node-rank must be within 0 … --nnodes-1, got --nnodes {args.nnodes} "
+                            f"--node-rank {args.node_rank}")
+    if args.nnodes > 1 and not (args.rdzv_endpoint and ":" in args.rdzv_endpoint):
+        return _input_error("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address and a free port)")
+    world = outer or (args.nproc or 1) * args.nnodes
     try:
         cfg = load_config(args.config, overrides, world_size=world)
     except ConfigError as e:
+        if outer is not None and outer > 1:
+            return stop_all_ranks([str(e)])  # printed once, by rank 0
         return _input_error(str(e))
 
     if outer is None and world > 1:
-        # Validated above, so no process group ever starts on a bad config. Pre-build the default
-        # dataset once here, so that the ranks find it cached.
-        try:
-            _prepare_data(cfg)
-        except DataError as e:
-            return _input_error(str(e))
         argv = ["train"] + ([args.config] if args.config else []) + [f"--set={o}" for o in overrides]
-        return run_under_torchrun(world, argv)
-    return _train_in_this_process(cfg)
-
-
-def _prepare_data(cfg) -> None:  # noqa: ANN001 - Config, imported lazily
-    from pentatron.train.trainer import resolve_dataset
-
-    resolve_dataset(cfg, cfg.model_config().vocab_size)
-
-
-def _train_in_this_process(cfg) -> int:  # noqa: ANN001
-    from pentatron.data.errors import DataError
-    from pentatron.distributed.launch import init_distributed, local_device
-    from pentatron.train.trainer import Trainer
-
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        init_distributed(local_device(cfg.train.device))
-        Trainer(cfg).fit()
-    except DataError as e:
-        return _input_error(f"rank {rank}: {e}")
-    except KeyboardInterrupt:
-        print(f"pentatron: rank {rank} interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # noqa: BLE001 - report which rank failed, with the traceback for debugging
-        traceback.print_exc()
-        print(f"pentatron: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+        return launch(cfg, argv, nproc=args.nproc or 1, nnodes=args.nnodes, node_rank=args.node_rank,
+                      rdzv_endpoint=args.rdzv_endpoint)
+    return train_in_this_process(cfg, run_dir=args.run_dir, preflight_done=args.preflight_done)
 
 
 def _input_error(message: str) -> int:
@@ -99,6 +75,8 @@ def _input_error(message: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from pentatron.data.tokenize import add_tokenize_parser
+    from pentatron.demo import add_demo_parser
+    from pentatron.generate import add_generate_parser
     from pentatron.models.hf import add_convert_parser
     from pentatron.parallel.pipeline.cli import add_schedule_parser
     from pentatron.plan.cli import add_bench_parser, add_plan_parser
@@ -107,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     registrars: list[Callable[[argparse._SubParsersAction], None]] = [
         _add_train_parser, add_plan_parser, add_bench_parser, add_tokenize_parser, add_convert_parser,
-        add_schedule_parser]
+        add_schedule_parser, add_generate_parser, add_demo_parser]
     for register in registrars:
         register(sub)
     return parser

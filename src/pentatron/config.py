@@ -240,6 +240,8 @@ def load_config(path: str | Path | None, overrides: list[str] = (), world_size: 
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError([f"config path {str(p)!r} is a directory; give a TOML file (e.g. configs/debug.toml)"])
         if not p.is_file():
             raise ConfigError([f"config file {str(p)!r} does not exist"])
         try:

@@ -382,6 +382,7 @@ def test_cli_verify_and_roundtrip(ckpts: dict, tmp_path: Path, capsys: pytest.Ca
     assert _cli("verify", str(src), "--seq-len", "40") == 0
     out = capsys.readouterr().out
     assert "max abs error" in out and "max rel error" in out
+    assert "PASS: max rel error" in out and "≤ tolerance 0.0001 (float32" in out
 
     dst = tmp_path / "out"
     assert _cli("hf-roundtrip", str(src), str(dst), "--max-shard-size", "30KB") == 0

@@ -415,4 +415,8 @@ def run_tokenize(args: argparse.Namespace) -> int:
         return 2
     print(f"{args.out}: {index.total_tokens:,} tokens, {index.num_documents:,} documents, "
           f"{len(index.shards)} shard(s), vocab {index.vocab_size}, fingerprint {index.fingerprint}")
+    print(f"train on it: pentatron train CONFIG --set data.path={json.dumps(str(args.out))} "
+          f"--set model.vocab_size={index.vocab_size}\n"
+          f"(model.vocab_size must be at least {index.max_token_id + 1}, the largest token id + 1; the tokenizer's "
+          f"vocabulary is {index.vocab_size}, and with tensor parallelism it must divide by parallel.tp)")
     return 0

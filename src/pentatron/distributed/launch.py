@@ -1,12 +1,29 @@
-"""Process launch: `pentatron train --nproc N` re-executes itself under torchrun; a process started by
-torchrun or by SLURM's srun joins the process group from the environment those launchers set."""
+"""Process launch and lifecycle.
+
+- `pentatron train --nproc N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT]` runs torchrun's
+  launcher in this process (`launch_local_ranks`), so that a rank's user error comes back as exit
+  code 2 with its one message instead of torchrun's ChildFailedError traceback.
+- A process started by torchrun or by SLURM's srun joins from the environment those launchers set
+  (`adopt_slurm_env` maps srun's variables onto torchrun's).
+- Before the process group exists, the ranks pool their preflight findings through the rendezvous
+  store (`agree_on_preflight`): rank 0 prints them once and every rank exits 2, or rank 0 hands out
+  what must be decided once (the run directory) and the group starts on that same store.
+- `shutdown_distributed`: a barrier, then the process group's destruction, so that no rank tears its
+  connections down while another still uses them (the cause of rare 'terminate called without an
+  active exception' aborts of finished runs).
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
-import subprocess
 import sys
+import time
+import uuid
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,15 +31,20 @@ import torch.distributed as dist
 
 def adopt_slurm_env() -> None:
     """Map srun's variables onto torchrun's, so `srun pentatron train …` works without torchrun.
-    MASTER_ADDR/PORT must come from the job script (the first node of the allocation)."""
+    MASTER_ADDR/MASTER_PORT come from the job script on a multi-node allocation (see README);
+    a one-node job defaults to this host."""
     env = os.environ
     if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
         return
     env["RANK"] = env["SLURM_PROCID"]
     env["WORLD_SIZE"] = env["SLURM_NTASKS"]
     env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
-    env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env.setdefault("MASTER_PORT", "29500")
+    nodes = int(env.get("SLURM_NNODES", "1"))
+    tasks = int(env["SLURM_NTASKS"])
+    env.setdefault("LOCAL_WORLD_SIZE", str(max(1, tasks // max(nodes, 1))))
+    if nodes <= 1:
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", "29500")
 
 
 def launched_world_size() -> int | None:
@@ -32,21 +54,132 @@ def launched_world_size() -> int | None:
     return int(ws) if ws is not None else None
 
 
-def run_under_torchrun(nproc: int, argv: list[str]) -> int:
-    """Start `nproc` local copies of `pentatron <argv>` with torchrun and return its exit code."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "pentatron.cli", *argv]
-    return subprocess.call(cmd)
+# ---------------------------------------------------------------------------- the local launcher
 
 
-def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
-    """Join the default process group when launched with more than one process (NCCL on GPU, gloo on CPU)."""
+def launch_local_ranks(nproc: int, argv: list[str], nnodes: int = 1, node_rank: int = 0,
+                       rdzv_endpoint: str | None = None) -> int:
+    """Start `nproc` local copies of `pentatron <argv>` with torchrun's launcher (elastic agent) and
+    return 0, 2 when the ranks stopped on a user error (they printed it), else 1 naming the ranks."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    # torchrun would set 1 thread per process and say so; share the cores out instead, quietly.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if nnodes == 1:
+        # What `torchrun --standalone` does: a private c10d rendezvous on a free local port.
+        launcher = ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={uuid.uuid4()}"]
+    else:
+        # The static rendezvous: node ranks are given; node 0's agent hosts the store at HOST:PORT.
+        launcher = [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--rdzv-endpoint={rdzv_endpoint}"]
+    args = parse_args([*launcher, f"--nproc-per-node={nproc}", "-m", "pentatron.cli", *argv])
+    if args.master_port is None:
+        args.master_port = 29500  # as torchrun's run(); only the static backend reads it
+    config, cmd, cmd_args = config_from_args(args)
+    _quiet_torchelastic()
+    try:
+        elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+    except ChildFailedError as e:
+        codes = {rank: f.exitcode for rank, f in e.failures.items()}
+        if any(c == 2 for c in codes.values()) and all(c == 2 or c < 0 for c in codes.values()):
+            return 2  # a user error: rank 0 has printed it, once
+        for rank, code in sorted(codes.items()):
+            print(f"pentatron: rank {rank} exited with code {code}" +
+                  (" (killed by a signal)" if code < 0 else ""), file=sys.stderr)
+        return 1
+    except SignalException as e:  # Ctrl-C or a scheduler's SIGTERM: the agent has stopped the ranks
+        print(f"pentatron: stopped by {e.sigval.name}", file=sys.stderr)
+        return 128 + int(e.sigval)
+    return 0
+
+
+def _quiet_torchelastic() -> None:
+    """The agent logs every rank's exit and its own traceback-like report at WARNING/ERROR; the ranks
+    report their own failures (naming the rank), so keep the agent to critical messages."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+
+
+# ---------------------------------------------------------------------------- joining a launched world
+
+
+def rendezvous(timeout_s: float = 600.0) -> tuple[dist.Store, int, int]:
+    """The store, rank and world size from the launcher's environment (env://: torchrun's agent store,
+    or under srun a store hosted by rank 0). The same store then starts the process group."""
+    store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store, rank, world
+
+
+def agree_on_preflight(store: dist.Store, rank: int, world: int, problems: list[str],
+                       leader: Callable[[], dict[str, Any]],
+                       report: Callable[[list[str]], object] = lambda problems: None) -> dict[str, Any]:
+    """Pool every rank's preflight problems; returns {"problems": [...], **leader()} on every rank
+    (`leader` runs on rank 0, only when nothing is wrong). When something is wrong rank 0 `report`s
+    it before any rank returns, so no launcher stops rank 0 before it has spoken. Nothing here needs
+    a process group."""
+    pre = dist.PrefixStore("pentatron/preflight", store)
+    pre.set(f"rank{rank}", json.dumps(problems))
+    if rank == 0:
+        found = [json.loads(pre.get(f"rank{r}")) for r in range(world)]
+        merged = merge_problems(found)
+        verdict = {"problems": merged, **({} if merged else leader())}
+        if merged:
+            report(merged)
+        pre.set("verdict", json.dumps(verdict))
+    else:
+        verdict = json.loads(pre.get("verdict"))
+    pre.add("read", 1)
+    if rank == 0 and verdict["problems"] and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        # Under srun rank 0 hosts the store: stay until every rank has the verdict, then all exit 2.
+        deadline = time.monotonic() + 60
+        while pre.add("read", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return verdict
+
+
+def merge_problems(per_rank: list[list[str]]) -> list[str]:
+    """Each distinct problem once; one that only some ranks see names them."""
+    world = len(per_rank)
+    order: list[str] = []
+    seen: dict[str, list[int]] = {}
+    for rank, problems in enumerate(per_rank):
+        for p in problems:
+            if p not in seen:
+                order.append(p)
+                seen[p] = []
+            seen[p].append(rank)
+    return [p if len(seen[p]) == world else f"rank {', '.join(map(str, seen[p]))}: {p}" for p in order]
+
+
+def init_distributed(device: torch.device, store: dist.Store | None = None, timeout_s: float = 600.0) -> None:
+    """Join the default process group when launched with more than one process (NCCL on GPU, gloo on
+    CPU), on `store` when the ranks already met through `rendezvous`."""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    if store is None:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
+
+
+def shutdown_distributed(finished: bool) -> None:
+    """Leave the process group. After a finished run every rank first meets at a barrier, so none
+    destroys its connections while a peer still sends on them; after a failure the peers may never
+    arrive, so the group is destroyed at once (the launcher stops the others)."""
+    if not dist.is_initialized():
+        return
+    if finished and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def local_device(kind: str) -> torch.device:

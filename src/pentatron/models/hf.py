@@ -513,7 +513,8 @@ def _verify(args: argparse.Namespace) -> int:
     try:
         import transformers
     except ImportError:
-        print("transformers is not installed: skipped the comparison with LlamaForCausalLM")
+        print("NOT CHECKED: transformers is not installed, so the logits were not compared with "
+              "LlamaForCausalLM (pip install transformers)")
         return 0
     # Only the local directory (validated by import_hf above), never the hub; eager attention is the
     # plain reference implementation. 5.x renamed torch_dtype to dtype.
@@ -526,7 +527,9 @@ def _verify(args: argparse.Namespace) -> int:
     print(f"max abs error {err:.3e}; max rel error {rel:.3e} (max abs error / max |HF logit|)")
     tol = _VERIFY_TOL[args.dtype] if args.tol is None else args.tol
     if not rel <= tol:  # also catches NaN
+        print(f"FAIL: max rel error {rel:.3e} > tolerance {tol:g} ({args.dtype}; --tol to change)")
         print(f"pentatron: error: convert verify: relative error {rel:.3e} exceeds --tol {tol:g}",
               file=sys.stderr)
         return 1
+    print(f"PASS: max rel error {rel:.3e} ≤ tolerance {tol:g} ({args.dtype}; --tol to change)")
     return 0

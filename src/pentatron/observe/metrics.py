@@ -4,25 +4,42 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+# Printed with the comm table (the ledger's columns, see distributed/comm.py).
+COMM_LEGEND = ("(payload = bytes of the tensors this rank hands to the op; wire bytes/rank = bytes it sends "
+               "on a ring of n ranks: 2(n-1)/n × payload for all_reduce, (n-1)/n × payload for all_gather, "
+               "reduce_scatter and broadcast, the payload for send/recv)")
+
 
 class MetricsLogger:
     COLUMNS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_bytes")
+    LEGEND = ("pentatron: columns: loss = mean over the global batch; tokens/s = whole job (all ranks "
+              "together); MFU = model FLOP/s ÷ (peak per device × devices); peak mem = rank 0's peak "
+              "(CUDA: allocated tensors; CPU: process resident set)")
 
     def __init__(self, log_dir: Path, total_steps: int, tensorboard: bool, progress: bool,
                  start_step: int = 0) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.path = log_dir / "metrics.jsonl"
+        # A resumed run redoes the steps after its checkpoint: drop their old records, so every step
+        # appears once. (A fresh run gets a fresh directory from `observe.rundir`.)
+        if start_step > 0:
+            _keep_steps_up_to(self.path, start_step)
         self._file = self.path.open("a")
+        self.tensorboard_dir: Path | None = None
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(log_dir / "tensorboard"))
+            self.tensorboard_dir = log_dir / "tensorboard"
+            # purge_step: TensorBoard discards the earlier events of steps ≥ it (the redone ones).
+            self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir),
+                                     purge_step=start_step + 1 if start_step else None)
         # disable=None: a live bar on a terminal only; piped output keeps just the table rows.
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                          disable=None if progress else True, dynamic_ncols=True, leave=False)
@@ -39,7 +56,8 @@ class MetricsLogger:
         self._bar.set_postfix(loss=f"{record['loss']:.4f}")
         if console or not self._header_done:  # the first step is always shown
             if not self._header_done:
-                self._bar.write(self._row(("step", "loss", "grad_norm", "lr", "tokens/s", "MFU", "peak mem")))
+                self._bar.write(self.LEGEND)
+                self._bar.write(self._row(("step", "loss", "grad_norm", "lr", "tokens/s all", "MFU", "peak mem r0")))
                 self._header_done = True
             self._bar.write(self._row(self._cells(record)))
 
@@ -59,3 +77,19 @@ class MetricsLogger:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _keep_steps_up_to(path: Path, last_step: int) -> None:
+    """Rewrite metrics.jsonl with only the records of steps ≤ last_step (atomically)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line from a killed run
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(x + "\n" for x in kept))
+    os.replace(tmp, path)

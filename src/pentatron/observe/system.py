@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
 
 import torch
+
+from pentatron.observe.peak import cpu_peak_flops
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -34,7 +37,7 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float | None) -> tuple[float, str]:
-    """Peak dense FLOP/s per device and where the number came from."""
+    """Peak dense FLOP/s per device (on CPU: per rank) and where the number came from."""
     if override_tflops is not None:
         return override_tflops * 1e12, "train.peak_tflops"
     if device.type == "cuda":
@@ -45,4 +48,12 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float 
         key = {torch.bfloat16: "bf16", torch.float16: "bf16", torch.float32: "tf32"}.get(dtype, "bf16")
         if spec is not None and key in spec.peak_flops:
             return spec.peak_flops[key], f"datasheet ({spec.name}, {key})"
-    return measure_matmul_flops(device, dtype), "measured matmul"
+        best = max(measure_matmul_flops(device, dtype, n) for n in (4096, 8192, 8192))
+        return best, f"measured {name} matmul, best of 3 (no datasheet entry; set train.peak_tflops)"
+    # The CPU is shared by this host's ranks: each one's share of the machine's measured peak, so
+    # MFU = job FLOP/s ÷ (machine peak × hosts) can never exceed 1.
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    machine = cpu_peak_flops(dtype, refresh=False)
+    share = f", ÷ {local_ranks} ranks on this host" if local_ranks > 1 else ""
+    return machine / local_ranks, (f"measured CPU peak {machine / 1e12:.3f} TFLOP/s, all {os.cpu_count()} "
+                                   f"threads, best over sizes and repeats{share}")

@@ -20,7 +20,7 @@ from pentatron.data.tokenize import ensure_default_dataset
 from pentatron.distributed.context import ParallelContext, resolve_degrees
 from pentatron.distributed.launch import local_device
 from pentatron.models.llama import build_model
-from pentatron.observe.metrics import MetricsLogger
+from pentatron.observe.metrics import COMM_LEGEND, MetricsLogger
 from pentatron.observe.system import peak_flops, peak_memory_bytes
 from pentatron.parallel.parallelize import parallelize
 from pentatron.parallel.pipeline.trace import write_rank_trace
@@ -157,7 +157,8 @@ class Trainer:
                     # The comm table: on the first step, and again whenever the pattern changes.
                     table = self.last_comm.table()
                     if console and table != last_table:
-                        print(f"pentatron: communication per rank, step {self.step}:\n{table}", flush=True)
+                        print(f"pentatron: communication per rank, step {self.step} {COMM_LEGEND}:\n{table}",
+                              flush=True)
                         last_table = table
                 if self.store is not None and self._checkpoint_due():
                     self.save_checkpoint()

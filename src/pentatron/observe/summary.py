@@ -1,0 +1,104 @@
+"""The end of a run: one summary — loss, throughput, MFU, memory, time and where everything was written —
+on the console and in `<run dir>/summary.json`. Every number says what it is (per rank or for the
+whole job, which memory)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUMMARY_FILE = "summary.json"
+
+
+def finish_run(trainer: Any, records: list[dict[str, Any]], wall_s: float) -> dict[str, Any] | None:
+    """Collective (every rank calls it): the peak memory over ranks; rank 0 then writes and prints the
+    summary, which it returns (None elsewhere, or when no step ran)."""
+    peak = torch.tensor([max((r["peak_mem_bytes"] for r in records), default=0)], dtype=torch.int64,
+                        device=trainer.device)
+    trainer.comm.all_reduce(peak, "world", op="max")
+    if trainer.rank != 0:
+        return None
+    if not records:
+        print(f"pentatron: nothing to train: the checkpoint is at step {trainer.step} = train.steps; raise "
+              "train.steps to continue, or set checkpoint.resume=false to start over", flush=True)
+        return None
+    summary = build_summary(trainer, records, wall_s, int(peak.item()))
+    path = Path(trainer.cfg.log.dir) / SUMMARY_FILE
+    summary["paths"]["summary"] = str(path)
+    path.write_text(json.dumps(summary, indent=1))
+    print(format_summary(summary), flush=True)
+    return summary
+
+
+def build_summary(trainer: Any, records: list[dict[str, Any]], wall_s: float, peak_mem_bytes: int
+                  ) -> dict[str, Any]:
+    cfg, par = trainer.cfg, trainer.cfg.parallel
+    losses = [(r["loss"], r["step"]) for r in records]
+    # The first step of a process pays for warm-up (allocations, thread pools): averaged without it.
+    timed = records[1:] if len(records) > 1 else records
+    mean_tps = sum(r["tokens_per_s"] for r in timed) / len(timed)
+    mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
+    run_dir = Path(cfg.log.dir)
+    latest = trainer.store.latest() if trainer.store is not None else None
+    return {
+        "model": {"name": trainer.model_cfg.name, "parameters": trainer.n_params},
+        "layout": {"world": trainer.world_size, "dp": trainer.dp, "tp": par.tp, "pp": par.pp, "zero": par.zero,
+                   "sp": par.sp, "pp_schedule": par.pp_schedule if par.pp > 1 else None,
+                   "device": str(trainer.device), "precision": trainer.policy.name},
+        "steps": {"first": records[0]["step"], "last": records[-1]["step"],
+                  "resumed_from": records[0]["step"] - 1 if records[0]["step"] > 1 else None},
+        "loss": {"first": losses[0][0], "final": losses[-1][0], "min": min(losses)[0], "min_step": min(losses)[1]},
+        "tokens_per_s": {"mean_all_ranks": mean_tps, "mean_per_rank": mean_tps / trainer.world_size,
+                         "steps_averaged": [timed[0]["step"], timed[-1]["step"]]},
+        "mfu": {"mean": sum(mfus) / len(mfus) if mfus else None, "max": max(mfus) if mfus else None,
+                "peak_flops_per_device": trainer.peak_flops, "peak_source": trainer.peak_source},
+        "memory": {"peak_bytes_max_over_ranks": peak_mem_bytes,
+                   "kind": "CUDA allocator peak (tensors)" if trainer.device.type == "cuda"
+                   else "CPU process peak resident set (whole process: Python, torch, data)",
+                   "model_state_per_rank": trainer.memory.describe()},
+        "time": {"wall_s": wall_s, "train_steps_s": sum(r["step_time_s"] for r in records)},
+        "paths": {"run_dir": str(run_dir), "metrics": str(run_dir / "metrics.jsonl"),
+                  "tensorboard": str(run_dir / "tensorboard") if cfg.log.tensorboard else None,
+                  "checkpoint": str(latest) if latest is not None else None,
+                  "dataset": str(trainer.dataset.path),
+                  "pp_trace": str(run_dir / "pp_trace") if cfg.log.pp_trace and par.pp > 1 else None},
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lay, loss, tps, mfu, mem, t, paths = (s[k] for k in ("layout", "loss", "tokens_per_s", "mfu", "memory",
+                                                        "time", "paths"))
+    steps = s["steps"]
+    resumed = f" (resumed after step {steps['resumed_from']})" if steps["resumed_from"] else ""
+    a, b = tps["steps_averaged"]
+    rows = [
+        ("model", f"{s['model']['name']}, {s['model']['parameters'] / 1e6:.2f}M parameters, world={lay['world']} "
+                  f"(dp={lay['dp']} tp={lay['tp']} pp={lay['pp']} zero={lay['zero']}) on {lay['device']}"),
+        ("steps", f"{steps['first']} … {steps['last']}{resumed}"),
+        ("loss", f"final {loss['final']:.4f}, min {loss['min']:.4f} at step {loss['min_step']} "
+                 f"(first logged {loss['first']:.4f})"),
+        ("throughput", f"{tps['mean_all_ranks']:,.0f} tokens/s for the whole job = {tps['mean_per_rank']:,.0f} "
+                       f"per rank (mean of steps {a}–{b})"),
+    ]
+    if mfu["mean"] is not None:
+        rows.append(("MFU", f"{100 * mfu['mean']:.1f} % mean, {100 * mfu['max']:.1f} % best step, against "
+                            f"{mfu['peak_flops_per_device'] / 1e12:.4g} TFLOP/s per rank ({mfu['peak_source']})"))
+    rows += [
+        ("peak memory", f"{mem['peak_bytes_max_over_ranks'] / 2**20:,.0f} MiB on the busiest rank ({mem['kind']})"),
+        ("model state", mem["model_state_per_rank"]),
+        ("time", f"{t['wall_s']:.1f} s wall clock, of which {t['train_steps_s']:.1f} s in training steps"),
+        ("metrics", paths["metrics"]),
+    ]
+    if paths["tensorboard"]:
+        rows.append(("TensorBoard", f"{paths['tensorboard']}  (view: tensorboard --logdir "
+                                    f"{Path(paths['run_dir']).parent})"))
+    if paths["pp_trace"]:
+        rows.append(("pipeline traces", paths["pp_trace"]))
+    rows.append(("checkpoint", paths["checkpoint"] or "none (set checkpoint.dir to save)"))
+    rows.append(("dataset", f"{paths['dataset']} (tokenized, cached)"))
+    rows.append(("summary", paths.get("summary", "")))
+    width = max(len(k) for k, _ in rows)
+    return "pentatron: run summary\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,123 @@
+"""Checks of everything a user can fix — device, data, checkpoint, log directory, launch environment —
+made before any worker or process group starts, so that each problem is reported once, with exit
+code 2 and no traceback, whether the run was started by `pentatron train --nproc N`, an outer torchrun
+or srun. (The config itself is validated earlier, by `config.load_config`.)
+
+Every check is a pure function of the config, the files and the host, so every rank reaches the same
+verdict; `distributed/launch.agree_on_preflight` still pools the ranks' findings through the
+rendezvous store, for the problems that only some hosts see (a file missing on one node).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from pentatron.config import Config, resolved_dp
+from pentatron.data.errors import DataError
+
+
+def preflight_problems(cfg: Config, *, world_size: int, build_default_data: bool) -> list[str]:
+    """Every user-fixable problem found on this host (empty: go). `build_default_data` tokenizes the
+    built-in corpus if it is not cached yet (the launcher or rank 0 does it, once)."""
+    problems = device_problems(cfg) + environment_problems()
+    problems += data_problems(cfg, build_default_data)
+    problems += checkpoint_problems(cfg, world_size)
+    problems += log_problems(cfg)
+    return problems
+
+
+def device_problems(cfg: Config) -> list[str]:
+    kind = cfg.train.device
+    if kind == "cuda" and not torch.cuda.is_available():
+        return ["train.device='cuda' but this host has no usable CUDA device (torch.cuda.is_available() is "
+                f"False, torch {torch.__version__}); use train.device=cpu (or auto)"]
+    if kind != "cpu" and torch.cuda.is_available():
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        gpus = torch.cuda.device_count()
+        if local_ranks > gpus:
+            return [f"{local_ranks} processes on this host but only {gpus} CUDA device(s): NCCL needs one GPU "
+                    "per process; launch at most that many per node"]
+    return []
+
+
+def environment_problems() -> list[str]:
+    """A launch environment that cannot form a process group (checked before anyone waits on it)."""
+    env = os.environ
+    if "WORLD_SIZE" not in env:
+        return []
+    if "SLURM_PROCID" in env:
+        how = ('in the job script, export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1) '
+               "and MASTER_PORT=<a free port> before srun (README: Beyond one machine)")
+    else:
+        how = "start the ranks with torchrun or srun (or set MASTER_ADDR, MASTER_PORT and RANK yourself)"
+    p = [f"{name} is not set, but WORLD_SIZE={env['WORLD_SIZE']} is: {how}"
+         for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in env]
+    if not p and not env["MASTER_PORT"].isdigit():
+        p.append(f"MASTER_PORT={env['MASTER_PORT']!r} is not a port number")
+    return p
+
+
+def data_problems(cfg: Config, build_default_data: bool) -> list[str]:
+    from pentatron.data.loader import TokenDataset
+    from pentatron.train.trainer import resolve_dataset
+
+    if not cfg.data.path and not build_default_data:
+        return []  # the built-in corpus is prepared (and checked) by rank 0
+    vocab = cfg.model_config().vocab_size
+    try:
+        dataset = TokenDataset(resolve_dataset(cfg, vocab))
+        dataset.check_vocab(vocab)
+    except DataError as e:
+        return [str(e)]
+    return []
+
+
+def checkpoint_problems(cfg: Config, world_size: int) -> list[str]:
+    """A checkpoint directory that cannot be written, or a `latest` that cannot be resumed."""
+    ck = cfg.checkpoint
+    if not ck.dir:
+        return []
+    root = Path(ck.dir)
+    if root.exists() and not root.is_dir():
+        return [f"checkpoint.dir {ck.dir!r} is a file, not a directory"]
+    pointer = root / "latest"
+    if not ck.resume or not pointer.is_file():
+        return []
+    target = root / pointer.read_text().strip()
+    meta_path = target / "meta.json"
+    fix = (f"remove {pointer} to start fresh, or set checkpoint.resume=false (or another checkpoint.dir)")
+    if not meta_path.is_file():
+        return [f"{pointer} names {target}, which is not a complete checkpoint; {fix}"]
+    try:
+        meta = json.loads(meta_path.read_text())
+        saved = meta.get("layout", {"zero": 0})
+        model = meta.get("model", {})
+    except (OSError, ValueError, AttributeError) as e:
+        return [f"{meta_path} is unreadable ({e}); {fix}"]
+    problems = []
+    par = cfg.parallel
+    layout = [("tp", par.tp), ("pp", par.pp), ("zero", par.zero)]
+    if saved.get("zero", 0) > 0:  # ZeRO shards are cut by dp (replicated state is not)
+        layout.append(("dp", resolved_dp(cfg, world_size)))
+    for key, mine in layout:
+        if key in saved and saved[key] != mine:
+            problems.append(f"checkpoint {target} was written with parallel.{key}={saved[key]}, this run has "
+                            f"parallel.{key}={mine}; resuming into another layout is not supported yet: set "
+                            f"parallel.{key}={saved[key]}, or {fix}")
+    current = json.loads(json.dumps(cfg.model_config().to_dict()))  # tuples → lists, as saved
+    changed = sorted(k for k in model if k in current and model[k] != current[k])
+    if changed:
+        problems.append(f"checkpoint {target} holds a model with a different shape "
+                        f"({', '.join(f'{k}={model[k]!r} vs {current[k]!r}' for k in changed)}); {fix}")
+    return problems
+
+
+def log_problems(cfg: Config) -> list[str]:
+    path = Path(cfg.log.dir)
+    if path.exists() and not path.is_dir():
+        return [f"log.dir {cfg.log.dir!r} is a file, not a directory"]
+    return []

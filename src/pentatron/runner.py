@@ -1,0 +1,137 @@
+"""How `pentatron train` runs, after the config is loaded: the launcher (`launch`), each rank's checks
+agreed with the others, the run, its summary and a clean exit (`train_in_this_process`), and the
+all-ranks stop on a user error (`stop_all_ranks`). docs/running.md walks through it.
+
+Exit codes: 0 done; 2 a user-fixable problem (reported once, no traceback); 1 any other failure, with
+a message naming the rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from pentatron.config import Config
+
+
+def launch(cfg: Config, argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0,
+           rdzv_endpoint: str | None = None) -> int:
+    """The launcher: every check before any worker starts (so no process group ever starts on a bad
+    input), then `nproc` local ranks running `pentatron <argv>`, which find the default dataset and
+    the CPU peak cached, and node 0's run directory chosen."""
+    from pentatron.distributed.launch import launch_local_ranks
+    from pentatron.observe.rundir import resolve_run_dir
+    from pentatron.preflight import preflight_problems
+
+    problems = preflight_problems(cfg, world_size=nproc * nnodes, build_default_data=True)
+    if problems:
+        return problems_error(problems)
+    refresh_cpu_peak(cfg)
+    argv = [*argv, "--preflight-done"]
+    if node_rank == 0:
+        argv.append(f"--run-dir={resolve_run_dir(cfg).path}")
+    return launch_local_ranks(nproc, argv, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+
+
+def refresh_cpu_peak(cfg: Config) -> None:
+    """Measure this machine's CPU peak (for MFU) while no rank competes for its threads."""
+    from pentatron.distributed.launch import local_device
+    from pentatron.observe.peak import cpu_peak_flops
+    from pentatron.train.precision import resolve_precision
+
+    device = local_device(cfg.train.device)
+    if device.type == "cpu" and cfg.train.peak_tflops is None:
+        cpu_peak_flops(resolve_precision(cfg.train.precision, device).param_dtype, refresh=True)
+
+
+def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_done: bool = False) -> int:
+    """One rank (or the only process): checks agreed with the other ranks, then the run. `run_dir` and
+    `preflight_done` come from `launch` (node 0's choice; the launcher measured the CPU peak)."""
+    from pentatron.data.errors import DataError
+    from pentatron.distributed.launch import (
+        agree_on_preflight,
+        init_distributed,
+        local_device,
+        rendezvous,
+        shutdown_distributed,
+    )
+    from pentatron.observe.rundir import RunDir, record_run, resolve_run_dir
+    from pentatron.observe.summary import finish_run
+    from pentatron.preflight import environment_problems, preflight_problems
+    from pentatron.train.trainer import Trainer
+
+    started = time.time()
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world > 1 and environment_problems():
+        # Without a complete environment the ranks cannot meet to agree: each says it (once per host).
+        return problems_error(environment_problems()) if local_rank == 0 else 2
+    problems = preflight_problems(cfg, world_size=world, build_default_data=rank == 0)
+
+    def leader() -> dict[str, str]:
+        return {"run_dir": run_dir or str(resolve_run_dir(cfg).path)}
+
+    store = None
+    if world > 1:
+        store, rank, world = rendezvous()
+        if local_rank == 0 and not problems and not preflight_done:
+            refresh_cpu_peak(cfg)  # the host's other ranks wait for the verdict meanwhile
+        verdict = agree_on_preflight(store, rank, world, problems, leader, report=problems_error)
+    else:
+        if not problems:
+            refresh_cpu_peak(cfg)
+        verdict = {"problems": problems, **({} if problems else leader())}
+    if verdict["problems"]:
+        return 2 if world > 1 else problems_error(verdict["problems"])
+    chosen = RunDir(Path(verdict["run_dir"]), resumed=False)
+    cfg.log.dir = str(chosen.path)
+
+    finished = False
+    try:
+        init_distributed(local_device(cfg.train.device), store)
+        trainer = Trainer(cfg)
+        if rank == 0:
+            record_run(cfg, chosen, trainer.dataset.path)
+        records = trainer.fit()
+        finish_run(trainer, records, wall_s=time.time() - started)
+        finished = True
+    except DataError as e:
+        return input_error(f"rank {rank}: {e}")
+    except KeyboardInterrupt:
+        print(f"pentatron: rank {rank} interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - report which rank failed, with the traceback for debugging
+        traceback.print_exc()
+        print(f"pentatron: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        shutdown_distributed(finished)
+    return 0
+
+
+def stop_all_ranks(problems: list[str]) -> int:
+    """Under an outer launcher: the ranks meet on the rendezvous store, rank 0 reports every rank's
+    problems once, and all exit 2."""
+    from pentatron.distributed.launch import agree_on_preflight, rendezvous
+    from pentatron.preflight import environment_problems
+
+    if environment_problems():
+        problems = environment_problems() + problems
+        return problems_error(problems) if os.environ.get("LOCAL_RANK", "0") == "0" else 2
+    store, rank, world = rendezvous()
+    agree_on_preflight(store, rank, world, problems, dict, report=problems_error)
+    return 2
+
+
+def problems_error(problems: list[str]) -> int:
+    if len(problems) == 1:
+        return input_error(problems[0])
+    return input_error("cannot start the run:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def input_error(message: str) -> int:
+    print(f"pentatron: error: {message}", file=sys.stderr)
+    return 2

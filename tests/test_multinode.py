@@ -1,0 +1,73 @@
+"""Beyond one machine, on one machine: two launchers with --nnodes 2 --node-rank 0|1 --rdzv-endpoint
+(2 processes each), and the same 4 ranks started with srun's environment over 2 "nodes", train a
+dp2×tp2 layout to the 1-process losses. The srun run's checkpoint, read back by `pentatron generate`
+(tp shards reassembled), holds the 1-process run's weights."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+
+from pentatron.cli import main
+from pentatron.generate import load_model
+from tests.launchers import PY, _env, free_port, srun_tasks
+
+CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
+STEPS = 3
+
+
+def _losses(log_dir: Path) -> list[float]:
+    (summary,) = [p for p in log_dir.glob("*/summary.json") if not p.parent.is_symlink()]
+    return [json.loads(x)["loss"] for x in (summary.parent / "metrics.jsonl").read_text().splitlines()]
+
+
+def _args(tmp: Path, name: str, dataset: Path, *extra: str) -> list[str]:
+    return [CONFIG, f"--set=data.path={json.dumps(str(dataset))}", f"--set=train.steps={STEPS}",
+            f"--set=log.dir={json.dumps(str(tmp / name))}", "--set=log.progress=false",
+            f"--set=checkpoint.dir={json.dumps(str(tmp / name / 'ck'))}", *extra]
+
+
+def test_two_nodes_and_srun_match_one_process(tmp_path, default_dataset, capsys):
+    assert main(["train", *_args(tmp_path, "single", default_dataset)]) == 0
+    capsys.readouterr()
+    reference = _losses(tmp_path / "single")
+
+    layout = ("--set=parallel.tp=2",)
+    endpoint = f"localhost:{free_port()}"
+    nodes = [subprocess.Popen([PY, "-m", "pentatron.cli", "train", *_args(tmp_path, "nodes", default_dataset, *layout),
+                               "--nproc=2", "--nnodes=2", f"--node-rank={r}", f"--rdzv-endpoint={endpoint}"],
+                              cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=400)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    assert "dp=2 tp=2" in outs[0]
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "nodes")), torch.tensor(reference),
+                               rtol=0, atol=1e-5)
+
+    slurm = srun_tasks(_args(tmp_path, "srun", default_dataset, *layout), 4, tmp_path, timeout=400, nnodes=2)
+    assert slurm.codes == [0] * 4, slurm.output[-3000:]
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "srun")), torch.tensor(reference),
+                               rtol=0, atol=1e-5)
+
+    # `pentatron generate` reassembles the tp shards into the 1-process model.
+    single, _, _ = load_model(tmp_path / "single" / "ck")
+    sharded, _, _ = load_model(tmp_path / "srun" / "ck")
+    want = dict(single.named_parameters())
+    for name, p in sharded.named_parameters():
+        torch.testing.assert_close(p, want[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_generate_prints_text_from_a_checkpoint_and_refuses_what_is_not_one(tmp_path, default_dataset, capsys):
+    assert main(["train", *_args(tmp_path, "run", default_dataset, "--set=train.steps=2")]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "run" / "ck"), "--prompt", "import os", "--max-new-tokens", "5"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("import os") and "greedy" in captured.err
+    assert main(["generate", str(tmp_path / "run" / "ck"), "--prompt", "x", "--top-k", "5",
+                 "--max-new-tokens", "3"]) == 0
+    assert "top-5 sampling" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
+    assert "is not a checkpoint" in capsys.readouterr().err

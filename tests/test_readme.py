@@ -1,0 +1,80 @@
+"""The README's tour, replayed: every command of its first ```bash block under "A short tour" runs (with
+small sizes), so the README cannot drift from the code. And `pentatron demo` (what `make demo` runs),
+shortened."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+from tests.launchers import PY, ROOT, _env
+
+SMALL = ["--set=train.steps=2", "--set=train.warmup=1", "--set=log.progress=false"]
+
+
+def tour_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    tour = text[text.index("## A short tour"):]
+    block = re.search(r"```bash\n(.*?)```", tour, re.S)
+    assert block is not None, "README: no ```bash block under 'A short tour'"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def _argv(line: str, dataset: Path, hf_dir: Path) -> list[str]:
+    words = shlex.split(line, comments=True)
+    program = {"pentatron": [PY, "-m", "pentatron.cli"], "torchrun": [PY, "-m", "torch.distributed.run"]}
+    assert words[0] in program, f"README tour command must start with pentatron or torchrun: {line}"
+    words = [str(hf_dir) if w == "path/to/hf_llama_checkpoint" else w for w in words]
+    argv = program[words[0]] + words[1:]
+    if "train" in words:
+        argv += SMALL
+        if not any(w.startswith("data.path=") for w in words):
+            argv.append(f"--set=data.path={json.dumps(str(dataset))}")
+    return argv
+
+
+def _workdir(tmp: Path) -> None:
+    """What the tour assumes: the repository's configs, a corpus of text files, a HF checkpoint."""
+    (tmp / "configs").symlink_to(ROOT / "configs")
+    corpus = tmp / "my_corpus"
+    corpus.mkdir()
+    for f in sorted((ROOT / "src" / "pentatron").rglob("*.py"))[:25]:
+        shutil.copy(f, corpus / f"{f.parent.name}_{f.name}.txt")
+
+
+def test_every_readme_tour_command_runs(tmp_path, default_dataset):
+    from pentatron.models.hf import export_hf
+    from pentatron.models.llama import build_model
+    from pentatron.models.registry import get_model_config
+
+    _workdir(tmp_path)
+    hf_dir = tmp_path / "hf"
+    export_hf(build_model(get_model_config("debug")), hf_dir)
+    commands = tour_commands()
+    assert len(commands) >= 8
+    for line in commands:
+        done = subprocess.run(_argv(line, default_dataset, hf_dir), cwd=tmp_path, env=_env(), capture_output=True,
+                              text=True, timeout=400)
+        assert done.returncode == 0, f"README command failed: {line}\n{(done.stdout + done.stderr)[-3000:]}"
+        if " train " in f" {line} " and "torchrun" not in line:
+            assert "run summary" in done.stdout, line
+        if line.split()[1] == "tokenize":
+            assert "train on it:" in done.stdout and "model.vocab_size" in done.stdout
+        if line.split()[1:3] == ["convert", "verify"]:
+            assert "PASS" in done.stdout or "NOT CHECKED" in done.stdout, done.stdout
+
+
+def test_demo_trains_3d_checks_parity_and_generates(tmp_path, default_dataset):
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    argv = [PY, "-m", "pentatron.cli", "demo", "--set=train.steps=4", "--set=train.warmup=1", "--set=log.every=2",
+            "--set=log.progress=false", f"--set=data.path={json.dumps(str(default_dataset))}"]
+    done = subprocess.run(argv, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "world=8 (dp=2 tp=2 pp=2" in out and "run summary" in out
+    assert "parity check — PASS" in out
+    assert "tokens from runs/demo/checkpoint" in out

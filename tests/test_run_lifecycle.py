@@ -1,0 +1,92 @@
+"""A run from start to end: its own directory, a clean multi-process exit, logs that continue on resume
+without repeating steps, the summary, and an MFU that is never above 1."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pentatron.cli import main
+from pentatron.observe.peak import cpu_peak_flops, machine_key
+from tests.launchers import pentatron_nproc
+
+CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _flags(tmp: Path, dataset: Path, *extra: str) -> list[str]:
+    return [f"--set=data.path={json.dumps(str(dataset))}", f"--set=log.dir={json.dumps(str(tmp / 'runs'))}",
+            "--set=log.progress=false", *extra]
+
+
+def test_finished_multiprocess_run_exits_0_in_its_own_directory(tmp_path, default_dataset):
+    """A run on 2 ranks exits 0 (no abort at shutdown) and logs to a fresh directory with its summary;
+    MFU ≤ 1 on every step. (benchmarks/teardown_stress.py repeats the run 30 times; two runs of one
+    config getting two directories is checked below, on 1 process.)"""
+    done = pentatron_nproc([CONFIG, *_flags(tmp_path, default_dataset, "--set=train.steps=2")], 2, tmp_path)
+    assert done.codes == [0] and "terminate called" not in done.output, done.output[-3000:]
+    assert "run summary" in done.output and "tokens/s for the whole job" in done.output
+    runs = sorted(p for p in (tmp_path / "runs").iterdir() if not p.is_symlink())
+    assert len(runs) == 1
+    for run in runs:
+        assert _steps(run) == [1, 2]
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["layout"]["world"] == 2 and summary["paths"]["metrics"] == str(run / "metrics.jsonl")
+        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        assert all(0 < r["mfu"] <= 1 for r in records), [r["mfu"] for r in records]
+    assert (tmp_path / "runs" / "latest").resolve() == runs[-1].resolve()
+
+
+def test_resumed_run_continues_its_logs_without_repeating_steps(tmp_path, default_dataset, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ck = tmp_path / "ck"
+    flags = _flags(tmp_path, default_dataset, "--set=train.steps=4", "--set=checkpoint.every=2",
+                   f"--set=checkpoint.dir={json.dumps(str(ck))}")
+    assert main(["train", CONFIG, *flags]) == 0
+    # A crash after step 4 was logged but before its checkpoint was published: `latest` is step 2.
+    (ck / "latest").write_text("step_00000002")
+    assert main(["train", CONFIG, *flags]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "resumed after step 2" in out
+    runs = [p for p in (tmp_path / "runs").iterdir() if not p.is_symlink()]
+    assert len(runs) == 1  # the resumed run continued in the directory of the run it resumed
+    assert _steps(runs[0]) == [1, 2, 3, 4]
+    events = EventAccumulator(str(runs[0] / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+    # A new run of the same config without resume gets its own directory.
+    assert main(["train", CONFIG, *flags, "--set=checkpoint.resume=false"]) == 0
+    assert len([p for p in (tmp_path / "runs").iterdir() if not p.is_symlink()]) == 2
+
+
+def test_summary_on_console_and_in_summary_json(tmp_path, default_dataset, capsys):
+    assert main(["train", CONFIG, *_flags(tmp_path, default_dataset, "--set=train.steps=3")]) == 0
+    out = capsys.readouterr().out
+    for label in ("run summary", "loss", "final", "min", "tokens/s for the whole job", "per rank", "MFU",
+                  "peak memory", "process peak resident set", "wall clock", "metrics", "TensorBoard",
+                  "dataset", "payload = bytes", "tokens/s all"):
+        assert label in out, label
+    (run,) = [p for p in (tmp_path / "runs").iterdir() if not p.is_symlink()]
+    s = json.loads((run / "summary.json").read_text())
+    losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert s["loss"]["final"] == losses[-1] and s["loss"]["min"] == min(losses)
+    assert s["steps"] == {"first": 1, "last": 3, "resumed_from": None}
+    assert 0 < s["mfu"]["mean"] <= s["mfu"]["max"] <= 1
+    assert s["memory"]["peak_bytes_max_over_ranks"] > 0 and s["time"]["wall_s"] > 0
+    assert s["paths"]["dataset"] == str(default_dataset) and (run / "config.json").is_file()
+
+
+def test_cpu_peak_is_the_best_ever_measured_on_the_machine(tmp_path):
+    import torch
+
+    cache = tmp_path / "peak.json"
+    measured = cpu_peak_flops(torch.float32, refresh=True, path=cache)
+    assert measured > 0 and json.loads(cache.read_text())[machine_key(torch.float32)] == measured
+    # A later, slower measurement (a busy machine) never lowers it; a cached value is used as is.
+    cache.write_text(json.dumps({machine_key(torch.float32): measured * 100}))
+    assert cpu_peak_flops(torch.float32, refresh=True, path=cache) == measured * 100
+    assert cpu_peak_flops(torch.float32, refresh=False, path=cache) == measured * 100
