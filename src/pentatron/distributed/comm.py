@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from pentatron.distributed.context import ParallelContext
+    from pentatron.observe.flight_recorder import FlightRecord, FlightRecorder
 
 Op = Literal["all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "barrier"]
 # torch 2.13 renamed the flat-tensor collectives (the old names still work, with a warning).
@@ -136,13 +137,17 @@ class CommLedger:
 class Work:
     """A handle on an issued collective (or an already finished local one)."""
 
-    def __init__(self, work: Any | None = None) -> None:
+    def __init__(self, work: Any | None = None, done: Any | None = None) -> None:
         self._work = work
+        self._done = done  # flight recorder: mark the op's record completed
 
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()
             self._work = None
+        if self._done is not None:  # also for a blocking call, which returns no work object
+            self._done()
+            self._done = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,7 @@ class Comm:
     def __init__(self, ctx: ParallelContext, ledger: CommLedger) -> None:
         self.ctx = ctx
         self.ledger = ledger
+        self.recorder: FlightRecorder | None = None  # set by observe.watchdog.attach_flight_recorder
 
     def _group(self, dim: str) -> tuple[dist.ProcessGroup | None, int]:
         if dim == "world":
@@ -168,8 +174,13 @@ class Comm:
             return (dist.group.WORLD if n > 1 else None), n
         return self.ctx.group(dim), self.ctx.size(dim)
 
-    def _done(self, work: Any, async_op: bool) -> Work | None:
-        w = Work(work)
+    def _enter(self, op: str, dim: str, tensor: torch.Tensor, payload_bytes: int, n: int) -> FlightRecord | None:
+        """Ledger, and the flight recorder (numbering, check mode) when one is attached."""
+        self.ledger.record(op, dim, tensor.dtype, payload_bytes, n)
+        return None if self.recorder is None else self.recorder.enter(self, op, dim, tensor)
+
+    def _done(self, work: Any, async_op: bool, rec: FlightRecord | None = None) -> Work | None:
+        w = Work(work, None if rec is None or self.recorder is None else lambda: self.recorder.done(rec))
         if async_op:
             return w
         w.wait()
@@ -180,8 +191,8 @@ class Comm:
         group, n = self._group(dim)
         if group is None or n == 1:
             return self._done(None, async_op)
-        self.ledger.record("all_reduce", dim, tensor.dtype, _nbytes(tensor), n)
-        return self._done(dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op), async_op)
+        rec = self._enter("all_reduce", dim, tensor, _nbytes(tensor), n)
+        return self._done(dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op), async_op, rec)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, dim: str, op: str = "sum",
                        async_op: bool = False) -> Work | None:
@@ -194,9 +205,9 @@ class Comm:
         if group is None or n == 1:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
-        self.ledger.record("reduce_scatter", dim, input.dtype, _nbytes(input), n)
+        rec = self._enter("reduce_scatter", dim, input, _nbytes(input), n)
         work = _reduce_scatter(output, input, op=_REDUCE_OPS[op], group=group, async_op=async_op)
-        return self._done(work, async_op)
+        return self._done(work, async_op, rec)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, dim: str,
                    async_op: bool = False) -> Work | None:
@@ -208,22 +219,25 @@ class Comm:
         if group is None or n == 1:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
-        self.ledger.record("all_gather", dim, input.dtype, _nbytes(output), n)
-        return self._done(_all_gather(output, input, group=group, async_op=async_op), async_op)
+        rec = self._enter("all_gather", dim, input, _nbytes(output), n)
+        return self._done(_all_gather(output, input, group=group, async_op=async_op), async_op, rec)
 
     def broadcast(self, tensor: torch.Tensor, dim: str, src: int = 0, async_op: bool = False) -> Work | None:
         """Broadcast from group rank `src` along `dim`."""
         group, n = self._group(dim)
         if group is None or n == 1:
             return self._done(None, async_op)
-        self.ledger.record("broadcast", dim, tensor.dtype, _nbytes(tensor), n)
+        rec = self._enter("broadcast", dim, tensor, _nbytes(tensor), n)
         work = dist.broadcast(tensor, src=self._global(dim, src), group=group, async_op=async_op)
-        return self._done(work, async_op)
+        return self._done(work, async_op, rec)
 
     def barrier(self, dim: str = "world") -> None:
         group, n = self._group(dim)
         if group is not None and n > 1:
+            rec = None if self.recorder is None else self.recorder.enter(self, "barrier", dim, None)
             dist.barrier(group=group)
+            if rec is not None:
+                self.recorder.done(rec)
 
     # ------------------------------------------------------------------ point to point
     def send(self, tensor: torch.Tensor, dim: str, dst: int) -> None:
@@ -244,12 +258,21 @@ class Comm:
             self.ledger.record(o.op, dim, o.tensor.dtype, _nbytes(o.tensor), n)
             fn = dist.isend if o.op == "send" else dist.irecv
             p2p.append(dist.P2POp(fn, o.tensor, self._global(dim, o.peer), group=group))
-        return [Work(w) for w in dist.batch_isend_irecv(p2p)]
+        if self.recorder is None:
+            return [Work(w) for w in dist.batch_isend_irecv(p2p)]
+        recs = self.recorder.enter_batch(self, dim, [(o.op, o.tensor, self._global(dim, o.peer)) for o in ops])
+        works = dist.batch_isend_irecv(p2p)
+        return [Work(w, _marker(self.recorder, recs if len(works) != len(recs) else [r]))
+                for w, r in zip(works, recs)]
 
     def _global(self, dim: str, group_rank: int) -> int:
         if dim == "world":
             return group_rank
         return self.ctx.group_ranks(dim)[group_rank]
+
+
+def _marker(recorder: FlightRecorder, recs: list[FlightRecord]) -> Any:
+    return lambda: [recorder.done(r) for r in recs]
 
 
 def _nbytes(t: torch.Tensor) -> int:
