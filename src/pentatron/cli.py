@@ -73,7 +73,9 @@ def _train_in_this_process(cfg) -> int:  # noqa: ANN001
 
     rank = int(os.environ.get("RANK", "0"))
     try:
-        init_distributed(local_device(cfg.train.device))
+        from pentatron.observe.watchdog import process_group_timeout
+
+        init_distributed(local_device(cfg.train.device), process_group_timeout(cfg.distributed.timeout_s))
         Trainer(cfg).fit()
     except DataError as e:
         return _input_error(f"rank {rank}: {e}")

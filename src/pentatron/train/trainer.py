@@ -20,6 +20,7 @@ from pentatron.distributed.context import ParallelContext, resolve_degrees
 from pentatron.distributed.launch import local_device
 from pentatron.models.llama import build_model
 from pentatron.observe.metrics import MetricsLogger
+from pentatron.observe.run_observer import RunObserver, start_flight_recorder
 from pentatron.observe.system import peak_flops, peak_memory_bytes
 from pentatron.parallel.parallelize import parallelize
 from pentatron.parallel.pipeline.engine import PipelineEngine, measured_bubble
@@ -52,6 +53,7 @@ class Trainer:
         self.rank, self.world_size = self.ctx.rank, self.ctx.world_size
         self.dp, self.dp_rank = self.ctx.dp_size, self.ctx.dp_rank
         self.comm = self.ctx.comm
+        self.watchdog = start_flight_recorder(cfg, self.ctx)
         self.policy = resolve_precision(tr.precision, self.device)
         torch.manual_seed(tr.seed)
 
@@ -90,6 +92,7 @@ class Trainer:
         self.tokens_per_step = tr.global_batch * tr.seq_len
         self.flops_per_token = model_flops_per_token(self.model_cfg, tr.seq_len)
         self.peak_flops, self.peak_source = peak_flops(self.device, self.policy.param_dtype, tr.peak_tflops)
+        self.observer = RunObserver(cfg, self.ctx, self.model, self.engine, self.loader, self.watchdog)
 
     # ------------------------------------------------------------------ one optimizer step
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -129,6 +132,7 @@ class Trainer:
         for i, (inputs, targets) in enumerate(micro_batches):
             # Only the last micro-step's backward synchronises gradients (DDP, ZeRO-1).
             self.engine.micro_step(last=i == len(micro_batches) - 1)
+            self.observer.micro(i)
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             loss = self.loss_fn(self.model(inputs), targets)
             # Mean over the rank's micro-batches; the data-parallel reduction averages over ranks.
@@ -138,13 +142,16 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         self.comm.ledger.begin_step()
+        self.observer.begin_step(self.step + 1)
         micro_batches = self.loader.next_step()
         self.engine.zero_grad()
         loss = self._forward_backward(micro_batches)
         self.engine.finish_grad_sync()
+        self.observer.after_backward()
         norm = self.engine.clip_grads(self.cfg.train.clip)
         lr = lr_at(self.step, self.cfg.train)
         self.engine.step(lr)
+        self.observer.after_optimizer()
         # The logged loss is the mean over dp ranks (each rank saw an equal share of the batch).
         self.comm.all_reduce(loss, "dp")
         loss = loss / self.dp
@@ -203,8 +210,7 @@ class Trainer:
                 )
                 if not records:  # the first record of a run carries the per-rank memory accounting
                     record["memory"] = self.engine.memory().to_dict()
-                if not math.isfinite(record["loss"]):
-                    raise FloatingPointError(f"loss became {record['loss']} at step {self.step}")
+                record.update(self.observer.end_step(record))
                 records.append(record)
                 if logger is not None:
                     console = self.step % cfg.log.every == 0 or self.step == cfg.train.steps
@@ -214,11 +220,14 @@ class Trainer:
                     if console and table != last_table:
                         print(f"pentatron: communication per rank, step {self.step}:\n{table}", flush=True)
                         last_table = table
+                if not math.isfinite(record["loss"]):  # after logging: the record shows where it broke
+                    raise FloatingPointError(f"loss became {record['loss']} at step {self.step}")
                 if self.store is not None and self._checkpoint_due():
                     self.save_checkpoint()
         finally:
             if logger is not None:
                 logger.close()
+            self.observer.close(records)
         return records
 
     # ------------------------------------------------------------------ checkpoints
