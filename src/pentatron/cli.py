@@ -101,6 +101,7 @@ def _input_error(message: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from pentatron.data.tokenize import add_tokenize_parser
+    from pentatron.lab.cli import add_lab_parser
     from pentatron.models.hf import add_convert_parser
     from pentatron.parallel.pipeline.cli import add_schedule_parser
     from pentatron.plan.cli import add_bench_parser, add_plan_parser
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     registrars: list[Callable[[argparse._SubParsersAction], None]] = [
         _add_train_parser, add_plan_parser, add_bench_parser, add_tokenize_parser, add_convert_parser,
-        add_schedule_parser]
+        add_schedule_parser, add_lab_parser]
     for register in registrars:
         register(sub)
     return parser
