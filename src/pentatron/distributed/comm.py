@@ -137,17 +137,19 @@ class CommLedger:
 class Work:
     """A handle on an issued collective (or an already finished local one)."""
 
-    def __init__(self, work: Any | None = None, done: Any | None = None) -> None:
+    def __init__(self, work: Any | None = None, hooks: Any | None = None) -> None:
         self._work = work
-        self._done = done  # flight recorder: mark the op's record completed
+        self._hooks = hooks  # flight recorder: before_wait() / after_wait() (completion, profiler ranges)
 
     def wait(self) -> None:
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.before_wait()
         if self._work is not None:
             self._work.wait()
             self._work = None
-        if self._done is not None:  # also for a blocking call, which returns no work object
-            self._done()
-            self._done = None
+        if hooks is not None:  # also for a blocking call, which returns no work object
+            hooks.after_wait()
 
 
 @dataclass(frozen=True)
@@ -180,7 +182,7 @@ class Comm:
         return None if self.recorder is None else self.recorder.enter(self, op, dim, tensor)
 
     def _done(self, work: Any, async_op: bool, rec: FlightRecord | None = None) -> Work | None:
-        w = Work(work, None if rec is None or self.recorder is None else lambda: self.recorder.done(rec))
+        w = Work(work, None if rec is None or self.recorder is None else self.recorder.issued([rec], async_op))
         if async_op:
             return w
         w.wait()
@@ -237,7 +239,7 @@ class Comm:
             rec = None if self.recorder is None else self.recorder.enter(self, "barrier", dim, None)
             dist.barrier(group=group)
             if rec is not None:
-                self.recorder.done(rec)
+                self.recorder.issued([rec], False).after_wait()
 
     # ------------------------------------------------------------------ point to point
     def send(self, tensor: torch.Tensor, dim: str, dst: int) -> None:
@@ -262,17 +264,13 @@ class Comm:
             return [Work(w) for w in dist.batch_isend_irecv(p2p)]
         recs = self.recorder.enter_batch(self, dim, [(o.op, o.tensor, self._global(dim, o.peer)) for o in ops])
         works = dist.batch_isend_irecv(p2p)
-        return [Work(w, _marker(self.recorder, recs if len(works) != len(recs) else [r]))
+        return [Work(w, self.recorder.issued(recs if len(works) != len(recs) else [r], True))
                 for w, r in zip(works, recs)]
 
     def _global(self, dim: str, group_rank: int) -> int:
         if dim == "world":
             return group_rank
         return self.ctx.group_ranks(dim)[group_rank]
-
-
-def _marker(recorder: FlightRecorder, recs: list[FlightRecord]) -> Any:
-    return lambda: [recorder.done(r) for r in recs]
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -32,7 +32,8 @@ _MACHINERY = ("distributed/comm.py", "observe/flight_recorder.py", "observe/coll
 class FlightRecord:
     """One op as this rank issued it; `done` turns True when its handle has been waited on."""
 
-    __slots__ = ("seq", "op", "dim", "ranks", "peer", "shape", "dtype", "step", "micro", "site", "t", "done")
+    __slots__ = ("seq", "op", "dim", "ranks", "peer", "shape", "dtype", "step", "micro", "site", "t", "done",
+                 "range")
 
     def __init__(self, seq: int, op: str, dim: str, ranks: tuple[int, ...], peer: int | None,
                  shape: tuple[int, ...], dtype: str, step: int, micro: int | None,
@@ -40,6 +41,7 @@ class FlightRecord:
         self.seq, self.op, self.dim, self.ranks, self.peer = seq, op, dim, ranks, peer
         self.shape, self.dtype, self.step, self.micro, self.site, self.t = shape, dtype, step, micro, site, t
         self.done = False
+        self.range: Any = None  # profiling: the open record_function range
 
     @property
     def key(self) -> str:
@@ -90,6 +92,7 @@ class FlightRecorder:
         self.last_progress = time.monotonic()
         self.pending = 0  # records entered and not yet waited on
         self._ranks: dict[str, tuple[int, ...]] = {}
+        self.timer: Any | None = None  # observe.profiler.CommTimer while profiling
 
     # ------------------------------------------------------------------ recording (hot path)
     def enter(self, comm: Comm, op: str, dim: str, tensor: torch.Tensor | None,
@@ -111,7 +114,16 @@ class FlightRecorder:
         self.records.append(rec)
         self.pending += 1
         self.last_progress = time.monotonic()
+        if self.timer is not None:
+            self.timer.open(rec)
         return rec
+
+    def issued(self, recs: list[FlightRecord], async_op: bool) -> _WaitHooks:
+        """The op(s) have been handed to the backend; the returned hooks run around their wait."""
+        if self.timer is not None and async_op:
+            for r in reversed(recs):
+                self.timer.close(r)  # the issue; the wait is timed separately
+        return _WaitHooks(self, recs, async_op)
 
     def enter_batch(self, comm: Comm, dim: str, ops: list[tuple[str, torch.Tensor, int]]) -> list[FlightRecord]:
         """Record a batch of (op, tensor, peer global rank) sends/receives (not verified in check mode:
@@ -142,6 +154,28 @@ class FlightRecorder:
                 "time": time.time(), "step": self.step, "micro": self.micro,
                 "stalled_s": self.stalled_for(), "entered": dict(self.entered),
                 "completed": dict(self.completed), "records": [r.to_dict() for r in records]}
+
+
+class _WaitHooks:
+    """Called by `Work.wait`: profiling ranges around the wait, then the records marked done."""
+
+    __slots__ = ("recorder", "recs", "async_op")
+
+    def __init__(self, recorder: FlightRecorder, recs: list[FlightRecord], async_op: bool) -> None:
+        self.recorder, self.recs, self.async_op = recorder, recs, async_op
+
+    def before_wait(self) -> None:
+        timer = self.recorder.timer
+        if timer is not None and self.async_op:
+            for r in self.recs:
+                timer.open(r, wait=True)
+
+    def after_wait(self) -> None:
+        timer = self.recorder.timer
+        for r in reversed(self.recs):
+            if timer is not None:
+                timer.close(r)
+            self.recorder.done(r)
 
 
 def note_step(comm: Comm, step: int) -> None:

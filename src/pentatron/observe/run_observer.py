@@ -15,14 +15,18 @@ parallelize() are recorded too.
 
 from __future__ import annotations
 
+import platform
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from pentatron.observe.flight_recorder import note_micro, note_step
 from pentatron.observe.numerics import LayerNumerics, SpikeDetector
+from pentatron.observe.profiler import StepProfiler
+from pentatron.observe.report import write_report, write_run_info
 from pentatron.observe.watchdog import Watchdog, attach_flight_recorder
 
 if TYPE_CHECKING:
@@ -47,9 +51,21 @@ class RunObserver:
         self.every = cfg.log.numerics_every
         self.numerics = LayerNumerics(model) if self.every > 0 else None
         self.spikes = SpikeDetector()
+        self.profiler = None
+        if cfg.log.profile:
+            from pentatron.config import profile_steps
+
+            steps = profile_steps(cfg.log.profile)
+            assert steps is not None  # validated with the config
+            self.profiler = StepProfiler(steps, Path(cfg.log.dir) / "profile", ctx.rank, ctx.device,
+                                         ctx.comm.recorder, model)
         self.step = 0
         self._consumed = 0
         self._extra: dict[str, Any] = {}
+        if ctx.rank == 0:
+            cuda = ctx.device.type == "cuda"
+            name = torch.cuda.get_device_name(ctx.device) if cuda else (platform.processor() or "cpu")
+            write_run_info(Path(cfg.log.dir), cfg.to_dict(), ctx.world_size, ctx.device.type, name)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step % self.every == 0 or step == 1 or step == self.cfg.train.steps)
@@ -62,22 +78,30 @@ class RunObserver:
         note_step(self.ctx.comm, step)
         if self.numerics is not None:
             self.numerics.begin(self.due(step))
+        if self.profiler is not None:
+            self.profiler.begin_step(step)
 
     def micro(self, i: int) -> None:
         note_micro(self.ctx.comm, i)
 
     def after_backward(self) -> None:
         note_micro(self.ctx.comm, None)
+        if self.profiler is not None:
+            self.profiler.after_backward()
         if self.numerics is not None and self.numerics.active:
             self._extra.update(self.numerics.gradients(self.engine.owned_param_grads()))
 
     def after_optimizer(self) -> None:
+        if self.profiler is not None:
+            self.profiler.after_optimizer()
         if self.numerics is not None and self.numerics.active:
             self._extra.update(self.numerics.updates())
 
     def end_step(self, record: dict[str, Any]) -> dict[str, Any]:
         """Fields to add to the step's record: `numerics` on due steps, `loss_spike` when one happened."""
         out: dict[str, Any] = {}
+        if self.profiler is not None:
+            self.profiler.end_step(record["step"])
         if self._extra:
             out["numerics"] = self._extra
         samples = self.loader.sample_ids(self._consumed, self.cfg.train.global_batch).tolist()
@@ -89,7 +113,15 @@ class RunObserver:
         return out
 
     def close(self, records: list[dict[str, Any]]) -> None:
+        if self.profiler is not None:
+            self.profiler.finish()
         if self.numerics is not None:
             self.numerics.close()
         if self.watchdog is not None:
             self.watchdog.stop()
+        if self.ctx.rank == 0 and records:
+            try:
+                path = write_report(Path(self.cfg.log.dir))
+                print(f"pentatron: run report in {path}", flush=True)
+            except Exception as e:  # noqa: BLE001 - a report problem must not fail a finished run
+                print(f"pentatron: warning: no run report: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
