@@ -1,4 +1,5 @@
-"""The run report — predict, then measure: `report.md`, `report.json` and PNGs in the run directory,
+"""The run report — predict, then measure: `report.md`, `report.json` and `report.png` (loss, gradient
+norm, throughput, memory, communication bytes by dimension) in the run directory,
 written at the end of every run (rank 0) and by `pentatron report RUN_DIR`.
 
 Measured numbers come from `metrics.jsonl` (rank 0's records): the communication bytes are the
@@ -162,30 +163,38 @@ def comparison_rows(meas: dict[str, Any], pred: dict[str, Any]) -> list[tuple[st
 
 
 def _plots(run_dir: Path, records: list[dict[str, Any]]) -> list[str]:
-    from pentatron.lab.common import save_plot
+    """One PNG, one panel per curve (a single figure: this runs at the end of every training run)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     steps = [r["step"] for r in records]
-    out = []
-
-    def one(name: str, title: str, ylabel: str, series: dict[str, list[float]], logy: bool = False) -> None:
-        save_plot(run_dir / f"report_{name}.png", title, [
-            {"title": title, "xlabel": "step", "ylabel": ylabel, "logy": logy,
-             "series": {k: (steps, v) for k, v in series.items()}}])
-        out.append(f"report_{name}.png")
-
-    one("loss", "training loss", "loss", {"loss": [r["loss"] for r in records]})
-    one("grad_norm", "gradient norm (before clipping)", "‖g‖", {"grad norm": [r["grad_norm"] for r in records]})
-    one("throughput", "throughput", "tokens/s", {"tokens/s": [r["tokens_per_s"] for r in records]})
-    one("memory", "peak memory, rank 0", "MiB", {"peak": [r["peak_mem_bytes"] / 2**20 for r in records]})
+    panels: list[tuple[str, str, dict[str, list[float]]]] = [
+        ("training loss", "loss", {"loss": [r["loss"] for r in records]}),
+        ("gradient norm (before clipping)", "‖g‖", {"grad norm": [r["grad_norm"] for r in records]}),
+        ("throughput", "tokens/s", {"tokens/s": [r["tokens_per_s"] for r in records]}),
+        ("peak memory, rank 0", "MiB", {"peak": [r["peak_mem_bytes"] / 2**20 for r in records]})]
     dims = sorted({d for r in records for d in r.get("comm_bytes", {})})
     if dims:
-        one("comm_bytes", "communication bytes per step by dimension (rank 0, ledger)", "MiB",
-            {d: [sum(r.get("comm_bytes", {}).get(d, {}).values()) / 2**20 for r in records] for d in dims})
-    return out
+        panels.append(("comm bytes per step (ledger, rank 0)", "MiB",
+                       {d: [sum(r.get("comm_bytes", {}).get(d, {}).values()) / 2**20 for r in records] for d in dims}))
+    fig = Figure(figsize=(4 * len(panels), 3.2))
+    FigureCanvasAgg(fig)
+    for i, (title, ylabel, series) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        for label, ys in series.items():
+            ax.plot(steps, ys, label=label)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        if len(series) > 1:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(run_dir / "report.png", dpi=80)
+    return ["report.png"]
 
 
 def write_report(run_dir: Path, hardware_profile: Path | None = None) -> Path:
-    """report.md, report.json and report_*.png in `run_dir`; returns the path of report.md."""
+    """report.md, report.json and report.png in `run_dir`; returns the path of report.md."""
     run_dir = Path(run_dir)
     records = load_records(run_dir)
     info_path = run_dir / RUN_INFO
@@ -225,7 +234,7 @@ def write_report(run_dir: Path, hardware_profile: Path | None = None) -> Path:
 def add_report_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("report", help="write report.md (+ PNGs) for a finished run directory",
                               description="Predicted vs measured for a run: reads RUN_DIR/metrics.jsonl and "
-                                          "run.json, writes report.md, report.json and report_*.png there.")
+                                          "run.json, writes report.md, report.json and report.png there.")
     p.add_argument("run_dir", help="the run's log.dir")
     p.add_argument("--hardware-profile", default=None,
                    help="a `pentatron bench` profile of the machine the run used (for the time prediction)")
