@@ -5,8 +5,9 @@
 1. Per op, in isolation: `FlightRecorder.enter` + the wait hooks, on a 1-process context (µs/op).
 2. In training: 2 gloo ranks, debug model with tp=2 (the layout with the most collectives per step:
    two all-reduces per block forward and backward), one Trainer per rank. Blocks of `--block` steps
-   alternate recorder on / off (ABBA order, so drift hits both alike); the step time is rank 0's,
-   median per mode. The hang watchdog thread runs throughout (it wakes once per second at most).
+   alternate recorder on / off (ABBA order, so drift hits both alike); the step time is rank 0's:
+   median per mode, and the median over adjacent (on, off) block pairs of their ratio. The hang
+   watchdog thread is not started here (the Trainer starts it in fit()).
 """
 
 from __future__ import annotations
@@ -56,22 +57,32 @@ def _rank(rank: int, world: int, args: argparse.Namespace, data: str, log_dir: s
     trainer = Trainer(cfg, dataset_dir=Path(data))
     recorder = trainer.comm.recorder
     times: dict[str, list[float]] = {"on": [], "off": []}
+    blocks: list[tuple[str, float]] = []  # (mode, median step time of the block), in run order
     ops_per_step = []
     for _ in range(args.warmup):
         trainer.train_step()
     order = ["on", "off", "off", "on"] * ((args.pairs + 1) // 2)
     for mode in order[:2 * args.pairs]:
         trainer.comm.recorder = recorder if mode == "on" else None
+        block = []
         for _ in range(args.block):
             n0 = sum(recorder.entered.values())
             start = time.perf_counter()
             trainer.train_step()
-            times[mode].append(time.perf_counter() - start)
+            block.append(time.perf_counter() - start)
             if mode == "on":
                 ops_per_step.append(sum(recorder.entered.values()) - n0)
+        times[mode] += block
+        blocks.append((mode, statistics.median(block)))
     trainer.comm.recorder = recorder
     trainer.observer.close([])
-    return {"on": times["on"], "off": times["off"], "ops_per_step": statistics.median(ops_per_step)}
+    # adjacent blocks form a pair (ABBA: on/off, off/on, …): the ratio within a pair cancels slow drift
+    pair_ratios = []
+    for (m1, t1), (_, t2) in zip(blocks[0::2], blocks[1::2]):
+        on, off = (t1, t2) if m1 == "on" else (t2, t1)
+        pair_ratios.append(on / off)
+    return {"on": times["on"], "off": times["off"], "ops_per_step": statistics.median(ops_per_step),
+            "pair_ratios": pair_ratios}
 
 
 def main() -> None:
@@ -94,11 +105,13 @@ def main() -> None:
     print(f"uptime: {os.popen('uptime').read().strip()}")
     out = {"per_op_us": op * 1e6, "ops_per_step": r["ops_per_step"], "step_on_s": on, "step_off_s": off,
            "ratio": on / off, "estimated_overhead": r["ops_per_step"] * op / off,
-           "steps_per_mode": len(r["on"])}
+           "steps_per_mode": len(r["on"]), "pair_ratio_median": statistics.median(r["pair_ratios"]),
+           "pair_ratio_quartiles": statistics.quantiles(r["pair_ratios"], n=4) if len(r["pair_ratios"]) > 1 else []}
     print(json.dumps(out, indent=1))
     print(f"step time, recorder on / off (median of {len(r['on'])} steps each, rank 0): {on * 1e3:.1f} ms / "
           f"{off * 1e3:.1f} ms = {on / off:.4f}; {r['ops_per_step']:.0f} recorded ops per step × "
-          f"{op * 1e6:.2f} µs = {100 * r['ops_per_step'] * op / off:.3f}% of the step")
+          f"{op * 1e6:.2f} µs = {100 * r['ops_per_step'] * op / off:.3f}% of the step; median of the "
+          f"{len(r['pair_ratios'])} paired block ratios on/off: {statistics.median(r['pair_ratios']):.4f}")
 
 
 if __name__ == "__main__":

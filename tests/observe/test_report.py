@@ -20,6 +20,8 @@ def _train(rank: int, world: int, run_dir: str, dataset: str, extra: list[str]) 
                              "log.tensorboard=false", "log.progress=false", *extra], world_size=world)
     trainer = Trainer(cfg, dataset_dir=Path(dataset))
     trainer.fit()
+    # every op the run issued was waited on: nothing left pending for the watchdog to misread
+    assert trainer.comm.recorder.pending == 0 and (world == 1 or trainer.comm.recorder.records)
     return trainer.last_comm.bytes_map()
 
 

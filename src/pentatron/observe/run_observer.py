@@ -9,8 +9,11 @@ the flight recorder and hang watchdog, numerics and loss spikes, the profiler, a
     record.update(obs.end_step(record))   # the step's record, before it is logged
     obs.close(records)            # end of fit (also on failure)
 
-The watchdog itself starts earlier (`attach_flight_recorder`), so that the collectives of
-parallelize() are recorded too.
+The flight recorder is attached earlier (`start_flight_recorder`, right after the ParallelContext),
+so that the collectives of parallelize() are recorded too; its watchdog thread starts with the first
+step: set-up (rank 0 tokenizing the corpus while the others wait in a barrier, loading a checkpoint)
+may legitimately take longer than `distributed.timeout_s`, and stays under the process group's own
+timeout.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ if TYPE_CHECKING:
 
 
 def start_flight_recorder(cfg: Config, ctx: ParallelContext) -> Watchdog | None:
-    """The flight recorder on `ctx.comm` (+ check mode) and, on several processes, the hang watchdog."""
+    """The flight recorder on `ctx.comm` (+ check mode) and, on several processes, the hang watchdog
+    (not started yet: `RunObserver.begin_step` starts it)."""
     d = cfg.distributed
-    return attach_flight_recorder(ctx, Path(cfg.log.dir) / "flight", d.timeout_s, d.check_collectives)
+    return attach_flight_recorder(ctx, Path(cfg.log.dir) / "flight", d.timeout_s, d.check_collectives, start=False)
 
 
 class RunObserver:
@@ -76,6 +80,8 @@ class RunObserver:
         self._consumed = self.loader.consumed_samples
         self._extra = {}
         note_step(self.ctx.comm, step)
+        if self.watchdog is not None:
+            self.watchdog.start()  # a no-op after the first step
         if self.numerics is not None:
             self.numerics.begin(self.due(step))
         if self.profiler is not None:

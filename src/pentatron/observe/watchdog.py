@@ -92,8 +92,13 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"pentatron-watchdog-{self.rank}", daemon=True)
 
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
     def start(self) -> None:
-        self._thread.start()
+        if not self.started:
+            self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -174,9 +179,10 @@ class Watchdog:
 
 
 def attach_flight_recorder(ctx: ParallelContext, dump_dir: Path, timeout_s: float, check: bool,
-                           watchdog: bool = True) -> Watchdog | None:
+                           watchdog: bool = True, start: bool = True) -> Watchdog | None:
     """Give `ctx.comm` a flight recorder (and the check-mode verifier), and on more than one process
-    start the hang watchdog. Collective over the world: every rank must call it."""
+    create the hang watchdog (started now, or by the caller with `start=False`). Collective over the
+    world: every rank must call it."""
     recorder = FlightRecorder(ctx.rank, check=CollectiveChecker() if check else None)
     ctx.comm.recorder = recorder
     if ctx.world_size == 1 or not watchdog:
@@ -196,5 +202,6 @@ def attach_flight_recorder(ctx: ParallelContext, dump_dir: Path, timeout_s: floa
               "diagnosis will only see this node's ranks; put log.dir on a shared filesystem",
               file=sys.stderr, flush=True)
     dog = Watchdog(recorder, ctx.world_size, dump_dir, timeout_s, shared)
-    dog.start()
+    if start:
+        dog.start()
     return dog
