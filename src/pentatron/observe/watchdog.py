@@ -69,6 +69,26 @@ def _create_exclusive(path: Path, text: str) -> bool:
     return True
 
 
+class HangDetected(RuntimeError):
+    """What torchrun's failure summary shows for a rank the watchdog ended."""
+
+
+def _tell_launcher(message: str) -> None:
+    """Under torchrun, write its error file, so that its summary names the stuck rank rather than
+    only "exitcode 3" of whichever rank exited first."""
+    if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+        return
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        try:
+            raise HangDetected(message)
+        except HangDetected as e:
+            ErrorHandler().record_exception(e)
+    except Exception:  # noqa: BLE001 - best effort: the diagnosis is already printed and on disk
+        pass
+
+
 def main_thread_stack(limit: int = 6) -> list[str]:
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
     if frame is None:
@@ -151,8 +171,9 @@ class Watchdog:
             self._wait_for(self.dir / "diagnosis.json", 2 * self.grace_s)
             culprits = (_read_json(self.dir / "diagnosis.json") or {}).get("culprits", [])
         named = ", ".join(map(str, culprits)) if culprits else "unknown"
-        print(f"pentatron: rank {self.rank}: exiting after a hang; stuck rank(s): {named} "
-              f"(see {self.dir / DIAGNOSIS})", file=sys.stderr, flush=True)
+        message = f"rank {self.rank}: exiting after a hang; stuck rank(s): {named} (see {self.dir / DIAGNOSIS})"
+        print(f"pentatron: {message}", file=sys.stderr, flush=True)
+        _tell_launcher(message)
         sys.stdout.flush()
         os._exit(HANG_EXIT_CODE)  # the main thread is blocked inside the backend: no clean way out
 
