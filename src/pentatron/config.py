@@ -114,6 +114,14 @@ class LogConfig:
     tensorboard: bool = True
     progress: bool = True
     pp_trace: bool = False  # pipeline runs: dump each logged step's timeline as a Chrome trace into dir
+    numerics_every: int = 0  # per-layer grad/update/param norms and max |activation| every N steps; 0: off
+    profile: str = ""  # "a:b": torch.profiler traces of steps a..b per rank into dir/profile; empty: off
+
+
+@dataclass
+class DistributedConfig:
+    timeout_s: float = 180.0  # no communication progress this long: the hang watchdog dumps, diagnoses, exits
+    check_collectives: bool = False  # debug: ranks compare each collective (op, shape, sequence) before it
 
 
 @dataclass
@@ -124,6 +132,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def model_config(self) -> ModelConfig:
         base = get_model_config(self.model.name)
@@ -321,7 +330,22 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"checkpoint.keep must be ≥ 1, got {cfg.checkpoint.keep}")
     if cfg.log.every < 1:
         p.append(f"log.every must be ≥ 1, got {cfg.log.every}")
+    if cfg.log.numerics_every < 0:
+        p.append(f"log.numerics_every must be ≥ 0 (0 disables), got {cfg.log.numerics_every}")
+    if cfg.log.profile and profile_steps(cfg.log.profile) is None:
+        p.append(f"log.profile must look like \"a:b\" with 1 ≤ a ≤ b (steps to trace), got {cfg.log.profile!r}")
+    if cfg.distributed.timeout_s <= 0:
+        p.append(f"distributed.timeout_s must be > 0, got {cfg.distributed.timeout_s}")
     return p
+
+
+def profile_steps(spec: str) -> tuple[int, int] | None:
+    """"a:b" → (a, b), the first and last step to profile; None when malformed."""
+    parts = spec.split(":")
+    if len(parts) != 2 or not all(x.strip().isdigit() for x in parts):
+        return None
+    a, b = int(parts[0]), int(parts[1])
+    return (a, b) if 1 <= a <= b else None
 
 
 def resolved_dp(cfg: Config, world_size: int) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -52,7 +54,6 @@ def parity_report(reference: list[float], run: list[float]) -> tuple[bool, str]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from pentatron.cli import main as cli_main
     from pentatron.config import ConfigError, load_config
     from pentatron.generate import run_generate
 
@@ -71,7 +72,9 @@ def run_demo(args: argparse.Namespace) -> int:
     reference = reference_losses(args.config, overrides, first)
 
     print(f"pentatron demo: [2/4] training on {args.nproc} ranks …", flush=True)
-    code = cli_main(["train", args.config, f"--nproc={args.nproc}", *[f"--set={o}" for o in overrides]])
+    # The same command a user types (a child process: the demo sits below the CLI that offers it).
+    code = subprocess.call([sys.executable, "-m", "pentatron.cli", "train", args.config, f"--nproc={args.nproc}",
+                            *[f"--set={o}" for o in overrides]])
     if code != 0:
         return code
     run_dir = (Path(cfg.log.dir) / "latest").resolve()

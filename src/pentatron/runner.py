@@ -91,7 +91,11 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
 
     finished = False
     try:
-        init_distributed(local_device(cfg.train.device), store)
+        from pentatron.observe.watchdog import process_group_timeout
+
+        # The watchdog names a stuck rank after distributed.timeout_s; the process group's own timeout
+        # is only the fallback behind it.
+        init_distributed(local_device(cfg.train.device), store, process_group_timeout(cfg.distributed.timeout_s))
         trainer = Trainer(cfg)
         if rank == 0:
             record_run(cfg, chosen, trainer.dataset.path)

@@ -133,13 +133,19 @@ class CommLedger:
 class Work:
     """A handle on an issued collective (or an already finished local one)."""
 
-    def __init__(self, work: Any | None = None) -> None:
+    def __init__(self, work: Any | None = None, hooks: Any | None = None) -> None:
         self._work = work
+        self._hooks = hooks  # flight recorder: before_wait() / after_wait() (completion, profiler ranges)
 
     def wait(self) -> None:
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.before_wait()
         if self._work is not None:
             self._work.wait()
             self._work = None
+        if hooks is not None:  # also for a blocking call, which returns no work object
+            hooks.after_wait()
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,18 @@ class MeshGroups(Protocol):
     def group_ranks(self, dim: str) -> list[int]: ...
 
 
+class CommRecorder(Protocol):
+    """What the comm layer tells an attached recorder (`observe.flight_recorder.FlightRecorder`): each op
+    before it is issued (`enter` returns its record, opaque here) and once issued (`issued` returns the
+    hooks run around its wait). A protocol, so that the comm layer imports nothing above it."""
+
+    def enter(self, comm: Comm, op: str, dim: str, tensor: torch.Tensor | None, peer: int | None = None) -> Any: ...
+
+    def enter_batch(self, comm: Comm, dim: str, ops: list[tuple[str, torch.Tensor, int]]) -> list[Any]: ...
+
+    def issued(self, recs: list[Any], async_op: bool) -> Any: ...
+
+
 class Comm:
     """The comm layer bound to one ParallelContext. `dim` names a mesh dimension ("dp", "tp", …,
     "dp_cp") or "world"."""
@@ -174,6 +192,7 @@ class Comm:
     def __init__(self, ctx: MeshGroups, ledger: CommLedger) -> None:
         self.ctx = ctx
         self.ledger = ledger
+        self.recorder: CommRecorder | None = None  # set by observe.watchdog.attach_flight_recorder
 
     def _group(self, dim: str) -> tuple[dist.ProcessGroup | None, int]:
         if dim == "world":
@@ -181,8 +200,13 @@ class Comm:
             return (dist.group.WORLD if n > 1 else None), n
         return self.ctx.group(dim), self.ctx.size(dim)
 
-    def _done(self, work: Any, async_op: bool) -> Work | None:
-        w = Work(work)
+    def _enter(self, op: str, dim: str, tensor: torch.Tensor, payload_bytes: int, n: int) -> Any:
+        """Ledger, and the flight recorder (numbering, check mode) when one is attached."""
+        self.ledger.record(op, dim, tensor.dtype, payload_bytes, n)
+        return None if self.recorder is None else self.recorder.enter(self, op, dim, tensor)
+
+    def _done(self, work: Any, async_op: bool, rec: Any = None) -> Work | None:
+        w = Work(work, None if rec is None or self.recorder is None else self.recorder.issued([rec], async_op))
         if async_op:
             return w
         w.wait()
@@ -193,8 +217,8 @@ class Comm:
         group, n = self._group(dim)
         if group is None or n == 1:
             return self._done(None, async_op)
-        self.ledger.record("all_reduce", dim, tensor.dtype, _nbytes(tensor), n)
-        return self._done(dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op), async_op)
+        rec = self._enter("all_reduce", dim, tensor, _nbytes(tensor), n)
+        return self._done(dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op), async_op, rec)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, dim: str, op: str = "sum",
                        async_op: bool = False) -> Work | None:
@@ -207,9 +231,9 @@ class Comm:
         if group is None or n == 1:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
-        self.ledger.record("reduce_scatter", dim, input.dtype, _nbytes(input), n)
+        rec = self._enter("reduce_scatter", dim, input, _nbytes(input), n)
         work = _reduce_scatter(output, input, op=_REDUCE_OPS[op], group=group, async_op=async_op)
-        return self._done(work, async_op)
+        return self._done(work, async_op, rec)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, dim: str,
                    async_op: bool = False) -> Work | None:
@@ -221,22 +245,25 @@ class Comm:
         if group is None or n == 1:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
-        self.ledger.record("all_gather", dim, input.dtype, _nbytes(output), n)
-        return self._done(_all_gather(output, input, group=group, async_op=async_op), async_op)
+        rec = self._enter("all_gather", dim, input, _nbytes(output), n)
+        return self._done(_all_gather(output, input, group=group, async_op=async_op), async_op, rec)
 
     def broadcast(self, tensor: torch.Tensor, dim: str, src: int = 0, async_op: bool = False) -> Work | None:
         """Broadcast from group rank `src` along `dim`."""
         group, n = self._group(dim)
         if group is None or n == 1:
             return self._done(None, async_op)
-        self.ledger.record("broadcast", dim, tensor.dtype, _nbytes(tensor), n)
+        rec = self._enter("broadcast", dim, tensor, _nbytes(tensor), n)
         work = dist.broadcast(tensor, src=self._global(dim, src), group=group, async_op=async_op)
-        return self._done(work, async_op)
+        return self._done(work, async_op, rec)
 
     def barrier(self, dim: str = "world") -> None:
         group, n = self._group(dim)
         if group is not None and n > 1:
+            rec = None if self.recorder is None else self.recorder.enter(self, "barrier", dim, None)
             dist.barrier(group=group)
+            if rec is not None:
+                self.recorder.issued([rec], False).after_wait()
 
     # ------------------------------------------------------------------ point to point
     def send(self, tensor: torch.Tensor, dim: str, dst: int) -> None:
@@ -257,7 +284,12 @@ class Comm:
             self.ledger.record(o.op, dim, o.tensor.dtype, _nbytes(o.tensor), n)
             fn = dist.isend if o.op == "send" else dist.irecv
             p2p.append(dist.P2POp(fn, o.tensor, self._global(dim, o.peer), group=group))
-        return [Work(w) for w in dist.batch_isend_irecv(p2p)]
+        if self.recorder is None:
+            return [Work(w) for w in dist.batch_isend_irecv(p2p)]
+        recs = self.recorder.enter_batch(self, dim, [(o.op, o.tensor, self._global(dim, o.peer)) for o in ops])
+        works = dist.batch_isend_irecv(p2p)
+        return [Work(w, self.recorder.issued(recs if len(works) != len(recs) else [r], True))
+                for w, r in zip(works, recs)]
 
     def _global(self, dim: str, group_rank: int) -> int:
         if dim == "world":

@@ -49,9 +49,9 @@ class MetricsLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
-                    self._tb.add_scalar(f"train/{key}", value, record["step"])
+            for key, value in _scalars(record, "train"):
+                if key != "train/step":
+                    self._tb.add_scalar(key, value, record["step"])
         self._bar.update(1)
         self._bar.set_postfix(loss=f"{record['loss']:.4f}")
         if console or not self._header_done:  # the first step is always shown
@@ -93,3 +93,12 @@ def _keep_steps_up_to(path: Path, last_step: int) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(x + "\n" for x in kept))
     os.replace(tmp, path)
+
+
+def _scalars(value: Any, prefix: str) -> list[tuple[str, float]]:
+    """Finite numbers of a record, nested dicts flattened ("numerics/grad_norm/layers.0")."""
+    if isinstance(value, dict):
+        return [kv for k, v in value.items() for kv in _scalars(v, f"{prefix}/{k}")]
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return [(prefix, float(value))]
+    return []

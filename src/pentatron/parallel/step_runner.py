@@ -58,10 +58,12 @@ class StepRunner:
         return self.engine.placements
 
     # ------------------------------------------------------------------ one step
-    def forward_backward(self, micro_batches: Sequence[Batch]) -> torch.Tensor:
+    def forward_backward(self, micro_batches: Sequence[Batch],
+                         on_micro_batch: Callable[[int], None] | None = None) -> torch.Tensor:
         """Every micro-batch's forward and backward (each loss divided by their number), gradients
         reduced over their data-parallel groups and tied copies summed; returns the step's mean loss over
-        all micro-batches of all data-parallel replicas (the same number on every rank)."""
+        all micro-batches of all data-parallel replicas (the same number on every rank).
+        `on_micro_batch(i)` is called before micro-batch i (without pp; diagnostics number them)."""
         self.engine.zero_grad()
         batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
         if self.pipeline is not None:
@@ -73,6 +75,8 @@ class StepRunner:
         else:
             loss = torch.zeros((), device=self.device)
             for i, (inputs, targets) in enumerate(batches):
+                if on_micro_batch is not None:
+                    on_micro_batch(i)
                 # Only the last micro-step's backward synchronises gradients (DDP, ZeRO-1).
                 self.engine.before_backward(0, last=i == len(batches) - 1)
                 step_loss = self.loss_fn(self.model(inputs), targets)

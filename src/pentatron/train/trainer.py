@@ -21,6 +21,7 @@ from pentatron.distributed.context import ParallelContext, resolve_degrees
 from pentatron.distributed.launch import local_device
 from pentatron.models.llama import build_model
 from pentatron.observe.metrics import COMM_LEGEND, MetricsLogger
+from pentatron.observe.run_observer import RunObserver, start_flight_recorder
 from pentatron.observe.system import peak_flops, peak_memory_bytes
 from pentatron.parallel.parallelize import parallelize
 from pentatron.parallel.pipeline.trace import write_rank_trace
@@ -49,6 +50,7 @@ class Trainer:
         self.rank, self.world_size = self.ctx.rank, self.ctx.world_size
         self.dp, self.dp_rank = self.ctx.dp_size, self.ctx.dp_rank
         self.comm = self.ctx.comm
+        self.watchdog = start_flight_recorder(cfg, self.ctx)
         self.policy = resolve_precision(tr.precision, self.device)
         torch.manual_seed(tr.seed)
 
@@ -87,14 +89,18 @@ class Trainer:
         self.tokens_per_step = tr.global_batch * tr.seq_len
         self.flops_per_token = model_flops_per_token(self.model_cfg, tr.seq_len)
         self.peak_flops, self.peak_source = peak_flops(self.device, self.policy.param_dtype, tr.peak_tflops)
+        self.observer = RunObserver(cfg, self.ctx, self.model, self.engine, self.loader, self.watchdog)
 
     # ------------------------------------------------------------------ one optimizer step
     def train_step(self) -> dict[str, Any]:
         self.comm.ledger.begin_step()
-        loss = self.runner.forward_backward(self.loader.next_step())
+        self.observer.begin_step(self.step + 1)
+        loss = self.runner.forward_backward(self.loader.next_step(), on_micro_batch=self.observer.micro)
+        self.observer.after_backward()
         norm = self.runner.clip_grads(self.cfg.train.clip)
         lr = lr_at(self.step, self.cfg.train)
         self.runner.step(lr)
+        self.observer.after_optimizer()
         self.step += 1
         extra = self.runner.step_stats()
         self._write_pp_trace()
@@ -148,8 +154,7 @@ class Trainer:
                 )
                 if not records:  # the first record of a run carries the per-rank memory accounting
                     record["memory"] = self.runner.memory().to_dict()
-                if not math.isfinite(record["loss"]):
-                    raise FloatingPointError(f"loss became {record['loss']} at step {self.step}")
+                record.update(self.observer.end_step(record))
                 records.append(record)
                 if logger is not None:
                     console = self.step % cfg.log.every == 0 or self.step == cfg.train.steps
@@ -160,11 +165,14 @@ class Trainer:
                         print(f"pentatron: communication per rank, step {self.step} {COMM_LEGEND}:\n{table}",
                               flush=True)
                         last_table = table
+                if not math.isfinite(record["loss"]):  # after logging: the record shows where it broke
+                    raise FloatingPointError(f"loss became {record['loss']} at step {self.step}")
                 if self.store is not None and self._checkpoint_due():
                     self.save_checkpoint()
         finally:
             if logger is not None:
                 logger.close()
+            self.observer.close(records)
         return records
 
     # ------------------------------------------------------------------ checkpoints

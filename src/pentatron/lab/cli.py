@@ -1,0 +1,63 @@
+"""`pentatron lab [NAME] [--quick] [--out DIR]`: run the failure lab's experiments and print verdicts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pentatron.lab.common import Verdict
+
+
+def experiments() -> dict[str, tuple[str, Callable[[Path, bool], Verdict]]]:
+    from pentatron.lab.collective import collective_mismatch
+    from pentatron.lab.divergence import lr_spike
+    from pentatron.lab.precision import grad_accumulation, loss_scaling, master_weights
+    from pentatron.lab.scaling import grad_scale
+
+    return {
+        "master-weights": ("(a) bf16 weights without fp32 master weights", master_weights),
+        "grad-accumulation": ("(b) bf16 vs fp32 gradient accumulation", grad_accumulation),
+        "loss-scaling": ("(c) fp16 without / with dynamic loss scaling", loss_scaling),
+        "grad-scale": ("(d) loss not ÷ micro-batches, dp grads summed not averaged", grad_scale),
+        "lr-spike": ("(e) too-high LR without warmup: spike and divergence", lr_spike),
+        "collective": ("(f) a skipped all-reduce: check mode and the hang watchdog", collective_mismatch),
+    }
+
+
+def add_lab_parser(subparsers: argparse._SubParsersAction) -> None:
+    names = ", ".join(experiments())
+    p = subparsers.add_parser("lab", help="reproduce training failures on the debug model (CPU)",
+                              description=f"Run one failure-lab experiment or all of them: {names}. Each prints "
+                                          "a verdict from measured numbers and saves a PNG.")
+    p.add_argument("name", nargs="?", default=None, help="experiment (default: all)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes (what the tests run)")
+    p.add_argument("--out", default="runs/lab", help="directory for the PNGs and logs (default runs/lab)")
+    p.set_defaults(func=run_lab)
+
+
+def run_lab(args: argparse.Namespace) -> int:
+    import torch
+
+    table = experiments()
+    if args.name is not None and args.name not in table:
+        print(f"pentatron: error: unknown lab experiment {args.name!r}; choose one of {', '.join(table)}",
+              file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)  # tiny models: one thread is fastest, and the lab shares the machine
+    out = Path(args.out)
+    failed = []
+    for name in [args.name] if args.name else list(table):
+        title, fn = table[name]
+        print(f"pentatron lab: {title} …", flush=True)
+        start = time.perf_counter()
+        verdict = fn(out, args.quick)
+        print(verdict.report() + f"\n  ({time.perf_counter() - start:.1f} s)\n", flush=True)
+        if not verdict.reproduced:
+            failed.append(name)
+    if failed:
+        print(f"pentatron lab: not reproduced: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0

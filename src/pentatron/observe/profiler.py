@@ -1,0 +1,188 @@
+"""`log.profile = "a:b"`: torch.profiler traces of steps a..b on every rank, with Pentatron's own
+ranges, and a one-page summary per rank of where the time went.
+
+Ranges (record_function, so they show in Chrome / Perfetto next to torch's ops):
+  pentatron/step N            the whole step
+  pentatron/forward           each forward of the model (of each pipeline stage chunk)
+  pentatron/backward          from the end of a forward to the next forward / the gradient sync's end
+  pentatron/optimizer         clipping and the optimizer step
+  comm/<dim>/<op>             a blocking collective, or the issue of an async one
+  comm/<dim>/<op>/wait        the wait on an async collective or message
+
+Summary per rank (`profile/rank<r>.summary.txt` and .json): wall time of the profiled steps split
+into forward, backward, optimizer, communication by dimension, and other (data, logging, Python
+between the phases). Communication is the time this rank was *blocked* in the comm layer: a
+transfer hidden behind compute costs nothing there, and waiting for a slower peer (a pipeline
+bubble, a straggler) counts as communication of that dimension, since that is where the rank
+idled. Times are host-side wall clock; on CUDA, each step is synchronised first so that they
+include the device's work, and the trace's device lanes show the kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from pentatron.observe.flight_recorder import FlightRecord
+
+
+class CommTimer:
+    """Opens a range per comm op (or its wait) and adds its blocking time to its dimension."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def open(self, rec: FlightRecord, wait: bool = False) -> None:
+        rf = record_function(f"comm/{rec.dim}/{rec.op}{'/wait' if wait else ''}")
+        rf.__enter__()
+        rec.range = (rf, time.perf_counter())
+
+    def close(self, rec: FlightRecord) -> None:
+        if rec.range is None:
+            return
+        rf, t0 = rec.range
+        rec.range = None
+        rf.__exit__(None, None, None)
+        self.seconds[rec.dim] += time.perf_counter() - t0
+        self.calls[rec.dim] += 1
+
+
+class _Phase:
+    """One open record_function range with its start time."""
+
+    def __init__(self, name: str) -> None:
+        self.rf = record_function(name)
+        self.rf.__enter__()
+        self.t0 = time.perf_counter()
+
+    def close(self) -> float:
+        self.rf.__exit__(None, None, None)
+        return time.perf_counter() - self.t0
+
+
+class StepProfiler:
+    def __init__(self, steps: tuple[int, int], out_dir: Path, rank: int, device: torch.device,
+                 recorder: Any, model: nn.Module) -> None:
+        self.first, self.last = steps
+        self.dir = out_dir
+        self.rank = rank
+        self.device = device
+        self.recorder = recorder
+        self.modules = list(getattr(model, "stages", None) or [model])
+        self.active = False
+        self._prof: Any = None
+        self._hooks: list[Any] = []
+        self._step: _Phase | None = None
+        self._fwd: _Phase | None = None
+        self._bwd: _Phase | None = None
+        self._opt: _Phase | None = None
+        self.time: dict[str, float] = defaultdict(float)
+        self.timer = CommTimer()
+        self.steps_done = 0
+
+    # ------------------------------------------------------------------ trainer hooks (via RunObserver)
+    def begin_step(self, step: int) -> None:
+        if step == self.first and self._prof is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=activities)
+            self._prof.__enter__()
+            self.recorder.timer = self.timer
+            self._hooks = [h for m in self.modules for h in (m.register_forward_pre_hook(self._fwd_begin),
+                                                             m.register_forward_hook(self._fwd_end))]
+            self.active = True
+        if self.active:
+            self._step = _Phase(f"pentatron/step {step}")
+
+    def _fwd_begin(self, *_: Any) -> None:
+        self._end_backward()
+        self._fwd = _Phase("pentatron/forward")
+
+    def _fwd_end(self, *_: Any) -> None:
+        if self._fwd is not None:
+            self.time["forward"] += self._fwd.close()
+            self._fwd = None
+        self._bwd = _Phase("pentatron/backward")
+
+    def _end_backward(self) -> None:
+        if self._bwd is not None:
+            self.time["backward"] += self._bwd.close()
+            self._bwd = None
+
+    def after_backward(self) -> None:
+        if self.active:
+            self._end_backward()
+            self._opt = _Phase("pentatron/optimizer")
+
+    def after_optimizer(self) -> None:
+        if self.active and self._opt is not None:
+            self.time["optimizer"] += self._opt.close()
+            self._opt = None
+
+    def end_step(self, step: int) -> None:
+        if not self.active or self._step is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._end_backward()
+        self.time["wall"] += self._step.close()
+        self._step = None
+        self.steps_done += 1
+        if step >= self.last:
+            self.finish()
+
+    def finish(self) -> None:
+        """Stop profiling (at step b, or at the end of a shorter run) and write the trace and summary."""
+        if not self.active:
+            return
+        self.active = False
+        for h in self._hooks:
+            h.remove()
+        self.recorder.timer = None
+        self._prof.__exit__(None, None, None)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._prof.export_chrome_trace(str(self.dir / f"rank{self.rank}.trace.json"))
+        summary = self.summary()
+        (self.dir / f"rank{self.rank}.summary.json").write_text(json.dumps(summary, indent=1))
+        (self.dir / f"rank{self.rank}.summary.txt").write_text(format_summary(summary) + "\n")
+
+    def summary(self) -> dict[str, Any]:
+        """Seconds per category over the profiled steps. Communication inside forward/backward/optimizer
+        is taken out of those, so the categories add up to the wall time."""
+        comm = dict(self.timer.seconds)
+        # Which phase each comm second fell in is not tracked; forward+backward+optimizer contain all
+        # of it except what ran between phases (the loss all-reduce, logging), so subtract it there,
+        # proportionally to the phases' lengths.
+        phases = {k: self.time[k] for k in ("forward", "backward", "optimizer")}
+        total_phase = sum(phases.values())
+        comm_total = sum(comm.values())
+        compute = {k: max(0.0, v - comm_total * v / total_phase) if total_phase > 0 else 0.0 for k, v in phases.items()}
+        wall = self.time["wall"]
+        other = max(0.0, wall - sum(compute.values()) - comm_total)
+        return {"rank": self.rank, "steps": [self.first, self.first + self.steps_done - 1], "wall_s": wall,
+                "compute_s": compute, "comm_s": comm, "comm_calls": dict(self.timer.calls), "other_s": other}
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    wall = s["wall_s"] or 1e-12
+    lines = [f"rank {s['rank']}: where the time went, steps {s['steps'][0]}..{s['steps'][1]} "
+             f"({s['wall_s']:.3f} s wall)",
+             f"  {'category':<30} {'seconds':>9} {'share':>7}"]
+    rows = [(f"compute: {k}", v) for k, v in s["compute_s"].items()]
+    rows += [(f"comm: {d} ({s['comm_calls'].get(d, 0)} calls)", v) for d, v in sorted(s["comm_s"].items())]
+    rows.append(("other / idle between phases", s["other_s"]))
+    for name, v in rows:
+        lines.append(f"  {name:<30} {v:>9.4f} {100 * v / wall:>6.1f}%")
+    total_comm = sum(s["comm_s"].values())
+    lines.append(f"  compute {100 * sum(s['compute_s'].values()) / wall:.1f}% · communication "
+                 f"{100 * total_comm / wall:.1f}% · other {100 * s['other_s'] / wall:.1f}%")
+    return "\n".join(lines)

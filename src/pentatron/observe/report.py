@@ -1,0 +1,253 @@
+"""The run report — predict, then measure: `report.md`, `report.json` and `report.png` (loss, gradient
+norm, throughput, memory, communication bytes by dimension) in the run directory,
+written at the end of every run (rank 0) and by `pentatron report RUN_DIR`.
+
+Measured numbers come from `metrics.jsonl` (rank 0's records): the communication bytes are the
+ledger's own per-step numbers, copied, not recomputed. The prediction is the planner's
+(`plan.search.predict`) for this exact layout and workload, on the hardware of a `pentatron bench`
+profile when one is given (`--hardware-profile`), else the datasheet of the GPU the run used, else
+(CPU runs) a reference GPU: then the time prediction is not about this machine and is labelled so;
+bytes, bubble and model-state memory do not depend on it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+RUN_INFO = "run.json"
+REFERENCE_GPU = "h100-sxm"
+
+
+class ReportError(ValueError):
+    """The run directory lacks what a report needs (a user error: exit code 2)."""
+
+
+def write_run_info(run_dir: Path, cfg_dict: dict[str, Any], world_size: int, device: str, device_name: str) -> None:
+    """At the start of a run (rank 0): what `pentatron report` needs to predict this layout later."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RUN_INFO).write_text(json.dumps({"config": cfg_dict, "world_size": world_size, "device": device,
+                                                "device_name": device_name}, indent=1))
+
+
+def load_records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ReportError(f"{run_dir} has no metrics.jsonl: is it a training run's log.dir?")
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            by_step[r["step"]] = r  # a resumed run appends: the newest record of a step wins
+    if not by_step:
+        raise ReportError(f"{path} is empty: the run did not finish a step")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+# ---------------------------------------------------------------- measured
+def measured(records: list[dict[str, Any]]) -> dict[str, Any]:
+    steady = records[1:] or records  # step 1 includes warm-up (allocations, first collectives)
+    comm: dict[str, float] = defaultdict(float)
+    for r in steady:
+        for dim, ops in r.get("comm_bytes", {}).items():
+            comm[dim] += sum(ops.values()) / len(steady)
+    mem = records[0].get("memory", {})
+    out = {"steps": records[-1]["step"], "final_loss": records[-1]["loss"],
+           "step_time_s": statistics.median(r["step_time_s"] for r in steady),
+           "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+           "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
+           "model_state_bytes": sum(mem.get(k, 0) for k in ("params", "grads", "optimizer", "master")),
+           "comm_bytes_per_step": dict(comm),
+           "comm_bytes_last_step": records[-1].get("comm_bytes", {})}
+    bubbles = [r["bubble"] for r in steady if "bubble" in r]
+    if bubbles:
+        out["bubble"] = statistics.median(bubbles)
+    return out
+
+
+# ---------------------------------------------------------------- predicted
+def layout_and_workload(cfg: dict[str, Any], world_size: int, device: str) -> tuple[Any, Any]:
+    """The planner's Layout and Workload for a run's config (as saved in run.json)."""
+    from pentatron.config import config_from_dict
+    from pentatron.plan.layout import Layout, Workload
+
+    c = config_from_dict(cfg)
+    par, tr = c.parallel, c.train
+    precision = tr.precision if tr.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
+    dp = par.dp or max(1, world_size // (par.tp * par.pp * par.cp))
+    lay = Layout(dp=dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero, sp=par.sp,
+                 pp_schedule=par.pp_schedule, pp_virtual=par.pp_virtual if par.pp_schedule == "interleaved" else 1,
+                 micro_batch=tr.micro_batch, recompute=tr.recompute, precision=precision)
+    return lay, Workload(c.model_config(), tr.seq_len, tr.global_batch)
+
+
+def _hardware(info: dict[str, Any], profile: Path | None) -> tuple[Any, str, bool]:
+    """(GPUSpec, where it came from, whether it describes this run's machine)."""
+    from pentatron.plan.hardware import detect_gpu, get_gpu, hardware_from_dict, load_hardware_toml
+
+    if profile is not None:
+        if not profile.is_file():
+            raise ReportError(f"hardware profile {profile} does not exist (write one with `pentatron bench`)")
+        if profile.suffix == ".json":
+            data = json.loads(profile.read_text())
+            return hardware_from_dict(data.get("gpu", data), where=str(profile)), f"profile {profile}", True
+        return load_hardware_toml(profile), f"profile {profile}", True
+    if info.get("device") == "cuda":
+        spec = detect_gpu(info.get("device_name", ""))
+        if spec is not None:
+            return spec, f"datasheet of {spec.name}", True
+    return get_gpu(REFERENCE_GPU), (f"reference GPU {REFERENCE_GPU}, not this run's device "
+                                    f"({info.get('device_name')}): give --hardware-profile for its times"), False
+
+
+def predicted(info: dict[str, Any], profile: Path | None) -> dict[str, Any]:
+    """The planner's numbers for the run's layout, or {"error": why} when it cannot evaluate it."""
+    from pentatron.plan.comm import bytes_by_dim
+    from pentatron.plan.search import predict
+
+    gpu, source, same_machine = _hardware(info, profile)
+    try:
+        lay, w = layout_and_workload(info["config"], info.get("world_size", 1), info.get("device", "cpu"))
+        p = predict(w, lay, gpu)
+    except Exception as e:  # noqa: BLE001 - the planner may not model every layout: say so in the report
+        return {"error": f"{type(e).__name__}: {e}", "hardware": source}
+    mem = p.memory
+    return {"hardware": source, "same_machine": same_machine, "layout": lay.short(),
+            "step_time_s": p.step.step, "bubble": p.step.bubble_fraction, "memory_bytes": mem.total,
+            "model_state_bytes": mem.parameters + mem.gradients + mem.master_weights + mem.optimizer,
+            "comm_bytes_per_step": bytes_by_dim(list(p.step.collectives))}
+
+
+# ---------------------------------------------------------------- the report
+def _err(pred: float | None, meas: float | None) -> str:
+    if pred is None or meas is None:
+        return "-"
+    if meas == 0:
+        return "exact" if pred == 0 else "∞"
+    return f"{100 * (pred - meas) / meas:+.1f}%"
+
+
+def _size(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def comparison_rows(meas: dict[str, Any], pred: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(quantity, predicted, measured, error) for the markdown table."""
+    rows: list[tuple[str, str, str, str]] = []
+    if "error" in pred:
+        return rows
+    t_note = "" if pred["same_machine"] else " (other hardware)"
+    rows.append((f"step time{t_note}", f"{pred['step_time_s']:.4f} s", f"{meas['step_time_s']:.4f} s",
+                 _err(pred["step_time_s"], meas["step_time_s"]) if pred["same_machine"] else "n/a"))
+    rows.append(("model states per rank (params, grads, master, optimizer)", _size(pred["model_state_bytes"]),
+                 _size(meas["model_state_bytes"]), _err(pred["model_state_bytes"], meas["model_state_bytes"] or None)))
+    rows.append(("peak memory per rank", _size(pred["memory_bytes"]), _size(meas["peak_mem_bytes"]),
+                 _err(pred["memory_bytes"], meas["peak_mem_bytes"]) if pred["same_machine"] else "n/a (CPU RSS)"))
+    dims = sorted(set(pred["comm_bytes_per_step"]) | set(meas["comm_bytes_per_step"]))
+    for d in dims:
+        p, m = pred["comm_bytes_per_step"].get(d, 0.0), meas["comm_bytes_per_step"].get(d, 0.0)
+        rows.append((f"comm bytes per step, {d}", _size(p), _size(m), _err(p, m)))
+    if "bubble" in meas or pred["bubble"] > 0:
+        m = meas.get("bubble")
+        rows.append(("pipeline bubble", f"{100 * pred['bubble']:.1f}%", "-" if m is None else f"{100 * m:.1f}%",
+                     _err(pred["bubble"], m)))
+    return rows
+
+
+def _plots(run_dir: Path, records: list[dict[str, Any]]) -> list[str]:
+    """One PNG, one panel per curve (a single figure: this runs at the end of every training run)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    steps = [r["step"] for r in records]
+    panels: list[tuple[str, str, dict[str, list[float]]]] = [
+        ("training loss", "loss", {"loss": [r["loss"] for r in records]}),
+        ("gradient norm (before clipping)", "‖g‖", {"grad norm": [r["grad_norm"] for r in records]}),
+        ("throughput", "tokens/s", {"tokens/s": [r["tokens_per_s"] for r in records]}),
+        ("peak memory, rank 0", "MiB", {"peak": [r["peak_mem_bytes"] / 2**20 for r in records]})]
+    dims = sorted({d for r in records for d in r.get("comm_bytes", {})})
+    if dims:
+        panels.append(("comm bytes per step (ledger, rank 0)", "MiB",
+                       {d: [sum(r.get("comm_bytes", {}).get(d, {}).values()) / 2**20 for r in records] for d in dims}))
+    fig = Figure(figsize=(4 * len(panels), 3.2))
+    FigureCanvasAgg(fig)
+    for i, (title, ylabel, series) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        for label, ys in series.items():
+            ax.plot(steps, ys, label=label)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        if len(series) > 1:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(run_dir / "report.png", dpi=80)
+    return ["report.png"]
+
+
+def write_report(run_dir: Path, hardware_profile: Path | None = None) -> Path:
+    """report.md, report.json and report.png in `run_dir`; returns the path of report.md."""
+    run_dir = Path(run_dir)
+    records = load_records(run_dir)
+    info_path = run_dir / RUN_INFO
+    info = json.loads(info_path.read_text()) if info_path.is_file() else None
+    meas = measured(records)
+    pred = predicted(info, hardware_profile) if info else {"error": f"no {RUN_INFO} in {run_dir} (run older "
+                                                                    "than the report): nothing to predict from"}
+    plots = _plots(run_dir, records)
+    (run_dir / "report.json").write_text(json.dumps({"measured": meas, "predicted": pred}, indent=1))
+    lines = [f"# Run report: {run_dir}", ""]
+    if info:
+        par = info["config"]["parallel"]
+        lines.append(f"{info['world_size']} process(es) on {info['device_name']}; model "
+                     f"{info['config']['model']['name']}; dp={par['dp'] or 'auto'} tp={par['tp']} pp={par['pp']} "
+                     f"zero={par['zero']}; {meas['steps']} steps, final loss {meas['final_loss']:.4f}; median "
+                     f"step {meas['step_time_s']:.4f} s, {meas['tokens_per_s']:,.0f} tokens/s.")
+        lines.append("")
+    lines += ["## Predicted vs measured", ""]
+    if "error" in pred:
+        lines.append(f"The planner could not evaluate this run: {pred['error']}.")
+    else:
+        lines.append(f"Planner: `plan.search.predict` for layout `{pred['layout']}` on {pred['hardware']}. "
+                     "Measured: median over steps 2..N (step 1 warms up); comm bytes are the ledger's "
+                     "(rank 0, what it sends per step).")
+        lines += ["", "| quantity | predicted | measured | error |", "|---|---|---|---|"]
+        lines += [f"| {q} | {p} | {m} | {e} |" for q, p, m, e in comparison_rows(meas, pred)]
+    lines += ["", "## Communication per step (ledger, rank 0, last step)", "",
+              "| dim | op | bytes |", "|---|---|---|"]
+    last = meas["comm_bytes_last_step"]
+    lines += [f"| {d} | {o} | {b:,} |" for d in sorted(last) for o, b in sorted(last[d].items())] or ["| - | - | 0 |"]
+    lines += ["", "## Curves", ""] + [f"![{p}]({p})" for p in plots]
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def add_report_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("report", help="write report.md (+ PNGs) for a finished run directory",
+                              description="Predicted vs measured for a run: reads RUN_DIR/metrics.jsonl and "
+                                          "run.json, writes report.md, report.json and report.png there.")
+    p.add_argument("run_dir", help="the run's log.dir")
+    p.add_argument("--hardware-profile", default=None,
+                   help="a `pentatron bench` profile of the machine the run used (for the time prediction)")
+    p.set_defaults(func=run_report)
+
+
+def run_report(args: Any) -> int:
+    import sys
+
+    try:
+        path = write_report(Path(args.run_dir), Path(args.hardware_profile) if args.hardware_profile else None)
+    except ReportError as e:
+        print(f"pentatron: error: {e}", file=sys.stderr)
+        return 2
+    print(f"pentatron: wrote {path}")
+    return 0

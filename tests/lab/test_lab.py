@@ -1,0 +1,78 @@
+"""Every failure-lab experiment at its --quick size: each verdict asserted from the measured numbers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pentatron.cli import main
+from pentatron.lab.collective import collective_mismatch
+from pentatron.lab.divergence import lr_spike
+from pentatron.lab.precision import grad_accumulation, loss_scaling, master_weights
+from pentatron.lab.scaling import grad_scale
+from pentatron.observe.watchdog import HANG_EXIT_CODE
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_master_weights(tmp_path: Path):
+    v = master_weights(tmp_path, quick=True)
+    n = v.numbers
+    assert n["unchanged_bf16"] > 0.5 and n["unchanged_fp32"] < 0.01  # most bf16 updates round away
+    assert n["drop_fp32"] > 0 and n["progress_ratio"] < 0.5
+    assert v.reproduced and v.plot is not None and v.plot.stat().st_size > 0
+
+
+def test_grad_accumulation(tmp_path: Path):
+    v = grad_accumulation(tmp_path, quick=True)
+    n = v.numbers
+    assert n["err_bf16"] > 100 * n["err_fp32"] and n["err_fp32"] < 1e-6
+    assert n["errs_bf16"][-1] > n["errs_bf16"][0]  # grows with the number of additions
+    assert v.reproduced
+
+
+def test_loss_scaling(tmp_path: Path):
+    v = loss_scaling(tmp_path, quick=True)
+    n = v.numbers
+    i = n["m"].index(64)
+    assert n["zero_plain"][i] > 0.1 and n["zero_scaled"][i] < 0.001
+    assert n["zero_plain"][-1] >= n["zero_plain"][i]  # the smaller the loss, the more underflows
+    assert n["err_scaled"][i] < n["err_plain"][i] / 10
+    assert v.reproduced
+
+
+def test_grad_scale(tmp_path: Path):
+    v = grad_scale(tmp_path, quick=True)
+    n = v.numbers
+    assert n["m_ratios"] == pytest.approx([float(m) for m in n["m"]], rel=1e-4)
+    assert n["dp_ratio"] == pytest.approx(n["dp"], rel=1e-5)
+    assert v.reproduced
+
+
+def test_lr_spike(tmp_path: Path):
+    v = lr_spike(tmp_path, quick=True)
+    n = v.numbers
+    assert n["good_spikes"] == 0 and n["first_spike_step"] == n["jump_at"] + 1
+    assert n["final_bad"] > n["final_good"] + 1.0
+    assert v.reproduced
+
+
+def test_collective(tmp_path: Path):
+    v = collective_mismatch(tmp_path, quick=True)
+    n = v.numbers
+    assert n["check_codes"] == [1, 1] and n["watchdog_codes"] == [HANG_EXIT_CODE, HANG_EXIT_CODE]
+    assert n["stuck"] == "1" and "rank 1 has not entered dp all_reduce #8" in v.text
+    assert v.reproduced
+
+
+def test_unknown_experiment_is_an_input_error(capsys):
+    assert main(["lab", "no-such"]) == 2
+    assert "choose one of master-weights" in capsys.readouterr().err

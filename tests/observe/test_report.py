@@ -1,0 +1,70 @@
+"""The run report on real debug runs (1 process, dp2, tp2 with the profiler, pp2): its communication
+bytes are the ledger's, and the predicted-vs-measured table is there."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pentatron.cli import main
+from pentatron.config import load_config
+from pentatron.train.trainer import Trainer
+from tests.multiprocess import run_ranks
+
+
+def _train(rank: int, world: int, run_dir: str, dataset: str, extra: list[str]) -> dict:
+    cfg = load_config(None, ["train.steps=3", "train.warmup=1", "train.seq_len=32", "train.micro_batch=2",
+                             "train.global_batch=8", "train.device='cpu'", f"log.dir='{run_dir}'",
+                             "log.tensorboard=false", "log.progress=false", *extra], world_size=world)
+    trainer = Trainer(cfg, dataset_dir=Path(dataset))
+    trainer.fit()
+    # every op the run issued was waited on: nothing left pending for the watchdog to misread
+    assert trainer.comm.recorder.pending == 0 and (world == 1 or trainer.comm.recorder.records)
+    return trainer.last_comm.bytes_map()
+
+
+@pytest.mark.parametrize("world,extra", [
+    (1, []),
+    (2, ["parallel.dp=2"]),
+    (2, ["parallel.tp=2", "log.profile='2:3'"]),
+    (2, ["parallel.pp=2"]),
+], ids=["1proc", "dp2", "tp2", "pp2"])
+def test_report_matches_the_ledger(tmp_path: Path, default_dataset, world: int, extra: list[str]):
+    run_dir = tmp_path / "run"
+    if world == 1:
+        ledgers = [_train(0, 1, str(run_dir), str(default_dataset), extra)]
+    else:
+        ledgers = run_ranks(_train, world, args=(str(run_dir), str(default_dataset), extra))
+    report = json.loads((run_dir / "report.json").read_text())
+    meas, pred = report["measured"], report["predicted"]
+    # rank 0's last step, as the ledger summarised it: the report copies it, nothing recomputed
+    assert meas["comm_bytes_last_step"] == ledgers[0]
+    per_step = {d: sum(ops.values()) for d, ops in ledgers[0].items()}
+    assert meas["comm_bytes_per_step"] == pytest.approx(per_step)  # every step moves the same bytes here
+    assert "error" not in pred, pred
+    md = (run_dir / "report.md").read_text()
+    assert "| quantity | predicted | measured | error |" in md and "| step time" in md
+    assert "model states per rank" in md
+    for d in per_step:
+        assert f"| comm bytes per step, {d} |" in md
+    assert (run_dir / "report.png").stat().st_size > 0 and "![report.png](report.png)" in md
+    if world == 1:
+        assert per_step == {} and meas["model_state_bytes"] == pytest.approx(pred["model_state_bytes"], rel=0.01)
+    if "parallel.pp=2" in extra:
+        assert "| pipeline bubble |" in md and 0 < meas["bubble"] < 1
+    if "parallel.tp=2" in extra:
+        summary = json.loads((run_dir / "profile" / "rank1.summary.json").read_text())
+        assert summary["steps"] == [2, 3] and summary["comm_calls"]["tp"] > 0 and summary["comm_s"]["tp"] > 0
+        assert set(summary["compute_s"]) == {"forward", "backward", "optimizer"}
+        trace = json.loads((run_dir / "profile" / "rank0.trace.json").read_text())
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert {"pentatron/forward", "pentatron/backward", "pentatron/optimizer", "comm/tp/all_reduce"} <= names
+    # and again from the command line
+    assert main(["report", str(run_dir)]) == 0
+
+
+def test_report_of_a_missing_run_is_an_input_error(tmp_path: Path, capsys):
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
