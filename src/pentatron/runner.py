@@ -40,7 +40,7 @@ def refresh_cpu_peak(cfg: Config) -> None:
     """Measure this machine's CPU peak (for MFU) while no rank competes for its threads."""
     from pentatron.distributed.launch import local_device
     from pentatron.observe.peak import cpu_peak_flops
-    from pentatron.train.precision import resolve_precision
+    from pentatron.precision import resolve_precision
 
     device = local_device(cfg.train.device)
     if device.type == "cpu" and cfg.train.peak_tflops is None:
