@@ -50,7 +50,6 @@ class DataParallelBase:
     def __init__(self, model: nn.Module, ctx: ParallelContext, policy: PrecisionPolicy,
                  bucket_mb: float, placements: dict[str, Placement] | None = None) -> None:
         self.model, self.ctx, self.comm, self.policy = model, ctx, ctx.comm, policy
-        self.dp, self.dp_rank = ctx.dp_size, ctx.dp_rank
         # named_parameters() lists a tied weight once, under its first name (embed.weight).
         self.names: dict[nn.Parameter, str] = {p: n for n, p in model.named_parameters() if p.requires_grad}
         self.params = list(self.names)
@@ -59,6 +58,13 @@ class DataParallelBase:
             placements.setdefault(n, Placement(n, tuple(p.shape)))
         self.placements = placements
         self.place: dict[nn.Parameter, Placement] = {p: placements[n] for p, n in self.names.items()}
+        # The group gradients are averaged over (and ZeRO shards over) comes from the placements: "dp"
+        # today, the flattened "dp_cp" group once context parallelism shares the reduction.
+        groups = {pl.grad_dims for pl in self.place.values()} or {("dp",)}
+        if len(groups) > 1:
+            raise NotImplementedError(f"one data-parallel engine reduces over one group; got {sorted(groups)}")
+        self.reduce_dim = "_".join(groups.pop())
+        self.dp, self.dp_rank = ctx.size(self.reduce_dim), ctx.local_rank(self.reduce_dim)
         # Checkpoint keys: the name, plus the tp shard coordinates for a tensor-parallel shard (its
         # shards share the name). Pipeline ranks hold disjoint names (the last stage's copy of a tied
         # embedding is "lm_head.weight", the first stage's "embed.weight"), so no pp suffix is needed.
@@ -78,7 +84,7 @@ class DataParallelBase:
         # Replicas are built identically (init from (seed, name)); broadcasting from dp rank 0 makes
         # that a guarantee, as torch's DDP does. Outside any step, so the ledger does not count it.
         for p in self.params:
-            self.comm.broadcast(p.data, "dp", src=0)
+            self.comm.broadcast(p.data, self.reduce_dim, src=0)
 
     # ------------------------------------------------------------------ micro-steps and buckets
     def before_backward(self, chunk: int, last: bool, weights_only: bool = False) -> None:
@@ -133,7 +139,7 @@ class DataParallelBase:
                 if weights[p]:
                     sq += g.float().pow(2).sum() * weights[p]
         if self.sharded_grads:
-            self.comm.all_reduce(sq, "dp")
+            self.comm.all_reduce(sq, self.reduce_dim)
         if tp > 1:
             self.comm.all_reduce(sq, "tp")
         if pp > 1:
@@ -212,7 +218,7 @@ class DataParallel(DataParallelBase):
 
     def _launch(self, b: Bucket) -> None:
         self._launched.add(b.index)
-        self._works.append(self.comm.all_reduce(self.grads.bucket_data(b), "dp", async_op=True))
+        self._works.append(self.comm.all_reduce(self.grads.bucket_data(b), self.reduce_dim, async_op=True))
 
     def zero_grad(self) -> None:
         self.grads.zero()

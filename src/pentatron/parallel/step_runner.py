@@ -146,6 +146,6 @@ class StepRunner:
         for p, f in flat.items():
             pl = engine.place[p]
             if pl.zero is not None:
-                self.comm.all_reduce(f, "dp")  # pieces are disjoint: the sum assembles the tensor
+                self.comm.all_reduce(f, engine.reduce_dim)  # pieces are disjoint: the sum assembles it
             out[pl.name] = gather_full_tensor(f.view(pl.local_shape), pl.tp, self.comm)
         return out

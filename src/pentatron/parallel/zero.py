@@ -144,17 +144,21 @@ class ZeroDataParallel(_ShardedBase):
         if b is None:
             return
         if self.stage == 1:
-            self._launched.add(b.index)
-            data = self.grads.bucket_data(b)
-            self._works.append(self.comm.reduce_scatter(data[self._own(b)], data, "dp", async_op=True))
+            self._scatter_persistent(b)
         else:
             self._reduce_transient(b)
             self._remaining[b.index] = len(b.params)  # the next micro-step refills a fresh bucket
 
+    def _scatter_persistent(self, b: Bucket) -> None:
+        """ZeRO-1: reduce-scatter bucket b in place in the persistent buffer (asynchronously)."""
+        self._launched.add(b.index)
+        data = self.grads.bucket_data(b)
+        self._works.append(self.comm.reduce_scatter(data[self._own(b)], data, self.reduce_dim, async_op=True))
+
     def _reduce_transient(self, b: Bucket) -> None:
         data = self.grads.bucket_data(b)
         self.grads.release(b)  # the next gradients of this bucket go to a fresh buffer
-        work = self.comm.reduce_scatter(data[self._own(b)], data, "dp", async_op=True)
+        work = self.comm.reduce_scatter(data[self._own(b)], data, self.reduce_dim, async_op=True)
         self._in_flight.append((b, data, work))
         self._transient_peak = max(self._transient_peak, self.grads.transient_bytes
                                    + sum(_nbytes(d) for _, d, _ in self._in_flight))
@@ -177,8 +181,7 @@ class ZeroDataParallel(_ShardedBase):
         if self.stage == 1:
             for b in self.layout.buckets:
                 if b.index not in self._launched:
-                    data = self.grads.bucket_data(b)
-                    self._works.append(self.comm.reduce_scatter(data[self._own(b)], data, "dp", async_op=True))
+                    self._scatter_persistent(b)
             for w in self._works:
                 w.wait()
             self._works.clear()
@@ -204,7 +207,7 @@ class ZeroDataParallel(_ShardedBase):
         works = []
         for b in self.layout.buckets:
             full = self.param_flat[b.start: b.end]
-            works.append(self.comm.all_gather(full, full[self._own(b)], "dp", async_op=True))
+            works.append(self.comm.all_gather(full, full[self._own(b)], self.reduce_dim, async_op=True))
         for w in works:
             w.wait()
 
@@ -333,7 +336,7 @@ class FullyShardedDataParallel(_ShardedBase):
             return
         lo, hi = self.layout.local_range(u.bucket)
         u.full = torch.empty(u.bucket.padded, dtype=self.param_shard.dtype, device=self.param_shard.device)
-        u.work = self.comm.all_gather(u.full, self.param_shard[lo:hi], "dp", async_op=True)
+        u.work = self.comm.all_gather(u.full, self.param_shard[lo:hi], self.reduce_dim, async_op=True)
         self._note_transient()
 
     def _ensure(self, u: _Unit) -> None:
@@ -433,7 +436,7 @@ class FullyShardedDataParallel(_ShardedBase):
         data = self.grads.bucket_data(b)
         self.grads.release(b)
         lo, hi = self.layout.shard_range(b, self.dp_rank)
-        work = self.comm.reduce_scatter(data[lo - b.start: hi - b.start], data, "dp", async_op=True)
+        work = self.comm.reduce_scatter(data[lo - b.start: hi - b.start], data, self.reduce_dim, async_op=True)
         self._in_flight.append((b, data, work))
         self._note_transient()
         u.grads_pending = False
