@@ -16,7 +16,12 @@ from pentatron.models.config import ModelConfig
 from pentatron.plan.flops import RECOMPUTE_MODES, MoESpec, moe_of
 from pentatron.plan.hardware import GPUSpec
 
-PRECISIONS: tuple[str, ...] = ("bf16", "fp32", "fp8")
+# fp16 runs like bf16 (same tensor-core peak on A100/H100) plus dynamic loss scaling (one extra pass over
+# the gradients for the inf/nan check, modelled with the optimizer); fp8: Transformer-Engine style GEMMs.
+PRECISIONS: tuple[str, ...] = ("bf16", "fp32", "fp8", "fp16")
+# attention kernels: FlashAttention-2 (what torch SDPA runs), FlashAttention-3 (Hopper), cuDNN fused
+# attention, or the unfused math path (scores materialised: Megatron before 2022, BLOOM).
+ATTENTION_KERNELS: tuple[str, ...] = ("flash2", "flash3", "cudnn", "math")
 PP_SCHEDULES: tuple[str, ...] = ("afab", "1f1b", "interleaved", "zb")
 
 
@@ -50,6 +55,7 @@ class Layout:
     micro_batch: int = 1
     recompute: str = "none"
     precision: str = "bf16"
+    attention: str = "flash2"
 
     @property
     def world(self) -> int:

@@ -46,6 +46,7 @@ STATE_PRECISIONS: dict[str, StatePrecision] = {
     "bf16": StatePrecision("bf16", 2, 4, 4, 8),
     "fp8": StatePrecision("fp8", 2, 4, 4, 8),
     "fp32": StatePrecision("fp32", 4, 4, 0, 8),
+    "fp16": StatePrecision("fp16", 2, 4, 4, 8),
 }
 # The playbook's accounting (mixed precision with bf16 gradients: 2+2+4+8 = 16 bytes/param; adding an
 # fp32 gradient-accumulation copy: 2+(2+4)+4+8 = 20 bytes/param).
@@ -108,7 +109,7 @@ class LayerActivation:
 @lru_cache(maxsize=16384)
 def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *, precision: str = "bf16",
                                  tp: int = 1, sp: bool = False, recompute: str = "none", layer: int = 0,
-                                 moe: MoESpec | None = None) -> LayerActivation:
+                                 moe: MoESpec | None = None, norm: str = "eager") -> LayerActivation:
     """Saved tensors of one `DecoderBlock` of models/llama.py for `tokens` local tokens (micro_batch *
     seq/cp) of sequences `seq_len/cp` long. Per token, a = activation bytes:
       RMSNorm x2: fp32 copy of the input (4h), rstd (4), normalised a*h, gain product = next matmul's
@@ -118,7 +119,12 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
       twice (q and k): 4 * s * head_dim * a per layer and micro-batch (none in fp32: no cast).
     TP shards heads and the MLP width; SP also the hidden-sized tensors (Megatron keeps the sharded
     input of each all-gather). Selective recompute checkpoints `attn.core`: its inputs q, k, v are kept,
-    out is kept as o_proj's input, so only the logsumexp goes. Full recompute keeps the block input."""
+    out is kept as o_proj's input, so only the logsumexp goes. Full recompute keeps the block input.
+    norm="fused" (Apex/TE/Megatron fused norm kernels, MPT's low-precision LayerNorm): each norm keeps
+    its a*h input and the fp32 rstd only, no fp32 copy and no separate normalised tensor.
+    selective-op (torchtitan op-level SAC): the block input, every other matmul output (half of q, k,
+    v, o, gate, up, down), the attention output and logsumexp. full-alternate: every second block
+    fully recomputed, so per layer the mean of none and full."""
     h, a = cfg.hidden_size, act_bytes(precision)
     hd = cfg.head_dim
     hq = cfg.n_heads * hd / tp
@@ -126,7 +132,11 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
     heads = cfg.n_heads / tp
     hs = h / tp if sp else h  # hidden-sized tensors
     moe = moe_of(cfg, moe)
-    norms = 2 * (4 * hs + 4 / (tp if sp else 1) + a * hs) + 2 * a * hs  # + the two matmul inputs
+    rstd = 4 / (tp if sp else 1)
+    if norm == "fused":
+        norms = 2 * (a * hs + rstd) + 2 * a * hs  # + the two matmul inputs
+    else:
+        norms = 2 * (4 * hs + rstd + a * hs) + 2 * a * hs
     attn = a * hq + 2 * a * kv + a * hq + 4 * heads
     lp = layer_params(cfg, layer, moe)
     mlp_mats = 3 if cfg.mlp == "swiglu" else 2
@@ -146,6 +156,13 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
         return LayerActivation(full_layer, 0.0)
     if recompute == "selective":
         return LayerActivation(full_layer - tokens * 4 * heads, tokens * 4 * heads)
+    if recompute == "selective-op":
+        f_local = (lp.mlp_active / (mlp_mats * h)) / tp if not lp.expert_total else mlp / (a * per_f)
+        mm_out = hq + 2 * kv + 2 * h / (tp if sp else 1) + (mlp_mats - 1) * f_local
+        saved = tokens * (a * hs + a * mm_out / 2 + a * hq + 4 * heads)
+        return LayerActivation(saved, full_layer)
+    if recompute == "full-alternate":
+        return LayerActivation((full_layer + tokens * a * hs) / 2, full_layer)
     return LayerActivation(tokens * a * hs, full_layer)
 
 
@@ -273,7 +290,7 @@ def _states(rp: RankParams, prec: StatePrecision, zero: int, dpcp: int, ep: int)
             model_state_bytes(rp.expert, prec, zero, max(1, dpcp // ep)))
 
 
-def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int) -> MemoryBreakdown:
+def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: str = "eager") -> MemoryBreakdown:
     cfg, moe = w.cfg, w.moe_spec
     prec = STATE_PRECISIONS[lay.precision]
     a = act_bytes(lay.precision)
@@ -288,7 +305,8 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int) -> Memory
     per_chunk = layers_per_chunk(cfg, w.seq_len, lay.pp, lay.pp_virtual)
     in_flight = schedule_in_flight(lay.pp_schedule, lay.pp, m, lay.pp_virtual)[rank] if lay.pp > 1 else 1
     layer_act = llama_layer_activation_bytes(cfg, tokens, seq_local, precision=lay.precision, tp=lay.tp,
-                                             sp=lay.sp, recompute=lay.recompute, moe=moe)
+                                             sp=lay.sp, recompute=lay.recompute, moe=moe,
+                                             norm="fused" if kernels == "fused" else "eager")
     first, last = rank == 0, rank == lay.pp - 1
     extra_saved, extra_transient = stage_extras(cfg, tokens, first=first, last=last, precision=lay.precision,
                                                 tp=lay.tp, sp=lay.sp)
@@ -322,7 +340,7 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int) -> Memory
         reserved=RUNTIME_RESERVED + FRAGMENTATION * live, in_flight=in_flight)
 
 
-def memory_per_gpu(w: Workload, lay: Layout, gpu: GPUSpec) -> MemoryBreakdown:
+def memory_per_gpu(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "eager") -> MemoryBreakdown:
     """The breakdown of the pipeline rank that needs the most memory: the first (embedding, most
     micro-batches in flight), the last (LM head and loss) or one holding the most layers."""
     if lay.pp <= 3:
@@ -332,4 +350,4 @@ def memory_per_gpu(w: Workload, lay: Layout, gpu: GPUSpec) -> MemoryBreakdown:
         per_rank = [sum(per_chunk[c * lay.pp + r] for c in range(lay.pp_virtual)) for r in range(lay.pp)]
         heavy = per_rank.index(max(per_rank))
         ranks = sorted({0, 1, heavy, lay.pp - 1})
-    return max((memory_for_rank(w, lay, gpu, r) for r in ranks), key=lambda mb: mb.total)
+    return max((memory_for_rank(w, lay, gpu, r, kernels) for r in ranks), key=lambda mb: mb.total)

@@ -75,7 +75,7 @@ def memory_budget(gpu: GPUSpec) -> float:
 
 
 def predict(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", exact: bool = True) -> Prediction:
-    mem = memory_per_gpu(w, lay, gpu)
+    mem = memory_per_gpu(w, lay, gpu, kernels)
     st = step_time(w, lay, gpu, kernels=kernels, exact=exact)
     notes = []
     if lay.pp > 1 and lay.microbatches(w) < 2 * lay.pp:
@@ -160,7 +160,7 @@ def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None
         if key in stop_rc and fixed.get("recompute") is None:
             continue
         n_valid += 1
-        mem = memory_per_gpu(w, lay, gpu)
+        mem = memory_per_gpu(w, lay, gpu, kernels)
         fits = mem.total <= budget
         est = 0.0
         if fits:
@@ -185,7 +185,7 @@ LOCAL_KNOBS = {"zero": (0, 1, 2, 3), "micro_batch": (1, 2, 4, 8, 16, 32), "recom
 
 
 def _score(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str) -> Scored:
-    mem = memory_per_gpu(w, lay, gpu).total
+    mem = memory_per_gpu(w, lay, gpu, kernels).total
     fits = mem <= memory_budget(gpu)
     est = w.tokens_per_step / step_time(w, lay, gpu, kernels=kernels, exact=False).step if fits else 0.0
     return Scored(lay, mem, fits, est)
