@@ -29,7 +29,7 @@ from pentatron.plan.search import Prediction, predict
 
 DEFAULT_FILE = Path(__file__).with_name("published_runs.toml")
 LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "zero", "sp", "pp_schedule", "pp_virtual", "micro_batch", "recompute",
-                 "precision", "attention")
+                 "precision", "attention", "grad_precision")
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class Row:
     published_memory: float | None  # bytes per GPU
     inferred: tuple[str, ...]
     kernels: str = "fused"
+    norm: str | None = None
 
 
 def build_model(name: str, spec: dict[str, Any]) -> ModelConfig:
@@ -93,7 +94,7 @@ def load_rows(path: Path = DEFAULT_FILE) -> list[Row]:
         mem = r.get("memory_gib")
         rows.append(Row(r["id"], r["source"], r.get("confirmed", True), w, lay, gpu, tps,
                         mem * GiB if mem is not None else None, tuple(r.get("inferred", ())),
-                        r.get("kernels", "fused")))
+                        r.get("kernels", "fused"), r.get("norm")))
     return rows
 
 
@@ -119,11 +120,25 @@ class Result:
         return self.pred.memory.total / self.row.published_memory - 1
 
 
+def _predict(row: Row) -> Prediction:
+    """The row's layout; recompute "auto" (not published) takes the lightest mode that fits, as the
+    planner's search does."""
+    if row.layout.recompute != "auto":
+        return predict(row.workload, row.layout, row.gpu, kernels=row.kernels, norm=row.norm)
+    for mode in ("none", "selective", "full"):
+        pred = predict(row.workload, replace(row.layout, recompute=mode), row.gpu, kernels=row.kernels,
+                       norm=row.norm)
+        if pred.fits:
+            break
+    return pred
+
+
 def evaluate(rows: list[Row], baseline_mfu: float = 0.40) -> list[Result]:
     out = []
     for row in rows:
-        probs = problems(row.workload, row.layout, row.gpu, row.layout.world)
-        pred = predict(row.workload, row.layout, row.gpu, kernels=row.kernels)
+        lay = row.layout if row.layout.recompute != "auto" else replace(row.layout, recompute="none")
+        probs = problems(row.workload, lay, row.gpu, lay.world)
+        pred = _predict(row)
         peak = row.gpu.flops(compute_dtype(row.layout.precision))
         base = baseline_mfu * peak / model_flops_per_token(row.workload.cfg, row.workload.seq_len)
         out.append(Result(row, pred, tuple(probs), base))
@@ -160,7 +175,7 @@ def format_table(results: list[Result]) -> str:
         if r.memory_error is not None:
             mem = f"{r.pred.memory.total / GiB:.1f}/{r.row.published_memory / GiB:.0f} GiB ({100 * r.memory_error:+.0f}%)"
         flag = "" if r.row.confirmed else " *"
-        lines.append(f"{r.row.id + flag:<34} {r.row.layout.short()[:46]:<46} {r.row.published_tps:>9.0f} "
+        lines.append(f"{r.row.id + flag:<34} {r.pred.layout.short()[:46]:<46} {r.row.published_tps:>9.0f} "
                      f"{r.pred.rate.tokens_per_s_per_gpu:>9.0f} {100 * r.error:>+6.0f}%  "
                      f"{'yes' if r.pred.fits else 'NO ':<4}  {mem}")
         for p in r.refused:
@@ -208,4 +223,3 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["Row", "Result", "load_rows", "evaluate", "summary", "replace"]

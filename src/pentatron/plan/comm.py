@@ -239,7 +239,7 @@ def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a
     g = group_of(lay, dim, gpu)
     if g.size <= 1 or params <= 0:
         return []
-    grads, weights = params * 4, params * a
+    grads, weights = params * (2 if lay.grad_precision == "bf16" else 4), params * a
     if lay.zero == 0:
         return [_coll(gpu, g, "all_reduce", grads, 1, "gradients")]
     if lay.zero == 1:

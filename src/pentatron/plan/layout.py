@@ -56,6 +56,9 @@ class Layout:
     recompute: str = "none"
     precision: str = "bf16"
     attention: str = "flash2"
+    # dtype of the gradient buffer that is accumulated and reduced: our trainer keeps fp32; Megatron's
+    # default distributed optimizer and FSDP with a bf16 reduce dtype keep bf16 (2 bytes/param less)
+    grad_precision: str = "fp32"
 
     @property
     def world(self) -> int:

@@ -11,7 +11,7 @@ Two activation models:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 from pentatron.models.config import ModelConfig
@@ -52,6 +52,12 @@ STATE_PRECISIONS: dict[str, StatePrecision] = {
 # fp32 gradient-accumulation copy: 2+(2+4)+4+8 = 20 bytes/param).
 PLAYBOOK_16 = StatePrecision("playbook-bf16", 2, 2, 4, 8)
 PLAYBOOK_20 = StatePrecision("playbook-bf16-fp32grads", 2, 6, 4, 8)
+
+
+def state_precision(lay: Layout) -> StatePrecision:
+    """Bytes per parameter held by this layout's training recipe (gradients in bf16 when asked)."""
+    prec = STATE_PRECISIONS[lay.precision]
+    return replace(prec, grad=2) if lay.grad_precision == "bf16" else prec
 
 
 @dataclass(frozen=True)
@@ -290,9 +296,11 @@ def _states(rp: RankParams, prec: StatePrecision, zero: int, dpcp: int, ep: int)
             model_state_bytes(rp.expert, prec, zero, max(1, dpcp // ep)))
 
 
-def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: str = "eager") -> MemoryBreakdown:
+def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: str = "eager",
+                    norm: str | None = None) -> MemoryBreakdown:
+    """`norm` ("eager" | "fused"): how the norms keep their inputs; by default as `kernels` says."""
     cfg, moe = w.cfg, w.moe_spec
-    prec = STATE_PRECISIONS[lay.precision]
+    prec = state_precision(lay)
     a = act_bytes(lay.precision)
     seq_local = w.seq_len // lay.cp
     tokens = lay.micro_batch * seq_local
@@ -306,7 +314,7 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     in_flight = schedule_in_flight(lay.pp_schedule, lay.pp, m, lay.pp_virtual)[rank] if lay.pp > 1 else 1
     layer_act = llama_layer_activation_bytes(cfg, tokens, seq_local, precision=lay.precision, tp=lay.tp,
                                              sp=lay.sp, recompute=lay.recompute, moe=moe,
-                                             norm="fused" if kernels == "fused" else "eager")
+                                             norm=norm or ("fused" if kernels == "fused" else "eager"))
     first, last = rank == 0, rank == lay.pp - 1
     extra_saved, extra_transient = stage_extras(cfg, tokens, first=first, last=last, precision=lay.precision,
                                                 tp=lay.tp, sp=lay.sp)
@@ -340,7 +348,8 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
         reserved=RUNTIME_RESERVED + FRAGMENTATION * live, in_flight=in_flight)
 
 
-def memory_per_gpu(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "eager") -> MemoryBreakdown:
+def memory_per_gpu(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "eager",
+                   norm: str | None = None) -> MemoryBreakdown:
     """The breakdown of the pipeline rank that needs the most memory: the first (embedding, most
     micro-batches in flight), the last (LM head and loss) or one holding the most layers."""
     if lay.pp <= 3:
@@ -350,4 +359,4 @@ def memory_per_gpu(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "eager
         per_rank = [sum(per_chunk[c * lay.pp + r] for c in range(lay.pp_virtual)) for r in range(lay.pp)]
         heavy = per_rank.index(max(per_rank))
         ranks = sorted({0, 1, heavy, lay.pp - 1})
-    return max((memory_for_rank(w, lay, gpu, r, kernels) for r in ranks), key=lambda mb: mb.total)
+    return max((memory_for_rank(w, lay, gpu, r, kernels, norm) for r in ranks), key=lambda mb: mb.total)

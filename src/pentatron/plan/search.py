@@ -74,8 +74,9 @@ def memory_budget(gpu: GPUSpec) -> float:
     return float(gpu.hbm_bytes)
 
 
-def predict(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", exact: bool = True) -> Prediction:
-    mem = memory_per_gpu(w, lay, gpu, kernels)
+def predict(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", exact: bool = True,
+            norm: str | None = None) -> Prediction:
+    mem = memory_per_gpu(w, lay, gpu, kernels, norm)
     st = step_time(w, lay, gpu, kernels=kernels, exact=exact)
     notes = []
     if lay.pp > 1 and lay.microbatches(w) < 2 * lay.pp:

@@ -334,8 +334,11 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
         tail = c.time * min(1.0, DP_BUCKET / grad_bytes) if grad_bytes else 0.0
         if lay.zero == 3 and c.op in ("reduce_scatter", "all_gather"):
             e = 0.0  # exposure of the per-layer ZeRO-3 traffic is computed below, together
-        elif c.op == "reduce_scatter" and c.count > 1:  # ZeRO-2: each micro-batch behind its backward
-            e = c.count * max(0.0, c.time - last_bwd) + tail
+        elif c.op == "reduce_scatter" and c.count > 1:
+            # ZeRO-2: a micro-batch's reduce-scatter runs while the rank computes the next micro-batch
+            # (all of its chunks: f + b + w); only the last one has just its own backward to hide behind
+            window = sum(phases[ch * lay.pp].total for ch in range(lay.pp_virtual))
+            e = (c.count - 1) * max(0.0, c.time - window) + max(0.0, c.time - last_bwd) + tail
         elif c.op == "all_gather":  # updated parameters, behind the next step's first forward
             e = max(0.0, total - first_fwd)
         else:  # gradient all-reduce / reduce-scatter behind the last backward
