@@ -51,7 +51,7 @@ def _run(impl: str, rank: int, world: int, args: argparse.Namespace) -> dict[str
     from pentatron.distributed.context import Degrees, ParallelContext
     from pentatron.models.llama import build_model
     from pentatron.parallel.parallelize import parallelize
-    from pentatron.train.precision import resolve_precision
+    from pentatron.precision import resolve_precision
 
     torch.set_num_threads(args.threads)
     cfg = load_config(None, [f"parallel.zero={3 if impl == 'ours-zero3' else 0}", f"train.seq_len={args.seq_len}",

@@ -47,7 +47,7 @@ def test_int_is_accepted_for_float_fields(tmp_path):
     ("[data]\npath = '/no/such/dir'", (), None, "data.path '/no/such/dir' does not exist"),
     ("[log]\ntensorboard = 'yes'", (), None, "log.tensorboard must be true or false, got 'yes'"),
     ("", ("train.steps=0",), None, "train.steps must be > 0, got 0"),
-    ("[train]\nmicro_batch = 0", (), None, "train.micro_batch must be > 0, got 0"),
+    ("[train]\nmicro_batch = 0", (), None, "train.micro_batch must be an integer ≥ 1, got 0"),
 ])
 def test_each_bad_value_gets_a_message_naming_the_field(tmp_path, toml, overrides, world, expected):
     problems = _problems(tmp_path, toml, overrides, world)

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+from pentatron.layout import ParallelLayout, resolve_dp
 from pentatron.models.config import ModelConfig
 from pentatron.models.registry import get_model_config
-from pentatron.parallel.pipeline.stages import pipeline_problems
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -64,6 +64,8 @@ class ParallelConfig:
     sp: bool = False
     pp_schedule: Literal["afab", "1f1b", "interleaved", "zb"] = "1f1b"
     pp_virtual: int = 1
+    # ZeRO-3 with pp > 1: re-gather a stage's layers per micro-batch (least memory) or once per step.
+    zero3_gather: Literal["micro_batch", "step"] = "micro_batch"
     bucket_mb: float = 25.0
 
 
@@ -130,6 +132,17 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def layout(self, world_size: int | None = None) -> ParallelLayout:
+        """The run's `ParallelLayout`; dp resolved from `world_size` when `parallel.dp` is unset."""
+        par, tr = self.parallel, self.train
+        dp = par.dp
+        if dp is None:
+            dp, _ = resolve_dp(world_size, dp=None, tp=par.tp, pp=par.pp, cp=par.cp)
+        return ParallelLayout(dp=dp or 1, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero, sp=par.sp,
+                              pp_schedule=par.pp_schedule, pp_virtual=par.pp_virtual,
+                              zero3_gather=par.zero3_gather, micro_batch=tr.micro_batch,
+                              global_batch=tr.global_batch, seq_len=tr.seq_len)
 
 
 # ---------------------------------------------------------------- loading with type checks
@@ -257,30 +270,21 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p += model.problems()
 
     par, tr = cfg.parallel, cfg.train
-    for name in ("tp", "pp", "cp", "ep", "pp_virtual"):
-        if getattr(par, name) < 1:
-            p.append(f"parallel.{name} must be ≥ 1, got {getattr(par, name)}")
-    if par.dp is not None and par.dp < 1:
-        p.append(f"parallel.dp must be ≥ 1, got {par.dp}")
-    if par.zero not in (0, 1, 2, 3):
-        p.append(f"parallel.zero must be 0, 1, 2 or 3, got {par.zero}")
     if par.bucket_mb <= 0:
         p.append(f"parallel.bucket_mb must be > 0, got {par.bucket_mb}")
-    for name in ("cp", "ep"):
-        if getattr(par, name) > 1:
-            p.append(f"parallel.{name}={getattr(par, name)}: this parallel dimension is not available yet; "
-                     f"use parallel.{name}=1")
-    dp = _resolve_dp(par, world_size, p)
-    if model is not None and not model.problems():
-        p += tensor_parallel_problems(model, par.tp, par.sp, tr.seq_len)
-    if model is not None and not model.problems():
-        p += _pipeline_config_problems(cfg, model, dp)
+    dp = par.dp
+    if min(par.tp, par.pp, par.cp, par.dp or 1) >= 1:  # otherwise reported by the layout below
+        dp, found = resolve_dp(world_size, dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
+        p += found
+    # The layout rules live in one place (`ParallelLayout.problems`), shared with the runtime and the
+    # planner; an unresolved dp (world size not known yet) is checked as 1 and again once it is known.
+    layout = dataclasses.replace(cfg.layout(world_size), dp=dp or 1)
+    shape = model if model is not None and not model.problems() else None
+    p += layout.problems(shape)
+    p += layout.unsupported(shape)
 
-    positive = {"steps": tr.steps, "seq_len": tr.seq_len, "micro_batch": tr.micro_batch,
-                "global_batch": tr.global_batch}
-    for name, v in positive.items():
-        if v <= 0:
-            p.append(f"train.{name} must be > 0, got {v}")
+    if tr.steps <= 0:
+        p.append(f"train.steps must be > 0, got {tr.steps}")
     if tr.lr <= 0:
         p.append(f"train.lr must be > 0, got {tr.lr}")
     if not 0 <= tr.min_lr_ratio <= 1:
@@ -304,11 +308,6 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"train.peak_tflops must be > 0, got {tr.peak_tflops}")
     if model is not None and tr.seq_len > model.max_seq_len:
         p.append(f"train.seq_len={tr.seq_len} is longer than the model's max_seq_len={model.max_seq_len}")
-    if tr.micro_batch > 0 and tr.global_batch > 0:
-        dp_or_1 = dp or 1
-        if tr.global_batch % (tr.micro_batch * dp_or_1):
-            p.append(f"train.global_batch={tr.global_batch} is not divisible by train.micro_batch="
-                     f"{tr.micro_batch} × dp={dp_or_1}")
 
     if cfg.data.path and not Path(cfg.data.path).exists():
         p.append(f"data.path {cfg.data.path!r} does not exist (create it with `pentatron tokenize`)")
@@ -323,100 +322,6 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     return p
 
 
-def _pipeline_config_problems(cfg: Config, model: ModelConfig, dp: int | None) -> list[str]:
-    """pp > 1: the schedule, micro-batch count and partition (`pipeline_problems`), and the features
-    that do not compose with the pipeline yet."""
-    par, tr = cfg.parallel, cfg.train
-    if par.pp <= 1:
-        if par.pp_virtual > 1:
-            return [f"parallel.pp_virtual={par.pp_virtual} needs parallel.pp > 1"]
-        return []
-    p: list[str] = []
-    if tr.micro_batch > 0 and tr.global_batch > 0 and par.pp_virtual >= 1:
-        m = max(1, tr.global_batch // (tr.micro_batch * (dp or 1)))
-        p += pipeline_problems(model, pp=par.pp, schedule=par.pp_schedule, virtual=par.pp_virtual, microbatches=m)
-    if par.zero == 3:
-        p.append(f"parallel.zero=3 with parallel.pp={par.pp}: ZeRO-3 with pipeline parallelism is not supported "
-                 "(parameters would be re-gathered for every micro-batch); use parallel.zero ≤ 2")
-    if par.zero == 2 and model.tie_embeddings:
-        p.append(f"parallel.zero=2 with parallel.pp={par.pp} and tied embeddings (model.tie_embeddings=true) is "
-                 "not supported: the tied gradient must be summed across the first and last stage before "
-                 "ZeRO-2 reduce-scatters it during backward; use parallel.zero=1 or an untied model")
-    return p
-
-
-def tensor_parallel_problems(model: ModelConfig, tp: int, sp: bool, seq_len: int | None = None) -> list[str]:
-    """Every reason `model` cannot be split `tp` ways (empty when it can). Pure arithmetic, so it runs
-    before any process group; `parallel.tensor.apply_tensor_parallel` calls it again on the live model.
-
-    The vocabulary must divide by tp: we do not pad it (as Megatron does), because padding changes the
-    embedding's shape in checkpoints and exports and needs masked logits; every registry model's
-    vocabulary divides by 8."""
-    if tp < 1:
-        return []  # reported with the other degrees
-    p: list[str] = []
-    if sp and tp == 1:
-        p.append("parallel.sp=true needs parallel.tp > 1 (the sequence is sharded over the tp ranks)")
-    if tp == 1:
-        return p
-    if model.n_heads % tp:
-        p.append(f"parallel.tp={tp} does not divide model.n_heads={model.n_heads}")
-    elif model.n_kv_heads % tp and tp % model.n_kv_heads:
-        # tp > kv heads is fine when each kv head is replicated on tp/n_kv ranks; it must divide evenly.
-        p.append(f"parallel.tp={tp} must divide model.n_kv_heads={model.n_kv_heads}, or be a multiple of it "
-                 f"(kv heads are then replicated, up to tp = n_heads = {model.n_heads})")
-    if model.ffn_hidden_size % tp:
-        p.append(f"parallel.tp={tp} does not divide model.ffn_hidden_size={model.ffn_hidden_size}")
-    if model.vocab_size % tp:
-        p.append(f"parallel.tp={tp} does not divide model.vocab_size={model.vocab_size} (the vocabulary is "
-                 "sharded over tp and is not padded)")
-    if sp and seq_len is not None and seq_len % tp:
-        p.append(f"parallel.sp=true needs train.seq_len={seq_len} to be divisible by parallel.tp={tp}")
-    return p
-
-
-def tensor_parallel_warnings(tp: int, node_size: int | None) -> list[str]:
-    """Advice that is not an error: a tp group spanning nodes runs its per-layer all-reduces over the
-    slow inter-node network."""
-    if node_size is not None and tp > node_size:
-        return [f"parallel.tp={tp} is larger than the node size ({node_size} devices): tensor-parallel "
-                "all-reduces will cross the inter-node network; keep tp within a node"]
-    return []
-
-
-def _resolve_dp(par: ParallelConfig, world_size: int | None, problems: list[str]) -> int | None:
-    if min(par.tp, par.pp, par.cp, par.ep) < 1 or (par.dp is not None and par.dp < 1):
-        return par.dp  # reported with the other per-field checks
-    dp, found = degree_problems(world_size, dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep)
-    problems.extend(found)
-    return dp
-
-
-def degree_problems(world_size: int | None, *, dp: int | None, tp: int = 1, pp: int = 1, cp: int = 1,
-                    ep: int = 1) -> tuple[int | None, list[str]]:
-    """(resolved dp, problems) for positive degrees on `world_size` processes (None: not known yet);
-    `dp=None` means whatever tp·pp·cp leaves. The one place that decides whether degrees fit: config
-    validation calls it before any process group exists, `ParallelContext` again on the live world."""
-    p: list[str] = []
-    inner = tp * pp * cp
-    if world_size is None:
-        return dp, p
-    if dp is None:
-        if world_size % inner:
-            p.append(f"world size {world_size} is not divisible by tp×pp×cp = {inner}")
-            return None, p
-        dp = world_size // inner
-    elif dp * inner != world_size:
-        p.append(f"parallel.dp×tp×pp×cp = {dp}×{tp}×{pp}×{cp} = {dp * inner} does not equal the world size "
-                 f"{world_size} (processes launched)"
-                 + (f"; dp={dp} does not divide the world size" if world_size % dp else ""))
-        return dp, p
-    if (dp * cp) % ep:
-        p.append(f"parallel.ep={ep} must divide dp×cp = {dp}×{cp} = {dp * cp} (experts borrow those ranks)")
-    return dp, p
-
-
 def resolved_dp(cfg: Config, world_size: int) -> int:
     """The data-parallel degree once the world size is known (validated by `load_config`)."""
-    par = cfg.parallel
-    return par.dp if par.dp is not None else world_size // (par.tp * par.pp * par.cp)
+    return cfg.layout(world_size).dp

@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pentatron.config import ConfigError, load_config, tensor_parallel_problems, tensor_parallel_warnings
+from pentatron.config import ConfigError, load_config
 from pentatron.distributed.context import Degrees, ParallelContext
 from pentatron.distributed.functional import copy_to_parallel, gather_sequence, reduce_from_parallel, scatter_sequence
+from pentatron.layout import tensor_parallel_problems, tensor_parallel_warnings
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
 from pentatron.parallel.activation_memory import SavedTensorMeter, layer_activation_bytes

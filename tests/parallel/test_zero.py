@@ -10,9 +10,9 @@ import torch
 from pentatron.distributed.comm import ring_bytes
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
+from pentatron.parallel.grad_buffer import FlatLayout
 from pentatron.parallel.memory import zero_formula
 from pentatron.parallel.zero import zero3_units
-from pentatron.train.grad_buffer import FlatLayout
 from tests.distributed.dp_harness import assert_parity, dp_runs, reference
 
 

@@ -5,8 +5,9 @@ import torch
 from torch import nn
 
 from pentatron.config import TrainConfig
-from pentatron.train.grad_buffer import GradBuffer
-from pentatron.train.optim import MixedPrecisionAdamW, clip_by_total_norm, grad_norm_squared, lr_at
+from pentatron.optim import MixedPrecisionAdamW, clip_by_total_norm, grad_norm_squared
+from pentatron.parallel.grad_buffer import GradBuffer
+from pentatron.train.lr_schedule import lr_at
 
 
 def test_cosine_schedule_warmup_peak_and_floor():

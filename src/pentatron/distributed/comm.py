@@ -24,13 +24,10 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from pentatron.distributed.context import ParallelContext
 
 Op = Literal["all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "barrier"]
 # torch 2.13 renamed the flat-tensor collectives (the old names still work, with a warning).
@@ -154,11 +151,27 @@ class P2P:
     peer: int
 
 
+class MeshGroups(Protocol):
+    """What the comm layer needs of the mesh (`ParallelContext` provides it): the group and size of each
+    dimension. A protocol, so that the comm layer does not import the context that owns it."""
+
+    world_size: int
+    device: torch.device
+
+    def group(self, dim: str) -> dist.ProcessGroup | None: ...
+
+    def size(self, dim: str) -> int: ...
+
+    def local_rank(self, dim: str) -> int: ...
+
+    def group_ranks(self, dim: str) -> list[int]: ...
+
+
 class Comm:
     """The comm layer bound to one ParallelContext. `dim` names a mesh dimension ("dp", "tp", …,
     "dp_cp") or "world"."""
 
-    def __init__(self, ctx: ParallelContext, ledger: CommLedger) -> None:
+    def __init__(self, ctx: MeshGroups, ledger: CommLedger) -> None:
         self.ctx = ctx
         self.ledger = ledger
 

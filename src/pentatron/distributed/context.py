@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pentatron.config import degree_problems
 from pentatron.distributed.comm import Comm, CommLedger
+from pentatron.layout import ParallelLayout, resolve_dp
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 
@@ -40,11 +40,15 @@ class Degrees:
 
 def resolve_degrees(world_size: int, *, dp: int | None, tp: int = 1, pp: int = 1, cp: int = 1,
                     ep: int = 1) -> Degrees:
-    """Degrees for a live world, validated by the same function as the config (`degree_problems`)."""
+    """Degrees for a live world, validated by the same rules as the config (`ParallelLayout`)."""
     problems = [f"parallel.{n} must be ≥ 1, got {v}" for n, v in
                 (("dp", 1 if dp is None else dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)) if v < 1]
     if not problems:
-        dp, problems = degree_problems(world_size, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+        dp, problems = resolve_dp(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
+    if not problems:
+        assert dp is not None
+        # Degrees only: a batch that trivially divides, no model shape.
+        problems = ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=dp).problems(world_size=world_size)
     if problems:
         raise ValueError("invalid parallel degrees: " + "; ".join(problems))
     assert dp is not None

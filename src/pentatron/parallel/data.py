@@ -27,11 +27,11 @@ from torch import nn
 from pentatron.config import TrainConfig
 from pentatron.distributed.comm import Work
 from pentatron.distributed.context import ParallelContext
+from pentatron.optim import AdamW, MixedPrecisionAdamW, clip_by_total_norm, grad_norm_squared
+from pentatron.parallel.grad_buffer import Bucket, FlatLayout, GradBuffer
 from pentatron.parallel.memory import MemoryReport
 from pentatron.parallel.tensor import tp_checkpoint_key, tp_replicas
-from pentatron.train.grad_buffer import Bucket, FlatLayout, GradBuffer
-from pentatron.train.optim import AdamW, MixedPrecisionAdamW, clip_by_total_norm, grad_norm_squared
-from pentatron.train.precision import PrecisionPolicy
+from pentatron.precision import PrecisionPolicy
 
 
 class DataParallelBase:

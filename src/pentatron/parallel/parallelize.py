@@ -18,10 +18,10 @@ from pentatron.config import Config
 from pentatron.distributed.context import ParallelContext
 from pentatron.parallel.data import DataParallel, DataParallelBase
 from pentatron.parallel.pipeline.stages import PipelineStage, build_stages, stage_layers, tied_parameter
+from pentatron.parallel.recompute import apply_recompute
 from pentatron.parallel.tensor import apply_tensor_parallel
 from pentatron.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
-from pentatron.train.precision import PrecisionPolicy
-from pentatron.train.recompute import apply_recompute
+from pentatron.precision import PrecisionPolicy
 
 
 class LocalStages(nn.Module):

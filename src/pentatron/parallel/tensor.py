@@ -43,7 +43,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
-from pentatron.config import tensor_parallel_problems, tensor_parallel_warnings
 from pentatron.distributed.comm import Comm
 from pentatron.distributed.context import ParallelContext
 from pentatron.distributed.functional import (
@@ -52,6 +51,7 @@ from pentatron.distributed.functional import (
     reduce_from_parallel,
     scatter_sequence,
 )
+from pentatron.layout import tensor_parallel_problems, tensor_parallel_warnings
 
 TP = "tp"
 

@@ -40,11 +40,11 @@ from torch.utils._pytree import tree_flatten
 from pentatron.config import TrainConfig
 from pentatron.distributed.comm import Work
 from pentatron.distributed.context import ParallelContext
+from pentatron.optim import AdamW, Slot
 from pentatron.parallel.data import DataParallelBase
+from pentatron.parallel.grad_buffer import Bucket, FlatLayout, GradBuffer, Piece
 from pentatron.parallel.memory import MemoryReport
-from pentatron.train.grad_buffer import Bucket, FlatLayout, GradBuffer, Piece
-from pentatron.train.optim import AdamW, Slot
-from pentatron.train.precision import PrecisionPolicy
+from pentatron.precision import PrecisionPolicy
 
 _MAX_IN_FLIGHT = 2  # reduce-scatters in flight before the oldest is waited on (bounds transient memory)
 

@@ -104,7 +104,7 @@ class _LiveStorages(TorchDispatchMode):
 
 def _meta_model(cfg: ModelConfig, dtype: torch.dtype, recompute: str) -> torch.nn.Module:
     from pentatron.models.llama import Llama
-    from pentatron.train.recompute import apply_recompute
+    from pentatron.parallel.recompute import apply_recompute
 
     with torch.device("meta"):
         model = Llama(cfg)

@@ -28,8 +28,8 @@ from pentatron.parallel.pipeline.stages import sync_tied_grads
 from pentatron.parallel.pipeline.trace import write_rank_trace
 from pentatron.parallel.tensor import vocab_parallel_cross_entropy
 from pentatron.plan.flops import model_flops_per_token
-from pentatron.train.optim import lr_at
-from pentatron.train.precision import resolve_precision
+from pentatron.precision import resolve_precision
+from pentatron.train.lr_schedule import lr_at
 
 
 def resolve_dataset(cfg: Config, vocab_size: int) -> Path:

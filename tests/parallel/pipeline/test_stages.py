@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from pentatron.layout import ParallelLayout
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
 from pentatron.parallel.pipeline.stages import (
@@ -15,7 +16,6 @@ from pentatron.parallel.pipeline.stages import (
     StageCosts,
     build_stages,
     partition,
-    pipeline_problems,
     stage_layers,
     tied_parameter,
 )
@@ -70,6 +70,11 @@ def test_partition_errors(kwargs, message):
         partition(**kwargs)
 
 
+def pipeline_problems(cfg, *, pp, schedule, virtual, microbatches):
+    layout = ParallelLayout(pp=pp, pp_schedule=schedule, pp_virtual=virtual, micro_batch=1, global_batch=microbatches)
+    return layout.pipeline_problems(cfg)
+
+
 def test_config_problems_are_all_reported_before_launch():
     cfg = _cfg(6)
     probs = pipeline_problems(cfg, pp=4, schedule="interleaved", virtual=2, microbatches=6)
@@ -83,7 +88,8 @@ def test_config_problems_are_all_reported_before_launch():
     assert any("fewer than the 8" in p for p in pipeline_problems(cfg, pp=8, schedule="1f1b", virtual=1,
                                                                   microbatches=8))
     assert pipeline_problems(cfg, pp=2, schedule="1f1b", virtual=1, microbatches=1) == []  # 1F1B: any m
-    assert pipeline_problems(cfg, pp=1, schedule="interleaved", virtual=5, microbatches=1) == []
+    assert pipeline_problems(cfg, pp=1, schedule="interleaved", virtual=5, microbatches=1) == [
+        "parallel.pp_virtual=5 needs parallel.pp > 1"]
 
 
 @pytest.mark.parametrize("tied", [True, False])

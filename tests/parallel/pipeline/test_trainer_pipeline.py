@@ -139,7 +139,7 @@ def test_pp_with_dp_zero1_and_tp_sp_through_the_trainer_equals_one_process(refer
      "pp_virtual=3 does not divide model.n_layers=4"),
     (["parallel.pp=4", "model.n_layers=3", "train.micro_batch=1"], "fewer than the 4"),
     (["parallel.pp=2", "parallel.pp_virtual=2", "train.micro_batch=1"], "needs parallel.pp_schedule='interleaved'"),
-    (["parallel.pp=2", "parallel.zero=3", "parallel.dp=2", "train.micro_batch=1"], "ZeRO-3"),
+    (["parallel.pp=2", "parallel.zero=3", "parallel.dp=2", "train.micro_batch=1"], "zero=3 with parallel.pp=2"),
     (["parallel.pp=2", "parallel.zero=2", "parallel.dp=2", "train.micro_batch=1"], "tied embeddings"),
 ])
 def test_cli_refuses_bad_pipeline_configs_before_launch(capsys, overrides, message):

@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from pentatron.distributed.comm import P2P, Comm
+from pentatron.layout import partition_problems
 from pentatron.models.config import ModelConfig
 from pentatron.models.llama import Llama
-from pentatron.parallel.pipeline.schedules import SCHEDULES, ScheduleError, make_schedule
 
 
 class PartitionError(ValueError):
@@ -87,28 +87,6 @@ def _balanced(n_layers: int, n_stages: int, costs: StageCosts) -> list[int]:
     return counts[::-1]
 
 
-def partition_problems(n_layers: int, n_stages: int, *, uniform: bool = False,
-                       layers: Sequence[int] | None = None, what: str = "pipeline stages") -> list[str]:
-    """Every reason `partition` would refuse (empty when it will succeed)."""
-    if n_stages < 1:
-        return [f"the number of {what} must be ≥ 1, got {n_stages}"]
-    if layers is not None:
-        out = []
-        if len(layers) != n_stages:
-            out.append(f"parallel.pp_layers lists {len(layers)} stages but there are {n_stages} {what}")
-        if any(not isinstance(c, int) or c < 1 for c in layers):
-            out.append(f"parallel.pp_layers entries must be integers ≥ 1, got {list(layers)}")
-        if sum(layers) != n_layers:
-            out.append(f"parallel.pp_layers={list(layers)} sums to {sum(layers)}, but the model has "
-                       f"{n_layers} layers")
-        return out
-    if n_layers < n_stages:
-        return [f"model.n_layers={n_layers} is fewer than the {n_stages} {what}: every stage needs a layer"]
-    if uniform and n_layers % n_stages:
-        return [f"model.n_layers={n_layers} is not divisible by the {n_stages} {what}"]
-    return []
-
-
 def partition(n_layers: int, n_stages: int, *, costs: StageCosts | None = None, uniform: bool = False,
               layers: Sequence[int] | None = None) -> list[range]:
     """Layer ranges for stages 0..n_stages-1: from `layers` (counts per stage) if given, else equal
@@ -126,35 +104,6 @@ def partition(n_layers: int, n_stages: int, *, costs: StageCosts | None = None, 
     for c in counts:
         out.append(range(lo, lo + c))
         lo += c
-    return out
-
-
-def pipeline_problems(cfg: ModelConfig, *, pp: int, schedule: str, virtual: int, microbatches: int,
-                      layers: Sequence[int] | None = None) -> list[str]:
-    """Config-time checks for pipeline parallelism, every problem at once, before any process starts:
-    known schedule, v only with interleaving, micro-batches the schedule accepts, layers that divide."""
-    if pp <= 1:
-        return []
-    out: list[str] = []
-    if schedule not in SCHEDULES:
-        return [f"parallel.pp_schedule={schedule!r} is unknown; known: {', '.join(SCHEDULES)}"]
-    if virtual > 1 and schedule != "interleaved":
-        out.append(f"parallel.pp_virtual={virtual} needs parallel.pp_schedule='interleaved' (got {schedule!r})")
-    try:
-        make_schedule(schedule, pp, microbatches, virtual if schedule == "interleaved" else 1)
-    except ScheduleError as e:
-        out.append(f"parallel.pp_schedule={schedule!r} with pp={pp}, {microbatches} micro-batches per step "
-                   f"(train.global_batch / (dp · train.micro_batch)): {e}")
-    interleaved = schedule == "interleaved" and virtual > 1
-    n_stages = pp * (virtual if interleaved else 1)
-    if interleaved and layers is None and cfg.n_layers % virtual:
-        out.append(f"parallel.pp_virtual={virtual} does not divide model.n_layers={cfg.n_layers}")
-    elif interleaved and layers is None and cfg.n_layers % n_stages:
-        out.append(f"model.n_layers={cfg.n_layers} is not divisible by pp × pp_virtual = {pp} × {virtual} = "
-                   f"{n_stages}: interleaved chunks must hold equal numbers of layers")
-    else:
-        what = f"pipeline stages (pp={pp} × pp_virtual={virtual})" if interleaved else f"pipeline stages (pp={pp})"
-        out += partition_problems(cfg.n_layers, n_stages, layers=layers, what=what)
     return out
 
 

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
-from pentatron.train.recompute import apply_recompute
+from pentatron.parallel.recompute import apply_recompute
 
 
 def _grads(mode: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:

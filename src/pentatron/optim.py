@@ -1,8 +1,10 @@
-"""AdamW over fp32 master weights, global-norm clipping, and learning-rate schedules."""
+"""AdamW over fp32 master weights (whole parameters or ZeRO pieces) and global-norm clipping.
+
+Shared by the data-parallel engines (which decide what each rank owns) and the trainer; the learning-rate
+schedule is in `train/lr_schedule.py`."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -130,23 +132,3 @@ def clip_by_total_norm(grads: list[torch.Tensor], total_norm: torch.Tensor, max_
     scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     for g in grads:
         g.mul_(scale.to(g.dtype))
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine / WSD / constant."""
-    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
-    if step < cfg.warmup:
-        return peak * (step + 1) / cfg.warmup
-    if cfg.schedule == "constant":
-        return peak
-    if cfg.schedule == "cosine":
-        span = max(cfg.steps - cfg.warmup, 1)
-        t = min((step - cfg.warmup) / span, 1.0)
-        return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * t))
-    # warmup-stable-decay: hold the peak, then decay linearly to the floor over the last fraction.
-    decay_steps = max(int(round(cfg.steps * cfg.decay_fraction)), 1)
-    decay_start = cfg.steps - decay_steps
-    if step < decay_start:
-        return peak
-    t = min((step - decay_start + 1) / decay_steps, 1.0)
-    return peak + (floor - peak) * t
