@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pentatron.plan.hardware import GiB, GPUSpec
-from pentatron.plan.layout import Layout, Workload, problems
+from pentatron.plan.layout import Layout, Workload, problems, quick_problems, trainable_problems, warnings
 from pentatron.plan.memory import MemoryBreakdown, memory_per_gpu
 from pentatron.plan.timing import StepTime, Throughput, step_time, throughput
 
@@ -78,15 +78,16 @@ def predict(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", e
             norm: str | None = None) -> Prediction:
     mem = memory_per_gpu(w, lay, gpu, kernels, norm)
     st = step_time(w, lay, gpu, kernels=kernels, exact=exact)
-    notes = []
-    if lay.pp > 1 and lay.microbatches(w) < 2 * lay.pp:
+    notes = warnings(w, lay, gpu)
+    if lay.pp > 1 and lay.pp <= lay.microbatches(w) < 2 * lay.pp:
         notes.append(f"only {lay.microbatches(w)} micro-batches for pp={lay.pp}: bubble "
                      f"{100 * st.bubble_fraction:.0f}%")
+    notes += [f"training cannot run this yet: {x}" for x in trainable_problems(w, lay, lay.world)]
     return Prediction(lay, mem, mem.total <= memory_budget(gpu), st, throughput(w, lay, gpu, st), tuple(notes))
 
 
 def enumerate_layouts(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any]) -> Iterator[Layout]:
-    """All layouts (before memory) satisfying `problems`, with `fixed` knobs pinned."""
+    """All layouts (before memory) passing `quick_problems`, with `fixed` knobs pinned."""
     cfg, moe = w.cfg, w.moe_spec
 
     def opts(name: str, values: list[Any]) -> list[Any]:
@@ -117,8 +118,6 @@ def _knob_variants(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any], 
                    tp: int, pp: int, cp: int, ep: int, mb: int) -> Iterator[Layout]:
     cfg = w.cfg
     zeros = [0, 1, 2, 3] if dp * cp > 1 else [0]
-    if pp > 1:
-        zeros = [z for z in zeros if z < 3]
     if fixed.get("zero") is not None:
         zeros = [fixed["zero"]]
     sps = [fixed["sp"]] if fixed.get("sp") is not None else [tp > 1]
@@ -142,7 +141,7 @@ def _knob_variants(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any], 
                 for rc in recs:
                     lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp, pp_schedule=sched,
                                  pp_virtual=v, micro_batch=mb, recompute=rc, precision=precision)
-                    if not problems(w, lay, gpu, gpus):
+                    if not quick_problems(w, lay, gpu, gpus):
                         yield lay
 
 
@@ -172,7 +171,24 @@ def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None
     fitting = [s for s in pool if s.fits]
     fitting.sort(key=lambda s: (-s.est_tokens_per_s, s.memory_total))
     k = exact_pool if exact_pool is not None else max(3 * top, 24)
-    ranked = [predict(w, s.layout, gpu, kernels=kernels) for s in fitting[:k]]
+    # Recommend only what `pentatron train` accepts (checked best-first, the full validator being the
+    # costly part); when the pinned knobs leave nothing trainable (e.g. --cp 8, --precision fp8),
+    # evaluate what was asked for, its notes saying why training cannot run it.
+    chosen: list[Scored] = []
+    evaluable: list[Scored] = []
+    for s in fitting:
+        if len(chosen) >= k:
+            break
+        if problems(w, s.layout, gpu, gpus):
+            continue
+        if len(evaluable) < k:
+            evaluable.append(s)
+        if not trainable_problems(w, s.layout, gpus):
+            chosen.append(s)
+    pinned = {kk for kk in fixed if kk != "precision"} or fixed.get("precision", "bf16") != "bf16"
+    if not chosen and pinned:
+        chosen = evaluable[:k]
+    ranked = [predict(w, s.layout, gpu, kernels=kernels) for s in chosen]
     ranked.sort(key=lambda p: (-p.rate.tokens_per_s, p.memory.total))
     res = SearchResult(w, gpu, gpus, ranked[:top], n_enum, n_valid, len(fitting), 0.0, pool=pool)
     if ranked:
