@@ -97,6 +97,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="also build the real model on the meta device and check parameters, FLOPs and "
                         "activation bytes against the formulas (fails beyond 2%%)")
     o.add_argument("--list-gpus", action="store_true", help="list catalogue GPUs and exit")
+    o.add_argument("--emit-config", metavar="FILE",
+                   help="write the `pentatron train` config of the best (or given) layout to FILE, checked "
+                        "by the trainer's own validation")
     p.set_defaults(func=run_plan)
 
 
@@ -341,6 +344,7 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
         return 1
     if args.chart:
         report.memory_chart(preds, gpu, args.chart, title=f"{w.cfg.name} on {args.gpus} x {gpu.name}")
+    emitted = _emit(args, w, gpu, preds[0]) if args.emit_config else None
     if args.json:
         print(json.dumps(report.plan_json(w, gpu, args.gpus, preds, result=res, verify=verify_rows,
                                           train_tokens=train_tokens, price=args.price), indent=2))
@@ -358,7 +362,22 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
     print(report.detail(w, preds[0], gpu, train_tokens=train_tokens, price=args.price))
     if args.chart:
         print(f"memory chart: {args.chart}")
+    if emitted:
+        print(f"training config written to {emitted} (run: pentatron train {emitted} --nproc "
+              f"{preds[0].layout.world})")
     return 0
+
+
+def _emit(args: argparse.Namespace, w: Any, gpu: Any, pred: Any) -> str:
+    from pentatron.plan.emit import EmitError, write_training_config
+
+    header = (f"written by `pentatron plan` for {w.cfg.name} on {pred.layout.world} x {gpu.name}: "
+              f"{pred.layout.short()}\npredicted {pred.rate.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+              f"{pred.memory.total / 2**30:.1f} GiB per GPU")
+    try:
+        return str(write_training_config(args.emit_config, w, pred.layout, header))
+    except (EmitError, OSError) as e:
+        raise InputError(f"--emit-config: {e}") from None
 
 
 def _requested_layout(fixed: dict[str, Any], gpus: int, w: Any) -> Any:
