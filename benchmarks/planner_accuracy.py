@@ -15,10 +15,11 @@ import argparse
 import json
 import statistics
 import sys
-import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from pentatron.models.config import ModelConfig
 from pentatron.models.registry import get_model_config
@@ -173,7 +174,8 @@ def format_table(results: list[Result]) -> str:
     for r in results:
         mem = ""
         if r.memory_error is not None:
-            mem = f"{r.pred.memory.total / GiB:.1f}/{r.row.published_memory / GiB:.0f} GiB ({100 * r.memory_error:+.0f}%)"
+            mem = (f"{r.pred.memory.total / GiB:.1f}/{r.row.published_memory / GiB:.0f} GiB "
+                   f"({100 * r.memory_error:+.0f}%)")
         flag = "" if r.row.confirmed else " *"
         lines.append(f"{r.row.id + flag:<34} {r.pred.layout.short()[:46]:<46} {r.row.published_tps:>9.0f} "
                      f"{r.pred.rate.tokens_per_s_per_gpu:>9.0f} {100 * r.error:>+6.0f}%  "

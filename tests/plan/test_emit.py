@@ -19,10 +19,11 @@ def test_the_emitted_config_of_a_recommendation_trains_on_its_ranks(tmp_path, de
     best = json.loads(capsys.readouterr().out)["predictions"][0]["layout"]
     cfg = load_config(path, world_size=2)  # the trainer's own validation, for 2 processes
     lay = cfg.layout(2)
-    assert (lay.dp, lay.tp, lay.pp, lay.zero, lay.micro_batch) == (best["dp"], best["tp"], best["pp"], best["zero"],
-                                                                    best["micro_batch"])
+    want = (best["dp"], best["tp"], best["pp"], best["zero"], best["micro_batch"])
+    assert (lay.dp, lay.tp, lay.pp, lay.zero, lay.micro_batch) == want
     cmd = [sys.executable, "-m", "pentatron.cli", "train", str(path), "--nproc", "2",
-           "--set", "train.steps=2", "--set", "train.warmup=1", "--set", f"data.path={json.dumps(str(default_dataset))}",
+           "--set", "train.steps=2", "--set", "train.warmup=1",
+           "--set", f"data.path={json.dumps(str(default_dataset))}",
            "--set", f"log.dir={json.dumps(str(tmp_path / 'log'))}", "--set", "log.progress=false"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -15,7 +15,6 @@ import bisect
 import math
 from dataclasses import dataclass
 
-from pentatron.distributed.comm import ring_bytes
 from pentatron.plan.flops import MoESpec
 from pentatron.plan.hardware import GPUSpec
 from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, nodes_spanned
@@ -47,6 +46,18 @@ def group_of(lay: Layout, dim: str, gpu: GPUSpec) -> Group:
     }[dim]
     per_node, nodes = nodes_spanned(size, stride, gpu.gpus_per_node)
     return Group(dim, size, per_node, nodes)
+
+
+def ring_bytes(op: str, payload_bytes: int, n: int) -> int:
+    """The trainer ledger's convention (`distributed.comm.ring_bytes`, kept equal by a test), here
+    without importing the communication layer (and torch) into the planner."""
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * payload_bytes // n
+    if op in ("reduce_scatter", "all_gather", "broadcast"):
+        return (n - 1) * payload_bytes // n
+    return payload_bytes if op in ("send", "recv") else 0
 
 
 def wire_bytes(op: str, payload: float, n: int) -> float:

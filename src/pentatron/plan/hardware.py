@@ -266,7 +266,8 @@ def hardware_from_dict(d: dict[str, Any], where: str = "hardware") -> GPUSpec:
             if not isinstance(v, int | float) or isinstance(v, bool):
                 problems.append(f"{where}: {key} must be a number, got {v!r}")
                 continue
-            kw[attr] = int(v * scale) if attr in ("hbm_bytes", "gpus_per_node", "sm_count", "nics_per_node") else float(v * scale)
+            integral = attr in ("hbm_bytes", "gpus_per_node", "sm_count", "nics_per_node")
+            kw[attr] = int(v * scale) if integral else float(v * scale)
     ae = d.pop("attention_efficiency", None)
     if ae is not None:
         if not (isinstance(ae, list) and len(ae) == 2 and all(isinstance(x, int | float) for x in ae)):

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 from pentatron.models.config import ModelConfig
+from pentatron.parallel.activation_memory import layer_activation_bytes
 from pentatron.parallel.pipeline.schedules import last_stage_awaiting_backward_closed, peak_in_flight_closed
 from pentatron.plan.flops import MoESpec, layer_params, moe_of
 from pentatron.plan.hardware import GiB, GPUSpec
@@ -138,26 +139,23 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
     heads = cfg.n_heads / tp
     hs = h / tp if sp else h  # hidden-sized tensors
     moe = moe_of(cfg, moe)
-    rstd = 4 / (tp if sp else 1)
-    if norm == "fused":
-        norms = 2 * (a * hs + rstd) + 2 * a * hs  # + the two matmul inputs
-    else:
-        norms = 2 * (4 * hs + rstd + a * hs) + 2 * a * hs
-    attn = a * hq + 2 * a * kv + a * hq + 4 * heads
     lp = layer_params(cfg, layer, moe)
     mlp_mats = 3 if cfg.mlp == "swiglu" else 2
     per_f = 4 if cfg.mlp == "swiglu" else 2
+    # The dense layer without recompute is the runtime's own formula (tested against autograd at tp in
+    # {1, 2, 4} with and without SP); the variants below are deltas on it. tokens = micro_batch * seq_len.
+    full_layer = float(layer_activation_bytes(cfg, seq_len, tokens // seq_len, tp=tp, sp=sp, act_bytes=a))
+    if norm == "fused":  # each of the two norms drops its fp32 copy of the input (4h) and keeps a*h
+        full_layer -= tokens * 2 * 4 * hs
     if lp.expert_total and moe is not None:
         # Routed tokens: top_k copies of the input plus each expert's MLP internals; router logits and
         # probabilities in fp32. Approximation until the MoE code exists (no capacity padding).
         routed = moe.top_k * (a * h + per_f * a * moe.expert_ffn_hidden_size / tp)
         shared = moe.n_shared_experts * per_f * a * moe.shared_ffn / tp
+        full_layer += tokens * (routed + shared + 8 * moe.num_experts - per_f * a * cfg.ffn_hidden_size / tp)
         mlp = routed + shared + 8 * moe.num_experts
     else:
         mlp = per_f * a * (lp.mlp_active / (mlp_mats * h)) / tp
-    rope_tables = 4 * seq_len * hd * a if a != 4 else 0.0  # [s, head_dim] each, whatever the batch
-    per_token_none = norms + attn + mlp
-    full_layer = tokens * per_token_none + rope_tables
     if recompute == "none":
         return LayerActivation(full_layer, 0.0)
     if recompute == "selective":

@@ -158,7 +158,8 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
         local_experts = moe.num_experts / lay.ep
         per_expert = tokens * moe.top_k / local_experts  # balanced routing
         fe = moe.expert_ffn_hidden_size / tp
-        ex = _linear(gpu, per_expert, fe, h, peak, a, fp8).scale(mats - 1) + _linear(gpu, per_expert, h, fe, peak, a, fp8)
+        ex = _linear(gpu, per_expert, fe, h, peak, a, fp8).scale(mats - 1)
+        ex = ex + _linear(gpu, per_expert, h, fe, peak, a, fp8)
         ph = ph + ex.scale(local_experts) + _linear(gpu, tokens, moe.num_experts, h, peak, a, fp8)
         if moe.n_shared_experts:
             fs = moe.shared_ffn / tp

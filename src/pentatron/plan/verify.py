@@ -142,7 +142,8 @@ def verify_model(cfg: ModelConfig, seq_len: int, *, micro_batch: int = 1, recomp
     checks.append(Check("forward FLOPs", fb.forward * tokens_n, fwd))
     # the meta pass runs SDPA's math path (selective replays only QK^T) and torch's early-stop checkpoint
     checks.append(Check(f"training FLOPs (fwd+bwd, recompute {recompute})",
-                        hardware_flops_per_token(cfg, s, recompute, attention="math", early_stop=True) * tokens_n, total))
+                        hardware_flops_per_token(cfg, s, recompute, attention="math", early_stop=True) * tokens_n,
+                        total))
     del loss, model
     gc.collect()
 
