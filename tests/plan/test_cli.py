@@ -121,3 +121,19 @@ def test_bench_writes_a_profile_the_planner_reads(capsys, tmp_path):
     assert run(["plan", "--model", "debug", "--seq", "256", "--global-batch", "8", "--gpus", "2",
                 "--hardware-profile", str(out), "--precision", "fp32"]) == 0
     assert run(["bench", "--out", str(tmp_path / "p.yaml")]) == 2
+
+
+def test_batch_evaluates_every_layout_in_one_process(capsys, tmp_path):
+    f = tmp_path / "sweep.toml"
+    f.write_text('[[layout]]\ndp = 8\nzero = 1\n\n[[layout]]\ndp = 2\ntp = 4\n\n[[layout]]\ndp = 3\n\n'
+                 '[[layout]]\ndp = 4\ncp = 2\n')
+    rc = run(["plan", "--model", "llama3-8b", "--gpus", "8", "--seq", "4096", "--global-batch", "64",
+              "--batch", str(f), "--json"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["batch"]
+    assert [r["prediction"] is not None for r in rows] == [True, True, False, True]
+    assert rows[1]["layout"]["sp"] is True and "does not equal the world size 8" in rows[2]["problems"][0]
+    assert any("training cannot run this yet" in n for n in rows[3]["prediction"]["notes"])
+    f.write_text("[[layout]]\ndp = 8\nbogus = 1\n")
+    assert run(["plan", "--model", "llama3-8b", "--batch", str(f)]) == 2
+    assert "unknown key(s) bogus" in capsys.readouterr().err

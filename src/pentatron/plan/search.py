@@ -140,7 +140,8 @@ def _knob_variants(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any], 
             for sched, v in scheds:
                 for rc in recs:
                     lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp, pp_schedule=sched,
-                                 pp_virtual=v, micro_batch=mb, recompute=rc, precision=precision)
+                                 pp_virtual=v, micro_batch=mb, recompute=rc, precision=precision,
+                                 attention=fixed.get("attention") or "flash2")
                     if not quick_problems(w, lay, gpu, gpus):
                         yield lay
 
@@ -185,7 +186,8 @@ def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None
             evaluable.append(s)
         if not trainable_problems(w, s.layout, gpus):
             chosen.append(s)
-    pinned = {kk for kk in fixed if kk != "precision"} or fixed.get("precision", "bf16") != "bf16"
+    pinned = ({kk for kk in fixed if kk not in ("precision", "attention")}
+              or fixed.get("precision", "bf16") != "bf16")
     if not chosen and pinned:
         chosen = evaluable[:k]
     ranked = [predict(w, s.layout, gpu, kernels=kernels) for s in chosen]
