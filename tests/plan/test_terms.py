@@ -134,3 +134,17 @@ def test_fp16_loss_scaling_and_bf16_gradients():
     g32 = dp_collectives(Layout(dp=8), H100, 1e9, "dp", 1, 2)[0]
     g16 = dp_collectives(Layout(dp=8, grad_precision="bf16"), H100, 1e9, "dp", 1, 2)[0]
     assert (g32.payload, g16.payload) == (4e9, 2e9)
+
+
+def test_zero3_with_pp_gathers_per_micro_batch_or_once_per_step():
+    w = Workload(get_model_config("llama3-8b"), 4096, 64)
+    per_mb = Layout(dp=8, pp=2, zero=3)
+    per_step = per_mb.with_(zero3_gather="step")
+    m, layers = per_mb.microbatches(w), 16  # 32 layers over 2 stages
+    a = dp_collectives(per_mb, H100, 1e9, "dp", m, 2, layers)
+    b = dp_collectives(per_step, H100, 1e9, "dp", m, 2, layers)
+    assert [c.count for c in a] == [m * layers, 2 * m * layers] and [c.count for c in b] == [layers, layers]
+    # keeping the stage gathered costs its full parameters (less this rank's shard) in memory
+    extra = memory_per_gpu(w, per_step, H100).comm_buffers - memory_per_gpu(w, per_mb, H100).comm_buffers
+    assert extra > 1e9
+    assert step_time(w, per_step, H100).dp_exposed < step_time(w, per_mb, H100).dp_exposed

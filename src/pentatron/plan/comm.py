@@ -260,6 +260,9 @@ def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a
         return [_coll(gpu, g, "reduce_scatter", grads, m, "gradients per micro-batch"),
                 _coll(gpu, g, "all_gather", weights, 1, "updated parameters")]
     n = max(1, layers)
+    if lay.pp > 1 and lay.zero3_gather == "step":  # the stage stays gathered for the whole step
+        return [_coll(gpu, g, "reduce_scatter", grads / n, n, "gradients per layer, once per step"),
+                _coll(gpu, g, "all_gather", weights / n, n, "parameters per layer, once per step")]
     return [_coll(gpu, g, "reduce_scatter", grads / n, m * n, "gradients per layer and micro-batch"),
             _coll(gpu, g, "all_gather", weights / n, 2 * m * n, "parameters per layer, fwd+bwd per micro-batch")]
 

@@ -334,7 +334,9 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
         comm += tokens * cfg.hidden_size * a  # all-gathered layer input
     if dpcp > 1:
         comm += 2 * DP_BUCKET
-    if lay.zero == 3 and dpcp > 1:
+    if lay.zero == 3 and dpcp > 1 and lay.pp > 1 and lay.zero3_gather == "step":
+        comm += (rp.dense + rp.expert) * a * (1 - 1 / dpcp)  # the whole stage stays gathered for the step
+    elif lay.zero == 3 and dpcp > 1:
         comm += 2 * rp.largest_layer * a  # current + prefetched gathered layer
     if lay.ep > 1 and moe is not None:
         comm += 2 * tokens * moe.top_k * cfg.hidden_size * a  # all-to-all send/recv buffers

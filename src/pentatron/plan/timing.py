@@ -381,7 +381,8 @@ def zero3_exposed(lay: Layout, colls: tuple[Collective, ...] | list[Collective],
     """ZeRO-3 per micro-batch: forward gathers each layer while the previous one computes (prefetch of
     one layer), so a layer's gather is exposed by what exceeds one layer's forward, plus the first
     layer's gather; backward runs the next layer's gather and this layer's gradient reduce-scatter
-    together behind one layer's backward, plus the last reduce-scatter."""
+    together behind one layer's backward, plus the last reduce-scatter. With pp and
+    zero3_gather="step" the stage is gathered and reduced once per step instead."""
     if lay.zero != 3:
         return 0.0
     tg = sum(c.time for c in colls if c.dim in ("dp_cp", "edp") and c.op == "all_gather")
@@ -392,6 +393,10 @@ def zero3_exposed(lay: Layout, colls: tuple[Collective, ...] | list[Collective],
     f_l, b_l = ph.f / n, (ph.b + ph.w) / n
     fwd = n * max(0.0, tg - f_l) + tg
     bwd = n * max(0.0, tg + trs - b_l) + trs
+    if lay.pp > 1 and lay.zero3_gather == "step":
+        # gathered layer by layer during the first micro-batch's forward, reduce-scattered layer by
+        # layer during the last one's backward: once per step
+        return fwd + n * max(0.0, trs - b_l) + trs
     return m * (fwd + bwd)
 
 
