@@ -203,14 +203,15 @@ def layers_per_chunk(cfg: ModelConfig, seq_len: int, pp: int, v: int = 1) -> tup
     """Decoder layers of each pipeline chunk (global stage order), exactly as the pipeline engine will
     partition them (`parallel/pipeline/stages.py`): equal chunks for interleaving, otherwise balanced by
     its cost estimate, in which the embedding and the LM head count like layers."""
-    from pentatron.parallel.pipeline.stages import StageCosts, partition
-
     chunks = pp * v
     if chunks <= 1:
         return (cfg.n_layers,)
     if v > 1 or cfg.n_layers < chunks:
-        base, extra = divmod(cfg.n_layers, chunks)  # only reached for layouts `problems` rejects, or even
+        base, extra = divmod(cfg.n_layers, chunks)  # interleaved: equal chunks, the remainder spread
         return tuple(base + (1 if i < extra else 0) for i in range(chunks))
+    # the engine's own partition (its module imports torch: only paid for pp > 1)
+    from pentatron.parallel.pipeline.stages import StageCosts, partition
+
     return tuple(len(r) for r in partition(cfg.n_layers, chunks, costs=StageCosts.of(cfg, seq_len)))
 
 
