@@ -72,7 +72,7 @@ def _run(impl: str, rank: int, world: int, args: argparse.Namespace) -> dict[str
 
         def step(tokens: torch.Tensor) -> None:
             engine.zero_grad()
-            engine.micro_step(last=True)
+            engine.before_backward(0, last=True)
             loss_of(model, tokens).backward()
             engine.finish_grad_sync()
             engine.clip_grads(clip)

@@ -33,9 +33,9 @@ from pentatron.distributed.context import Degrees, ParallelContext
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
 from pentatron.parallel.pipeline.engine import PipelineEngine
-from pentatron.parallel.pipeline.schedules import Kind, Slot, make_schedule, simulate
 from pentatron.parallel.pipeline.stages import PipelineStage, build_stages, stage_layers
 from pentatron.parallel.pipeline.trace import recorded_timeline
+from pentatron.schedules import Kind, Slot, make_schedule, simulate
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

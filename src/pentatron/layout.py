@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pentatron.models.config import ModelConfig
-from pentatron.parallel.pipeline.schedules import SCHEDULES, ScheduleError, make_schedule
+from pentatron.schedules import SCHEDULES, ScheduleError, make_schedule
 
 Zero3Gather = Literal["micro_batch", "step"]
 ZERO3_GATHER: tuple[str, ...] = ("micro_batch", "step")
@@ -89,13 +89,13 @@ class ParallelLayout:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 p.append(f"{_field(name)} must be an integer ≥ 1, got {v!r}")
+        if p:
+            return p  # the rest is arithmetic on these numbers
         if self.zero not in (0, 1, 2, 3):
             p.append(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.zero3_gather not in ZERO3_GATHER:
             p.append(f"parallel.zero3_gather must be one of {', '.join(map(repr, ZERO3_GATHER))}, "
                      f"got {self.zero3_gather!r}")
-        if p:
-            return p  # the rest is arithmetic on these numbers
         if world_size is not None and self.world != world_size:
             p.append(f"parallel.dp×tp×pp×cp = {self.dp}×{self.tp}×{self.pp}×{self.cp} = {self.world} does not "
                      f"equal the world size {world_size} (processes launched)")
@@ -147,11 +147,6 @@ class ParallelLayout:
         """Sound layouts that training cannot run yet (the planner may evaluate, never recommend them)."""
         out = [f"parallel.{name}={getattr(self, name)}: this parallel dimension is not available yet; "
                f"use parallel.{name}=1" for name in ("cp", "ep") if getattr(self, name) > 1]
-        if self.pp > 1 and self.zero == 3:
-            out.append(f"parallel.zero=3 with parallel.pp={self.pp} is not available yet; use parallel.zero ≤ 2")
-        if self.pp > 1 and self.zero == 2 and model is not None and model.tie_embeddings:
-            out.append(f"parallel.zero=2 with parallel.pp={self.pp} and tied embeddings is not available yet; "
-                       "use parallel.zero=1 or an untied model")
         return out
 
     def warnings(self, node_size: int | None) -> list[str]:

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -330,19 +329,15 @@ def test_default_corpus_selection_is_deterministic_and_skips_tests():
 
 
 def test_default_dataset_is_built_once_then_cached(tmp_path):
-    t0 = time.perf_counter()
     path = ensure_default_dataset(tmp_path / "cache", vocab_size=512, max_bytes=300_000, progress=False)
-    build = time.perf_counter() - t0
     index = read_index(path)
     assert path.parent == tmp_path / "cache" and path.name == index.fingerprint
     assert index.vocab_size == 512 and index.total_tokens > 50_000 and index.num_documents > 5
     stamp = (path / "index.json").stat().st_mtime_ns
 
-    t0 = time.perf_counter()
     again = ensure_default_dataset(tmp_path / "cache", vocab_size=512, max_bytes=300_000, progress=False)
     assert again == path
-    assert time.perf_counter() - t0 < max(0.5, build / 4)
-    assert (path / "index.json").stat().st_mtime_ns == stamp
+    assert (path / "index.json").stat().st_mtime_ns == stamp  # read from the cache, not rebuilt
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [path.name]
 
 

@@ -69,10 +69,10 @@ def _overlap_probe(world: int, dataset: str) -> dict[str, Any]:
     (x1, y1), (x2, y2) = trainer.loader.next_step()
     ledger.begin_step()
     engine.zero_grad()
-    engine.micro_step(last=False)
-    trainer.loss_fn(trainer.model(x1), y1).backward()
+    engine.before_backward(0, last=False)
+    trainer.runner.loss_fn(trainer.model(x1), y1).backward()
     during_accumulation = len(ledger.events)
-    engine.micro_step(last=True)
+    engine.before_backward(0, last=True)
     seen: dict[str, list[str]] = {}
 
     def snapshot(grad: torch.Tensor) -> None:
@@ -82,7 +82,7 @@ def _overlap_probe(world: int, dataset: str) -> dict[str, Any]:
         out.register_hook(snapshot)
 
     handle = trainer.model.embed.register_forward_hook(at_embedding)
-    trainer.loss_fn(trainer.model(x2), y2).backward()
+    trainer.runner.loss_fn(trainer.model(x2), y2).backward()
     handle.remove()
     issued_by_end_of_backward = len(ledger.events)
     engine.finish_grad_sync()
@@ -101,19 +101,22 @@ def _prefetch_probe(world: int, dataset: str) -> dict[str, Any]:
     (x, y), = trainer.loader.next_step()
     seen: dict[str, Any] = {}
 
+    def held() -> int:  # gathered units, counted on the parameters' real storages (one per unit)
+        return len({p.data.untyped_storage().data_ptr() for p in trainer.model.parameters() if p.data.numel()})
+
     def before_layer1(module: torch.nn.Module, args: Any) -> None:
         seen["all_gathers"] = sum(e.op == "all_gather" for e in ledger.events)
-        seen["held"] = sum(u.full is not None for u in engine.units)
+        seen["held"] = held()
         seen["param_numel"] = trainer.model.layers[1].mlp.up_proj.weight.numel()
         seen["later_layer_numel"] = trainer.model.layers[3].mlp.up_proj.weight.numel()
 
     handle = trainer.model.layers[1].register_forward_pre_hook(before_layer1)
     ledger.begin_step()
     engine.zero_grad()
-    engine.micro_step(last=True)
-    trainer.loss_fn(trainer.model(x), y).backward()
+    engine.before_backward(0, last=True)
+    trainer.runner.loss_fn(trainer.model(x), y).backward()
     handle.remove()
-    seen["held_after_backward"] = sum(u.full is not None for u in engine.units)
+    seen["held_after_backward"] = held()
     engine.finish_grad_sync()
     seen["units"] = len(engine.units)
     engine.close()
@@ -126,15 +129,24 @@ def _checkpoint_round_trips(world: int, dataset: str, root: Path) -> dict[str, A
     from pentatron.train.trainer import Trainer
 
     out: dict[str, Any] = {}
-    common = ("train.schedule='constant'", "train.warmup=0", f"log.dir={json.dumps(str(root / 'log'))}")
+    # Resumed in the middle of the cosine decay: the schedule, the loader and Adam's step count all matter.
+    common = ("train.schedule='cosine'", "train.warmup=1", f"log.dir={json.dumps(str(root / 'log'))}")
+
+    def fit(zero: int, *extra: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        trainer = Trainer(make_config(world, zero, micro_batch(world, True), *extra, *common), Path(dataset))
+        records = trainer.fit()
+        state = {f"{part}/{k}": t.detach().clone().numpy() for part, tensors in trainer.state_dict().items()
+                 for k, t in tensors.items()}
+        trainer.engine.close()
+        return records, state
+
     for zero in STAGES:
-        micro = micro_batch(world, True)
         ckpt = f"checkpoint.dir={json.dumps(str(root / f'zero{zero}'))}"
-        straight = Trainer(make_config(world, zero, micro, "train.steps=4", *common), Path(dataset)).fit()
-        first = Trainer(make_config(world, zero, micro, "train.steps=2", ckpt, *common), Path(dataset)).fit()
-        resumed = Trainer(make_config(world, zero, micro, "train.steps=4", ckpt, *common), Path(dataset)).fit()
+        straight, straight_state = fit(zero, "train.steps=4")
+        first, _ = fit(zero, "train.steps=2", ckpt)
+        resumed, resumed_state = fit(zero, "train.steps=4", ckpt)
         out[zero] = {"straight": [r["loss"] for r in straight], "resumed": [r["loss"] for r in first + resumed],
-                     "steps": [r["step"] for r in first + resumed]}
+                     "steps": [r["step"] for r in first + resumed], "state": (straight_state, resumed_state)}
     lines = (root / "log" / "metrics.jsonl").read_text().splitlines() if (root / "log").exists() else []
     out["first_metrics"] = json.loads(lines[0]) if lines else None
     try:

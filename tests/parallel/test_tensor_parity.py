@@ -29,7 +29,6 @@ from pentatron.models.registry import get_model_config
 from pentatron.parallel.tensor import (
     apply_tensor_parallel,
     gather_full_params,
-    grad_norm_squared,
     vocab_parallel_cross_entropy,
 )
 from tests.multiprocess import run_ranks
@@ -72,6 +71,14 @@ def _reference(dataset_dir: Path) -> dict[str, Any]:
     return out
 
 
+def _tp_norm_squared(model: torch.nn.Module, grads: list[torch.Tensor], ctx: ParallelContext) -> torch.Tensor:
+    """Σ‖g‖² of the full model: a local tensor held by k tp ranks counts 1/k on each, summed over tp."""
+    shards = model.tensor_parallel.shards
+    total = sum(g.pow(2).sum() / shards[n].replicas for (n, _), g in zip(model.named_parameters(), grads, strict=True))
+    ctx.comm.all_reduce(total, "tp")
+    return total
+
+
 def _tp_runs(rank: int, world_size: int, dataset_dir: Path) -> dict[bool, dict[str, Any]]:
     ctx = ParallelContext.from_degrees(Degrees(tp=world_size), "cpu")
     results = {}
@@ -80,7 +87,7 @@ def _tp_runs(rank: int, world_size: int, dataset_dir: Path) -> dict[bool, dict[s
         assert model.lm_head.weight is model.embed.weight
         out = _train(model, dataset_dir,
                      lambda logits, t: vocab_parallel_cross_entropy(logits, t, ctx.comm),
-                     lambda ps, gs: grad_norm_squared(ps, gs, ctx.comm))
+                     lambda ps, gs, m=model: _tp_norm_squared(m, gs, ctx))
         out["params"] = {n: p.numpy() for n, p in gather_full_params(model, ctx.comm).items()}
         results[sp] = out
     return results
@@ -127,7 +134,7 @@ def _trainer_run(cfg: Any, dataset_dir: Path) -> dict[str, Any]:
 
     trainer = Trainer(cfg, dataset_dir=dataset_dir)
     records = [trainer.train_step() for _ in range(cfg.train.steps)]
-    full = gather_full_params(trainer.model, trainer.comm, tensors=trainer.engine.full_parameters())
+    full = trainer.runner.full_parameters()
     trainer.engine.close()
     return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
             "params": {n: p.numpy() for n, p in full.items()}, "comm": trainer.last_comm.bytes_map()}

@@ -6,11 +6,11 @@ import pytest
 
 from pentatron.distributed.comm import ring_bytes
 from pentatron.models.registry import get_model_config
-from pentatron.parallel.pipeline.schedules import make_schedule, simulate
 from pentatron.plan.comm import bus_bandwidth, bytes_by_dim, collective_time, group_of, step_collectives, wire_bytes
 from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload, layers_per_chunk, problems
 from pentatron.plan.timing import Phase, gemm_time, pipeline_makespan, step_time, throughput
+from pentatron.schedules import make_schedule, simulate
 
 H100 = get_gpu("h100")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -168,13 +169,24 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: [b, s] int64 → logits [b, s, vocab]. `positions` defaults to 0..s-1 (context
         parallelism passes the global positions of its sequence shard)."""
-        if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
-        cos, sin = self.rotary(positions)
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.lm_head(self.norm(x))
+        return decoder_forward(tokens, positions, self.rotary, self.layers, self.embed, self.norm, self.lm_head)
+
+
+def decoder_forward(x: torch.Tensor, positions: torch.Tensor | None, rotary: Rotary, layers: Iterable[nn.Module],
+                    embed: nn.Module | None, norm: nn.Module | None, lm_head: nn.Module | None) -> torch.Tensor:
+    """The decoder, written once for the whole model and for any contiguous part of it (a pipeline
+    stage): [embed] → layers → [norm → lm_head]. `x` is token ids when `embed` is given, else the hidden
+    state; `positions` default to 0..s-1 of `x`."""
+    if positions is None:
+        positions = torch.arange(x.shape[1], device=x.device)
+    cos, sin = rotary(positions)
+    if embed is not None:
+        x = embed(x)
+    for layer in layers:
+        x = layer(x, cos, sin)
+    if lm_head is not None:
+        x = lm_head(norm(x))
+    return x
 
 
 def _param_seed(seed: int, name: str) -> int:

@@ -1,14 +1,19 @@
 """Data parallelism: the interface every DP/ZeRO stage offers the trainer, and plain DDP (ZeRO-0).
 
-The trainer drives any stage the same way:
+The step runner (`parallel/step_runner.py`) drives any stage the same way:
 
     engine.zero_grad()
-    for i, batch in enumerate(micro_batches):
-        engine.micro_step(last=i == len(micro_batches) - 1)   # before that micro-batch's backward
+    for each backward of the step (a micro-batch; under pp, a pipeline action on one chunk):
+        engine.before_backward(chunk, last)   # last: no more weight gradients for this chunk this step
         loss(batch).backward()
+        engine.after_backward(chunk)
     engine.finish_grad_sync()            # wait for the reductions still in flight; average over dp
+    engine.sync_tied_grads()             # a tied weight held by two pipeline ranks: sum the two copies
     norm = engine.clip_grads(max_norm)   # global norm of the full gradient, whatever is sharded
     engine.step(lr)
+
+How each parameter is laid out (tp shard, pipeline stage, tied peer, ZeRO pieces, reduction dims) is
+read from and written to its `Placement` (`parallel/placement.py`), keyed by the parameter's name.
 
 DDP keeps fp32 gradients in one flat buffer cut into buckets (`parallel.bucket_mb`), in reverse
 registration order (≈ the order backward produces them). When the last gradient of a bucket arrives
@@ -25,12 +30,12 @@ import torch
 from torch import nn
 
 from pentatron.config import TrainConfig
-from pentatron.distributed.comm import Work
+from pentatron.distributed.comm import P2P, Work
 from pentatron.distributed.context import ParallelContext
 from pentatron.optim import AdamW, MixedPrecisionAdamW, clip_by_total_norm, grad_norm_squared
 from pentatron.parallel.grad_buffer import Bucket, FlatLayout, GradBuffer
 from pentatron.parallel.memory import MemoryReport
-from pentatron.parallel.tensor import tp_checkpoint_key, tp_replicas
+from pentatron.parallel.placement import Placement
 from pentatron.precision import PrecisionPolicy
 
 
@@ -40,22 +45,26 @@ class DataParallelBase:
 
     stage: int = 0
     sharded_grads: bool = False  # True when each rank holds only its shard of the reduced gradient
-    # Parameters whose gradient another pipeline rank also holds and counts in the global norm (the
-    # last stage's copy of a tied embedding): left out here so that the norm counts them once.
-    counted_elsewhere: frozenset[nn.Parameter] | set[nn.Parameter] = frozenset()
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, train: TrainConfig, policy: PrecisionPolicy,
-                 bucket_mb: float) -> None:
+                 bucket_mb: float, placements: dict[str, Placement] | None = None) -> None:
         self.model, self.ctx, self.comm, self.policy = model, ctx, ctx.comm, policy
         self.dp, self.dp_rank = ctx.dp_size, ctx.dp_rank
         # named_parameters() lists a tied weight once, under its first name (embed.weight).
         self.names: dict[nn.Parameter, str] = {p: n for n, p in model.named_parameters() if p.requires_grad}
         self.params = list(self.names)
+        placements = placements if placements is not None else {}
+        for p, n in self.names.items():
+            placements.setdefault(n, Placement(n, tuple(p.shape)))
+        self.placements = placements
+        self.place: dict[nn.Parameter, Placement] = {p: placements[n] for p, n in self.names.items()}
         # Checkpoint keys: the name, plus the tp shard coordinates for a tensor-parallel shard (its
         # shards share the name). Pipeline ranks hold disjoint names (the last stage's copy of a tied
         # embedding is "lm_head.weight", the first stage's "embed.weight"), so no pp suffix is needed.
-        tp, tp_rank = ctx.size("tp"), ctx.local_rank("tp")
-        self.keys: dict[nn.Parameter, str] = {p: tp_checkpoint_key(n, p, tp, tp_rank) for p, n in self.names.items()}
+        self.keys: dict[nn.Parameter, str] = {p: pl.checkpoint_key() for p, pl in self.place.items()}
+        # A tied weight held by two pipeline ranks gets a bucket of its own on both, so that both
+        # ranks' ZeRO shards of it cover the same elements and can be summed shard by shard.
+        self.isolated = {p for p, pl in self.place.items() if pl.tied_peer is not None}
         self.bucket_numel = max(1, int(bucket_mb * 2**20) // 4)  # buckets hold fp32 gradients
         self._last_micro = True
         self._remaining: dict[int, int] = {}
@@ -71,9 +80,14 @@ class DataParallelBase:
             self.comm.broadcast(p.data, "dp", src=0)
 
     # ------------------------------------------------------------------ micro-steps and buckets
-    def micro_step(self, last: bool) -> None:
-        """Declare whether the coming backward is the last of this optimizer step."""
+    def before_backward(self, chunk: int, last: bool, weights_only: bool = False) -> None:
+        """A backward on pipeline chunk `chunk` (0 without pp) is coming; `last`: it is the step's last one
+        producing weight gradients for that chunk (its gradients can be reduced as they complete);
+        `weights_only`: it computes weight gradients only (the W half of a split backward)."""
         self._last_micro = last
+
+    def after_backward(self, chunk: int) -> None:
+        """That backward is done."""
 
     def _reset_counts(self, layout: FlatLayout) -> None:
         self._remaining = {b.index: len(b.params) for b in layout.buckets}
@@ -84,7 +98,7 @@ class DataParallelBase:
         b = layout.bucket_of[p]
         if b.index in self._launched:
             raise RuntimeError(f"gradient of {self.names[p]} arrived after its bucket was already reduced: "
-                               "call micro_step(last=False) before every backward but the step's last")
+                               "call before_backward(chunk, last=False) before every backward but the chunk's last")
         self._remaining[b.index] -= 1
         return b if self._remaining[b.index] == 0 else None
 
@@ -106,17 +120,17 @@ class DataParallelBase:
 
     def grad_norm(self) -> torch.Tensor:
         tp, pp = self.ctx.size("tp"), self.ctx.size("pp")
-        if tp == 1 and not self.counted_elsewhere:
+        weights = {p: pl.norm_weight(tp) for p, pl in self.place.items()}
+        if all(w == 1.0 for w in weights.values()):
             sq = grad_norm_squared(self.owned_grads())
         else:
-            # Tensor parallel: every element of the full model once — a tensor held identically by
-            # k tp ranks (replicated norms, replicated kv heads) counts 1/k on each, then sum over tp.
-            # Pipeline: a tied embedding held by the first and the last stage counts on the first.
-            pairs = self.owned_param_grads()
+            # Every element of the full model once: a tensor held identically by k tp ranks (replicated
+            # norms, replicated kv heads) counts 1/k on each, then sum over tp; a tied embedding held by
+            # the first and the last stage counts on the first only.
             sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-            for p, g in pairs:
-                if p not in self.counted_elsewhere:
-                    sq += g.float().pow(2).sum() / tp_replicas(p, tp)
+            for p, g in self.owned_param_grads():
+                if weights[p]:
+                    sq += g.float().pow(2).sum() * weights[p]
         if self.sharded_grads:
             self.comm.all_reduce(sq, "dp")
         if tp > 1:
@@ -124,6 +138,26 @@ class DataParallelBase:
         if pp > 1:
             self.comm.all_reduce(sq, "pp")  # each pipeline rank holds only its stages' parameters
         return sq.sqrt()
+
+    def sync_tied_grads(self) -> None:
+        """Sum a tied weight's reduced gradient between the two pipeline ranks holding a copy (the first
+        and the last stage), piece by piece: both hold it in a bucket of its own, so their owned pieces
+        cover the same elements. a + b and b + a are the same float, so both copies get bitwise-identical
+        gradients and, with identical optimizer state, stay identical."""
+        grads_of: dict[nn.Parameter, list[torch.Tensor]] = {}
+        for p, g in self.owned_param_grads():
+            if p in self.isolated:
+                grads_of.setdefault(p, []).append(g)
+        for p, grads in grads_of.items():
+            peer = self.place[p].tied_peer
+            mine = torch.cat([g.reshape(-1) for g in grads])
+            theirs = torch.empty_like(mine)
+            for w in self.comm.batch_p2p([P2P("send", mine, peer), P2P("recv", theirs, peer)], "pp"):
+                w.wait()
+            offset = 0
+            for g in grads:
+                g.add_(theirs[offset: offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def clip_grads(self, max_norm: float) -> torch.Tensor:
         """Clip by the global norm of the full gradient; returns the norm before clipping."""
@@ -163,9 +197,9 @@ class DataParallel(DataParallelBase):
     """ZeRO-0: replicated parameters and optimizer, bucketed all-reduce of gradients."""
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, train: TrainConfig, policy: PrecisionPolicy,
-                 bucket_mb: float) -> None:
-        super().__init__(model, ctx, train, policy, bucket_mb)
-        self.layout = FlatLayout.by_size(list(reversed(self.params)), self.bucket_numel)
+                 bucket_mb: float, placements: dict[str, Placement] | None = None) -> None:
+        super().__init__(model, ctx, train, policy, bucket_mb, placements)
+        self.layout = FlatLayout.by_size(list(reversed(self.params)), self.bucket_numel, isolate=self.isolated)
         self.grads = GradBuffer(self.params, policy.grad_dtype, self._grad_ready, self.layout)
         self.optimizer = MixedPrecisionAdamW(self.params, train, policy.master_dtype,
                                              names=[self.keys[p] for p in self.params])

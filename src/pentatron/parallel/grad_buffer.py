@@ -16,7 +16,7 @@ released after it has been reduce-scattered, for ZeRO-2/3).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -78,11 +78,17 @@ class FlatLayout:
         self.params = [p for b in self.buckets for p in b.params]
 
     @classmethod
-    def by_size(cls, params: Sequence[nn.Parameter], bucket_numel: int, shards: int = 1) -> FlatLayout:
-        """Consecutive parameters fill a bucket until it holds at least `bucket_numel` elements."""
+    def by_size(cls, params: Sequence[nn.Parameter], bucket_numel: int, shards: int = 1,
+                isolate: Collection[nn.Parameter] = ()) -> FlatLayout:
+        """Consecutive parameters fill a bucket until it holds at least `bucket_numel` elements; each
+        parameter in `isolate` gets a bucket of its own."""
         groups: list[list[nn.Parameter]] = [[]]
         filled = 0
         for p in params:
+            if p in isolate:
+                groups += [[p], []]
+                filled = 0
+                continue
             if filled >= bucket_numel:
                 groups.append([])
                 filled = 0

@@ -1,10 +1,11 @@
 """The one function that turns a plain model into a parallel one, in a fixed and visible order.
 
     split into pipeline stages → tensor/sequence parallel → context parallel → expert parallel
-    → activation checkpointing → compile → data parallel / ZeRO
+    → activation checkpointing → compile → data parallel / ZeRO → step runner
 
-Only the steps that exist so far are applied; the others are rejected by config validation (cp,
-ep > 1) before any process group starts.
+Only the steps that exist so far are applied; `ParallelLayout.unsupported` refuses the others (cp,
+ep > 1) before any process group starts, and again here. Each step records what it did to every
+parameter in that parameter's `Placement` (by name), which the later steps and the step runner read.
 """
 
 from __future__ import annotations
@@ -12,14 +13,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pentatron.config import Config
 from pentatron.distributed.context import ParallelContext
+from pentatron.layout import ParallelLayout
 from pentatron.parallel.data import DataParallel, DataParallelBase
 from pentatron.parallel.pipeline.stages import PipelineStage, build_stages, stage_layers, tied_parameter
+from pentatron.parallel.placement import Placement, TPShard
 from pentatron.parallel.recompute import apply_recompute
-from pentatron.parallel.tensor import apply_tensor_parallel
+from pentatron.parallel.step_runner import StepRunner
+from pentatron.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from pentatron.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
 from pentatron.precision import PrecisionPolicy
 
@@ -28,65 +33,93 @@ class LocalStages(nn.Module):
     """This pipeline rank's stages (one, or v chunks when interleaving) as one module whose parameter
     names are the full model's: every chunk's layers under one `layers` dict keyed by global index,
     plus the embedding / final norm / LM head when this rank holds the first / last stage. It is what
-    the data-parallel engine wraps (an nn.ModuleList of stages would prefix the names); the pipeline
-    engine runs `stages`. Not callable: a pipeline step runs through `PipelineEngine`."""
+    the data-parallel engine wraps (an nn.ModuleList of stages would prefix the names); the step
+    runner runs the stages themselves. Not callable."""
 
     def __init__(self, stages: Sequence[PipelineStage]) -> None:
         super().__init__()
         self.cfg = stages[0].cfg
+        # Registered in forward order (embedding, layers, final norm, head): ZeRO-3 prefetches by it.
+        for st in stages:
+            if hasattr(st, "embed"):
+                self.embed = st.embed
         self.layers = nn.ModuleDict({k: m for st in stages for k, m in st.layers.items()})
         for st in stages:
-            for name in ("embed", "norm", "lm_head"):
+            for name in ("norm", "lm_head"):
                 if hasattr(st, name):
                     self.add_module(name, getattr(st, name))
-        self.__dict__["stages"] = list(stages)  # not registered: the names above are the only ones
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("a pipeline-parallel model runs through PipelineEngine.step, not forward()")
+        raise RuntimeError("a pipeline-parallel model runs through its StepRunner, not forward()")
 
 
-def split_pipeline(model: nn.Module, ctx: ParallelContext, cfg: Config) -> nn.Module:
-    """Keep only this rank's pipeline stages (the model itself when pp = 1)."""
-    pp = ctx.size("pp")
-    if pp == 1:
-        return model
-    par = cfg.parallel
-    v = par.pp_virtual if par.pp_schedule == "interleaved" else 1
-    ranges = stage_layers(model.cfg, pp, v, cfg.train.seq_len)
-    return LocalStages(build_stages(model, pp, ctx.local_rank("pp"), ranges))
+def split_pipeline(model: nn.Module, ctx: ParallelContext, layout: ParallelLayout) -> list[PipelineStage] | None:
+    """This rank's pipeline stages, in chunk order (None when pp = 1)."""
+    if layout.pp == 1:
+        return None
+    ranges = stage_layers(model.cfg, layout.pp, layout.virtual, layout.seq_len)
+    return build_stages(model, layout.pp, ctx.local_rank("pp"), ranges)
 
 
-def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: PrecisionPolicy) -> DataParallelBase:
-    """Apply every parallelism the config asks for to `model` and return the data-parallel engine that
-    owns gradient synchronisation and the optimizer. With pp > 1 the engine's `model` is this rank's
-    `LocalStages` (the rest of the model is dropped); otherwise it is `model`, changed in place."""
-    model = split_pipeline(model, ctx, cfg)
-    stages = model.stages if isinstance(model, LocalStages) else None
-    tp = ctx.size("tp")
-    if tp > 1:
-        if stages is None:
-            apply_tensor_parallel(model, ctx, ctx.comm, sp=cfg.parallel.sp)
-        else:
-            for st in stages:
-                apply_tensor_parallel(st, ctx, ctx.comm, sp=cfg.parallel.sp)
-                st.sequence_shards = tp if cfg.parallel.sp else 1
-            model = LocalStages(stages)  # re-collect: TP replaced the embedding and LM head modules
-    apply_recompute(model, cfg.train.recompute)
-    engine = data_parallel(model, ctx, cfg, policy)
-    if stages is not None:
-        tied = tied_parameter(stages)
-        if tied is not None and not any(st.is_first for st in stages):
-            # The last stage's copy of a tied embedding: its gradient norm is counted on the first stage.
-            engine.counted_elsewhere = {tied}
-    return engine
+def _placements(module: nn.Module, stages: list[PipelineStage] | None, tp_shards: dict[str, TPShard],
+                layout: ParallelLayout) -> dict[str, Placement]:
+    """One placement per parameter of this rank, from what the pipeline split and TP did."""
+    stage_of = {}
+    for st in stages or []:
+        for n, _ in st.named_parameters():
+            stage_of.setdefault(n, st.index)
+    out = {n: Placement(n, tuple(p.shape), tp_shards.get(n, TPShard(None)), stage_of.get(n),
+                        grad_dims=layout.grad_reduce_dims)
+           for n, p in module.named_parameters()}
+    tied = tied_parameter(stages) if stages else None
+    if tied is not None:
+        # The tied embedding held by the first and the last stage's ranks: same gradient on both,
+        # counted in the norm on the first (pp rank 0).
+        first = any(st.is_first for st in stages)
+        name = next(n for n, p in module.named_parameters() if p is tied)
+        out[name].tied_peer = layout.pp - 1 if first else 0
+        out[name].counted = first
+    return out
 
 
-def data_parallel(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: PrecisionPolicy) -> DataParallelBase:
+def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: PrecisionPolicy) -> StepRunner:
+    """Apply every parallelism the config asks for to `model` and return the step runner, which owns
+    the forward/backward of a step (plain loop or pipeline), the loss, gradient synchronisation and the
+    optimizer. With pp > 1 only this rank's stages are kept; otherwise `model` is changed in place."""
+    layout = cfg.layout(ctx.world_size)
+    problems = layout.problems(model.cfg, ctx.world_size) + layout.unsupported(model.cfg)
+    if problems:
+        raise ValueError("cannot parallelize: " + "; ".join(problems))
+    stages = split_pipeline(model, ctx, layout)
+    tp_shards: dict[str, TPShard] = {}
+    if layout.tp > 1:
+        for part in stages or [model]:
+            apply_tensor_parallel(part, ctx, ctx.comm, sp=layout.sp)
+            tp_shards.update(part.tensor_parallel.shards)
+    module = LocalStages(stages) if stages else model  # collected after TP replaced embedding and head
+    placements = _placements(module, stages, tp_shards, layout)
+    apply_recompute(module, cfg.train.recompute)
+    engine = data_parallel(module, ctx, cfg, policy, placements, stages)
+    return StepRunner(module, engine, ctx, layout, _loss_fn(ctx), stages, model.cfg.hidden_size)
+
+
+def _loss_fn(ctx: ParallelContext):  # noqa: ANN202 - returns the loss function
+    comm = ctx.comm
+    if ctx.size("tp") > 1:
+        # The model returns this rank's vocabulary slice of the logits; never gather them.
+        return lambda logits, targets: vocab_parallel_cross_entropy(logits.float(), targets, comm)
+    return lambda logits, targets: F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def data_parallel(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: PrecisionPolicy,
+                  placements: dict[str, Placement] | None = None,
+                  stages: list[PipelineStage] | None = None) -> DataParallelBase:
     par, train = cfg.parallel, cfg.train
     if par.zero == 0:
-        return DataParallel(model, ctx, train, policy, par.bucket_mb)
+        return DataParallel(model, ctx, train, policy, par.bucket_mb, placements)
     if par.zero in (1, 2):
-        return ZeroDataParallel(model, ctx, train, policy, par.bucket_mb, stage=par.zero)
+        return ZeroDataParallel(model, ctx, train, policy, par.bucket_mb, stage=par.zero, placements=placements)
     if par.zero == 3:
-        return FullyShardedDataParallel(model, ctx, train, policy, par.bucket_mb)
+        return FullyShardedDataParallel(model, ctx, train, policy, par.bucket_mb, placements,
+                                        chunks=list(stages) if stages else None, gather=par.zero3_gather)
     raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {par.zero}")

@@ -20,9 +20,9 @@ vocab-sharded logits with three all-reduces of b·s numbers, never materialising
 Replicated parameters whose gradients are partial per rank get a gradient hook that sums them over
 tp before they are accumulated, so every optimizer/DP/ZeRO wrapper downstream sees complete grads:
 the norm weights under SP (each rank saw only its sequence slice), and the k/v projections of a kv
-head that is replicated on tp/n_kv ranks (each rank used it for its own query heads only). Every
-parameter carries a `TPShard` (`p.tp_shard`) saying how it is laid out over tp, which
-`gather_full_params` and `grad_norm_squared` read.
+head that is replicated on tp/n_kv ranks (each rank used it for its own query heads only). The plan
+returned records, per parameter name, a `TPShard` saying how the local tensor relates to the full
+one; `parallelize` copies it into each parameter's `Placement`.
 
 The model needs no change: attention derives its local head count from the projection widths.
 Initialisation: every rank builds the full model from the same seed and keeps its slice, so a TP run
@@ -34,7 +34,6 @@ per-tp-rank seed too, while the non-SP residual stream needs the same seed on ev
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,27 +51,19 @@ from pentatron.distributed.functional import (
     scatter_sequence,
 )
 from pentatron.layout import tensor_parallel_problems, tensor_parallel_warnings
+from pentatron.parallel.placement import TPShard
 
 TP = "tp"
 
 
-@dataclass(frozen=True)
-class TPShard:
-    """How a local parameter relates to the full one. `dim` is the axis split over tp (None: the
-    whole tensor on every rank); `replicas` is how many consecutive tp ranks hold this same local
-    tensor (tp for a replicated tensor, tp/n_kv for replicated kv heads, 1 for a plain shard)."""
-
-    dim: int | None
-    replicas: int = 1
+_Made = dict[nn.Parameter, TPShard]  # the shards `apply_tensor_parallel` created, recorded in its plan
 
 
-def tp_shard(p: torch.Tensor) -> TPShard | None:
-    return getattr(p, "tp_shard", None)
-
-
-def _shard_param(full: torch.Tensor, dim: int, start: int, length: int, replicas: int = 1) -> nn.Parameter:
-    local = nn.Parameter(full.detach().narrow(dim, start, length).clone(), requires_grad=full.requires_grad)
-    local.tp_shard = TPShard(dim, replicas)
+def _shard_param(full: torch.Tensor, dim: int, index: int, parts: int, tp: int, made: _Made) -> nn.Parameter:
+    """Slice `index` of `parts` equal slices of `full` along `dim` (parts < tp: slices replicated)."""
+    length = full.shape[dim] // parts
+    local = nn.Parameter(full.detach().narrow(dim, index * length, length).clone(), requires_grad=full.requires_grad)
+    made[local] = TPShard(dim, index, parts, tp // parts)
     return local
 
 
@@ -217,6 +208,7 @@ class TensorParallelPlan:
     sequence_parallel: bool
     kv_replicas: int  # tp ranks sharing one kv head (1: kv heads are split, not replicated)
     comm: Comm
+    shards: dict[str, TPShard]  # by parameter name: how each local tensor relates to the full one
 
 
 def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, comm: Comm | None = None, sp: bool = False,
@@ -240,24 +232,24 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, comm: Comm | N
         return model
 
     handles: list[Any] = []
+    made: _Made = {}
     kv_replicas = 1
     # A pipeline stage holds its layers in a dict keyed by global index, and only some of the
     # embedding / final norm / LM head: shard whatever this module has.
     layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     for block in layers:
-        kv_replicas = _shard_attention(block.attn, comm, tp, rank, sp, handles)
-        _shard_mlp(block.mlp, comm, tp, rank, sp)
+        kv_replicas = _shard_attention(block.attn, comm, tp, rank, sp, handles, made)
+        _shard_mlp(block.mlp, comm, tp, rank, sp, made)
         for region in (block.attn, block.mlp):
             handles.append(region.register_forward_pre_hook(_region_entry(comm, sp)))
         for norm in (block.attn_norm, block.mlp_norm):
-            _replicate(norm.weight, tp, comm if sp else None, handles)
+            _replicate(norm.weight, comm if sp else None, handles)
     if getattr(model, "norm", None) is not None:
-        _replicate(model.norm.weight, tp, comm if sp else None, handles)
-    _shard_vocab(model, comm, tp, rank, sp)
-    for p in model.parameters():
-        if tp_shard(p) is None:  # anything the plan did not mention is replicated (and in sync)
-            p.tp_shard = TPShard(None, tp)
-    model.tensor_parallel = TensorParallelPlan(tp, rank, sp, kv_replicas, comm)
+        _replicate(model.norm.weight, comm if sp else None, handles)
+    _shard_vocab(model, comm, tp, rank, sp, made)
+    # Anything not sharded above is replicated over tp (and kept in sync).
+    shards = {n: made.get(p, TPShard(None, 0, 1, tp)) for n, p in model.named_parameters()}
+    model.tensor_parallel = TensorParallelPlan(tp, rank, sp, kv_replicas, comm, shards)
     model._tensor_parallel_hooks = handles
     return model
 
@@ -269,54 +261,47 @@ def _region_entry(comm: Comm, sp: bool) -> Any:
     return hook
 
 
-def _shard_attention(attn: nn.Module, comm: Comm, tp: int, rank: int, sp: bool, handles: list[Any]) -> int:
-    d = attn.head_dim
-    n_heads, n_kv = attn.q_proj.weight.shape[0] // d, attn.k_proj.weight.shape[0] // d
-    q_local = n_heads // tp * d
-    attn.q_proj = ColumnParallelLinear(_shard_param(attn.q_proj.weight, 0, rank * q_local, q_local), comm,
+def _shard_attention(attn: nn.Module, comm: Comm, tp: int, rank: int, sp: bool, handles: list[Any],
+                     made: _Made) -> int:
+    n_kv = attn.k_proj.weight.shape[0] // attn.head_dim
+    attn.q_proj = ColumnParallelLinear(_shard_param(attn.q_proj.weight, 0, rank, tp, tp, made), comm,
                                        sequence_parallel=sp, communicate_input=False)
-    if n_kv % tp == 0:
-        replicas, kv_start, kv_local = 1, rank * (n_kv // tp) * d, n_kv // tp * d
-    else:  # tp > n_kv: ranks r·(tp/n_kv) … hold kv head r, the one their query heads attend with
-        replicas = tp // n_kv
-        kv_start, kv_local = (rank // replicas) * d, d
+    # tp > n_kv: ranks r·(tp/n_kv) … hold kv head r, the one their query heads attend with.
+    replicas = 1 if n_kv % tp == 0 else tp // n_kv
+    parts = tp // replicas
     for name in ("k_proj", "v_proj"):
-        w = _shard_param(getattr(attn, name).weight, 0, kv_start, kv_local, replicas)
+        w = _shard_param(getattr(attn, name).weight, 0, rank // replicas, parts, tp, made)
         if replicas > 1:
             handles.append(w.register_hook(_sum_over_replicas(comm, tp, rank, replicas)))
         setattr(attn, name, ColumnParallelLinear(w, comm, sequence_parallel=sp, communicate_input=False))
-    attn.o_proj = RowParallelLinear(_shard_param(attn.o_proj.weight, 1, rank * q_local, q_local), comm,
+    attn.o_proj = RowParallelLinear(_shard_param(attn.o_proj.weight, 1, rank, tp, tp, made), comm,
                                     sequence_parallel=sp)
     return replicas
 
 
-def _shard_mlp(mlp: nn.Module, comm: Comm, tp: int, rank: int, sp: bool) -> None:
-    f_local = mlp.up_proj.weight.shape[0] // tp
+def _shard_mlp(mlp: nn.Module, comm: Comm, tp: int, rank: int, sp: bool, made: _Made) -> None:
     for name in ("gate_proj", "up_proj"):
         if hasattr(mlp, name):
-            w = _shard_param(getattr(mlp, name).weight, 0, rank * f_local, f_local)
+            w = _shard_param(getattr(mlp, name).weight, 0, rank, tp, tp, made)
             setattr(mlp, name, ColumnParallelLinear(w, comm, sequence_parallel=sp, communicate_input=False))
-    mlp.down_proj = RowParallelLinear(_shard_param(mlp.down_proj.weight, 1, rank * f_local, f_local), comm,
+    mlp.down_proj = RowParallelLinear(_shard_param(mlp.down_proj.weight, 1, rank, tp, tp, made), comm,
                                       sequence_parallel=sp)
 
 
-def _shard_vocab(model: nn.Module, comm: Comm, tp: int, rank: int, sp: bool) -> None:
+def _shard_vocab(model: nn.Module, comm: Comm, tp: int, rank: int, sp: bool, made: _Made) -> None:
     embed, lm_head = getattr(model, "embed", None), getattr(model, "lm_head", None)
     tied = embed is not None and lm_head is not None and lm_head.weight is embed.weight
     emb = None
     if embed is not None:
-        v_local = embed.weight.shape[0] // tp
-        emb = _shard_param(embed.weight, 0, rank * v_local, v_local)
-        model.embed = VocabParallelEmbedding(emb, rank * v_local, comm, sequence_parallel=sp)
+        emb = _shard_param(embed.weight, 0, rank, tp, tp, made)
+        model.embed = VocabParallelEmbedding(emb, rank * emb.shape[0], comm, sequence_parallel=sp)
     if lm_head is not None:
-        v_local = lm_head.weight.shape[0] // tp
         # Tied: the head uses the very same Parameter, so its gradient is the sum of both uses.
-        head = emb if tied else _shard_param(lm_head.weight, 0, rank * v_local, v_local)
+        head = emb if tied else _shard_param(lm_head.weight, 0, rank, tp, tp, made)
         model.lm_head = ColumnParallelLinear(head, comm, sequence_parallel=sp, communicate_input=True)
 
 
-def _replicate(p: nn.Parameter, tp: int, comm: Comm | None, handles: list[Any]) -> None:
-    p.tp_shard = TPShard(None, tp)
+def _replicate(p: nn.Parameter, comm: Comm | None, handles: list[Any]) -> None:
     if comm is not None:
         # Under SP each rank's grad covers its sequence slice only: the full grad is their sum.
         handles.append(p.register_hook(lambda g: _sum_grad(g, comm)))
@@ -345,50 +330,28 @@ def _sum_over_replicas(comm: Comm, tp: int, rank: int, replicas: int) -> Any:
 
 # ---------------------------------------------------------------------------------------- helpers
 @torch.no_grad()
+def gather_full_tensor(local: torch.Tensor, shard: TPShard, comm: Comm) -> torch.Tensor:
+    """The full tensor from every tp rank's local one (a collective over tp when it is split)."""
+    if shard.dim is None or shard.parts == 1:
+        return local.detach().clone()
+    tp = comm.ctx.size(TP)
+    local = local.detach().movedim(shard.dim, 0).contiguous()
+    full = torch.empty((tp * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
+    comm.all_gather(full, local, TP)
+    chunks = full.chunk(tp)[:: shard.replicas]  # one copy of each replicated kv head
+    return torch.cat(chunks).movedim(0, shard.dim).contiguous()
+
+
+@torch.no_grad()
 def gather_full_params(model: nn.Module, comm: Comm, tensors: dict[str, torch.Tensor] | None = None
                        ) -> dict[str, torch.Tensor]:
-    """Every parameter at its full (unsharded) shape, by name — identical on all tp ranks (a
-    collective: every tp rank must call it). `tensors` (name → this rank's local tensor, e.g. the
-    parameters a ZeRO engine gathered over dp) replaces the model's own parameter data."""
-    tp = comm.ctx.size(TP)
+    """Every parameter of a model (tensor-parallel or not) at its full shape, by name — identical on all
+    tp ranks (a collective: every tp rank must call it). `tensors` (name → this rank's local tensor, e.g.
+    the parameters a ZeRO engine gathered over dp) replaces the model's own parameter data."""
+    plan = getattr(model, "tensor_parallel", None)
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        local = (tensors[name] if tensors is not None else p).detach()
-        spec = tp_shard(p)
-        if spec is None or spec.dim is None or tp == 1:
-            out[name] = local.clone()
-            continue
-        local = local.movedim(spec.dim, 0).contiguous()
-        full = torch.empty((tp * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
-        comm.all_gather(full, local, TP)
-        chunks = full.chunk(tp)[:: spec.replicas]  # one copy of each replicated kv head
-        out[name] = torch.cat(chunks).movedim(0, spec.dim).contiguous()
+        local = tensors[name] if tensors is not None else p
+        shard = plan.shards[name] if plan is not None else TPShard(None)
+        out[name] = gather_full_tensor(local, shard, comm)
     return out
-
-
-def tp_checkpoint_key(name: str, p: torch.Tensor, tp: int, rank: int) -> str:
-    """The checkpoint key of this tp rank's local tensor of parameter `name`: the name itself when every
-    tp rank holds the same tensor (tp = 1, replicated norms), else "<name>|tp<i>/<n>": shard i of the n
-    distinct shards (ranks holding a replicated kv head share one key, so DCP writes it once and each
-    of them reads it back). The same local tensor gets the same key on every rank that holds it."""
-    spec = tp_shard(p)
-    if tp == 1 or spec is None or spec.replicas >= tp:
-        return name
-    return f"{name}|tp{rank // spec.replicas}/{tp // spec.replicas}"
-
-
-def tp_replicas(p: torch.Tensor, tp: int) -> int:
-    """How many tp ranks hold the same local tensor as `p` (unmarked tensors: all of them)."""
-    spec = tp_shard(p)
-    return tp if spec is None else spec.replicas
-
-
-def grad_norm_squared(params: Iterable[torch.Tensor], grads: Iterable[torch.Tensor], comm: Comm) -> torch.Tensor:
-    """Σ‖g‖² over the *full* model from this rank's local grads, counting every element once: a
-    tensor held identically by k tp ranks contributes ‖g‖²/k on each. The result is all-reduced
-    over tp; callers that also shard over dp (ZeRO) sum that dimension as they already do."""
-    tp = comm.ctx.size(TP)
-    parts = [g.float().pow(2).sum() / tp_replicas(p, tp) for p, g in zip(params, grads, strict=True)]
-    total = torch.stack(parts).sum() if parts else torch.zeros(())
-    comm.all_reduce(total, TP)
-    return total

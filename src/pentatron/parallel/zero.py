@@ -44,6 +44,7 @@ from pentatron.optim import AdamW, Slot
 from pentatron.parallel.data import DataParallelBase
 from pentatron.parallel.grad_buffer import Bucket, FlatLayout, GradBuffer, Piece
 from pentatron.parallel.memory import MemoryReport
+from pentatron.parallel.placement import Placement, ZeroPiece
 from pentatron.precision import PrecisionPolicy
 
 _MAX_IN_FLIGHT = 2  # reduce-scatters in flight before the oldest is waited on (bounds transient memory)
@@ -63,6 +64,11 @@ class _ShardedBase(DataParallelBase):
         """`param_store`: where the model's copy of each piece lives (indexed by global offset when
         `store_is_global`, else by local offset); `grad_of(piece)`: the piece's fp32 gradient."""
         self.pieces = self.layout.pieces(self.dp_rank)
+        owned: dict[nn.Parameter, list[ZeroPiece]] = {p: [] for p in self.params}
+        for pc in self.pieces:
+            owned[pc.param].append(ZeroPiece(pc.lo, pc.hi, pc.glob, self.layout.bucket_of[pc.param].index))
+        for p, pieces in owned.items():  # the placement records which elements this rank owns
+            self.place[p].zero = tuple(pieces)
         fp32 = param_store.dtype == torch.float32
         self.master_shard = None if fp32 else torch.zeros(self.layout.shard_numel, dtype=torch.float32,
                                                           device=param_store.device)
@@ -84,9 +90,7 @@ class _ShardedBase(DataParallelBase):
     def _key(self, pc: Piece) -> str:
         """A checkpoint key: the parameter's key (name, tp shard), with the flattened range when only part
         is here."""
-        name = self.keys[pc.param]
-        whole = pc.lo == 0 and pc.hi == self.layout.shapes[pc.param].numel()
-        return name if whole else f"{name}[{pc.lo}:{pc.hi}]"
+        return self.place[pc.param].piece_key(ZeroPiece(pc.lo, pc.hi, pc.glob, -1))
 
     def layout_meta(self) -> dict[str, Any]:
         return {"zero": self.stage, "dp": self.dp, "buckets": [b.padded for b in self.layout.buckets]}
@@ -99,12 +103,13 @@ class ZeroDataParallel(_ShardedBase):
     """ZeRO-1 (stage=1) and ZeRO-2 (stage=2): replicated parameters, sharded optimizer (and grads)."""
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, train: TrainConfig, policy: PrecisionPolicy,
-                 bucket_mb: float, stage: int) -> None:
+                 bucket_mb: float, stage: int, placements: dict[str, Placement] | None = None) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements ZeRO-1 and ZeRO-2, got stage {stage}")
-        super().__init__(model, ctx, train, policy, bucket_mb)
+        super().__init__(model, ctx, train, policy, bucket_mb, placements)
         self.stage = stage
-        self.layout = FlatLayout.by_size(list(reversed(self.params)), self.bucket_numel, shards=self.dp)
+        self.layout = FlatLayout.by_size(list(reversed(self.params)), self.bucket_numel, shards=self.dp,
+                                         isolate=self.isolated)
         # Parameters become views of one flat buffer, so each bucket is all-gathered in place.
         self.param_flat = torch.zeros(self.layout.total, dtype=policy.param_dtype, device=ctx.device)
         with torch.no_grad():
@@ -218,13 +223,15 @@ class ZeroDataParallel(_ShardedBase):
 class _Unit:
     """A group of parameters gathered and freed together (one ZeRO-3 bucket) and the modules using them."""
 
-    def __init__(self, bucket: Bucket, modules: list[nn.Module]) -> None:
+    def __init__(self, bucket: Bucket, modules: list[nn.Module], chunk: int) -> None:
         self.bucket = bucket
         self.modules = modules
+        self.chunk = chunk  # the pipeline chunk (0 without pp) whose actions use this unit
         self.full: torch.Tensor | None = None  # gathered parameters (bucket-sized), while held
         self.work: Work | None = None  # the all-gather filling `full`, while in flight
-        self.forward_pending: set[int] = set()
-        self.backward_done = False
+        self.forward_pending: set[int] = set()  # modules of the current forward not yet run
+        self.backwards_due = 0  # forwards (with grad) whose backward has not completed yet
+        self.grads_pending = False  # gradients accumulated in its bucket, not yet reduce-scattered
 
 
 def zero3_units(model: nn.Module) -> list[tuple[list[nn.Module], list[nn.Parameter]]]:
@@ -236,7 +243,10 @@ def zero3_units(model: nn.Module) -> list[tuple[list[nn.Module], list[nn.Paramet
     if any(True for _ in model.named_parameters(recurse=False)):
         raise NotImplementedError("ZeRO-3 wraps child modules; parameters on the root module are not supported")
     for name, child in model.named_children():
-        blocks = list(child) if name == "layers" else [child]
+        if name == "layers":  # a ModuleList, or a pipeline rank's ModuleDict keyed by global index
+            blocks = list(child.values()) if isinstance(child, nn.ModuleDict) else list(child)
+        else:
+            blocks = [child]
         for m in blocks:
             params = [p for p in m.parameters() if p.requires_grad]
             if not params:
@@ -254,17 +264,34 @@ def zero3_units(model: nn.Module) -> list[tuple[list[nn.Module], list[nn.Paramet
 
 
 class FullyShardedDataParallel(_ShardedBase):
-    """ZeRO-3: parameters, gradients and optimizer state sharded; units gathered on demand."""
+    """ZeRO-3: parameters, gradients and optimizer state sharded; units gathered on demand.
+
+    Without pipeline parallelism a unit is gathered for its forward and again for its backward, freed
+    after each, and its gradients are reduce-scattered after every backward (so only the shard is kept
+    between micro-batches). With pp > 1 (`chunks` = this rank's pipeline chunks) forwards and backwards
+    of different micro-batches interleave, so each unit counts the backwards it still owes, and:
+    - `gather="micro_batch"`: gathered per forward and per backward as above (2m all-gathers of the
+      stage's parameters per step, the least memory), or `gather="step"`: gathered at its first use
+      and kept until the step ends (1 all-gather per step, the whole stage's parameters held);
+    - gradients accumulate unsharded in the unit's bucket and are reduce-scattered once per step, as
+      soon as the chunk's last backward is done (overlapping the backwards of the other chunks).
+    """
 
     stage = 3
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, train: TrainConfig, policy: PrecisionPolicy,
-                 bucket_mb: float) -> None:
-        super().__init__(model, ctx, train, policy, bucket_mb)
+                 bucket_mb: float, placements: dict[str, Placement] | None = None,
+                 chunks: list[nn.Module] | None = None, gather: str = "micro_batch") -> None:
+        super().__init__(model, ctx, train, policy, bucket_mb, placements)
+        if gather not in ("micro_batch", "step"):
+            raise ValueError(f"gather must be 'micro_batch' or 'step', got {gather!r}")
         spec = zero3_units(model)
         self.layout = FlatLayout([params for _, params in spec], shards=self.dp)
-        self.units = [_Unit(b, mods) for b, (mods, _) in zip(self.layout.buckets, spec)]
+        chunk_of = {id(m): c for c, ch in enumerate(chunks or [model]) for m in ch.modules()}
+        self.units = [_Unit(b, mods, chunk_of[id(mods[0])]) for b, (mods, _) in zip(self.layout.buckets, spec)]
         self.unit_of = {b.index: u for b, u in zip(self.layout.buckets, self.units)}
+        self.pipelined = chunks is not None
+        self.keep_gathered = self.pipelined and gather == "step"
         # This rank's parameter shard is the only persistent copy of the weights.
         self.param_shard = torch.zeros(self.layout.shard_numel, dtype=policy.param_dtype, device=ctx.device)
         with torch.no_grad():
@@ -277,11 +304,12 @@ class FullyShardedDataParallel(_ShardedBase):
         self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=policy.grad_dtype, device=ctx.device)
         self._build_optimizer(train, self.param_shard, False,
                               lambda pc: self.grad_shard[pc.local: pc.local + pc.numel])
-        # Module call order (registration order), for prefetching the next unit in either direction.
-        self.events: list[tuple[nn.Module, _Unit]] = [(m, u) for u in self.units for m in u.modules]
-        self.events.sort(key=lambda e: self._registration_index(e[0]))
+        # Module call order (registration order) within each chunk, for prefetching the next unit.
+        events = sorted(((m, u) for u in self.units for m in u.modules), key=lambda e: self._registration_index(e[0]))
+        self.events: list[tuple[nn.Module, _Unit]] = events
         self._in_flight: deque[tuple[Bucket, torch.Tensor, Work]] = deque()
         self._transient_peak = 0
+        self.gathered_peak = 0  # most bytes of gathered parameters held at once (measured on the buffers)
         self._hooks = []
         for i, (m, u) in enumerate(self.events):
             self._hooks.append(m.register_forward_pre_hook(self._make_pre_forward(i, u)))
@@ -290,6 +318,17 @@ class FullyShardedDataParallel(_ShardedBase):
 
     def _registration_index(self, module: nn.Module) -> int:
         return next(i for i, m in enumerate(self.model.modules()) if m is module)
+
+    def _neighbour(self, i: int, step: int) -> _Unit | None:
+        """The unit of the nearest event before (step=-1) or after (+1) event i, in the same chunk."""
+        u = self.events[i][1]
+        j = i + step
+        while 0 <= j < len(self.events):
+            other = self.events[j][1]
+            if other.chunk == u.chunk and other is not u:
+                return other
+            j += step
+        return None
 
     # ------------------------------------------------------------------ gather / free
     def _gather(self, u: _Unit) -> None:
@@ -320,28 +359,35 @@ class FullyShardedDataParallel(_ShardedBase):
             p.data = self._empty
         u.full = None
 
+    def _release(self, u: _Unit) -> None:
+        """Free u after a use, unless the step keeps it gathered."""
+        if not self.keep_gathered:
+            self._free(u)
+
     def _note_transient(self) -> None:
         held = sum(_nbytes(u.full) for u in self.units)
         grads = self.grads.transient_bytes + sum(_nbytes(d) for _, d, _ in self._in_flight)
+        self.gathered_peak = max(self.gathered_peak, held)
         self._transient_peak = max(self._transient_peak, held + grads)
 
     # ------------------------------------------------------------------ hooks
     def _make_pre_forward(self, i: int, u: _Unit):  # noqa: ANN202 - a hook
         def hook(module: nn.Module, args: Any) -> None:
-            if i == 0:  # a new forward pass
-                for unit in self.units:
-                    unit.forward_pending = {id(m) for m in unit.modules}
-                    unit.backward_done = False
+            if not u.forward_pending:  # a new forward of this unit
+                u.forward_pending = {id(m) for m in u.modules}
+                if torch.is_grad_enabled():
+                    u.backwards_due += 1
             self._ensure(u)
-            if i + 1 < len(self.events):
-                self._gather(self.events[i + 1][1])  # prefetch: overlaps this module's compute
+            nxt = self._neighbour(i, +1)
+            if nxt is not None:
+                self._gather(nxt)  # prefetch: overlaps this module's compute
         return hook
 
     def _make_post_forward(self, i: int, u: _Unit, module: nn.Module):  # noqa: ANN202 - a hook
         def hook(mod: nn.Module, args: Any, output: Any) -> Any:
             u.forward_pending.discard(id(module))
             if not u.forward_pending:
-                self._free(u)
+                self._release(u)
             if torch.is_grad_enabled():
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
                 for t in tensors:
@@ -351,26 +397,40 @@ class FullyShardedDataParallel(_ShardedBase):
 
     def _make_pre_backward(self, i: int, u: _Unit):  # noqa: ANN202 - a hook
         def hook(grad: torch.Tensor) -> None:
-            if u.backward_done:
+            if not u.backwards_due:
                 return
             self._ensure(u)
-            # Prefetch the unit whose backward comes next (the previous module in forward order).
-            for j in range(i - 1, -1, -1):
-                nxt = self.events[j][1]
-                if nxt is not u:
-                    if not nxt.backward_done:
-                        self._gather(nxt)
-                    break
+            prev = self._neighbour(i, -1)  # the unit whose backward comes next
+            if prev is not None and prev.backwards_due:
+                self._gather(prev)
         return hook
+
+    def before_backward(self, chunk: int, last: bool, weights_only: bool = False) -> None:
+        super().before_backward(chunk, last, weights_only)
+        if weights_only:
+            # The W half of a split backward re-enters the graph below the modules' outputs, so no
+            # pre-backward hook gathers for it: gather the chunk's units that still owe a backward.
+            for u in self.units:
+                if u.chunk == chunk and u.backwards_due:
+                    self._ensure(u)
+
+    def after_backward(self, chunk: int) -> None:
+        # The B half of a split backward uses the weights without producing their gradients: free them.
+        for u in self.units:
+            if u.chunk == chunk and u.full is not None:
+                self._release(u)
 
     def _grad_ready(self, p: nn.Parameter) -> None:
         b = self._count(self.layout, p)
         if b is None:
             return
         u = self.unit_of[b.index]
-        self._reduce_unit(u)
-        self._free(u)
-        u.backward_done = True
+        u.backwards_due = max(0, u.backwards_due - 1)
+        u.grads_pending = True
+        self._remaining[b.index] = len(b.params)
+        if not self.pipelined or self._last_micro:
+            self._reduce_unit(u)
+        self._release(u)
 
     def _reduce_unit(self, u: _Unit) -> None:
         b = u.bucket
@@ -380,7 +440,7 @@ class FullyShardedDataParallel(_ShardedBase):
         work = self.comm.reduce_scatter(data[lo - b.start: hi - b.start], data, "dp", async_op=True)
         self._in_flight.append((b, data, work))
         self._note_transient()
-        self._remaining[b.index] = len(b.params)
+        u.grads_pending = False
         self._drain(_MAX_IN_FLIGHT)
 
     def _drain(self, keep: int) -> None:
@@ -398,9 +458,12 @@ class FullyShardedDataParallel(_ShardedBase):
     def finish_grad_sync(self) -> None:
         for u in self.units:
             b = u.bucket
-            if self._remaining[b.index] != len(b.params):  # a parameter that got no gradient
+            # Gradients not reduced yet: a parameter that got no gradient in some backward.
+            if u.grads_pending or self._remaining[b.index] != len(b.params):
                 self._reduce_unit(u)
             self._free(u)
+            u.backwards_due = 0
+            u.forward_pending = set()
         self._drain(0)
         if self.dp > 1:
             self.grad_shard.div_(self.dp)
@@ -410,7 +473,7 @@ class FullyShardedDataParallel(_ShardedBase):
         return [self.grad_shard]
 
     def _count(self, layout: FlatLayout, p: nn.Parameter) -> Bucket | None:
-        # ZeRO-3 reduces every micro-step, so a bucket is never "already launched".
+        # Counted on every backward: a unit's gradients are complete once per backward.
         b = layout.bucket_of[p]
         self._remaining[b.index] -= 1
         return b if self._remaining[b.index] == 0 else None

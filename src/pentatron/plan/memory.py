@@ -16,10 +16,10 @@ from functools import lru_cache
 
 from pentatron.models.config import ModelConfig
 from pentatron.parallel.activation_memory import layer_activation_bytes
-from pentatron.parallel.pipeline.schedules import last_stage_awaiting_backward_closed, peak_in_flight_closed
 from pentatron.plan.flops import MoESpec, layer_params, moe_of
 from pentatron.plan.hardware import GiB, GPUSpec
 from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, layers_per_chunk
+from pentatron.schedules import last_stage_awaiting_backward_closed, peak_in_flight_closed
 
 MiB = 2**20
 

@@ -1,6 +1,6 @@
 """Step time from first principles: GEMM roofline with wave quantisation, fused-attention efficiency,
 memory-bound elementwise traffic, exposed communication, and the pipeline bubble of the *actual*
-schedule (simulated by `parallel/pipeline/schedules.py`).
+schedule (simulated by `schedules.py`).
 
 Overlap rules (what hides behind what):
 * TP/SP collectives and MoE all-to-alls sit on the critical path (exposed).
@@ -19,7 +19,6 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pentatron.parallel.pipeline.schedules import make_schedule, simulate
 from pentatron.plan.comm import (
     Collective,
     collective_time,
@@ -32,6 +31,7 @@ from pentatron.plan.flops import hardware_flops_per_token, layer_params, model_f
 from pentatron.plan.hardware import GPUSpec
 from pentatron.plan.layout import Layout, Workload, compute_dtype, kv_heads_per_tp_rank, layers_per_chunk
 from pentatron.plan.memory import DP_BUCKET, STATE_PRECISIONS, act_bytes, rank_layers, rank_params
+from pentatron.schedules import make_schedule, simulate
 
 TILE = 128  # output tile edge of tensor-core GEMM kernels (cuBLAS/CUTLASS 128x128 class)
 KERNEL_OVERHEAD = 3e-6  # per GEMM launch/tail on the GPU (seconds)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -10,8 +11,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from pentatron.checkpoint.layout import check_resumable, layout_record
 from pentatron.checkpoint.store import CheckpointStore
 from pentatron.config import Config, resolved_dp
 from pentatron.data.loader import TokenDataset, TokenLoader
@@ -22,11 +23,7 @@ from pentatron.models.llama import build_model
 from pentatron.observe.metrics import MetricsLogger
 from pentatron.observe.system import peak_flops, peak_memory_bytes
 from pentatron.parallel.parallelize import parallelize
-from pentatron.parallel.pipeline.engine import PipelineEngine, measured_bubble
-from pentatron.parallel.pipeline.schedules import make_schedule
-from pentatron.parallel.pipeline.stages import sync_tied_grads
 from pentatron.parallel.pipeline.trace import write_rank_trace
-from pentatron.parallel.tensor import vocab_parallel_cross_entropy
 from pentatron.plan.flops import model_flops_per_token
 from pentatron.precision import resolve_precision
 from pentatron.train.lr_schedule import lr_at
@@ -58,13 +55,13 @@ class Trainer:
         self.model_cfg = cfg.model_config()
         model = build_model(self.model_cfg, seed=tr.seed, device=self.device, dtype=self.policy.param_dtype)
         self.n_params = sum(p.numel() for p in model.parameters())
-        # Pipeline stages, TP, recompute, then data parallel / ZeRO: the engine owns gradient sync and
-        # the optimizer. With pp > 1 only this rank's stages remain (`self.model` is a LocalStages).
-        self.engine = parallelize(model, self.ctx, cfg, self.policy)
-        self.model = self.engine.model
+        # Pipeline stages, TP, recompute, then data parallel / ZeRO: the step runner owns a step's
+        # forward/backward, the loss, gradient sync and the optimizer. With pp > 1 only this rank's
+        # stages remain (`self.model` is a LocalStages).
+        self.runner = parallelize(model, self.ctx, cfg, self.policy)
+        self.engine = self.runner.engine
+        self.model = self.runner.model
         self.pp, self.pp_rank = self.ctx.size("pp"), self.ctx.local_rank("pp")
-        self.pipeline = self._pipeline_engine() if self.pp > 1 else None
-        self.last_pipeline = None
         self.params = self.engine.params
         self.names = self.engine.names
         self.optimizer = self.engine.optimizer
@@ -92,68 +89,15 @@ class Trainer:
         self.peak_flops, self.peak_source = peak_flops(self.device, self.policy.param_dtype, tr.peak_tflops)
 
     # ------------------------------------------------------------------ one optimizer step
-    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if self.ctx.size("tp") > 1:
-            # The model returns this rank's vocabulary slice of the logits; never gather them.
-            return vocab_parallel_cross_entropy(logits.float(), targets, self.comm)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-    def _pipeline_engine(self) -> PipelineEngine:
-        par, tr = self.cfg.parallel, self.cfg.train
-        v = par.pp_virtual if par.pp_schedule == "interleaved" else 1
-        m = tr.global_batch // (self.dp * tr.micro_batch)
-        schedule = make_schedule(par.pp_schedule, self.pp, m, v)
-        tp = self.ctx.size("tp")
-        shards = tp if par.sp else 1  # sequence parallelism: stages exchange [b, s/tp, h] slices
-        hidden = self.model_cfg.hidden_size
-        return PipelineEngine(self.model.stages, schedule, self.comm, self.pp_rank, self.loss_fn,
-                              act_shape=lambda x: torch.Size((x.shape[0], x.shape[1] // shards, hidden)))
-
-    def _forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Every micro-batch's forward and backward (gradients accumulate, each loss divided by their
-        number); returns this rank's mean loss over them."""
-        if self.pipeline is not None:
-            # Gradients are synchronised after the whole schedule (the backward order interleaves
-            # micro-batches), so no backward is "the last" one.
-            self.engine.micro_step(last=False)
-            result = self.pipeline.step([(x.to(self.device), y.to(self.device)) for x, y in micro_batches])
-            self.last_pipeline = result
-            # Only the last stage computes the loss: every pipeline rank logs the same number.
-            loss = result.loss.detach().float() if result.loss is not None else torch.zeros((), device=self.device)
-            self.comm.broadcast(loss, "pp", src=self.pp - 1)
-            # The tied embedding's gradient is summed over its two stages before any dp reduction
-            # (ZeRO shards the first and the last rank's gradients with different layouts).
-            sync_tied_grads(self.model.stages, self.comm, self.pp_rank, self.pp)
-            return loss
-        loss_sum = torch.zeros((), device=self.device)
-        for i, (inputs, targets) in enumerate(micro_batches):
-            # Only the last micro-step's backward synchronises gradients (DDP, ZeRO-1).
-            self.engine.micro_step(last=i == len(micro_batches) - 1)
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
-            loss = self.loss_fn(self.model(inputs), targets)
-            # Mean over the rank's micro-batches; the data-parallel reduction averages over ranks.
-            (loss / len(micro_batches)).backward()
-            loss_sum += loss.detach()
-        return loss_sum / len(micro_batches)
-
     def train_step(self) -> dict[str, Any]:
         self.comm.ledger.begin_step()
-        micro_batches = self.loader.next_step()
-        self.engine.zero_grad()
-        loss = self._forward_backward(micro_batches)
-        self.engine.finish_grad_sync()
-        norm = self.engine.clip_grads(self.cfg.train.clip)
+        loss = self.runner.forward_backward(self.loader.next_step())
+        norm = self.runner.clip_grads(self.cfg.train.clip)
         lr = lr_at(self.step, self.cfg.train)
-        self.engine.step(lr)
-        # The logged loss is the mean over dp ranks (each rank saw an equal share of the batch).
-        self.comm.all_reduce(loss, "dp")
-        loss = loss / self.dp
+        self.runner.step(lr)
         self.step += 1
-        extra: dict[str, Any] = {}
-        if self.last_pipeline is not None:
-            extra["bubble"] = measured_bubble(self.last_pipeline, self.comm)
-            extra["pp_peak_in_flight"] = self.last_pipeline.peak_in_flight
-            self._write_pp_trace()
+        extra = self.runner.step_stats()
+        self._write_pp_trace()
         self.last_comm = comm = self.comm.ledger.end_step()
         return {"step": self.step, "loss": float(loss), "grad_norm": float(norm), "lr": lr,
                 "comm_bytes": comm.bytes_map(), "comm_calls": comm.calls_map(), **extra}
@@ -162,12 +106,13 @@ class Trainer:
         """log.pp_trace: one Chrome trace file per pipeline rank (from dp/tp rank 0) for each logged step;
         `pentatron schedule` / `trace.read_chrome_trace` merge a step's files into one timeline."""
         cfg = self.cfg
-        if not cfg.log.pp_trace or self.last_pipeline is None or self.dp_rank != 0 or self.ctx.local_rank("tp"):
+        result = self.runner.last_pipeline
+        if not cfg.log.pp_trace or result is None or self.dp_rank != 0 or self.ctx.local_rank("tp"):
             return
         if self.step % cfg.log.every and self.step != cfg.train.steps:
             return
         path = Path(cfg.log.dir) / "pp_trace" / f"step{self.step:06d}.rank{self.pp_rank}.json"
-        write_rank_trace(path, self.last_pipeline.slots, self.pp_rank, self.pp, cfg.parallel.pp_schedule)
+        write_rank_trace(path, result.slots, self.pp_rank, self.pp, cfg.parallel.pp_schedule)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, Any]]:
@@ -235,35 +180,11 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         assert self.store is not None
         meta = {"step": self.step, "loader": self.loader.state_dict(), "model": self.model_cfg.to_dict(),
-                "layout": self.layout_meta()}
+                "layout": self.layout_meta(), "parallel_layout": dataclasses.asdict(self.runner.layout)}
         return self.store.save(self.step, self.state_dict(), meta)
 
     def layout_meta(self) -> dict[str, Any]:
-        """What the checkpoint's tensor keys and shapes depend on, identical on every rank (so each rank
-        reaches the same resume decision): the degrees, the ZeRO stage, and the bucketing (the padded
-        bucket sizes themselves when pp = 1; with pp > 1 they differ per stage, so bucket_mb), plus the
-        pipeline schedule that decides which layers a rank holds."""
-        par = self.cfg.parallel
-        meta = self.engine.layout_meta()
-        meta.update(tp=self.ctx.size("tp"), pp=self.pp)
-        if self.pp > 1:
-            meta.pop("buckets", None)
-            meta.update(bucket_mb=par.bucket_mb, pp_schedule=par.pp_schedule,
-                        pp_virtual=par.pp_virtual if par.pp_schedule == "interleaved" else 1)
-        return meta
-
-    @staticmethod
-    def layout_differences(saved: dict[str, Any], mine: dict[str, Any]) -> list[str]:
-        """The layout fields in which a checkpoint and this run differ (empty: it can be resumed).
-        Checkpoints written before tp/pp were recorded were tp = pp = 1. Replicated state (ZeRO-0) is
-        keyed independently of dp and bucketing, so those may change."""
-        saved = {"tp": 1, "pp": 1, **saved}
-        keys = sorted(set(saved) | set(mine))
-        diff = [k for k in keys if saved.get(k) != mine.get(k)
-                and (k in saved and k in mine or k in ("tp", "pp", "pp_schedule", "pp_virtual"))]
-        if saved.get("zero") == 0 and mine.get("zero") == 0:
-            diff = [k for k in diff if k not in ("dp", "buckets", "bucket_mb")]
-        return diff
+        return layout_record(self.runner.layout, self.engine.layout_meta(), self.cfg.parallel.bucket_mb)
 
     def _resume(self) -> None:
         assert self.store is not None
@@ -271,15 +192,7 @@ class Trainer:
         if latest is None:
             return
         saved = json.loads((latest / "meta.json").read_text()).get("layout", {"zero": 0})
-        mine = self.layout_meta()
-        diff = self.layout_differences(saved, mine)
-        if diff:
-            # Shards are keyed by tp coordinates and ranges of the flat layout; re-sharding is not
-            # implemented yet. Every rank sees the same two layouts, so every rank raises.
-            raise RuntimeError(f"checkpoint {latest} was written with layout {saved}, this run has layout {mine} "
-                               f"(they differ in {', '.join(diff)}); resuming into another layout is not "
-                               "supported yet: resume with the same parallel.dp, tp, pp, zero, bucket_mb, "
-                               "pp_schedule and pp_virtual")
+        check_resumable(latest, saved, self.layout_meta())
         state = self.state_dict()
         meta = self.store.load(latest, state)
         self.engine.after_load()

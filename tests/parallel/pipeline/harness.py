@@ -24,8 +24,8 @@ from pentatron.models.config import ModelConfig
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
 from pentatron.parallel.pipeline.engine import PipelineEngine, measured_bubble
-from pentatron.parallel.pipeline.schedules import make_schedule
 from pentatron.parallel.pipeline.stages import build_stages, stage_layers, sync_tied_grads
+from pentatron.schedules import make_schedule
 
 SEQ, MICRO, M, STEPS, LR, SEED = 32, 1, 8, 10, 1e-3, 0
 

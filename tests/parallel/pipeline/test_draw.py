@@ -9,8 +9,8 @@ import pytest
 
 from pentatron.parallel.pipeline.cli import add_schedule_parser
 from pentatron.parallel.pipeline.draw import colour, draw_timeline
-from pentatron.parallel.pipeline.schedules import Action, Kind, Slot, make_schedule, simulate
 from pentatron.parallel.pipeline.trace import recorded_timeline, write_chrome_trace
+from pentatron.schedules import Action, Kind, Slot, make_schedule, simulate
 
 
 def _parse(*argv: str) -> argparse.Namespace:

@@ -17,7 +17,9 @@ from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
 from pentatron.parallel.pipeline import engine as engine_mod
 from pentatron.parallel.pipeline.engine import PipelineEngine, outgoing
-from pentatron.parallel.pipeline.schedules import (
+from pentatron.parallel.pipeline.stages import build_stages, partition
+from pentatron.parallel.pipeline.trace import read_chrome_trace, recorded_timeline, write_chrome_trace, write_rank_trace
+from pentatron.schedules import (
     Action,
     Kind,
     Schedule,
@@ -29,8 +31,6 @@ from pentatron.parallel.pipeline.schedules import (
     peak_in_flight,
     zero_bubble_h1,
 )
-from pentatron.parallel.pipeline.stages import build_stages, partition
-from pentatron.parallel.pipeline.trace import read_chrome_trace, recorded_timeline, write_chrome_trace, write_rank_trace
 from tests.parallel.pipeline.harness import loss_fn
 
 F, B, W, BW = Kind.F, Kind.B, Kind.W, Kind.BW

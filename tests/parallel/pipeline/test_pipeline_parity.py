@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pentatron.parallel.pipeline.schedules import make_schedule, peak_in_flight
+from pentatron.schedules import make_schedule, peak_in_flight
 from tests.multiprocess import run_ranks
 from tests.parallel.pipeline.harness import Case, assert_close, pipeline_worker, reference_name, reference_run
 

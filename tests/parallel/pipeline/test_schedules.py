@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pentatron.parallel.pipeline.schedules import (
+from pentatron.schedules import (
     BW,
     Action,
     B,

@@ -1,11 +1,10 @@
 """Zero-bubble's split backward: B (input grads) then W (weight grads) gives exactly the unsplit gradients,
-and W computes only weight gradients (B + W = unsplit backward in FLOPs, and about the same time)."""
+and W computes only weight gradients (B + W = unsplit backward in FLOPs; wall time is measured in
+BENCHMARKS.md, never asserted)."""
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 
 import pytest
 import torch
@@ -71,42 +70,6 @@ def test_split_equals_unsplit_and_costs_the_same_flops(which):
         assert fb == 0  # token ids have no gradient: the whole backward is weight gradients
     else:
         assert 0 < fw < unsplit and 0 < fb < unsplit
-
-
-def test_split_backward_time_close_to_unsplit():
-    """On a layer big enough that kernel time dominates Python overhead, B + W ≈ unsplit backward.
-    Interleaved medians of 5 runs, one thread; BENCHMARKS.md reports the figure on a quiet machine.
-    The bound is loose on purpose (a shared 2-core CI box is noisy); FLOP equality is tested exactly."""
-    torch.manual_seed(0)
-    cfg = dataclasses.replace(get_model_config("debug"), hidden_size=384, n_heads=6, n_kv_heads=3,
-                              ffn_hidden_size=1024, n_layers=2)
-    stage = PipelineStage(build_model(cfg, seed=0), 1, 3, range(0, 2))
-    x, g = torch.randn(1, 192, 384), torch.randn(1, 192, 384)
-    unsplit, split = [], []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ratio = _time(stage, x, g, unsplit, split)
-    finally:
-        torch.set_num_threads(threads)
-    assert ratio < 1.3, f"B + W took {ratio:.2f}x the unsplit backward"
-
-
-def _time(stage: PipelineStage, x: torch.Tensor, g: torch.Tensor, unsplit: list[float], split: list[float]) -> float:
-    for _ in range(5):
-        inp = x.clone().requires_grad_()
-        out = stage(inp)
-        t = time.perf_counter()
-        out.backward(g)
-        unsplit.append(time.perf_counter() - t)
-        inp = x.clone().requires_grad_()
-        out = stage(inp)
-        t = time.perf_counter()
-        sb = SplitBackward([out], [g], [inp])
-        sb.backward_input()
-        sb.backward_weight()
-        split.append(time.perf_counter() - t)
-    return statistics.median(split) / statistics.median(unsplit)
 
 
 class _SharedAlongPath(nn.Module):

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any
 
-from pentatron.parallel.pipeline.schedules import SCHEDULES, ScheduleError, make_schedule, simulate
+from pentatron.schedules import SCHEDULES, ScheduleError, make_schedule, simulate
 
 
 def add_schedule_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 from matplotlib.patches import Patch  # noqa: E402
 
-from pentatron.parallel.pipeline.schedules import Kind, Timeline  # noqa: E402
+from pentatron.schedules import Kind, Timeline  # noqa: E402
 
 # Per kind, one colour per chunk (a deeper shade for later chunks).
 _COLOURS: dict[Kind, tuple[str, ...]] = {

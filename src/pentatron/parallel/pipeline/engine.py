@@ -23,15 +23,24 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from pentatron.distributed.comm import P2P, Comm, Work
-from pentatron.parallel.pipeline.schedules import Action, Kind, Schedule, Slot, validate
 from pentatron.parallel.pipeline.split_backward import SplitBackward
 from pentatron.parallel.pipeline.stages import PipelineStage
+from pentatron.schedules import Action, Kind, Schedule, Slot, validate
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class BackwardListener(Protocol):
+    """Told about every backward action (the data-parallel engine: when a chunk's gradients are final)."""
+
+    def before_backward(self, chunk: int, last: bool, weights_only: bool = False) -> None: ...
+
+    def after_backward(self, chunk: int) -> None: ...
 # A message between stages: ("act", receiving stage, micro-batch) or ("grad", receiving stage, micro-batch).
 MsgKey = tuple[str, int, int]
 
@@ -74,12 +83,14 @@ class PipelineEngine:
 
     `act_shape(micro_batch_inputs)` gives the activation shape crossing stage boundaries (default
     [b, s, hidden]); `act_dtype` its dtype (default: the stages' parameter dtype). `dim` is the mesh
-    dimension whose group ranks are the pipeline ranks.
+    dimension whose group ranks are the pipeline ranks. `listener` is told before and after every
+    backward action which chunk it is for and whether it is that chunk's last one producing weight
+    gradients in this step (so that gradient reduction can start while other chunks still compute).
     """
 
     def __init__(self, stages: Sequence[PipelineStage], schedule: Schedule, comm: Comm, rank: int,
                  loss_fn: LossFn, *, dim: str = "pp", act_shape: Callable[[torch.Tensor], torch.Size] | None = None,
-                 act_dtype: torch.dtype | None = None) -> None:
+                 act_dtype: torch.dtype | None = None, listener: BackwardListener | None = None) -> None:
         validate(schedule)
         if len(stages) != schedule.v:
             raise ValueError(f"rank {rank} holds {len(stages)} stage(s) but the schedule has v={schedule.v} per rank")
@@ -92,20 +103,30 @@ class PipelineEngine:
         hidden = stages[0].cfg.hidden_size
         self.act_shape = act_shape or (lambda x: torch.Size((*x.shape[:2], hidden)))
         self.act_dtype = act_dtype or next(stages[0].parameters()).dtype
+        self.listener = listener
+        # Per chunk, the index of its last action producing weight gradients (BW, or W when split).
+        self._last_weight_action: dict[int, int] = {}
+        for i, a in enumerate(schedule.actions[rank]):
+            if a.kind in (Kind.BW, Kind.W):
+                self._last_weight_action[a.chunk] = i
         # What each neighbour will send us, in its order: the receive plan (the schedule is data).
         self._expected = {src: msgs for src in range(schedule.p) if src != rank
                           for dst, msgs in outgoing(schedule, src).items() if dst == rank}
 
     # ------------------------------------------------------------------ one step
-    def step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> PipelineStepResult:
+    def step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+             positions: torch.Tensor | None = None) -> PipelineStepResult:
         """Forward and backward every micro-batch as the schedule orders; gradients accumulate in the
         stages' parameters (each micro-batch's loss divided by m, as the non-pipelined path does).
-        The caller zeroes gradients before and runs the optimizer after."""
+        `positions`: the sequence's token positions (default 0..s-1 of the token ids). The caller zeroes
+        gradients before and runs the optimizer after."""
         s = self.schedule
         if len(micro_batches) != s.m:
             raise ValueError(f"the schedule is for {s.m} micro-batches per step, got {len(micro_batches)}")
         self._mbs = micro_batches
-        self._device = next(self.stages[0].parameters()).device
+        self._device = self.stages[0].rotary.cos.device
+        seq = micro_batches[0][0].shape[1]
+        self._positions = positions if positions is not None else torch.arange(seq, device=self._device)
         self._shape = self.act_shape(micro_batches[0][0])
         self._buffers: dict[MsgKey, torch.Tensor] = {}
         self._recv_work: dict[MsgKey, Work] = {}
@@ -117,18 +138,25 @@ class PipelineEngine:
         slots: list[Slot] = []
         in_flight = peak = 0
         try:
-            for a in s.actions[self.rank]:
+            for i, a in enumerate(s.actions[self.rank]):
                 # Each kind runs in its own method so that no tensor outlives it in a local variable.
                 if a.kind == Kind.F:
                     t0 = self._forward(a)
                     in_flight += 1
                     peak = max(peak, in_flight)
-                elif a.kind in (Kind.BW, Kind.B):
+                    slots.append(Slot(self.rank, a, t0, time.perf_counter()))
+                    continue
+                if self.listener is not None:
+                    self.listener.before_backward(a.chunk, i == self._last_weight_action.get(a.chunk),
+                                                  weights_only=a.kind == Kind.W)
+                if a.kind in (Kind.BW, Kind.B):
                     t0 = self._backward(a)
                     in_flight -= a.kind == Kind.BW
                 else:
                     t0 = self._weight(a)
                     in_flight -= 1
+                if self.listener is not None:
+                    self.listener.after_backward(a.chunk)
                 slots.append(Slot(self.rank, a, t0, time.perf_counter()))
             for w, _ in self._grad_sends:
                 w.wait()
@@ -136,7 +164,7 @@ class PipelineEngine:
             losses = self._losses
         finally:
             self._grad_sends, self._saved, self._buffers, self._mbs = [], {}, {}, []
-            self._losses, self._local, self._recv_work = [], {}, {}
+            self._losses, self._local, self._recv_work, self._positions = [], {}, {}, None
         loss = torch.stack(losses).mean() if losses else None
         return PipelineStepResult(loss, slots, peak, losses)
 
@@ -147,7 +175,7 @@ class PipelineEngine:
         else:
             x = self._receive(("act", st, a.microbatch)).requires_grad_()
         t0 = time.perf_counter()
-        out = stage(x)
+        out = stage(x, self._positions)
         sent = None
         if stage.is_last:
             loss = self.loss_fn(out, self._mbs[a.microbatch][1].to(self._device))

@@ -26,7 +26,7 @@ from torch import nn
 from pentatron.distributed.comm import P2P, Comm
 from pentatron.layout import partition_problems
 from pentatron.models.config import ModelConfig
-from pentatron.models.llama import Llama
+from pentatron.models.llama import Llama, decoder_forward
 
 
 class PartitionError(ValueError):
@@ -140,26 +140,15 @@ class PipelineStage(nn.Module):
         if self.is_last:
             self.norm = model.norm
             self.lm_head = model.lm_head
-        # Ranks sharing the sequence of a received hidden state (sequence parallelism shards it over
-        # tp): the rotary positions must cover the whole sequence, not the local slice.
-        self.sequence_shards = 1
 
     @property
     def layer_ids(self) -> list[int]:
         return [int(k) for k in self.layers]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        seq = x.shape[1] if self.is_first else x.shape[1] * self.sequence_shards
-        if positions is None:
-            positions = torch.arange(seq, device=x.device)
-        cos, sin = self.rotary(positions)
-        if self.is_first:
-            x = self.embed(x)
-        for layer in self.layers.values():
-            x = layer(x, cos, sin)
-        if self.is_last:
-            x = self.lm_head(self.norm(x))
-        return x
+        """`positions`: of the whole sequence (a received hidden state may be a sequence-parallel slice)."""
+        return decoder_forward(x, positions, self.rotary, self.layers.values(), getattr(self, "embed", None),
+                               getattr(self, "norm", None), getattr(self, "lm_head", None))
 
 
 def build_stages(model: Llama, pp: int, pp_rank: int, ranges: Sequence[range]) -> list[PipelineStage]:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pentatron.parallel.pipeline.schedules import Action, Kind, Slot, Timeline
+from pentatron.schedules import Action, Kind, Slot, Timeline
 
 
 def recorded_timeline(slots_by_rank: Sequence[Sequence[Slot]], name: str = "recorded", *,

@@ -1,0 +1,127 @@
+"""The step runner: one optimizer step's forward and backward, whatever the layout.
+
+`parallelize` returns it. It owns the plain micro-batch loop or the pipeline engine (built from the
+layout's schedule), the (vocabulary-parallel) loss, the loss's broadcast from the last pipeline stage
+and its average over data-parallel ranks, the gradient synchronisation (including the tied-embedding
+exchange between the first and last stage), clipping and the optimizer step — so the trainer has no
+branch on any parallel dimension:
+
+    loss = runner.forward_backward(micro_batches)   # gradients reduced; loss averaged over the replicas
+    norm = runner.clip_grads(max_norm)
+    runner.step(lr)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from pentatron.distributed.context import ParallelContext
+from pentatron.layout import ParallelLayout
+from pentatron.parallel.data import DataParallelBase
+from pentatron.parallel.pipeline.engine import PipelineEngine, PipelineStepResult, measured_bubble
+from pentatron.parallel.pipeline.stages import PipelineStage
+from pentatron.parallel.placement import Placement
+from pentatron.parallel.tensor import gather_full_tensor
+from pentatron.schedules import make_schedule
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class StepRunner:
+    def __init__(self, model: nn.Module, engine: DataParallelBase, ctx: ParallelContext, layout: ParallelLayout,
+                 loss_fn: LossFn, stages: Sequence[PipelineStage] | None, hidden: int) -> None:
+        self.model, self.engine, self.ctx, self.layout, self.loss_fn = model, engine, ctx, layout, loss_fn
+        self.comm, self.device = ctx.comm, ctx.device
+        self.stages = list(stages) if stages else None
+        self.pipeline: PipelineEngine | None = None
+        self.last_pipeline: PipelineStepResult | None = None
+        if self.stages:
+            schedule = make_schedule(layout.pp_schedule, layout.pp, layout.microbatches, layout.virtual)
+            shards = layout.tp if layout.sp else 1  # sequence parallelism: stages exchange [b, s/tp, h]
+            self.pipeline = PipelineEngine(
+                self.stages, schedule, self.comm, ctx.local_rank("pp"), loss_fn, listener=engine,
+                act_shape=lambda x: torch.Size((x.shape[0], x.shape[1] // shards, hidden)))
+
+    @property
+    def placements(self) -> dict[str, Placement]:
+        return self.engine.placements
+
+    # ------------------------------------------------------------------ one step
+    def forward_backward(self, micro_batches: Sequence[Batch]) -> torch.Tensor:
+        """Every micro-batch's forward and backward (each loss divided by their number), gradients
+        reduced over their data-parallel groups and tied copies summed; returns the step's mean loss over
+        all micro-batches of all data-parallel replicas (the same number on every rank)."""
+        self.engine.zero_grad()
+        batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
+        if self.pipeline is not None:
+            result = self.pipeline.step(batches)
+            self.last_pipeline = result
+            # Only the last stage computes the loss: every pipeline rank logs the same number.
+            loss = result.loss.detach().float() if result.loss is not None else torch.zeros((), device=self.device)
+            self.comm.broadcast(loss, "pp", src=self.layout.pp - 1)
+        else:
+            loss = torch.zeros((), device=self.device)
+            for i, (inputs, targets) in enumerate(batches):
+                # Only the last micro-step's backward synchronises gradients (DDP, ZeRO-1).
+                self.engine.before_backward(0, last=i == len(batches) - 1)
+                step_loss = self.loss_fn(self.model(inputs), targets)
+                (step_loss / len(batches)).backward()
+                self.engine.after_backward(0)
+                loss += step_loss.detach()
+            loss = loss / len(batches)
+        self.engine.finish_grad_sync()
+        self.engine.sync_tied_grads()
+        # Each data-parallel replica saw an equal share of the batch: their mean is the step's loss.
+        self.comm.all_reduce(loss, "dp")
+        return loss / self.layout.dp
+
+    def clip_grads(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global norm of the full gradient; returns the norm before clipping."""
+        return self.engine.clip_grads(max_norm)
+
+    def step(self, lr: float) -> None:
+        self.engine.step(lr)
+
+    def step_stats(self) -> dict[str, Any]:
+        """Per-step figures of the pipeline (a collective over pp): measured bubble, peak in flight."""
+        if self.last_pipeline is None:
+            return {}
+        return {"bubble": measured_bubble(self.last_pipeline, self.comm),
+                "pp_peak_in_flight": self.last_pipeline.peak_in_flight}
+
+    # ------------------------------------------------------------------ whole tensors (tests, exports)
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """This pipeline rank's parameters at their full shape, by name (collective over dp and tp)."""
+        local = self.engine.full_parameters()
+        return {n: gather_full_tensor(t, self.placements[n].tp, self.comm) for n, t in local.items()}
+
+    @torch.no_grad()
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """This pipeline rank's reduced gradients at full shape, by name, assembled from the owned
+        pieces each placement records (collective over dp and tp): call after `forward_backward`."""
+        engine = self.engine
+        flat = {p: torch.zeros(p_numel, dtype=torch.float32, device=self.device)
+                for p, p_numel in ((p, engine.place[p].numel) for p in engine.params)}
+        pieces: dict[nn.Parameter, list[torch.Tensor]] = {}
+        for p, g in engine.owned_param_grads():
+            pieces.setdefault(p, []).append(g)
+        for p, grads in pieces.items():
+            pl = engine.place[p]
+            if pl.zero is None:  # replicated over dp: every rank holds the whole reduced gradient
+                flat[p].copy_(grads[0].reshape(-1))
+            else:
+                for piece, g in zip(pl.zero, grads, strict=True):
+                    flat[p][piece.lo: piece.hi].copy_(g.reshape(-1))
+        out = {}
+        for p, f in flat.items():
+            pl = engine.place[p]
+            if pl.zero is not None:
+                self.comm.all_reduce(f, "dp")  # pieces are disjoint: the sum assembles the tensor
+            out[pl.name] = gather_full_tensor(f.view(pl.local_shape), pl.tp, self.comm)
+        return out
