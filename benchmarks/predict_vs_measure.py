@@ -8,7 +8,8 @@ Without `--profile` it first runs `pentatron bench --nproc 2` into a temporary p
 time is the median over the steps after `--warmup` (rank 0's wall time per step, as the trainer logs
 it); model state is the trainer's per-rank accounting (parameters, gradients, optimizer state, master
 weights); peak RSS is printed for context (it includes the Python process and torch, which the planner
-does not model). Training runs in fp32 on CPU (train.precision auto), as predicted.
+does not model). Training runs in fp32 on CPU (train.precision auto), as predicted, one thread per rank
+(the bench profile should be measured the same way: OMP_NUM_THREADS=1).
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ def _train(overrides: list[str], nproc: int, steps: int, warmup: int, logdir: Pa
            "--set", "log.tensorboard=false"]
     for o in overrides:
         cmd += ["--set", o]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ}, timeout=900)
+    # one intra-op thread per rank, as torchrun sets it for --nproc > 1: on a shared 2-core machine a
+    # 1-process run with 2 threads is oversubscribed (6x slower at load ~12, measured)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     if done.returncode:
         raise RuntimeError(f"training failed ({' '.join(overrides) or '1 process'}):\n{done.stderr[-2000:]}")
     recs = [json.loads(x) for x in (logdir / "metrics.jsonl").read_text().splitlines()]
@@ -73,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         if profile is None:
             profile = str(Path(tmp) / "cpu.toml")
             subprocess.run([sys.executable, "-m", "pentatron.cli", "bench", "--nproc", "2", "--device", "cpu",
-                            "--out", profile], check=True, cwd=ROOT, capture_output=True, timeout=900)
+                            "--out", profile], check=True, cwd=ROOT, capture_output=True, timeout=900,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
         gpu = load_hardware_toml(profile)
         w = Workload(get_model_config("debug"), SEQ, GLOBAL)
         print(f"profile: {gpu.name} ({gpu.source}); fp32 matmul {gpu.flops('fp32') / 1e9:.1f} GFLOP/s, "
