@@ -105,22 +105,3 @@ def test_step_time_and_mfu():
     st2 = step_time(w, lay.with_(recompute="full"), H100)
     r2 = throughput(w, lay.with_(recompute="full"), H100, st2)
     assert st2.step > st.step and r2.hfu > r2.mfu
-
-
-@pytest.mark.parametrize(("kw", "match"), [
-    ({"tp": 16, "dp": 16}, "exceeds the 8 GPUs of a node"),
-    ({"tp": 3}, "does not divide the 64 attention heads"),
-    ({"sp": True}, "needs tp > 1"),
-    ({"pp": 8, "dp": 32, "micro_batch": 16}, "micro-batches < pp"),
-    ({"pp": 8, "dp": 32, "pp_schedule": "interleaved", "pp_virtual": 3}, r"do not divide into pp\*v=24"),
-    ({"dp": 3}, "does not equal --gpus"),
-    ({"ep": 2, "dp": 256}, "mixture-of-experts"),
-    ({"zero": 3, "pp": 2, "dp": 128}, "zero=3 with pp>1"),
-    ({"cp": 3, "dp": 1}, "load-balanced ring|does not equal"),
-])
-def test_layout_problems(kw, match):
-    w = Workload(get_model_config("llama3-70b"), 4096, 1024)
-    base = {"dp": 256}
-    base.update(kw)
-    msgs = problems(w, Layout(**base), H100, 256)
-    assert any(__import__("re").search(match, m) for m in msgs), msgs

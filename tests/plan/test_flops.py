@@ -50,7 +50,9 @@ def test_recompute_overheads():
     assert recompute_flops_per_token(cfg, s, "selective") == pytest.approx(fb.attention)
     assert recompute_flops_per_token(cfg, s, "selective", attention="math") == pytest.approx(fb.attention / 2)
     down = 2 * cfg.hidden_size * cfg.ffn_hidden_size * cfg.n_layers
-    assert recompute_flops_per_token(cfg, s, "full") == pytest.approx(fb.layers_matmul + fb.attention - down)
+    early = recompute_flops_per_token(cfg, s, "full", early_stop=True)
+    assert early == pytest.approx(fb.layers_matmul + fb.attention - down)
+    assert recompute_flops_per_token(cfg, s, "full") == pytest.approx(fb.layers_matmul + fb.attention)
     m = model_flops_per_token(cfg, s)
     assert m < hardware_flops_per_token(cfg, s, "selective") < hardware_flops_per_token(cfg, s, "full")
     with pytest.raises(ValueError, match="recompute must be one of"):

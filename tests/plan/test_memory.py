@@ -67,8 +67,11 @@ def test_llama_activation_terms_shard_with_tp_and_sp():
     full = llama_layer_activation_bytes(cfg, s, s).saved - rope
     sp8 = llama_layer_activation_bytes(cfg, s, s, tp=8, sp=True).saved - rope
     tp8 = llama_layer_activation_bytes(cfg, s, s, tp=8).saved - rope
-    assert sp8 == pytest.approx(full / 8)  # with SP every per-token term is sharded (8 KV heads / 8)
-    assert sp8 < tp8 < full  # without SP the norms and matmul inputs stay replicated
+    # with SP every per-token term is sharded (8 KV heads / 8) except the two block inputs, which our
+    # column-parallel layers keep all-gathered (the runtime's formula, parallel/activation_memory.py)
+    inputs = 2 * 2 * cfg.hidden_size * s
+    assert sp8 == pytest.approx((full - inputs) / 8 + inputs)
+    assert sp8 < tp8 < full  # without SP the norms stay replicated too
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
     assert full == pytest.approx(s * (20 * h + 4 * cfg.kv_dim + 8 + 4 * cfg.n_heads + 8 * f))
     sel = llama_layer_activation_bytes(cfg, s, s, recompute="selective").saved - rope

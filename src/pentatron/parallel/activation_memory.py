@@ -26,10 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import TracebackType
-
-import torch
+from typing import TYPE_CHECKING
 
 from pentatron.models.config import ModelConfig
+
+if TYPE_CHECKING:  # the formula is pure arithmetic: the planner imports it without torch
+    import torch
 
 
 def layer_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int = 1, sp: bool = False,
@@ -60,6 +62,8 @@ class SavedTensorMeter:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        import torch
+
         self._skip = {t.untyped_storage().data_ptr() for t in exclude}
         self._sizes: dict[int, int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)

@@ -76,7 +76,10 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     w.add_argument("--hardware", help="user-defined hardware TOML (overrides --gpu)")
     w.add_argument("--hardware-profile", help="profile written by `pentatron bench` (overrides --gpu)")
     w.add_argument("--gpus-per-node", type=int, help="override the node size")
-    w.add_argument("--precision", choices=("bf16", "fp32", "fp8"), default="bf16")
+    w.add_argument("--precision", choices=("bf16", "fp32", "fp8", "fp16"), default="bf16",
+                   help="fp8 and fp16 are evaluated, not trained by `pentatron train` (bf16/fp32)")
+    w.add_argument("--attention", choices=("flash2", "flash3", "cudnn", "math"), default="flash2",
+                   help="attention kernel (default flash2: what torch SDPA runs); see docs/planner.md")
     w.add_argument("--kernels", choices=("fused", "eager"), default="fused",
                    help="elementwise ops fused (torch.compile/Megatron kernels) or one PyTorch op each")
     k = p.add_argument_group("layout (any of these evaluates that layout; the rest are searched)")
@@ -97,6 +100,11 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="also build the real model on the meta device and check parameters, FLOPs and "
                         "activation bytes against the formulas (fails beyond 2%%)")
     o.add_argument("--list-gpus", action="store_true", help="list catalogue GPUs and exit")
+    o.add_argument("--batch", metavar="FILE",
+                   help="evaluate every [[layout]] of this TOML file (fields as the layout flags) in one process")
+    o.add_argument("--emit-config", metavar="FILE",
+                   help="write the `pentatron train` config of the best (or given) layout to FILE, checked "
+                        "by the trainer's own validation")
     p.set_defaults(func=run_plan)
 
 
@@ -268,6 +276,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     train_tokens = parse_count(args.train_tokens, "--train-tokens", binary=False) if args.train_tokens else None
     fixed = {k: getattr(args, k) for k in KNOB_FLAGS if getattr(args, k) is not None}
     fixed["precision"] = args.precision
+    fixed["attention"] = args.attention
     verify_rows = None
     rc = 0
     if args.verify:
@@ -285,6 +294,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps({"schema": report.SCHEMA, "verify": verify_rows}, indent=2))
             return rc
+    if args.batch:
+        return max(rc, _batch(args, w, gpu))
     if args.gpus is None:
         raise InputError("--gpus is required (the number of GPUs to plan for)")
     if args.gpus < 1:
@@ -341,6 +352,7 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
         return 1
     if args.chart:
         report.memory_chart(preds, gpu, args.chart, title=f"{w.cfg.name} on {args.gpus} x {gpu.name}")
+    emitted = _emit(args, w, gpu, preds[0]) if args.emit_config else None
     if args.json:
         print(json.dumps(report.plan_json(w, gpu, args.gpus, preds, result=res, verify=verify_rows,
                                           train_tokens=train_tokens, price=args.price), indent=2))
@@ -358,7 +370,49 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
     print(report.detail(w, preds[0], gpu, train_tokens=train_tokens, price=args.price))
     if args.chart:
         print(f"memory chart: {args.chart}")
+    if emitted:
+        print(f"training config written to {emitted} (run: pentatron train {emitted} --nproc "
+              f"{preds[0].layout.world})")
     return 0
+
+
+def _batch(args: argparse.Namespace, w: Any, gpu: Any) -> int:
+    from pentatron.plan import report
+    from pentatron.plan.batch import BatchError, evaluate_batch, load_layouts
+
+    try:
+        layouts = load_layouts(args.batch, defaults={"precision": args.precision, "attention": args.attention})
+    except BatchError as e:
+        raise InputError(str(e)) from None
+    rows = evaluate_batch(w, gpu, layouts, args.gpus, kernels=args.kernels)
+    if args.json:
+        print(json.dumps({"schema": report.SCHEMA, "batch": [
+            {"layout": r.layout.to_dict(), "problems": list(r.problems),
+             "prediction": report.prediction_json(w, r.prediction, i) if r.prediction else None}
+            for i, r in enumerate(rows, 1)]}, indent=2))
+        return 0
+    print(report.header(w, gpu, args.gpus))
+    ok = [r.prediction for r in rows if r.prediction is not None]
+    if ok:
+        print(report.ranked_table(w, ok))
+    for i, r in enumerate(rows, 1):
+        if r.problems:
+            print(f"layout {i} ({r.layout.short()}): cannot run: {'; '.join(r.problems)}")
+        elif r.prediction is not None and r.prediction.notes:
+            print(f"layout {i} ({r.layout.short()}): note: {'; '.join(r.prediction.notes)}")
+    return 0
+
+
+def _emit(args: argparse.Namespace, w: Any, gpu: Any, pred: Any) -> str:
+    from pentatron.plan.emit import EmitError, write_training_config
+
+    header = (f"written by `pentatron plan` for {w.cfg.name} on {pred.layout.world} x {gpu.name}: "
+              f"{pred.layout.short()}\npredicted {pred.rate.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+              f"{pred.memory.total / 2**30:.1f} GiB per GPU")
+    try:
+        return str(write_training_config(args.emit_config, w, pred.layout, header))
+    except (EmitError, OSError) as e:
+        raise InputError(f"--emit-config: {e}") from None
 
 
 def _requested_layout(fixed: dict[str, Any], gpus: int, w: Any) -> Any:
@@ -371,7 +425,7 @@ def _requested_layout(fixed: dict[str, Any], gpus: int, w: Any) -> Any:
                   sp=fixed.get("sp", tp > 1), pp_schedule=sched,
                   pp_virtual=fixed.get("pp_virtual", 2 if sched == "interleaved" else 1),
                   micro_batch=fixed.get("micro_batch", 1), recompute=fixed.get("recompute", "none"),
-                  precision=fixed.get("precision", "bf16"))
+                  precision=fixed.get("precision", "bf16"), attention=fixed.get("attention", "flash2"))
 
 
 # ---------------------------------------------------------------- bench

@@ -15,7 +15,6 @@ import bisect
 import math
 from dataclasses import dataclass
 
-from pentatron.distributed.comm import ring_bytes
 from pentatron.plan.flops import MoESpec
 from pentatron.plan.hardware import GPUSpec
 from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, nodes_spanned
@@ -49,6 +48,18 @@ def group_of(lay: Layout, dim: str, gpu: GPUSpec) -> Group:
     return Group(dim, size, per_node, nodes)
 
 
+def ring_bytes(op: str, payload_bytes: int, n: int) -> int:
+    """The trainer ledger's convention (`distributed.comm.ring_bytes`, kept equal by a test), here
+    without importing the communication layer (and torch) into the planner."""
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * payload_bytes // n
+    if op in ("reduce_scatter", "all_gather", "broadcast"):
+        return (n - 1) * payload_bytes // n
+    return payload_bytes if op in ("send", "recv") else 0
+
+
 def wire_bytes(op: str, payload: float, n: int) -> float:
     if op == "all_to_all":
         return payload * (n - 1) / n if n > 1 else 0.0
@@ -72,8 +83,9 @@ def bus_bandwidth(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
     key = "all_reduce" if op == "all_to_all" else op
     if not g.crosses_nodes and key in gpu.measured_busbw:
         return _interp_busbw(gpu.measured_busbw[key], payload)
-    if g.crosses_nodes:
-        link = min(gpu.intra_node_bandwidth, g.per_node * gpu.inter_node_bandwidth)
+    if g.crosses_nodes:  # the group's ranks on a node share that node's NICs
+        nic = gpu.inter_node_bandwidth * gpu.gpus_per_node / gpu.nics
+        link = min(gpu.intra_node_bandwidth, min(g.per_node, gpu.nics) * nic)
     else:
         link = gpu.intra_node_bandwidth
     return link * gpu.collective_efficiency
@@ -87,7 +99,19 @@ def collective_time(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
     steps = 2 * (n - 1) if op == "all_reduce" else n - 1
     measured = not g.crosses_nodes and ("all_reduce" if op == "all_to_all" else op) in gpu.measured_busbw
     alpha = 0.0 if measured else (gpu.inter_node_latency if g.crosses_nodes else gpu.intra_node_latency)
-    return steps * alpha + wire_bytes(op, payload, n) / bus_bandwidth(gpu, op, payload, g)
+    beta = wire_bytes(op, payload, n) / bus_bandwidth(gpu, op, payload, g)
+    ring = steps * alpha + beta
+    if op == "all_reduce" and g.crosses_nodes and not measured:
+        return min(ring, tree_latency(gpu, g) + beta)
+    return ring
+
+
+def tree_latency(gpu: GPUSpec, g: Group) -> float:
+    """NCCL's tree all-reduce (chosen for small messages across nodes): a chain inside each node and a
+    binary tree across nodes, up (reduce) then down (broadcast): 2 (per_node - 1) intra-node hops and
+    2 ceil(log2 nodes) inter-node hops; at large sizes it moves the same bytes per link as the ring."""
+    return (2 * (g.per_node - 1) * gpu.intra_node_latency
+            + 2 * math.ceil(math.log2(g.nodes)) * gpu.inter_node_latency)
 
 
 def p2p_time(gpu: GPUSpec, nbytes: float, inter_node: bool) -> float:
@@ -210,21 +234,23 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
         g = group_of(lay, "pp", gpu)
         sends = m * lay.pp_virtual * 2 - (m if first else 0) - (m if last else 0)
         out.append(Collective("pp", "send", msg, sends, p2p_time(gpu, msg, g.crosses_nodes), "stage boundary", msg))
-    out += dp_collectives(lay, gpu, dense_params, "dp_cp", m, a)
+    out += dp_collectives(lay, gpu, dense_params, "dp_cp", m, a, layers_on_rank)
     if expert_params:
-        out += dp_collectives(lay, gpu, expert_params, "edp", m, a)
+        out += dp_collectives(lay, gpu, expert_params, "edp", m, a, max(1, moe_layers_on_rank))
     return out
 
 
-def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a: int) -> list[Collective]:
+def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a: int,
+                   layers: int = 1) -> list[Collective]:
     """Gradient reduction (fp32, as the trainer's grad buffer) and ZeRO parameter gathers.
     ZeRO-0: one all-reduce per step; ZeRO-1: reduce-scatter + all-gather per step (the same volume);
     ZeRO-2: gradients are sharded, so each micro-batch's are reduce-scattered; ZeRO-3: parameters are
-    all-gathered for forward and again for backward of every micro-batch."""
+    all-gathered layer by layer for forward and again for backward of every micro-batch, and gradients
+    reduce-scattered layer by layer: one call per layer, so its latency is paid `layers` times."""
     g = group_of(lay, dim, gpu)
     if g.size <= 1 or params <= 0:
         return []
-    grads, weights = params * 4, params * a
+    grads, weights = params * (2 if lay.grad_precision == "bf16" else 4), params * a
     if lay.zero == 0:
         return [_coll(gpu, g, "all_reduce", grads, 1, "gradients")]
     if lay.zero == 1:
@@ -233,8 +259,12 @@ def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a
     if lay.zero == 2:
         return [_coll(gpu, g, "reduce_scatter", grads, m, "gradients per micro-batch"),
                 _coll(gpu, g, "all_gather", weights, 1, "updated parameters")]
-    return [_coll(gpu, g, "reduce_scatter", grads, m, "gradients per micro-batch"),
-            _coll(gpu, g, "all_gather", weights, 2 * m, "parameters fwd+bwd per micro-batch")]
+    n = max(1, layers)
+    if lay.pp > 1 and lay.zero3_gather == "step":  # the stage stays gathered for the whole step
+        return [_coll(gpu, g, "reduce_scatter", grads / n, n, "gradients per layer, once per step"),
+                _coll(gpu, g, "all_gather", weights / n, n, "parameters per layer, once per step")]
+    return [_coll(gpu, g, "reduce_scatter", grads / n, m * n, "gradients per layer and micro-batch"),
+            _coll(gpu, g, "all_gather", weights / n, 2 * m * n, "parameters per layer, fwd+bwd per micro-batch")]
 
 
 def bytes_by_dim(colls: list[Collective]) -> dict[str, float]:

@@ -26,8 +26,13 @@ from typing import Literal
 
 from pentatron.models.config import ModelConfig
 
-Recompute = Literal["none", "selective", "full"]
-RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+Recompute = Literal["none", "selective", "full", "selective-op", "full-alternate"]
+# none / selective (Megatron: the attention core) / full (every block) are what `pentatron train` runs;
+# selective-op (torchtitan's op-level SAC: every other matmul output and the attention output saved,
+# the rest replayed) and full-alternate (torchtitan's layer SAC: full recompute of every 2nd block) are
+# evaluated for published runs and advice, never recommended (training cannot run them).
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full", "selective-op", "full-alternate")
+TRAINABLE_RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -169,14 +174,18 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, *, moe: MoESpec | None
 
 def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Recompute, *,
                               causal: bool = False, moe: MoESpec | None = None,
-                              attention: str = "flash") -> float:
-    """Extra forward work replayed in backward by torch's non-reentrant checkpoint, which stops once
-    every tensor the backward needs is rebuilt (early stop), so a region's trailing ops whose outputs are
-    not saved are not replayed.
+                              attention: str = "flash", early_stop: bool = False) -> float:
+    """Extra forward work replayed in backward.
     selective (checkpointed `attn.core`): with a fused kernel (`attention="flash"`, GPU) the whole
     attention forward reruns; with the math path (meta/CPU) only QK^T does (PV's output is not saved).
-    full (checkpointed decoder block): the block forward except the MLP down projection (its output
-    only feeds the residual add). MoE layers are charged in full (the combine needs expert outputs)."""
+    full: the whole block forward is replayed (Megatron's and DeepSpeed's checkpoint functions, and
+    torchtitan, replay every op). With `early_stop=True` (torch's non-reentrant checkpoint as our
+    trainer uses it, traced by `--verify`) the replay stops once every saved tensor is rebuilt, so the
+    MLP down projection, whose output only feeds the residual add, is skipped (dense layers; MoE layers
+    are charged in full: the combine needs the expert outputs).
+    selective-op (torchtitan op-level SAC): every other matmul output is saved, so half the block's
+    matmul FLOPs replay; the attention kernel's output is saved (not replayed).
+    full-alternate: full recompute of every second block, i.e. half of `full`."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
     if attention not in ("flash", "math"):
@@ -186,17 +195,21 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Recompu
         return 0.0
     if recompute == "selective":
         return fb.attention if attention == "flash" else fb.attention / 2
-    moe = moe_of(cfg, moe)
-    dense_layers = cfg.n_layers if moe is None else min(cfg.n_layers, moe.first_dense_layers)
-    down = 2.0 * cfg.hidden_size * cfg.ffn_hidden_size * dense_layers
-    return fb.layers_matmul + fb.attention - down
+    if recompute == "selective-op":
+        return fb.layers_matmul / 2
+    full = fb.layers_matmul + fb.attention
+    if early_stop:
+        moe = moe_of(cfg, moe)
+        dense_layers = cfg.n_layers if moe is None else min(cfg.n_layers, moe.first_dense_layers)
+        full -= 2.0 * cfg.hidden_size * cfg.ffn_hidden_size * dense_layers
+    return full / 2 if recompute == "full-alternate" else full
 
 
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Recompute = "none", *,
-                             moe: MoESpec | None = None, attention: str = "flash") -> float:
+                             moe: MoESpec | None = None, attention: str = "flash", early_stop: bool = False) -> float:
     """Model FLOPs plus recomputation, same counting convention: the HFU numerator."""
     return model_flops_per_token(cfg, seq_len, moe=moe) + recompute_flops_per_token(
-        cfg, seq_len, recompute, moe=moe, attention=attention)
+        cfg, seq_len, recompute, moe=moe, attention=attention, early_stop=early_stop)
 
 
 def executed_phase_flops(cfg: ModelConfig, seq_len: int, recompute: Recompute = "none", *,

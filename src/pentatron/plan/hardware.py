@@ -47,8 +47,14 @@ class GPUSpec:
     collective_efficiency: float = 0.80
     # Streaming multiprocessors: GEMM tiles are spread over them in waves (wave quantisation).
     sm_count: int = 132
-    # Fraction of peak a fused attention kernel reaches, forward and backward (FlashAttention papers).
+    # Fraction of peak FlashAttention-2 (torch SDPA's flash backend) reaches, forward and backward.
     attention_efficiency: tuple[float, float] = (0.70, 0.55)
+    # Other attention kernels (flash3, cudnn) where the GPU has them: kernel -> (forward, backward).
+    attention_kernels: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Fraction of HBM bandwidth streaming (elementwise) kernels reach.
+    hbm_efficiency: float = 0.90
+    # Network interface cards per node (each `inter_node_bandwidth * gpus_per_node / nics_per_node`).
+    nics_per_node: int = 0  # 0 = one per GPU (rail-optimised DGX/HGX nodes)
     # Optional measured bus-bandwidth curves (from `pentatron bench`), replacing the link model above.
     measured_busbw: BusBwTable = field(default_factory=dict)
     source: str = ""
@@ -62,6 +68,17 @@ class GPUSpec:
             raise KeyError(f"{self.name} has no {dtype!r} peak; known: {', '.join(sorted(self.peak_flops))}")
         return self.peak_flops[key]
 
+    def attention(self, kernel: str) -> tuple[float, float]:
+        """(forward, backward) fraction of peak of a fused attention kernel; a kernel this GPU lacks
+        (FlashAttention-3 before Hopper) falls back to FlashAttention-2."""
+        if kernel == "flash2":
+            return self.attention_efficiency
+        return self.attention_kernels.get(kernel, self.attention_efficiency)
+
+    @property
+    def nics(self) -> int:
+        return self.nics_per_node or self.gpus_per_node
+
     def problems(self) -> list[str]:
         out = []
         if not self.peak_flops or any(not (v > 0) for v in self.peak_flops.values()):
@@ -71,7 +88,7 @@ class GPUSpec:
             v = getattr(self, f)
             if not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
                 out.append(f"hardware {self.name!r}: {f} must be > 0, got {v!r}")
-        for f in ("matmul_efficiency", "collective_efficiency"):
+        for f in ("matmul_efficiency", "collective_efficiency", "hbm_efficiency"):
             v = getattr(self, f)
             if not 0 < v <= 1:
                 out.append(f"hardware {self.name!r}: {f} must be in (0, 1], got {v!r}")
@@ -103,8 +120,13 @@ _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float3
 #        B200 figure is an assumption carried over from H100 until measured.
 #  collective_efficiency: nccl-tests all_reduce bus bandwidth ~ 80% of NVLink/IB line rate at >=256 MB.
 #  sm_count: A100 108, H100 SXM/H200 132 (NVIDIA Hopper/Ampere whitepapers), B200 148 (2 dies x 74).
-#  attention_efficiency: FlashAttention-2 (Dao 2023): A100 fwd up to 73%, bwd up to 63% of peak;
-#        FlashAttention-3 (Shah et al. 2024): H100 bf16 fwd ~740 TF (75%), bwd ~60%; B200 assumed as H100.
+#  attention_efficiency (FlashAttention-2, torch SDPA's flash backend): Dao 2023 (arXiv:2307.08691):
+#        A100 fwd up to 73%, bwd up to 63% of peak. On H100 FA2 reaches only ~35% (Shah et al. 2024,
+#        FlashAttention-3, arXiv:2407.08608, abstract); its backward is taken at FA2's A100 bwd/fwd ratio
+#        (63/73): 0.35 * 0.86 = 0.30. flash3 on H100: fwd ~740 TF (75%), bwd ~60% (same paper); cuDNN 9
+#        fused attention on Hopper is taken equal to FA3 (an assumption until measured). B200: H100's.
+#  hbm_efficiency: streaming kernels reach ~90% of nominal HBM bandwidth (BabelStream copy/triad on
+#        A100 and H100, Deakin et al.); applied to elementwise traffic, not to GEMM/attention roofs.
 #  HBM capacity is the nominal GiB; torch reports slightly less (e.g. 79.1 GiB on an H100 80GB).
 _CATALOGUE: dict[str, GPUSpec] = {
     "a100-40gb": GPUSpec(
@@ -130,7 +152,8 @@ _CATALOGUE: dict[str, GPUSpec] = {
         hbm_bytes=80 * GiB, hbm_bandwidth=3350 * GB, gpus_per_node=8,
         intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
         intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.80,
-        sm_count=132, attention_efficiency=(0.75, 0.60),
+        sm_count=132, attention_efficiency=(0.35, 0.30),
+        attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.75, 0.60)},
         source="NVIDIA H100 datasheet; DGX H100 user guide"),
     "h200": GPUSpec(
         name="h200",
@@ -139,7 +162,8 @@ _CATALOGUE: dict[str, GPUSpec] = {
         hbm_bytes=141 * GiB, hbm_bandwidth=4800 * GB, gpus_per_node=8,
         intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
         intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.80,
-        sm_count=132, attention_efficiency=(0.75, 0.60),
+        sm_count=132, attention_efficiency=(0.35, 0.30),
+        attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.75, 0.60)},
         source="NVIDIA H200 datasheet; DGX H200 user guide"),
     "b200": GPUSpec(
         name="b200",
@@ -148,7 +172,8 @@ _CATALOGUE: dict[str, GPUSpec] = {
         hbm_bytes=180 * GiB, hbm_bandwidth=8000 * GB, gpus_per_node=8,
         intra_node_bandwidth=900 * GB, inter_node_bandwidth=50 * GB,
         intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.80,
-        sm_count=148, attention_efficiency=(0.75, 0.60),
+        sm_count=148, attention_efficiency=(0.35, 0.30),
+        attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.75, 0.60)},
         source="NVIDIA DGX B200 datasheet; HGX B200 specification"),
 }
 
@@ -207,6 +232,8 @@ _TOML_SCALARS = {
     "matmul_efficiency": ("matmul_efficiency", 1),
     "collective_efficiency": ("collective_efficiency", 1),
     "sm_count": ("sm_count", 1),
+    "hbm_efficiency": ("hbm_efficiency", 1),
+    "nics_per_node": ("nics_per_node", 1),
 }
 
 
@@ -239,7 +266,8 @@ def hardware_from_dict(d: dict[str, Any], where: str = "hardware") -> GPUSpec:
             if not isinstance(v, int | float) or isinstance(v, bool):
                 problems.append(f"{where}: {key} must be a number, got {v!r}")
                 continue
-            kw[attr] = int(v * scale) if attr in ("hbm_bytes", "gpus_per_node", "sm_count") else float(v * scale)
+            integral = attr in ("hbm_bytes", "gpus_per_node", "sm_count", "nics_per_node")
+            kw[attr] = int(v * scale) if integral else float(v * scale)
     ae = d.pop("attention_efficiency", None)
     if ae is not None:
         if not (isinstance(ae, list) and len(ae) == 2 and all(isinstance(x, int | float) for x in ae)):

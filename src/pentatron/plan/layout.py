@@ -12,11 +12,18 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Any
 
+from pentatron.layout import ParallelLayout, tensor_parallel_problems
 from pentatron.models.config import ModelConfig
-from pentatron.plan.flops import RECOMPUTE_MODES, MoESpec, moe_of
+from pentatron.plan.flops import RECOMPUTE_MODES, TRAINABLE_RECOMPUTE, MoESpec, moe_of
 from pentatron.plan.hardware import GPUSpec
 
-PRECISIONS: tuple[str, ...] = ("bf16", "fp32", "fp8")
+# fp16 runs like bf16 (same tensor-core peak on A100/H100) plus dynamic loss scaling (one extra pass over
+# the gradients for the inf/nan check, modelled with the optimizer); fp8: Transformer-Engine style GEMMs.
+PRECISIONS: tuple[str, ...] = ("bf16", "fp32", "fp8", "fp16")
+# attention kernels: FlashAttention-2 (what torch SDPA runs), FlashAttention-3 (Hopper), cuDNN fused
+# attention, or the unfused math path (scores materialised: Megatron before 2022, BLOOM).
+ATTENTION_KERNELS: tuple[str, ...] = ("flash2", "flash3", "cudnn", "math")
+TRAIN_PRECISIONS: tuple[str, ...] = ("bf16", "fp32")  # train.precision (besides "auto")
 PP_SCHEDULES: tuple[str, ...] = ("afab", "1f1b", "interleaved", "zb")
 
 
@@ -50,6 +57,11 @@ class Layout:
     micro_batch: int = 1
     recompute: str = "none"
     precision: str = "bf16"
+    attention: str = "flash2"
+    # dtype of the gradient buffer that is accumulated and reduced: our trainer keeps fp32; Megatron's
+    # default distributed optimizer and FSDP with a bf16 reduce dtype keep bf16 (2 bytes/param less)
+    grad_precision: str = "fp32"
+    zero3_gather: str = "micro_batch"  # ZeRO-3 with pp: re-gather per micro-batch, or once per "step"
 
     @property
     def world(self) -> int:
@@ -79,78 +91,101 @@ def kv_heads_per_tp_rank(cfg: ModelConfig, tp: int) -> int:
     return max(1, cfg.n_kv_heads // tp)
 
 
-def problems(w: Workload, lay: Layout, gpu: GPUSpec, gpus: int | None = None) -> list[str]:
-    """Every reason this layout cannot run this workload (empty when it can). Messages name the flag."""
+def parallel_layout(w: Workload, lay: Layout) -> ParallelLayout:
+    """The training side's layout for this plan: the one `pentatron train` would validate."""
+    return ParallelLayout(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, zero=lay.zero, sp=lay.sp,
+                          pp_schedule=lay.pp_schedule, pp_virtual=lay.pp_virtual, zero3_gather=lay.zero3_gather,
+                          micro_batch=lay.micro_batch, global_batch=w.global_batch, seq_len=w.seq_len)
+
+
+@lru_cache(maxsize=16384)
+def _training_rules(pl: ParallelLayout, cfg: ModelConfig, gpus: int | None) -> tuple[str, ...]:
+    """`ParallelLayout.problems`, memoised: it builds the pipeline schedule to validate it, which is
+    the dominant cost of checking a layout (the search asks for the same one several times)."""
+    return tuple(pl.problems(cfg, gpus))
+
+
+def quick_problems(w: Workload, lay: Layout, gpu: GPUSpec, gpus: int | None = None) -> list[str]:
+    """The cheap part of `problems` for the search's inner loop: the planner's knobs, the degrees and
+    batch arithmetic, and the tensor-parallel split, without building the pipeline schedule. The search
+    runs the full `problems` (and `trainable_problems`) on the candidates it ranks."""
+    pl = parallel_layout(w, lay)
+    return (_knob_problems(w, lay, gpu) + pl.problems(None, gpus)
+            + tensor_parallel_problems(w.cfg, lay.tp, lay.sp, w.seq_len))
+
+
+def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
+    """Planner inputs the training layout does not know: precision, recompute mode, kernels, MoE."""
     out: list[str] = []
-    cfg, moe = w.cfg, w.moe_spec
-    for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "pp_virtual"):
-        v = getattr(lay, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            out.append(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-    if out:
-        return out
-    if gpus is not None and lay.world != gpus:
-        out.append(f"dp*tp*pp*cp = {lay.dp}*{lay.tp}*{lay.pp}*{lay.cp} = {lay.world} does not equal --gpus {gpus}")
-    if lay.zero not in (0, 1, 2, 3):
-        out.append(f"--zero must be 0, 1, 2 or 3, got {lay.zero}")
+    moe = w.moe_spec
     if lay.recompute not in RECOMPUTE_MODES:
         out.append(f"--recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {lay.recompute!r}")
     if lay.precision not in PRECISIONS:
         out.append(f"--precision must be one of {', '.join(PRECISIONS)}, got {lay.precision!r}")
-    elif lay.precision not in ("fp32",) and _dtype_key(lay.precision) not in gpu.peak_flops:
+    elif lay.precision != "fp32" and _dtype_key(lay.precision) not in gpu.peak_flops:
         out.append(f"--precision {lay.precision}: {gpu.name} has no {lay.precision} tensor cores")
-    # tensor parallel: inside one node, dividing heads and widths
-    if lay.tp > gpu.gpus_per_node:
-        out.append(f"tp={lay.tp} exceeds the {gpu.gpus_per_node} GPUs of a node (TP must stay on NVLink)")
-    if cfg.n_heads % lay.tp:
-        out.append(f"tp={lay.tp} does not divide the {cfg.n_heads} attention heads")
-    if lay.tp > cfg.n_kv_heads and lay.tp % cfg.n_kv_heads:
-        out.append(f"tp={lay.tp} > {cfg.n_kv_heads} KV heads must be a multiple of them (KV heads are replicated)")
-    elif lay.tp <= cfg.n_kv_heads and cfg.n_kv_heads % lay.tp:
-        out.append(f"tp={lay.tp} does not divide the {cfg.n_kv_heads} KV heads")
-    if cfg.ffn_hidden_size % lay.tp or (moe and moe.expert_ffn_hidden_size % lay.tp):
-        out.append(f"tp={lay.tp} does not divide the MLP width {cfg.ffn_hidden_size}")
-    if cfg.vocab_size % lay.tp:
-        out.append(f"tp={lay.tp} does not divide the vocabulary {cfg.vocab_size} (vocab-parallel embedding)")
-    if lay.sp and lay.tp == 1:
-        out.append("--sp (sequence parallel) needs tp > 1")
-    if lay.sp and w.seq_len % (lay.tp * lay.cp):
-        out.append(f"--sp: tp*cp={lay.tp * lay.cp} does not divide --seq {w.seq_len}")
-    # context parallel: the load-balanced ring splits each sequence into 2*cp chunks
-    if lay.cp > 1 and w.seq_len % (2 * lay.cp):
-        out.append(f"cp={lay.cp}: --seq {w.seq_len} must be divisible by 2*cp={2 * lay.cp} (load-balanced ring)")
-    # expert parallel
+    if lay.attention not in ATTENTION_KERNELS:
+        out.append(f"--attention must be one of {', '.join(ATTENTION_KERNELS)}, got {lay.attention!r}")
+    if lay.grad_precision not in ("fp32", "bf16"):
+        out.append(f"grad_precision must be 'fp32' or 'bf16', got {lay.grad_precision!r}")
     if lay.ep > 1 and moe is None:
         out.append(f"ep={lay.ep} needs a mixture-of-experts model")
     if moe is not None and moe.num_experts % lay.ep:
         out.append(f"ep={lay.ep} does not divide the {moe.num_experts} experts")
-    if (lay.dp * lay.cp) % lay.ep:
-        out.append(f"ep={lay.ep} must divide dp*cp={lay.dp * lay.cp} (experts borrow those ranks)")
-    # pipeline
-    chunks = lay.pp * lay.pp_virtual
-    if chunks > cfg.n_layers:
-        out.append(f"pp*v={chunks} pipeline chunks exceed the {cfg.n_layers} layers")
-    elif lay.pp_virtual > 1 and cfg.n_layers % chunks:
-        out.append(f"interleaved: the {cfg.n_layers} layers do not divide into pp*v={chunks} equal chunks")
-    if lay.pp_schedule not in PP_SCHEDULES:
-        out.append(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got {lay.pp_schedule!r}")
-    if lay.pp_virtual > 1 and lay.pp_schedule != "interleaved":
-        out.append(f"--pp-virtual {lay.pp_virtual} needs --pp-schedule interleaved")
-    if lay.pp_schedule == "interleaved" and lay.pp > 1 and lay.pp_virtual < 2:
-        out.append("--pp-schedule interleaved needs --pp-virtual >= 2")
-    if lay.zero == 3 and lay.pp > 1:
-        out.append("zero=3 with pp>1 is not supported (parameters would be re-gathered every micro-batch); "
-                   "use zero<=2 with pipeline parallelism")
-    # batch
-    if w.global_batch % (lay.dp * lay.micro_batch):
-        out.append(f"global batch of {w.global_batch} sequences is not divisible by dp*micro_batch = "
-                   f"{lay.dp}*{lay.micro_batch}")
-    else:
-        m = lay.microbatches(w)
-        if lay.pp > 1 and m < lay.pp:
-            out.append(f"{m} micro-batches < pp={lay.pp}: the pipeline never fills (need m >= pp)")
-        if lay.pp_schedule == "interleaved" and lay.pp > 1 and m % lay.pp:
-            out.append(f"interleaved schedule needs micro-batches m={m} to be a multiple of pp={lay.pp}")
+    if moe is not None and lay.tp > 0 and moe.expert_ffn_hidden_size % lay.tp:
+        out.append(f"tp={lay.tp} does not divide the expert MLP width {moe.expert_ffn_hidden_size}")
+    return out
+
+
+def problems(w: Workload, lay: Layout, gpu: GPUSpec, gpus: int | None = None) -> list[str]:
+    """Every reason the planner cannot evaluate this layout (empty when it can): the training rules
+    (`ParallelLayout.problems`, the one validator config, runtime and planner share) plus the planner's
+    own inputs. Interleaved chunks that do not divide the layers evenly are evaluated (the planner
+    spreads the remainder, as `parallel.pp_layers` lets training do); what is merely slow or not yet
+    trainable is in `warnings` and `trainable_problems`, not here."""
+    out = _knob_problems(w, lay, gpu)
+    pl = parallel_layout(w, lay)
+    found = list(_training_rules(pl, w.cfg, gpus))
+    if pl.virtual > 1 and pl.n_stages <= w.cfg.n_layers and w.cfg.n_layers % pl.n_stages:
+        # the pipeline rules again, for the explicit uneven split the planner evaluates
+        default = set(pl.pipeline_problems(w.cfg))
+        uneven = layers_per_chunk(w.cfg, w.seq_len, lay.pp, lay.pp_virtual)
+        found = [x for x in found if x not in default] + pl.pipeline_problems(w.cfg, layers=uneven)
+    return out + found
+
+
+def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> list[str]:
+    """Why `pentatron train` would refuse this layout today (empty when it accepts it): the training
+    config's own validation (`ParallelLayout.problems` and `.unsupported`) plus the recipe knobs training
+    lacks. The one place the planner asks "can we train this?"; the search recommends only layouts
+    for which it is empty."""
+    pl = parallel_layout(w, lay)
+    out = [*_training_rules(pl, w.cfg, gpus), *pl.unsupported(w.cfg)]
+    if lay.precision not in TRAIN_PRECISIONS:
+        out.append(f"train.precision={lay.precision!r} is not available in training (use one of "
+                   f"{', '.join(TRAIN_PRECISIONS)})")
+    if lay.recompute not in TRAINABLE_RECOMPUTE:
+        out.append(f"recompute {lay.recompute!r} is not available in training (use one of "
+                   f"{', '.join(TRAINABLE_RECOMPUTE)})")
+    if lay.grad_precision != "fp32":
+        out.append("training accumulates gradients in fp32 (grad_precision='bf16' is not available)")
+    if w.moe_spec is not None:
+        out.append("mixture-of-experts models are not available in training yet")
+    return out
+
+
+def warnings(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
+    """Layouts real runs use that are valid but slow or unusual: said, not refused."""
+    out = parallel_layout(w, lay).warnings(gpu.gpus_per_node)
+    m = lay.microbatches(w) if lay.dp * lay.micro_batch else 0
+    if lay.pp > 1 and 0 < m < lay.pp:
+        out.append(f"{m} micro-batches < pp={lay.pp}: the pipeline never fills (bubble >= {(lay.pp - 1) / m:.0%})")
+    if lay.pp_virtual > 1 and lay.pp * lay.pp_virtual <= w.cfg.n_layers and w.cfg.n_layers % (lay.pp * lay.pp_virtual):
+        out.append(f"interleaved chunks hold unequal layer counts ({w.cfg.n_layers} layers over "
+                   f"{lay.pp * lay.pp_virtual} chunks): training needs parallel.pp_layers for this split")
+    if lay.zero == 3 and lay.pp > 1 and lay.zero3_gather == "micro_batch":
+        out.append(f"zero=3 with pp={lay.pp} re-gathers each stage's parameters for every micro-batch "
+                   f"({2 * max(1, m)} gathers per step); zero3_gather='step' keeps them gathered")
     return out
 
 
@@ -168,14 +203,15 @@ def layers_per_chunk(cfg: ModelConfig, seq_len: int, pp: int, v: int = 1) -> tup
     """Decoder layers of each pipeline chunk (global stage order), exactly as the pipeline engine will
     partition them (`parallel/pipeline/stages.py`): equal chunks for interleaving, otherwise balanced by
     its cost estimate, in which the embedding and the LM head count like layers."""
-    from pentatron.parallel.pipeline.stages import StageCosts, partition
-
     chunks = pp * v
     if chunks <= 1:
         return (cfg.n_layers,)
     if v > 1 or cfg.n_layers < chunks:
-        base, extra = divmod(cfg.n_layers, chunks)  # only reached for layouts `problems` rejects, or even
+        base, extra = divmod(cfg.n_layers, chunks)  # interleaved: equal chunks, the remainder spread
         return tuple(base + (1 if i < extra else 0) for i in range(chunks))
+    # the engine's own partition (its module imports torch: only paid for pp > 1)
+    from pentatron.parallel.pipeline.stages import StageCosts, partition
+
     return tuple(len(r) for r in partition(cfg.n_layers, chunks, costs=StageCosts.of(cfg, seq_len)))
 
 

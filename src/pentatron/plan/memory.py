@@ -11,10 +11,11 @@ Two activation models:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 from pentatron.models.config import ModelConfig
+from pentatron.parallel.activation_memory import layer_activation_bytes
 from pentatron.plan.flops import MoESpec, layer_params, moe_of
 from pentatron.plan.hardware import GiB, GPUSpec
 from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, layers_per_chunk
@@ -46,11 +47,18 @@ STATE_PRECISIONS: dict[str, StatePrecision] = {
     "bf16": StatePrecision("bf16", 2, 4, 4, 8),
     "fp8": StatePrecision("fp8", 2, 4, 4, 8),
     "fp32": StatePrecision("fp32", 4, 4, 0, 8),
+    "fp16": StatePrecision("fp16", 2, 4, 4, 8),
 }
 # The playbook's accounting (mixed precision with bf16 gradients: 2+2+4+8 = 16 bytes/param; adding an
 # fp32 gradient-accumulation copy: 2+(2+4)+4+8 = 20 bytes/param).
 PLAYBOOK_16 = StatePrecision("playbook-bf16", 2, 2, 4, 8)
 PLAYBOOK_20 = StatePrecision("playbook-bf16-fp32grads", 2, 6, 4, 8)
+
+
+def state_precision(lay: Layout) -> StatePrecision:
+    """Bytes per parameter held by this layout's training recipe (gradients in bf16 when asked)."""
+    prec = STATE_PRECISIONS[lay.precision]
+    return replace(prec, grad=2) if lay.grad_precision == "bf16" else prec
 
 
 @dataclass(frozen=True)
@@ -108,7 +116,7 @@ class LayerActivation:
 @lru_cache(maxsize=16384)
 def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *, precision: str = "bf16",
                                  tp: int = 1, sp: bool = False, recompute: str = "none", layer: int = 0,
-                                 moe: MoESpec | None = None) -> LayerActivation:
+                                 moe: MoESpec | None = None, norm: str = "eager") -> LayerActivation:
     """Saved tensors of one `DecoderBlock` of models/llama.py for `tokens` local tokens (micro_batch *
     seq/cp) of sequences `seq_len/cp` long. Per token, a = activation bytes:
       RMSNorm x2: fp32 copy of the input (4h), rstd (4), normalised a*h, gain product = next matmul's
@@ -118,7 +126,12 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
       twice (q and k): 4 * s * head_dim * a per layer and micro-batch (none in fp32: no cast).
     TP shards heads and the MLP width; SP also the hidden-sized tensors (Megatron keeps the sharded
     input of each all-gather). Selective recompute checkpoints `attn.core`: its inputs q, k, v are kept,
-    out is kept as o_proj's input, so only the logsumexp goes. Full recompute keeps the block input."""
+    out is kept as o_proj's input, so only the logsumexp goes. Full recompute keeps the block input.
+    norm="fused" (Apex/TE/Megatron fused norm kernels, MPT's low-precision LayerNorm): each norm keeps
+    its a*h input and the fp32 rstd only, no fp32 copy and no separate normalised tensor.
+    selective-op (torchtitan op-level SAC): the block input, every other matmul output (half of q, k,
+    v, o, gate, up, down), the attention output and logsumexp. full-alternate: every second block
+    fully recomputed, so per layer the mean of none and full."""
     h, a = cfg.hidden_size, act_bytes(precision)
     hd = cfg.head_dim
     hq = cfg.n_heads * hd / tp
@@ -126,26 +139,34 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
     heads = cfg.n_heads / tp
     hs = h / tp if sp else h  # hidden-sized tensors
     moe = moe_of(cfg, moe)
-    norms = 2 * (4 * hs + 4 / (tp if sp else 1) + a * hs) + 2 * a * hs  # + the two matmul inputs
-    attn = a * hq + 2 * a * kv + a * hq + 4 * heads
     lp = layer_params(cfg, layer, moe)
     mlp_mats = 3 if cfg.mlp == "swiglu" else 2
     per_f = 4 if cfg.mlp == "swiglu" else 2
+    # The dense layer without recompute is the runtime's own formula (tested against autograd at tp in
+    # {1, 2, 4} with and without SP); the variants below are deltas on it. tokens = micro_batch * seq_len.
+    full_layer = float(layer_activation_bytes(cfg, seq_len, tokens // seq_len, tp=tp, sp=sp, act_bytes=a))
+    if norm == "fused":  # each of the two norms drops its fp32 copy of the input (4h) and keeps a*h
+        full_layer -= tokens * 2 * 4 * hs
     if lp.expert_total and moe is not None:
         # Routed tokens: top_k copies of the input plus each expert's MLP internals; router logits and
         # probabilities in fp32. Approximation until the MoE code exists (no capacity padding).
         routed = moe.top_k * (a * h + per_f * a * moe.expert_ffn_hidden_size / tp)
         shared = moe.n_shared_experts * per_f * a * moe.shared_ffn / tp
+        full_layer += tokens * (routed + shared + 8 * moe.num_experts - per_f * a * cfg.ffn_hidden_size / tp)
         mlp = routed + shared + 8 * moe.num_experts
     else:
         mlp = per_f * a * (lp.mlp_active / (mlp_mats * h)) / tp
-    rope_tables = 4 * seq_len * hd * a if a != 4 else 0.0  # [s, head_dim] each, whatever the batch
-    per_token_none = norms + attn + mlp
-    full_layer = tokens * per_token_none + rope_tables
     if recompute == "none":
         return LayerActivation(full_layer, 0.0)
     if recompute == "selective":
         return LayerActivation(full_layer - tokens * 4 * heads, tokens * 4 * heads)
+    if recompute == "selective-op":
+        f_local = (lp.mlp_active / (mlp_mats * h)) / tp if not lp.expert_total else mlp / (a * per_f)
+        mm_out = hq + 2 * kv + 2 * h / (tp if sp else 1) + (mlp_mats - 1) * f_local
+        saved = tokens * (a * hs + a * mm_out / 2 + a * hq + 4 * heads)
+        return LayerActivation(saved, full_layer)
+    if recompute == "full-alternate":
+        return LayerActivation((full_layer + tokens * a * hs) / 2, full_layer)
     return LayerActivation(tokens * a * hs, full_layer)
 
 
@@ -273,9 +294,11 @@ def _states(rp: RankParams, prec: StatePrecision, zero: int, dpcp: int, ep: int)
             model_state_bytes(rp.expert, prec, zero, max(1, dpcp // ep)))
 
 
-def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int) -> MemoryBreakdown:
+def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: str = "eager",
+                    norm: str | None = None) -> MemoryBreakdown:
+    """`norm` ("eager" | "fused"): how the norms keep their inputs; by default as `kernels` says."""
     cfg, moe = w.cfg, w.moe_spec
-    prec = STATE_PRECISIONS[lay.precision]
+    prec = state_precision(lay)
     a = act_bytes(lay.precision)
     seq_local = w.seq_len // lay.cp
     tokens = lay.micro_batch * seq_local
@@ -288,7 +311,8 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int) -> Memory
     per_chunk = layers_per_chunk(cfg, w.seq_len, lay.pp, lay.pp_virtual)
     in_flight = schedule_in_flight(lay.pp_schedule, lay.pp, m, lay.pp_virtual)[rank] if lay.pp > 1 else 1
     layer_act = llama_layer_activation_bytes(cfg, tokens, seq_local, precision=lay.precision, tp=lay.tp,
-                                             sp=lay.sp, recompute=lay.recompute, moe=moe)
+                                             sp=lay.sp, recompute=lay.recompute, moe=moe,
+                                             norm=norm or ("fused" if kernels == "fused" else "eager"))
     first, last = rank == 0, rank == lay.pp - 1
     extra_saved, extra_transient = stage_extras(cfg, tokens, first=first, last=last, precision=lay.precision,
                                                 tp=lay.tp, sp=lay.sp)
@@ -310,7 +334,9 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int) -> Memory
         comm += tokens * cfg.hidden_size * a  # all-gathered layer input
     if dpcp > 1:
         comm += 2 * DP_BUCKET
-    if lay.zero == 3 and dpcp > 1:
+    if lay.zero == 3 and dpcp > 1 and lay.pp > 1 and lay.zero3_gather == "step":
+        comm += (rp.dense + rp.expert) * a * (1 - 1 / dpcp)  # the whole stage stays gathered for the step
+    elif lay.zero == 3 and dpcp > 1:
         comm += 2 * rp.largest_layer * a  # current + prefetched gathered layer
     if lay.ep > 1 and moe is not None:
         comm += 2 * tokens * moe.top_k * cfg.hidden_size * a  # all-to-all send/recv buffers
@@ -322,7 +348,8 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int) -> Memory
         reserved=RUNTIME_RESERVED + FRAGMENTATION * live, in_flight=in_flight)
 
 
-def memory_per_gpu(w: Workload, lay: Layout, gpu: GPUSpec) -> MemoryBreakdown:
+def memory_per_gpu(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "eager",
+                   norm: str | None = None) -> MemoryBreakdown:
     """The breakdown of the pipeline rank that needs the most memory: the first (embedding, most
     micro-batches in flight), the last (LM head and loss) or one holding the most layers."""
     if lay.pp <= 3:
@@ -332,4 +359,4 @@ def memory_per_gpu(w: Workload, lay: Layout, gpu: GPUSpec) -> MemoryBreakdown:
         per_rank = [sum(per_chunk[c * lay.pp + r] for c in range(lay.pp_virtual)) for r in range(lay.pp)]
         heavy = per_rank.index(max(per_rank))
         ranks = sorted({0, 1, heavy, lay.pp - 1})
-    return max((memory_for_rank(w, lay, gpu, r) for r in ranks), key=lambda mb: mb.total)
+    return max((memory_for_rank(w, lay, gpu, r, kernels, norm) for r in ranks), key=lambda mb: mb.total)

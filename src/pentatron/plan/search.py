@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pentatron.plan.hardware import GiB, GPUSpec
-from pentatron.plan.layout import Layout, Workload, problems
+from pentatron.plan.layout import Layout, Workload, problems, quick_problems, trainable_problems, warnings
 from pentatron.plan.memory import MemoryBreakdown, memory_per_gpu
 from pentatron.plan.timing import StepTime, Throughput, step_time, throughput
 
@@ -74,18 +74,20 @@ def memory_budget(gpu: GPUSpec) -> float:
     return float(gpu.hbm_bytes)
 
 
-def predict(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", exact: bool = True) -> Prediction:
-    mem = memory_per_gpu(w, lay, gpu)
+def predict(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", exact: bool = True,
+            norm: str | None = None) -> Prediction:
+    mem = memory_per_gpu(w, lay, gpu, kernels, norm)
     st = step_time(w, lay, gpu, kernels=kernels, exact=exact)
-    notes = []
-    if lay.pp > 1 and lay.microbatches(w) < 2 * lay.pp:
+    notes = warnings(w, lay, gpu)
+    if lay.pp > 1 and lay.pp <= lay.microbatches(w) < 2 * lay.pp:
         notes.append(f"only {lay.microbatches(w)} micro-batches for pp={lay.pp}: bubble "
                      f"{100 * st.bubble_fraction:.0f}%")
+    notes += [f"training cannot run this yet: {x}" for x in trainable_problems(w, lay, lay.world)]
     return Prediction(lay, mem, mem.total <= memory_budget(gpu), st, throughput(w, lay, gpu, st), tuple(notes))
 
 
 def enumerate_layouts(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any]) -> Iterator[Layout]:
-    """All layouts (before memory) satisfying `problems`, with `fixed` knobs pinned."""
+    """All layouts (before memory) passing `quick_problems`, with `fixed` knobs pinned."""
     cfg, moe = w.cfg, w.moe_spec
 
     def opts(name: str, values: list[Any]) -> list[Any]:
@@ -116,8 +118,6 @@ def _knob_variants(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any], 
                    tp: int, pp: int, cp: int, ep: int, mb: int) -> Iterator[Layout]:
     cfg = w.cfg
     zeros = [0, 1, 2, 3] if dp * cp > 1 else [0]
-    if pp > 1:
-        zeros = [z for z in zeros if z < 3]
     if fixed.get("zero") is not None:
         zeros = [fixed["zero"]]
     sps = [fixed["sp"]] if fixed.get("sp") is not None else [tp > 1]
@@ -140,8 +140,9 @@ def _knob_variants(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any], 
             for sched, v in scheds:
                 for rc in recs:
                     lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp, pp_schedule=sched,
-                                 pp_virtual=v, micro_batch=mb, recompute=rc, precision=precision)
-                    if not problems(w, lay, gpu, gpus):
+                                 pp_virtual=v, micro_batch=mb, recompute=rc, precision=precision,
+                                 attention=fixed.get("attention") or "flash2")
+                    if not quick_problems(w, lay, gpu, gpus):
                         yield lay
 
 
@@ -160,7 +161,7 @@ def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None
         if key in stop_rc and fixed.get("recompute") is None:
             continue
         n_valid += 1
-        mem = memory_per_gpu(w, lay, gpu)
+        mem = memory_per_gpu(w, lay, gpu, kernels)
         fits = mem.total <= budget
         est = 0.0
         if fits:
@@ -171,7 +172,25 @@ def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None
     fitting = [s for s in pool if s.fits]
     fitting.sort(key=lambda s: (-s.est_tokens_per_s, s.memory_total))
     k = exact_pool if exact_pool is not None else max(3 * top, 24)
-    ranked = [predict(w, s.layout, gpu, kernels=kernels) for s in fitting[:k]]
+    # Recommend only what `pentatron train` accepts (checked best-first, the full validator being the
+    # costly part); when the pinned knobs leave nothing trainable (e.g. --cp 8, --precision fp8),
+    # evaluate what was asked for, its notes saying why training cannot run it.
+    chosen: list[Scored] = []
+    evaluable: list[Scored] = []
+    for s in fitting:
+        if len(chosen) >= k:
+            break
+        if problems(w, s.layout, gpu, gpus):
+            continue
+        if len(evaluable) < k:
+            evaluable.append(s)
+        if not trainable_problems(w, s.layout, gpus):
+            chosen.append(s)
+    pinned = ({kk for kk in fixed if kk not in ("precision", "attention")}
+              or fixed.get("precision", "bf16") != "bf16")
+    if not chosen and pinned:
+        chosen = evaluable[:k]
+    ranked = [predict(w, s.layout, gpu, kernels=kernels) for s in chosen]
     ranked.sort(key=lambda p: (-p.rate.tokens_per_s, p.memory.total))
     res = SearchResult(w, gpu, gpus, ranked[:top], n_enum, n_valid, len(fitting), 0.0, pool=pool)
     if ranked:
@@ -185,7 +204,7 @@ LOCAL_KNOBS = {"zero": (0, 1, 2, 3), "micro_batch": (1, 2, 4, 8, 16, 32), "recom
 
 
 def _score(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str) -> Scored:
-    mem = memory_per_gpu(w, lay, gpu).total
+    mem = memory_per_gpu(w, lay, gpu, kernels).total
     fits = mem <= memory_budget(gpu)
     est = w.tokens_per_step / step_time(w, lay, gpu, kernels=kernels, exact=False).step if fits else 0.0
     return Scored(lay, mem, fits, est)

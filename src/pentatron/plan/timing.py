@@ -40,6 +40,11 @@ KERNELS = ("fused", "eager")
 # A collective overlapped with compute still occupies SMs: NCCL runs one CTA per channel (16 channels is
 # its usual choice on NVLink/IB systems), so compute slows by channels/SMs while it runs.
 NCCL_CHANNELS = 16
+FP8_CAST_BYTES_PER_ELEMENT = 6  # see `_linear`
+# Unfused ("math") attention: the fused scale-mask-softmax kernel reads the scores and writes the
+# probabilities (Megatron's FusedScaleMaskSoftmax), backward reads probabilities and their gradient
+# and writes the score gradient: bytes per score element, forward and backward.
+MATH_SOFTMAX_BYTES = (2, 3)
 
 
 @dataclass(frozen=True)
@@ -76,10 +81,23 @@ def gemm_time(gpu: GPUSpec, m: float, n: float, k: float, peak: float, a: int) -
     return max(compute, memory) + KERNEL_OVERHEAD
 
 
-def _linear(gpu: GPUSpec, tokens: float, n_out: float, n_in: float, peak: float, a: int) -> Phase:
-    """y = x W for `tokens` rows: forward, dX = dY W^T, dW = X^T dY."""
-    return Phase(gemm_time(gpu, tokens, n_out, n_in, peak, a), gemm_time(gpu, tokens, n_in, n_out, peak, a),
-                 gemm_time(gpu, n_in, n_out, tokens, peak, a))
+def _linear(gpu: GPUSpec, tokens: float, n_out: float, n_in: float, peak: float, a: int,
+            fp8: bool = False) -> Phase:
+    """y = x W for `tokens` rows: forward, dX = dY W^T, dW = X^T dY.
+    fp8 (Transformer Engine, per-tensor or row-wise scaling): the GEMMs read 1-byte operands at the fp8
+    peak, and every operand is first cast by a memory-bound kernel that reads the bf16 tensor (plus an
+    amax pass) and writes the fp8 copy and, for Hopper's TN-only fp8 GEMMs, its transpose: forward casts
+    x and W (W once per micro-batch), backward casts dY (and x^T / W^T come from the forward casts)."""
+    if not fp8:
+        return Phase(gemm_time(gpu, tokens, n_out, n_in, peak, a), gemm_time(gpu, tokens, n_in, n_out, peak, a),
+                     gemm_time(gpu, n_in, n_out, tokens, peak, a))
+    bw = gpu.hbm_bandwidth * gpu.hbm_efficiency
+    cast = FP8_CAST_BYTES_PER_ELEMENT  # read bf16 (2) + amax read (2) + write fp8 and its transpose (1 + 1)
+    fwd_cast = (tokens * n_in + n_in * n_out) * cast / bw
+    bwd_cast = tokens * n_out * cast / bw
+    return Phase(gemm_time(gpu, tokens, n_out, n_in, peak, 1) + fwd_cast,
+                 gemm_time(gpu, tokens, n_in, n_out, peak, 1) + bwd_cast,
+                 gemm_time(gpu, n_in, n_out, tokens, peak, 1))
 
 
 def _elementwise_bytes(w: Workload, lay: Layout, kernels: str) -> float:
@@ -96,13 +114,27 @@ def _elementwise_bytes(w: Workload, lay: Layout, kernels: str) -> float:
 
 
 def attention_times(w: Workload, lay: Layout, gpu: GPUSpec) -> tuple[float, float]:
-    """Causal fused attention over the whole sequence, this GPU's share (1/cp of the query-key pairs
-    with load balancing, 1/tp of the heads): forward and backward seconds per layer and micro-batch.
-    fp8 runs attention in bf16."""
+    """Causal attention over the whole sequence, this GPU's share (1/cp of the query-key pairs with
+    load balancing, 1/tp of the heads): forward and backward seconds per layer and micro-batch.
+    Fused kernels (flash2/flash3/cudnn) skip the masked half at the kernel's fraction of peak
+    (`GPUSpec.attention`); the math path runs QK^T and PV as batched GEMMs over the full square and
+    the softmax as memory traffic over the scores. fp8 runs attention in bf16."""
     cfg = w.cfg
-    peak = gpu.flops("bf16" if lay.precision == "fp8" else compute_dtype(lay.precision))
-    flops = 4 * cfg.n_heads * cfg.head_dim / lay.tp * lay.micro_batch * w.seq_len * (w.seq_len + 1) / 2 / lay.cp
-    eff_f, eff_b = gpu.attention_efficiency
+    prec = "bf16" if lay.precision == "fp8" else lay.precision
+    peak = gpu.flops(compute_dtype(prec))
+    heads = cfg.n_heads / lay.tp
+    s_q = w.seq_len / lay.cp
+    if lay.attention == "math":
+        a = act_bytes(prec)
+        batch = heads * lay.micro_batch
+        qk = batch * gemm_time(gpu, s_q, w.seq_len, cfg.head_dim, peak, a)  # scores [s_q, s]
+        pv = batch * gemm_time(gpu, s_q, cfg.head_dim, w.seq_len, peak, a)
+        scores = batch * s_q * w.seq_len
+        bw = gpu.hbm_bandwidth * gpu.hbm_efficiency
+        fwd = qk + pv + scores * a * MATH_SOFTMAX_BYTES[0] / bw
+        return fwd, 2 * (qk + pv) + scores * a * MATH_SOFTMAX_BYTES[1] / bw
+    flops = 4 * heads * cfg.head_dim * lay.micro_batch * w.seq_len * (w.seq_len + 1) / 2 / lay.cp
+    eff_f, eff_b = gpu.attention(lay.attention)
     return flops / (peak * eff_f), 2.5 * flops / (peak * eff_b)  # bwd: dQ, dK, dV, dP and QK^T again
 
 
@@ -115,8 +147,10 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
     tokens = lay.micro_batch * w.seq_len / lay.cp
     h, tp = cfg.hidden_size, lay.tp
     hq, kvl = cfg.n_heads * cfg.head_dim / tp, kv_heads_per_tp_rank(cfg, tp) * cfg.head_dim
-    ph = _linear(gpu, tokens, hq, h, peak, a) + _linear(gpu, tokens, kvl, h, peak, a).scale(2)
-    ph = ph + _linear(gpu, tokens, h, hq, peak, a)
+    fp8 = lay.precision == "fp8"
+
+    ph = _linear(gpu, tokens, hq, h, peak, a, fp8) + _linear(gpu, tokens, kvl, h, peak, a, fp8).scale(2)
+    ph = ph + _linear(gpu, tokens, h, hq, peak, a, fp8)
     lp = layer_params(cfg, index, moe)
     mats = 3 if cfg.mlp == "swiglu" else 2
     down = ZERO
@@ -124,25 +158,30 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
         local_experts = moe.num_experts / lay.ep
         per_expert = tokens * moe.top_k / local_experts  # balanced routing
         fe = moe.expert_ffn_hidden_size / tp
-        ex = _linear(gpu, per_expert, fe, h, peak, a).scale(mats - 1) + _linear(gpu, per_expert, h, fe, peak, a)
-        ph = ph + ex.scale(local_experts) + _linear(gpu, tokens, moe.num_experts, h, peak, a)
+        ex = _linear(gpu, per_expert, fe, h, peak, a, fp8).scale(mats - 1)
+        ex = ex + _linear(gpu, per_expert, h, fe, peak, a, fp8)
+        ph = ph + ex.scale(local_experts) + _linear(gpu, tokens, moe.num_experts, h, peak, a, fp8)
         if moe.n_shared_experts:
             fs = moe.shared_ffn / tp
-            sh = _linear(gpu, tokens, fs, h, peak, a).scale(mats - 1) + _linear(gpu, tokens, h, fs, peak, a)
+            sh = _linear(gpu, tokens, fs, h, peak, a, fp8).scale(mats - 1) + _linear(gpu, tokens, h, fs, peak, a, fp8)
             ph = ph + sh.scale(moe.n_shared_experts)
     else:
         f = cfg.ffn_hidden_size / tp
-        down = _linear(gpu, tokens, h, f, peak, a)
-        ph = ph + _linear(gpu, tokens, f, h, peak, a).scale(mats - 1) + down
+        down = _linear(gpu, tokens, h, f, peak, a, fp8)
+        ph = ph + _linear(gpu, tokens, f, h, peak, a, fp8).scale(mats - 1) + down
     attn_f, attn_b = attention_times(w, lay, gpu)
-    elem = tokens * _elementwise_bytes(w, lay, kernels) / gpu.hbm_bandwidth
+    elem = tokens * _elementwise_bytes(w, lay, kernels) / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
     lc = layer_comm(w, lay, gpu, bool(lp.expert_total))
     f = ph.f + attn_f + elem + lc.tp_fwd + lc.ep_fwd + max(0.0, lc.cp_fwd - attn_f)
     b = ph.b + attn_b + 2 * elem + lc.tp_bwd + lc.ep_bwd + max(0.0, lc.cp_bwd - attn_b)
     if lay.recompute == "selective":
         b += attn_f + max(0.0, lc.cp_fwd - attn_f)
-    elif lay.recompute == "full":  # checkpoint early stop: the down projection is not replayed
-        b += f - (down.f if not lp.expert_total else 0.0)
+    elif lay.recompute == "selective-op":  # half the matmuls and every elementwise op replay
+        b += (ph.f - down.f) / 2 + down.f / 2 + elem
+    elif lay.recompute == "full":  # the whole block replays, its TP collectives included
+        b += f
+    elif lay.recompute == "full-alternate":  # every second block
+        b += f / 2
     return Phase(f, b, ph.w)
 
 
@@ -294,12 +333,13 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
         total = c.time_per_step
         grad_bytes = c.payload
         tail = c.time * min(1.0, DP_BUCKET / grad_bytes) if grad_bytes else 0.0
-        if c.op == "reduce_scatter" and c.count > 1:  # ZeRO-2/3: each micro-batch behind its backward
-            e = c.count * max(0.0, c.time - last_bwd) + tail
-        elif c.op == "all_gather" and c.count > 1:  # ZeRO-3: layer by layer behind compute (prefetch)
-            per_layer = c.time / max(1, n_layers)
-            layer_compute = (phases[0].f + phases[0].b) / max(1, n_layers) / 2
-            e = c.count * (n_layers * max(0.0, per_layer - layer_compute) + per_layer)
+        if lay.zero == 3 and c.op in ("reduce_scatter", "all_gather"):
+            e = 0.0  # exposure of the per-layer ZeRO-3 traffic is computed below, together
+        elif c.op == "reduce_scatter" and c.count > 1:
+            # ZeRO-2: a micro-batch's reduce-scatter runs while the rank computes the next micro-batch
+            # (all of its chunks: f + b + w); only the last one has just its own backward to hide behind
+            window = sum(phases[ch * lay.pp].total for ch in range(lay.pp_virtual))
+            e = (c.count - 1) * max(0.0, c.time - window) + max(0.0, c.time - last_bwd) + tail
         elif c.op == "all_gather":  # updated parameters, behind the next step's first forward
             e = max(0.0, total - first_fwd)
         else:  # gradient all-reduce / reduce-scatter behind the last backward
@@ -307,11 +347,18 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
         dp_exposed += e
         hidden += max(0.0, total - e)
         exposed["dp"] = exposed.get("dp", 0.0) + e
+    z3 = zero3_exposed(lay, colls, phases[0], n_layers, m)
+    dp_exposed += z3
+    hidden += sum(c.time_per_step for c in colls if lay.zero == 3 and c.dim in ("dp_cp", "edp")) - z3
+    if z3:
+        exposed["dp"] = exposed.get("dp", 0.0) + z3
     prec = STATE_PRECISIONS[lay.precision]
     shard = lay.dp * lay.cp if lay.zero >= 1 else 1
     local = rp.dense / shard + rp.expert / (max(1, lay.dp * lay.cp // lay.ep) if lay.zero >= 1 else 1)
-    optimizer = local * OPTIMIZER_BYTES_PER_PARAM * (prec.param / 2 if lay.precision == "fp32" else 1)
-    optimizer /= gpu.hbm_bandwidth
+    per_param = OPTIMIZER_BYTES_PER_PARAM * (prec.param / 2 if lay.precision == "fp32" else 1)
+    if lay.precision == "fp16":  # dynamic loss scaling: one more read of the fp32 gradients (inf/nan check)
+        per_param += 4
+    optimizer = local * per_param / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
     for c in colls:  # exposure inside the pipeline, reported per dimension
         if c.dim in ("tp", "ep"):
             exposed[c.dim] = exposed.get(c.dim, 0.0) + c.time_per_step
@@ -327,6 +374,30 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
     contention = hidden * min(1.0, NCCL_CHANNELS / gpu.sm_count)
     step = pipe + dp_exposed + optimizer + contention
     return StepTime(step, pipe, bubble, dp_exposed, optimizer, contention, tuple(phases), tuple(colls), exposed)
+
+
+def zero3_exposed(lay: Layout, colls: tuple[Collective, ...] | list[Collective], ph: Phase, n_layers: int,
+                  m: int) -> float:
+    """ZeRO-3 per micro-batch: forward gathers each layer while the previous one computes (prefetch of
+    one layer), so a layer's gather is exposed by what exceeds one layer's forward, plus the first
+    layer's gather; backward runs the next layer's gather and this layer's gradient reduce-scatter
+    together behind one layer's backward, plus the last reduce-scatter. With pp and
+    zero3_gather="step" the stage is gathered and reduced once per step instead."""
+    if lay.zero != 3:
+        return 0.0
+    tg = sum(c.time for c in colls if c.dim in ("dp_cp", "edp") and c.op == "all_gather")
+    trs = sum(c.time for c in colls if c.dim in ("dp_cp", "edp") and c.op == "reduce_scatter")
+    if not tg and not trs:
+        return 0.0
+    n = max(1, n_layers)
+    f_l, b_l = ph.f / n, (ph.b + ph.w) / n
+    fwd = n * max(0.0, tg - f_l) + tg
+    bwd = n * max(0.0, tg + trs - b_l) + trs
+    if lay.pp > 1 and lay.zero3_gather == "step":
+        # gathered layer by layer during the first micro-batch's forward, reduce-scattered layer by
+        # layer during the last one's backward: once per step
+        return fwd + n * max(0.0, trs - b_l) + trs
+    return m * (fwd + bwd)
 
 
 @dataclass(frozen=True)

@@ -140,9 +140,10 @@ def verify_model(cfg: ModelConfig, seq_len: int, *, micro_batch: int = 1, recomp
     total = counter.get_total_flops()
     fb = flop_breakdown(cfg, s)
     checks.append(Check("forward FLOPs", fb.forward * tokens_n, fwd))
-    # the meta pass runs SDPA's math path: selective recompute replays only QK^T there (see flops.py)
+    # the meta pass runs SDPA's math path (selective replays only QK^T) and torch's early-stop checkpoint
     checks.append(Check(f"training FLOPs (fwd+bwd, recompute {recompute})",
-                        hardware_flops_per_token(cfg, s, recompute, attention="math") * tokens_n, total))
+                        hardware_flops_per_token(cfg, s, recompute, attention="math", early_stop=True) * tokens_n,
+                        total))
     del loss, model
     gc.collect()
 

@@ -1,0 +1,227 @@
+"""How close is `pentatron plan` to published training runs? Evaluates every row of
+`benchmarks/published_runs.toml` with its exact layout and prints predicted vs published tokens/s/GPU
+per row, then the median and p90 |error| overall and per source (and memory where published).
+
+    python benchmarks/planner_accuracy.py [--file benchmarks/published_runs.toml] [--json] [--source mpt]
+
+Published TFLOP/s are converted to tokens/s/GPU with the source's own FLOP convention (see the file's
+header). For reference it also prints the error of a constant-MFU guess (`--baseline-mfu`, default 40 %).
+Nothing is fitted here: the planner's constants come from kernel and collective measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from pentatron.models.config import ModelConfig
+from pentatron.models.registry import get_model_config
+from pentatron.plan.flops import model_flops_per_token
+from pentatron.plan.hardware import GiB, GPUSpec, get_gpu, hardware_from_dict
+from pentatron.plan.layout import Layout, Workload, compute_dtype, problems
+from pentatron.plan.search import Prediction, predict
+
+DEFAULT_FILE = Path(__file__).with_name("published_runs.toml")
+LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "zero", "sp", "pp_schedule", "pp_virtual", "micro_batch", "recompute",
+                 "precision", "attention", "grad_precision")
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    source: str
+    confirmed: bool
+    workload: Workload
+    layout: Layout
+    gpu: GPUSpec
+    published_tps: float  # tokens/s/GPU
+    published_memory: float | None  # bytes per GPU
+    inferred: tuple[str, ...]
+    kernels: str = "fused"
+    norm: str | None = None
+
+
+def build_model(name: str, spec: dict[str, Any]) -> ModelConfig:
+    """GPT-style shapes become our block with a GELU 4h MLP and MHA; Llama ones are taken as given."""
+    spec = dict(spec)
+    if "registry" in spec:
+        return get_model_config(spec["registry"])
+    arch = spec.pop("arch", "gpt")
+    h = spec["hidden_size"]
+    base = {"n_kv_heads": spec["n_heads"], "ffn_hidden_size": 4 * h, "max_seq_len": 131072}
+    if arch == "gpt":
+        base.update(mlp="gelu", tie_embeddings=True)
+    return ModelConfig(name=name, **{**base, **spec})
+
+
+def megatron2021_flops_per_token(cfg: ModelConfig, seq: int) -> float:
+    """Narayanan et al. 2021 eq. (3) per token: 96 l h^2 (1 + s/6h + V/(16 l h)); counts the
+    recomputed forward (4 passes of 24 l h^2), the attention square and the LM head."""
+    l, h, v = cfg.n_layers, cfg.hidden_size, cfg.vocab_size
+    return 96 * l * h * h * (1 + seq / (6 * h) + v / (16 * l * h))
+
+
+def load_rows(path: Path = DEFAULT_FILE) -> list[Row]:
+    data = tomllib.loads(path.read_text())
+    models = {k: build_model(k, v) for k, v in data["models"].items()}
+    rows = []
+    for r in data["run"]:
+        r = {**data["sources"][r["source"]].get("defaults", {}), **r}
+        cfg = models[r["model"]]
+        w = Workload(cfg, r["seq"], r["global_batch"])
+        lay_kw = {k: r[k] for k in LAYOUT_FIELDS if k in r}
+        lay_kw.setdefault("sp", r.get("tp", 1) > 1)
+        lay = Layout(**lay_kw)
+        gpu = get_gpu(r["gpu"])
+        if "hw" in r:
+            gpu = hardware_from_dict({"base": gpu.name, **r["hw"]}, where=r["id"])
+        if lay.world != r["gpus"]:
+            raise ValueError(f"{r['id']}: dp*tp*pp*cp = {lay.world} != gpus {r['gpus']}")
+        if r["metric"] == "tokens_per_s_per_gpu":
+            tps = float(r["value"])
+        elif r["metric"] == "tflops_per_gpu":
+            fpt = (megatron2021_flops_per_token(cfg, r["seq"]) if r["flops"] == "megatron2021"
+                   else model_flops_per_token(cfg, r["seq"]))
+            tps = r["value"] * 1e12 / fpt
+        else:
+            raise ValueError(f"{r['id']}: unknown metric {r['metric']!r}")
+        mem = r.get("memory_gib")
+        rows.append(Row(r["id"], r["source"], r.get("confirmed", True), w, lay, gpu, tps,
+                        mem * GiB if mem is not None else None, tuple(r.get("inferred", ())),
+                        r.get("kernels", "fused"), r.get("norm")))
+    return rows
+
+
+@dataclass(frozen=True)
+class Result:
+    row: Row
+    pred: Prediction
+    refused: tuple[str, ...]  # what `problems` says (the row is evaluated anyway)
+    baseline_tps: float
+
+    @property
+    def error(self) -> float:
+        return self.pred.rate.tokens_per_s_per_gpu / self.row.published_tps - 1
+
+    @property
+    def baseline_error(self) -> float:
+        return self.baseline_tps / self.row.published_tps - 1
+
+    @property
+    def memory_error(self) -> float | None:
+        if self.row.published_memory is None:
+            return None
+        return self.pred.memory.total / self.row.published_memory - 1
+
+
+def _predict(row: Row) -> Prediction:
+    """The row's layout; recompute "auto" (not published) takes the lightest mode that fits, as the
+    planner's search does."""
+    if row.layout.recompute != "auto":
+        return predict(row.workload, row.layout, row.gpu, kernels=row.kernels, norm=row.norm)
+    for mode in ("none", "selective", "full"):
+        pred = predict(row.workload, replace(row.layout, recompute=mode), row.gpu, kernels=row.kernels,
+                       norm=row.norm)
+        if pred.fits:
+            break
+    return pred
+
+
+def evaluate(rows: list[Row], baseline_mfu: float = 0.40) -> list[Result]:
+    out = []
+    for row in rows:
+        lay = row.layout if row.layout.recompute != "auto" else replace(row.layout, recompute="none")
+        probs = problems(row.workload, lay, row.gpu, lay.world)
+        pred = _predict(row)
+        peak = row.gpu.flops(compute_dtype(row.layout.precision))
+        base = baseline_mfu * peak / model_flops_per_token(row.workload.cfg, row.workload.seq_len)
+        out.append(Result(row, pred, tuple(probs), base))
+    return out
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]) of the values."""
+    s = sorted(xs)
+    return s[max(0, min(len(s) - 1, round(q * len(s) + 0.5) - 1))]
+
+
+def summary(results: list[Result]) -> dict[str, dict[str, float]]:
+    groups: dict[str, list[Result]] = {"all": results}
+    for r in results:
+        groups.setdefault(r.row.source, []).append(r)
+    out = {}
+    for name, rs in groups.items():
+        e = [abs(r.error) for r in rs]
+        b = [abs(r.baseline_error) for r in rs]
+        out[name] = {"n": len(rs), "median_abs_error": statistics.median(e), "p90_abs_error": percentile(e, 0.9),
+                     "signed_median_error": statistics.median(r.error for r in rs),
+                     "baseline_median_abs_error": statistics.median(b), "baseline_p90_abs_error": percentile(b, 0.9),
+                     "predicted_not_fit": sum(1 for r in rs if not r.pred.fits),
+                     "refused": sum(1 for r in rs if r.refused)}
+    return out
+
+
+def format_table(results: list[Result]) -> str:
+    lines = [f"{'run':<34} {'layout':<46} {'published':>9} {'predicted':>9} {'error':>7}  fits  mem",
+             "-" * 122]
+    for r in results:
+        mem = ""
+        if r.memory_error is not None:
+            mem = (f"{r.pred.memory.total / GiB:.1f}/{r.row.published_memory / GiB:.0f} GiB "
+                   f"({100 * r.memory_error:+.0f}%)")
+        flag = "" if r.row.confirmed else " *"
+        lines.append(f"{r.row.id + flag:<34} {r.pred.layout.short()[:46]:<46} {r.row.published_tps:>9.0f} "
+                     f"{r.pred.rate.tokens_per_s_per_gpu:>9.0f} {100 * r.error:>+6.0f}%  "
+                     f"{'yes' if r.pred.fits else 'NO ':<4}  {mem}")
+        for p in r.refused:
+            lines.append(f"{'':<36}planner would refuse: {p}")
+    lines.append("(* figures recalled from the paper, not re-read in this session; tokens/s per GPU)")
+    return "\n".join(lines)
+
+
+def format_summary(s: dict[str, dict[str, float]], baseline_mfu: float) -> str:
+    lines = [f"{'source':<14} {'rows':>4} {'median|err|':>11} {'p90|err|':>9} {'signed med':>10} "
+             f"{'no-fit':>6}   {f'{100 * baseline_mfu:.0f}%-MFU guess: median / p90':>30}"]
+    for name, v in s.items():
+        lines.append(f"{name:<14} {v['n']:>4} {100 * v['median_abs_error']:>10.1f}% {100 * v['p90_abs_error']:>8.1f}% "
+                     f"{100 * v['signed_median_error']:>+9.1f}% {v['predicted_not_fit']:>6}   "
+                     f"{100 * v['baseline_median_abs_error']:>15.1f}% / {100 * v['baseline_p90_abs_error']:.1f}%")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--file", type=Path, default=DEFAULT_FILE)
+    ap.add_argument("--source", help="only rows of this source")
+    ap.add_argument("--baseline-mfu", type=float, default=0.40)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rows = load_rows(args.file)
+    if args.source:
+        rows = [r for r in rows if r.source == args.source]
+    results = evaluate(rows, args.baseline_mfu)
+    s = summary(results)
+    if args.json:
+        print(json.dumps({"rows": [{"id": r.row.id, "source": r.row.source, "published": r.row.published_tps,
+                                    "predicted": r.pred.rate.tokens_per_s_per_gpu, "error": r.error,
+                                    "fits": r.pred.fits, "memory_error": r.memory_error,
+                                    "refused": list(r.refused)} for r in results],
+                          "summary": s}, indent=2))
+    else:
+        print(format_table(results))
+        print()
+        print(format_summary(s, args.baseline_mfu))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+

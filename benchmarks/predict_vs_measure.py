@@ -1,0 +1,104 @@
+"""Predict, then measure: `pentatron plan` with a `pentatron bench` profile of this machine predicts the
+step time and the per-rank model state of debug-model runs (1 process, dp2, tp2, pp2), then
+`pentatron train` runs them and the two are printed side by side.
+
+    python benchmarks/predict_vs_measure.py [--profile cpu.toml] [--steps 12] [--warmup 3]
+
+Without `--profile` it first runs `pentatron bench --nproc 2` into a temporary profile. Measured step
+time is the median over the steps after `--warmup` (rank 0's wall time per step, as the trainer logs
+it); model state is the trainer's per-rank accounting (parameters, gradients, optimizer state, master
+weights); peak RSS is printed for context (it includes the Python process and torch, which the planner
+does not model). Training runs in fp32 on CPU (train.precision auto), as predicted, one thread per rank
+(the bench profile should be measured the same way: OMP_NUM_THREADS=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from pentatron.models.registry import get_model_config
+from pentatron.plan.hardware import load_hardware_toml
+from pentatron.plan.layout import Layout, Workload
+from pentatron.plan.search import predict
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ, MICRO, GLOBAL = 64, 4, 8  # configs/debug.toml
+
+RUNS: dict[str, tuple[Layout, list[str]]] = {
+    "1 process": (Layout(dp=1, micro_batch=MICRO, precision="fp32"), []),
+    "dp2": (Layout(dp=2, micro_batch=MICRO, precision="fp32"), ["parallel.dp=2"]),
+    "tp2": (Layout(dp=1, tp=2, micro_batch=MICRO, precision="fp32"), ["parallel.tp=2"]),
+    "pp2": (Layout(dp=1, pp=2, micro_batch=1, precision="fp32"), ["parallel.pp=2", "train.micro_batch=1"]),
+}
+
+
+@dataclass
+class Measured:
+    step_s: float
+    model_state: float
+    peak_rss: float
+
+
+def _train(overrides: list[str], nproc: int, steps: int, warmup: int, logdir: Path) -> Measured:
+    cmd = [sys.executable, "-m", "pentatron.cli", "train", str(ROOT / "configs" / "debug.toml"),
+           "--nproc", str(nproc), "--set", f"train.steps={steps}", "--set", "train.warmup=1",
+           "--set", f"log.dir={json.dumps(str(logdir))}", "--set", "log.progress=false",
+           "--set", "log.tensorboard=false"]
+    for o in overrides:
+        cmd += ["--set", o]
+    # one intra-op thread per rank, as torchrun sets it for --nproc > 1: on a shared 2-core machine a
+    # 1-process run with 2 threads is oversubscribed (6x slower at load ~12, measured)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    if done.returncode:
+        raise RuntimeError(f"training failed ({' '.join(overrides) or '1 process'}):\n{done.stderr[-2000:]}")
+    recs = [json.loads(x) for x in (logdir / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_time_s"] for r in recs[warmup:]]
+    return Measured(statistics.median(times), float(recs[0]["memory"]["total"]),
+                    max(r["peak_mem_bytes"] for r in recs))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", help="a `pentatron bench` profile (default: measure one now)")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="pentatron-pvm-") as tmp:
+        profile = args.profile
+        if profile is None:
+            profile = str(Path(tmp) / "cpu.toml")
+            subprocess.run([sys.executable, "-m", "pentatron.cli", "bench", "--nproc", "2", "--device", "cpu",
+                            "--out", profile], check=True, cwd=ROOT, capture_output=True, timeout=900,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        gpu = load_hardware_toml(profile)
+        w = Workload(get_model_config("debug"), SEQ, GLOBAL)
+        print(f"profile: {gpu.name} ({gpu.source}); fp32 matmul {gpu.flops('fp32') / 1e9:.1f} GFLOP/s, "
+              f"copy {gpu.hbm_bandwidth / 1e9:.1f} GB/s")
+        print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} CPUs)")
+        head = (f"{'run':<10} {'pred step ms':>12} {'meas step ms':>12} {'ratio':>6}   "
+                f"{'pred state KiB':>14} {'meas state KiB':>14} {'ratio':>6}   {'peak RSS MiB':>12}")
+        print(head)
+        print("-" * len(head))
+        for i, (name, (lay, overrides)) in enumerate(RUNS.items()):
+            pred = predict(w, lay, gpu, kernels="eager")
+            m = _train(overrides, lay.world, args.steps, args.warmup, Path(tmp) / f"run{i}")
+            mem = pred.memory
+            state = mem.parameters + mem.gradients + mem.master_weights + mem.optimizer
+            print(f"{name:<10} {1e3 * pred.step.step:>12.2f} {1e3 * m.step_s:>12.2f} {pred.step.step / m.step_s:>6.2f}"
+                  f"   {state / 1024:>14.1f} {m.model_state / 1024:>14.1f} {state / m.model_state:>6.2f}"
+                  f"   {m.peak_rss / 2**20:>12.0f}")
+        print(f"load after: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

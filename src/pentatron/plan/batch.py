@@ -1,0 +1,65 @@
+"""`pentatron plan --batch FILE`: evaluate many fixed layouts of one workload in one process.
+
+FILE is TOML with one `[[layout]]` table per layout, holding any `Layout` field (dp, tp, pp, cp, ep,
+zero, sp, pp_schedule, pp_virtual, micro_batch, recompute, precision, attention, grad_precision,
+zero3_gather); the model, sequence, batch and hardware come from the command line. Each layout is
+evaluated as given (`problems` refuse only what cannot exist; warnings and "training cannot run this
+yet" are notes), so a sweep costs one import plus the arithmetic per layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from pentatron.plan.hardware import GPUSpec
+from pentatron.plan.layout import Layout, Workload, problems
+from pentatron.plan.search import Prediction, predict
+
+_FIELDS = {f.name for f in dataclasses.fields(Layout)}
+
+
+class BatchError(ValueError):
+    """The batch file cannot be read (one message naming the entry)."""
+
+
+def load_layouts(path: str | Path, defaults: dict[str, Any] | None = None) -> list[Layout]:
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise BatchError(f"--batch: {str(p)!r} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise BatchError(f"--batch {str(p)!r}: invalid TOML: {e}") from None
+    entries = data.get("layout")
+    if not isinstance(entries, list) or not entries:
+        raise BatchError(f"--batch {str(p)!r}: needs one or more [[layout]] tables")
+    out = []
+    for i, e in enumerate(entries, 1):
+        unknown = sorted(set(e) - _FIELDS)
+        if unknown:
+            raise BatchError(f"--batch {str(p)!r}: layout {i}: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(_FIELDS))}")
+        kw: dict[str, Any] = {**(defaults or {}), **e}
+        kw.setdefault("sp", kw.get("tp", 1) > 1)
+        out.append(Layout(**kw))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRow:
+    layout: Layout
+    prediction: Prediction | None
+    problems: tuple[str, ...]
+
+
+def evaluate_batch(w: Workload, gpu: GPUSpec, layouts: list[Layout], gpus: int | None = None, *,
+                   kernels: str = "fused") -> list[BatchRow]:
+    rows = []
+    for lay in layouts:
+        why = problems(w, lay, gpu, gpus if gpus is not None else lay.world)
+        rows.append(BatchRow(lay, None if why else predict(w, lay, gpu, kernels=kernels), tuple(why)))
+    return rows

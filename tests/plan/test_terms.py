@@ -1,0 +1,150 @@
+"""Hand-computed cases for the planner's modelling terms (issue 10): attention kernel choice, the
+unfused softmax, FP8 casts, tree all-reduce latency, NICs shared by a node, ZeRO-3 per-layer gathers
+and their exposure, torchtitan's recompute modes, whole-layer full recompute, fused-norm memory, fp16
+loss scaling and bf16 gradients."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pentatron.models.config import ModelConfig
+from pentatron.models.registry import get_model_config
+from pentatron.plan.comm import Collective, Group, bus_bandwidth, collective_time, dp_collectives
+from pentatron.plan.flops import flop_breakdown, recompute_flops_per_token
+from pentatron.plan.hardware import get_gpu
+from pentatron.plan.layout import Layout, Workload
+from pentatron.plan.memory import llama_layer_activation_bytes, memory_per_gpu
+from pentatron.plan.timing import Phase, _linear, attention_times, gemm_time, layer_phase, step_time, zero3_exposed
+
+H100, A100 = get_gpu("h100"), get_gpu("a100-80gb")
+DEBUG = get_model_config("debug")  # h 128, 4 heads (2 kv) of 32, ffn 256
+SMALL = ModelConfig(vocab_size=4096, hidden_size=512, n_layers=2, n_heads=8, n_kv_heads=8, ffn_hidden_size=2048,
+                    max_seq_len=4096)
+
+
+def test_attention_kernel_choice():
+    w = Workload(SMALL, 1024, 8)
+    flops = 4 * 8 * 64 * 1024 * 1025 / 2  # 4 h s (s+1)/2: QK^T and PV over the causal half
+    f2, b2 = attention_times(w, Layout(attention="flash2"), H100)
+    f3, b3 = attention_times(w, Layout(attention="flash3"), H100)
+    assert f2 == pytest.approx(flops / (989.4e12 * 0.35)) and b2 == pytest.approx(2.5 * flops / (989.4e12 * 0.30))
+    assert f3 == pytest.approx(flops / (989.4e12 * 0.75)) and b3 == pytest.approx(2.5 * flops / (989.4e12 * 0.60))
+    # FlashAttention-3 needs Hopper: on an A100 the same request runs FlashAttention-2
+    assert attention_times(w, Layout(attention="flash3"), A100) == attention_times(w, Layout(), A100)
+
+
+def test_unfused_attention_pays_the_softmax_traffic():
+    w = Workload(SMALL, 1024, 8)
+    fwd, bwd = attention_times(w, Layout(attention="math"), H100)
+    qk = 8 * gemm_time(H100, 1024, 1024, 64, 989.4e12, 2)
+    pv = 8 * gemm_time(H100, 1024, 64, 1024, 989.4e12, 2)
+    scores = 8 * 1024 * 1024  # heads x s x s, full square
+    assert fwd - (qk + pv) == pytest.approx(scores * 2 * 2 / (3350e9 * 0.9))  # read scores, write probs
+    assert bwd - 2 * (qk + pv) == pytest.approx(scores * 2 * 3 / (3350e9 * 0.9))
+
+
+def test_fp8_linear_pays_its_casts():
+    t, n = 4096, 4096
+    bf16 = _linear(H100, t, n, n, 989.4e12, 2)
+    fp8 = _linear(H100, t, n, n, 1978.9e12, 2, fp8=True)
+    bw = 3350e9 * 0.9
+    assert fp8.f == pytest.approx(gemm_time(H100, t, n, n, 1978.9e12, 1) + (t * n + n * n) * 6 / bw)
+    assert fp8.b == pytest.approx(gemm_time(H100, t, n, n, 1978.9e12, 1) + t * n * 6 / bw)
+    assert fp8.w == pytest.approx(gemm_time(H100, n, n, t, 1978.9e12, 1))
+    assert bf16.total / fp8.total < 2  # twice the peak is not twice the speed
+
+
+def test_small_all_reduce_across_nodes_uses_the_tree():
+    g = Group("dp", 16, 1, 16)  # one rank per node on 16 nodes
+    t = collective_time(H100, "all_reduce", 1024, g)
+    # tree: 2 ceil(log2 16) inter-node hops of 6 us (the ring would pay 2 x 15 of them)
+    wire = 2 * 15 * 1024 // 16
+    assert t == pytest.approx(2 * 4 * 6e-6 + wire / (50e9 * 0.8))
+
+
+def test_ranks_of_a_node_share_its_nics():
+    four_nics = dataclasses.replace(A100, nics_per_node=4, inter_node_bandwidth=6.25e9)  # 4 x 12.5 GB/s
+    g = Group("dp", 16, 2, 8)  # 2 ranks per node: each can drive its own NIC
+    assert bus_bandwidth(four_nics, "all_gather", 1e9, g) == pytest.approx(2 * 12.5e9 * 0.8)
+    g8 = Group("dp", 64, 8, 8)  # 8 ranks share 4 NICs
+    assert bus_bandwidth(four_nics, "all_gather", 1e9, g8) == pytest.approx(4 * 12.5e9 * 0.8)
+
+
+def test_zero3_gathers_and_reduces_layer_by_layer():
+    lay = Layout(dp=64, zero=3)
+    colls = dp_collectives(lay, H100, 1e9, "dp", m=2, a=2, layers=10)
+    rs, ag = colls
+    assert (rs.op, rs.payload, rs.count) == ("reduce_scatter", 4e9 / 10, 2 * 10)
+    assert (ag.op, ag.payload, ag.count) == ("all_gather", 2e9 / 10, 2 * 2 * 10)
+    assert ag.time == pytest.approx(collective_time(H100, "all_gather", 2e8, Group("dp", 64, 8, 8)))
+
+
+def _coll(op: str, t: float) -> Collective:
+    return Collective("dp_cp", op, 1.0, 1.0, t, "", 1.0)
+
+
+@pytest.mark.parametrize(("tg", "trs", "expected"), [
+    (0.05, 0.10, 2 * (0.05 + 0.10)),  # hidden except the first gather and the last reduce-scatter
+    (0.30, 0.10, 2 * ((10 * 0.2 + 0.3) + (10 * 0.2 + 0.1))),  # gathers longer than a layer: exposed
+])
+def test_zero3_exposure(tg, trs, expected):
+    ph = Phase(1.0, 0.5, 1.5)  # 10 layers: 0.1 s forward and 0.2 s backward each
+    assert zero3_exposed(Layout(dp=8, zero=3), [_coll("all_gather", tg), _coll("reduce_scatter", trs)], ph, 10,
+                         2) == pytest.approx(expected)
+
+
+def test_torchtitan_recompute_modes():
+    # debug, bf16, one sequence of 64 tokens; the runtime formula gives 329,216 bytes for the plain layer
+    full = llama_layer_activation_bytes(DEBUG, 64, 64).saved
+    assert full == 329_216
+    # op-level SAC: block input 2*128, half the matmul outputs 2*(128+2*64+2*128+2*256)/2, the attention
+    # output 2*128 and the logsumexp 4*4, per token
+    assert llama_layer_activation_bytes(DEBUG, 64, 64, recompute="selective-op").saved == 64 * (256 + 1024 + 256 + 16)
+    assert llama_layer_activation_bytes(DEBUG, 64, 64, recompute="full-alternate").saved == (329_216 + 64 * 256) / 2
+    cfg, s = get_model_config("llama3-8b"), 4096
+    fb = flop_breakdown(cfg, s)
+    assert recompute_flops_per_token(cfg, s, "selective-op") == pytest.approx(fb.layers_matmul / 2)
+    assert recompute_flops_per_token(cfg, s, "full-alternate") == pytest.approx((fb.layers_matmul + fb.attention) / 2)
+
+
+def test_full_recompute_replays_the_whole_layer():
+    w = Workload(get_model_config("llama3-8b"), 4096, 64)
+    none = layer_phase(w, Layout(dp=8, tp=2, sp=True), H100, 0)
+    full = layer_phase(w, Layout(dp=8, tp=2, sp=True, recompute="full"), H100, 0)
+    assert full.b - none.b == pytest.approx(none.f)  # GEMMs, attention, elementwise and the TP collectives
+    assert (full.f, full.w) == (none.f, none.w)
+
+
+def test_fused_norms_keep_no_fp32_copy():
+    eager = llama_layer_activation_bytes(DEBUG, 64, 64).saved
+    fused = llama_layer_activation_bytes(DEBUG, 64, 64, norm="fused").saved
+    assert eager - fused == 64 * 2 * 4 * 128 == 65_536
+
+
+def test_fp16_loss_scaling_and_bf16_gradients():
+    w = Workload(get_model_config("llama3-8b"), 4096, 64)
+    bf16 = step_time(w, Layout(dp=8), H100)
+    fp16 = step_time(w, Layout(dp=8, precision="fp16"), H100)
+    assert fp16.optimizer / bf16.optimizer == pytest.approx((34 + 4) / 34)
+    m32 = memory_per_gpu(w, Layout(dp=8), H100)
+    m16 = memory_per_gpu(w, Layout(dp=8, grad_precision="bf16"), H100)
+    assert m16.gradients == pytest.approx(m32.gradients / 2)
+    g32 = dp_collectives(Layout(dp=8), H100, 1e9, "dp", 1, 2)[0]
+    g16 = dp_collectives(Layout(dp=8, grad_precision="bf16"), H100, 1e9, "dp", 1, 2)[0]
+    assert (g32.payload, g16.payload) == (4e9, 2e9)
+
+
+def test_zero3_with_pp_gathers_per_micro_batch_or_once_per_step():
+    w = Workload(get_model_config("llama3-8b"), 4096, 64)
+    per_mb = Layout(dp=8, pp=2, zero=3)
+    per_step = per_mb.with_(zero3_gather="step")
+    m, layers = per_mb.microbatches(w), 16  # 32 layers over 2 stages
+    a = dp_collectives(per_mb, H100, 1e9, "dp", m, 2, layers)
+    b = dp_collectives(per_step, H100, 1e9, "dp", m, 2, layers)
+    assert [c.count for c in a] == [m * layers, 2 * m * layers] and [c.count for c in b] == [layers, layers]
+    # keeping the stage gathered costs its full parameters (less this rank's shard) in memory
+    extra = memory_per_gpu(w, per_step, H100).comm_buffers - memory_per_gpu(w, per_mb, H100).comm_buffers
+    assert extra > 1e9
+    assert step_time(w, per_step, H100).dp_exposed < step_time(w, per_mb, H100).dp_exposed
