@@ -27,7 +27,7 @@ def test_the_emitted_config_of_a_recommendation_trains_on_its_ranks(tmp_path, de
            "--set", f"log.dir={json.dumps(str(tmp_path / 'log'))}", "--set", "log.progress=false"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    steps = [json.loads(x)["step"] for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(x)["step"] for x in (tmp_path / "log" / "latest" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
 
 
