@@ -29,24 +29,13 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
+from pentatron.distributed.ring import ring_bytes
+
 Op = Literal["all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "barrier"]
 # torch 2.13 renamed the flat-tensor collectives (the old names still work, with a warning).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-def ring_bytes(op: str, payload_bytes: int, n: int) -> int:
-    """Bytes one rank sends (= receives) for `op` on a ring of n ranks; see the module docstring."""
-    if n <= 1:
-        return 0
-    if op == "all_reduce":
-        return 2 * (n - 1) * payload_bytes // n
-    if op in ("reduce_scatter", "all_gather", "broadcast"):
-        return (n - 1) * payload_bytes // n
-    if op in ("send", "recv"):
-        return payload_bytes
-    return 0
 
 
 @dataclass(frozen=True)

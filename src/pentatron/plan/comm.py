@@ -1,7 +1,7 @@
 """Communication: which collectives a layout issues, how many bytes each GPU moves per step per mesh
 dimension, and how long each takes on the hardware (alpha-beta model on ring algorithms).
 
-Byte counts use the same convention as the trainer's ledger (`distributed/comm.ring_bytes`): what one
+Byte counts use the same convention as the trainer's ledger (`distributed/ring.ring_bytes`): what one
 rank sends on the wire under NCCL's bandwidth-optimal ring, all-reduce 2(n-1)/n S, all-gather and
 reduce-scatter (n-1)/n S, all-to-all (n-1)/n S, send S. Time = steps * alpha + wire bytes / bus
 bandwidth, where bus bandwidth is NVLink inside a node or, for a group spread over nodes with k of
@@ -15,6 +15,7 @@ import bisect
 import math
 from dataclasses import dataclass
 
+from pentatron.distributed.ring import ring_bytes
 from pentatron.plan.flops import MoESpec
 from pentatron.plan.hardware import GPUSpec
 from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, nodes_spanned
@@ -46,18 +47,6 @@ def group_of(lay: Layout, dim: str, gpu: GPUSpec) -> Group:
     }[dim]
     per_node, nodes = nodes_spanned(size, stride, gpu.gpus_per_node)
     return Group(dim, size, per_node, nodes)
-
-
-def ring_bytes(op: str, payload_bytes: int, n: int) -> int:
-    """The trainer ledger's convention (`distributed.comm.ring_bytes`, kept equal by a test), here
-    without importing the communication layer (and torch) into the planner."""
-    if n <= 1:
-        return 0
-    if op == "all_reduce":
-        return 2 * (n - 1) * payload_bytes // n
-    if op in ("reduce_scatter", "all_gather", "broadcast"):
-        return (n - 1) * payload_bytes // n
-    return payload_bytes if op in ("send", "recv") else 0
 
 
 def wire_bytes(op: str, payload: float, n: int) -> float:
