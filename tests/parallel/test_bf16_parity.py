@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from pentatron.config import Config, load_config
 from tests.multiprocess import run_ranks
@@ -40,7 +41,7 @@ def _train(cfg: Config, dataset_dir: Path) -> dict[str, Any]:
     from pentatron.train.trainer import Trainer
 
     trainer = Trainer(cfg, dataset_dir=dataset_dir)
-    assert trainer.policy.name == "bf16" and next(iter(trainer.model.parameters())).dtype.is_floating_point
+    assert trainer.policy.name == "bf16" and all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
     out: dict[str, Any] = {"losses": []}
     for step in range(STEPS):
         out["losses"].append(trainer.train_step()["loss"])

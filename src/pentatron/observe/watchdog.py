@@ -182,21 +182,16 @@ class Watchdog:
         while time.monotonic() < deadline and not path.exists():
             time.sleep(self.poll_s / 2)
 
+    def _per_rank(self, suffix: str) -> dict[int, dict[str, Any]]:
+        """Every rank's `rank<r><suffix>` file that exists and parses."""
+        found = {r: _read_json(self.dir / f"rank{r}{suffix}") for r in range(self.world_size)}
+        return {r: d for r, d in found.items() if d is not None}
+
     def _dumps(self) -> dict[int, dict[str, Any]]:
-        out = {}
-        for r in range(self.world_size):
-            d = _read_json(self.dir / f"rank{r}.json")
-            if d is not None:
-                out[r] = d
-        return out
+        return self._per_rank(".json")
 
     def _heartbeats(self) -> dict[int, dict[str, Any]]:
-        out = {}
-        for r in range(self.world_size):
-            d = _read_json(self.dir / f"rank{r}.heartbeat.json")
-            if d is not None:
-                out[r] = d
-        return out
+        return self._per_rank(".heartbeat.json")
 
 
 def attach_flight_recorder(ctx: ParallelContext, dump_dir: Path, timeout_s: float, check: bool,

@@ -72,6 +72,9 @@ class DataParallelBase:
         # A tied weight held by two pipeline ranks gets a bucket of its own on both, so that both
         # ranks' ZeRO shards of it cover the same elements and can be summed shard by shard.
         self.isolated = {p for p, pl in self.place.items() if pl.tied_peer is not None}
+        # Each parameter's share of the global gradient norm (1/replicas over tp, 0 for a tied copy the
+        # peer counts); all 1 when every element lives on exactly one rank of the norm's groups.
+        self.norm_weights = {p: pl.norm_weight(ctx.size("tp")) for p, pl in self.place.items()}
         self.bucket_numel = max(1, int(bucket_mb * 2**20) // 4)  # buckets hold fp32 gradients
         self._last_micro = True
         self._remaining: dict[int, int] = {}
@@ -127,7 +130,7 @@ class DataParallelBase:
 
     def grad_norm(self) -> torch.Tensor:
         tp, pp = self.ctx.size("tp"), self.ctx.size("pp")
-        weights = {p: pl.norm_weight(tp) for p, pl in self.place.items()}
+        weights = self.norm_weights
         if all(w == 1.0 for w in weights.values()):
             sq = grad_norm_squared(self.owned_grads())
         else:

@@ -84,20 +84,8 @@ class Placement:
             return self.name
         return f"{self.name}|tp{self.tp.index}/{self.tp.parts}"
 
-    def piece_key(self, piece: ZeroPiece) -> str:
-        """Key of one owned ZeRO piece: the tensor's key, with the flattened range when only part is here."""
+    def piece_key(self, lo: int, hi: int) -> str:
+        """Key of an owned ZeRO range [lo, hi) of the flattened tensor: the tensor's key, with the range when
+        only part of it is here."""
         key = self.checkpoint_key()
-        return key if (piece.lo, piece.hi) == (0, self.numel) else f"{key}[{piece.lo}:{piece.hi}]"
-
-    def describe(self) -> str:
-        parts = [f"{self.name} {tuple(self.full_shape)}"]
-        if self.tp.dim is not None:
-            parts.append(f"tp dim {self.tp.dim} shard {self.tp.index}/{self.tp.parts}")
-        if self.stage is not None:
-            parts.append(f"stage {self.stage}")
-        if self.tied_peer is not None:
-            parts.append(f"tied with pp rank {self.tied_peer}" + ("" if self.counted else " (counted there)"))
-        if self.zero is not None:
-            parts.append("zero " + ", ".join(f"[{p.lo}:{p.hi}]@{p.glob}" for p in self.zero))
-        parts.append("grad over " + "×".join(self.grad_dims))
-        return "; ".join(parts)
+        return key if (lo, hi) == (0, self.numel) else f"{key}[{lo}:{hi}]"

@@ -130,8 +130,8 @@ class StepRunner:
         """This pipeline rank's reduced gradients at full shape, by name, assembled from the owned
         pieces each placement records (collective over dp and tp): call after `forward_backward`."""
         engine = self.engine
-        flat = {p: torch.zeros(p_numel, dtype=torch.float32, device=self.device)
-                for p, p_numel in ((p, engine.place[p].numel) for p in engine.params)}
+        flat = {p: torch.zeros(engine.place[p].numel, dtype=torch.float32, device=self.device)
+                for p in engine.params}
         pieces: dict[nn.Parameter, list[torch.Tensor]] = {}
         for p, g in engine.owned_param_grads():
             pieces.setdefault(p, []).append(g)

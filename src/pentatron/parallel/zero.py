@@ -88,7 +88,7 @@ class _ShardedBase(DataParallelBase):
     def _key(self, pc: Piece) -> str:
         """A checkpoint key: the parameter's key (name, tp shard), with the flattened range when only part
         is here."""
-        return self.place[pc.param].piece_key(ZeroPiece(pc.lo, pc.hi, pc.glob, -1))
+        return self.place[pc.param].piece_key(pc.lo, pc.hi)
 
     def layout_meta(self) -> dict[str, Any]:
         return {"zero": self.stage, "dp": self.dp, "buckets": [b.padded for b in self.layout.buckets]}
