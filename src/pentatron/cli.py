@@ -74,7 +74,15 @@ def _input_error(message: str) -> int:
     return 2
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    from pentatron.plan.cli import add_bench_parser, add_plan_parser
+
+    parser = argparse.ArgumentParser(prog="pentatron", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    if command in ("plan", "bench"):  # the other registrars import torch; a plan must not pay for it
+        add_plan_parser(sub)
+        add_bench_parser(sub)
+        return parser
     from pentatron.data.tokenize import add_tokenize_parser
     from pentatron.demo import add_demo_parser
     from pentatron.generate import add_generate_parser
@@ -82,10 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pentatron.models.hf import add_convert_parser
     from pentatron.observe.report import add_report_parser
     from pentatron.parallel.pipeline.cli import add_schedule_parser
-    from pentatron.plan.cli import add_bench_parser, add_plan_parser
 
-    parser = argparse.ArgumentParser(prog="pentatron", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
     registrars: list[Callable[[argparse._SubParsersAction], None]] = [
         _add_train_parser, add_plan_parser, add_bench_parser, add_tokenize_parser, add_convert_parser,
         add_schedule_parser, add_generate_parser, add_demo_parser, add_lab_parser, add_report_parser]
@@ -117,7 +122,7 @@ def _split_dotted(argv: list[str]) -> tuple[list[str], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     rest, dotted = _split_dotted(argv)
-    args = build_parser().parse_args(rest)
+    args = build_parser(rest[0] if rest else None).parse_args(rest)
     args.dotted = dotted
     if dotted and args.command != "train":
         return _input_error(f"{' '.join('--' + d for d in dotted)}: dotted config flags apply to `train` only")

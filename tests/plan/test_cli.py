@@ -140,3 +140,16 @@ def test_batch_evaluates_every_layout_in_one_process(capsys, tmp_path):
     f.write_text("[[layout]]\ndp = 8\nbogus = 1\n")
     assert run(["plan", "--model", "llama3-8b", "--batch", str(f)]) == 2
     assert "unknown key(s) bogus" in capsys.readouterr().err
+
+
+def test_plan_through_the_top_level_cli_imports_no_torch():
+    """Issue 10: evaluating one (pp=1) layout costs no more than importing the package."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pentatron.cli import main; "
+            "rc = main(['plan', '--model', 'llama3-8b', '--gpus', '8', '--seq', '4096', '--global-batch', '64', "
+            "'--dp', '8', '--tp', '1', '--pp', '1', '--cp', '1', '--zero', '3', '--micro-batch', '1', "
+            "'--recompute', 'none']); print('torch' in sys.modules, rc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "False 0"
