@@ -223,10 +223,27 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
         g = group_of(lay, "pp", gpu)
         sends = m * lay.pp_virtual * 2 - (m if first else 0) - (m if last else 0)
         out.append(Collective("pp", "send", msg, sends, p2p_time(gpu, msg, g.crosses_nodes), "stage boundary", msg))
+    if lay.pp > 1 and cfg.tie_embeddings and (first or last):
+        # the first and the last stage hold a copy of the tied embedding: after the DP reduction they
+        # swap its (ZeRO-owned piece of the) gradient and add (parallel/data.sync_tied_grads; Megatron
+        # all-reduces it over its embedding group: the same bytes), exposed before the optimizer
+        tied = tied_grad_bytes(cfg.vocab_size * cfg.hidden_size / lay.tp, lay)
+        g = group_of(lay, "pp", gpu)
+        out.append(Collective("pp", "send", tied, 1, p2p_time(gpu, tied, g.crosses_nodes), TIED_WHERE, tied))
     out += dp_collectives(lay, gpu, dense_params, "dp_cp", m, a, layers_on_rank)
     if expert_params:
         out += dp_collectives(lay, gpu, expert_params, "edp", m, a, max(1, moe_layers_on_rank))
     return out
+
+
+TIED_WHERE = "tied embedding gradient"
+
+
+def tied_grad_bytes(params: float, lay: Layout) -> float:
+    """Bytes of the tied weight's gradient one rank sends its peer stage: the gradient buffer's dtype,
+    only the piece it owns under ZeRO >= 1 (sharded over dp x cp)."""
+    shard = lay.dp * lay.cp if lay.zero >= 1 else 1
+    return params * (2 if lay.grad_precision == "bf16" else 4) / shard
 
 
 def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a: int,

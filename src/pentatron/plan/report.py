@@ -89,7 +89,8 @@ def detail(w: Workload, p: Prediction, gpu: GPUSpec, *, train_tokens: float | No
     out.append(f"pipeline: {st.pipeline:.3f} s incl. bubble {100 * st.bubble_fraction:.1f}% "
                f"(simulated {_mode(p)} schedule)" if lay.pp > 1 else f"compute: {st.pipeline:.3f} s")
     out.append(f"step time {st.step:.3f} s = pipeline {st.pipeline:.3f} + exposed DP {st.dp_exposed:.3f} + optimizer "
-               f"{st.optimizer:.3f} + SM contention {st.contention:.3f}")
+               f"{st.optimizer:.3f} + SM contention {st.contention:.3f}"
+               + (f" + tied-embedding gradients {st.tied_grads:.3f}" if st.tied_grads else ""))
     out.append(f"throughput: {rate.tokens_per_s:,.0f} tokens/s, {rate.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
                f"MFU {100 * rate.mfu:.1f}%, HFU {100 * rate.hfu:.1f}% (peak {compute_dtype(lay.precision)} "
                f"{gpu.flops(compute_dtype(lay.precision)) / 1e12:.0f} TFLOP/s)")
@@ -130,6 +131,7 @@ def prediction_json(w: Workload, p: Prediction, rank: int, *, train_tokens: floa
         "dp_exposed_s": st.dp_exposed,
         "optimizer_s": st.optimizer,
         "contention_s": st.contention,
+        "tied_grads_s": st.tied_grads,
         "tokens_per_s": p.rate.tokens_per_s,
         "tokens_per_s_per_gpu": p.rate.tokens_per_s_per_gpu,
         "mfu": p.rate.mfu,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from pentatron.plan.comm import (
+    TIED_WHERE,
     Collective,
     collective_time,
     group_of,
@@ -303,6 +304,7 @@ class StepTime:
     phases: tuple[Phase, ...]  # per stage, one micro-batch
     collectives: tuple[Collective, ...]
     exposed_by_dim: dict[str, float]
+    tied_grads: float = 0.0  # the tied embedding's gradient swapped between first and last stage
 
 
 def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", exact: bool = True) -> StepTime:
@@ -359,9 +361,13 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
     if lay.precision == "fp16":  # dynamic loss scaling: one more read of the fp32 gradients (inf/nan check)
         per_param += 4
     optimizer = local * per_param / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
+    tied = 0.0
     for c in colls:  # exposure inside the pipeline, reported per dimension
         if c.dim in ("tp", "ep"):
             exposed[c.dim] = exposed.get(c.dim, 0.0) + c.time_per_step
+        elif c.dim == "pp" and c.where == TIED_WHERE:
+            tied += c.time_per_step
+            exposed["pp"] = exposed.get("pp", 0.0) + c.time_per_step
         elif c.dim == "pp":
             exposed["pp"] = exposed.get("pp", 0.0) + 2 * (lay.pp - 1) * hop
     if lay.cp > 1:
@@ -372,8 +378,9 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
         exposed["cp"] = m * n_layers * per
         hidden += m * n_layers * (min(lc.cp_fwd, attn_f) * fwd_passes + min(lc.cp_bwd, attn_b))
     contention = hidden * min(1.0, NCCL_CHANNELS / gpu.sm_count)
-    step = pipe + dp_exposed + optimizer + contention
-    return StepTime(step, pipe, bubble, dp_exposed, optimizer, contention, tuple(phases), tuple(colls), exposed)
+    step = pipe + dp_exposed + optimizer + contention + tied
+    return StepTime(step, pipe, bubble, dp_exposed, optimizer, contention, tuple(phases), tuple(colls), exposed,
+                    tied)
 
 
 def zero3_exposed(lay: Layout, colls: tuple[Collective, ...] | list[Collective], ph: Phase, n_layers: int,
