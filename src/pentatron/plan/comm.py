@@ -148,6 +148,7 @@ class LayerComm:
     cp_bwd: float
     ep_fwd: float  # seconds of MoE all-to-all (exposed)
     ep_bwd: float
+    sp_regather: float = 0.0  # one backward all-gather of a block input (sp_inputs="sharded"), x2 per layer
 
 
 def layer_comm(w: Workload, lay: Layout, gpu: GPUSpec, layer_is_moe: bool) -> LayerComm:
@@ -174,7 +175,10 @@ def layer_comm(w: Workload, lay: Layout, gpu: GPUSpec, layer_is_moe: bool) -> La
         routed = tokens * moe.top_k * cfg.hidden_size * a
         ep_fwd = 2 * collective_time(gpu, "all_to_all", routed, g)  # dispatch + combine
         ep_bwd = ep_fwd
-    return LayerComm(tp_fwd, tp_fwd, cp_fwd, cp_bwd, ep_fwd, ep_bwd)
+    regather = 0.0
+    if lay.tp > 1 and lay.sp and lay.sp_inputs == "sharded":
+        regather = collective_time(gpu, "all_gather", act, tp_g)
+    return LayerComm(tp_fwd, tp_fwd, cp_fwd, cp_bwd, ep_fwd, ep_bwd, regather)
 
 
 def pp_message_bytes(w: Workload, lay: Layout) -> float:
@@ -205,6 +209,8 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
         per_mb = (2 + 2 + 2 * recompute_fwd) * layers_on_rank + (1 if first else 0) + (2 if last else 0)
         if lay.sp:
             out.append(_coll(gpu, g, "all_gather", act, m * per_mb / 2, "layers fwd+bwd (SP)"))
+            if lay.sp_inputs == "sharded":
+                out.append(_coll(gpu, g, "all_gather", act, m * 2 * layers_on_rank, SP_REGATHER_WHERE))
             out.append(_coll(gpu, g, "reduce_scatter", act, m * per_mb / 2, "layers fwd+bwd (SP)"))
         else:
             out.append(_coll(gpu, g, "all_reduce", act, m * per_mb, "layers fwd+bwd"))
@@ -237,6 +243,7 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
 
 
 TIED_WHERE = "tied embedding gradient"
+SP_REGATHER_WHERE = "block inputs again in bwd (SP, sharded inputs)"
 
 
 def tied_grad_bytes(params: float, lay: Layout) -> float:

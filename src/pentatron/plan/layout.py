@@ -25,6 +25,8 @@ PRECISIONS: tuple[str, ...] = ("bf16", "fp32", "fp8", "fp16")
 ATTENTION_KERNELS: tuple[str, ...] = ("flash2", "flash3", "cudnn", "math")
 TRAIN_PRECISIONS: tuple[str, ...] = ("bf16", "fp32")  # train.precision (besides "auto")
 PP_SCHEDULES: tuple[str, ...] = ("afab", "1f1b", "interleaved", "zb")
+SP_INPUTS: tuple[str, ...] = ("gathered", "sharded")
+CROSS_ENTROPY: tuple[str, ...] = ("eager", "fused")
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,13 @@ class Layout:
     # default distributed optimizer and FSDP with a bf16 reduce dtype keep bf16 (2 bytes/param less)
     grad_precision: str = "fp32"
     zero3_gather: str = "micro_batch"  # ZeRO-3 with pp: re-gather per micro-batch, or once per "step"
+    # Under SP, what the column-parallel linears (q/k/v, gate/up) keep for backward: "gathered" (ours:
+    # the all-gathered block input) or "sharded" (Megatron-LM/-Core: the sequence shard, all-gathered
+    # again in backward, overlapped with the input-gradient GEMM)
+    sp_inputs: str = "gathered"
+    # the loss: "eager" (log-softmax in fp32, as training) or "fused" (flash-attn's cross-entropy kernel,
+    # llm-foundry's default: keeps the low-precision logits and a per-token logsumexp only)
+    cross_entropy: str = "eager"
 
     @property
     def world(self) -> int:
@@ -126,6 +135,10 @@ def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
         out.append(f"--precision {lay.precision}: {gpu.name} has no {lay.precision} tensor cores")
     if lay.attention not in ATTENTION_KERNELS:
         out.append(f"--attention must be one of {', '.join(ATTENTION_KERNELS)}, got {lay.attention!r}")
+    if lay.sp_inputs not in SP_INPUTS:
+        out.append(f"sp_inputs must be one of {', '.join(SP_INPUTS)}, got {lay.sp_inputs!r}")
+    if lay.cross_entropy not in CROSS_ENTROPY:
+        out.append(f"cross_entropy must be one of {', '.join(CROSS_ENTROPY)}, got {lay.cross_entropy!r}")
     if lay.grad_precision not in ("fp32", "bf16"):
         out.append(f"grad_precision must be 'fp32' or 'bf16', got {lay.grad_precision!r}")
     if lay.ep > 1 and moe is None:
@@ -169,6 +182,11 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
                    f"{', '.join(TRAINABLE_RECOMPUTE)})")
     if lay.grad_precision != "fp32":
         out.append("training accumulates gradients in fp32 (grad_precision='bf16' is not available)")
+    if lay.sp_inputs != "gathered" and lay.sp:
+        out.append("training's column-parallel layers keep the all-gathered input (sp_inputs='sharded' is "
+                   "Megatron's recipe, not available)")
+    if lay.cross_entropy != "eager":
+        out.append("training computes the loss in fp32 PyTorch ops (cross_entropy='fused' is not available)")
     if w.moe_spec is not None:
         out.append("mixture-of-experts models are not available in training yet")
     return out

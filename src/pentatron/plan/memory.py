@@ -116,7 +116,8 @@ class LayerActivation:
 @lru_cache(maxsize=16384)
 def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *, precision: str = "bf16",
                                  tp: int = 1, sp: bool = False, recompute: str = "none", layer: int = 0,
-                                 moe: MoESpec | None = None, norm: str = "eager") -> LayerActivation:
+                                 moe: MoESpec | None = None, norm: str = "eager",
+                                 sp_inputs: str = "gathered") -> LayerActivation:
     """Saved tensors of one `DecoderBlock` of models/llama.py for `tokens` local tokens (micro_batch *
     seq/cp) of sequences `seq_len/cp` long. Per token, a = activation bytes:
       RMSNorm x2: fp32 copy of the input (4h), rstd (4), normalised a*h, gain product = next matmul's
@@ -129,6 +130,8 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
     out is kept as o_proj's input, so only the logsumexp goes. Full recompute keeps the block input.
     norm="fused" (Apex/TE/Megatron fused norm kernels, MPT's low-precision LayerNorm): each norm keeps
     its a*h input and the fp32 rstd only, no fp32 copy and no separate normalised tensor.
+    sp_inputs="sharded" (Megatron's SP: the column-parallel linears keep the sequence shard of their
+    input and all-gather it again in backward): the two block inputs a*h become a*h/tp.
     selective-op (torchtitan op-level SAC): the block input, every other matmul output (half of q, k,
     v, o, gate, up, down), the attention output and logsumexp. full-alternate: every second block
     fully recomputed, so per layer the mean of none and full."""
@@ -147,6 +150,8 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
     full_layer = float(layer_activation_bytes(cfg, seq_len, tokens // seq_len, tp=tp, sp=sp, act_bytes=a))
     if norm == "fused":  # each of the two norms drops its fp32 copy of the input (4h) and keeps a*h
         full_layer -= tokens * 2 * 4 * hs
+    if sp and tp > 1 and sp_inputs == "sharded":
+        full_layer -= tokens * 2 * a * h * (1 - 1 / tp)
     if lp.expert_total and moe is not None:
         # Routed tokens: top_k copies of the input plus each expert's MLP internals; router logits and
         # probabilities in fp32. Approximation until the MoE code exists (no capacity padding).
@@ -171,18 +176,25 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
 
 
 def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, precision: str = "bf16",
-                 tp: int = 1, sp: bool = False) -> tuple[float, float]:
+                 tp: int = 1, sp: bool = False, cross_entropy: str = "eager") -> tuple[float, float]:
     """(saved, transient) bytes outside the decoder layers for one micro-batch: the token ids the
     embedding keeps (first stage); the final RMSNorm, LM-head input and the loss's fp32 log-softmax
-    plus targets (last stage). Transient: the bf16 logits and their fp32 copy while the loss runs."""
+    plus targets (last stage). Transient: the bf16 logits and their fp32 copy while the loss runs.
+    cross_entropy="fused" (flash-attn's kernel): the low-precision logits and an fp32 logsumexp per
+    token are kept, and the logits' gradient (same dtype) is the transient."""
     h, a, v = cfg.hidden_size, act_bytes(precision), cfg.vocab_size / tp
     hs = h / tp if sp else h
     saved = transient = 0.0
     if first:
         saved += 8 * tokens
     if last:
-        saved += tokens * (4 * hs + 4 / (tp if sp else 1) + 2 * a * hs + 4 * v + 8)
-        transient += tokens * (a + 4) * v
+        saved += tokens * (4 * hs + 4 / (tp if sp else 1) + 2 * a * hs + 8)
+        if cross_entropy == "fused":
+            saved += tokens * (a * v + 4)
+            transient += tokens * a * v
+        else:
+            saved += tokens * 4 * v
+            transient += tokens * (a + 4) * v
     return saved, transient
 
 
@@ -312,10 +324,11 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     in_flight = schedule_in_flight(lay.pp_schedule, lay.pp, m, lay.pp_virtual)[rank] if lay.pp > 1 else 1
     layer_act = llama_layer_activation_bytes(cfg, tokens, seq_local, precision=lay.precision, tp=lay.tp,
                                              sp=lay.sp, recompute=lay.recompute, moe=moe,
-                                             norm=norm or ("fused" if kernels == "fused" else "eager"))
+                                             norm=norm or ("fused" if kernels == "fused" else "eager"),
+                                             sp_inputs=lay.sp_inputs)
     first, last = rank == 0, rank == lay.pp - 1
     extra_saved, extra_transient = stage_extras(cfg, tokens, first=first, last=last, precision=lay.precision,
-                                                tp=lay.tp, sp=lay.sp)
+                                                tp=lay.tp, sp=lay.sp, cross_entropy=lay.cross_entropy)
     n_rank_layers = [per_chunk[c * lay.pp + rank] for c in range(lay.pp_virtual)]
     # In-flight chunks are the rank's chunks in turn; the heaviest ones bound the peak.
     per_chunk_bytes = sorted((n * layer_act.saved for n in n_rank_layers), reverse=True)

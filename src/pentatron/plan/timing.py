@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from pentatron.plan.comm import (
+    SP_REGATHER_WHERE,
     TIED_WHERE,
     Collective,
+    LayerComm,
     collective_time,
     group_of,
     layer_comm,
@@ -150,8 +152,9 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
     hq, kvl = cfg.n_heads * cfg.head_dim / tp, kv_heads_per_tp_rank(cfg, tp) * cfg.head_dim
     fp8 = lay.precision == "fp8"
 
-    ph = _linear(gpu, tokens, hq, h, peak, a, fp8) + _linear(gpu, tokens, kvl, h, peak, a, fp8).scale(2)
-    ph = ph + _linear(gpu, tokens, h, hq, peak, a, fp8)
+    qkv = _linear(gpu, tokens, hq, h, peak, a, fp8) + _linear(gpu, tokens, kvl, h, peak, a, fp8).scale(2)
+    ph = qkv + _linear(gpu, tokens, h, hq, peak, a, fp8)
+    up = ZERO
     lp = layer_params(cfg, index, moe)
     mats = 3 if cfg.mlp == "swiglu" else 2
     down = ZERO
@@ -169,12 +172,14 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
     else:
         f = cfg.ffn_hidden_size / tp
         down = _linear(gpu, tokens, h, f, peak, a, fp8)
-        ph = ph + _linear(gpu, tokens, f, h, peak, a, fp8).scale(mats - 1) + down
+        up = _linear(gpu, tokens, f, h, peak, a, fp8).scale(mats - 1)
+        ph = ph + up + down
     attn_f, attn_b = attention_times(w, lay, gpu)
     elem = tokens * _elementwise_bytes(w, lay, kernels) / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
     lc = layer_comm(w, lay, gpu, bool(lp.expert_total))
     f = ph.f + attn_f + elem + lc.tp_fwd + lc.ep_fwd + max(0.0, lc.cp_fwd - attn_f)
     b = ph.b + attn_b + 2 * elem + lc.tp_bwd + lc.ep_bwd + max(0.0, lc.cp_bwd - attn_b)
+    b += sum(sp_regather_split(lc, qkv, up)[0])
     if lay.recompute == "selective":
         b += attn_f + max(0.0, lc.cp_fwd - attn_f)
     elif lay.recompute == "selective-op":  # half the matmuls and every elementwise op replay
@@ -184,6 +189,17 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
     elif lay.recompute == "full-alternate":  # every second block
         b += f / 2
     return Phase(f, b, ph.w)
+
+
+def sp_regather_split(lc: LayerComm, qkv: Phase, up: Phase) -> tuple[tuple[float, float], float]:
+    """Megatron's SP backward all-gathers each column-parallel linear's input again while it computes
+    that linear's input gradient (async, then waits): ((exposed before q/k/v, before gate/up), hidden)
+    seconds, the all-gather exposed by what exceeds the GEMM it overlaps."""
+    ag = lc.sp_regather
+    if not ag:
+        return (0.0, 0.0), 0.0
+    exposed = (max(0.0, ag - qkv.b), max(0.0, ag - up.b) if up.b else ag)
+    return exposed, 2 * ag - sum(exposed)
 
 
 def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -> Phase:
@@ -197,12 +213,19 @@ def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -
     # logits: bf16 write, fp32 copy, log-softmax write; backward reads them back and writes grads
     per_logit = (a + 4 + 4 + 4) if kernels == "eager" else (a + 4)
     loss = tokens * v * per_logit / gpu.hbm_bandwidth
-    act = tokens * cfg.hidden_size * a
-    g = group_of(lay, "tp", gpu)
-    tp = 0.0
-    if lay.tp > 1:
-        tp = collective_time(gpu, "all_gather" if lay.sp else "all_reduce", act, g)
+    tp = _head_tp(w, lay, gpu)
+    if lay.cross_entropy == "fused":  # flash-attn's kernel: reads the logits; backward reads, writes grads
+        loss = tokens * v * a / gpu.hbm_bandwidth
+        return Phase(ph.f + loss + tp, ph.b + 2 * loss + tp, ph.w)
     return Phase(ph.f + loss + tp, ph.b + 1.5 * loss + tp, ph.w)
+
+
+def _head_tp(w: Workload, lay: Layout, gpu: GPUSpec) -> float:
+    """The LM head's TP collective: all-gather of the SP shards, or the f operator's all-reduce."""
+    if lay.tp == 1:
+        return 0.0
+    act = lay.micro_batch * w.seq_len / lay.cp * w.cfg.hidden_size * act_bytes(lay.precision)
+    return collective_time(gpu, "all_gather" if lay.sp else "all_reduce", act, group_of(lay, "tp", gpu))
 
 
 def embed_phase(w: Workload, lay: Layout, gpu: GPUSpec) -> Phase:
@@ -363,13 +386,20 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
     optimizer = local * per_param / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
     tied = 0.0
     for c in colls:  # exposure inside the pipeline, reported per dimension
-        if c.dim in ("tp", "ep"):
+        if c.where == SP_REGATHER_WHERE:  # partly hidden under the input-gradient GEMMs
+            lc = layer_comm(w, lay, gpu, False)
+            exposed["tp"] = exposed.get("tp", 0.0) + m * n_layers * sum(
+                sp_regather_split(lc, *_column_linears(w, lay, gpu))[0])
+        elif c.dim in ("tp", "ep"):
             exposed[c.dim] = exposed.get(c.dim, 0.0) + c.time_per_step
         elif c.dim == "pp" and c.where == TIED_WHERE:
             tied += c.time_per_step
             exposed["pp"] = exposed.get("pp", 0.0) + c.time_per_step
         elif c.dim == "pp":
             exposed["pp"] = exposed.get("pp", 0.0) + 2 * (lay.pp - 1) * hop
+    if lay.sp and lay.tp > 1 and lay.sp_inputs == "sharded":  # the backward re-gathers under GEMMs
+        lc = layer_comm(w, lay, gpu, False)
+        hidden += m * n_layers * sp_regather_split(lc, *_column_linears(w, lay, gpu))[1]
     if lay.cp > 1:
         attn_f, attn_b = attention_times(w, lay, gpu)
         lc = layer_comm(w, lay, gpu, False)
@@ -381,6 +411,17 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
     step = pipe + dp_exposed + optimizer + contention + tied
     return StepTime(step, pipe, bubble, dp_exposed, optimizer, contention, tuple(phases), tuple(colls), exposed,
                     tied)
+
+
+def _column_linears(w: Workload, lay: Layout, gpu: GPUSpec) -> tuple[Phase, Phase]:
+    """(q/k/v, gate/up) GEMM phases of one dense layer and micro-batch: what the SP re-gathers hide behind."""
+    cfg, a, fp8 = w.cfg, act_bytes(lay.precision), lay.precision == "fp8"
+    peak = gpu.flops(compute_dtype(lay.precision))
+    tokens, h, tp = lay.micro_batch * w.seq_len / lay.cp, cfg.hidden_size, lay.tp
+    hq, kvl = cfg.n_heads * cfg.head_dim / tp, kv_heads_per_tp_rank(cfg, tp) * cfg.head_dim
+    qkv = _linear(gpu, tokens, hq, h, peak, a, fp8) + _linear(gpu, tokens, kvl, h, peak, a, fp8).scale(2)
+    mats = 3 if cfg.mlp == "swiglu" else 2
+    return qkv, _linear(gpu, tokens, cfg.ffn_hidden_size / tp, h, peak, a, fp8).scale(mats - 1)
 
 
 def zero3_exposed(lay: Layout, colls: tuple[Collective, ...] | list[Collective], ph: Phase, n_layers: int,
