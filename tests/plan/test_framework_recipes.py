@@ -1,0 +1,67 @@
+"""Framework recipes the planner models for published runs (issue 10): Megatron's sequence parallelism
+that keeps the sharded block inputs, and flash-attn's fused cross-entropy. Hand-computed cases."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pentatron.models.config import ModelConfig
+from pentatron.plan.comm import SP_REGATHER_WHERE, collective_time, group_of, layer_comm, step_collectives
+from pentatron.plan.hardware import get_gpu
+from pentatron.plan.layout import Layout, Workload, problems, trainable_problems
+from pentatron.plan.memory import llama_layer_activation_bytes, stage_extras
+from pentatron.plan.timing import _column_linears, layer_phase
+
+H100 = get_gpu("h100")
+CFG = ModelConfig(vocab_size=32000, hidden_size=1024, n_layers=8, n_heads=16, n_kv_heads=8,
+                  ffn_hidden_size=4096)
+
+
+def test_megatron_sp_keeps_the_shard_of_both_block_inputs():
+    kw = dict(precision="bf16", tp=4, sp=True)
+    gathered = llama_layer_activation_bytes(CFG, 2048, 2048, **kw)
+    sharded = llama_layer_activation_bytes(CFG, 2048, 2048, sp_inputs="sharded", **kw)
+    # two block inputs (q/k/v's and gate/up's), 2 bytes x h = 1024 per token, 3/4 of each not kept
+    assert gathered.saved - sharded.saved == 2048 * 2 * 2 * 1024 * 3 / 4 == 6291456
+    # without SP (or tp=1) there is nothing to shard
+    assert (llama_layer_activation_bytes(CFG, 2048, 2048, tp=4, sp=False, sp_inputs="sharded")
+            == llama_layer_activation_bytes(CFG, 2048, 2048, tp=4, sp=False))
+
+
+def test_megatron_sp_regathers_in_backward_under_the_input_gradient_gemms():
+    w = Workload(CFG, 2048, 64)
+    lay = Layout(dp=2, tp=4, sp=True, micro_batch=1)
+    meg = dataclasses.replace(lay, sp_inputs="sharded")
+    act = 2048 * 1024 * 2
+    lc = layer_comm(w, meg, H100, False)
+    ag = collective_time(H100, "all_gather", act, group_of(meg, "tp", H100))
+    assert lc.sp_regather == ag and layer_comm(w, lay, H100, False).sp_regather == 0.0
+    qkv, up = _column_linears(w, meg, H100)
+    exposed = max(0.0, ag - qkv.b) + max(0.0, ag - up.b)
+    ours, theirs = layer_phase(w, lay, H100, 0), layer_phase(w, meg, H100, 0)
+    assert theirs.f == ours.f and theirs.w == ours.w
+    assert abs(theirs.b - ours.b - exposed) < 1e-15
+    # two more all-gathers per layer and micro-batch in the ledger (32 micro-batches, 8 layers)
+    colls = step_collectives(w, meg, H100, 1e8, 0.0, 8, 0, first=True, last=True)
+    (re,) = [c for c in colls if c.where == SP_REGATHER_WHERE]
+    assert re.op == "all_gather" and re.payload == act and re.count == 32 * 2 * 8
+
+
+def test_fused_cross_entropy_keeps_logits_and_logsumexp():
+    tokens, a, v, h = 4096, 2, 32000, 1024
+    saved, transient = stage_extras(CFG, tokens, first=False, last=True, cross_entropy="fused")
+    # final norm: fp32 copy 4h + rstd 4 + normalised and LM-head input 2*a*h; targets 8; logits a*v + lse 4
+    assert saved == tokens * (4 * h + 4 + 2 * a * h + 8 + a * v + 4)
+    assert transient == tokens * a * v  # the logits' gradient during backward
+    eager_saved, eager_transient = stage_extras(CFG, tokens, first=False, last=True)
+    assert eager_saved - saved == tokens * (4 * v - a * v - 4)
+    assert eager_transient == tokens * (a + 4) * v
+
+
+def test_recipes_are_evaluated_but_not_trainable():
+    w = Workload(CFG, 2048, 64)
+    meg = Layout(dp=2, tp=4, sp=True, sp_inputs="sharded", cross_entropy="fused")
+    assert not problems(w, meg, H100, 8)
+    why = trainable_problems(w, meg, 8)
+    assert any("sp_inputs='sharded'" in x for x in why) and any("cross_entropy='fused'" in x for x in why)
+    assert any("sp_inputs must be" in x for x in problems(w, dataclasses.replace(meg, sp_inputs="x"), H100, 8))
