@@ -14,7 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-KNOB_FLAGS = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "pp_virtual", "micro_batch", "recompute")
+KNOB_FLAGS = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "pp_virtual", "micro_batch", "recompute",
+              "cp_mode", "cp_ulysses")
 
 
 class InputError(ValueError):
@@ -90,6 +91,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     k.add_argument("--pp-virtual", type=int, help="chunks per rank for the interleaved schedule")
     k.add_argument("--micro-batch", type=int, help="sequences per micro-batch")
     k.add_argument("--recompute", choices=("none", "selective", "full"))
+    k.add_argument("--cp-mode", choices=("ring", "ulysses", "hybrid"),
+                   help="context parallelism: ring attention, Ulysses all-to-all, or Ulysses inside a node x ring")
+    k.add_argument("--cp-ulysses", type=int, help="hybrid: the Ulysses degree (ring degree = cp / cp-ulysses)")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
     o.add_argument("--json", action="store_true", help="print JSON (schema pentatron.plan/1) instead of text")
@@ -310,7 +314,7 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
     from pentatron.plan.search import predict, search, suggest_fixes
 
     evaluate = any(k in fixed for k in KNOB_FLAGS)
-    for name in ("dp", "tp", "pp", "cp", "ep", "pp_virtual", "micro_batch"):
+    for name in ("dp", "tp", "pp", "cp", "ep", "pp_virtual", "micro_batch", "cp_ulysses"):
         if name in fixed and fixed[name] < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {fixed[name]}")
     if fixed.get("zero") is not None and fixed["zero"] not in (0, 1, 2, 3):
@@ -425,7 +429,8 @@ def _requested_layout(fixed: dict[str, Any], gpus: int, w: Any) -> Any:
                   sp=fixed.get("sp", tp > 1), pp_schedule=sched,
                   pp_virtual=fixed.get("pp_virtual", 2 if sched == "interleaved" else 1),
                   micro_batch=fixed.get("micro_batch", 1), recompute=fixed.get("recompute", "none"),
-                  precision=fixed.get("precision", "bf16"), attention=fixed.get("attention", "flash2"))
+                  precision=fixed.get("precision", "bf16"), attention=fixed.get("attention", "flash2"),
+                  cp_mode=fixed.get("cp_mode", "ring"), cp_ulysses=fixed.get("cp_ulysses", 1))
 
 
 # ---------------------------------------------------------------- bench

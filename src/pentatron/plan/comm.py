@@ -13,9 +13,16 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pentatron.distributed.ring import ring_bytes
+from pentatron.plan.context import (
+    CpLayerCost,
+    cp_degrees,
+    kv_block_bytes,
+    kv_heads_after_ulysses,
+    layer_cost,
+)
 from pentatron.plan.flops import MoESpec
 from pentatron.plan.hardware import GPUSpec
 from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, nodes_spanned
@@ -36,9 +43,12 @@ class Group:
 
 def group_of(lay: Layout, dim: str, gpu: GPUSpec) -> Group:
     """Placement of one group of `dim` in the (pp, dp, cp, tp) rank order (tp innermost)."""
+    u, r = cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)
     size, stride = {
         "tp": (lay.tp, 1),
         "cp": (lay.cp, lay.tp),
+        "cp_ulysses": (u, lay.tp),  # hybrid: Ulysses over consecutive cp ranks (inside a node) ...
+        "cp_ring": (r, lay.tp * u),  # ... and the ring over those groups
         "dp": (lay.dp, lay.tp * lay.cp),
         "dp_cp": (lay.dp * lay.cp, lay.tp),  # dense gradients reduce over dp x cp
         "ep": (lay.ep, lay.tp),  # experts borrow consecutive ranks of dp x cp
@@ -144,8 +154,6 @@ class LayerComm:
 
     tp_fwd: float  # seconds, exposed (TP/SP collectives are on the critical path)
     tp_bwd: float
-    cp_fwd: float  # seconds of ring-attention KV exchange (overlapped with attention compute)
-    cp_bwd: float
     ep_fwd: float  # seconds of MoE all-to-all (exposed)
     ep_bwd: float
     sp_regather: float = 0.0  # one backward all-gather of a block input (sp_inputs="sharded"), x2 per layer
@@ -162,12 +170,6 @@ def layer_comm(w: Workload, lay: Layout, gpu: GPUSpec, layer_is_moe: bool) -> La
     else:  # the f/g operators: one all-reduce after attention and one after the MLP
         tp_one = collective_time(gpu, "all_reduce", act, tp_g)
     tp_fwd = 2 * tp_one if lay.tp > 1 else 0.0
-    cp_fwd = cp_bwd = 0.0
-    if lay.cp > 1:
-        kv = 2 * tokens * kv_heads_per_tp_rank(cfg, lay.tp) * cfg.head_dim * a
-        g = group_of(lay, "cp", gpu)
-        hop = p2p_time(gpu, kv, g.crosses_nodes)
-        cp_fwd, cp_bwd = (lay.cp - 1) * hop, 2 * (lay.cp - 1) * hop  # backward: KV and dKV circulate
     ep_fwd = ep_bwd = 0.0
     moe: MoESpec | None = w.moe_spec
     if layer_is_moe and moe is not None and lay.ep > 1:
@@ -178,7 +180,40 @@ def layer_comm(w: Workload, lay: Layout, gpu: GPUSpec, layer_is_moe: bool) -> La
     regather = 0.0
     if lay.tp > 1 and lay.sp and lay.sp_inputs == "sharded":
         regather = collective_time(gpu, "all_gather", act, tp_g)
-    return LayerComm(tp_fwd, tp_fwd, cp_fwd, cp_bwd, ep_fwd, ep_bwd, regather)
+    return LayerComm(tp_fwd, tp_fwd, ep_fwd, ep_bwd, regather)
+
+
+def _ulysses_payloads(w: Workload, lay: Layout) -> tuple[float, float]:
+    """Bytes one rank holds of q (or the attention output) and of k (or v) for one Ulysses all-to-all."""
+    cfg, a = w.cfg, act_bytes(lay.precision)
+    tokens = lay.micro_batch * w.seq_len // lay.cp
+    u, _ = cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)
+    kv = kv_heads_after_ulysses(kv_heads_per_tp_rank(cfg, lay.tp), u)
+    return tokens * cfg.n_heads / lay.tp * cfg.head_dim * a, tokens * kv * cfg.head_dim * a
+
+
+def _ring_block(w: Workload, lay: Layout) -> float:
+    u, _ = cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)
+    return kv_block_bytes(lay.micro_batch * w.seq_len // lay.cp, kv_heads_per_tp_rank(w.cfg, lay.tp),
+                          w.cfg.head_dim, u, act_bytes(lay.precision))
+
+
+def cp_layer_cost(w: Workload, lay: Layout, gpu: GPUSpec, attn_f: float, attn_b: float) -> CpLayerCost:
+    """Context parallelism's seconds per layer and micro-batch (plan/context.py), on this hardware."""
+    u, r = cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)
+    hop = p2p_time(gpu, _ring_block(w, lay), group_of(lay, "cp_ring", gpu).crosses_nodes) if r > 1 else 0.0
+    tq = tkv = 0.0
+    if u > 1:
+        g = group_of(lay, "cp_ulysses", gpu)
+        q, kv = _ulysses_payloads(w, lay)
+        tq, tkv = collective_time(gpu, "all_to_all", q, g), collective_time(gpu, "all_to_all", kv, g)
+    return layer_cost(u, r, hop, tq, tkv, attn_f, attn_b)
+
+
+def cp_forward_passes(recompute: str) -> float:
+    """Forwards of the attention core per step: recompute that replays it (selective: the core; full:
+    the block) runs its communication again; torchtitan's op-level SAC saves the attention output."""
+    return {"selective": 2.0, "full": 2.0, "full-alternate": 1.5}.get(recompute, 1.0)
 
 
 def pp_message_bytes(w: Workload, lay: Layout) -> float:
@@ -215,10 +250,19 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
         else:
             out.append(_coll(gpu, g, "all_reduce", act, m * per_mb, "layers fwd+bwd"))
     if lay.cp > 1:
-        kv = 2 * tokens * kv_heads_per_tp_rank(cfg, lay.tp) * cfg.head_dim * a
-        g = group_of(lay, "cp", gpu)
-        calls = m * layers_on_rank * 3 * (lay.cp - 1) * (1 + recompute_fwd / 3)
-        out.append(Collective("cp", "send", kv, calls, p2p_time(gpu, kv, g.crosses_nodes), "ring attention", kv))
+        u, r = cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)
+        fwd = cp_forward_passes(lay.recompute)
+        if r > 1:  # forward r-1 K/V blocks; backward r-1 K/V and r-1 dK/dV blocks
+            kv = _ring_block(w, lay)
+            g = group_of(lay, "cp_ring", gpu)
+            calls = m * layers_on_rank * (r - 1) * (fwd + 2)
+            out.append(Collective("cp", "send", kv, calls, p2p_time(gpu, kv, g.crosses_nodes), "ring attention", kv))
+        if u > 1:  # 4 all-to-alls per layer forward (q, k, v in; out back) and 4 backward
+            g = group_of(lay, "cp_ulysses", gpu)
+            q, kv = _ulysses_payloads(w, lay)
+            per = m * layers_on_rank * (fwd + 1)
+            out.append(replace(_coll(gpu, g, "all_to_all", q, 2 * per, "Ulysses q in, output back"), dim="cp"))
+            out.append(replace(_coll(gpu, g, "all_to_all", kv, 2 * per, "Ulysses k, v in"), dim="cp"))
     moe = w.moe_spec
     if lay.ep > 1 and moe is not None and moe_layers_on_rank:
         g = group_of(lay, "ep", gpu)

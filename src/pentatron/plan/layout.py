@@ -14,6 +14,7 @@ from typing import Any
 
 from pentatron.layout import ParallelLayout, tensor_parallel_problems
 from pentatron.models.config import ModelConfig
+from pentatron.plan.context import cp_mode_problems
 from pentatron.plan.flops import RECOMPUTE_MODES, TRAINABLE_RECOMPUTE, MoESpec, moe_of
 from pentatron.plan.hardware import GPUSpec
 
@@ -64,6 +65,8 @@ class Layout:
     # default distributed optimizer and FSDP with a bf16 reduce dtype keep bf16 (2 bytes/param less)
     grad_precision: str = "fp32"
     zero3_gather: str = "micro_batch"  # ZeRO-3 with pp: re-gather per micro-batch, or once per "step"
+    cp_mode: str = "ring"  # context parallelism: "ring" | "ulysses" | "hybrid" (plan/context.py)
+    cp_ulysses: int = 1  # hybrid: the Ulysses degree inside a node (ring degree = cp // cp_ulysses)
     # Under SP, what the column-parallel linears (q/k/v, gate/up) keep for backward: "gathered" (ours:
     # the all-gathered block input) or "sharded" (Megatron-LM/-Core: the sequence shard, all-gathered
     # again in backward, overlapped with the input-gradient GEMM)
@@ -82,6 +85,8 @@ class Layout:
 
     def short(self) -> str:
         s = f"dp{self.dp} tp{self.tp}{'+sp' if self.sp else ''} pp{self.pp} cp{self.cp}"
+        if self.cp > 1:
+            s += {"ulysses": ":uly", "hybrid": f":uly{self.cp_ulysses}xring"}.get(self.cp_mode, "")
         if self.ep > 1:
             s += f" ep{self.ep}"
         if self.pp > 1:
@@ -100,11 +105,17 @@ def kv_heads_per_tp_rank(cfg: ModelConfig, tp: int) -> int:
     return max(1, cfg.n_kv_heads // tp)
 
 
+# Whether the training layout carries the context-parallel mode (the lead adds it with cp): until then
+# the planner applies plan/context.cp_mode_problems itself.
+_LAYOUT_HAS_CP_MODE = "cp_mode" in ParallelLayout.__dataclass_fields__
+
+
 def parallel_layout(w: Workload, lay: Layout) -> ParallelLayout:
     """The training side's layout for this plan: the one `pentatron train` would validate."""
+    cp_kw = {"cp_mode": lay.cp_mode, "cp_ulysses": lay.cp_ulysses} if _LAYOUT_HAS_CP_MODE else {}
     return ParallelLayout(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, zero=lay.zero, sp=lay.sp,
                           pp_schedule=lay.pp_schedule, pp_virtual=lay.pp_virtual, zero3_gather=lay.zero3_gather,
-                          micro_batch=lay.micro_batch, global_batch=w.global_batch, seq_len=w.seq_len)
+                          micro_batch=lay.micro_batch, global_batch=w.global_batch, seq_len=w.seq_len, **cp_kw)
 
 
 @lru_cache(maxsize=16384)
@@ -141,6 +152,8 @@ def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
         out.append(f"cross_entropy must be one of {', '.join(CROSS_ENTROPY)}, got {lay.cross_entropy!r}")
     if lay.grad_precision not in ("fp32", "bf16"):
         out.append(f"grad_precision must be 'fp32' or 'bf16', got {lay.grad_precision!r}")
+    if not _LAYOUT_HAS_CP_MODE:
+        out += cp_mode_problems(w.cfg, lay.tp, lay.cp, lay.cp_mode, lay.cp_ulysses)
     if lay.ep > 1 and moe is None:
         out.append(f"ep={lay.ep} needs a mixture-of-experts model")
     if moe is not None and moe.num_experts % lay.ep:
@@ -201,6 +214,9 @@ def warnings(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
     if lay.pp_virtual > 1 and lay.pp * lay.pp_virtual <= w.cfg.n_layers and w.cfg.n_layers % (lay.pp * lay.pp_virtual):
         out.append(f"interleaved chunks hold unequal layer counts ({w.cfg.n_layers} layers over "
                    f"{lay.pp * lay.pp_virtual} chunks): training needs parallel.pp_layers for this split")
+    if lay.cp > 1 and lay.cp_mode == "hybrid" and lay.tp * lay.cp_ulysses > gpu.gpus_per_node:
+        out.append(f"cp_ulysses={lay.cp_ulysses} × tp={lay.tp} ranks exceed a node ({gpu.gpus_per_node}): the "
+                   "Ulysses all-to-alls cross the inter-node network")
     if lay.zero == 3 and lay.pp > 1 and lay.zero3_gather == "micro_batch":
         out.append(f"zero=3 with pp={lay.pp} re-gathers each stage's parameters for every micro-batch "
                    f"({2 * max(1, m)} gathers per step); zero3_gather='step' keeps them gathered")

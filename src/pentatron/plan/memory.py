@@ -16,6 +16,8 @@ from functools import lru_cache
 
 from pentatron.models.config import ModelConfig
 from pentatron.parallel.activation_memory import layer_activation_bytes
+from pentatron.plan.context import comm_buffer_bytes as cp_comm_buffer_bytes
+from pentatron.plan.context import cp_degrees, ulysses_kv_replication_bytes
 from pentatron.plan.flops import MoESpec, layer_params, moe_of
 from pentatron.plan.hardware import GiB, GPUSpec
 from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, layers_per_chunk
@@ -117,7 +119,7 @@ class LayerActivation:
 def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *, precision: str = "bf16",
                                  tp: int = 1, sp: bool = False, recompute: str = "none", layer: int = 0,
                                  moe: MoESpec | None = None, norm: str = "eager",
-                                 sp_inputs: str = "gathered") -> LayerActivation:
+                                 sp_inputs: str = "gathered", cp_ulysses_degree: int = 1) -> LayerActivation:
     """Saved tensors of one `DecoderBlock` of models/llama.py for `tokens` local tokens (micro_batch *
     seq/cp) of sequences `seq_len/cp` long. Per token, a = activation bytes:
       RMSNorm x2: fp32 copy of the input (4h), rstd (4), normalised a*h, gain product = next matmul's
@@ -132,6 +134,7 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
     its a*h input and the fp32 rstd only, no fp32 copy and no separate normalised tensor.
     sp_inputs="sharded" (Megatron's SP: the column-parallel linears keep the sequence shard of their
     input and all-gather it again in backward): the two block inputs a*h become a*h/tp.
+    cp_ulysses_degree u > kv heads per tp rank: K and V are replicated to one head per rank (plan/context.py).
     selective-op (torchtitan op-level SAC): the block input, every other matmul output (half of q, k,
     v, o, gate, up, down), the attention output and logsumexp. full-alternate: every second block
     fully recomputed, so per layer the mean of none and full."""
@@ -152,6 +155,7 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
         full_layer -= tokens * 2 * 4 * hs
     if sp and tp > 1 and sp_inputs == "sharded":
         full_layer -= tokens * 2 * a * h * (1 - 1 / tp)
+    full_layer += ulysses_kv_replication_bytes(tokens, kv_heads_per_tp_rank(cfg, tp), hd, cp_ulysses_degree, a)
     if lp.expert_total and moe is not None:
         # Routed tokens: top_k copies of the input plus each expert's MLP internals; router logits and
         # probabilities in fp32. Approximation until the MoE code exists (no capacity padding).
@@ -325,7 +329,8 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     layer_act = llama_layer_activation_bytes(cfg, tokens, seq_local, precision=lay.precision, tp=lay.tp,
                                              sp=lay.sp, recompute=lay.recompute, moe=moe,
                                              norm=norm or ("fused" if kernels == "fused" else "eager"),
-                                             sp_inputs=lay.sp_inputs)
+                                             sp_inputs=lay.sp_inputs,
+                                             cp_ulysses_degree=cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)[0])
     first, last = rank == 0, rank == lay.pp - 1
     extra_saved, extra_transient = stage_extras(cfg, tokens, first=first, last=last, precision=lay.precision,
                                                 tp=lay.tp, sp=lay.sp, cross_entropy=lay.cross_entropy)
@@ -353,6 +358,9 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
         comm += 2 * rp.largest_layer * a  # current + prefetched gathered layer
     if lay.ep > 1 and moe is not None:
         comm += 2 * tokens * moe.top_k * cfg.hidden_size * a  # all-to-all send/recv buffers
+    if lay.cp > 1:  # ring blocks in hand and arriving; Ulysses receive buffers
+        comm += cp_comm_buffer_bytes(tokens, cfg.n_heads / lay.tp * cfg.head_dim, kv_heads_per_tp_rank(cfg, lay.tp),
+                                     cfg.head_dim, lay.cp, lay.cp_mode, lay.cp_ulysses, a)
     live = (dense.total + expert.total + acts + logits_loss + working + comm)
     return MemoryBreakdown(
         rank=rank, parameters=dense.parameters + expert.parameters, gradients=dense.gradients + expert.gradients,

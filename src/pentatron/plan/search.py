@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pentatron.plan.context import cp_mode_options
 from pentatron.plan.hardware import GiB, GPUSpec
 from pentatron.plan.layout import Layout, Workload, problems, quick_problems, trainable_problems, warnings
 from pentatron.plan.memory import MemoryBreakdown, memory_per_gpu
@@ -135,15 +136,22 @@ def _knob_variants(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any], 
     elif fixed.get("pp_virtual") is not None:
         scheds = [("interleaved", fixed["pp_virtual"])] if fixed["pp_virtual"] > 1 else scheds
     recs = [fixed["recompute"]] if fixed.get("recompute") is not None else list(RECOMPUTE_ORDER)
+    modes = cp_mode_options(cp, tp, gpu.gpus_per_node)
+    if fixed.get("cp_mode") is not None or fixed.get("cp_ulysses") is not None:
+        mode = fixed.get("cp_mode") or "hybrid"
+        want_u = fixed.get("cp_ulysses")
+        modes = [(m, u) for m, u in modes if m == mode and want_u in (None, u)] or [(mode, want_u or 1)]
     for zero in zeros:
         for sp in sps:
             for sched, v in scheds:
-                for rc in recs:
-                    lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp, pp_schedule=sched,
-                                 pp_virtual=v, micro_batch=mb, recompute=rc, precision=precision,
-                                 attention=fixed.get("attention") or "flash2")
-                    if not quick_problems(w, lay, gpu, gpus):
-                        yield lay
+                for cp_mode, cp_u in modes:
+                    for rc in recs:
+                        lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp, pp_schedule=sched,
+                                     pp_virtual=v, micro_batch=mb, recompute=rc, precision=precision,
+                                     attention=fixed.get("attention") or "flash2", cp_mode=cp_mode,
+                                     cp_ulysses=cp_u)
+                        if not quick_problems(w, lay, gpu, gpus):
+                            yield lay
 
 
 def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None = None, top: int = 10,
@@ -157,7 +165,7 @@ def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None
     for lay in enumerate_layouts(w, gpu, gpus, fixed):
         n_enum += 1
         key = (lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.sp, lay.pp_schedule, lay.pp_virtual,
-               lay.micro_batch)
+               lay.micro_batch, lay.cp_mode, lay.cp_ulysses)
         if key in stop_rc and fixed.get("recompute") is None:
             continue
         n_valid += 1

@@ -25,6 +25,8 @@ from pentatron.plan.comm import (
     Collective,
     LayerComm,
     collective_time,
+    cp_forward_passes,
+    cp_layer_cost,
     group_of,
     layer_comm,
     pp_hop_time,
@@ -177,11 +179,12 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
     attn_f, attn_b = attention_times(w, lay, gpu)
     elem = tokens * _elementwise_bytes(w, lay, kernels) / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
     lc = layer_comm(w, lay, gpu, bool(lp.expert_total))
-    f = ph.f + attn_f + elem + lc.tp_fwd + lc.ep_fwd + max(0.0, lc.cp_fwd - attn_f)
-    b = ph.b + attn_b + 2 * elem + lc.tp_bwd + lc.ep_bwd + max(0.0, lc.cp_bwd - attn_b)
+    cp = cp_layer_cost(w, lay, gpu, attn_f, attn_b)
+    f = ph.f + attn_f + elem + lc.tp_fwd + lc.ep_fwd + cp.fwd_exposed
+    b = ph.b + attn_b + 2 * elem + lc.tp_bwd + lc.ep_bwd + cp.bwd_exposed
     b += sum(sp_regather_split(lc, qkv, up)[0])
-    if lay.recompute == "selective":
-        b += attn_f + max(0.0, lc.cp_fwd - attn_f)
+    if lay.recompute == "selective":  # the attention core replays, its context-parallel exchange included
+        b += attn_f + cp.fwd_exposed
     elif lay.recompute == "selective-op":  # half the matmuls and every elementwise op replay
         b += (ph.f - down.f) / 2 + down.f / 2 + elem
     elif lay.recompute == "full":  # the whole block replays, its TP collectives included
@@ -401,12 +404,10 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
         lc = layer_comm(w, lay, gpu, False)
         hidden += m * n_layers * sp_regather_split(lc, *_column_linears(w, lay, gpu))[1]
     if lay.cp > 1:
-        attn_f, attn_b = attention_times(w, lay, gpu)
-        lc = layer_comm(w, lay, gpu, False)
-        fwd_passes = 2 if lay.recompute != "none" else 1
-        per = max(0.0, lc.cp_fwd - attn_f) * fwd_passes + max(0.0, lc.cp_bwd - attn_b)
-        exposed["cp"] = m * n_layers * per
-        hidden += m * n_layers * (min(lc.cp_fwd, attn_f) * fwd_passes + min(lc.cp_bwd, attn_b))
+        cp = cp_layer_cost(w, lay, gpu, *attention_times(w, lay, gpu))
+        fwd_passes = cp_forward_passes(lay.recompute)
+        exposed["cp"] = m * n_layers * (cp.fwd_exposed * fwd_passes + cp.bwd_exposed)
+        hidden += m * n_layers * (cp.fwd_hidden * fwd_passes + cp.bwd_hidden)
     contention = hidden * min(1.0, NCCL_CHANNELS / gpu.sm_count)
     step = pipe + dp_exposed + optimizer + contention + tied
     return StepTime(step, pipe, bubble, dp_exposed, optimizer, contention, tuple(phases), tuple(colls), exposed,
