@@ -65,3 +65,30 @@ def test_recipes_are_evaluated_but_not_trainable():
     why = trainable_problems(w, meg, 8)
     assert any("sp_inputs='sharded'" in x for x in why) and any("cross_entropy='fused'" in x for x in why)
     assert any("sp_inputs must be" in x for x in problems(w, dataclasses.replace(meg, sp_inputs="x"), H100, 8))
+
+
+def test_deepspeed_bf16_optimizer_keeps_both_gradients():
+    from pentatron.plan.memory import PLAYBOOK_20, state_precision
+
+    ds = state_precision(Layout(grad_precision="bf16+fp32"))
+    assert (ds.param, ds.grad, ds.master, ds.optimizer) == (2, 6, 4, 8)
+    assert ds.total == PLAYBOOK_20.total == 20  # the playbook's bf16 + fp32-gradient recipe
+    # it reduces the fp32 accumulation: the same bytes as ours
+    from pentatron.plan.comm import dp_collectives
+    assert (dp_collectives(Layout(dp=8, grad_precision="bf16+fp32"), H100, 1e9, "dp", 1, 2)[0].payload
+            == dp_collectives(Layout(dp=8), H100, 1e9, "dp", 1, 2)[0].payload == 4e9)
+
+
+def test_pipeline_engine_holds_inputs_and_outputs_of_micro_batches_in_flight():
+    from pentatron.plan.memory import pipeline_boundary_bytes
+
+    w = Workload(CFG, 2048, 64)
+    one = 2048 * 1024 * 2  # [1 x 2048 tokens x h=1024] bf16
+    lay = Layout(dp=1, pp=4, micro_batch=1)
+    assert pipeline_boundary_bytes(w, lay, 1, 3) == 6 * one  # received input + output, 3 in flight
+    assert pipeline_boundary_bytes(w, lay, 0, 4) == 4 * one  # stage 0's inputs are token ids
+    assert pipeline_boundary_bytes(w, lay, 3, 1) == 1 * one  # the last stage's output is the loss
+    assert pipeline_boundary_bytes(w, lay.with_(recompute="full"), 1, 3) == 3 * one  # input = checkpoint's
+    assert pipeline_boundary_bytes(w, lay.with_(pp_outputs="freed"), 1, 3) == 3 * one  # Megatron
+    assert pipeline_boundary_bytes(w, Layout(dp=1, tp=2, sp=True, pp=4), 1, 3) == 6 * one / 2
+    assert pipeline_boundary_bytes(w, Layout(dp=4), 0, 1) == 0.0

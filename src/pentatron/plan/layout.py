@@ -27,6 +27,7 @@ ATTENTION_KERNELS: tuple[str, ...] = ("flash2", "flash3", "cudnn", "math")
 TRAIN_PRECISIONS: tuple[str, ...] = ("bf16", "fp32")  # train.precision (besides "auto")
 PP_SCHEDULES: tuple[str, ...] = ("afab", "1f1b", "interleaved", "zb")
 SP_INPUTS: tuple[str, ...] = ("gathered", "sharded")
+GRAD_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "bf16+fp32")
 CROSS_ENTROPY: tuple[str, ...] = ("eager", "fused")
 
 
@@ -62,7 +63,9 @@ class Layout:
     precision: str = "bf16"
     attention: str = "flash2"
     # dtype of the gradient buffer that is accumulated and reduced: our trainer keeps fp32; Megatron's
-    # default distributed optimizer and FSDP with a bf16 reduce dtype keep bf16 (2 bytes/param less)
+    # default distributed optimizer and FSDP with a bf16 reduce dtype keep bf16 (2 bytes/param less);
+    # "bf16+fp32": DeepSpeed's BF16_Optimizer keeps the bf16 .grad (clear_lp_grads=False) beside the
+    # fp32 accumulation it reduces (2 bytes/param more: the playbook's 20 bytes/param recipe)
     grad_precision: str = "fp32"
     zero3_gather: str = "micro_batch"  # ZeRO-3 with pp: re-gather per micro-batch, or once per "step"
     cp_mode: str = "ring"  # context parallelism: "ring" | "ulysses" | "hybrid" (plan/context.py)
@@ -74,6 +77,9 @@ class Layout:
     # the loss: "eager" (log-softmax in fp32, as training) or "fused" (flash-attn's cross-entropy kernel,
     # llm-foundry's default: keeps the low-precision logits and a per-token logsumexp only)
     cross_entropy: str = "eager"
+    # the stage output of each in-flight micro-batch until its backward: "kept" (our engine's
+    # state.output, DeepSpeed's pipe buffers) or "freed" once sent (Megatron's deallocate_pipeline_outputs)
+    pp_outputs: str = "kept"
 
     @property
     def world(self) -> int:
@@ -148,10 +154,12 @@ def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
         out.append(f"--attention must be one of {', '.join(ATTENTION_KERNELS)}, got {lay.attention!r}")
     if lay.sp_inputs not in SP_INPUTS:
         out.append(f"sp_inputs must be one of {', '.join(SP_INPUTS)}, got {lay.sp_inputs!r}")
+    if lay.pp_outputs not in ("kept", "freed"):
+        out.append(f"pp_outputs must be 'kept' or 'freed', got {lay.pp_outputs!r}")
     if lay.cross_entropy not in CROSS_ENTROPY:
         out.append(f"cross_entropy must be one of {', '.join(CROSS_ENTROPY)}, got {lay.cross_entropy!r}")
-    if lay.grad_precision not in ("fp32", "bf16"):
-        out.append(f"grad_precision must be 'fp32' or 'bf16', got {lay.grad_precision!r}")
+    if lay.grad_precision not in GRAD_PRECISIONS:
+        out.append(f"grad_precision must be one of {', '.join(GRAD_PRECISIONS)}, got {lay.grad_precision!r}")
     if not _LAYOUT_HAS_CP_MODE:
         out += cp_mode_problems(w.cfg, lay.tp, lay.cp, lay.cp_mode, lay.cp_ulysses)
     if lay.ep > 1 and moe is None:
@@ -194,12 +202,16 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
         out.append(f"recompute {lay.recompute!r} is not available in training (use one of "
                    f"{', '.join(TRAINABLE_RECOMPUTE)})")
     if lay.grad_precision != "fp32":
-        out.append("training accumulates gradients in fp32 (grad_precision='bf16' is not available)")
+        out.append(f"training accumulates gradients in fp32 (grad_precision={lay.grad_precision!r} is not "
+                   "available)")
     if lay.sp_inputs != "gathered" and lay.sp:
         out.append("training's column-parallel layers keep the all-gathered input (sp_inputs='sharded' is "
                    "Megatron's recipe, not available)")
     if lay.cross_entropy != "eager":
         out.append("training computes the loss in fp32 PyTorch ops (cross_entropy='fused' is not available)")
+    if lay.pp_outputs != "kept":
+        out.append("training's pipeline engine keeps each in-flight stage output (pp_outputs='freed' is not "
+                   "available)")
     if w.moe_spec is not None:
         out.append("mixture-of-experts models are not available in training yet")
     return out

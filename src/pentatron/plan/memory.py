@@ -60,6 +60,8 @@ PLAYBOOK_20 = StatePrecision("playbook-bf16-fp32grads", 2, 6, 4, 8)
 def state_precision(lay: Layout) -> StatePrecision:
     """Bytes per parameter held by this layout's training recipe (gradients in bf16 when asked)."""
     prec = STATE_PRECISIONS[lay.precision]
+    if lay.grad_precision == "bf16+fp32":  # DeepSpeed's BF16_Optimizer: bf16 .grad kept beside the fp32 sum
+        return replace(prec, grad=prec.grad + 2)
     return replace(prec, grad=2) if lay.grad_precision == "bf16" else prec
 
 
@@ -208,6 +210,22 @@ def rope_shared_bytes(cfg: ModelConfig, seq_len: int, precision: str, recompute:
     return 2 * seq_len * cfg.head_dim * 4 if (act_bytes(precision) == 4 or recompute == "full") else 0.0
 
 
+def pipeline_boundary_bytes(w: Workload, lay: Layout, rank: int, in_flight: int) -> float:
+    """What the pipeline engine holds per in-flight micro-batch besides the layers' saved tensors: the
+    received input (the autograd leaf whose gradient is sent back: not on stage 0, where it is token
+    ids, nor under full recompute, where it is the checkpointed block input already counted) and the
+    stage output the backward starts from (not the last stage's loss; freed after the send with
+    Megatron's deallocate_pipeline_outputs). Interleaved chunks are counted like stages of rank `rank`."""
+    if lay.pp <= 1:
+        return 0.0
+    one = lay.micro_batch * w.seq_len // lay.cp * w.cfg.hidden_size * act_bytes(lay.precision)
+    one /= lay.tp if lay.sp else 1
+    v = lay.pp_virtual
+    inputs = in_flight if (rank > 0 or v > 1) and lay.recompute != "full" else 0
+    outputs = in_flight if lay.pp_outputs == "kept" and (rank < lay.pp - 1 or v > 1) else 0
+    return (inputs + outputs) * one
+
+
 # ---------------------------------------------------------------- per-GPU breakdown
 @dataclass(frozen=True)
 class MemoryBreakdown:
@@ -340,6 +358,7 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     full_sets, rest = divmod(in_flight, lay.pp_virtual)
     acts = full_sets * sum(per_chunk_bytes) + sum(per_chunk_bytes[:rest])
     acts += rope_shared_bytes(cfg, seq_local, lay.precision, lay.recompute) * min(in_flight, m)
+    acts += pipeline_boundary_bytes(w, lay, rank, in_flight)
     # logits/loss: the last stage keeps the loss state of each micro-batch until its backward (B) runs
     loss_sets = last_stage_awaiting_backward_closed(lay.pp_schedule, lay.pp, m, lay.pp_virtual) if last else 1
     logits_loss = extra_saved * loss_sets + extra_transient
