@@ -165,6 +165,7 @@ def summary(results: list[Result]) -> dict[str, dict[str, float]]:
                      "signed_median_error": statistics.median(r.error for r in rs),
                      "baseline_median_abs_error": statistics.median(b), "baseline_p90_abs_error": percentile(b, 0.9),
                      "predicted_not_fit": sum(1 for r in rs if not r.pred.fits),
+                     "predicted_tight": sum(1 for r in rs if r.pred.tight),
                      "refused": sum(1 for r in rs if r.refused)}
     return out
 
@@ -180,7 +181,7 @@ def format_table(results: list[Result]) -> str:
         flag = "" if r.row.confirmed else " *"
         lines.append(f"{r.row.id + flag:<34} {r.pred.layout.short()[:46]:<46} {r.row.published_tps:>9.0f} "
                      f"{r.pred.rate.tokens_per_s_per_gpu:>9.0f} {100 * r.error:>+6.0f}%  "
-                     f"{'yes' if r.pred.fits else 'NO ':<4}  {mem}")
+                     f"{('tight' if r.pred.tight else 'yes') if r.pred.fits else 'NO':<5} {mem}")
         for p in r.refused:
             lines.append(f"{'':<36}planner would refuse: {p}")
     lines.append("(* figures recalled from the paper, not re-read in this session; tokens/s per GPU)")
@@ -189,10 +190,11 @@ def format_table(results: list[Result]) -> str:
 
 def format_summary(s: dict[str, dict[str, float]], baseline_mfu: float) -> str:
     lines = [f"{'source':<14} {'rows':>4} {'median|err|':>11} {'p90|err|':>9} {'signed med':>10} "
-             f"{'no-fit':>6}   {f'{100 * baseline_mfu:.0f}%-MFU guess: median / p90':>30}"]
+             f"{'no-fit':>6} {'tight':>5}   {f'{100 * baseline_mfu:.0f}%-MFU guess: median / p90':>30}"]
     for name, v in s.items():
         lines.append(f"{name:<14} {v['n']:>4} {100 * v['median_abs_error']:>10.1f}% {100 * v['p90_abs_error']:>8.1f}% "
-                     f"{100 * v['signed_median_error']:>+9.1f}% {v['predicted_not_fit']:>6}   "
+                     f"{100 * v['signed_median_error']:>+9.1f}% {v['predicted_not_fit']:>6} "
+                     f"{v['predicted_tight']:>5}   "
                      f"{100 * v['baseline_median_abs_error']:>15.1f}% / {100 * v['baseline_p90_abs_error']:.1f}%")
     return "\n".join(lines)
 

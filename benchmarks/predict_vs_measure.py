@@ -1,6 +1,7 @@
 """Predict, then measure: `pentatron plan` with a `pentatron bench` profile of this machine predicts the
 step time and the per-rank model state of debug-model runs (1 process, dp2, tp2, pp2), then
-`pentatron train` runs them and the two are printed side by side.
+`pentatron train` runs them and the two are printed side by side. The "(flat copy)" column is the same
+prediction with every memory-bound op at the profile's large-buffer copy rate (no size curve).
 
     python benchmarks/predict_vs_measure.py [--profile cpu.toml] [--steps 12] [--warmup 3]
 
@@ -15,6 +16,7 @@ does not model). Training runs in fp32 on CPU (train.precision auto), as predict
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -60,7 +62,8 @@ def _train(overrides: list[str], nproc: int, steps: int, warmup: int, logdir: Pa
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     if done.returncode:
         raise RuntimeError(f"training failed ({' '.join(overrides) or '1 process'}):\n{done.stderr[-2000:]}")
-    recs = [json.loads(x) for x in (logdir / "metrics.jsonl").read_text().splitlines()]
+    # runs write <log.dir>/<timestamp>/ and point <log.dir>/latest at it
+    recs = [json.loads(x) for x in (logdir / "latest" / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time_s"] for r in recs[warmup:]]
     return Measured(statistics.median(times), float(recs[0]["memory"]["total"]),
                     max(r["peak_mem_bytes"] for r in recs))
@@ -84,16 +87,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"profile: {gpu.name} ({gpu.source}); fp32 matmul {gpu.flops('fp32') / 1e9:.1f} GFLOP/s, "
               f"copy {gpu.hbm_bandwidth / 1e9:.1f} GB/s")
         print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} CPUs)")
-        head = (f"{'run':<10} {'pred step ms':>12} {'meas step ms':>12} {'ratio':>6}   "
+        flat = dataclasses.replace(gpu, measured_copy_bw=())  # the large-buffer copy rate for every op
+        if gpu.measured_copy_bw:
+            print("copy curve: " + ", ".join(f"{n / 1024:.0f} KiB {b / 1e9:.1f} GB/s" for n, b in gpu.measured_copy_bw))
+        head = (f"{'run':<10} {'pred step ms':>12} {'(flat copy)':>11} {'meas step ms':>12} {'ratio':>6}   "
                 f"{'pred state KiB':>14} {'meas state KiB':>14} {'ratio':>6}   {'peak RSS MiB':>12}")
         print(head)
         print("-" * len(head))
         for i, (name, (lay, overrides)) in enumerate(RUNS.items()):
             pred = predict(w, lay, gpu, kernels="eager")
+            pred_flat = predict(w, lay, flat, kernels="eager")
             m = _train(overrides, lay.world, args.steps, args.warmup, Path(tmp) / f"run{i}")
             mem = pred.memory
             state = mem.parameters + mem.gradients + mem.master_weights + mem.optimizer
-            print(f"{name:<10} {1e3 * pred.step.step:>12.2f} {1e3 * m.step_s:>12.2f} {pred.step.step / m.step_s:>6.2f}"
+            print(f"{name:<10} {1e3 * pred.step.step:>12.2f} {1e3 * pred_flat.step.step:>11.2f} "
+                  f"{1e3 * m.step_s:>12.2f} {pred.step.step / m.step_s:>6.2f}"
                   f"   {state / 1024:>14.1f} {m.model_state / 1024:>14.1f} {state / m.model_state:>6.2f}"
                   f"   {m.peak_rss / 2**20:>12.0f}")
         print(f"load after: {os.getloadavg()[0]:.2f}")

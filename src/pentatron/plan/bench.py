@@ -43,6 +43,10 @@ class BenchResult:
     copy_bandwidth: float  # bytes/s (read + write)
     memory_bytes: int
     busbw: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # op -> [(bytes, B/s)]
+    copy_curve: list[tuple[int, float]] = field(default_factory=list)  # [(bytes, B/s)] by buffer size
+    matmul_curve: list[tuple[int, float]] = field(default_factory=list)  # [(FLOPs per call, FLOP/s)] fp32
+    host_overhead: tuple[float, ...] = ()  # (layer fwd, layer bwd, ends fwd, ends bwd) seconds per micro-batch
+    host_optimizer_per_tensor: float = 0.0  # seconds per parameter tensor of an optimizer step
     torch_version: str = torch.__version__
     host: str = field(default_factory=platform.node)
     when: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -105,6 +109,69 @@ def measure_copy(device: torch.device, nbytes: int, seconds: float) -> float:
     dst = torch.empty_like(src)
     t = _timed(lambda: dst.copy_(src), device, seconds)
     return 2 * nbytes / t  # read + write
+
+
+# Copy sizes for the bandwidth curve: from cache-resident (a debug model's activations) to DRAM.
+COPY_CURVE_BYTES = tuple(2**k for k in range(14, 27, 2))  # 16 KiB .. 64 MiB
+
+
+def measure_host_overhead(device: torch.device, seconds: float) -> tuple[float, float, float, float]:
+    """Host seconds per micro-batch that eager PyTorch spends outside the arithmetic: (per decoder layer
+    forward, per layer backward, embedding + head + loss forward, their backward). A tiny Llama (h=64,
+    4 tokens: the arithmetic is negligible) at 2 and 6 layers: the difference per layer is the layer's
+    op dispatch and autograd cost, the rest the ends'. What a CPU step pays on top of the FLOPs."""
+    import torch.nn.functional as F
+
+    from pentatron.models.config import ModelConfig
+    from pentatron.models.llama import Llama
+
+    def run(n_layers: int) -> tuple[float, float]:
+        cfg = ModelConfig(vocab_size=64, hidden_size=64, n_layers=n_layers, n_heads=2, n_kv_heads=1,
+                          ffn_hidden_size=128, max_seq_len=16)
+        model = Llama(cfg).to(device)
+        tokens = torch.zeros(1, 4, dtype=torch.long, device=device)
+
+        def fwd() -> torch.Tensor:
+            return F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
+
+        t_f = _timed(lambda: fwd().detach(), device, seconds, min_iters=10)
+        t_fb = _timed(lambda: fwd().backward(), device, seconds, min_iters=10)
+        return t_f, t_fb - t_f
+
+    (f2, b2), (f6, b6) = run(2), run(6)
+    lf, lb = max(0.0, (f6 - f2) / 4), max(0.0, (b6 - b2) / 4)
+    return lf, lb, max(0.0, f2 - 2 * lf), max(0.0, b2 - 2 * lb)
+
+
+def measure_optimizer_overhead(device: torch.device, seconds: float, n_tensors: int = 64) -> float:
+    """Host seconds per parameter tensor of one optimizer step on tiny tensors (the arithmetic is
+    negligible): the gradient-norm term, clipping and torch's AdamW, as the trainer runs them."""
+    params = [torch.zeros(8, device=device, requires_grad=True) for _ in range(n_tensors)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+
+    def step() -> None:
+        norm = torch.stack([(p.grad.float() ** 2).sum() for p in params]).sum().sqrt()
+        for p in params:
+            p.grad.mul_(1.0 / (norm + 1e-6))
+        opt.step()
+
+    return _timed(step, device, seconds, min_iters=5) / n_tensors
+
+
+MATMUL_CURVE_N = (32, 64, 128, 256, 512)  # square fp32 GEMMs: a debug model's shapes up to the peak size
+
+
+def measure_matmul_curve(device: torch.device, seconds: float) -> list[tuple[int, float]]:
+    """fp32 matmul FLOP/s by the FLOPs of one call (2n^3): small GEMMs, their per-call cost included."""
+    return [(2 * n**3, measure_matmul(device, torch.float32, n, seconds)) for n in MATMUL_CURVE_N]
+
+
+def measure_copy_curve(device: torch.device, seconds: float) -> list[tuple[int, float]]:
+    """Copy bandwidth by buffer size: what a memory-bound op on a tensor that size reaches, the per-op
+    cost of a small one included (the planner's elementwise terms read it at their tensor sizes)."""
+    return [(n, measure_copy(device, n, seconds)) for n in COPY_CURVE_BYTES]
 
 
 def _memory_bytes(device: torch.device) -> int:
@@ -221,6 +288,11 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
         copy = measure_copy(dev, 64 * 2**20, seconds)
     result = BenchResult(device, name, nproc, "nccl" if device == "cuda" else "gloo", flops, copy,
                          _memory_bytes(dev))
+    if device == "cpu":  # GPU tensors of real models dwarf the L2: the large-buffer rate applies
+        result.copy_curve = measure_copy_curve(dev, seconds)
+        result.matmul_curve = measure_matmul_curve(dev, seconds)
+        result.host_overhead = measure_host_overhead(dev, seconds)
+        result.host_optimizer_per_tensor = measure_optimizer_overhead(dev, seconds)
     if nproc >= 2:
         import torch.multiprocessing as mp
 
@@ -252,6 +324,14 @@ def profile_dict(r: BenchResult) -> dict[str, Any]:
     gpu["hbm_bandwidth_gb_s"] = r.copy_bandwidth / GB
     gpu["gpus_per_node"] = max(1, r.nproc)
     gpu["intra_node_bandwidth_gb_s"] = best_bus / GB
+    if r.host_overhead:
+        gpu["host_us"] = {k: round(v * 1e6, 2) for k, v in zip(("layer_fwd", "layer_bwd", "ends_fwd", "ends_bwd"),
+                                                                r.host_overhead, strict=True)}
+        gpu["host_us"]["optimizer_per_tensor"] = round(r.host_optimizer_per_tensor * 1e6, 2)
+    if r.matmul_curve:
+        gpu["matmul_fp32"] = {"flops": [f for f, _ in r.matmul_curve], "gflop_s": [v / 1e9 for _, v in r.matmul_curve]}
+    if r.copy_curve:
+        gpu["copy_bw"] = {"bytes": [n for n, _ in r.copy_curve], "gb_s": [b / GB for _, b in r.copy_curve]}
     if r.busbw:
         gpu["busbw"] = {op: {"bytes": [s for s, _ in pts], "gb_s": [b / GB for _, b in pts]}
                         for op, pts in r.busbw.items()}

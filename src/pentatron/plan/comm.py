@@ -11,7 +11,6 @@ its ranks per node, min(NVLink, k * per-GPU NIC) (rail-optimised nodes: one NIC 
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass, replace
 
@@ -24,7 +23,7 @@ from pentatron.plan.context import (
     layer_cost,
 )
 from pentatron.plan.flops import MoESpec
-from pentatron.plan.hardware import GPUSpec
+from pentatron.plan.hardware import GPUSpec, interp_log
 from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, nodes_spanned
 from pentatron.plan.memory import act_bytes
 
@@ -66,15 +65,7 @@ def wire_bytes(op: str, payload: float, n: int) -> float:
 
 
 def _interp_busbw(table: tuple[tuple[float, float], ...], nbytes: float) -> float:
-    sizes = [s for s, _ in table]
-    i = bisect.bisect_left(sizes, nbytes)
-    if i == 0:
-        return table[0][1]
-    if i >= len(table):
-        return table[-1][1]
-    (s0, b0), (s1, b1) = table[i - 1], table[i]
-    f = (math.log(nbytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
-    return b0 + f * (b1 - b0)
+    return interp_log(table, nbytes)
 
 
 def bus_bandwidth(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:

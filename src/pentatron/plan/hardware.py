@@ -8,6 +8,7 @@ sparse figure, twice as large).
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from dataclasses import dataclass, field, fields, replace
@@ -53,10 +54,25 @@ class GPUSpec:
     attention_kernels: dict[str, tuple[float, float]] = field(default_factory=dict)
     # Fraction of HBM bandwidth streaming (elementwise) kernels reach.
     hbm_efficiency: float = 0.90
+    # FP8 GEMMs lose throughput at small k (a fixed prologue/epilogue per output tile): efficiency x
+    # k / (k + fp8_gemm_k0); 0 = not measured for this GPU
+    fp8_gemm_k0: float = 0.0
     # Network interface cards per node (each `inter_node_bandwidth * gpus_per_node / nics_per_node`).
     nics_per_node: int = 0  # 0 = one per GPU (rail-optimised DGX/HGX nodes)
     # Optional measured bus-bandwidth curves (from `pentatron bench`), replacing the link model above.
     measured_busbw: BusBwTable = field(default_factory=dict)
+    # Optional measured copy bandwidth (read + write, B/s) by buffer size (from `pentatron bench`): on a
+    # CPU small tensors stay in the caches, so elementwise ops run far above the large-buffer rate
+    measured_copy_bw: tuple[tuple[float, float], ...] = ()
+    # Optional measured fp32 matmul FLOP/s by the FLOPs of one call (bench, CPU): small GEMMs run far
+    # below the large-matrix rate; the per-call cost is included
+    measured_matmul_fp32: tuple[tuple[float, float], ...] = ()
+    # Optional measured host seconds per micro-batch outside the arithmetic (bench, CPU: eager op
+    # dispatch and autograd, serial with compute there): per decoder layer and for embedding + head +
+    # loss, forward and backward; 0 on GPUs, where launches overlap the kernels (KERNEL_OVERHEAD)
+    host_layer_s: tuple[float, float] = (0.0, 0.0)
+    host_ends_s: tuple[float, float] = (0.0, 0.0)
+    host_optimizer_per_tensor_s: float = 0.0  # optimizer step (norm, clip, AdamW) per parameter tensor
     source: str = ""
 
     def flops(self, dtype: str) -> float:
@@ -74,6 +90,14 @@ class GPUSpec:
         if kernel == "flash2":
             return self.attention_efficiency
         return self.attention_kernels.get(kernel, self.attention_efficiency)
+
+    def stream_bandwidth(self, nbytes: float, efficiency: bool = True) -> float:
+        """Bytes/s a memory-bound kernel streaming a working set of `nbytes` reaches: the measured copy
+        curve at that size when bench provided one (it includes the per-op cost a small copy pays),
+        else the nominal HBM bandwidth (times `hbm_efficiency` unless `efficiency=False`)."""
+        if self.measured_copy_bw:
+            return interp_log(self.measured_copy_bw, nbytes)
+        return self.hbm_bandwidth * (self.hbm_efficiency if efficiency else 1.0)
 
     @property
     def nics(self) -> int:
@@ -125,6 +149,12 @@ _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float3
 #        FlashAttention-3, arXiv:2407.08608, abstract); its backward is taken at FA2's A100 bwd/fwd ratio
 #        (63/73): 0.35 * 0.86 = 0.30. flash3 on H100: fwd ~740 TF (75%), bwd ~60% (same paper); cuDNN 9
 #        fused attention on Hopper is taken equal to FA3 (an assumption until measured). B200: H100's.
+#  fp8_gemm_k0 (Hopper): FP8 GEMM M=N=8192 sweep over K on an H800 SXM (the H100 SXM's compute die;
+#        tile-lang repository, benchmark/matmul_fp8/README.md): 569, 858, 1129, 1343, 1467, 1507, 1541
+#        TFLOP/s at K = 256 .. 16384. The ratio of the K=16384 and K=1024 points gives k0 = 409 (k/(k + k0)
+#        scaled to the large-K rate also matches K=2048..8192 within 3%); with our 0.80 matmul_efficiency
+#        and H100 wave quantisation the model sits 2-5% under the sweep. bf16 has no such sweep cited
+#        here and keeps k0 = 0.
 #  hbm_efficiency: streaming kernels reach ~90% of nominal HBM bandwidth (BabelStream copy/triad on
 #        A100 and H100, Deakin et al.); applied to elementwise traffic, not to GEMM/attention roofs.
 #  HBM capacity is the nominal GiB; torch reports slightly less (e.g. 79.1 GiB on an H100 80GB).
@@ -153,6 +183,7 @@ _CATALOGUE: dict[str, GPUSpec] = {
         intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
         intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.80,
         sm_count=132, attention_efficiency=(0.35, 0.30),
+        fp8_gemm_k0=409.0,
         attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.75, 0.60)},
         source="NVIDIA H100 datasheet; DGX H100 user guide"),
     "h200": GPUSpec(
@@ -163,6 +194,7 @@ _CATALOGUE: dict[str, GPUSpec] = {
         intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
         intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.80,
         sm_count=132, attention_efficiency=(0.35, 0.30),
+        fp8_gemm_k0=409.0,
         attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.75, 0.60)},
         source="NVIDIA H200 datasheet; DGX H200 user guide"),
     "b200": GPUSpec(
@@ -234,6 +266,7 @@ _TOML_SCALARS = {
     "sm_count": ("sm_count", 1),
     "hbm_efficiency": ("hbm_efficiency", 1),
     "nics_per_node": ("nics_per_node", 1),
+    "fp8_gemm_k0": ("fp8_gemm_k0", 1),
 }
 
 
@@ -260,6 +293,22 @@ def hardware_from_dict(d: dict[str, Any], where: str = "hardware") -> GPUSpec:
     busbw = d.pop("busbw", None)
     if busbw is not None:
         kw["measured_busbw"] = _parse_busbw(busbw, where, problems)
+    copy_bw = d.pop("copy_bw", None)
+    if copy_bw is not None:
+        kw["measured_copy_bw"] = _parse_busbw({"copy_bw": copy_bw}, where, problems).get("copy_bw", ())
+    host = d.pop("host_us", None)
+    if host is not None:
+        try:
+            kw["host_layer_s"] = (float(host["layer_fwd"]) * US, float(host["layer_bwd"]) * US)
+            kw["host_ends_s"] = (float(host["ends_fwd"]) * US, float(host["ends_bwd"]) * US)
+            kw["host_optimizer_per_tensor_s"] = float(host.get("optimizer_per_tensor", 0.0)) * US
+        except (TypeError, KeyError, ValueError):
+            problems.append(f"{where}: host_us needs numbers layer_fwd, layer_bwd, ends_fwd, ends_bwd")
+    mm = d.pop("matmul_fp32", None)
+    if mm is not None:  # {flops = [...], gflop_s = [...]}
+        if isinstance(mm, dict) and "flops" in mm and "gflop_s" in mm:
+            mm = {"bytes": mm["flops"], "gb_s": mm["gflop_s"]}  # same shape as a bandwidth curve
+        kw["measured_matmul_fp32"] = _parse_busbw({"matmul_fp32": mm}, where, problems).get("matmul_fp32", ())
     for key, (attr, scale) in _TOML_SCALARS.items():
         if key in d:
             v = d.pop(key)
@@ -286,6 +335,19 @@ def hardware_from_dict(d: dict[str, Any], where: str = "hardware") -> GPUSpec:
     if spec.problems():
         raise ValueError("; ".join(spec.problems()))
     return spec
+
+
+def interp_log(table: tuple[tuple[float, float], ...], nbytes: float) -> float:
+    """Linear interpolation of (size, value) points in log(size); clamped at both ends."""
+    sizes = [x for x, _ in table]
+    i = bisect.bisect_left(sizes, nbytes)
+    if i == 0:
+        return table[0][1]
+    if i >= len(table):
+        return table[-1][1]
+    (s0, b0), (s1, b1) = table[i - 1], table[i]
+    f = (math.log(nbytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
+    return b0 + f * (b1 - b0)
 
 
 def _parse_busbw(tbl: Any, where: str, problems: list[str]) -> BusBwTable:

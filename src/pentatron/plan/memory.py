@@ -246,6 +246,12 @@ class MemoryBreakdown:
         return (self.parameters + self.gradients + self.master_weights + self.optimizer + self.activations
                 + self.logits_loss + self.recompute_working + self.comm_buffers + self.reserved)
 
+    @property
+    def required(self) -> float:
+        """The total without the allocator-fragmentation margin: live tensors + the CUDA context. A run
+        whose `required` exceeds the device cannot exist; one between `required` and `total` is tight."""
+        return self.total - (self.reserved - RUNTIME_RESERVED)
+
     def as_dict(self) -> dict[str, float]:
         d = asdict(self)
         d["total"] = self.total

@@ -70,7 +70,8 @@ def detail(w: Workload, p: Prediction, gpu: GPUSpec, *, train_tokens: float | No
     out.append(f"memory per GPU (pipeline rank {mem.rank}, {mem.in_flight} micro-batch activation sets in flight):")
     for c in COMPONENTS:
         out.append(f"  {c:<18} {_gib(getattr(mem, c)):>8} GiB")
-    verdict = "fits" if p.fits else "DOES NOT FIT"
+    verdict = ("fits only without the fragmentation margin (tight)" if p.tight else "fits") if p.fits \
+        else "DOES NOT FIT"
     out.append(f"  {'total':<18} {_gib(mem.total):>8} GiB  of {gpu.hbm_bytes / GiB:.0f} GiB -> {verdict}")
     out.append(f"FLOPs per token: model {_si(rate.model_flops_per_token, 'FLOP')} (MFU numerator), hardware "
                f"{_si(rate.hardware_flops_per_token, 'FLOP')} (with recompute); per step "
@@ -122,6 +123,7 @@ def prediction_json(w: Workload, p: Prediction, rank: int, *, train_tokens: floa
         "rank": rank,
         "layout": {**lay.to_dict(), "microbatches": lay.microbatches(w), "gpus": lay.world},
         "fits": p.fits,
+        "tight": p.tight,
         "memory_bytes": {**{c: getattr(p.memory, c) for c in COMPONENTS}, "total": p.memory.total},
         "memory_rank": p.memory.rank,
         "in_flight_microbatches": p.memory.in_flight,

@@ -18,7 +18,7 @@ from typing import Any
 from pentatron.plan.context import cp_mode_options
 from pentatron.plan.hardware import GiB, GPUSpec
 from pentatron.plan.layout import Layout, Workload, problems, quick_problems, trainable_problems, warnings
-from pentatron.plan.memory import MemoryBreakdown, memory_per_gpu
+from pentatron.plan.memory import FRAGMENTATION, MemoryBreakdown, memory_per_gpu
 from pentatron.plan.timing import StepTime, Throughput, step_time, throughput
 
 KNOBS = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "pp_virtual", "micro_batch", "recompute")
@@ -35,6 +35,7 @@ class Prediction:
     step: StepTime
     rate: Throughput
     notes: tuple[str, ...] = ()
+    tight: bool = False  # fits, but not with the allocator-fragmentation margin (memory.FRAGMENTATION)
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,17 @@ def predict(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", e
     mem = memory_per_gpu(w, lay, gpu, kernels, norm)
     st = step_time(w, lay, gpu, kernels=kernels, exact=exact)
     notes = warnings(w, lay, gpu)
+    budget = memory_budget(gpu)
+    if mem.required <= budget < mem.total:
+        notes.append(f"tight: {mem.required / GiB:.1f} GiB of tensors fit in {budget / GiB:.0f} GiB, but not with "
+                     f"the {100 * FRAGMENTATION:.0f}% allocator-fragmentation margin ({mem.total / GiB:.1f} GiB); "
+                     "the search recommends only layouts that fit with it")
     if lay.pp > 1 and lay.pp <= lay.microbatches(w) < 2 * lay.pp:
         notes.append(f"only {lay.microbatches(w)} micro-batches for pp={lay.pp}: bubble "
                      f"{100 * st.bubble_fraction:.0f}%")
     notes += [f"training cannot run this yet: {x}" for x in trainable_problems(w, lay, lay.world)]
-    return Prediction(lay, mem, mem.total <= memory_budget(gpu), st, throughput(w, lay, gpu, st), tuple(notes))
+    return Prediction(lay, mem, mem.required <= budget, st, throughput(w, lay, gpu, st), tuple(notes),
+                      tight=mem.required <= budget < mem.total)
 
 
 def enumerate_layouts(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any]) -> Iterator[Layout]:

@@ -33,7 +33,7 @@ from pentatron.plan.comm import (
     step_collectives,
 )
 from pentatron.plan.flops import hardware_flops_per_token, layer_params, model_flops_per_token
-from pentatron.plan.hardware import GPUSpec
+from pentatron.plan.hardware import GPUSpec, interp_log
 from pentatron.plan.layout import Layout, Workload, compute_dtype, kv_heads_per_tp_rank, layers_per_chunk
 from pentatron.plan.memory import DP_BUCKET, STATE_PRECISIONS, act_bytes, rank_layers, rank_params
 from pentatron.schedules import make_schedule, simulate
@@ -75,14 +75,20 @@ ZERO = Phase(0.0, 0.0, 0.0)
 
 
 def gemm_time(gpu: GPUSpec, m: float, n: float, k: float, peak: float, a: int) -> float:
-    """C[m,n] = A[m,k] B[k,n]: max(compute at peak x matmul_efficiency x wave efficiency, HBM traffic)."""
+    """C[m,n] = A[m,k] B[k,n]: max(compute at peak x matmul_efficiency x wave efficiency, HBM traffic);
+    FP8 (a = 1) also x k / (k + fp8_gemm_k0), the small-k loss of the measured FP8 kernels."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
     tiles = math.ceil(m / TILE) * math.ceil(n / TILE)
     waves = math.ceil(tiles / gpu.sm_count)
     wave_eff = tiles / (waves * gpu.sm_count)
+    if a == 1 and gpu.fp8_gemm_k0:
+        wave_eff *= k / (k + gpu.fp8_gemm_k0)
     compute = 2 * m * n * k / (peak * gpu.matmul_efficiency * wave_eff)
-    memory = (m * k + k * n + m * n) * a / gpu.hbm_bandwidth
+    if a == 4 and gpu.measured_matmul_fp32:  # bench's rate for a call of this many FLOPs, its cost included
+        return 2 * m * n * k / interp_log(gpu.measured_matmul_fp32, 2 * m * n * k)
+    traffic = (m * k + k * n + m * n) * a
+    memory = traffic / gpu.stream_bandwidth(traffic, efficiency=False)
     return max(compute, memory) + KERNEL_OVERHEAD
 
 
@@ -177,7 +183,8 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
         up = _linear(gpu, tokens, f, h, peak, a, fp8).scale(mats - 1)
         ph = ph + up + down
     attn_f, attn_b = attention_times(w, lay, gpu)
-    elem = tokens * _elementwise_bytes(w, lay, kernels) / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
+    # each elementwise op streams about one hidden-sized tensor in and one out
+    elem = tokens * _elementwise_bytes(w, lay, kernels) / gpu.stream_bandwidth(2 * tokens * h * a)
     lc = layer_comm(w, lay, gpu, bool(lp.expert_total))
     cp = cp_layer_cost(w, lay, gpu, attn_f, attn_b)
     f = ph.f + attn_f + elem + lc.tp_fwd + lc.ep_fwd + cp.fwd_exposed
@@ -191,7 +198,8 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
         b += f
     elif lay.recompute == "full-alternate":  # every second block
         b += f / 2
-    return Phase(f, b, ph.w)
+    hf, hb = gpu.host_layer_s  # measured host work (CPU profiles), serial with the arithmetic there
+    return Phase(f + hf, b + hb + (hf if lay.recompute == "full" else 0.0), ph.w)
 
 
 def sp_regather_split(lc: LayerComm, qkv: Phase, up: Phase) -> tuple[tuple[float, float], float]:
@@ -215,10 +223,11 @@ def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -
     ph = _linear(gpu, tokens, v, cfg.hidden_size, peak, a)
     # logits: bf16 write, fp32 copy, log-softmax write; backward reads them back and writes grads
     per_logit = (a + 4 + 4 + 4) if kernels == "eager" else (a + 4)
-    loss = tokens * v * per_logit / gpu.hbm_bandwidth
+    bw = gpu.stream_bandwidth(2 * tokens * v * 4, efficiency=False)  # one fp32 logits tensor in and out
+    loss = tokens * v * per_logit / bw
     tp = _head_tp(w, lay, gpu)
     if lay.cross_entropy == "fused":  # flash-attn's kernel: reads the logits; backward reads, writes grads
-        loss = tokens * v * a / gpu.hbm_bandwidth
+        loss = tokens * v * a / bw
         return Phase(ph.f + loss + tp, ph.b + 2 * loss + tp, ph.w)
     return Phase(ph.f + loss + tp, ph.b + 1.5 * loss + tp, ph.w)
 
@@ -239,7 +248,8 @@ def embed_phase(w: Workload, lay: Layout, gpu: GPUSpec) -> Phase:
     if lay.tp > 1:
         tp = collective_time(gpu, "reduce_scatter" if lay.sp else "all_reduce", act, group_of(lay, "tp", gpu))
     # gather rows forward; scatter-add fp32 gradient rows backward (memory-bound)
-    return Phase(2 * act / gpu.hbm_bandwidth + tp, 0.0, tokens * w.cfg.hidden_size * 8 / gpu.hbm_bandwidth)
+    bw = gpu.stream_bandwidth(2 * act, efficiency=False)
+    return Phase(2 * act / bw + tp, 0.0, tokens * w.cfg.hidden_size * 8 / bw)
 
 
 def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -> list[Phase]:
@@ -263,7 +273,7 @@ def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused")
         if s == 0:
             ph = ph + embed_phase(w, lay, gpu)
         if s == chunks - 1:
-            ph = ph + head_phase(w, lay, gpu, kernels)
+            ph = ph + head_phase(w, lay, gpu, kernels) + Phase(*gpu.host_ends_s, 0.0)
         out.append(ph)
     return out
 
@@ -386,7 +396,12 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
     per_param = OPTIMIZER_BYTES_PER_PARAM * (prec.param / 2 if lay.precision == "fp32" else 1)
     if lay.precision == "fp16":  # dynamic loss scaling: one more read of the fp32 gradients (inf/nan check)
         per_param += 4
-    optimizer = local * per_param / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
+    # the step runs tensor by tensor: its working set is about one layer's parameters at a time
+    optimizer = local * per_param / gpu.stream_bandwidth(per_param * local / max(1, n_layers))
+    # host work per parameter tensor (CPU profiles): 9 per decoder layer (q, k, v, o, 3 MLP, 2 norms) and,
+    # on rank 0, the embedding (+ the final norm and an untied head when it is also the last stage)
+    ends = 1 + ((2 if not w.cfg.tie_embeddings else 1) if lay.pp == 1 else 0)
+    optimizer += gpu.host_optimizer_per_tensor_s * (9 * n_layers + ends)
     tied = 0.0
     for c in colls:  # exposure inside the pipeline, reported per dimension
         if c.where == SP_REGATHER_WHERE:  # partly hidden under the input-gradient GEMMs
