@@ -62,6 +62,10 @@ def training_config_text(w: Workload, lay: Layout, header: str = "") -> str:
     }
     if lay.zero == 3 and lay.pp > 1:
         sections["parallel"]["zero3_gather"] = lay.zero3_gather
+    if lay.cp > 1:  # training's names (parallel.cp_mode, parallel.cp_ulysses)
+        sections["parallel"]["cp_mode"] = lay.cp_mode
+        if lay.cp_mode == "hybrid":
+            sections["parallel"]["cp_ulysses"] = lay.cp_ulysses
     lines = [f"# {line}" for line in header.splitlines()]
     for name, kv in sections.items():
         lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in kv.items()]
