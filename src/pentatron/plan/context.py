@@ -20,9 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pentatron.models.config import ModelConfig
-
-CP_MODES: tuple[str, ...] = ("ring", "ulysses", "hybrid")
+CP_MODES: tuple[str, ...] = ("ring", "ulysses", "hybrid")  # which modes and degrees are valid: ParallelLayout
 
 
 def cp_degrees(cp: int, mode: str, cp_ulysses: int) -> tuple[int, int]:
@@ -56,33 +54,6 @@ def kv_heads_after_ulysses(kv_local: int, u: int) -> int:
     """kv heads × ranks-worth of K (or V) one rank sends per token in the Ulysses all-to-all and keeps
     afterwards for its sequence chunk: its own kv heads, or u when they must be replicated (kv < u)."""
     return max(u, kv_local)
-
-
-def cp_mode_problems(cfg: ModelConfig, tp: int, cp: int, mode: str, cp_ulysses: int) -> list[str]:
-    """The context-parallel mode rules (named as training's config fields). The planner applies them
-    itself until `ParallelLayout` carries `cp_mode`/`cp_ulysses`; then its own `problems` do."""
-    out: list[str] = []
-    if mode not in CP_MODES:
-        return [f"parallel.cp_mode must be one of {', '.join(CP_MODES)}, got {mode!r}"]
-    if isinstance(cp_ulysses, bool) or not isinstance(cp_ulysses, int) or cp_ulysses < 1:
-        return [f"parallel.cp_ulysses must be an integer ≥ 1, got {cp_ulysses!r}"]
-    if cp <= 1 or tp < 1 or cfg.n_heads % tp:
-        return out
-    if mode == "hybrid" and cp % cp_ulysses:
-        out.append(f"parallel.cp_ulysses={cp_ulysses} must divide parallel.cp={cp} (hybrid: cp_ulysses Ulysses "
-                   f"ranks × cp/cp_ulysses ring ranks)")
-        return out
-    u, _ = cp_degrees(cp, mode, cp_ulysses)
-    if u > 1:
-        heads = cfg.n_heads // tp
-        kv = max(1, cfg.n_kv_heads // tp)
-        if heads % u:
-            out.append(f"parallel.cp_mode={mode!r}: the Ulysses degree {u} does not divide the {heads} attention "
-                       f"heads per tensor-parallel rank (model.n_heads={cfg.n_heads} / parallel.tp={tp})")
-        elif kv % u and u % kv:
-            out.append(f"parallel.cp_mode={mode!r}: the Ulysses degree {u} must divide the {kv} kv heads per "
-                       f"tensor-parallel rank, or be a multiple of it (kv heads are then replicated)")
-    return out
 
 
 @dataclass(frozen=True)

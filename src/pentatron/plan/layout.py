@@ -14,7 +14,6 @@ from typing import Any
 
 from pentatron.layout import ParallelLayout, tensor_parallel_problems
 from pentatron.models.config import ModelConfig
-from pentatron.plan.context import cp_mode_problems
 from pentatron.plan.flops import RECOMPUTE_MODES, TRAINABLE_RECOMPUTE, MoESpec, moe_of
 from pentatron.plan.hardware import GPUSpec
 
@@ -111,17 +110,12 @@ def kv_heads_per_tp_rank(cfg: ModelConfig, tp: int) -> int:
     return max(1, cfg.n_kv_heads // tp)
 
 
-# Whether the training layout carries the context-parallel mode (the lead adds it with cp): until then
-# the planner applies plan/context.cp_mode_problems itself.
-_LAYOUT_HAS_CP_MODE = "cp_mode" in ParallelLayout.__dataclass_fields__
-
-
 def parallel_layout(w: Workload, lay: Layout) -> ParallelLayout:
     """The training side's layout for this plan: the one `pentatron train` would validate."""
-    cp_kw = {"cp_mode": lay.cp_mode, "cp_ulysses": lay.cp_ulysses} if _LAYOUT_HAS_CP_MODE else {}
     return ParallelLayout(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, zero=lay.zero, sp=lay.sp,
                           pp_schedule=lay.pp_schedule, pp_virtual=lay.pp_virtual, zero3_gather=lay.zero3_gather,
-                          micro_batch=lay.micro_batch, global_batch=w.global_batch, seq_len=w.seq_len, **cp_kw)
+                          cp_mode=lay.cp_mode, cp_ulysses=lay.cp_ulysses, micro_batch=lay.micro_batch,
+                          global_batch=w.global_batch, seq_len=w.seq_len)
 
 
 @lru_cache(maxsize=16384)
@@ -160,8 +154,6 @@ def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
         out.append(f"cross_entropy must be one of {', '.join(CROSS_ENTROPY)}, got {lay.cross_entropy!r}")
     if lay.grad_precision not in GRAD_PRECISIONS:
         out.append(f"grad_precision must be one of {', '.join(GRAD_PRECISIONS)}, got {lay.grad_precision!r}")
-    if not _LAYOUT_HAS_CP_MODE:
-        out += cp_mode_problems(w.cfg, lay.tp, lay.cp, lay.cp_mode, lay.cp_ulysses)
     if lay.ep > 1 and moe is None:
         out.append(f"ep={lay.ep} needs a mixture-of-experts model")
     if moe is not None and moe.num_experts % lay.ep:

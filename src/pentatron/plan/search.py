@@ -72,6 +72,18 @@ def _pow2_upto(n: int) -> list[int]:
     return out
 
 
+# Context parallelism is ranked above a layout without it only when predicted faster by more than this:
+# its attention runs as many short kernels (2·cp zigzag chunks, one launch per ring step) whose lower
+# FlashAttention efficiency the model does not have, so a near-tie is not evidence that CP helps. Where
+# nothing without CP fits (long sequences), CP is all there is and ranks as predicted.
+CP_MARGIN = 0.05
+
+
+def cp_handicapped(lay: Layout, tokens_per_s: float) -> float:
+    """The throughput the search ranks by: CP layouts must beat the others by CP_MARGIN."""
+    return tokens_per_s / (1 + CP_MARGIN) if lay.cp > 1 else tokens_per_s
+
+
 def memory_budget(gpu: GPUSpec) -> float:
     return float(gpu.hbm_bytes)
 
@@ -185,7 +197,7 @@ def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None
             est = w.tokens_per_step / st.step
         pool.append(Scored(lay, mem.total, fits, est))
     fitting = [s for s in pool if s.fits]
-    fitting.sort(key=lambda s: (-s.est_tokens_per_s, s.memory_total))
+    fitting.sort(key=lambda s: (-cp_handicapped(s.layout, s.est_tokens_per_s), s.memory_total))
     k = exact_pool if exact_pool is not None else max(3 * top, 24)
     # Recommend only what `pentatron train` accepts (checked best-first, the full validator being the
     # costly part); when the pinned knobs leave nothing trainable (e.g. --cp 8, --precision fp8),
@@ -206,7 +218,7 @@ def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None
     if not chosen and pinned:
         chosen = evaluable[:k]
     ranked = [predict(w, s.layout, gpu, kernels=kernels) for s in chosen]
-    ranked.sort(key=lambda p: (-p.rate.tokens_per_s, p.memory.total))
+    ranked.sort(key=lambda p: (-cp_handicapped(p.layout, p.rate.tokens_per_s), p.memory.total))
     res = SearchResult(w, gpu, gpus, ranked[:top], n_enum, n_valid, len(fitting), 0.0, pool=pool)
     if ranked:
         res.reasons = reasons_for(ranked[0].layout, pool, gpu, fixed, w=w, gpus=gpus, kernels=kernels)

@@ -32,6 +32,7 @@ from pentatron.plan.comm import (
     pp_hop_time,
     step_collectives,
 )
+from pentatron.plan.context import cp_degrees
 from pentatron.plan.flops import hardware_flops_per_token, layer_params, model_flops_per_token
 from pentatron.plan.hardware import GPUSpec, interp_log
 from pentatron.plan.layout import Layout, Workload, compute_dtype, kv_heads_per_tp_rank, layers_per_chunk
@@ -146,7 +147,11 @@ def attention_times(w: Workload, lay: Layout, gpu: GPUSpec) -> tuple[float, floa
         return fwd, 2 * (qk + pv) + scores * a * MATH_SOFTMAX_BYTES[1] / bw
     flops = 4 * heads * cfg.head_dim * lay.micro_batch * w.seq_len * (w.seq_len + 1) / 2 / lay.cp
     eff_f, eff_b = gpu.attention(lay.attention)
-    return flops / (peak * eff_f), 2.5 * flops / (peak * eff_b)  # bwd: dQ, dK, dV, dP and QK^T again
+    # ring attention calls the kernel per step and per zigzag half-chunk: 2 launches per ring step
+    # instead of one call
+    _, ring = cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)
+    launches = (2 * ring - 1) * KERNEL_OVERHEAD if ring > 1 else 0.0
+    return flops / (peak * eff_f) + launches, 2.5 * flops / (peak * eff_b) + launches  # bwd: dQ, dK, dV, dP, QK^T
 
 
 def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str = "fused") -> Phase:
