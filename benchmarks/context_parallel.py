@@ -150,11 +150,11 @@ def main() -> None:
     print("| layout | ranks | step (s) | tokens/s | vs cp1 | max abs err vs 1 process | ring pairs per rank "
           "(zigzag) | contiguous split would be |")
     print("|---|---:|---:|---:|---:|---:|---|---|")
-    for label, cp, mode, u in IMPLS:
+    for label, cp, _mode, u in IMPLS:
         r = best[label]
-        ring = cp // u if mode != "ulysses" else 1
-        contiguous = _contiguous_pairs(args.seq_len // u if ring > 1 else args.seq_len, ring, heads) \
-            if ring > 1 else []
+        ring = cp // u
+        # The same ring with contiguous pieces (its Ulysses ranks share heads, not tokens).
+        contiguous = _contiguous_pairs(args.seq_len, ring, heads // u) if ring > 1 else []
         pairs = sorted(set(r["pairs"])) if ring > 1 else "-"
         spread = f"{contiguous} (max/min {max(contiguous) / min(contiguous):.1f}×)" if contiguous else "-"
         print(f"| {label} | {cp} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.2f}× "
