@@ -195,7 +195,7 @@ class MoE(nn.Module):
             if m.n_shared_experts else None
         self.loss_scale = 1.0  # d(step loss)/d(this forward's loss): 1/micro-batches (set by the runner)
         self.expert_parallel: ExpertParallel | None = None
-        self.stats = LoadStats(torch.zeros(m.n_experts, dtype=torch.float64))
+        self.stats = LoadStats(torch.zeros(m.n_experts, dtype=torch.float64, device="cpu"))  # not meta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -248,17 +248,17 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
 
 
 @torch.no_grad()
-def finish_step(model: nn.Module, reduce: Callable[[torch.Tensor], None] | None = None
+def finish_step(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
                 ) -> dict[str, dict[str, Any]]:
-    """After the optimizer step: sum each layer's load over the data-parallel replicas (`reduce`: an
-    in-place sum, None in one process), move the aux-free biases, reset the counters; returns the
+    """After the optimizer step: sum each layer's load over the data-parallel replicas (`reduce`: the
+    sum of a float64 CPU vector over them, None in one process), move the aux-free biases, reset the counters; returns the
     step's metrics per MoE layer (name → tokens per expert, max/mean imbalance, dropped fraction,
     aux and z losses averaged over forwards and replicas)."""
     out = {}
     for name, m in moe_layers(model).items():
         vec = m.take_stats().vector()
         if reduce is not None:
-            reduce(vec)
+            vec = reduce(vec)
         n = m.cfg.n_experts
         counts, (dropped, tokens, aux, z, forwards) = vec[:n], vec[n:].tolist()
         if m.cfg.bias_update_rate > 0 and forwards > 0:

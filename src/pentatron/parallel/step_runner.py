@@ -22,6 +22,7 @@ from torch import nn
 from pentatron.config import TrainConfig
 from pentatron.distributed.context import ParallelContext
 from pentatron.layout import ParallelLayout
+from pentatron.models.moe import finish_step, moe_layers, set_aux_loss_scale
 from pentatron.optim import AdamW
 from pentatron.parallel.data import DataParallelBase
 from pentatron.parallel.memory import MemoryReport
@@ -46,6 +47,11 @@ class StepRunner:
         self.stages = list(stages) if stages else None
         self.pipeline: PipelineEngine | None = None
         self.last_pipeline: PipelineStepResult | None = None
+        # MoE layers: their balancing losses are scaled like each micro-batch's loss; after the step
+        # their loads are summed over the data-parallel replicas (biases, metrics).
+        self.has_moe = bool(moe_layers(model))
+        self.moe_metrics: dict[str, Any] = {}
+        set_aux_loss_scale(model, 1 / layout.microbatches)
         if self.stages:
             schedule = make_schedule(layout.pp_schedule, layout.pp, layout.microbatches, layout.virtual)
             shards = layout.tp if layout.sp else 1  # sequence parallelism: stages exchange [b, s/tp, h]
@@ -97,6 +103,8 @@ class StepRunner:
     def step(self, lr: float) -> None:
         self.optimizer.step(lr)
         self.engine.after_optimizer_step()
+        if self.has_moe:
+            self.moe_metrics = finish_step(self.model, self._sum_over_replicas)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -111,11 +119,18 @@ class StepRunner:
         """This rank's model-state memory: parameters, gradients, optimizer state, fp32 masters."""
         return self.engine.memory(self.optimizer)
 
+    def _sum_over_replicas(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(self.device)
+        self.comm.all_reduce(t, "dp_cp")
+        return t.cpu()
+
     def step_stats(self) -> dict[str, Any]:
-        """Per-step figures of the pipeline (a collective over pp): measured bubble, peak in flight."""
+        """Per-step figures: of the pipeline (a collective over pp: measured bubble, peak in flight), and
+        per MoE layer of this rank's stages (`moe`: expert loads, imbalance, drops, balancing losses)."""
+        out: dict[str, Any] = {"moe": self.moe_metrics} if self.moe_metrics else {}
         if self.last_pipeline is None:
-            return {}
-        return {"bubble": measured_bubble(self.last_pipeline, self.comm),
+            return out
+        return {**out, "bubble": measured_bubble(self.last_pipeline, self.comm),
                 "pp_peak_in_flight": self.last_pipeline.peak_in_flight}
 
     # ------------------------------------------------------------------ whole tensors (tests, exports)
