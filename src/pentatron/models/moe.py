@@ -251,8 +251,8 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
 def finish_step(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
                 ) -> dict[str, dict[str, Any]]:
     """After the optimizer step: sum each layer's load over the data-parallel replicas (`reduce`: the
-    sum of a float64 CPU vector over them, None in one process), move the aux-free biases, reset the counters; returns the
-    step's metrics per MoE layer (name → tokens per expert, max/mean imbalance, dropped fraction,
+    sum of a float64 CPU vector over them, None in one process), move the aux-free biases, reset the
+    counters; returns the step's metrics per MoE layer (name → tokens per expert, max/mean imbalance, dropped fraction,
     aux and z losses averaged over forwards and replicas)."""
     out = {}
     for name, m in moe_layers(model).items():

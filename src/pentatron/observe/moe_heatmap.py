@@ -32,7 +32,7 @@ def write_expert_heatmap(log_dir: Path, records: list[dict[str, Any]]) -> Path |
 
     names = sorted(loads, key=lambda n: [int(p) if p.isdigit() else p for p in n.split(".")])
     share = np.stack([loads[n] / max(loads[n].sum(), 1) for n in names])
-    fig, ax = plt.subplots(figsize=(1.2 + 0.45 * share.shape[1], 1.0 + 0.45 * len(names)))
+    fig, ax = plt.subplots(figsize=(max(6.5, 3.5 + 0.45 * share.shape[1]), 1.2 + 0.45 * len(names)))
     im = ax.imshow(share, aspect="auto", cmap="viridis")
     ax.set_xticks(range(share.shape[1]))
     ax.set_yticks(range(len(names)), [f"{n} (max/mean {s.max() * s.size:.2f})" for n, s in zip(names, share)])

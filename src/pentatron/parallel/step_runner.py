@@ -121,7 +121,7 @@ class StepRunner:
 
     def _sum_over_replicas(self, t: torch.Tensor) -> torch.Tensor:
         t = t.to(self.device)
-        self.comm.all_reduce(t, "dp_cp")
+        self.comm.all_reduce(t, self.engine.reduce_dim)  # the dense gradients' replicas
         return t.cpu()
 
     def step_stats(self) -> dict[str, Any]:
