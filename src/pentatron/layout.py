@@ -107,6 +107,7 @@ class ParallelLayout:
                      f"{self.micro_batch} × dp={self.dp}")
         if model is not None:
             p += tensor_parallel_problems(model, self.tp, self.sp, self.seq_len)
+            p += expert_parallel_problems(model, self.ep)
             if self.cp > 1 and self.seq_len % (2 * self.cp):
                 p.append(f"parallel.cp={self.cp} needs train.seq_len={self.seq_len} divisible by 2·cp = "
                          f"{2 * self.cp} (the load-balanced ring splits a sequence into 2·cp chunks)")
@@ -146,7 +147,10 @@ class ParallelLayout:
     def unsupported(self, model: ModelConfig | None = None) -> list[str]:
         """Sound layouts that training cannot run yet (the planner may evaluate, never recommend them)."""
         out = [f"parallel.{name}={getattr(self, name)}: this parallel dimension is not available yet; "
-               f"use parallel.{name}=1" for name in ("cp", "ep") if getattr(self, name) > 1]
+               f"use parallel.{name}=1" for name in ("cp",) if getattr(self, name) > 1]
+        if model is not None and model.moe is not None and self.sp:
+            out.append("parallel.sp=true with an MoE model is not available yet (experts would see a sequence "
+                       "slice per tp rank); use parallel.sp=false")
         return out
 
     def warnings(self, node_size: int | None) -> list[str]:
@@ -206,6 +210,17 @@ def tensor_parallel_problems(model: ModelConfig, tp: int, sp: bool, seq_len: int
     if sp and seq_len is not None and seq_len % tp:
         p.append(f"parallel.sp=true needs train.seq_len={seq_len} to be divisible by parallel.tp={tp}")
     return p
+
+
+def expert_parallel_problems(model: ModelConfig, ep: int) -> list[str]:
+    """Every reason `model`'s experts cannot be split `ep` ways (empty when they can)."""
+    if ep <= 1:
+        return []
+    if model.moe is None:
+        return [f"parallel.ep={ep} needs an MoE model (model.moe is not set for {model.name!r})"]
+    if model.moe.n_experts % ep:
+        return [f"parallel.ep={ep} does not divide model.moe.n_experts={model.moe.n_experts}"]
+    return []
 
 
 def tensor_parallel_warnings(tp: int, node_size: int | None) -> list[str]:

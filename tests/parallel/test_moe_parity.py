@@ -31,6 +31,14 @@ CASES: dict[int, dict[str, list[str]]] = {
         "dp2 zero0 aux-free": ["parallel.dp=2", "model.name='debug-moe-auxfree'"],
         "tp2 aux-loss (experts replicated over tp)": ["parallel.tp=2"],
         "pp2 aux-loss": ["parallel.pp=2"],
+        "ep2 zero0 aux-loss": ["parallel.dp=2", "parallel.ep=2"],
+        "ep2 zero2 aux-free": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=2", "model.name='debug-moe-auxfree'"],
+    },
+    4: {
+        "ep4 zero1 aux-loss": ["parallel.dp=4", "parallel.ep=4", "parallel.zero=1"],
+        "ep2×dp2 zero3 aux-loss": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=3"],
+        "ep2×tp2 aux-loss": ["parallel.dp=2", "parallel.tp=2", "parallel.ep=2"],
+        "ep2×pp2 aux-free": ["parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "model.name='debug-moe-auxfree'"],
     },
 }
 

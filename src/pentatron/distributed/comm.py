@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from pentatron.distributed.ring import ring_bytes
 
-Op = Literal["all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "barrier"]
+Op = Literal["all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "barrier", "all_to_all"]
 # torch 2.13 renamed the flat-tensor collectives (the old names still work, with a warning).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -99,11 +99,13 @@ class CommLedger:
     def begin_step(self) -> None:
         self.events = []
 
-    def record(self, op: str, dim: str, dtype: torch.dtype, payload_bytes: int, group_size: int) -> None:
+    def record(self, op: str, dim: str, dtype: torch.dtype, payload_bytes: int, group_size: int,
+               wire_bytes: int | None = None) -> None:
+        """`wire_bytes`: what this rank sends, when no ring formula gives it (an uneven all-to-all)."""
         self._seq += 1
-        self.events.append(CommEvent(op, dim, str(dtype).removeprefix("torch."), payload_bytes,
-                                     ring_bytes(op, payload_bytes, group_size), group_size, self._seq,
-                                     time.perf_counter()))
+        sent = ring_bytes(op, payload_bytes, group_size) if wire_bytes is None else wire_bytes
+        self.events.append(CommEvent(op, dim, str(dtype).removeprefix("torch."), payload_bytes, sent,
+                                     group_size, self._seq, time.perf_counter()))
 
     def summary(self) -> CommSummary:
         agg: dict[str, dict[str, dict[str, int]]] = defaultdict(
@@ -236,6 +238,23 @@ class Comm:
             return self._done(None, async_op)
         rec = self._enter("all_gather", dim, input, _nbytes(output), n)
         return self._done(_all_gather(output, input, group=group, async_op=async_op), async_op, rec)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int], dim: str) -> None:
+        """Rank r sends `input`'s r-th chunk (`input_splits[r]` rows) to group rank r and receives group
+        rank r's chunk for it into `output` (`output_splits[r]` rows). The ledger records the bytes sent
+        to the other ranks (uneven splits: measured, not a ring formula)."""
+        group, n = self._group(dim)
+        if group is None or n == 1:
+            output.copy_(input)
+            return
+        row = input[0].numel() * input.element_size() if input.dim() > 1 else input.element_size()
+        me = self.ctx.local_rank(dim)
+        self.ledger.record("all_to_all", dim, input.dtype, _nbytes(input), n,
+                           wire_bytes=(sum(input_splits) - input_splits[me]) * row)
+        rec = None if self.recorder is None else self.recorder.enter(self, "all_to_all", dim, input)
+        work = dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
+        self._done(work, False, rec)
 
     def broadcast(self, tensor: torch.Tensor, dim: str, src: int = 0, async_op: bool = False) -> Work | None:
         """Broadcast from group rank `src` along `dim`."""

@@ -4,7 +4,9 @@ explicitly (no globals).
 
 Rank order (the mesh's dims, outermost first) is ("pp", "dp", "cp", "tp"): tp is innermost so that a
 tensor-parallel group sits on consecutive ranks (one node), pp outermost. Expert parallelism borrows
-its ranks from dp×cp and so is not a mesh dimension of its own.
+its ranks from dp×cp and so is not a mesh dimension of its own: numbering a dp×cp group's ranks
+q = dp·cp_size + cp, "ep" groups are consecutive blocks of ep of them (experts sharded), "edp" (expert
+data parallel) the ranks holding the same experts, q ≡ q' (mod ep) — Megatron's order, ep innermost.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pentatron.distributed.comm import Comm, CommLedger
 from pentatron.layout import ParallelLayout, resolve_dp
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+FLAT_DIMS: tuple[str, ...] = ("dp_cp", "ep", "edp")  # groups carved from the mesh, not mesh dimensions
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class ParallelContext:
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelContext:
         """A 1-process context (no process group needed)."""
-        return cls(Degrees(), 0, torch.device(device), {d: None for d in (*MESH_DIMS, "dp_cp")})
+        return cls(Degrees(), 0, torch.device(device), {d: None for d in (*MESH_DIMS, *FLAT_DIMS)})
 
     @classmethod
     def from_degrees(cls, degrees: Degrees, device: torch.device | str) -> ParallelContext:
@@ -97,6 +100,8 @@ class ParallelContext:
             d: mesh.get_group(d) if getattr(degrees, d) > 1 else None for d in MESH_DIMS}
         groups["dp_cp"] = groups["dp"] if degrees.cp == 1 else (
             groups["cp"] if degrees.dp == 1 else _flat_group(degrees, dist.get_rank()))
+        groups["ep"], groups["edp"] = (None, groups["dp_cp"]) if degrees.ep == 1 else \
+            _expert_groups(degrees, dist.get_rank())
         return cls(degrees, dist.get_rank(), device, groups, mesh)
 
     # ------------------------------------------------------------------ coordinates
@@ -121,6 +126,11 @@ class ParallelContext:
 
     def group_ranks(self, dim: str) -> list[int]:
         """Global ranks of this rank's group along `dim`, in group-rank order."""
+        if dim in ("ep", "edp"):
+            flat = [self.rank_of(dp=q // self.degrees.cp, cp=q % self.degrees.cp)
+                    for q in range(self.degrees.dp * self.degrees.cp)]
+            q, ep = self.local_rank("dp_cp"), self.degrees.ep
+            return flat[q - q % ep: q - q % ep + ep] if dim == "ep" else flat[q % ep:: ep]
         return [self.rank_of(**{dim: i}) for i in range(self.size(dim))]
 
     # ------------------------------------------------------------------ groups
@@ -132,11 +142,16 @@ class ParallelContext:
     def size(self, dim: str) -> int:
         if dim == "dp_cp":
             return self.degrees.dp * self.degrees.cp
+        if dim == "edp":
+            return self.degrees.dp * self.degrees.cp // self.degrees.ep
         return getattr(self.degrees, dim)
 
     def local_rank(self, dim: str) -> int:
         if dim == "dp_cp":
             return self.coords["dp"] * self.degrees.cp + self.coords["cp"]
+        if dim in ("ep", "edp"):
+            q = self.local_rank("dp_cp")
+            return q % self.degrees.ep if dim == "ep" else q // self.degrees.ep
         return self.coords[dim]
 
     @property
@@ -165,3 +180,22 @@ def _flat_group(degrees: Degrees, rank: int) -> dist.ProcessGroup:
                 mine = g
     assert mine is not None
     return mine
+
+
+def _expert_groups(degrees: Degrees, rank: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's ep and edp groups (None for a group of one). Every rank creates every group (new_group
+    is collective over the world), in the same order: per (pp, tp), the ep blocks, then the edp strides."""
+    ep, edp = degrees.ep, degrees.dp * degrees.cp // degrees.ep
+    grid = torch.arange(degrees.world_size).view(degrees.shape())  # [pp, dp, cp, tp]
+    mine: dict[str, dist.ProcessGroup | None] = {"ep": None, "edp": None}
+    for pp in range(degrees.pp):
+        for tp in range(degrees.tp):
+            flat = grid[pp, :, :, tp].flatten().tolist()
+            blocks = {"ep": [flat[i: i + ep] for i in range(0, len(flat), ep)] if ep > 1 else [],
+                      "edp": [flat[j::ep] for j in range(ep)] if edp > 1 else []}
+            for dim, ranks_list in blocks.items():
+                for ranks in ranks_list:
+                    g = dist.new_group(ranks)
+                    if rank in ranks:
+                        mine[dim] = g
+    return mine["ep"], mine["edp"]

@@ -25,6 +25,7 @@ from pentatron.layout import ParallelLayout
 from pentatron.models.moe import finish_step, moe_layers, set_aux_loss_scale
 from pentatron.optim import AdamW
 from pentatron.parallel.data import DataParallelBase
+from pentatron.parallel.expert import gather_experts
 from pentatron.parallel.memory import MemoryReport
 from pentatron.parallel.pipeline.engine import PipelineEngine, PipelineStepResult, measured_bubble
 from pentatron.parallel.pipeline.stages import PipelineStage
@@ -138,7 +139,8 @@ class StepRunner:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """This pipeline rank's parameters at their full shape, by name (collective over dp and tp)."""
         local = self.engine.full_parameters()
-        return {n: gather_full_tensor(t, self.placements[n].tp, self.comm) for n, t in local.items()}
+        return {n: gather_experts(gather_full_tensor(t, self.placements[n].tp, self.comm),
+                                  self.placements[n].expert, self.comm) for n, t in local.items()}
 
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor]:
@@ -160,7 +162,8 @@ class StepRunner:
         out = {}
         for p, f in flat.items():
             pl = engine.place[p]
-            if pl.zero is not None:
-                self.comm.all_reduce(f, engine.reduce_dim)  # pieces are disjoint: the sum assembles it
-            out[pl.name] = gather_full_tensor(f.view(pl.local_shape), pl.tp, self.comm)
+            if pl.zero is not None:  # pieces are disjoint over the parameter's group: the sum assembles it
+                self.comm.all_reduce(f, "_".join(pl.grad_dims))
+            out[pl.name] = gather_experts(gather_full_tensor(f.view(pl.local_shape), pl.tp, self.comm),
+                                          pl.expert, self.comm)
         return out
