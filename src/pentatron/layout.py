@@ -219,7 +219,7 @@ def expert_parallel_problems(model: ModelConfig, ep: int) -> list[str]:
     if model.moe is None:
         return [f"parallel.ep={ep} needs an MoE model (model.moe is not set for {model.name!r})"]
     if model.moe.n_experts % ep:
-        return [f"parallel.ep={ep} does not divide model.moe.n_experts={model.moe.n_experts}"]
+        return [f"parallel.ep={ep} does not divide moe.n_experts={model.moe.n_experts}"]
     return []
 
 

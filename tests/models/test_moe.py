@@ -200,7 +200,7 @@ def test_param_counts() -> None:
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"top_k": 5}, "top_k=5 is larger than model.moe.n_experts=4"),
+    ({"top_k": 5}, "top_k=5 is larger than moe.n_experts=4"),
     ({"score": "relu"}, "score"),
     ({"capacity_factor": 0.0}, "capacity_factor"),
     ({"first_dense_layers": 2}, "first_dense_layers=2 leaves no MoE layer"),

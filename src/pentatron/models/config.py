@@ -42,26 +42,26 @@ class MoEConfig:
         for f in ("n_experts", "top_k", "expert_ffn_size"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                out.append(f"model.moe.{f} must be a positive integer, got {v!r}")
+                out.append(f"moe.{f} must be a positive integer, got {v!r}")
         for f in ("n_shared_experts", "first_dense_layers"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                out.append(f"model.moe.{f} must be an integer ≥ 0, got {v!r}")
+                out.append(f"moe.{f} must be an integer ≥ 0, got {v!r}")
         if out:
             return out
         if self.top_k > self.n_experts:
-            out.append(f"model.moe.top_k={self.top_k} is larger than model.moe.n_experts={self.n_experts}")
+            out.append(f"moe.top_k={self.top_k} is larger than moe.n_experts={self.n_experts}")
         if self.score not in ("softmax", "sigmoid"):
-            out.append(f"model.moe.score must be 'softmax' or 'sigmoid', got {self.score!r}")
+            out.append(f"moe.score must be 'softmax' or 'sigmoid', got {self.score!r}")
         for f in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
             if getattr(self, f) < 0:
-                out.append(f"model.moe.{f} must be ≥ 0, got {getattr(self, f)}")
+                out.append(f"moe.{f} must be ≥ 0, got {getattr(self, f)}")
         if self.route_scale <= 0:
-            out.append(f"model.moe.route_scale must be > 0, got {self.route_scale}")
+            out.append(f"moe.route_scale must be > 0, got {self.route_scale}")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
-            out.append(f"model.moe.capacity_factor must be > 0 (or unset for dropless), got {self.capacity_factor}")
+            out.append(f"moe.capacity_factor must be > 0 (or unset for dropless), got {self.capacity_factor}")
         if n_layers is not None and self.first_dense_layers >= n_layers:
-            out.append(f"model.moe.first_dense_layers={self.first_dense_layers} leaves no MoE layer of "
+            out.append(f"moe.first_dense_layers={self.first_dense_layers} leaves no MoE layer of "
                        f"model.n_layers={n_layers}")
         return out
 

@@ -46,15 +46,15 @@ def mixtral_problems(cfg: ModelConfig) -> list[str]:
     assert m is not None
     out = []
     if m.n_shared_experts:
-        out.append(f"model.moe.n_shared_experts={m.n_shared_experts} (Mixtral has none)")
+        out.append(f"moe.n_shared_experts={m.n_shared_experts} (Mixtral has none)")
     if m.first_dense_layers:
-        out.append(f"model.moe.first_dense_layers={m.first_dense_layers} (every Mixtral layer is MoE)")
+        out.append(f"moe.first_dense_layers={m.first_dense_layers} (every Mixtral layer is MoE)")
     if m.score != "softmax" or not m.norm_topk_prob or m.route_scale != 1.0:
         out.append("model.moe routing must be score='softmax', norm_topk_prob=true, route_scale=1 (Mixtral's)")
     if m.capacity_factor is not None:
-        out.append(f"model.moe.capacity_factor={m.capacity_factor} (Mixtral is dropless)")
+        out.append(f"moe.capacity_factor={m.capacity_factor} (Mixtral is dropless)")
     if m.bias_update_rate:
-        out.append(f"model.moe.bias_update_rate={m.bias_update_rate} (Mixtral has no selection bias)")
+        out.append(f"moe.bias_update_rate={m.bias_update_rate} (Mixtral has no selection bias)")
     return out
 
 
