@@ -60,8 +60,8 @@ def test_all_problems_are_reported_at_once(tmp_path):
 
 
 def test_unimplemented_dimension_is_a_clear_error(tmp_path):
-    problems = _problems(tmp_path, "[parallel]\ncp = 2", world_size=2)
-    assert any("parallel.cp=2" in p for p in problems)
+    problems = _problems(tmp_path, "[parallel]\nep = 2", world_size=2)
+    assert any("parallel.ep=2" in p for p in problems)
 
 
 def test_missing_file_and_bad_toml(tmp_path):

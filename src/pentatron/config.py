@@ -85,6 +85,10 @@ class ParallelConfig:
     pp_virtual: int = 1
     # ZeRO-3 with pp > 1: re-gather a stage's layers per micro-batch (least memory) or once per step.
     zero3_gather: Literal["micro_batch", "step"] = "micro_batch"
+    # Context parallelism: ring (K/V blocks around a ring), ulysses (heads all-to-all) or hybrid
+    # (Ulysses over cp_ulysses ranks inside a node, ring across).
+    cp_mode: Literal["ring", "ulysses", "hybrid"] = "ring"
+    cp_ulysses: int = 1
     bucket_mb: float = 25.0
 
 
@@ -176,7 +180,8 @@ class Config:
             dp, _ = resolve_dp(world_size, dp=None, tp=par.tp, pp=par.pp, cp=par.cp)
         return ParallelLayout(dp=dp or 1, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero, sp=par.sp,
                               pp_schedule=par.pp_schedule, pp_virtual=par.pp_virtual,
-                              zero3_gather=par.zero3_gather, micro_batch=tr.micro_batch,
+                              zero3_gather=par.zero3_gather, cp_mode=par.cp_mode, cp_ulysses=par.cp_ulysses,
+                              micro_batch=tr.micro_batch,
                               global_batch=tr.global_batch, seq_len=tr.seq_len)
 
 

@@ -23,6 +23,7 @@ from pentatron.schedules import SCHEDULES, ScheduleError, make_schedule
 
 Zero3Gather = Literal["micro_batch", "step"]
 ZERO3_GATHER: tuple[str, ...] = ("micro_batch", "step")
+CP_MODES: tuple[str, ...] = ("ring", "ulysses", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,10 @@ class ParallelLayout:
     `micro_batch` and `global_batch` are sequences; `global_batch` is per optimizer step over all
     data-parallel ranks. `zero3_gather` (ZeRO-3 with pp > 1): "micro_batch" re-gathers each stage's
     layers for every micro-batch (least memory, m× the gather traffic), "step" keeps the stage gathered
-    from its first forward to its last backward of the step (torchtitan's FSDP + PP choice)."""
+    from its first forward to its last backward of the step (torchtitan's FSDP + PP choice).
+    `cp_mode`: how the cp ranks share attention — "ring" (K/V blocks travel a ring), "ulysses"
+    (all-to-all from sequence- to head-sharded) or "hybrid" (Ulysses over `cp_ulysses` ranks inside,
+    ring over cp / cp_ulysses across)."""
 
     dp: int = 1
     tp: int = 1
@@ -44,6 +48,8 @@ class ParallelLayout:
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1
     zero3_gather: str = "micro_batch"
+    cp_mode: str = "ring"
+    cp_ulysses: int = 1
     micro_batch: int = 1
     global_batch: int = 1
     seq_len: int = 1
@@ -57,6 +63,16 @@ class ParallelLayout:
     def virtual(self) -> int:
         """Chunks (virtual stages) per pipeline rank: pp_virtual when interleaving, else 1."""
         return self.pp_virtual if self.pp > 1 and self.pp_schedule == "interleaved" else 1
+
+    @property
+    def cp_ulysses_degree(self) -> int:
+        """Ranks of a cp group that exchange heads by all-to-all (Ulysses)."""
+        return {"ring": 1, "ulysses": self.cp}.get(self.cp_mode, self.cp_ulysses)
+
+    @property
+    def cp_ring_degree(self) -> int:
+        """Ranks of a cp group that pass K/V blocks around a ring."""
+        return self.cp // max(1, self.cp_ulysses_degree)
 
     @property
     def n_stages(self) -> int:
@@ -74,6 +90,8 @@ class ParallelLayout:
 
     def short(self) -> str:
         s = f"dp{self.dp} tp{self.tp}{'+sp' if self.sp else ''} pp{self.pp} cp{self.cp}"
+        if self.cp > 1:
+            s += f"/{self.cp_mode}" + (f"{self.cp_ulysses}x{self.cp_ring_degree}" if self.cp_mode == "hybrid" else "")
         if self.ep > 1:
             s += f" ep{self.ep}"
         if self.pp > 1:
@@ -85,7 +103,8 @@ class ParallelLayout:
         """Every reason this layout cannot exist (empty when it can), each naming the field to change.
         `model`: checks that need its shape; `world_size`: the processes actually launched."""
         p: list[str] = []
-        for name in ("dp", "tp", "pp", "cp", "ep", "pp_virtual", "micro_batch", "global_batch", "seq_len"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "pp_virtual", "cp_ulysses", "micro_batch", "global_batch",
+                     "seq_len"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 p.append(f"{_field(name)} must be an integer ≥ 1, got {v!r}")
@@ -105,13 +124,44 @@ class ParallelLayout:
         if self.global_batch % (self.micro_batch * self.dp):
             p.append(f"train.global_batch={self.global_batch} is not divisible by train.micro_batch="
                      f"{self.micro_batch} × dp={self.dp}")
+        p += self.context_problems(model)
         if model is not None:
-            p += tensor_parallel_problems(model, self.tp, self.sp, self.seq_len)
+            # Under cp each rank holds seq_len / cp tokens: that is what sequence parallelism splits.
+            per_rank = f"the tokens per cp rank (train.seq_len / cp = {self.seq_len}/{self.cp})"
+            p += tensor_parallel_problems(model, self.tp, self.sp, self.seq_len // self.cp,
+                                          seq_field=per_rank if self.cp > 1 else "train.seq_len")
             p += expert_parallel_problems(model, self.ep)
-            if self.cp > 1 and self.seq_len % (2 * self.cp):
-                p.append(f"parallel.cp={self.cp} needs train.seq_len={self.seq_len} divisible by 2·cp = "
-                         f"{2 * self.cp} (the load-balanced ring splits a sequence into 2·cp chunks)")
             p += self.pipeline_problems(model)
+        return p
+
+    def context_problems(self, model: ModelConfig | None) -> list[str]:
+        """The context-parallel mode, its degrees, and the sequence / heads they split."""
+        if self.cp_mode not in CP_MODES:
+            return [f"parallel.cp_mode must be one of {', '.join(map(repr, CP_MODES))}, got {self.cp_mode!r}"]
+        u, r = self.cp_ulysses_degree, self.cp_ring_degree
+        if self.cp_mode != "hybrid" and self.cp_ulysses != 1:
+            return [f"parallel.cp_ulysses={self.cp_ulysses} is only used with parallel.cp_mode='hybrid'"]
+        if self.cp_mode == "hybrid" and (u < 2 or u >= self.cp or self.cp % u):
+            return [f"parallel.cp_mode='hybrid' needs parallel.cp_ulysses to divide parallel.cp={self.cp} and lie "
+                    f"strictly between 1 and cp (got {self.cp_ulysses}); use cp_mode='ring' or 'ulysses' for one kind"]
+        if self.cp == 1:
+            return []
+        p: list[str] = []
+        if r > 1 and self.seq_len % (2 * self.cp):
+            p.append(f"parallel.cp={self.cp} ({self.cp_mode}) needs train.seq_len={self.seq_len} divisible by "
+                     f"2·cp = {2 * self.cp} (the load-balanced ring splits a sequence into 2·cp chunks)")
+        elif r == 1 and self.seq_len % self.cp:
+            p.append(f"parallel.cp={self.cp} (ulysses) needs train.seq_len={self.seq_len} divisible by cp")
+        if model is not None and u > 1 and model.n_heads % self.tp == 0:
+            heads = model.n_heads // self.tp
+            kv = max(1, model.n_kv_heads // self.tp)  # tp > n_kv: one replicated kv head per rank
+            if heads % u:
+                p.append(f"Ulysses over {u} ranks needs the attention heads per tp rank (model.n_heads / tp = "
+                         f"{model.n_heads}/{self.tp} = {heads}) divisible by {u}: change parallel.cp"
+                         + (" or parallel.cp_ulysses" if self.cp_mode == "hybrid" else ", or use cp_mode='ring'"))
+            elif kv % u and u % kv:
+                p.append(f"Ulysses over {u} ranks needs the kv heads per tp rank ({kv}) to divide by {u} or divide "
+                         f"{u} (kv heads are then replicated)")
         return p
 
     def pipeline_problems(self, model: ModelConfig, layers: Sequence[int] | None = None) -> list[str]:
@@ -146,12 +196,10 @@ class ParallelLayout:
 
     def unsupported(self, model: ModelConfig | None = None) -> list[str]:
         """Sound layouts that training cannot run yet (the planner may evaluate, never recommend them)."""
-        out = [f"parallel.{name}={getattr(self, name)}: this parallel dimension is not available yet; "
-               f"use parallel.{name}=1" for name in ("cp",) if getattr(self, name) > 1]
         if model is not None and model.moe is not None and self.sp:
-            out.append("parallel.sp=true with an MoE model is not available yet (experts would see a sequence "
-                       "slice per tp rank); use parallel.sp=false")
-        return out
+            return ["parallel.sp=true with an MoE model is not available yet (the experts would see a sequence "
+                    "slice per tp rank); use parallel.sp=false"]
+        return []
 
     def warnings(self, node_size: int | None) -> list[str]:
         """Advice that is not an error."""
@@ -183,7 +231,8 @@ def resolve_dp(world_size: int | None, *, dp: int | None, tp: int = 1, pp: int =
     return dp, []
 
 
-def tensor_parallel_problems(model: ModelConfig, tp: int, sp: bool, seq_len: int | None = None) -> list[str]:
+def tensor_parallel_problems(model: ModelConfig, tp: int, sp: bool, seq_len: int | None = None,
+                             seq_field: str = "train.seq_len") -> list[str]:
     """Every reason `model` cannot be split `tp` ways (empty when it can).
 
     The vocabulary must divide by tp: we do not pad it (as Megatron does), because padding changes the
@@ -208,7 +257,8 @@ def tensor_parallel_problems(model: ModelConfig, tp: int, sp: bool, seq_len: int
         p.append(f"parallel.tp={tp} does not divide model.vocab_size={model.vocab_size} (the vocabulary is "
                  "sharded over tp and is not padded)")
     if sp and seq_len is not None and seq_len % tp:
-        p.append(f"parallel.sp=true needs train.seq_len={seq_len} to be divisible by parallel.tp={tp}")
+        shown = f"{seq_field}={seq_len}" if seq_field == "train.seq_len" else f"{seq_field[:-1]} = {seq_len})"
+        p.append(f"parallel.sp=true needs {shown} to be divisible by parallel.tp={tp}")
     return p
 
 

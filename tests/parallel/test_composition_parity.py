@@ -23,7 +23,7 @@ import pytest
 
 from pentatron.config import Config, load_config
 from tests.multiprocess import run_ranks
-from tests.reference_loop import reference_run, relative_error
+from tests.reference_loop import relative_error
 
 STEPS, SEQ, MICRO, GLOBAL, LR, EPS, WARMUP = 10, 32, 2, 8, 1e-3, 1e-4, 2
 TOL = 1e-5
@@ -86,12 +86,6 @@ def _merged(runs: list[dict[str, Any]], label: str, key: str, tied: bool) -> dic
                 np.testing.assert_array_equal(t, merged[name], err_msg=f"{label}: rank {rank}'s {key} {name}")
             merged[name] = t
     return merged
-
-
-@pytest.fixture(scope="module")
-def references(default_dataset) -> dict[str, dict[str, Any]]:
-    common = dict(steps=STEPS, seq_len=SEQ, global_batch=GLOBAL, lr=LR, eps=EPS, warmup=WARMUP)
-    return {m: reference_run(default_dataset, model=m, **common) for m in ("debug", "debug-untied")}
 
 
 @pytest.mark.parametrize("world", sorted(CASES))

@@ -136,7 +136,7 @@ def test_batch_evaluates_every_layout_in_one_process(capsys, tmp_path):
     rows = json.loads(capsys.readouterr().out)["batch"]
     assert [r["prediction"] is not None for r in rows] == [True, True, False, True]
     assert rows[1]["layout"]["sp"] is True and "does not equal the world size 8" in rows[2]["problems"][0]
-    assert any("training cannot run this yet" in n for n in rows[3]["prediction"]["notes"])
+    assert not any("training cannot run this yet" in n for n in rows[3]["prediction"]["notes"])  # cp trains
     f.write_text("[[layout]]\ndp = 8\nbogus = 1\n")
     assert run(["plan", "--model", "llama3-8b", "--batch", str(f)]) == 2
     assert "unknown key(s) bogus" in capsys.readouterr().err

@@ -33,7 +33,7 @@ def test_the_emitted_config_of_a_recommendation_trains_on_its_ranks(tmp_path, de
 
 def test_an_untrainable_layout_is_not_emitted(tmp_path, capsys):
     path = tmp_path / "run.toml"
-    rc = run(["plan", "--model", "llama3-8b", "--gpus", "16", "--cp", "2", "--emit-config", str(path)])
+    rc = run(["plan", "--model", "llama3-8b", "--gpus", "16", "--precision", "fp8", "--emit-config", str(path)])
     err = capsys.readouterr().err
-    assert rc == 2 and "parallel.cp=2: this parallel dimension is not available yet" in err
+    assert rc == 2 and "train.precision='fp8' is not available" in err
     assert not path.exists()

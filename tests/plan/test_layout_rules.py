@@ -37,7 +37,7 @@ def test_impossible_layouts_are_refused(kw, match):
     ({"pp": 8, "dp": 32, "pp_schedule": "interleaved", "pp_virtual": 3}, "unequal layer counts",
      "does not divide model.n_layers=80"),  # 80 layers over 24 chunks, as Llama 3 405B's 126 on pp16
     ({"zero": 3, "pp": 2, "dp": 128}, "re-gathers each stage", None),  # trainable since ZeRO-3 x pp landed
-    ({"cp": 8, "dp": 32}, None, "parallel.cp=8: this parallel dimension is not available yet"),
+    ({"cp": 8, "dp": 32}, None, None),  # trainable since context parallelism landed
     ({"precision": "fp8"}, None, "train.precision='fp8' is not available"),
     ({"recompute": "selective-op"}, None, "recompute 'selective-op' is not available"),
 ])
@@ -70,13 +70,13 @@ def test_the_planner_refuses_with_the_training_validators_words():
 
 
 def test_the_search_recommends_only_trainable_layouts():
-    """Issue 15: with cp available to the planner's model but not to training, the search must not
-    rank a cp > 1 layout (or any other untrainable one) first; pinning --cp still evaluates it."""
+    """Issue 15: what the planner models but training cannot run (fp8 today) is never ranked by the
+    search; pinning it still evaluates it, with a note."""
     from pentatron.plan.search import search
 
     w = Workload(get_model_config("llama3-8b"), 8192, 64)
     res = search(w, H100, 16, top=5)
     assert res.ranked and all(not trainable_problems(w, p.layout, 16) for p in res.ranked)
-    pinned = search(w, H100, 16, fixed={"cp": 2}, top=2)
-    assert pinned.ranked and pinned.ranked[0].layout.cp == 2
+    pinned = search(w, H100, 16, fixed={"precision": "fp8"}, top=2)
+    assert pinned.ranked and pinned.ranked[0].layout.precision == "fp8"
     assert any("training cannot run this yet" in n for n in pinned.ranked[0].notes)

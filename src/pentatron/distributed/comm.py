@@ -11,7 +11,8 @@ What "bytes" means (per rank, per call), for a tensor of S bytes and a group of 
 - `bytes` (the number the ledger sums and the trainer logs as `comm_bytes`): what this rank sends
   on the wire under the bandwidth-optimal ring algorithm NCCL uses for large messages, which is also
   what it receives: all-reduce 2(N−1)/N·S, reduce-scatter (N−1)/N·S, all-gather (N−1)/N·S,
-  broadcast (N−1)/N·S (pipelined ring, averaged over ranks), send S (sent), recv S (received).
+  broadcast (N−1)/N·S (pipelined ring, averaged over ranks), all-to-all the input less the chunk this
+  rank keeps ((N−1)/N·S when even), send S (sent), recv S (received).
   These are the Ultra-Scale Playbook's volumes; they do not depend on the backend actually used.
 
 A group of size 1 (or a 1-process run) moves nothing: the op degenerates to a local copy and
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from pentatron.distributed.ring import ring_bytes
 
-Op = Literal["all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "barrier", "all_to_all"]
+Op = Literal["all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send", "recv", "barrier"]
 # torch 2.13 renamed the flat-tensor collectives (the old names still work, with a warning).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -101,11 +102,11 @@ class CommLedger:
 
     def record(self, op: str, dim: str, dtype: torch.dtype, payload_bytes: int, group_size: int,
                wire_bytes: int | None = None) -> None:
-        """`wire_bytes`: what this rank sends, when no ring formula gives it (an uneven all-to-all)."""
+        """`wire_bytes`: what this rank really sends, when the ring formula does not say (uneven all-to-all)."""
         self._seq += 1
         sent = ring_bytes(op, payload_bytes, group_size) if wire_bytes is None else wire_bytes
-        self.events.append(CommEvent(op, dim, str(dtype).removeprefix("torch."), payload_bytes, sent,
-                                     group_size, self._seq, time.perf_counter()))
+        self.events.append(CommEvent(op, dim, str(dtype).removeprefix("torch."), payload_bytes, sent, group_size,
+                                     self._seq, time.perf_counter()))
 
     def summary(self) -> CommSummary:
         agg: dict[str, dict[str, dict[str, int]]] = defaultdict(
@@ -191,9 +192,10 @@ class Comm:
             return (dist.group.WORLD if n > 1 else None), n
         return self.ctx.group(dim), self.ctx.size(dim)
 
-    def _enter(self, op: str, dim: str, tensor: torch.Tensor, payload_bytes: int, n: int) -> Any:
+    def _enter(self, op: str, dim: str, tensor: torch.Tensor, payload_bytes: int, n: int,
+               wire_bytes: int | None = None) -> Any:
         """Ledger, and the flight recorder (numbering, check mode) when one is attached."""
-        self.ledger.record(op, dim, tensor.dtype, payload_bytes, n)
+        self.ledger.record(op, dim, tensor.dtype, payload_bytes, n, wire_bytes)
         return None if self.recorder is None else self.recorder.enter(self, op, dim, tensor)
 
     def _done(self, work: Any, async_op: bool, rec: Any = None) -> Work | None:
@@ -239,22 +241,21 @@ class Comm:
         rec = self._enter("all_gather", dim, input, _nbytes(output), n)
         return self._done(_all_gather(output, input, group=group, async_op=async_op), async_op, rec)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
-                   input_splits: list[int], dim: str) -> None:
-        """Rank r sends `input`'s r-th chunk (`input_splits[r]` rows) to group rank r and receives group
-        rank r's chunk for it into `output` (`output_splits[r]` rows). The ledger records the bytes sent
-        to the other ranks (uneven splits: measured, not a ring formula)."""
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, dim: str,
+                   output_splits: list[int] | None = None, input_splits: list[int] | None = None,
+                   async_op: bool = False) -> Work | None:
+        """Chunk r of `input` (along its first axis) goes to group rank r; `output` receives every rank's
+        chunk for this rank, in rank order. Splits (first-axis sizes per rank) may be uneven; None: equal."""
         group, n = self._group(dim)
         if group is None or n == 1:
-            output.copy_(input)
-            return
-        row = input[0].numel() * input.element_size() if input.dim() > 1 else input.element_size()
-        me = self.ctx.local_rank(dim)
-        self.ledger.record("all_to_all", dim, input.dtype, _nbytes(input), n,
-                           wire_bytes=(sum(input_splits) - input_splits[me]) * row)
-        rec = None if self.recorder is None else self.recorder.enter(self, "all_to_all", dim, input)
-        work = dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
-        self._done(work, False, rec)
+            output.copy_(input.view_as(output))
+            return self._done(None, async_op)
+        row = _nbytes(input) // max(1, input.shape[0])
+        own = (input_splits[self.ctx.local_rank(dim)] if input_splits is not None
+               else input.shape[0] // n) * row
+        rec = self._enter("all_to_all", dim, input, _nbytes(input), n, wire_bytes=_nbytes(input) - own)
+        work = dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=async_op)
+        return self._done(work, async_op, rec)
 
     def broadcast(self, tensor: torch.Tensor, dim: str, src: int = 0, async_op: bool = False) -> Work | None:
         """Broadcast from group rank `src` along `dim`."""

@@ -7,6 +7,10 @@ tensor-parallel group sits on consecutive ranks (one node), pp outermost. Expert
 its ranks from dp×cp and so is not a mesh dimension of its own: numbering a dp×cp group's ranks
 q = dp·cp_size + cp, "ep" groups are consecutive blocks of ep of them (experts sharded), "edp" (expert
 data parallel) the ranks holding the same experts, q ≡ q' (mod ep) — Megatron's order, ep innermost.
+Context parallelism in "hybrid" mode
+splits its cp group once more, `cp = cp_ring × cp_ulysses` with the Ulysses ranks innermost (adjacent
+ranks, one node): the "cp_ulysses" group exchanges heads by all-to-all, the "cp_ring" group passes K/V
+blocks around a ring. In "ring" or "ulysses" mode one of them is the whole cp group.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pentatron.distributed.comm import Comm, CommLedger
 from pentatron.layout import ParallelLayout, resolve_dp
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
-FLAT_DIMS: tuple[str, ...] = ("dp_cp", "ep", "edp")  # groups carved from the mesh, not mesh dimensions
+DERIVED_DIMS: tuple[str, ...] = ("dp_cp", "cp_ring", "cp_ulysses", "ep", "edp")  # groups made of mesh dimensions
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class Degrees:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    cp_ulysses: int = 1  # of the cp ranks, how many share attention heads by all-to-all (1: ring only)
 
     @property
     def world_size(self) -> int:
@@ -42,7 +47,7 @@ class Degrees:
 
 
 def resolve_degrees(world_size: int, *, dp: int | None, tp: int = 1, pp: int = 1, cp: int = 1,
-                    ep: int = 1) -> Degrees:
+                    ep: int = 1, cp_ulysses: int = 1) -> Degrees:
     """Degrees for a live world, validated by the same rules as the config (`ParallelLayout`)."""
     problems = [f"parallel.{n} must be ≥ 1, got {v}" for n, v in
                 (("dp", 1 if dp is None else dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)) if v < 1]
@@ -50,12 +55,15 @@ def resolve_degrees(world_size: int, *, dp: int | None, tp: int = 1, pp: int = 1
         dp, problems = resolve_dp(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
     if not problems:
         assert dp is not None
-        # Degrees only: a batch that trivially divides, no model shape.
-        problems = ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=dp).problems(world_size=world_size)
+        # Degrees only: a batch and a sequence that trivially divide, no model shape.
+        problems = ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=dp,
+                                  seq_len=2 * cp).problems(world_size=world_size)
     if problems:
         raise ValueError("invalid parallel degrees: " + "; ".join(problems))
     assert dp is not None
-    return Degrees(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep)
+    if cp % cp_ulysses:
+        raise ValueError(f"invalid parallel degrees: cp_ulysses={cp_ulysses} does not divide cp={cp}")
+    return Degrees(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, cp_ulysses=cp_ulysses)
 
 
 class ParallelContext:
@@ -80,7 +88,7 @@ class ParallelContext:
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelContext:
         """A 1-process context (no process group needed)."""
-        return cls(Degrees(), 0, torch.device(device), {d: None for d in (*MESH_DIMS, *FLAT_DIMS)})
+        return cls(Degrees(), 0, torch.device(device), {d: None for d in (*MESH_DIMS, *DERIVED_DIMS)})
 
     @classmethod
     def from_degrees(cls, degrees: Degrees, device: torch.device | str) -> ParallelContext:
@@ -100,6 +108,12 @@ class ParallelContext:
             d: mesh.get_group(d) if getattr(degrees, d) > 1 else None for d in MESH_DIMS}
         groups["dp_cp"] = groups["dp"] if degrees.cp == 1 else (
             groups["cp"] if degrees.dp == 1 else _flat_group(degrees, dist.get_rank()))
+        u = degrees.cp_ulysses
+        if u in (1, degrees.cp):  # one kind of context parallelism: its group is the cp group
+            groups["cp_ring"] = groups["cp"] if u == 1 else None
+            groups["cp_ulysses"] = groups["cp"] if u > 1 else None
+        else:
+            groups["cp_ring"], groups["cp_ulysses"] = _cp_sub_groups(degrees, dist.get_rank())
         groups["ep"], groups["edp"] = (None, groups["dp_cp"]) if degrees.ep == 1 else \
             _expert_groups(degrees, dist.get_rank())
         return cls(degrees, dist.get_rank(), device, groups, mesh)
@@ -126,9 +140,15 @@ class ParallelContext:
 
     def group_ranks(self, dim: str) -> list[int]:
         """Global ranks of this rank's group along `dim`, in group-rank order."""
-        if dim in ("ep", "edp"):
-            flat = [self.rank_of(dp=q // self.degrees.cp, cp=q % self.degrees.cp)
-                    for q in range(self.degrees.dp * self.degrees.cp)]
+        u, c = self.degrees.cp_ulysses, self.coords["cp"]
+        if dim == "cp_ring":
+            return [self.rank_of(cp=i * u + c % u) for i in range(self.size(dim))]
+        if dim == "cp_ulysses":
+            return [self.rank_of(cp=(c // u) * u + i) for i in range(self.size(dim))]
+        if dim == "dp_cp":  # group rank dp · cp + cp, as `local_rank` numbers it
+            return [self.rank_of(dp=i // self.degrees.cp, cp=i % self.degrees.cp) for i in range(self.size(dim))]
+        if dim in ("ep", "edp"):  # carved from dp_cp: ep blocks of consecutive group ranks, edp strides
+            flat = self.group_ranks("dp_cp")
             q, ep = self.local_rank("dp_cp"), self.degrees.ep
             return flat[q - q % ep: q - q % ep + ep] if dim == "ep" else flat[q % ep:: ep]
         return [self.rank_of(**{dim: i}) for i in range(self.size(dim))]
@@ -142,6 +162,10 @@ class ParallelContext:
     def size(self, dim: str) -> int:
         if dim == "dp_cp":
             return self.degrees.dp * self.degrees.cp
+        if dim == "cp_ring":
+            return self.degrees.cp // self.degrees.cp_ulysses
+        if dim == "cp_ulysses":
+            return self.degrees.cp_ulysses
         if dim == "edp":
             return self.degrees.dp * self.degrees.cp // self.degrees.ep
         return getattr(self.degrees, dim)
@@ -149,6 +173,10 @@ class ParallelContext:
     def local_rank(self, dim: str) -> int:
         if dim == "dp_cp":
             return self.coords["dp"] * self.degrees.cp + self.coords["cp"]
+        if dim == "cp_ring":
+            return self.coords["cp"] // self.degrees.cp_ulysses
+        if dim == "cp_ulysses":
+            return self.coords["cp"] % self.degrees.cp_ulysses
         if dim in ("ep", "edp"):
             q = self.local_rank("dp_cp")
             return q % self.degrees.ep if dim == "ep" else q // self.degrees.ep
@@ -180,6 +208,28 @@ def _flat_group(degrees: Degrees, rank: int) -> dist.ProcessGroup:
                 mine = g
     assert mine is not None
     return mine
+
+
+def _cp_sub_groups(degrees: Degrees, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's (ring, Ulysses) groups of a hybrid cp group: cp coordinate = ring index · u + Ulysses
+    index. Every rank creates every group, in the same order (`new_group` is collective)."""
+    u, r = degrees.cp_ulysses, degrees.cp // degrees.cp_ulysses
+    grid = torch.arange(degrees.world_size).view(degrees.shape())  # [pp, dp, cp, tp]
+    ring = uly = None
+    for pp in range(degrees.pp):
+        for dp in range(degrees.dp):
+            for tp in range(degrees.tp):
+                cps = grid[pp, dp, :, tp].tolist()
+                for j in range(u):
+                    ranks = [cps[i * u + j] for i in range(r)]
+                    g = dist.new_group(ranks)
+                    ring = g if rank in ranks else ring
+                for i in range(r):
+                    ranks = cps[i * u: (i + 1) * u]
+                    g = dist.new_group(ranks)
+                    uly = g if rank in ranks else uly
+    assert ring is not None and uly is not None
+    return ring, uly
 
 
 def _expert_groups(degrees: Degrees, rank: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:

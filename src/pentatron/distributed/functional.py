@@ -9,10 +9,15 @@ the comm ledger counts the backward traffic too. With N ranks along `dim` (norma
     scatter_sequence       ḡ*  forward: reduce-scatter on seq  backward: all-gather along seq
     all_to_all                 forward: rows to their ranks    backward: the reverse all-to-all
 
+    seq_to_heads           forward: all-to-all [b, s/N, H] → [b, s, H/N]   backward: heads_to_seq
+    heads_to_seq           forward: all-to-all [b, s, H/N] → [b, s/N, H]   backward: seq_to_heads
+
 f/g bracket a tensor-parallel region (column-parallel in, row-parallel out); the sequence pair does
 the same with the activations outside the region sharded along the sequence (Korthikanti et al.,
 2022): an all-reduce is a reduce-scatter followed by an all-gather, so the bytes on the wire are the
-same. Tensors are batch-first ([b, s, …]); `seq_dim` names the sequence axis. A group of size 1
+same. The all-to-all pair is Ulysses' (Jacobs et al., 2023): sequence-sharded activations become
+head-sharded for attention and back. Tensors are batch-first ([b, s, …]); `seq_dim` names the
+sequence axis. A group of size 1
 degenerates to the identity (Comm records nothing).
 """
 
@@ -104,14 +109,14 @@ class _AllToAll(Function):
                 dim: str) -> torch.Tensor:
         ctx.splits, ctx.comm, ctx.dim = (out_splits, in_splits), comm, dim
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        comm.all_to_all(out, x.contiguous(), out_splits, in_splits, dim)
+        comm.all_to_all(out, x.contiguous(), dim, out_splits, in_splits)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        ctx.comm.all_to_all(back, grad.contiguous(), in_splits, out_splits, ctx.dim)
+        ctx.comm.all_to_all(back, grad.contiguous(), ctx.dim, in_splits, out_splits)
         return back, None, None, None, None
 
 
@@ -139,3 +144,51 @@ def gather_sequence(x: torch.Tensor, comm: Comm, dim: str = "tp", seq_dim: int =
 def scatter_sequence(x: torch.Tensor, comm: Comm, dim: str = "tp", seq_dim: int = 1) -> torch.Tensor:
     """Leave a tensor-parallel region into a sequence-sharded output: reduce-scatter along `seq_dim`."""
     return _ScatterSequence.apply(x, comm, dim, seq_dim)
+
+
+def _all_to_all(x: torch.Tensor, comm: Comm, dim: str, split: int, concat: int) -> torch.Tensor:
+    """Split `x` into N chunks along axis `split`, send chunk r to group rank r, and concatenate what
+    arrives along axis `concat` in rank order."""
+    n = comm.ctx.size(dim)
+    if n == 1:
+        return x
+    if x.shape[split] % n:
+        raise ValueError(f"all-to-all over {dim} (size {n}): axis {split} has {x.shape[split]} entries, "
+                         f"not divisible by {n}")
+    chunks = x.unflatten(split, (n, x.shape[split] // n)).movedim(split, 0).contiguous()
+    out = torch.empty_like(chunks)
+    comm.all_to_all(out, chunks, dim)
+    return out.movedim(0, concat).flatten(concat, concat + 1)
+
+
+class _SeqToHeads(Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: str) -> torch.Tensor:
+        ctx.comm, ctx.dim = comm, dim
+        return _all_to_all(x, comm, dim, split=2, concat=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_to_all(grad, ctx.comm, ctx.dim, split=1, concat=2), None, None
+
+
+class _HeadsToSeq(Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: str) -> torch.Tensor:
+        ctx.comm, ctx.dim = comm, dim
+        return _all_to_all(x, comm, dim, split=1, concat=2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_to_all(grad, ctx.comm, ctx.dim, split=2, concat=1), None, None
+
+
+def seq_to_heads(x: torch.Tensor, comm: Comm, dim: str) -> torch.Tensor:
+    """[b, s/N, H, d] sequence-sharded → [b, s, H/N, d] head-sharded (rank r keeps heads chunk r; the
+    sequence is the group's chunks in rank order)."""
+    return _SeqToHeads.apply(x, comm, dim)
+
+
+def heads_to_seq(x: torch.Tensor, comm: Comm, dim: str) -> torch.Tensor:
+    """The inverse of `seq_to_heads`: [b, s, H/N, d] → [b, s/N, H, d]."""
+    return _HeadsToSeq.apply(x, comm, dim)

@@ -43,7 +43,7 @@ class AllToAllExperts:
         ep, local = self.ep, self.local
         send = counts.view(ep, local)  # [destination rank, its local expert]
         recv = torch.empty_like(send)  # [source rank, my local expert]
-        self.comm.all_to_all(recv.view(-1), send.reshape(-1).contiguous(), [local] * ep, [local] * ep, EP)
+        self.comm.all_to_all(recv.view(-1), send.reshape(-1).contiguous(), EP)
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         rows = all_to_all(x, out_splits, in_splits, self.comm, EP)
         by_expert = _regroup(recv).to(x.device)

@@ -3,8 +3,8 @@
     split into pipeline stages → tensor/sequence parallel → context parallel → expert parallel
     → activation checkpointing → compile → data parallel / ZeRO → step runner
 
-Only the steps that exist so far are applied; `ParallelLayout.unsupported` refuses the others (cp,
-ep > 1) before any process group starts, and again here. Each step records what it did to every
+`ParallelLayout.problems`/`unsupported` refuse what cannot run before any process group starts, and
+again here. Each step records what it did to every
 parameter in that parameter's `Placement` (by name), which the later steps and the step runner read.
 """
 
@@ -19,6 +19,7 @@ from torch import nn
 from pentatron.config import Config
 from pentatron.distributed.context import ParallelContext
 from pentatron.layout import ParallelLayout
+from pentatron.parallel.context import apply_context_parallel
 from pentatron.parallel.data import DataParallel, DataParallelBase
 from pentatron.parallel.expert import apply_expert_parallel
 from pentatron.parallel.grouped import GroupedDataParallel
@@ -98,6 +99,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
         for part in stages or [model]:
             apply_tensor_parallel(part, ctx, ctx.comm, sp=layout.sp)
             tp_shards.update(part.tensor_parallel.shards)
+    for part in stages or [model]:
+        apply_context_parallel(part, ctx.comm, layout)
     module = LocalStages(stages) if stages else model  # collected after TP replaced embedding and head
     ep_shards = apply_expert_parallel(module, ctx)
     placements = _placements(module, stages, tp_shards, layout)

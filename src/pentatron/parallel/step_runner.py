@@ -24,6 +24,7 @@ from pentatron.distributed.context import ParallelContext
 from pentatron.layout import ParallelLayout
 from pentatron.models.moe import finish_step, moe_layers, set_aux_loss_scale
 from pentatron.optim import AdamW
+from pentatron.parallel.context import ContextShard
 from pentatron.parallel.data import DataParallelBase
 from pentatron.parallel.expert import gather_experts
 from pentatron.parallel.memory import MemoryReport
@@ -46,6 +47,8 @@ class StepRunner:
         self.optimizer = AdamW(engine.slots, train)
         self.comm, self.device = ctx.comm, ctx.device
         self.stages = list(stages) if stages else None
+        # Context parallelism: this rank keeps its share of every sequence, with the tokens' positions.
+        self.shard = ContextShard(self.comm, layout) if layout.cp > 1 else None
         self.pipeline: PipelineEngine | None = None
         self.last_pipeline: PipelineStepResult | None = None
         # MoE layers: their balancing losses are scaled like each micro-batch's loss; after the step
@@ -73,8 +76,12 @@ class StepRunner:
         `on_micro_batch(i)` is called before micro-batch i (without pp; diagnostics number them)."""
         self.engine.zero_grad()
         batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
+        positions = None
+        if self.shard is not None:
+            batches = [(self.shard.take(x), self.shard.take(y)) for x, y in batches]
+            positions = self.shard.positions
         if self.pipeline is not None:
-            result = self.pipeline.step(batches)
+            result = self.pipeline.step(batches, positions)
             self.last_pipeline = result
             # Only the last stage computes the loss: every pipeline rank logs the same number.
             loss = result.loss.detach().float() if result.loss is not None else torch.zeros((), device=self.device)
@@ -86,16 +93,17 @@ class StepRunner:
                     on_micro_batch(i)
                 # Only the last micro-step's backward synchronises gradients (DDP, ZeRO-1).
                 self.engine.before_backward(0, last=i == len(batches) - 1)
-                step_loss = self.loss_fn(self.model(inputs), targets)
+                step_loss = self.loss_fn(self.model(inputs, positions), targets)
                 (step_loss / len(batches)).backward()
                 self.engine.after_backward(0)
                 loss += step_loss.detach()
             loss = loss / len(batches)
         self.engine.finish_grad_sync()
         self.engine.sync_tied_grads()
-        # Each data-parallel replica saw an equal share of the batch: their mean is the step's loss.
-        self.comm.all_reduce(loss, "dp")
-        return loss / self.layout.dp
+        # Each data-parallel replica saw an equal share of the batch, and each cp rank an equal share of
+        # every sequence: their mean is the step's loss.
+        self.comm.all_reduce(loss, "dp" if self.layout.cp == 1 else "dp_cp")
+        return loss / (self.layout.dp * self.layout.cp)
 
     def clip_grads(self, max_norm: float) -> torch.Tensor:
         """Clip by the global norm of the full gradient; returns the norm before clipping."""

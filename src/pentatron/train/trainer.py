@@ -45,7 +45,7 @@ class Trainer:
         self.device = local_device(tr.device)
         par = cfg.parallel
         degrees = resolve_degrees(world_size, dp=resolved_dp(cfg, world_size), tp=par.tp, pp=par.pp,
-                                  cp=par.cp, ep=par.ep)
+                                  cp=par.cp, ep=par.ep, cp_ulysses=cfg.layout(world_size).cp_ulysses_degree)
         self.ctx = ParallelContext.from_degrees(degrees, self.device)
         self.rank, self.world_size = self.ctx.rank, self.ctx.world_size
         self.dp, self.dp_rank = self.ctx.dp_size, self.ctx.dp_rank
