@@ -169,8 +169,12 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
                    f"{', '.join(TRAINABLE_RECOMPUTE)})")
     if lay.grad_precision != "fp32":
         out.append("training accumulates gradients in fp32 (grad_precision='bf16' is not available)")
-    if w.moe_spec is not None:
-        out.append("mixture-of-experts models are not available in training yet")
+    if w.moe_spec is not None and w.cfg.moe is None:
+        out.append("an MoE shape given by --experts/--top-k is no model config training can build (use an MoE "
+                   "registry model, or set the [moe] fields of the training config)")
+    elif w.moe_spec is not None and lay.tp > 1:
+        out.append(f"tp={lay.tp}: training replicates the MoE layers over tp (the planner's memory and compute "
+                   "assume tp-sharded experts), so it does not recommend tp > 1 for an MoE model")
     return out
 
 
