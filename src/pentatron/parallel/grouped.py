@@ -91,7 +91,10 @@ class GroupedDataParallel:
         return {k: t for e in self.engines for k, t in e.model_state().items()}
 
     def layout_meta(self) -> dict[str, Any]:
-        return {"zero": self.stage, "dp": self.dp, "groups": {e.reduce_dim: e.layout_meta() for e in self.engines}}
+        meta = dict(self.engines[0].layout_meta())  # the dense group's, then the others' prefixed by group
+        for e in self.engines[1:]:
+            meta.update({f"{e.reduce_dim}_{k}": v for k, v in e.layout_meta().items() if k != "zero"})
+        return meta
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:

@@ -119,7 +119,11 @@ class StepRunner:
     def state_dict(self) -> dict[str, Any]:
         """Checkpoint tensors: the model's (keyed by name, tp shard and ZeRO range) and the optimizer's;
         loading in place into them and calling `after_load` restores the run."""
-        return {"model": self.engine.model_state(), "optim": self.optimizer.named_state()}
+        out = {"model": self.engine.model_state(), "optim": self.optimizer.named_state()}
+        if self.has_moe:  # the aux-free selection biases: state, though not parameters
+            out["moe_bias"] = {f"{n}.router.expert_bias": m.router.expert_bias
+                               for n, m in moe_layers(self.model).items()}
+        return out
 
     def after_load(self) -> None:
         self.optimizer.load_named_state()
