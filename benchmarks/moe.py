@@ -2,6 +2,7 @@
 dense MLP of the same active FLOPs, and expert-parallel scaling on gloo ranks.
 
     python benchmarks/moe.py balance --steps 200     # debug-moe without balancing / aux loss / aux-free bias
+    (or one variant per process: balance --model debug-moe --out a.json ...; then balance-report *.json)
     python benchmarks/moe.py layer                   # MoE layer fwd+bwd vs a dense SwiGLU of equal active FLOPs
     python benchmarks/moe.py ep --ranks 1 2 4        # MoE layer fwd+bwd per rank, ep = ranks, fixed tokens per rank
 
@@ -35,33 +36,49 @@ VARIANTS = {"no balancing": "debug-moe-nobalance", "aux loss 0.01 (+ z 0.001)": 
 
 # ---------------------------------------------------------------------------------------------- balance
 def balance(args: argparse.Namespace) -> None:
+    """Train each variant (or only `--model`), write its per-step records to `--out`, print the table."""
     from pentatron.config import load_config
     from pentatron.train.trainer import Trainer
 
-    rows = []
+    torch.set_num_threads(args.threads)
+    runs = {}
     for label, model in VARIANTS.items():
+        if args.model and model != args.model:
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             cfg = load_config(None, [f"model.name='{model}'", f"train.steps={args.steps}", f"train.seq_len={args.seq}",
                                      f"train.micro_batch={args.batch}", f"train.global_batch={args.batch}",
-                                     "train.warmup=10",
-                                     "log.progress=false", "log.tensorboard=false", f"log.dir='{tmp}'",
-                                     "log.every=50"])
+                                     "train.warmup=10", "log.progress=false", "log.tensorboard=false",
+                                     f"log.dir='{tmp}'", "log.every=50"])
             start = time.perf_counter()
             records = Trainer(cfg).fit()
-            took = time.perf_counter() - start
-        tail = records[-args.tail:]
-        # per step: the worst layer's max/mean load; then the mean over the last steps
-        worst = [max(m["imbalance"] for m in r["moe"].values()) for r in tail]
-        per_layer = {n: statistics.mean(r["moe"][n]["imbalance"] for r in tail) for n in tail[0]["moe"]}
-        rows.append((label, statistics.mean(r["loss"] for r in tail), statistics.mean(worst), per_layer,
-                     records[0]["moe"], took))
-    print(f"\n{args.steps} steps, debug-moe (8 experts, top-2, 1 shared, layer 0 dense), seq {args.seq} × "
-          f"{args.batch} sequences per step, 1 process; figures averaged over the last {args.tail} steps\n")
+            runs[label] = {"records": [{k: r[k] for k in ("step", "loss", "moe")} for r in records],
+                           "wall_s": time.perf_counter() - start, "seq": args.seq, "batch": args.batch}
+    if args.out:
+        Path(args.out).write_text(json.dumps(runs))
+    balance_table(runs, args.tail)
+
+
+def balance_table(runs: dict[str, Any], tail_n: int) -> None:
+    any_run = next(iter(runs.values()))
+    print(f"\n{len(any_run['records'])} steps, debug-moe (8 experts, top-2, 1 shared, layer 0 dense), seq "
+          f"{any_run['seq']} × {any_run['batch']} sequences per step, 1 process; figures averaged over the last "
+          f"{tail_n} steps\n")
     print("| balancing | loss | worst layer's max/mean load | max/mean per MoE layer | wall (s) |")
     print("|---|---:|---:|---|---:|")
-    for label, loss, worst, per_layer, _, took in rows:
-        layers = ", ".join(f"{v:.2f}" for v in per_layer.values())
-        print(f"| {label} | {loss:.4f} | {worst:.2f} | {layers} | {took:.0f} |")
+    for label, run in runs.items():
+        tail = run["records"][-tail_n:]
+        worst = statistics.mean(max(m["imbalance"] for m in r["moe"].values()) for r in tail)
+        per_layer = ", ".join(f"{statistics.mean(r['moe'][n]['imbalance'] for r in tail):.2f}" for n in tail[0]["moe"])
+        loss = statistics.mean(r["loss"] for r in tail)
+        print(f"| {label} | {loss:.4f} | {worst:.2f} | {per_layer} | {run['wall_s']:.0f} |")
+
+
+def balance_report(args: argparse.Namespace) -> None:
+    runs: dict[str, Any] = {}
+    for f in args.files:
+        runs.update(json.loads(Path(f).read_text()))
+    balance_table({label: runs[label] for label in VARIANTS if label in runs}, args.tail)
 
 
 # ---------------------------------------------------------------------------------------------- layer
@@ -158,6 +175,12 @@ def main() -> None:
     b.add_argument("--tail", type=int, default=20)
     b.add_argument("--seq", type=int, default=64)
     b.add_argument("--batch", type=int, default=8)
+    b.add_argument("--model", default="", help="only this variant (registry name)")
+    b.add_argument("--out", default="", help="write the runs' records here (JSON)")
+    b.add_argument("--threads", type=int, default=torch.get_num_threads())
+    r = sub.add_parser("balance-report", help="the table from several `balance --out` files")
+    r.add_argument("files", nargs="+")
+    r.add_argument("--tail", type=int, default=20)
     for name in ("layer", "ep"):
         s = sub.add_parser(name)
         s.add_argument("--tokens", type=int, default=4096 if name == "layer" else 2048)
@@ -169,7 +192,7 @@ def main() -> None:
         if name == "ep":
             s.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     args = p.parse_args()
-    {"balance": balance, "layer": layer, "ep": ep}[args.what](args)
+    {"balance": balance, "balance-report": balance_report, "layer": layer, "ep": ep}[args.what](args)
     print(json.dumps({"command": " ".join(sys.argv)}))
 
 
