@@ -48,6 +48,17 @@ def test_int_is_accepted_for_float_fields(tmp_path):
     ("[log]\ntensorboard = 'yes'", (), None, "log.tensorboard must be true or false, got 'yes'"),
     ("", ("train.steps=0",), None, "train.steps must be > 0, got 0"),
     ("[train]\nmicro_batch = 0", (), None, "train.micro_batch must be an integer ≥ 1, got 0"),
+    # context parallelism: the sequence and the heads it splits
+    ("[parallel]\ncp = 2\n[train]\nseq_len = 62", (), 2,
+     "parallel.cp=2 (ring) needs train.seq_len=62 divisible by 2·cp = 4"),
+    ("[parallel]\ncp = 4\ncp_mode = 'ulysses'\ntp = 2\n", (), 8,
+     "Ulysses over 4 ranks needs the attention heads per tp rank (model.n_heads / tp = 4/2 = 2) divisible by 4"),
+    ("[parallel]\ncp = 4\ncp_mode = 'hybrid'\ncp_ulysses = 3", (), 4,
+     "parallel.cp_mode='hybrid' needs parallel.cp_ulysses to divide parallel.cp=4"),
+    ("[parallel]\ncp = 2\ncp_ulysses = 2", (), 2, "parallel.cp_ulysses=2 is only used with parallel.cp_mode='hybrid'"),
+    ("[parallel]\ncp = 2\ncp_mode = 'tree'", (), 2, "parallel.cp_mode must be one of 'ring', 'ulysses', 'hybrid'"),
+    ("[parallel]\ncp = 2\ntp = 4\nsp = true\n[train]\nseq_len = 36", (), 8,
+     "parallel.sp=true needs the tokens per cp rank (train.seq_len / cp = 36/2 = 18) to be divisible by parallel.tp=4"),
 ])
 def test_each_bad_value_gets_a_message_naming_the_field(tmp_path, toml, overrides, world, expected):
     problems = _problems(tmp_path, toml, overrides, world)

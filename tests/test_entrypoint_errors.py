@@ -29,6 +29,8 @@ def _case(name: str, tmp: Path, dataset: Path) -> tuple[list[str], str]:
         return [CONFIG, data, "--set=model.vocab_size=1000"], "model.vocab_size=1000"
     if name == "global_batch not divisible":
         return [CONFIG, data, "--set=train.global_batch=12"], "not divisible by train.micro_batch=4 × dp=2"
+    if name == "cp does not split the sequence":
+        return [CONFIG, data, "--set=parallel.cp=2", "--set=train.seq_len=62"], "divisible by 2·cp = 4"
     if name == "device cuda on a CPU host":
         return [CONFIG, data, "--set=train.device=\"cuda\""], "train.device='cuda' but this host has no usable CUDA"
     if name == "config path is a directory":
@@ -42,7 +44,7 @@ def _case(name: str, tmp: Path, dataset: Path) -> tuple[list[str], str]:
 
 
 CASES = ["corrupt index.json", "dataset vocab > model vocab", "global_batch not divisible",
-         "config path is a directory", "dangling checkpoint pointer"]
+         "config path is a directory", "dangling checkpoint pointer", "cp does not split the sequence"]
 if not torch.cuda.is_available():  # on a GPU host train.device=cuda is no error
     CASES.append("device cuda on a CPU host")
 

@@ -32,7 +32,7 @@ CASES: dict[int, dict[str, list[str]]] = {
                                                       "parallel.cp_ulysses=2", "train.recompute=selective"],
         "cp2 ring × tp2 sp": [*RING2, "parallel.tp=2", "parallel.sp=true"],
         "cp2 ulysses × tp2 sp": [*ULY2, "parallel.tp=2", "parallel.sp=true"],
-        "cp2 ring × dp2 zero3": [*RING2, "parallel.dp=2", "parallel.zero=3"],
+        "cp2 ring × dp2 zero3 full recompute": [*RING2, "parallel.dp=2", "parallel.zero=3", "train.recompute=full"],
         "cp2 ring × pp2 1f1b": [*RING2, "parallel.pp=2"],
         "cp2 ulysses × pp2 zb zero1": [*ULY2, "parallel.pp=2", "parallel.pp_schedule=zb", "parallel.zero=1"],
     },

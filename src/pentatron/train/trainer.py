@@ -130,7 +130,8 @@ class Trainer:
             print(f"pentatron: {self.model_cfg.name} ({self.n_params / 1e6:.2f}M parameters), "
                   f"world={self.world_size} dp={self.dp} tp={cfg.parallel.tp}{' +sp' if cfg.parallel.sp else ''} "
                   f"pp={self.pp}{f' ({cfg.parallel.pp_schedule})' if self.pp > 1 else ''} "
-                  f"zero={cfg.parallel.zero}, device={self.device}, "
+                  + (f"cp={cfg.parallel.cp} ({cfg.parallel.cp_mode}) " if cfg.parallel.cp > 1 else "")
+                  + f"zero={cfg.parallel.zero}, device={self.device}, "
                   f"precision={self.policy.name}, recompute={cfg.train.recompute}, "
                   f"{len(self.dataset):,} tokens in dataset, "
                   f"peak {self.peak_flops / 1e12:.2f} TFLOP/s ({self.peak_source})", flush=True)
