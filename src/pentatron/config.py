@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from pentatron.layout import ParallelLayout, resolve_dp
-from pentatron.models.config import ModelConfig
+from pentatron.models.config import ModelConfig, MoEConfig
 from pentatron.models.registry import get_model_config
 
 if sys.version_info >= (3, 11):
@@ -51,6 +51,25 @@ class ModelSection:
     tie_embeddings: bool | None = None
     mlp: Literal["swiglu", "gelu"] | None = None
     init_std: float | None = None
+
+
+@dataclass
+class MoESection:
+    """Overrides of the model's Mixture-of-Experts fields (`models/config.py` MoEConfig); unset: the
+    registry's. n_experts, top_k and expert_ffn_size together turn a dense registry model into an MoE."""
+
+    n_experts: int | None = None
+    top_k: int | None = None
+    expert_ffn_size: int | None = None
+    n_shared_experts: int | None = None
+    score: Literal["softmax", "sigmoid"] | None = None
+    norm_topk_prob: bool | None = None
+    route_scale: float | None = None
+    aux_loss_coef: float | None = None
+    z_loss_coef: float | None = None
+    bias_update_rate: float | None = None
+    capacity_factor: float | None = None
+    first_dense_layers: int | None = None
 
 
 @dataclass
@@ -131,6 +150,7 @@ class DistributedConfig:
 @dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
+    moe: MoESection = field(default_factory=MoESection)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -141,6 +161,12 @@ class Config:
     def model_config(self) -> ModelConfig:
         base = get_model_config(self.model.name)
         overrides = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "name" and v is not None}
+        moe = {k: v for k, v in dataclasses.asdict(self.moe).items() if v is not None}
+        if moe:
+            needed = [f"moe.{k}" for k in ("n_experts", "top_k", "expert_ffn_size") if k not in moe]
+            if base.moe is None and needed:
+                raise KeyError(f"{base.name!r} has no experts: set {', '.join(needed)} to make it an MoE model")
+            overrides["moe"] = dataclasses.replace(base.moe, **moe) if base.moe else MoEConfig(**moe)
         return dataclasses.replace(base, **overrides)
 
     def to_dict(self) -> dict[str, Any]:

@@ -130,6 +130,7 @@ class ParallelLayout:
             per_rank = f"the tokens per cp rank (train.seq_len / cp = {self.seq_len}/{self.cp})"
             p += tensor_parallel_problems(model, self.tp, self.sp, self.seq_len // self.cp,
                                           seq_field=per_rank if self.cp > 1 else "train.seq_len")
+            p += expert_parallel_problems(model, self.ep)
             p += self.pipeline_problems(model)
         return p
 
@@ -195,8 +196,10 @@ class ParallelLayout:
 
     def unsupported(self, model: ModelConfig | None = None) -> list[str]:
         """Sound layouts that training cannot run yet (the planner may evaluate, never recommend them)."""
-        return [f"parallel.{name}={getattr(self, name)}: this parallel dimension is not available yet; "
-                f"use parallel.{name}=1" for name in ("ep",) if getattr(self, name) > 1]
+        if model is not None and model.moe is not None and self.sp:
+            return ["parallel.sp=true with an MoE model is not available yet (the experts would see a sequence "
+                    "slice per tp rank); use parallel.sp=false"]
+        return []
 
     def warnings(self, node_size: int | None) -> list[str]:
         """Advice that is not an error."""
@@ -257,6 +260,17 @@ def tensor_parallel_problems(model: ModelConfig, tp: int, sp: bool, seq_len: int
         shown = f"{seq_field}={seq_len}" if seq_field == "train.seq_len" else f"{seq_field[:-1]} = {seq_len})"
         p.append(f"parallel.sp=true needs {shown} to be divisible by parallel.tp={tp}")
     return p
+
+
+def expert_parallel_problems(model: ModelConfig, ep: int) -> list[str]:
+    """Every reason `model`'s experts cannot be split `ep` ways (empty when they can)."""
+    if ep <= 1:
+        return []
+    if model.moe is None:
+        return [f"parallel.ep={ep} needs an MoE model (model.moe is not set for {model.name!r})"]
+    if model.moe.n_experts % ep:
+        return [f"parallel.ep={ep} does not divide moe.n_experts={model.moe.n_experts}"]
+    return []
 
 
 def tensor_parallel_warnings(tp: int, node_size: int | None) -> list[str]:

@@ -1,7 +1,8 @@
 """Checkpoints of tensor- and pipeline-parallel runs: 3 steps + save, then a fresh Trainer resumes to step 6
 in the middle of the cosine decay, and its losses, final parameters and optimizer state (moments, step
 counts, fp32 masters) are bitwise equal to an uninterrupted 6-step run in the same layout — for tp=2 (kv
-heads replicated over the two tp ranks), pp=2 (1F1B, tied embedding held by both stages), tp=2 × dp=2
+heads replicated over the two tp ranks), pp=2 (1F1B, tied embedding held by both stages), an MoE model with
+its experts sharded over ep=2 (and its aux-free selection biases), tp=2 × dp=2
 with ZeRO-1 and pp=2 × dp=2 with ZeRO-3. Opening such a checkpoint in another layout is a clear error
 naming both layouts.
 
@@ -25,7 +26,10 @@ SEQ, MICRO, GLOBAL = 32, 2, 8
 # (label, overrides, overrides of a different layout that must refuse the checkpoint)
 CASES: dict[int, list[tuple[str, list[str], list[str]]]] = {
     2: [("tp=2 replicated kv", ["parallel.tp=2", "model.n_kv_heads=1"], ["parallel.dp=2", "model.n_kv_heads=1"]),
-        ("pp=2 1f1b", ["parallel.pp=2"], ["parallel.tp=2"])],
+        ("pp=2 1f1b", ["parallel.pp=2"], ["parallel.tp=2"]),
+        # experts sharded over ep=2 and the aux-free selection biases (saved beside the parameters)
+        ("ep=2 moe aux-free", ["parallel.dp=2", "parallel.ep=2", "model.name='debug-moe-auxfree'"],
+         ["parallel.dp=2", "model.name='debug-moe-auxfree'"])],
     4: [("tp=2 dp=2 zero=1", ["parallel.tp=2", "parallel.dp=2", "parallel.zero=1"],
          ["parallel.dp=4", "parallel.zero=1"]),
         ("pp=2 dp=2 zero=3", ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3"],

@@ -16,7 +16,7 @@ from typing import Any
 
 from pentatron.layout import ParallelLayout
 
-_ALWAYS_COMPARED = ("tp", "pp", "pp_schedule", "pp_virtual")
+_ALWAYS_COMPARED = ("tp", "pp", "ep", "pp_schedule", "pp_virtual")
 
 
 def layout_record(layout: ParallelLayout, engine_meta: dict[str, Any], bucket_mb: float) -> dict[str, Any]:
@@ -25,7 +25,7 @@ def layout_record(layout: ParallelLayout, engine_meta: dict[str, Any], bucket_mb
     sizes when pp = 1; with pp > 1 they differ per stage, so bucket_mb), plus the pipeline schedule that
     decides which layers a rank holds."""
     meta = dict(engine_meta)
-    meta.update(tp=layout.tp, pp=layout.pp)
+    meta.update(tp=layout.tp, pp=layout.pp, ep=layout.ep)  # ep: expert weights keyed "<name>|ep<i>/<n>"
     if layout.pp > 1:
         meta.pop("buckets", None)
         meta.update(bucket_mb=bucket_mb, pp_schedule=layout.pp_schedule, pp_virtual=layout.virtual)
@@ -34,9 +34,9 @@ def layout_record(layout: ParallelLayout, engine_meta: dict[str, Any], bucket_mb
 
 def layout_differences(saved: dict[str, Any], mine: dict[str, Any]) -> list[str]:
     """The layout fields in which a checkpoint and this run differ (empty: it can be resumed).
-    Checkpoints written before tp/pp were recorded were tp = pp = 1. Replicated state (ZeRO-0) is keyed
+    Checkpoints written before tp/pp/ep were recorded were tp = pp = ep = 1. Replicated state (ZeRO-0) is keyed
     independently of dp and bucketing, so those may change."""
-    saved = {"tp": 1, "pp": 1, **saved}
+    saved = {"tp": 1, "pp": 1, "ep": 1, **saved}
     keys = sorted(set(saved) | set(mine))
     diff = [k for k in keys if saved.get(k) != mine.get(k) and (k in saved and k in mine or k in _ALWAYS_COMPARED)]
     if saved.get("zero") == 0 and mine.get("zero") == 0:
@@ -51,5 +51,5 @@ def check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> 
         # Every rank sees the same two layouts, so every rank raises (none is left in a collective).
         raise RuntimeError(f"checkpoint {path} was written with layout {saved}, this run has layout {mine} "
                            f"(they differ in {', '.join(diff)}); resuming into another layout is not "
-                           "supported yet: resume with the same parallel.dp, tp, pp, zero, bucket_mb, "
+                           "supported yet: resume with the same parallel.dp, tp, pp, ep, zero, bucket_mb, "
                            "pp_schedule and pp_virtual")

@@ -4,7 +4,10 @@ explicitly (no globals).
 
 Rank order (the mesh's dims, outermost first) is ("pp", "dp", "cp", "tp"): tp is innermost so that a
 tensor-parallel group sits on consecutive ranks (one node), pp outermost. Expert parallelism borrows
-its ranks from dp×cp and so is not a mesh dimension of its own. Context parallelism in "hybrid" mode
+its ranks from dp×cp and so is not a mesh dimension of its own: numbering a dp×cp group's ranks
+q = dp·cp_size + cp, "ep" groups are consecutive blocks of ep of them (experts sharded), "edp" (expert
+data parallel) the ranks holding the same experts, q ≡ q' (mod ep) — Megatron's order, ep innermost.
+Context parallelism in "hybrid" mode
 splits its cp group once more, `cp = cp_ring × cp_ulysses` with the Ulysses ranks innermost (adjacent
 ranks, one node): the "cp_ulysses" group exchanges heads by all-to-all, the "cp_ring" group passes K/V
 blocks around a ring. In "ring" or "ulysses" mode one of them is the whole cp group.
@@ -23,7 +26,7 @@ from pentatron.distributed.comm import Comm, CommLedger
 from pentatron.layout import ParallelLayout, resolve_dp
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
-DERIVED_DIMS: tuple[str, ...] = ("dp_cp", "cp_ring", "cp_ulysses")  # groups made of mesh dimensions
+DERIVED_DIMS: tuple[str, ...] = ("dp_cp", "cp_ring", "cp_ulysses", "ep", "edp")  # groups made of mesh dimensions
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,8 @@ class ParallelContext:
             groups["cp_ulysses"] = groups["cp"] if u > 1 else None
         else:
             groups["cp_ring"], groups["cp_ulysses"] = _cp_sub_groups(degrees, dist.get_rank())
+        groups["ep"], groups["edp"] = (None, groups["dp_cp"]) if degrees.ep == 1 else \
+            _expert_groups(degrees, dist.get_rank())
         return cls(degrees, dist.get_rank(), device, groups, mesh)
 
     # ------------------------------------------------------------------ coordinates
@@ -142,6 +147,10 @@ class ParallelContext:
             return [self.rank_of(cp=(c // u) * u + i) for i in range(self.size(dim))]
         if dim == "dp_cp":  # group rank dp · cp + cp, as `local_rank` numbers it
             return [self.rank_of(dp=i // self.degrees.cp, cp=i % self.degrees.cp) for i in range(self.size(dim))]
+        if dim in ("ep", "edp"):  # carved from dp_cp: ep blocks of consecutive group ranks, edp strides
+            flat = self.group_ranks("dp_cp")
+            q, ep = self.local_rank("dp_cp"), self.degrees.ep
+            return flat[q - q % ep: q - q % ep + ep] if dim == "ep" else flat[q % ep:: ep]
         return [self.rank_of(**{dim: i}) for i in range(self.size(dim))]
 
     # ------------------------------------------------------------------ groups
@@ -157,6 +166,8 @@ class ParallelContext:
             return self.degrees.cp // self.degrees.cp_ulysses
         if dim == "cp_ulysses":
             return self.degrees.cp_ulysses
+        if dim == "edp":
+            return self.degrees.dp * self.degrees.cp // self.degrees.ep
         return getattr(self.degrees, dim)
 
     def local_rank(self, dim: str) -> int:
@@ -166,6 +177,9 @@ class ParallelContext:
             return self.coords["cp"] // self.degrees.cp_ulysses
         if dim == "cp_ulysses":
             return self.coords["cp"] % self.degrees.cp_ulysses
+        if dim in ("ep", "edp"):
+            q = self.local_rank("dp_cp")
+            return q % self.degrees.ep if dim == "ep" else q // self.degrees.ep
         return self.coords[dim]
 
     @property
@@ -216,3 +230,22 @@ def _cp_sub_groups(degrees: Degrees, rank: int) -> tuple[dist.ProcessGroup, dist
                     uly = g if rank in ranks else uly
     assert ring is not None and uly is not None
     return ring, uly
+
+
+def _expert_groups(degrees: Degrees, rank: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's ep and edp groups (None for a group of one). Every rank creates every group (new_group
+    is collective over the world), in the same order: per (pp, tp), the ep blocks, then the edp strides."""
+    ep, edp = degrees.ep, degrees.dp * degrees.cp // degrees.ep
+    grid = torch.arange(degrees.world_size).view(degrees.shape())  # [pp, dp, cp, tp]
+    mine: dict[str, dist.ProcessGroup | None] = {"ep": None, "edp": None}
+    for pp in range(degrees.pp):
+        for tp in range(degrees.tp):
+            flat = grid[pp, :, :, tp].flatten().tolist()
+            blocks = {"ep": [flat[i: i + ep] for i in range(0, len(flat), ep)] if ep > 1 else [],
+                      "edp": [flat[j::ep] for j in range(ep)] if edp > 1 else []}
+            for dim, ranks_list in blocks.items():
+                for ranks in ranks_list:
+                    g = dist.new_group(ranks)
+                    if rank in ranks:
+                        mine[dim] = g
+    return mine["ep"], mine["edp"]

@@ -7,6 +7,7 @@ the comm ledger counts the backward traffic too. With N ranks along `dim` (norma
     reduce_from_parallel   g   forward: all-reduce (sum)      backward: identity
     gather_sequence        ḡ   forward: all-gather along seq   backward: reduce-scatter along seq
     scatter_sequence       ḡ*  forward: reduce-scatter on seq  backward: all-gather along seq
+    all_to_all                 forward: rows to their ranks    backward: the reverse all-to-all
 
     seq_to_heads           forward: all-to-all [b, s/N, H] → [b, s, H/N]   backward: heads_to_seq
     heads_to_seq           forward: all-to-all [b, s, H/N] → [b, s/N, H]   backward: seq_to_heads
@@ -100,6 +101,29 @@ class _ScatterSequence(Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return _all_gather(grad, ctx.comm, ctx.dim, seq_dim=ctx.seq_dim), None, None, None
+
+
+class _AllToAll(Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: Comm,
+                dim: str) -> torch.Tensor:
+        ctx.splits, ctx.comm, ctx.dim = (out_splits, in_splits), comm, dim
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        comm.all_to_all(out, x.contiguous(), dim, out_splits, in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        ctx.comm.all_to_all(back, grad.contiguous(), ctx.dim, in_splits, out_splits)
+        return back, None, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: Comm, dim: str) -> torch.Tensor:
+    """Rows of `x` (`in_splits[r]` for group rank r, in rank order) to their ranks; returns the rows
+    received (`out_splits[r]` from rank r). Its backward sends the gradients back the same way."""
+    return _AllToAll.apply(x, out_splits, in_splits, comm, dim)
 
 
 def copy_to_parallel(x: torch.Tensor, comm: Comm, dim: str = "tp") -> torch.Tensor:

@@ -6,6 +6,64 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 MlpKind = Literal["swiglu", "gelu"]
+RouterScore = Literal["softmax", "sigmoid"]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-Experts feed-forward layers (`models/moe.py`): a token-choice top-k router over
+    `n_experts` SwiGLU experts of width `expert_ffn_size`, plus `n_shared_experts` always-on experts
+    (one SwiGLU of width n_shared·expert_ffn_size, as DeepSeek implements them).
+
+    Routing: `score` softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3) of the router logits; the
+    top-k weights renormalised to sum to 1 when `norm_topk_prob`, then multiplied by `route_scale`.
+    Balancing: the Switch/GShard auxiliary loss (`aux_loss_coef`, 1.0 at a uniform load), the router
+    z-loss (`z_loss_coef`), and DeepSeek-V3's auxiliary-loss-free bias (`bias_update_rate` γ: after each
+    optimizer step an expert's selection bias moves by γ towards the mean load; 0 = off).
+    `capacity_factor`: each expert takes at most ceil(factor·tokens·top_k/n_experts) tokens of a batch,
+    the lowest-weighted assignments beyond it are dropped (None: dropless). The first
+    `first_dense_layers` layers keep the dense MLP (DeepSeek-V3: 3)."""
+
+    n_experts: int
+    top_k: int
+    expert_ffn_size: int
+    n_shared_experts: int = 0
+    score: RouterScore = "softmax"
+    norm_topk_prob: bool = True
+    route_scale: float = 1.0
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+    capacity_factor: float | None = None
+    first_dense_layers: int = 0
+
+    def problems(self, n_layers: int | None = None) -> list[str]:
+        out = []
+        for f in ("n_experts", "top_k", "expert_ffn_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                out.append(f"moe.{f} must be a positive integer, got {v!r}")
+        for f in ("n_shared_experts", "first_dense_layers"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                out.append(f"moe.{f} must be an integer ≥ 0, got {v!r}")
+        if out:
+            return out
+        if self.top_k > self.n_experts:
+            out.append(f"moe.top_k={self.top_k} is larger than moe.n_experts={self.n_experts}")
+        if self.score not in ("softmax", "sigmoid"):
+            out.append(f"moe.score must be 'softmax' or 'sigmoid', got {self.score!r}")
+        for f in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            if getattr(self, f) < 0:
+                out.append(f"moe.{f} must be ≥ 0, got {getattr(self, f)}")
+        if self.route_scale <= 0:
+            out.append(f"moe.route_scale must be > 0, got {self.route_scale}")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            out.append(f"moe.capacity_factor must be > 0 (or unset for dropless), got {self.capacity_factor}")
+        if n_layers is not None and self.first_dense_layers >= n_layers:
+            out.append(f"moe.first_dense_layers={self.first_dense_layers} leaves no MoE layer of "
+                       f"model.n_layers={n_layers}")
+        return out
 
 
 @dataclass(frozen=True)
@@ -33,6 +91,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     mlp: MlpKind = "swiglu"
     init_std: float = 0.02
+    moe: MoEConfig | None = None  # None: every layer has the dense MLP
     name: str = field(default="custom", compare=False)
 
     @property
@@ -67,21 +126,37 @@ class ModelConfig:
             out.append(f"model.norm_eps must be > 0, got {self.norm_eps}")
         if self.init_std <= 0:
             out.append(f"model.init_std must be > 0, got {self.init_std}")
+        if self.moe is not None:
+            if self.mlp != "swiglu":
+                out.append(f"model.mlp={self.mlp!r}: MoE experts are SwiGLU, so model.mlp must be 'swiglu'")
+            out += self.moe.problems(self.n_layers)
         return out
 
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe is not None and i >= self.moe.first_dense_layers
+
     # ---- parameter counts (exact for our architecture: no biases, RMSNorm weights only) ----
-    def layer_params(self) -> int:
+    def layer_params(self, i: int | None = None, active: bool = False) -> int:
+        """Parameters of layer `i` (None: a dense layer); `active`: those one token uses (top-k of the
+        routed experts instead of all of them)."""
         h, kv, f = self.hidden_size, self.kv_dim, self.ffn_hidden_size
         attn = h * h + 2 * h * kv + h * h
-        mlp = (3 if self.mlp == "swiglu" else 2) * h * f
+        if i is not None and self.is_moe_layer(i):
+            m = self.moe
+            experts = m.top_k if active else m.n_experts
+            mlp = h * m.n_experts + 3 * h * m.expert_ffn_size * (experts + m.n_shared_experts)
+        else:
+            mlp = (3 if self.mlp == "swiglu" else 2) * h * f
         return attn + mlp + 2 * h
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
-    def num_params(self) -> int:
+    def num_params(self, active: bool = False) -> int:
+        """Every parameter (`active`: only those one token uses, for MoE models; the same otherwise)."""
         head = 0 if self.tie_embeddings else self.embedding_params()
-        return self.embedding_params() + self.n_layers * self.layer_params() + self.hidden_size + head
+        layers = sum(self.layer_params(i, active) for i in range(self.n_layers))
+        return self.embedding_params() + layers + self.hidden_size + head
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,6 +167,8 @@ class ModelConfig:
         rs = d.get("rope_scaling")
         if isinstance(rs, dict):
             d["rope_scaling"] = RopeScaling(**rs)
+        if isinstance(d.get("moe"), dict):
+            d["moe"] = MoEConfig(**d["moe"])
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

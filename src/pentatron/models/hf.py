@@ -25,8 +25,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from pentatron.models import hf_moe
 from pentatron.models.config import ModelConfig, RopeScaling
-from pentatron.models.llama import Llama
+from pentatron.models.llama import Llama, reset_router_biases
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -100,8 +101,9 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     """A `ModelConfig` from a Llama `config.json` dict. Raises one `ValueError` listing every
     unsupported or inconsistent key (each named) at once."""
     problems: list[str] = []
-    if d.get("model_type") != "llama":
-        problems.append(f"model_type={d.get('model_type')!r} is not supported (only 'llama')")
+    if d.get("model_type") not in ("llama", "mixtral"):
+        problems.append(f"model_type={d.get('model_type')!r} is not supported (only 'llama' and 'mixtral')")
+    moe = hf_moe.moe_from_mixtral(d, problems) if hf_moe.is_mixtral(d) else None
     for k in ("attention_bias", "mlp_bias"):
         if d.get(k):
             problems.append(f"{k}={d[k]!r} is not supported (Pentatron's Llama has no biases)")
@@ -126,7 +128,7 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
         n_kv_heads=d.get("num_key_value_heads") or heads, ffn_hidden_size=d["intermediate_size"],
         max_seq_len=d.get("max_position_embeddings", 2048), rope_theta=theta, rope_scaling=scaling,
         norm_eps=float(d.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        mlp="swiglu", init_std=float(d.get("initializer_range", 0.02)),
+        mlp="swiglu", init_std=float(d.get("initializer_range", 0.02)), moe=moe,
     )
     problems += cfg.problems()
     if problems:
@@ -143,10 +145,14 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
     problems = cfg.problems()
     if cfg.mlp != "swiglu":
         problems.append(f"model.mlp={cfg.mlp!r} has no LlamaForCausalLM equivalent (only 'swiglu')")
+    if cfg.moe is not None:
+        problems += hf_moe.mixtral_problems(cfg)
+        if cfg.rope_scaling is not None:
+            problems.append("model.rope_scaling has no MixtralForCausalLM equivalent")
     if problems:
-        raise ValueError("cannot export to Hugging Face Llama: " + "; ".join(problems))
+        raise ValueError(f"cannot export to Hugging Face {'Mixtral' if cfg.moe else 'Llama'}: " + "; ".join(problems))
     rs = cfg.rope_scaling
-    return {
+    llama = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": cfg.hidden_size,
@@ -171,6 +177,7 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
         "attention_bias": False,
         "mlp_bias": False,
     }
+    return hf_moe.mixtral_config(cfg, llama) if cfg.moe is not None else llama
 
 
 def read_hf_config(path: Path) -> ModelConfig:
@@ -223,9 +230,12 @@ def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         out |= {p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
                 p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "post_attention_layernorm.weight": (h,), p + "mlp.gate_proj.weight": (f, h),
-                p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
+                p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,)}
+        if cfg.is_moe_layer(i):
+            out |= hf_moe.layer_shapes(cfg, p)
+        else:
+            out |= {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                    p + "mlp.down_proj.weight": (h, f)}
     out["model.norm.weight"] = (h,)
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = (v, h)
@@ -323,7 +333,9 @@ def import_hf(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype
     path = Path(path)
     cfg = read_hf_config(path)
     hf_sd = load_hf_state_dict(path, cfg, device=device, dtype=dtype)
-    sd = {hf_to_pentatron_name(n): t for n, t in hf_sd.items()}
+    # MoE tensors (experts stacked per layer) are mapped by hf_moe; they come back under our names.
+    sd = {n if n.startswith("layers.") else hf_to_pentatron_name(n): t
+          for n, t in hf_moe.hf_to_ours(hf_sd).items()}
     if cfg.tie_embeddings:
         sd["lm_head.weight"] = sd["embed.weight"]  # state_dict() lists the tied head under both names
     with torch.device("meta"):
@@ -333,6 +345,10 @@ def import_hf(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype
     # RoPE tables are non-persistent fp32 buffers (as in build_model): materialise and compute them.
     model.rotary.to_empty(device=device)
     model.rotary.reset_parameters()
+    for name, buf in list(model.named_buffers()):
+        if name.endswith("router.expert_bias"):  # MoE selection biases start at zero, like the tables
+            model.get_submodule(name.rpartition(".")[0]).expert_bias = torch.empty_like(buf, device=device)
+    reset_router_biases(model)
     still_meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if still_meta:  # a guard against a future module whose state we don't map
         raise RuntimeError(f"import_hf left tensors on the meta device: {', '.join(still_meta)}")
@@ -346,7 +362,11 @@ def import_hf(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype
 def _hf_tensors(model: Llama) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) in transformers' order; the tied head is left out, as transformers does."""
     sd = model.state_dict()
+    moe = {hf: t for n, tensor in sd.items() for hf, t in (hf_moe.ours_to_hf(n, tensor) or [])}
     for name in hf_param_shapes(model.cfg):
+        if name in moe:
+            yield name, moe[name]
+            continue
         ours = hf_to_pentatron_name(name)
         if ours not in sd:
             raise ValueError(f"model has no parameter {ours!r} (needed for {name!r})")
@@ -519,7 +539,8 @@ def _verify(args: argparse.Namespace) -> int:
     # Only the local directory (validated by import_hf above), never the hub; eager attention is the
     # plain reference implementation. 5.x renamed torch_dtype to dtype.
     key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    hf = transformers.LlamaForCausalLM.from_pretrained(
+    cls = transformers.MixtralForCausalLM if cfg.moe is not None else transformers.LlamaForCausalLM
+    hf = cls.from_pretrained(
         str(args.in_dir), local_files_only=True, attn_implementation="eager", **{key: dtype}).eval()
     ref = hf(tokens).logits.float()
     err = (ours - ref).abs().max().item()

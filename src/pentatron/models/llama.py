@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pentatron.models.config import ModelConfig, RopeScaling
+from pentatron.models.moe import MoE, Router
 
 
 class RMSNorm(nn.Module):
@@ -136,16 +137,23 @@ class MLP(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Attention then the feed-forward: the dense MLP (`mlp`), or from layer moe.first_dense_layers on
+    of an MoE model, the Mixture-of-Experts (`moe`, models/moe.py)."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        if cfg.is_moe_layer(index):
+            self.moe = MoE(cfg)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        ffn = self.moe if hasattr(self, "moe") else self.mlp
+        return x + ffn(self.mlp_norm(x))
 
 
 class Llama(nn.Module):
@@ -157,7 +165,7 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -205,10 +213,20 @@ def init_weights(model: Llama, seed: int) -> None:
         if p.ndim == 1:
             p.fill_(1.0)  # RMSNorm gains
             continue
-        std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else cfg.init_std
+        std = out_std if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")) \
+            else cfg.init_std
         g = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
         p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(std).to(p.dtype))
     model.rotary.reset_parameters()
+    reset_router_biases(model)
+
+
+@torch.no_grad()
+def reset_router_biases(model: nn.Module) -> None:
+    """MoE selection biases start at zero (non-persistent buffers: materialised, not loaded)."""
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.expert_bias.zero_()
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",

@@ -7,9 +7,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pentatron.models.config import ModelConfig, RopeScaling
+from pentatron.models.config import ModelConfig, MoEConfig, RopeScaling
 
 _LLAMA31_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
+
+# The debug MoE: 8 experts, top-2, one shared expert, layer 0 dense; balanced by the aux loss (+ a small
+# z-loss). Its variants differ only in the balancing, for the balancing study (BENCHMARKS.md).
+_DEBUG_MOE = MoEConfig(n_experts=8, top_k=2, expert_ffn_size=64, n_shared_experts=1, aux_loss_coef=0.01,
+                       z_loss_coef=0.001, first_dense_layers=1)
+_DEBUG_MOE_SHAPE = dict(vocab_size=4096, hidden_size=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden_size=256,
+                        max_seq_len=512, tie_embeddings=True)
 
 MODELS: dict[str, ModelConfig] = {
     # ~1.1M parameters: trains in seconds on a CPU; vocab matches the default corpus tokenizer (4096).
@@ -35,6 +42,29 @@ MODELS: dict[str, ModelConfig] = {
     "llama3.1-405b": ModelConfig(vocab_size=128256, hidden_size=16384, n_layers=126, n_heads=128,
                                  n_kv_heads=8, ffn_hidden_size=53248, max_seq_len=131072,
                                  rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE),
+    "debug-moe": ModelConfig(**_DEBUG_MOE_SHAPE, moe=_DEBUG_MOE),
+    "debug-moe-nobalance": ModelConfig(**_DEBUG_MOE_SHAPE, moe=replace(_DEBUG_MOE, aux_loss_coef=0.0,
+                                                                        z_loss_coef=0.0)),
+    "debug-moe-auxfree": ModelConfig(**_DEBUG_MOE_SHAPE, moe=replace(_DEBUG_MOE, aux_loss_coef=0.0, z_loss_coef=0.0,
+                                                                      bias_update_rate=1e-3)),
+    # mistralai/Mixtral-8x7B-v0.1 config.json: 46.7B parameters, 12.9B active.
+    "mixtral-8x7b": ModelConfig(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                                ffn_hidden_size=14336, max_seq_len=32768, rope_theta=1e6,
+                                moe=MoEConfig(n_experts=8, top_k=2, expert_ffn_size=14336, aux_loss_coef=0.02)),
+    # Qwen/Qwen3-30B-A3B config.json, except attention: Qwen3 decouples head_dim (32 q heads × 128 >
+    # hidden 2048), which our Llama does not, so 16 heads of 128 (k/v exact, q/o half the real width).
+    "qwen3-moe-30b-a3b": ModelConfig(vocab_size=151936, hidden_size=2048, n_layers=48, n_heads=16, n_kv_heads=4,
+                                     ffn_hidden_size=6144, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
+                                     moe=MoEConfig(n_experts=128, top_k=8, expert_ffn_size=768,
+                                                   aux_loss_coef=0.001)),
+    # deepseek-ai/DeepSeek-V3 config.json's MoE (256 routed + 1 shared expert of 2048, top-8, sigmoid
+    # scores, routed_scaling_factor 2.5, 3 dense layers, aux-free bias γ=0.001, sequence aux α=1e-4);
+    # its MLA attention is approximated by full multi-head attention, and the MTP module is left out.
+    "deepseek-v3-shape": ModelConfig(vocab_size=129280, hidden_size=7168, n_layers=61, n_heads=128,
+                                     n_kv_heads=128, ffn_hidden_size=18432, max_seq_len=4096, norm_eps=1e-6,
+                                     moe=MoEConfig(n_experts=256, top_k=8, expert_ffn_size=2048, n_shared_experts=1,
+                                                   score="sigmoid", route_scale=2.5, aux_loss_coef=1e-4,
+                                                   bias_update_rate=1e-3, first_dense_layers=3)),
 }
 ALIASES = {"llama3-70b": "llama3.1-70b", "llama3-405b": "llama3.1-405b"}
 

@@ -25,6 +25,7 @@ by dp once (the sum is what the 1-process run computes, up to the order of the a
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -48,10 +49,13 @@ class DataParallelBase:
     sharded_grads: bool = False  # True when each rank holds only its shard of the reduced gradient
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, policy: PrecisionPolicy,
-                 bucket_mb: float, placements: dict[str, Placement] | None = None) -> None:
+                 bucket_mb: float, placements: dict[str, Placement] | None = None,
+                 only: Collection[str] | None = None) -> None:
         self.model, self.ctx, self.comm, self.policy = model, ctx, ctx.comm, policy
-        # named_parameters() lists a tied weight once, under its first name (embed.weight).
-        self.names: dict[nn.Parameter, str] = {p: n for n, p in model.named_parameters() if p.requires_grad}
+        # named_parameters() lists a tied weight once, under its first name (embed.weight). `only`: the
+        # names this engine handles (one engine per gradient group, see parallel/grouped.py).
+        self.names: dict[nn.Parameter, str] = {p: n for n, p in model.named_parameters()
+                                               if p.requires_grad and (only is None or n in only)}
         self.params = list(self.names)
         placements = placements if placements is not None else {}
         for p, n in self.names.items():
@@ -65,6 +69,9 @@ class DataParallelBase:
             raise NotImplementedError(f"one data-parallel engine reduces over one group; got {sorted(groups)}")
         self.reduce_dim = "_".join(groups.pop())
         self.dp, self.dp_rank = ctx.size(self.reduce_dim), ctx.local_rank(self.reduce_dim)
+        # Reduced gradients are sums over the group, divided by the replicas of the batch (dp×cp): for
+        # expert weights ("edp") the ep ranks' tokens already met in the experts, so still dp×cp.
+        self.grad_divisor = ctx.size("dp_cp") if self.reduce_dim == "edp" else self.dp
         # Checkpoint keys: the name, plus the tp shard coordinates for a tensor-parallel shard (its
         # shards share the name). Pipeline ranks hold disjoint names (the last stage's copy of a tied
         # embedding is "lm_head.weight", the first stage's "embed.weight"), so no pp suffix is needed.
@@ -129,7 +136,19 @@ class DataParallelBase:
         raise NotImplementedError
 
     def grad_norm(self) -> torch.Tensor:
-        tp, pp = self.ctx.size("tp"), self.ctx.size("pp")
+        return self.finish_norm(self.group_norm_squared())
+
+    def finish_norm(self, sq: torch.Tensor) -> torch.Tensor:
+        """The global norm from a squared norm already summed over the data-parallel groups."""
+        if self.ctx.size("tp") > 1:
+            self.comm.all_reduce(sq, "tp")
+        if self.ctx.size("pp") > 1:
+            self.comm.all_reduce(sq, "pp")  # each pipeline rank holds only its stages' parameters
+        return sq.sqrt()
+
+    def group_norm_squared(self) -> torch.Tensor:
+        """This engine's parameters' squared gradient norm, summed over its reduce group (not yet over tp
+        and pp)."""
         weights = self.norm_weights
         if all(w == 1.0 for w in weights.values()):
             sq = grad_norm_squared(self.owned_grads())
@@ -143,11 +162,7 @@ class DataParallelBase:
                     sq += g.float().pow(2).sum() * weights[p]
         if self.sharded_grads:
             self.comm.all_reduce(sq, self.reduce_dim)
-        if tp > 1:
-            self.comm.all_reduce(sq, "tp")
-        if pp > 1:
-            self.comm.all_reduce(sq, "pp")  # each pipeline rank holds only its stages' parameters
-        return sq.sqrt()
+        return sq
 
     def sync_tied_grads(self) -> None:
         """Sum a tied weight's reduced gradient between the two pipeline ranks holding a copy (the first
@@ -204,8 +219,9 @@ class DataParallel(DataParallelBase):
     """ZeRO-0: replicated parameters and optimizer, bucketed all-reduce of gradients."""
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, policy: PrecisionPolicy,
-                 bucket_mb: float, placements: dict[str, Placement] | None = None) -> None:
-        super().__init__(model, ctx, policy, bucket_mb, placements)
+                 bucket_mb: float, placements: dict[str, Placement] | None = None,
+                 only: Collection[str] | None = None) -> None:
+        super().__init__(model, ctx, policy, bucket_mb, placements, only)
         self.layout = FlatLayout.by_size(list(reversed(self.params)), self.bucket_numel, isolate=self.isolated)
         self.grads = GradBuffer(self.params, policy.grad_dtype, self._grad_ready, self.layout)
         self.slots = param_slots(self.params, [self.keys[p] for p in self.params], policy.master_dtype)
@@ -233,8 +249,8 @@ class DataParallel(DataParallelBase):
         for w in self._works:
             w.wait()
         self._works.clear()
-        if self.dp > 1:
-            self.grads.data.div_(self.dp)
+        if self.grad_divisor > 1:
+            self.grads.data.div_(self.grad_divisor)
         self._reset_counts(self.layout)
 
     def owned_grads(self) -> list[torch.Tensor]:

@@ -3,8 +3,8 @@
     split into pipeline stages → tensor/sequence parallel → context parallel → expert parallel
     → activation checkpointing → compile → data parallel / ZeRO → step runner
 
-Only the steps that exist so far are applied; `ParallelLayout.unsupported` refuses the others (ep > 1)
-before any process group starts, and again here. Each step records what it did to every
+`ParallelLayout.problems`/`unsupported` refuse what cannot run before any process group starts, and
+again here. Each step records what it did to every
 parameter in that parameter's `Placement` (by name), which the later steps and the step runner read.
 """
 
@@ -21,6 +21,8 @@ from pentatron.distributed.context import ParallelContext
 from pentatron.layout import ParallelLayout
 from pentatron.parallel.context import apply_context_parallel
 from pentatron.parallel.data import DataParallel, DataParallelBase
+from pentatron.parallel.expert import apply_expert_parallel
+from pentatron.parallel.grouped import GroupedDataParallel
 from pentatron.parallel.pipeline.stages import PipelineStage, build_stages, stage_layers, tied_parameter
 from pentatron.parallel.placement import Placement, TPShard
 from pentatron.parallel.recompute import apply_recompute
@@ -100,7 +102,10 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
     for part in stages or [model]:
         apply_context_parallel(part, ctx.comm, layout)
     module = LocalStages(stages) if stages else model  # collected after TP replaced embedding and head
+    ep_shards = apply_expert_parallel(module, ctx)
     placements = _placements(module, stages, tp_shards, layout)
+    for name, shard in ep_shards.items():  # expert weights: a slice of the experts, reduced over edp
+        placements[name].expert, placements[name].grad_dims = shard, ("edp",)
     apply_recompute(module, cfg.train.recompute)
     engine = data_parallel(module, ctx, cfg, policy, placements, stages)
     return StepRunner(module, engine, ctx, layout, _loss_fn(ctx), stages, model.cfg.hidden_size, cfg.train)
@@ -116,13 +121,28 @@ def _loss_fn(ctx: ParallelContext):  # noqa: ANN202 - returns the loss function
 
 def data_parallel(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: PrecisionPolicy,
                   placements: dict[str, Placement] | None = None,
-                  stages: list[PipelineStage] | None = None) -> DataParallelBase:
+                  stages: list[PipelineStage] | None = None) -> DataParallelBase | GroupedDataParallel:
+    """The configured ZeRO stage's engine; one per gradient group (`GroupedDataParallel`) when parameters
+    reduce over different groups (expert parallelism)."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for name, pl in (placements or {}).items():
+        groups.setdefault(pl.grad_dims, []).append(name)
+    if len(groups) <= 1:
+        return _engine(model, ctx, cfg, policy, placements, stages, None)
+    return GroupedDataParallel([_engine(model, ctx, cfg, policy, placements, stages, names)
+                                for _, names in sorted(groups.items(), key=lambda g: g[0] == ("edp",))])
+
+
+def _engine(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: PrecisionPolicy,
+            placements: dict[str, Placement] | None, stages: list[PipelineStage] | None,
+            only: list[str] | None) -> DataParallelBase:
     par = cfg.parallel
     if par.zero == 0:
-        return DataParallel(model, ctx, policy, par.bucket_mb, placements)
+        return DataParallel(model, ctx, policy, par.bucket_mb, placements, only=only)
     if par.zero in (1, 2):
-        return ZeroDataParallel(model, ctx, policy, par.bucket_mb, stage=par.zero, placements=placements)
+        return ZeroDataParallel(model, ctx, policy, par.bucket_mb, stage=par.zero, placements=placements, only=only)
     if par.zero == 3:
         return FullyShardedDataParallel(model, ctx, policy, par.bucket_mb, placements,
-                                        chunks=list(stages) if stages else None, gather=par.zero3_gather)
+                                        chunks=list(stages) if stages else None, gather=par.zero3_gather,
+                                        only=only)
     raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {par.zero}")

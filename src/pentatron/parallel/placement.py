@@ -8,6 +8,8 @@ tensors or flags on engines:
   norm counts);
 - tensor parallelism: the axis it is split along, this rank's shard index and the number of distinct
   shards (a kv head replicated on tp/n_kv ranks: fewer shards than ranks);
+- expert parallelism: for an MoE layer's stacked expert weights, which slice of the experts (dim 0)
+  this ep rank holds; their gradients are then reduced over the expert-data group ("edp") only;
 - data parallelism / ZeRO: the mesh dimensions its gradient is averaged over and, when sharded, the
   ranges of the flattened local tensor this rank owns, with their global offsets in the flat layout.
 
@@ -54,13 +56,15 @@ class Placement:
     counted: bool = True  # counted in the global gradient norm here (False: the tied copy counted by the peer)
     grad_dims: tuple[str, ...] = ("dp",)  # mesh dimensions the gradient is averaged over
     zero: tuple[ZeroPiece, ...] | None = None  # owned ranges when ZeRO shards it over dp (None: not sharded)
+    expert: tuple[int, int] | None = None  # (ep rank, ep size): this rank's slice of the experts (dim 0)
 
     @property
     def full_shape(self) -> tuple[int, ...]:
-        if self.tp.dim is None:
-            return self.local_shape
         shape = list(self.local_shape)
-        shape[self.tp.dim] *= self.tp.parts
+        if self.tp.dim is not None:
+            shape[self.tp.dim] *= self.tp.parts
+        if self.expert is not None:
+            shape[0] *= self.expert[1]
         return tuple(shape)
 
     @property
@@ -80,9 +84,12 @@ class Placement:
     def checkpoint_key(self) -> str:
         """The tensor's key: the name when every tp rank holds the same tensor, else "<name>|tp<i>/<n>"
         (ranks holding the same replicated kv head share one key, so it is written once)."""
+        key = self.name
+        if self.expert is not None:
+            key += f"|ep{self.expert[0]}/{self.expert[1]}"
         if self.tp.dim is None or self.tp.parts == 1:
-            return self.name
-        return f"{self.name}|tp{self.tp.index}/{self.tp.parts}"
+            return key
+        return f"{key}|tp{self.tp.index}/{self.tp.parts}"
 
     def piece_key(self, lo: int, hi: int) -> str:
         """Key of an owned ZeRO range [lo, hi) of the flattened tensor: the tensor's key, with the range when

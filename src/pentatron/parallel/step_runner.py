@@ -22,9 +22,11 @@ from torch import nn
 from pentatron.config import TrainConfig
 from pentatron.distributed.context import ParallelContext
 from pentatron.layout import ParallelLayout
+from pentatron.models.moe import finish_step, moe_layers, set_aux_loss_scale
 from pentatron.optim import AdamW
 from pentatron.parallel.context import ContextShard
 from pentatron.parallel.data import DataParallelBase
+from pentatron.parallel.expert import gather_experts
 from pentatron.parallel.memory import MemoryReport
 from pentatron.parallel.pipeline.engine import PipelineEngine, PipelineStepResult, measured_bubble
 from pentatron.parallel.pipeline.stages import PipelineStage
@@ -49,6 +51,11 @@ class StepRunner:
         self.shard = ContextShard(self.comm, layout) if layout.cp > 1 else None
         self.pipeline: PipelineEngine | None = None
         self.last_pipeline: PipelineStepResult | None = None
+        # MoE layers: their balancing losses are scaled like each micro-batch's loss; after the step
+        # their loads are summed over the data-parallel replicas (biases, metrics).
+        self.has_moe = bool(moe_layers(model))
+        self.moe_metrics: dict[str, Any] = {}
+        set_aux_loss_scale(model, 1 / layout.microbatches)
         if self.stages:
             schedule = make_schedule(layout.pp_schedule, layout.pp, layout.microbatches, layout.virtual)
             shards = layout.tp if layout.sp else 1  # sequence parallelism: stages exchange [b, s/tp, h]
@@ -105,12 +112,18 @@ class StepRunner:
     def step(self, lr: float) -> None:
         self.optimizer.step(lr)
         self.engine.after_optimizer_step()
+        if self.has_moe:
+            self.moe_metrics = finish_step(self.model, self._sum_over_replicas)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Checkpoint tensors: the model's (keyed by name, tp shard and ZeRO range) and the optimizer's;
         loading in place into them and calling `after_load` restores the run."""
-        return {"model": self.engine.model_state(), "optim": self.optimizer.named_state()}
+        out = {"model": self.engine.model_state(), "optim": self.optimizer.named_state()}
+        if self.has_moe:  # the aux-free selection biases: state, though not parameters
+            out["moe_bias"] = {f"{n}.router.expert_bias": m.router.expert_bias
+                               for n, m in moe_layers(self.model).items()}
+        return out
 
     def after_load(self) -> None:
         self.optimizer.load_named_state()
@@ -119,11 +132,18 @@ class StepRunner:
         """This rank's model-state memory: parameters, gradients, optimizer state, fp32 masters."""
         return self.engine.memory(self.optimizer)
 
+    def _sum_over_replicas(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(self.device)
+        self.comm.all_reduce(t, self.engine.reduce_dim)  # the dense gradients' replicas
+        return t.cpu()
+
     def step_stats(self) -> dict[str, Any]:
-        """Per-step figures of the pipeline (a collective over pp): measured bubble, peak in flight."""
+        """Per-step figures: of the pipeline (a collective over pp: measured bubble, peak in flight), and
+        per MoE layer of this rank's stages (`moe`: expert loads, imbalance, drops, balancing losses)."""
+        out: dict[str, Any] = {"moe": self.moe_metrics} if self.moe_metrics else {}
         if self.last_pipeline is None:
-            return {}
-        return {"bubble": measured_bubble(self.last_pipeline, self.comm),
+            return out
+        return {**out, "bubble": measured_bubble(self.last_pipeline, self.comm),
                 "pp_peak_in_flight": self.last_pipeline.peak_in_flight}
 
     # ------------------------------------------------------------------ whole tensors (tests, exports)
@@ -131,7 +151,8 @@ class StepRunner:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """This pipeline rank's parameters at their full shape, by name (collective over dp and tp)."""
         local = self.engine.full_parameters()
-        return {n: gather_full_tensor(t, self.placements[n].tp, self.comm) for n, t in local.items()}
+        return {n: gather_experts(gather_full_tensor(t, self.placements[n].tp, self.comm),
+                                  self.placements[n].expert, self.comm) for n, t in local.items()}
 
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor]:
@@ -153,7 +174,8 @@ class StepRunner:
         out = {}
         for p, f in flat.items():
             pl = engine.place[p]
-            if pl.zero is not None:
-                self.comm.all_reduce(f, engine.reduce_dim)  # pieces are disjoint: the sum assembles it
-            out[pl.name] = gather_full_tensor(f.view(pl.local_shape), pl.tp, self.comm)
+            if pl.zero is not None:  # pieces are disjoint over the parameter's group: the sum assembles it
+                self.comm.all_reduce(f, "_".join(pl.grad_dims))
+            out[pl.name] = gather_experts(gather_full_tensor(f.view(pl.local_shape), pl.tp, self.comm),
+                                          pl.expert, self.comm)
         return out

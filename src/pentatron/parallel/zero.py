@@ -31,6 +31,7 @@ clear message.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -101,10 +102,11 @@ class ZeroDataParallel(_ShardedBase):
     """ZeRO-1 (stage=1) and ZeRO-2 (stage=2): replicated parameters, sharded optimizer (and grads)."""
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, policy: PrecisionPolicy,
-                 bucket_mb: float, stage: int, placements: dict[str, Placement] | None = None) -> None:
+                 bucket_mb: float, stage: int, placements: dict[str, Placement] | None = None,
+                 only: Collection[str] | None = None) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements ZeRO-1 and ZeRO-2, got stage {stage}")
-        super().__init__(model, ctx, policy, bucket_mb, placements)
+        super().__init__(model, ctx, policy, bucket_mb, placements, only)
         self.stage = stage
         self.layout = FlatLayout.by_size(list(reversed(self.params)), self.bucket_numel, shards=self.dp,
                                          isolate=self.isolated)
@@ -185,16 +187,16 @@ class ZeroDataParallel(_ShardedBase):
             for w in self._works:
                 w.wait()
             self._works.clear()
-            if self.dp > 1:
+            if self.grad_divisor > 1:
                 for g in self.owned_grads():
-                    g.div_(self.dp)
+                    g.div_(self.grad_divisor)
         else:
             for b in self.layout.buckets:  # partially filled (a parameter without gradient)
                 if self._remaining[b.index] != len(b.params):
                     self._reduce_transient(b)
             self._drain(0)
-            if self.dp > 1:
-                self.grad_shard.div_(self.dp)
+            if self.grad_divisor > 1:
+                self.grad_shard.div_(self.grad_divisor)
         self._reset_counts(self.layout)
 
     def owned_grads(self) -> list[torch.Tensor]:
@@ -234,10 +236,11 @@ class _Unit:
         self.grads_pending = False  # gradients accumulated in its bucket, not yet reduce-scattered
 
 
-def zero3_units(model: nn.Module) -> list[tuple[list[nn.Module], list[nn.Parameter]]]:
+def zero3_units(model: nn.Module, keep: set[nn.Parameter] | None = None
+                ) -> list[tuple[list[nn.Module], list[nn.Parameter]]]:
     """(modules, parameters) per ZeRO-3 unit, in forward order: each of `model.layers`, then every
     other top-level child with parameters. A child whose parameters already belong to a unit (a tied
-    LM head) joins that unit."""
+    LM head) joins that unit. `keep`: only these parameters (an engine of one gradient group)."""
     units: list[tuple[list[nn.Module], list[nn.Parameter]]] = []
     owner: dict[nn.Parameter, int] = {}
     if any(True for _ in model.named_parameters(recurse=False)):
@@ -248,7 +251,7 @@ def zero3_units(model: nn.Module) -> list[tuple[list[nn.Module], list[nn.Paramet
         else:
             blocks = [child]
         for m in blocks:
-            params = [p for p in m.parameters() if p.requires_grad]
+            params = [p for p in m.parameters() if p.requires_grad and (keep is None or p in keep)]
             if not params:
                 continue
             shared = {owner[p] for p in params if p in owner}
@@ -281,11 +284,12 @@ class FullyShardedDataParallel(_ShardedBase):
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, policy: PrecisionPolicy,
                  bucket_mb: float, placements: dict[str, Placement] | None = None,
-                 chunks: list[nn.Module] | None = None, gather: str = "micro_batch") -> None:
-        super().__init__(model, ctx, policy, bucket_mb, placements)
+                 chunks: list[nn.Module] | None = None, gather: str = "micro_batch",
+                 only: Collection[str] | None = None) -> None:
+        super().__init__(model, ctx, policy, bucket_mb, placements, only)
         if gather not in ("micro_batch", "step"):
             raise ValueError(f"gather must be 'micro_batch' or 'step', got {gather!r}")
-        spec = zero3_units(model)
+        spec = zero3_units(model, set(self.params))
         self.layout = FlatLayout([params for _, params in spec], shards=self.dp)
         chunk_of = {id(m): c for c, ch in enumerate(chunks or [model]) for m in ch.modules()}
         self.units = [_Unit(b, mods, chunk_of[id(mods[0])]) for b, (mods, _) in zip(self.layout.buckets, spec)]
@@ -464,8 +468,8 @@ class FullyShardedDataParallel(_ShardedBase):
             u.backwards_due = 0
             u.forward_pending = set()
         self._drain(0)
-        if self.dp > 1:
-            self.grad_shard.div_(self.dp)
+        if self.grad_divisor > 1:
+            self.grad_shard.div_(self.grad_divisor)
         self._reset_counts(self.layout)
 
     def owned_grads(self) -> list[torch.Tensor]:

@@ -63,11 +63,15 @@ class MoESpec:
 
 
 def moe_of(cfg: ModelConfig, moe: MoESpec | None = None) -> MoESpec | None:
-    """The MoE spec to use: the explicit one, else one carried by the config (future field `moe`)."""
+    """The MoE spec to use: the explicit one, else the model config's `moe` (shared experts are one
+    SwiGLU of n_shared·expert_ffn_size, counted as n_shared experts of the routed width)."""
     if moe is not None:
         return moe
-    m = getattr(cfg, "moe", None)
-    return m if isinstance(m, MoESpec) else None
+    m = cfg.moe
+    if m is None:
+        return None
+    return MoESpec(num_experts=m.n_experts, top_k=m.top_k, expert_ffn_hidden_size=m.expert_ffn_size,
+                   n_shared_experts=m.n_shared_experts, first_dense_layers=m.first_dense_layers)
 
 
 def _mlp_mats(cfg: ModelConfig) -> int:

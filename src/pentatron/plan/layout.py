@@ -204,8 +204,12 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
     if lay.pp_outputs != "kept":
         out.append("training's pipeline engine keeps each in-flight stage output (pp_outputs='freed' is not "
                    "available)")
-    if w.moe_spec is not None:
-        out.append("mixture-of-experts models are not available in training yet")
+    if w.moe_spec is not None and w.cfg.moe is None:
+        out.append("an MoE shape given by --experts/--top-k is no model config training can build (use an MoE "
+                   "registry model, or set the [moe] fields of the training config)")
+    elif w.moe_spec is not None and lay.tp > 1:
+        out.append(f"tp={lay.tp}: training replicates the MoE layers over tp (the planner's memory and compute "
+                   "assume tp-sharded experts), so it does not recommend tp > 1 for an MoE model")
     return out
 
 
