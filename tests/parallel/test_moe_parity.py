@@ -33,9 +33,10 @@ CASES: dict[int, dict[str, list[str]]] = {
         "pp2 aux-loss": ["parallel.pp=2"],
         "ep2 zero0 aux-loss": ["parallel.dp=2", "parallel.ep=2"],
         "ep2 zero2 aux-free": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=2", "model.name='debug-moe-auxfree'"],
-        # cp: each rank routes its half of every sequence; the aux loss of a half is not the half of the
-        # whole sequence's, so cp is compared with the aux-free balancing (exact) only
+        # cp: each rank routes its half of every sequence; the balancing loss counts assignments over the
+        # whole sequences (summed over cp), so it equals the single-process loss
         "cp2×ep2 aux-free": ["parallel.dp=1", "parallel.cp=2", "parallel.ep=2", "model.name='debug-moe-auxfree'"],
+        "cp2 aux-loss": ["parallel.dp=1", "parallel.cp=2"],
     },
     4: {
         "ep4 zero1 aux-loss": ["parallel.dp=4", "parallel.ep=4", "parallel.zero=1"],

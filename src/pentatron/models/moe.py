@@ -70,6 +70,9 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(moe.n_experts, hidden))
         # Selection bias (aux-loss-free balancing): updated from observed loads, never by gradient.
         self.register_buffer("expert_bias", torch.zeros(moe.n_experts, dtype=torch.float32), persistent=False)
+        # Context parallelism: each rank routes a slice of every sequence; the balancing loss must see the
+        # whole sequences' assignment counts (the hook sums them over the cp ranks). None: the tokens here.
+        self.count_sequences: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> Routing:
         m = self.moe
@@ -85,7 +88,13 @@ class Router(nn.Module):
         aux = z = 0.0
         if m.aux_loss_coef > 0:
             probs = scores if m.score == "softmax" else scores / scores.sum(-1, keepdim=True)
-            aux_t = balancing_loss(probs, counts, m.top_k)
+            if self.count_sequences is None:
+                aux_t = balancing_loss(probs, counts, m.top_k)
+            else:
+                # E/k · Σᵢ fᵢ·mean_here(Pᵢ), fᵢ from the whole sequences: the cp ranks' terms average (as
+                # their gradients do) to the whole sequences' loss, since they hold equal token counts.
+                whole = self.count_sequences(counts.to(probs.dtype))
+                aux_t = balancing_loss(probs, whole, m.top_k, tokens=float(whole.sum()) / m.top_k)
             loss = loss + m.aux_loss_coef * aux_t
             aux = float(aux_t.detach())
         if m.z_loss_coef > 0:
@@ -95,10 +104,12 @@ class Router(nn.Module):
         return Routing(experts, weights, counts, loss, aux, z)
 
 
-def balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Switch/GShard: E/k · Σᵢ (countsᵢ/T)·mean(probsᵢ); probs [T, E] (rows sum to 1), counts [E]."""
-    tokens, n_experts = probs.shape
-    return n_experts / top_k * (counts.to(probs.dtype) / tokens * probs.mean(0)).sum()
+def balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int, tokens: float | None = None
+                   ) -> torch.Tensor:
+    """Switch/GShard: E/k · Σᵢ (countsᵢ/T)·mean(probsᵢ); probs [T, E] (rows sum to 1), counts [E] over
+    `tokens` tokens (default: the T rows of probs)."""
+    rows, n_experts = probs.shape
+    return n_experts / top_k * (counts.to(probs.dtype) / (tokens or rows) * probs.mean(0)).sum()
 
 
 def bias_update(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:

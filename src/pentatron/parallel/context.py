@@ -28,6 +28,7 @@ from torch import nn
 from pentatron.distributed.comm import Comm
 from pentatron.distributed.functional import heads_to_seq, seq_to_heads
 from pentatron.layout import ParallelLayout
+from pentatron.models.moe import moe_layers
 from pentatron.parallel.attention_kernels import BlockKernel, block_kernel
 from pentatron.parallel.ring_attention import AttentionCount, ring_attention
 
@@ -89,9 +90,18 @@ class ContextParallelAttention(nn.Module):
 
 
 def apply_context_parallel(model: nn.Module, comm: Comm, layout: ParallelLayout, kernel: str = "fused") -> None:
-    """Replace every decoder block's attention core (a pipeline rank's stages keep their layers in a dict)."""
+    """Replace every decoder block's attention core (a pipeline rank's stages keep their layers in a dict),
+    and let MoE routers count their balancing loss's assignments over whole sequences."""
     if layout.cp == 1:
         return
     blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     for block in blocks:
         block.attn.core = ContextParallelAttention(comm, layout, block_kernel(kernel))
+    for layer in moe_layers(model).values():
+        layer.router.count_sequences = lambda counts: _sum_over_cp(counts, comm)
+
+
+def _sum_over_cp(t: torch.Tensor, comm: Comm) -> torch.Tensor:
+    out = t.detach().clone()
+    comm.all_reduce(out, "cp")
+    return out
