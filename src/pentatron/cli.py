@@ -22,6 +22,8 @@ def _add_train_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="local processes to launch through torchrun (default 1; not needed under an "
                         "outer torchrun/srun)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--force-new", action="store_true",
+                   help="start a new run in a checkpoint.dir that holds another run's checkpoints (kept)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense TFLOP/s per device for MFU (default: hardware table / measured)")
     multi = p.add_argument_group("several machines (run the same command on each, with its --node-rank)")
@@ -41,6 +43,8 @@ def run_train(args: argparse.Namespace) -> int:
     from pentatron.runner import launch, stop_all_ranks, train_in_this_process
 
     overrides = list(args.overrides) + list(args.dotted)
+    if args.force_new:
+        overrides += ["checkpoint.resume=false", "checkpoint.force_new=true"]
     if args.peak_tflops is not None:
         overrides.append(f"train.peak_tflops={args.peak_tflops}")
     outer = launched_world_size()

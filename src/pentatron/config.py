@@ -105,6 +105,7 @@ class CheckpointConfig:
     every: int = 0  # steps between saves; 0: only at the end (when dir is set)
     keep: int = 2
     resume: bool = True  # continue from the newest checkpoint in dir if there is one
+    force_new: bool = False  # with resume=false: start a new run beside a directory's existing checkpoints
 
 
 @dataclass
@@ -328,6 +329,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"checkpoint.every must be ≥ 0, got {cfg.checkpoint.every}")
     if cfg.checkpoint.keep < 1:
         p.append(f"checkpoint.keep must be ≥ 1, got {cfg.checkpoint.keep}")
+    if cfg.checkpoint.force_new and cfg.checkpoint.resume:
+        p.append("checkpoint.force_new=true starts a new run: set checkpoint.resume=false too (--force-new sets both)")
     if cfg.log.every < 1:
         p.append(f"log.every must be ≥ 1, got {cfg.log.every}")
     if cfg.log.numerics_every < 0:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pentatron.checkpoint.lineage import fresh_run_problem
 from pentatron.config import Config, resolved_dp
 from pentatron.data.errors import DataError
 
@@ -84,8 +85,11 @@ def checkpoint_problems(cfg: Config, world_size: int) -> list[str]:
     root = Path(ck.dir)
     if root.exists() and not root.is_dir():
         return [f"checkpoint.dir {ck.dir!r} is a file, not a directory"]
+    if not ck.resume:
+        found = None if ck.force_new else fresh_run_problem(root)
+        return [found] if found else []
     pointer = root / "latest"
-    if not ck.resume or not pointer.is_file():
+    if not pointer.is_file():
         return []
     target = root / pointer.read_text().strip()
     meta_path = target / "meta.json"

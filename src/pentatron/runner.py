@@ -13,8 +13,12 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pentatron.config import Config
+
+if TYPE_CHECKING:
+    from pentatron.checkpoint.lock import CheckpointDirLock
 
 
 def launch(cfg: Config, argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0,
@@ -27,6 +31,10 @@ def launch(cfg: Config, argv: list[str], nproc: int, nnodes: int = 1, node_rank:
     from pentatron.preflight import preflight_problems
 
     problems = preflight_problems(cfg, world_size=nproc * nnodes, build_default_data=True)
+    if cfg.checkpoint.dir and node_rank == 0:
+        from pentatron.checkpoint.lock import probe
+
+        problems += [p for p in [probe(Path(cfg.checkpoint.dir))] if p]
     if problems:
         return problems_error(problems)
     refresh_cpu_peak(cfg)
@@ -70,6 +78,7 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
         # Without a complete environment the ranks cannot meet to agree: each says it (once per host).
         return problems_error(environment_problems()) if local_rank == 0 else 2
     problems = preflight_problems(cfg, world_size=world, build_default_data=rank == 0)
+    lock = hold_checkpoint_lock(cfg, problems) if rank == 0 and not problems else None
 
     def leader() -> dict[str, str]:
         return {"run_dir": run_dir or str(resolve_run_dir(cfg).path)}
@@ -85,6 +94,8 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
             refresh_cpu_peak(cfg)
         verdict = {"problems": problems, **({} if problems else leader())}
     if verdict["problems"]:
+        if lock is not None:
+            lock.release()
         return 2 if world > 1 else problems_error(verdict["problems"])
     chosen = RunDir(Path(verdict["run_dir"]), resumed=False)
     cfg.log.dir = str(chosen.path)
@@ -113,7 +124,28 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
         return 1
     finally:
         shutdown_distributed(finished)
+        if lock is not None:
+            lock.release()
     return 0
+
+
+def hold_checkpoint_lock(cfg: Config, problems: list[str]) -> CheckpointDirLock | None:
+    """Rank 0 locks checkpoint.dir for the job's lifetime (the kernel frees it if the process dies); a
+    directory held by another job becomes a preflight problem, reported like the others."""
+    from pentatron.checkpoint.lock import CheckpointDirLock, CheckpointDirLocked
+
+    if not cfg.checkpoint.dir:
+        return None
+    lock = CheckpointDirLock(Path(cfg.checkpoint.dir))
+    try:
+        lock.acquire()
+    except CheckpointDirLocked as e:
+        problems.append(str(e))
+        return None
+    except OSError as e:
+        problems.append(f"checkpoint.dir {cfg.checkpoint.dir!r} cannot be locked ({e.strerror}); check its permissions")
+        return None
+    return lock
 
 
 def stop_all_ranks(problems: list[str]) -> int:

@@ -4,6 +4,8 @@ Layout: `<dir>/step_00000100/` (DCP files + meta.json) and `<dir>/latest` naming
 A checkpoint is written into `step_XXXXXXXX.tmp/` and renamed only after every rank has finished, and
 `latest` is replaced atomically afterwards: a crash at any moment leaves the previous good checkpoint
 intact and pointed to. Tensors are keyed by parameter name, so later layouts can re-shard them.
+Retention is per run lineage (`lineage.py`): the store's `run_id` is written into every meta.json and
+only that lineage's older checkpoints are pruned, never the one `latest` names.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+from pentatron.checkpoint.lineage import continued_run_id, new_run_id, prune, remove_stale_partials
 
 
 def _rank() -> int:
@@ -36,12 +40,25 @@ def _dcp_mode() -> Iterator[bool]:
 
 
 class CheckpointStore:
-    """`barrier` waits for every rank (the trainer passes the comm layer's; a 1-process run needs none)."""
+    """`barrier` waits for every rank (the trainer passes the comm layer's; a 1-process run needs none).
+    `run_id`/`parent`: the lineage this store's saves belong to (a new one unless the trainer continues
+    a resumed lineage)."""
 
     def __init__(self, root: Path, keep: int = 2, barrier: Callable[[], None] = lambda: None) -> None:
         self.root = root
         self.keep = keep
         self._barrier = barrier
+        self.run_id = new_run_id()
+        self.parent: str | None = None
+
+    def clean_stale(self) -> None:
+        """Rank 0 at start (under the directory's lock): remove partial saves of a job that died."""
+        if _rank() == 0 and self.root.is_dir():
+            remove_stale_partials(self.root)
+
+    def continue_lineage(self, resumed: Path, meta: dict[str, Any]) -> None:
+        """Saves after resuming `resumed` continue its lineage, or branch off it on a rollback."""
+        self.run_id, self.parent = continued_run_id(self.root, resumed, meta)
 
     def _dir(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
@@ -68,13 +85,14 @@ class CheckpointStore:
             dcp.save(state, checkpoint_id=tmp, no_dist=single)
         self._barrier()
         if _rank() == 0:
+            meta = {**meta, "run_id": self.run_id, "parent": self.parent}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             final = self._fresh_name(final)
             os.replace(tmp, final)
             pointer_tmp = self.root / "latest.tmp"
             pointer_tmp.write_text(final.name)
             os.replace(pointer_tmp, self.root / "latest")
-            self._prune()
+            prune(self.root, self.run_id, self.keep)
         self._barrier()
         return final
 
@@ -93,10 +111,5 @@ class CheckpointStore:
         with _dcp_mode() as single:
             dcp.load(state, checkpoint_id=path, no_dist=single)
         return json.loads((path / "meta.json").read_text())
-
-    def _prune(self) -> None:
-        done = sorted(p for p in self.root.glob("step_*") if p.is_dir() and p.suffix != ".tmp")
-        for old in done[: max(len(done) - self.keep, 0)]:
-            shutil.rmtree(old, ignore_errors=True)
 
 

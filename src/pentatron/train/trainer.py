@@ -83,8 +83,10 @@ class Trainer:
         self.step = 0
         self.store = CheckpointStore(Path(cfg.checkpoint.dir), keep=cfg.checkpoint.keep, barrier=self.comm.barrier) \
             if cfg.checkpoint.dir else None
-        if self.store is not None and cfg.checkpoint.resume:
-            self._resume()
+        if self.store is not None:
+            self.store.clean_stale()
+            if cfg.checkpoint.resume:
+                self._resume()
 
         self.tokens_per_step = tr.global_batch * tr.seq_len
         self.flops_per_token = model_flops_per_token(self.model_cfg, tr.seq_len)
@@ -205,6 +207,7 @@ class Trainer:
         state = self.state_dict()
         meta = self.store.load(latest, state)
         self.runner.after_load()
+        self.store.continue_lineage(latest, meta)
         self.step = meta["step"]
         self.loader.load_state_dict(meta["loader"])
         if self.rank == 0:
