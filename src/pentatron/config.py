@@ -90,6 +90,7 @@ class TrainConfig:
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     peak_tflops: float | None = None  # per device, for MFU; default from the hardware table
+    nonfinite: Literal["skip", "stop"] = "stop"  # a NaN/inf loss or grad norm: skip the update, or stop (exit 3)
 
 
 @dataclass

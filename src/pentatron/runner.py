@@ -2,8 +2,8 @@
 agreed with the others, the run, its summary and a clean exit (`train_in_this_process`), and the
 all-ranks stop on a user error (`stop_all_ranks`). docs/running.md walks through it.
 
-Exit codes: 0 done; 2 a user-fixable problem (reported once, no traceback); 1 any other failure, with
-a message naming the rank.
+Exit codes: 0 done; 2 a user-fixable problem (reported once, no traceback); 3 stopped on a non-finite
+loss, gradient norm or state (train.nonfinite='stop'); 1 any other failure, with a message naming the rank.
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
     from pentatron.observe.rundir import RunDir, record_run, resolve_run_dir
     from pentatron.observe.summary import finish_run
     from pentatron.preflight import environment_problems, preflight_problems
+    from pentatron.train.nonfinite import EXIT_CODE as NONFINITE_EXIT
+    from pentatron.train.nonfinite import NonFiniteStop
     from pentatron.train.trainer import Trainer
 
     started = time.time()
@@ -115,6 +117,10 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
         finished = True
     except DataError as e:
         return input_error(f"rank {rank}: {e}")
+    except NonFiniteStop as e:
+        if rank == 0:  # every rank stops on the same (all-reduced) numbers: say it once
+            print(f"pentatron: stopped: {e}", file=sys.stderr)
+        return NONFINITE_EXIT
     except KeyboardInterrupt:
         print(f"pentatron: rank {rank} interrupted", file=sys.stderr)
         return 130

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from pentatron.parallel.pipeline.trace import write_rank_trace
 from pentatron.plan.flops import model_flops_per_token
 from pentatron.precision import resolve_precision
 from pentatron.train.lr_schedule import lr_at
+from pentatron.train.nonfinite import NonFiniteGuard, NonFiniteStop, local_nonfinite_count
 
 
 def resolve_dataset(cfg: Config, vocab_size: int) -> Path:
@@ -81,6 +81,7 @@ class Trainer:
                                   global_batch=tr.global_batch, dp_rank=self.dp_rank, dp_size=self.dp,
                                   seed=tr.seed)
         self.step = 0
+        self.guard = NonFiniteGuard(tr.nonfinite)
         self.store = CheckpointStore(Path(cfg.checkpoint.dir), keep=cfg.checkpoint.keep, barrier=self.comm.barrier) \
             if cfg.checkpoint.dir else None
         if self.store is not None:
@@ -101,14 +102,18 @@ class Trainer:
         self.observer.after_backward()
         norm = self.runner.clip_grads(self.cfg.train.clip)
         lr = lr_at(self.step, self.cfg.train)
-        self.runner.step(lr)
+        # Loss and norm are the same on every rank: every rank takes the same decision.
+        problem = self.guard.check(self.step + 1, float(loss), float(norm))
+        if problem is None:
+            self.runner.step(lr)
         self.observer.after_optimizer()
         self.step += 1
         extra = self.runner.step_stats()
         self._write_pp_trace()
         self.last_comm = comm = self.comm.ledger.end_step()
         return {"step": self.step, "loss": float(loss), "grad_norm": float(norm), "lr": lr,
-                "comm_bytes": comm.bytes_map(), "comm_calls": comm.calls_map(), **extra}
+                "comm_bytes": comm.bytes_map(), "comm_calls": comm.calls_map(), **extra,
+                "skipped_steps": self.guard.skipped, **({"nonfinite": problem} if problem else {})}
 
     def _write_pp_trace(self) -> None:
         """log.pp_trace: one Chrome trace file per pipeline rank (from dp/tp rank 0) for each logged step;
@@ -167,8 +172,8 @@ class Trainer:
                         print(f"pentatron: communication per rank, step {self.step} {COMM_LEGEND}:\n{table}",
                               flush=True)
                         last_table = table
-                if not math.isfinite(record["loss"]):  # after logging: the record shows where it broke
-                    raise FloatingPointError(f"loss became {record['loss']} at step {self.step}")
+                if "nonfinite" in record and self.guard.action == "stop":  # after logging: the record shows it
+                    raise NonFiniteStop(self.guard.stop_message(record["nonfinite"]))
                 if self.store is not None and self._checkpoint_due():
                     self.save_checkpoint()
         finally:
@@ -190,9 +195,19 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         assert self.store is not None
+        self._check_finite_state()
         meta = {"step": self.step, "loader": self.loader.state_dict(), "model": self.model_cfg.to_dict(),
                 "layout": self.layout_meta(), "parallel_layout": dataclasses.asdict(self.runner.layout)}
         return self.store.save(self.step, self.state_dict(), meta)
+
+    def _check_finite_state(self) -> None:
+        """Never save a non-finite state: every rank counts its non-finite tensors, summed over the world."""
+        tensors = [t for part in self.state_dict().values() for t in part.values()]
+        bad = torch.tensor([float(local_nonfinite_count(tensors))], device=self.device)
+        self.comm.all_reduce(bad, "world")
+        if bad.item():
+            raise NonFiniteStop(f"the state at step {self.step} holds {int(bad.item())} non-finite tensor(s); "
+                                "it was not saved and the last checkpoint is the last clean state")
 
     def layout_meta(self) -> dict[str, Any]:
         return layout_record(self.runner.layout, self.engine.layout_meta(), self.cfg.parallel.bucket_mb)
