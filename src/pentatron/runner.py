@@ -58,6 +58,7 @@ def refresh_cpu_peak(cfg: Config) -> None:
 def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_done: bool = False) -> int:
     """One rank (or the only process): checks agreed with the other ranks, then the run. `run_dir` and
     `preflight_done` come from `launch` (node 0's choice; the launcher measured the CPU peak)."""
+    from pentatron.checkpoint.errors import CheckpointError
     from pentatron.data.errors import DataError
     from pentatron.distributed.launch import (
         agree_on_preflight,
@@ -115,6 +116,8 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
         records = trainer.fit()
         finish_run(trainer, records, wall_s=time.time() - started)
         finished = True
+    except CheckpointError as e:  # every rank raises it; rank 0's names the file
+        return input_error(str(e)) if rank == 0 else 2
     except DataError as e:
         return input_error(f"rank {rank}: {e}")
     except NonFiniteStop as e:

@@ -21,7 +21,10 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from pentatron.checkpoint import manifest
+from pentatron.checkpoint.errors import CheckpointError
 from pentatron.checkpoint.lineage import continued_run_id, new_run_id, prune, remove_stale_partials
 
 
@@ -85,8 +88,9 @@ class CheckpointStore:
             dcp.save(state, checkpoint_id=tmp, no_dist=single)
         self._barrier()
         if _rank() == 0:
-            meta = {**meta, "run_id": self.run_id, "parent": self.parent}
+            meta = {**meta, "run_id": self.run_id, "parent": self.parent, "manifest": True}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            manifest.write(tmp)  # last: a published checkpoint always has one
             final = self._fresh_name(final)
             os.replace(tmp, final)
             pointer_tmp = self.root / "latest.tmp"
@@ -109,7 +113,23 @@ class CheckpointStore:
     def load(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
         """Load tensors in place into `state` (same keys as saved); return the saved metadata."""
         with _dcp_mode() as single:
-            dcp.load(state, checkpoint_id=path, no_dist=single)
-        return json.loads((path / "meta.json").read_text())
+            try:
+                dcp.load(state, checkpoint_id=path, no_dist=single)
+            except (CheckpointException, OSError, RuntimeError, ValueError) as e:
+                raise CheckpointError(f"{path}: cannot be loaded ({_first_failure(e)})") from None
+        try:
+            return json.loads((path / "meta.json").read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{path / 'meta.json'}: unreadable ({type(e).__name__}: {e})") from None
 
 
+
+
+def _first_failure(e: BaseException) -> str:
+    """One line for a DCP failure: the first failing rank's exception (DCP's own message is a multi-rank
+    traceback, and its CheckpointException is a BaseException that bypasses `except Exception`)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        rank, (inner, _) = sorted(e.failures.items())[0]
+        text = f"{type(inner).__name__}: {inner}".splitlines()[0]
+        return f"rank {rank}: {text}"
+    return f"{type(e).__name__}: {e}".splitlines()[0]

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from pentatron.checkpoint.layout import check_resumable, layout_record
+from pentatron.checkpoint.resume import resume_target
 from pentatron.checkpoint.store import CheckpointStore
 from pentatron.config import Config, resolved_dp
 from pentatron.data.loader import TokenDataset, TokenLoader
@@ -214,7 +215,8 @@ class Trainer:
 
     def _resume(self) -> None:
         assert self.store is not None
-        latest = self.store.latest()
+        latest = resume_target(self.store.root, self.model_cfg.to_dict(), self.cfg.checkpoint.fallback, self.comm,
+                               self.rank, self.device)
         if latest is None:
             return
         saved = json.loads((latest / "meta.json").read_text()).get("layout", {"zero": 0})
