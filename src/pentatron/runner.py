@@ -67,6 +67,7 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
         rendezvous,
         shutdown_distributed,
     )
+    from pentatron.distributed.lifeline import die_with_parent
     from pentatron.observe.rundir import RunDir, record_run, resolve_run_dir
     from pentatron.observe.summary import finish_run
     from pentatron.preflight import environment_problems, preflight_problems
@@ -74,6 +75,7 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
     from pentatron.train.nonfinite import NonFiniteStop
     from pentatron.train.trainer import Trainer
 
+    die_with_parent()  # no rank outlives the launcher (or torchrun) that started it
     started = time.time()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
