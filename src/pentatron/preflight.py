@@ -113,6 +113,8 @@ def checkpoint_problems(cfg: Config, world_size: int) -> list[str]:
     layout = [("tp", par.tp), ("pp", par.pp), ("zero", par.zero)]
     if saved.get("zero", 0) > 0:  # ZeRO shards are cut by dp (replicated state is not)
         layout.append(("dp", resolved_dp(cfg, world_size)))
+    if (target / "pieces").is_dir():
+        layout = []  # saved with its pieces described: any layout can re-shard it (checkpoint/reshard.py)
     for key, mine in layout:
         if key in saved and saved[key] != mine:
             problems.append(f"checkpoint {target} was written with parallel.{key}={saved[key]}, this run has "

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from pentatron.checkpoint import manifest
 from pentatron.checkpoint.errors import CheckpointError
 from pentatron.checkpoint.lineage import continued_run_id, new_run_id, prune, remove_stale_partials
+from pentatron.checkpoint.reshard import write_pieces
 
 
 def _rank() -> int:
@@ -76,9 +77,11 @@ class CheckpointStore:
                                "remove the pointer to start fresh")
         return path
 
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
-        """Write `state` (DCP, every rank its part) and `meta`, then publish it; returns the directory
-        as named on rank 0, which alone renames and prunes."""
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any],
+             pieces: dict[str, Any] | None = None) -> Path:
+        """Write `state` (DCP, every rank its part), each rank's `pieces` (where its tensors sit in the full
+        ones, for re-sharding: `reshard.py`) and `meta`, then publish it; returns the directory as named on
+        rank 0, which alone renames and prunes."""
         final, tmp = self._dir(step), self._dir(step).with_suffix(".tmp")
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -86,6 +89,8 @@ class CheckpointStore:
         self._barrier()
         with _dcp_mode() as single:
             dcp.save(state, checkpoint_id=tmp, no_dist=single)
+        if pieces is not None:
+            write_pieces(tmp, _rank(), pieces)
         self._barrier()
         if _rank() == 0:
             meta = {**meta, "run_id": self.run_id, "parent": self.parent, "manifest": True}
@@ -117,6 +122,10 @@ class CheckpointStore:
                 dcp.load(state, checkpoint_id=path, no_dist=single)
             except (CheckpointException, OSError, RuntimeError, ValueError) as e:
                 raise CheckpointError(f"{path}: cannot be loaded ({_first_failure(e)})") from None
+        return self.meta(path)
+
+    @staticmethod
+    def meta(path: Path) -> dict[str, Any]:
         try:
             return json.loads((path / "meta.json").read_text())
         except (OSError, ValueError) as e:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pentatron.checkpoint.layout import check_resumable, layout_record
+from pentatron.checkpoint.layout import check_resumable, layout_differences, layout_record
+from pentatron.checkpoint.reshard import describe_state, has_pieces, load_resharded
 from pentatron.checkpoint.resume import resume_target
 from pentatron.checkpoint.store import CheckpointStore
 from pentatron.config import Config, resolved_dp
@@ -199,7 +199,8 @@ class Trainer:
         self._check_finite_state()
         meta = {"step": self.step, "loader": self.loader.state_dict(), "model": self.model_cfg.to_dict(),
                 "layout": self.layout_meta(), "parallel_layout": dataclasses.asdict(self.runner.layout)}
-        return self.store.save(self.step, self.state_dict(), meta)
+        state = self.state_dict()
+        return self.store.save(self.step, state, meta, describe_state(state, list(self.engine.place.values())))
 
     def _check_finite_state(self) -> None:
         """Never save a non-finite state: every rank counts its non-finite tensors, summed over the world."""
@@ -219,10 +220,16 @@ class Trainer:
                                self.rank, self.device)
         if latest is None:
             return
-        saved = json.loads((latest / "meta.json").read_text()).get("layout", {"zero": 0})
-        check_resumable(latest, saved, self.layout_meta())
+        saved = self.store.meta(latest).get("layout", {"zero": 0})
         state = self.state_dict()
-        meta = self.store.load(latest, state)
+        if layout_differences(saved, self.layout_meta()) and has_pieces(latest):
+            load_resharded(latest, state, list(self.engine.place.values()))  # another layout: re-shard
+            meta = self.store.meta(latest)
+            if self.rank == 0:
+                print(f"pentatron: re-sharded {latest} from layout {saved} to {self.layout_meta()}", flush=True)
+        else:
+            check_resumable(latest, saved, self.layout_meta())  # the same layout, or an old checkpoint
+            meta = self.store.load(latest, state)
         self.runner.after_load()
         self.store.continue_lineage(latest, meta)
         self.step = meta["step"]
