@@ -1,5 +1,5 @@
-"""`pentatron train | plan | bench | tokenize | convert | schedule | generate | demo | lab | report` — the
-user-facing entry point.
+"""`pentatron train | plan | bench | tokenize | convert | schedule | generate | demo | lab | report |
+checkpoint` — the user-facing entry point.
 
 Exit codes: 0 done; 2 configuration or input error (one message on stderr naming the field, no
 traceback); 1 any other failure, with a message naming the rank.
@@ -79,6 +79,7 @@ def _input_error(message: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pentatron.checkpoint.export import add_checkpoint_parser
     from pentatron.data.tokenize import add_tokenize_parser
     from pentatron.demo import add_demo_parser
     from pentatron.generate import add_generate_parser
@@ -92,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     registrars: list[Callable[[argparse._SubParsersAction], None]] = [
         _add_train_parser, add_plan_parser, add_bench_parser, add_tokenize_parser, add_convert_parser,
-        add_schedule_parser, add_generate_parser, add_demo_parser, add_lab_parser, add_report_parser]
+        add_schedule_parser, add_generate_parser, add_demo_parser, add_lab_parser, add_report_parser,
+        add_checkpoint_parser]
     for register in registrars:
         register(sub)
     return parser
