@@ -106,6 +106,7 @@ class CheckpointConfig:
     every: int = 0  # steps between saves; 0: only at the end (when dir is set)
     keep: int = 2
     resume: bool = True  # continue from the newest checkpoint in dir if there is one
+    async_save: bool = False  # stage to CPU and write in the background (at most one save in flight)
     fallback: bool = False  # latest damaged: resume from the newest older checkpoint that verifies
     force_new: bool = False  # with resume=false: start a new run beside a directory's existing checkpoints
 

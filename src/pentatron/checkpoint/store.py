@@ -82,27 +82,37 @@ class CheckpointStore:
         """Write `state` (DCP, every rank its part), each rank's `pieces` (where its tensors sit in the full
         ones, for re-sharding: `reshard.py`) and `meta`, then publish it; returns the directory as named on
         rank 0, which alone renames and prunes."""
-        final, tmp = self._dir(step), self._dir(step).with_suffix(".tmp")
+        tmp = self.prepare(step, pieces)
+        with _dcp_mode() as single:
+            dcp.save(state, checkpoint_id=tmp, no_dist=single)
+        self._barrier()
+        final = self.publish(step, tmp, meta) if _rank() == 0 else self._dir(step)
+        self._barrier()
+        return final
+
+    def prepare(self, step: int, pieces: dict[str, Any] | None) -> Path:
+        """Every rank: the empty `.tmp` directory of a save (rank 0 creates it), with this rank's pieces."""
+        tmp = self._dir(step).with_suffix(".tmp")
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self._barrier()
-        with _dcp_mode() as single:
-            dcp.save(state, checkpoint_id=tmp, no_dist=single)
         if pieces is not None:
             write_pieces(tmp, _rank(), pieces)
-        self._barrier()
-        if _rank() == 0:
-            meta = {**meta, "run_id": self.run_id, "parent": self.parent, "manifest": True}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            manifest.write(tmp)  # last: a published checkpoint always has one
-            final = self._fresh_name(final)
-            os.replace(tmp, final)
-            pointer_tmp = self.root / "latest.tmp"
-            pointer_tmp.write_text(final.name)
-            os.replace(pointer_tmp, self.root / "latest")
-            prune(self.root, self.run_id, self.keep)
-        self._barrier()
+        return tmp
+
+    def publish(self, step: int, tmp: Path, meta: dict[str, Any]) -> Path:
+        """Rank 0, once every rank's files are in `tmp`: meta.json, the manifest (last), the rename, `latest`,
+        retention."""
+        meta = {**meta, "run_id": self.run_id, "parent": self.parent, "manifest": True}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        manifest.write(tmp)  # last: a published checkpoint always has one
+        final = self._fresh_name(self._dir(step))
+        os.replace(tmp, final)
+        pointer_tmp = self.root / "latest.tmp"
+        pointer_tmp.write_text(final.name)
+        os.replace(pointer_tmp, self.root / "latest")
+        prune(self.root, self.run_id, self.keep)
         return final
 
     @staticmethod

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pentatron.checkpoint.async_save import AsyncCheckpointer
 from pentatron.checkpoint.layout import check_resumable, layout_differences, layout_record
 from pentatron.checkpoint.reshard import describe_state, has_pieces, load_resharded
 from pentatron.checkpoint.resume import resume_target
@@ -89,6 +90,8 @@ class Trainer:
             self.store.clean_stale()
             if cfg.checkpoint.resume:
                 self._resume()
+        self.async_saver = AsyncCheckpointer(self.store) if self.store and cfg.checkpoint.async_save else None
+        self.save_blocked_s: list[float] = []  # training time each save blocked (staging only when async)
 
         self.tokens_per_step = tr.global_batch * tr.seq_len
         self.flops_per_token = model_flops_per_token(self.model_cfg, tr.seq_len)
@@ -178,6 +181,8 @@ class Trainer:
                 if self.store is not None and self._checkpoint_due():
                     self.save_checkpoint()
         finally:
+            if self.async_saver is not None:
+                self.async_saver.wait()  # the last save in flight is published (or reported) before exit
             if logger is not None:
                 logger.close()
             self.observer.close(records)
@@ -194,13 +199,26 @@ class Trainer:
         local parameter for ZeRO shards (each rank writes its own). Pipeline ranks hold disjoint names."""
         return self.runner.state_dict()
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
+        """Save (every rank); the published directory, or None while an async save is still writing."""
         assert self.store is not None
+        start = time.perf_counter()
         self._check_finite_state()
         meta = {"step": self.step, "loader": self.loader.state_dict(), "model": self.model_cfg.to_dict(),
                 "layout": self.layout_meta(), "parallel_layout": dataclasses.asdict(self.runner.layout)}
         state = self.state_dict()
-        return self.store.save(self.step, state, meta, describe_state(state, list(self.engine.place.values())))
+        pieces = describe_state(state, list(self.engine.place.values()))
+        if self.async_saver is not None:
+            path = None
+            self.async_saver.save(self.step, state, meta, pieces)
+        else:
+            path = self.store.save(self.step, state, meta, pieces)
+        self.save_blocked_s.append(time.perf_counter() - start)
+        if self.rank == 0:
+            kind = "async: staging" if path is None else "sync"
+            print(f"pentatron: checkpoint of step {self.step} blocked training {self.save_blocked_s[-1]:.3f} s "
+                  f"({kind})", flush=True)
+        return path
 
     def _check_finite_state(self) -> None:
         """Never save a non-finite state: every rank counts its non-finite tensors, summed over the world."""
