@@ -41,7 +41,7 @@ def _train(world: int, root: str, dataset: str, tag: str, steps: int, extra: lis
     from pentatron.train.trainer import Trainer
 
     trainer = Trainer(_config(world, Path(root), tag, steps, extra, ckpt), dataset_dir=Path(dataset))
-    loaded = {k: v.numpy() for k, v in trainer.runner.full_parameters().items()}  # as resumed
+    loaded = {k: v.float().numpy() for k, v in trainer.runner.full_parameters().items()}  # as resumed
     reads: list[list[int]] = []
     sample, next_step = trainer.loader.sample, trainer.loader.next_step
 
@@ -55,7 +55,7 @@ def _train(world: int, root: str, dataset: str, tag: str, steps: int, extra: lis
 
     trainer.loader.sample, trainer.loader.next_step = recording_sample, recording_step
     records = trainer.fit()
-    params = {k: v.numpy() for k, v in trainer.runner.full_parameters().items()}
+    params = {k: v.float().numpy() for k, v in trainer.runner.full_parameters().items()}
     trainer.engine.close()
     return {"steps": [r["step"] for r in records], "losses": [r["loss"] for r in records], "reads": reads,
             "params": params, "loaded": loaded}
@@ -116,3 +116,14 @@ def test_resume_into_another_layout_continues_the_same_run(runs, label):
     for name in dst["params"]:
         want = ref["params"].get(name, ref["params"].get(_TIED.get(name, "")))
         np.testing.assert_allclose(dst["params"][name], want, rtol=0, atol=2e-4, err_msg=f"{label}: {name}")
+
+
+def test_bf16_masters_reshard_in_one_process(default_dataset, tmp_path):
+    """bf16 parameters with fp32 masters: the masters (not the rounded parameters) are what a re-sharded
+    resume restores — ZeRO-0 → ZeRO-3 (dp = 1) continues like the uninterrupted run."""
+    bf16 = ["train.precision='bf16'"]
+    straight = _train(1, str(tmp_path), str(default_dataset), "bf16-straight", 4, bf16, None)
+    first = _train(1, str(tmp_path), str(default_dataset), "bf16-a", 2, bf16, "bf16")
+    resumed = _train(1, str(tmp_path), str(default_dataset), "bf16-b", 4, [*bf16, "parallel.zero=3"], "bf16")
+    assert resumed["steps"] == [3, 4]
+    np.testing.assert_allclose(first["losses"] + resumed["losses"], straight["losses"], rtol=0, atol=1e-5)

@@ -50,5 +50,15 @@ class NonFiniteGuard:
 
 @torch.no_grad()
 def local_nonfinite_count(tensors: Iterable[torch.Tensor]) -> int:
-    """How many of `tensors` hold a NaN or inf (this rank's part of the state)."""
-    return sum(int(not bool(torch.isfinite(t).all())) for t in tensors if t.is_floating_point() and t.numel())
+    """How many of `tensors` hold a NaN or inf (this rank's part of the state). One fused max-|x| norm
+    per (device, dtype) group: NaN and inf propagate into it, and it is several times faster than
+    `isfinite(t).all()` per tensor (no boolean copy of the state)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.is_floating_point() and t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    bad = 0
+    for group in groups.values():
+        norms = torch.stack(torch._foreach_norm(group, float("inf")))
+        bad += int((~torch.isfinite(norms)).sum())
+    return bad
