@@ -79,7 +79,7 @@ def _input_error(message: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pentatron.checkpoint.export import add_checkpoint_parser
+    from pentatron.checkpoint.cli import add_checkpoint_parser
     from pentatron.data.tokenize import add_tokenize_parser
     from pentatron.demo import add_demo_parser
     from pentatron.generate import add_generate_parser

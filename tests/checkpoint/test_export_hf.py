@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from pentatron.checkpoint.export import load_full_model
 from pentatron.cli import main
 from pentatron.config import load_config
+from pentatron.generate import load_any_model
 from tests.multiprocess import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -36,7 +36,7 @@ def _rank_fn(rank: int, world: int, dataset: str, root: str) -> dict[str, np.nda
 
 def test_export_hf_of_a_zero_and_tp_sharded_checkpoint_matches_transformers(default_dataset, tmp_path, capsys):
     trained = run_ranks(_rank_fn, 4, args=(str(default_dataset), str(tmp_path)), timeout=600)[0]
-    model, _, _ = load_full_model(tmp_path / "ck")
+    model, _, _ = load_any_model(tmp_path / "ck")
     for name, p in model.named_parameters():
         np.testing.assert_array_equal(p.detach().numpy(), trained[name], err_msg=name)
 
