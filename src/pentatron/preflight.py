@@ -99,7 +99,7 @@ def checkpoint_problems(cfg: Config, world_size: int) -> list[str]:
         return space
     target = root / pointer.read_text().strip()
     meta_path = target / "meta.json"
-    fix = (f"remove {pointer} to start fresh, or set checkpoint.resume=false (or another checkpoint.dir)")
+    fix = f"remove {pointer} to start fresh, start a new run beside it with --force-new, or use another checkpoint.dir"
     if not meta_path.is_file():
         return [f"{pointer} names {target}, which is not a complete checkpoint; {fix}"]
     try:
