@@ -106,7 +106,7 @@ def test_async_resume_on_two_ranks_is_exact(tmp_path, default_dataset):
         assert r["resumed"] == r["straight"]
 
 
-@pytest.mark.parametrize("after_saves", [2, 5])
+@pytest.mark.parametrize("after_saves", [3])
 def test_sigkill_while_async_saves_are_in_flight_leaves_a_verified_latest(tmp_path, default_dataset, after_saves):
     ck, runs = tmp_path / "ck", tmp_path / "runs"
     flags = [str(ROOT / "configs" / "debug.toml"), f"--set=data.path={json.dumps(str(default_dataset))}",
