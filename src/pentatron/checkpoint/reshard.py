@@ -61,6 +61,10 @@ def describe_state(state: dict[str, dict[str, torch.Tensor]], placements: list[P
                 base, field = key.rsplit(".", 1)
             else:
                 base, field = key, "param"
+            if base not in geom or not isinstance(t, torch.Tensor):
+                # Not a parameter's piece (e.g. a buffer): left undescribed; a re-sharded resume refuses it.
+                out[f"{part}/{key}"] = {"part": part, "key": key, "undescribed": True}
+                continue
             pl, lo, hi = geom[base]
             out[f"{part}/{key}"] = {
                 "part": part, "key": key, "name": pl.name, "field": field, "full_shape": list(pl.full_shape),
@@ -89,6 +93,10 @@ def read_pieces(directory: Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
             raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from None
     by_name: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for d in merged.values():
+        if d.get("undescribed"):
+            raise CheckpointError(f"{directory}: {d['part']}/{d['key']} was saved without a description of its "
+                                  "place in the full tensor, so it cannot be re-sharded: resume in the layout "
+                                  "it was written in")
         by_name[(d["name"], d["field"])].append(d)
     return by_name
 
@@ -155,6 +163,9 @@ def load_resharded(directory: Path, state: dict[str, dict[str, torch.Tensor]], p
     wanted: dict[tuple[str, str], list[tuple[dict[str, Any], torch.Tensor]]] = defaultdict(list)
     for path, d in describe_state(state, placements).items():
         part, key = path.split("/", 1)
+        if d.get("undescribed"):
+            raise CheckpointError(f"{directory}: this run's {path} has no description of its place in the full "
+                                  "tensor, so it cannot be re-sharded into: resume in the checkpoint's layout")
         wanted[(d["name"], d["field"])].append((d, state[part][key]))
     for (name, field), targets in wanted.items():
         pieces = _source(saved, name, field)

@@ -240,7 +240,10 @@ class Trainer:
             return
         saved = self.store.meta(latest).get("layout", {"zero": 0})
         state = self.state_dict()
-        if layout_differences(saved, self.layout_meta()) and has_pieces(latest):
+        saved_par = self.store.meta(latest).get("parallel_layout", {})
+        # Re-sharding reads tp/pp/ZeRO placements; expert- and context-parallel layouts resume as saved.
+        plain = all(saved_par.get(d, 1) == 1 and getattr(self.runner.layout, d, 1) == 1 for d in ("ep", "cp"))
+        if layout_differences(saved, self.layout_meta()) and has_pieces(latest) and plain:
             load_resharded(latest, state, list(self.engine.place.values()))  # another layout: re-shard
             meta = self.store.meta(latest)
             if self.rank == 0:
