@@ -59,7 +59,7 @@ def test_resumed_run_continues_its_logs_without_repeating_steps(tmp_path, defaul
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
     # A new run of the same config without resume gets its own directory.
-    assert main(["train", CONFIG, *flags, "--set=checkpoint.resume=false"]) == 0
+    assert main(["train", CONFIG, *flags, "--force-new"]) == 0
     assert len([p for p in (tmp_path / "runs").iterdir() if not p.is_symlink()]) == 2
 
 

@@ -1,5 +1,5 @@
-"""`pentatron train | plan | bench | tokenize | convert | schedule | generate | demo | lab | report` — the
-user-facing entry point.
+"""`pentatron train | plan | bench | tokenize | convert | schedule | generate | demo | lab | report |
+checkpoint` — the user-facing entry point.
 
 Exit codes: 0 done; 2 configuration or input error (one message on stderr naming the field, no
 traceback); 1 any other failure, with a message naming the rank.
@@ -22,6 +22,8 @@ def _add_train_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="local processes to launch through torchrun (default 1; not needed under an "
                         "outer torchrun/srun)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--force-new", action="store_true",
+                   help="start a new run in a checkpoint.dir that holds another run's checkpoints (kept)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense TFLOP/s per device for MFU (default: hardware table / measured)")
     multi = p.add_argument_group("several machines (run the same command on each, with its --node-rank)")
@@ -41,6 +43,8 @@ def run_train(args: argparse.Namespace) -> int:
     from pentatron.runner import launch, stop_all_ranks, train_in_this_process
 
     overrides = list(args.overrides) + list(args.dotted)
+    if args.force_new:
+        overrides += ["checkpoint.resume=false", "checkpoint.force_new=true"]
     if args.peak_tflops is not None:
         overrides.append(f"train.peak_tflops={args.peak_tflops}")
     outer = launched_world_size()
@@ -83,6 +87,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         add_plan_parser(sub)
         add_bench_parser(sub)
         return parser
+    from pentatron.checkpoint.cli import add_checkpoint_parser
     from pentatron.data.tokenize import add_tokenize_parser
     from pentatron.demo import add_demo_parser
     from pentatron.generate import add_generate_parser
@@ -93,7 +98,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     registrars: list[Callable[[argparse._SubParsersAction], None]] = [
         _add_train_parser, add_plan_parser, add_bench_parser, add_tokenize_parser, add_convert_parser,
-        add_schedule_parser, add_generate_parser, add_demo_parser, add_lab_parser, add_report_parser]
+        add_schedule_parser, add_generate_parser, add_demo_parser, add_lab_parser, add_report_parser,
+        add_checkpoint_parser]
     for register in registrars:
         register(sub)
     return parser

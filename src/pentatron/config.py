@@ -113,6 +113,7 @@ class TrainConfig:
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     peak_tflops: float | None = None  # per device, for MFU; default from the hardware table
+    nonfinite: Literal["skip", "stop"] = "stop"  # a NaN/inf loss or grad norm: skip the update, or stop (exit 3)
 
 
 @dataclass
@@ -128,6 +129,9 @@ class CheckpointConfig:
     every: int = 0  # steps between saves; 0: only at the end (when dir is set)
     keep: int = 2
     resume: bool = True  # continue from the newest checkpoint in dir if there is one
+    async_save: bool = False  # stage to CPU and write in the background (at most one save in flight)
+    fallback: bool = False  # latest damaged: resume from the newest older checkpoint that verifies
+    force_new: bool = False  # with resume=false: start a new run beside a directory's existing checkpoints
 
 
 @dataclass
@@ -359,6 +363,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"checkpoint.every must be ≥ 0, got {cfg.checkpoint.every}")
     if cfg.checkpoint.keep < 1:
         p.append(f"checkpoint.keep must be ≥ 1, got {cfg.checkpoint.keep}")
+    if cfg.checkpoint.force_new and cfg.checkpoint.resume:
+        p.append("checkpoint.force_new=true starts a new run: set checkpoint.resume=false too (--force-new sets both)")
     if cfg.log.every < 1:
         p.append(f"log.every must be ≥ 1, got {cfg.log.every}")
     if cfg.log.numerics_every < 0:

@@ -1,8 +1,9 @@
 """`pentatron generate CKPT --prompt TEXT`: text from a checkpoint written by `pentatron train`, in
 one plain-PyTorch process (greedy, or top-k sampling).
 
-The checkpoint may come from any dp / tp / pp layout with ZeRO-0, or from ZeRO-1/2/3 without tensor
-parallelism: pipeline ranks hold disjoint parameter names, a tensor-parallel shard is keyed
+A checkpoint whose ranks described their pieces is assembled by `checkpoint/export.load_full_model`
+(any layout). Older ones are read here, from their keys: any dp / tp / pp layout with ZeRO-0, or
+ZeRO-1/2/3 without tensor parallelism: pipeline ranks hold disjoint parameter names, a tensor-parallel shard is keyed
 "<name>|tp<i>/<n>" (its split dimension is the one whose size differs from the full parameter's), and
 a ZeRO shard "<key>[lo:hi]" is a range of the flattened parameter. The tokenizer is the training
 dataset's (recorded by the run in `<checkpoint.dir>/run.json`), or `--tokenizer`.
@@ -70,6 +71,19 @@ def load_model(path: Path) -> tuple[torch.nn.Module, ModelConfig, Path]:
         for name, p in model.named_parameters():
             p.copy_(full[name].to(p.dtype))
     return model.eval(), model_cfg, step_dir
+
+
+def load_any_model(path: Path) -> tuple[torch.nn.Module, ModelConfig, Path]:
+    """`load_model`, or for a checkpoint whose ranks described their pieces, the model assembled from
+    them (any layout, ZeRO with tensor parallelism included)."""
+    from pentatron.checkpoint.export import model_from_pieces
+    from pentatron.checkpoint.reshard import has_pieces
+
+    step_dir = checkpoint_step_dir(path)
+    if not has_pieces(step_dir):
+        return load_model(path)
+    model, model_cfg = model_from_pieces(step_dir)
+    return model, model_cfg, step_dir
 
 
 def assemble(pieces: dict[str, torch.Tensor], shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
@@ -178,10 +192,12 @@ def run_generate(args: argparse.Namespace) -> int:
     if problems:
         print("pentatron: error: " + "; ".join(problems), file=sys.stderr)
         return 2
+    from pentatron.checkpoint.errors import CheckpointError as StoreError
+
     try:
-        model, model_cfg, step_dir = load_model(args.checkpoint)
+        model, model_cfg, step_dir = load_any_model(args.checkpoint)
         tokenizer, eos = _tokenizer_for(step_dir, args.tokenizer)
-    except CheckpointError as e:
+    except (CheckpointError, StoreError) as e:
         print(f"pentatron: error: {e}", file=sys.stderr)
         return 2
     prompt_ids = tokenizer.encode(args.prompt).ids

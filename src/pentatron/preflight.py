@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pentatron.checkpoint.lineage import fresh_run_problem
 from pentatron.config import Config, resolved_dp
 from pentatron.data.errors import DataError
 
@@ -73,6 +74,11 @@ def data_problems(cfg: Config, build_default_data: bool) -> list[str]:
         dataset.check_vocab(vocab)
     except DataError as e:
         return [str(e)]
+    if build_default_data:  # the launcher or rank 0 reads every token id once (data/vocab_check.py)
+        from pentatron.data.vocab_check import scan_problem
+
+        found = scan_problem(dataset.path, dataset.index, vocab)
+        return [found] if found else []
     return []
 
 
@@ -84,12 +90,16 @@ def checkpoint_problems(cfg: Config, world_size: int) -> list[str]:
     root = Path(ck.dir)
     if root.exists() and not root.is_dir():
         return [f"checkpoint.dir {ck.dir!r} is a file, not a directory"]
+    space = storage_problems(cfg, root)
+    if not ck.resume:
+        found = None if ck.force_new else fresh_run_problem(root)
+        return space + ([found] if found else [])
     pointer = root / "latest"
-    if not ck.resume or not pointer.is_file():
-        return []
+    if not pointer.is_file():
+        return space
     target = root / pointer.read_text().strip()
     meta_path = target / "meta.json"
-    fix = (f"remove {pointer} to start fresh, or set checkpoint.resume=false (or another checkpoint.dir)")
+    fix = f"remove {pointer} to start fresh, start a new run beside it with --force-new, or use another checkpoint.dir"
     if not meta_path.is_file():
         return [f"{pointer} names {target}, which is not a complete checkpoint; {fix}"]
     try:
@@ -98,11 +108,13 @@ def checkpoint_problems(cfg: Config, world_size: int) -> list[str]:
         model = meta.get("model", {})
     except (OSError, ValueError, AttributeError) as e:
         return [f"{meta_path} is unreadable ({e}); {fix}"]
-    problems = []
+    problems = space
     par = cfg.parallel
     layout = [("tp", par.tp), ("pp", par.pp), ("zero", par.zero)]
     if saved.get("zero", 0) > 0:  # ZeRO shards are cut by dp (replicated state is not)
         layout.append(("dp", resolved_dp(cfg, world_size)))
+    if (target / "pieces").is_dir():
+        layout = []  # saved with its pieces described: any layout can re-shard it (checkpoint/reshard.py)
     for key, mine in layout:
         if key in saved and saved[key] != mine:
             problems.append(f"checkpoint {target} was written with parallel.{key}={saved[key]}, this run has "
@@ -114,6 +126,25 @@ def checkpoint_problems(cfg: Config, world_size: int) -> list[str]:
         problems.append(f"checkpoint {target} holds a model with a different shape "
                         f"({', '.join(f'{k}={model[k]!r} vs {current[k]!r}' for k in changed)}); {fix}")
     return problems
+
+
+def storage_problems(cfg: Config, root: Path) -> list[str]:
+    """checkpoint.dir writable, with room for (keep + 1) checkpoints of the predicted size — the ones
+    a resume continues count as already paid for."""
+    from pentatron.checkpoint.lineage import complete_checkpoints, latest_name, read_meta
+    from pentatron.checkpoint.space import directory_problems, predicted_checkpoint_bytes
+    from pentatron.distributed.launch import local_device
+    from pentatron.precision import resolve_precision
+
+    dtype = resolve_precision(cfg.train.precision, local_device(cfg.train.device)).param_dtype
+    size = predicted_checkpoint_bytes(cfg.model_config().num_params(), dtype)
+    slots = cfg.checkpoint.keep + 1
+    name = latest_name(root) if cfg.checkpoint.resume and root.is_dir() else None
+    meta = read_meta(root / name) if name else None
+    if meta and isinstance(meta.get("run_id"), str):
+        kept = sum(c.run_id == meta["run_id"] for c in complete_checkpoints(root))
+        slots -= min(kept, cfg.checkpoint.keep)
+    return directory_problems(root, cfg.checkpoint.keep, size, slots)
 
 
 def log_problems(cfg: Config) -> list[str]:

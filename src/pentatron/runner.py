@@ -2,8 +2,8 @@
 agreed with the others, the run, its summary and a clean exit (`train_in_this_process`), and the
 all-ranks stop on a user error (`stop_all_ranks`). docs/running.md walks through it.
 
-Exit codes: 0 done; 2 a user-fixable problem (reported once, no traceback); 1 any other failure, with
-a message naming the rank.
+Exit codes: 0 done; 2 a user-fixable problem (reported once, no traceback); 3 stopped on a non-finite
+loss, gradient norm or state (train.nonfinite='stop'); 1 any other failure, with a message naming the rank.
 """
 
 from __future__ import annotations
@@ -13,8 +13,12 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pentatron.config import Config
+
+if TYPE_CHECKING:
+    from pentatron.checkpoint.lock import CheckpointDirLock
 
 
 def launch(cfg: Config, argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0,
@@ -27,6 +31,10 @@ def launch(cfg: Config, argv: list[str], nproc: int, nnodes: int = 1, node_rank:
     from pentatron.preflight import preflight_problems
 
     problems = preflight_problems(cfg, world_size=nproc * nnodes, build_default_data=True)
+    if cfg.checkpoint.dir and node_rank == 0:
+        from pentatron.checkpoint.lock import probe
+
+        problems += [p for p in [probe(Path(cfg.checkpoint.dir))] if p]
     if problems:
         return problems_error(problems)
     refresh_cpu_peak(cfg)
@@ -50,6 +58,7 @@ def refresh_cpu_peak(cfg: Config) -> None:
 def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_done: bool = False) -> int:
     """One rank (or the only process): checks agreed with the other ranks, then the run. `run_dir` and
     `preflight_done` come from `launch` (node 0's choice; the launcher measured the CPU peak)."""
+    from pentatron.checkpoint.errors import CheckpointError
     from pentatron.data.errors import DataError
     from pentatron.distributed.launch import (
         agree_on_preflight,
@@ -58,11 +67,15 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
         rendezvous,
         shutdown_distributed,
     )
+    from pentatron.distributed.lifeline import die_with_parent
     from pentatron.observe.rundir import RunDir, record_run, resolve_run_dir
     from pentatron.observe.summary import finish_run
     from pentatron.preflight import environment_problems, preflight_problems
+    from pentatron.train.nonfinite import EXIT_CODE as NONFINITE_EXIT
+    from pentatron.train.nonfinite import NonFiniteStop
     from pentatron.train.trainer import Trainer
 
+    die_with_parent()  # no rank outlives the launcher (or torchrun) that started it
     started = time.time()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -70,6 +83,7 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
         # Without a complete environment the ranks cannot meet to agree: each says it (once per host).
         return problems_error(environment_problems()) if local_rank == 0 else 2
     problems = preflight_problems(cfg, world_size=world, build_default_data=rank == 0)
+    lock = hold_checkpoint_lock(cfg, problems) if rank == 0 and not problems else None
 
     def leader() -> dict[str, str]:
         return {"run_dir": run_dir or str(resolve_run_dir(cfg).path)}
@@ -85,6 +99,8 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
             refresh_cpu_peak(cfg)
         verdict = {"problems": problems, **({} if problems else leader())}
     if verdict["problems"]:
+        if lock is not None:
+            lock.release()
         return 2 if world > 1 else problems_error(verdict["problems"])
     chosen = RunDir(Path(verdict["run_dir"]), resumed=False)
     cfg.log.dir = str(chosen.path)
@@ -102,8 +118,14 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
         records = trainer.fit()
         finish_run(trainer, records, wall_s=time.time() - started)
         finished = True
+    except CheckpointError as e:  # every rank raises it; rank 0's names the file
+        return input_error(str(e)) if rank == 0 else 2
     except DataError as e:
         return input_error(f"rank {rank}: {e}")
+    except NonFiniteStop as e:
+        if rank == 0:  # every rank stops on the same (all-reduced) numbers: say it once
+            print(f"pentatron: stopped: {e}", file=sys.stderr)
+        return NONFINITE_EXIT
     except KeyboardInterrupt:
         print(f"pentatron: rank {rank} interrupted", file=sys.stderr)
         return 130
@@ -113,7 +135,28 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
         return 1
     finally:
         shutdown_distributed(finished)
+        if lock is not None:
+            lock.release()
     return 0
+
+
+def hold_checkpoint_lock(cfg: Config, problems: list[str]) -> CheckpointDirLock | None:
+    """Rank 0 locks checkpoint.dir for the job's lifetime (the kernel frees it if the process dies); a
+    directory held by another job becomes a preflight problem, reported like the others."""
+    from pentatron.checkpoint.lock import CheckpointDirLock, CheckpointDirLocked
+
+    if not cfg.checkpoint.dir:
+        return None
+    lock = CheckpointDirLock(Path(cfg.checkpoint.dir))
+    try:
+        lock.acquire()
+    except CheckpointDirLocked as e:
+        problems.append(str(e))
+        return None
+    except OSError as e:
+        problems.append(f"checkpoint.dir {cfg.checkpoint.dir!r} cannot be locked ({e.strerror}); check its permissions")
+        return None
+    return lock
 
 
 def stop_all_ranks(problems: list[str]) -> int:

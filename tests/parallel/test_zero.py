@@ -110,9 +110,10 @@ def test_sharded_checkpoint_resume_is_exact(ds, stage):
         np.testing.assert_array_equal(resumed[key], value, err_msg=key)
 
 
-def test_resuming_a_sharded_checkpoint_in_another_layout_is_a_clear_error(ds):
-    msg = dp_runs(2, ds)[0]["checkpoint"]["layout_error"]
-    assert msg is not None and "layout" in msg and "'zero': 1" in msg and "'zero': 2" in msg
+def test_a_sharded_checkpoint_resumes_in_another_zero_stage(ds):
+    """A ZeRO-1 checkpoint opened by a ZeRO-2 run is re-sharded (checkpoint/reshard.py; the numbers are
+    checked in tests/checkpoint/test_reshard.py)."""
+    assert dp_runs(2, ds)[0]["checkpoint"]["layout_error"] is None
 
 
 # ---------------------------------------------------------------------- layout arithmetic (no processes)

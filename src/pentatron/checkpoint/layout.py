@@ -5,8 +5,9 @@ A checkpoint's tensor keys and shapes depend on the layout: tensor-parallel shar
 "<name>|tp<i>/<n>", ZeRO pieces "<key>[lo:hi]" (ranges of the flat layout's buckets), and a pipeline
 rank holds only its stages' names. Each parameter's `Placement` is a pure function of the model config,
 the `ParallelLayout` and the rank's coordinates, so recording the layout (and the bucketing that decides
-ZeRO ranges) is enough to know where every saved element came from. Re-sharding into another layout
-is not implemented yet: a different layout is refused with a message naming both.
+ZeRO ranges) is enough to know where every saved element came from. A checkpoint in another layout is
+re-sharded (`reshard.py`, from the pieces each rank described when saving); one written before pieces
+were described is refused with a message naming both layouts.
 """
 
 from __future__ import annotations

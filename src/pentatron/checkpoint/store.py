@@ -4,6 +4,8 @@ Layout: `<dir>/step_00000100/` (DCP files + meta.json) and `<dir>/latest` naming
 A checkpoint is written into `step_XXXXXXXX.tmp/` and renamed only after every rank has finished, and
 `latest` is replaced atomically afterwards: a crash at any moment leaves the previous good checkpoint
 intact and pointed to. Tensors are keyed by parameter name, so later layouts can re-shard them.
+Retention is per run lineage (`lineage.py`): the store's `run_id` is written into every meta.json and
+only that lineage's older checkpoints are pruned, never the one `latest` names.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from pentatron.checkpoint import manifest
+from pentatron.checkpoint.errors import CheckpointError
+from pentatron.checkpoint.lineage import continued_run_id, new_run_id, prune, remove_stale_partials
+from pentatron.checkpoint.reshard import write_pieces
 
 
 def _rank() -> int:
@@ -36,12 +44,25 @@ def _dcp_mode() -> Iterator[bool]:
 
 
 class CheckpointStore:
-    """`barrier` waits for every rank (the trainer passes the comm layer's; a 1-process run needs none)."""
+    """`barrier` waits for every rank (the trainer passes the comm layer's; a 1-process run needs none).
+    `run_id`/`parent`: the lineage this store's saves belong to (a new one unless the trainer continues
+    a resumed lineage)."""
 
     def __init__(self, root: Path, keep: int = 2, barrier: Callable[[], None] = lambda: None) -> None:
         self.root = root
         self.keep = keep
         self._barrier = barrier
+        self.run_id = new_run_id()
+        self.parent: str | None = None
+
+    def clean_stale(self) -> None:
+        """Rank 0 at start (under the directory's lock): remove partial saves of a job that died."""
+        if _rank() == 0 and self.root.is_dir():
+            remove_stale_partials(self.root)
+
+    def continue_lineage(self, resumed: Path, meta: dict[str, Any]) -> None:
+        """Saves after resuming `resumed` continue its lineage, or branch off it on a rollback."""
+        self.run_id, self.parent = continued_run_id(self.root, resumed, meta)
 
     def _dir(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
@@ -56,26 +77,42 @@ class CheckpointStore:
                                "remove the pointer to start fresh")
         return path
 
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
-        """Write `state` (DCP, every rank its part) and `meta`, then publish it; returns the directory
-        as named on rank 0, which alone renames and prunes."""
-        final, tmp = self._dir(step), self._dir(step).with_suffix(".tmp")
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any],
+             pieces: dict[str, Any] | None = None) -> Path:
+        """Write `state` (DCP, every rank its part), each rank's `pieces` (where its tensors sit in the full
+        ones, for re-sharding: `reshard.py`) and `meta`, then publish it; returns the directory as named on
+        rank 0, which alone renames and prunes."""
+        tmp = self.prepare(step, pieces)
+        with _dcp_mode() as single:
+            dcp.save(state, checkpoint_id=tmp, no_dist=single)
+        self._barrier()
+        final = self.publish(step, tmp, meta) if _rank() == 0 else self._dir(step)
+        self._barrier()
+        return final
+
+    def prepare(self, step: int, pieces: dict[str, Any] | None) -> Path:
+        """Every rank: the empty `.tmp` directory of a save (rank 0 creates it), with this rank's pieces."""
+        tmp = self._dir(step).with_suffix(".tmp")
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self._barrier()
-        with _dcp_mode() as single:
-            dcp.save(state, checkpoint_id=tmp, no_dist=single)
-        self._barrier()
-        if _rank() == 0:
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            final = self._fresh_name(final)
-            os.replace(tmp, final)
-            pointer_tmp = self.root / "latest.tmp"
-            pointer_tmp.write_text(final.name)
-            os.replace(pointer_tmp, self.root / "latest")
-            self._prune()
-        self._barrier()
+        if pieces is not None:
+            write_pieces(tmp, _rank(), pieces)
+        return tmp
+
+    def publish(self, step: int, tmp: Path, meta: dict[str, Any]) -> Path:
+        """Rank 0, once every rank's files are in `tmp`: meta.json, the manifest (last), the rename, `latest`,
+        retention."""
+        meta = {**meta, "run_id": self.run_id, "parent": self.parent, "manifest": True}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        manifest.write(tmp)  # last: a published checkpoint always has one
+        final = self._fresh_name(self._dir(step))
+        os.replace(tmp, final)
+        pointer_tmp = self.root / "latest.tmp"
+        pointer_tmp.write_text(final.name)
+        os.replace(pointer_tmp, self.root / "latest")
+        prune(self.root, self.run_id, self.keep)
         return final
 
     @staticmethod
@@ -91,12 +128,27 @@ class CheckpointStore:
     def load(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
         """Load tensors in place into `state` (same keys as saved); return the saved metadata."""
         with _dcp_mode() as single:
-            dcp.load(state, checkpoint_id=path, no_dist=single)
-        return json.loads((path / "meta.json").read_text())
+            try:
+                dcp.load(state, checkpoint_id=path, no_dist=single)
+            except (CheckpointException, OSError, RuntimeError, ValueError) as e:
+                raise CheckpointError(f"{path}: cannot be loaded ({_first_failure(e)})") from None
+        return self.meta(path)
 
-    def _prune(self) -> None:
-        done = sorted(p for p in self.root.glob("step_*") if p.is_dir() and p.suffix != ".tmp")
-        for old in done[: max(len(done) - self.keep, 0)]:
-            shutil.rmtree(old, ignore_errors=True)
+    @staticmethod
+    def meta(path: Path) -> dict[str, Any]:
+        try:
+            return json.loads((path / "meta.json").read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{path / 'meta.json'}: unreadable ({type(e).__name__}: {e})") from None
 
 
+
+
+def _first_failure(e: BaseException) -> str:
+    """One line for a DCP failure: the first failing rank's exception (DCP's own message is a multi-rank
+    traceback, and its CheckpointException is a BaseException that bypasses `except Exception`)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        rank, (inner, _) = sorted(e.failures.items())[0]
+        text = f"{type(inner).__name__}: {inner}".splitlines()[0]
+        return f"rank {rank}: {text}"
+    return f"{type(e).__name__}: {e}".splitlines()[0]

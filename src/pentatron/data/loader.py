@@ -22,6 +22,7 @@ import torch
 
 from pentatron.data.errors import DataError
 from pentatron.data.index import DatasetIndex, check_shards, read_index
+from pentatron.data.vocab_check import check_sample
 
 STATE_VERSION = 1
 
@@ -37,6 +38,7 @@ class TokenDataset:
         self._shards = [np.memmap(self.path / s.file, dtype=self.index.dtype, mode="r", shape=(s.tokens,))
                         for s in self.index.shards if s.tokens]
         self._starts = np.cumsum([0] + [len(m) for m in self._shards])
+        self.vocab_limit: int | None = None  # set by check_vocab: every sample read is checked against it
 
     def __len__(self) -> int:
         return self.index.total_tokens
@@ -54,7 +56,9 @@ class TokenDataset:
         return self.index.max_token_id
 
     def check_vocab(self, model_vocab_size: int) -> None:
-        """Every token id must index the model's embedding table."""
+        """Every token id must index the model's embedding table (the index's maximum now; each sample's
+        ids as the loader reads them, see data/vocab_check.py)."""
+        self.vocab_limit = model_vocab_size
         if self.max_token_id >= model_vocab_size:
             raise DataError(f"dataset {self.path} has token ids up to {self.max_token_id} but "
                             f"model.vocab_size={model_vocab_size}; set model.vocab_size to at least "
@@ -150,7 +154,11 @@ class TokenLoader:
     def sample(self, index: int) -> np.ndarray:
         """The L+1 tokens of packed sample `index` (inputs = [:-1], targets = [1:])."""
         start = index * self.seq_len
-        return self.dataset.read(start, start + self.seq_len + 1)
+        tokens = self.dataset.read(start, start + self.seq_len + 1)
+        ds = self.dataset
+        if ds.vocab_limit is not None:
+            check_sample(tokens, start, ds.path, ds.index, ds._starts, ds.vocab_limit)
+        return tokens
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches for the next optimizer step; advances by one global batch."""

@@ -85,6 +85,8 @@ def launch_local_ranks(nproc: int, argv: list[str], nnodes: int = 1, node_rank: 
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         if any(c == 2 for c in codes.values()) and all(c == 2 or c < 0 for c in codes.values()):
             return 2  # a user error: rank 0 has printed it, once
+        if any(c == 3 for c in codes.values()) and all(c == 3 or c < 0 for c in codes.values()):
+            return 3  # stopped on a non-finite loss/norm/state: rank 0 has said so
         for rank, code in sorted(codes.items()):
             print(f"pentatron: rank {rank} exited with code {code}" +
                   (" (killed by a signal)" if code < 0 else ""), file=sys.stderr)

@@ -23,7 +23,7 @@ def finish_run(trainer: Any, records: list[dict[str, Any]], wall_s: float) -> di
         return None
     if not records:
         print(f"pentatron: nothing to train: the checkpoint is at step {trainer.step} = train.steps; raise "
-              "train.steps to continue, or set checkpoint.resume=false to start over", flush=True)
+              "train.steps to continue, or start over with --force-new (or another checkpoint.dir)", flush=True)
         return None
     summary = build_summary(trainer, records, wall_s, int(peak.item()))
     path = Path(trainer.cfg.log.dir) / SUMMARY_FILE

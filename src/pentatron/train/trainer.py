@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -12,7 +10,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pentatron.checkpoint.layout import check_resumable, layout_record
+from pentatron.checkpoint.async_save import AsyncCheckpointer
+from pentatron.checkpoint.layout import check_resumable, layout_differences, layout_record
+from pentatron.checkpoint.reshard import describe_state, has_pieces, load_resharded
+from pentatron.checkpoint.resume import resume_target
 from pentatron.checkpoint.store import CheckpointStore
 from pentatron.config import Config, resolved_dp
 from pentatron.data.loader import TokenDataset, TokenLoader
@@ -28,6 +29,7 @@ from pentatron.parallel.pipeline.trace import write_rank_trace
 from pentatron.plan.flops import model_flops_per_token
 from pentatron.precision import resolve_precision
 from pentatron.train.lr_schedule import lr_at
+from pentatron.train.nonfinite import NonFiniteGuard, NonFiniteStop, local_nonfinite_count
 
 
 def resolve_dataset(cfg: Config, vocab_size: int) -> Path:
@@ -81,10 +83,15 @@ class Trainer:
                                   global_batch=tr.global_batch, dp_rank=self.dp_rank, dp_size=self.dp,
                                   seed=tr.seed)
         self.step = 0
+        self.guard = NonFiniteGuard(tr.nonfinite)
         self.store = CheckpointStore(Path(cfg.checkpoint.dir), keep=cfg.checkpoint.keep, barrier=self.comm.barrier) \
             if cfg.checkpoint.dir else None
-        if self.store is not None and cfg.checkpoint.resume:
-            self._resume()
+        if self.store is not None:
+            self.store.clean_stale()
+            if cfg.checkpoint.resume:
+                self._resume()
+        self.async_saver = AsyncCheckpointer(self.store) if self.store and cfg.checkpoint.async_save else None
+        self.save_blocked_s: list[float] = []  # training time each save blocked (staging only when async)
 
         self.tokens_per_step = tr.global_batch * tr.seq_len
         self.flops_per_token = model_flops_per_token(self.model_cfg, tr.seq_len)
@@ -99,14 +106,18 @@ class Trainer:
         self.observer.after_backward()
         norm = self.runner.clip_grads(self.cfg.train.clip)
         lr = lr_at(self.step, self.cfg.train)
-        self.runner.step(lr)
+        # Loss and norm are the same on every rank: every rank takes the same decision.
+        problem = self.guard.check(self.step + 1, float(loss), float(norm))
+        if problem is None:
+            self.runner.step(lr)
         self.observer.after_optimizer()
         self.step += 1
         extra = self.runner.step_stats()
         self._write_pp_trace()
         self.last_comm = comm = self.comm.ledger.end_step()
         return {"step": self.step, "loss": float(loss), "grad_norm": float(norm), "lr": lr,
-                "comm_bytes": comm.bytes_map(), "comm_calls": comm.calls_map(), **extra}
+                "comm_bytes": comm.bytes_map(), "comm_calls": comm.calls_map(), **extra,
+                "skipped_steps": self.guard.skipped, **({"nonfinite": problem} if problem else {})}
 
     def _write_pp_trace(self) -> None:
         """log.pp_trace: one Chrome trace file per pipeline rank (from dp/tp rank 0) for each logged step;
@@ -166,11 +177,13 @@ class Trainer:
                         print(f"pentatron: communication per rank, step {self.step} {COMM_LEGEND}:\n{table}",
                               flush=True)
                         last_table = table
-                if not math.isfinite(record["loss"]):  # after logging: the record shows where it broke
-                    raise FloatingPointError(f"loss became {record['loss']} at step {self.step}")
+                if "nonfinite" in record and self.guard.action == "stop":  # after logging: the record shows it
+                    raise NonFiniteStop(self.guard.stop_message(record["nonfinite"]))
                 if self.store is not None and self._checkpoint_due():
                     self.save_checkpoint()
         finally:
+            if self.async_saver is not None:
+                self.async_saver.wait()  # the last save in flight is published (or reported) before exit
             if logger is not None:
                 logger.close()
             self.observer.close(records)
@@ -187,25 +200,61 @@ class Trainer:
         local parameter for ZeRO shards (each rank writes its own). Pipeline ranks hold disjoint names."""
         return self.runner.state_dict()
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
+        """Save (every rank); the published directory, or None while an async save is still writing."""
         assert self.store is not None
+        start = time.perf_counter()
+        self._check_finite_state()
         meta = {"step": self.step, "loader": self.loader.state_dict(), "model": self.model_cfg.to_dict(),
                 "layout": self.layout_meta(), "parallel_layout": dataclasses.asdict(self.runner.layout)}
-        return self.store.save(self.step, self.state_dict(), meta)
+        state = self.state_dict()
+        pieces = describe_state(state, list(self.engine.place.values()))
+        if self.async_saver is not None:
+            path = None
+            self.async_saver.save(self.step, state, meta, pieces)
+        else:
+            path = self.store.save(self.step, state, meta, pieces)
+        self.save_blocked_s.append(time.perf_counter() - start)
+        if self.rank == 0:
+            kind = "async: staging" if path is None else "sync"
+            print(f"pentatron: checkpoint of step {self.step} blocked training {self.save_blocked_s[-1]:.3f} s "
+                  f"({kind})", flush=True)
+        return path
+
+    def _check_finite_state(self) -> None:
+        """Never save a non-finite state: every rank counts its non-finite tensors, summed over the world."""
+        tensors = [t for part in self.state_dict().values() for t in part.values()]
+        bad = torch.tensor([float(local_nonfinite_count(tensors))], device=self.device)
+        self.comm.all_reduce(bad, "world")
+        if bad.item():
+            raise NonFiniteStop(f"the state at step {self.step} holds {int(bad.item())} non-finite tensor(s); "
+                                "it was not saved and the last checkpoint is the last clean state")
 
     def layout_meta(self) -> dict[str, Any]:
         return layout_record(self.runner.layout, self.engine.layout_meta(), self.cfg.parallel.bucket_mb)
 
     def _resume(self) -> None:
         assert self.store is not None
-        latest = self.store.latest()
+        latest = resume_target(self.store.root, self.model_cfg.to_dict(), self.cfg.checkpoint.fallback, self.comm,
+                               self.rank, self.device)
         if latest is None:
             return
-        saved = json.loads((latest / "meta.json").read_text()).get("layout", {"zero": 0})
-        check_resumable(latest, saved, self.layout_meta())
+        saved = self.store.meta(latest).get("layout", {"zero": 0})
         state = self.state_dict()
-        meta = self.store.load(latest, state)
+        saved_par = self.store.meta(latest).get("parallel_layout", {})
+        # Re-sharding reads tp/pp/ZeRO placements (context parallelism only widens the ZeRO group, which the
+        # pieces' ranges describe); expert-parallel layouts resume as saved.
+        plain = saved_par.get("ep", 1) == 1 and self.runner.layout.ep == 1
+        if layout_differences(saved, self.layout_meta()) and has_pieces(latest) and plain:
+            load_resharded(latest, state, list(self.engine.place.values()))  # another layout: re-shard
+            meta = self.store.meta(latest)
+            if self.rank == 0:
+                print(f"pentatron: re-sharded {latest} from layout {saved} to {self.layout_meta()}", flush=True)
+        else:
+            check_resumable(latest, saved, self.layout_meta())  # the same layout, or an old checkpoint
+            meta = self.store.load(latest, state)
         self.runner.after_load()
+        self.store.continue_lineage(latest, meta)
         self.step = meta["step"]
         self.loader.load_state_dict(meta["loader"])
         if self.rank == 0:

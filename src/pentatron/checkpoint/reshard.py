@@ -1,0 +1,186 @@
+"""Resume into another layout: every saved piece described by where it sits in the full tensor.
+
+Saving: each rank writes `pieces/rank<r>.json` beside DCP's files, one entry per tensor it saved: the
+parameter's name and full shape, its tensor-parallel shard (dim, index, parts) and local shape, the
+range [lo, hi) of the flattened local shard the tensor holds (a ZeRO piece, or all of it), and the
+field (the parameter, an fp32 master, or AdamW's exp_avg / exp_avg_sq / step). All of it comes from the
+parameter's `Placement`, so it covers dp, ZeRO 0–3 (any bucketing), tp (replicated kv heads included)
+and pp (any schedule and virtual stages: a stage holds whole parameters).
+
+Loading (`load_resharded`): for each tensor this rank's new layout wants, the rank reads — with DCP's
+reader, on its own (`no_dist`), only the keys it needs — every saved piece of that parameter and field,
+assembles the full tensor (pieces into their tp shards' flat ranges, shards concatenated along the tp
+dim), checks that every element was covered, and cuts its own piece out: the tp slice, then the
+flattened range. One parameter at a time, so the memory is one full tensor per field. A tied
+embedding's two pipeline copies (`embed.weight`, `lm_head.weight`) hold identical values and state,
+so either may stand for the other.
+
+Why our own reader rather than DCP's resharding planner: DCP reshards rectangular chunks of one global
+tensor (DTensor/ShardedTensor), but a ZeRO piece is a range of a flattened tp shard, which is not a
+rectangle of the full tensor; describing it by (tp shard, flat range) is exact and needs no change to how
+the engines store their state. Same-layout resumes keep DCP's plain collective load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from pentatron.checkpoint.errors import CheckpointError
+from pentatron.parallel.placement import Placement
+
+PIECES_DIR = "pieces"
+FIELDS = ("exp_avg", "exp_avg_sq", "step", "master")
+_TIED = {"embed.weight": "lm_head.weight", "lm_head.weight": "embed.weight"}
+
+
+def _geometry(placements: list[Placement]) -> dict[str, tuple[Placement, int, int]]:
+    """Every key a rank's state can use for a parameter: whole (its checkpoint key) or a ZeRO piece."""
+    geom: dict[str, tuple[Placement, int, int]] = {}
+    for pl in placements:
+        geom[pl.checkpoint_key()] = (pl, 0, pl.numel)
+        for z in pl.zero or ():
+            geom[pl.piece_key(z.lo, z.hi)] = (pl, z.lo, z.hi)
+    return geom
+
+
+def describe_state(state: dict[str, dict[str, torch.Tensor]], placements: list[Placement]) -> dict[str, Any]:
+    """{"<part>/<key>": description} for every tensor of a rank's checkpoint state."""
+    geom = _geometry(placements)
+    out = {}
+    for part, tensors in state.items():
+        for key, t in tensors.items():
+            if part == "optim":
+                base, field = key.rsplit(".", 1)
+            else:
+                base, field = key, "param"
+            if base not in geom or not isinstance(t, torch.Tensor):
+                # Not a parameter's piece (e.g. a buffer): left undescribed; a re-sharded resume refuses it.
+                out[f"{part}/{key}"] = {"part": part, "key": key, "undescribed": True}
+                continue
+            pl, lo, hi = geom[base]
+            out[f"{part}/{key}"] = {
+                "part": part, "key": key, "name": pl.name, "field": field, "full_shape": list(pl.full_shape),
+                "local_shape": list(pl.local_shape), "tp_dim": pl.tp.dim, "tp_index": pl.tp.index,
+                "tp_parts": pl.tp.parts, "lo": lo, "hi": hi, "shape": list(t.shape),
+                "dtype": str(t.dtype).removeprefix("torch.")}
+    return out
+
+
+def write_pieces(directory: Path, rank: int, described: dict[str, Any]) -> None:
+    (directory / PIECES_DIR).mkdir(exist_ok=True)
+    (directory / PIECES_DIR / f"rank{rank}.json").write_text(json.dumps(described))
+
+
+def has_pieces(directory: Path) -> bool:
+    return (directory / PIECES_DIR).is_dir()
+
+
+def read_pieces(directory: Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Saved pieces by (parameter name, field), each key once (replicated keys are listed by several ranks)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for f in sorted((directory / PIECES_DIR).glob("rank*.json")):
+        try:
+            merged.update(json.loads(f.read_text()))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from None
+    by_name: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for d in merged.values():
+        if d.get("undescribed"):
+            raise CheckpointError(f"{directory}: {d['part']}/{d['key']} was saved without a description of its "
+                                  "place in the full tensor, so it cannot be re-sharded: resume in the layout "
+                                  "it was written in")
+        by_name[(d["name"], d["field"])].append(d)
+    return by_name
+
+
+def _read(directory: Path, pieces: list[dict[str, Any]]) -> list[torch.Tensor]:
+    """The saved tensors of `pieces`, read by this rank alone."""
+    state: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for d in pieces:
+        state[d["part"]][d["key"]] = torch.empty(d["shape"], dtype=getattr(torch, d["dtype"]))
+    try:
+        with warnings.catch_warnings():  # reading alone is intended: DCP's notice about it is muted
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(dict(state), checkpoint_id=directory, no_dist=True)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"{directory}: cannot read {pieces[0]['name']} ({type(e).__name__})") from None
+    return [state[d["part"]][d["key"]] for d in pieces]
+
+
+def _assemble(directory: Path, pieces: list[dict[str, Any]]) -> torch.Tensor:
+    """The full tensor from its saved pieces (a 0-d tensor for AdamW's step count)."""
+    tensors = _read(directory, pieces)
+    first = pieces[0]
+    if first["field"] == "step":
+        return torch.stack([t.reshape(()) for t in tensors]).max()
+    n_local = math.prod(first["local_shape"])
+    shards: dict[int, torch.Tensor] = {}
+    covered: dict[int, torch.Tensor] = {}
+    for d, t in zip(pieces, tensors, strict=True):
+        i = d["tp_index"]
+        flat = shards.setdefault(i, torch.zeros(n_local, dtype=t.dtype))
+        seen = covered.setdefault(i, torch.zeros(n_local, dtype=torch.bool))
+        flat[d["lo"]: d["hi"]] = t.reshape(-1)
+        seen[d["lo"]: d["hi"]] = True
+    parts = first["tp_parts"] if first["tp_dim"] is not None else 1
+    if sorted(shards) != list(range(parts)) or not all(bool(c.all()) for c in covered.values()):
+        raise CheckpointError(f"{directory}: the saved pieces of {first['name']} ({first['field']}) do not cover "
+                              "the whole tensor (a rank's files are missing?)")
+    local = [shards[i].view(first["local_shape"]) for i in range(parts)]
+    return local[0] if first["tp_dim"] is None else torch.cat(local, dim=first["tp_dim"])
+
+
+def _source(saved: dict[tuple[str, str], list[dict[str, Any]]], name: str, field: str
+            ) -> list[dict[str, Any]] | None:
+    """The saved pieces for (name, field): a tied copy stands for the other; a missing fp32 master is the
+    (fp32) parameter, and a parameter is best restored from its master when one was saved."""
+    for n in (name, _TIED.get(name)):
+        if n is None:
+            continue
+        if field == "param" and (n, "master") in saved:
+            return saved[(n, "master")]
+        if (n, field) in saved:
+            return saved[(n, field)]
+        if field == "master" and (n, "param") in saved:
+            return saved[(n, "param")]
+    return None
+
+
+@torch.no_grad()
+def load_resharded(directory: Path, state: dict[str, dict[str, torch.Tensor]], placements: list[Placement]) -> None:
+    """Fill this rank's `state` (its live tensors, in its own layout) from a checkpoint of any layout."""
+    saved = read_pieces(directory)
+    wanted: dict[tuple[str, str], list[tuple[dict[str, Any], torch.Tensor]]] = defaultdict(list)
+    for path, d in describe_state(state, placements).items():
+        part, key = path.split("/", 1)
+        if d.get("undescribed"):
+            raise CheckpointError(f"{directory}: this run's {path} has no description of its place in the full "
+                                  "tensor, so it cannot be re-sharded into: resume in the checkpoint's layout")
+        wanted[(d["name"], d["field"])].append((d, state[part][key]))
+    for (name, field), targets in wanted.items():
+        pieces = _source(saved, name, field)
+        if pieces is None:
+            raise CheckpointError(f"{directory}: holds no {field} for parameter {name} (another model?)")
+        full = _assemble(directory, pieces)
+        for d, target in targets:
+            if field == "step":
+                target.copy_(full)
+                continue
+            if list(full.shape) != d["full_shape"]:
+                raise CheckpointError(f"{directory}: {name} was saved with shape {list(full.shape)}, this model "
+                                      f"has {d['full_shape']}")
+            local = full
+            if d["tp_dim"] is not None:
+                size = d["full_shape"][d["tp_dim"]] // d["tp_parts"]
+                local = full.narrow(d["tp_dim"], d["tp_index"] * size, size)
+            target.copy_(local.reshape(-1)[d["lo"]: d["hi"]].view(target.shape))

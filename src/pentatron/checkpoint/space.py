@@ -1,0 +1,73 @@
+"""Will the checkpoints fit? The predicted size of one checkpoint, and the checkpoint directory's
+writability and free space, checked before any step (preflight) instead of at the first save.
+
+A checkpoint holds, per parameter, the model's copy (fp32, or bf16 with an fp32 master beside it) and
+AdamW's two fp32 moments; each rank writes its part, so the total does not depend on the layout (a
+tied embedding held by two pipeline stages is written twice, which the margin absorbs). DCP metadata,
+meta.json and the manifest are small.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+_MARGIN = 1.05  # metadata, a duplicated tied embedding, file-system blocks
+
+
+def predicted_checkpoint_bytes(num_params: int, param_dtype: torch.dtype) -> int:
+    per_param = 4 + 4 + 4  # the fp32 values (model or master) and AdamW's exp_avg, exp_avg_sq
+    if param_dtype != torch.float32:
+        per_param += torch.finfo(param_dtype).bits // 8  # the low-precision model copy beside the master
+    return int(num_params * per_param * _MARGIN)
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def writable_problem(root: Path) -> str | None:
+    """Try what a save does (create a directory and a file in it); root ignores permission bits, so
+    `os.access` is not enough."""
+    base = root if root.is_dir() else _existing_ancestor(root)
+    probe = base / f".pentatron-write-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        probe.mkdir()
+        (probe / "f").write_bytes(b"x")
+    except OSError as e:
+        return (f"checkpoint.dir {str(root)!r} is not writable ({e.strerror} at {base}); fix its permissions or "
+                "choose another checkpoint.dir")
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+    return None
+
+
+def space_problem(root: Path, keep: int, checkpoint_bytes: int, slots: int | None = None) -> str | None:
+    """(keep + 1) checkpoints must fit: `keep` kept plus the one being written before the oldest goes;
+    `slots`: how many of those still need room (fewer when a resumed run's checkpoints are there)."""
+    base = root if root.is_dir() else _existing_ancestor(root)
+    free = shutil.disk_usage(base).free
+    need = (keep + 1 if slots is None else max(slots, 1)) * checkpoint_bytes
+    if free >= need:
+        return None
+    return (f"checkpoint.dir {str(root)!r} has {_gb(free)} free but {_gb(need)} is needed: (checkpoint.keep + 1) "
+            f"checkpoints of {_gb(checkpoint_bytes)} (predicted for this model); free space, lower "
+            "checkpoint.keep, or choose another checkpoint.dir")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+def directory_problems(root: Path, keep: int, checkpoint_bytes: int, slots: int | None = None) -> list[str]:
+    problem = writable_problem(root)
+    if problem is None:
+        problem = space_problem(root, keep, checkpoint_bytes, slots)
+    return [problem] if problem else []
+

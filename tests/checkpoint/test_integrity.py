@@ -1,0 +1,111 @@
+"""Each kind of checkpoint damage from the issue gives one clear line naming the file and exit code 2
+(truncated shard, deleted file, edited meta.json, one flipped bit, another model shape); with
+checkpoint.fallback=true the run resumes from the previous good checkpoint instead; DCP's own
+failures (a BaseException) become the same kind of error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pentatron.checkpoint.errors import CheckpointError
+from pentatron.checkpoint.store import CheckpointStore
+from pentatron.cli import main
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "debug.toml")
+
+
+def _flags(tmp: Path, dataset: Path, ck: Path, *extra: str) -> list[str]:
+    return [CONFIG, f"--set=data.path={json.dumps(str(dataset))}", f"--set=log.dir={json.dumps(str(tmp / 'runs'))}",
+            "--set=log.progress=false", "--set=log.tensorboard=false", "--set=train.steps=2",
+            "--set=checkpoint.every=1", f"--set=checkpoint.dir={json.dumps(str(ck))}", *extra]
+
+
+@pytest.fixture(scope="module")
+def pristine(default_dataset, tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("integrity")
+    ck = tmp / "ck"
+    assert main(["train", *_flags(tmp, default_dataset, ck)]) == 0
+    assert (ck / "latest").read_text() == "step_00000002" and (ck / "step_00000001").is_dir()
+    return ck
+
+
+def _shard(ck: Path) -> Path:
+    return next((ck / "step_00000002").glob("*.distcp"))
+
+
+def _truncate(ck: Path) -> str:
+    f = _shard(ck)
+    f.write_bytes(f.read_bytes()[:-100])
+    return f.name
+
+
+def _delete(ck: Path) -> str:
+    (ck / "step_00000002" / ".metadata").unlink()
+    return ".metadata"
+
+
+def _edit_meta(ck: Path) -> str:
+    meta = ck / "step_00000002" / "meta.json"
+    meta.write_text(meta.read_text().replace('"step": 2', '"step": 7'))
+    return "meta.json"
+
+
+def _flip_bit(ck: Path) -> str:
+    f = _shard(ck)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    f.write_bytes(bytes(data))
+    return f.name
+
+
+DAMAGE = {"truncated shard": (_truncate, "truncated"), "deleted file": (_delete, "missing"),
+          "edited meta": (_edit_meta, "checksum"), "flipped bit": (_flip_bit, "checksum")}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_damage_is_one_line_naming_the_file_and_exit_2(pristine, tmp_path, default_dataset, capsys, kind):
+    ck = tmp_path / "ck"
+    shutil.copytree(pristine, ck)
+    damage, words = DAMAGE[kind]
+    name = damage(ck)
+    assert main(["train", *_flags(tmp_path, default_dataset, ck, "--set=train.steps=3")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert name in err and "step_00000002" in err and words in err and "checkpoint.fallback=true" in err, err
+
+
+def test_another_model_shape_is_refused_naming_the_field(pristine, tmp_path, default_dataset, capsys):
+    ck = tmp_path / "ck"
+    shutil.copytree(pristine, ck)
+    assert main(["train", *_flags(tmp_path, default_dataset, ck, "--set=model.n_layers=1")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and "n_layers" in err and "step_00000002" in err, err
+
+
+def test_fallback_resumes_from_the_previous_good_checkpoint_only_when_asked(pristine, tmp_path, default_dataset,
+                                                                               capsys):
+    ck = tmp_path / "ck"
+    shutil.copytree(pristine, ck)
+    _flip_bit(ck)
+    flags = _flags(tmp_path, default_dataset, ck, "--set=train.steps=3", "--set=checkpoint.keep=5")
+    assert main(["train", *flags, "--set=checkpoint.fallback=true"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped damaged checkpoint" in out and "resumed from" in out and "step_00000001" in out, out
+    assert (ck / "latest").read_text() == "step_00000003"
+    assert json.loads((ck / "step_00000002-r1" / "meta.json").read_text())["step"] == 2  # redone, not overwritten
+
+
+def test_dcp_failures_become_one_line_checkpoint_errors(tmp_path):
+    store = CheckpointStore(tmp_path)
+    path = store.save(1, {"w": torch.ones(64)}, {"step": 1})
+    shard = next(path.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    with pytest.raises(CheckpointError) as info:
+        store.load(path, {"w": torch.zeros(64)})
+    msg = str(info.value)
+    assert str(path) in msg and "\n" not in msg, msg

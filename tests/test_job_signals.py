@@ -1,0 +1,115 @@
+"""The job is one unit (real processes, real signals, checked by PID): SIGTERM to `pentatron train
+--nproc 2` stops every rank and exits 143; a SIGKILLed launcher takes its ranks with it
+(PR_SET_PDEATHSIG); while a job runs, a second job on its checkpoint directory is refused naming the
+holder's pid; after the kill the directory can be used again (the lock died with rank 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launchers import ROOT, _env, pentatron_nproc
+
+CONFIG = str(ROOT / "configs" / "debug.toml")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for p in pids:
+        try:
+            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(p)
+    return alive
+
+
+def _flags(tmp: Path, dataset: Path) -> list[str]:
+    return [CONFIG, f"--set=data.path={json.dumps(str(dataset))}", f"--set=log.dir={json.dumps(str(tmp / 'runs'))}",
+            "--set=log.progress=false", "--set=log.tensorboard=false", "--set=train.steps=100000",
+            "--set=checkpoint.every=1000", f"--set=checkpoint.dir={json.dumps(str(tmp / 'ck'))}"]
+
+
+def _start_training(tmp: Path, dataset: Path) -> tuple[subprocess.Popen, list[int]]:
+    """The launcher and its 2 ranks, once they are training (a step has been logged)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    launcher = subprocess.Popen([sys.executable, "-m", "pentatron.cli", "train", *_flags(tmp, dataset), "--nproc=2"],
+                                cwd=tmp, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if list((tmp / "runs").rglob("metrics.jsonl")) and any(
+                f.stat().st_size for f in (tmp / "runs").rglob("metrics.jsonl")):
+            ranks = _children(launcher.pid)
+            if len(ranks) == 2:
+                return launcher, ranks
+        if launcher.poll() is not None:
+            break
+        time.sleep(0.5)
+    launcher.kill()
+    raise AssertionError(f"the job did not start training: {launcher.communicate()[0][-3000:]}")
+
+
+def _wait_gone(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _alive(pids)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux-only")
+def test_sigterm_stops_every_rank_and_a_second_job_is_refused_meanwhile(tmp_path, default_dataset):
+    launcher, ranks = _start_training(tmp_path / "a", default_dataset)
+    try:
+        second = pentatron_nproc(_flags(tmp_path / "a", default_dataset), 2, tmp_path / "b", timeout=240)
+        assert second.codes == [2] and "in use by another job" in second.output, second.output[-2000:]
+        assert "pid " in second.output and "Traceback" not in second.output
+        launcher.send_signal(signal.SIGTERM)
+        out, _ = launcher.communicate(timeout=60)
+        assert launcher.returncode == 143, out[-2000:]
+        assert "stopped by SIGTERM" in out
+        assert _wait_gone(ranks, 10) == []
+    finally:
+        for p in _alive(ranks):
+            os.kill(p, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux-only")
+def test_a_killed_launcher_leaves_no_rank_behind_and_frees_the_directory(tmp_path, default_dataset):
+    launcher, ranks = _start_training(tmp_path / "a", default_dataset)
+    try:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        assert _wait_gone(ranks, 10) == [], "ranks outlived their SIGKILLed launcher"
+        from pentatron.checkpoint.lock import probe
+
+        # The kernel drops a dead process's flock when its file is finally released, which can trail the
+        # process's exit by a moment on a loaded machine.
+        deadline = time.monotonic() + 10
+        while probe(tmp_path / "a" / "ck") is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert probe(tmp_path / "a" / "ck") is None
+    finally:
+        for p in _alive(ranks):
+            os.kill(p, signal.SIGKILL)
