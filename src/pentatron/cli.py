@@ -87,7 +87,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         add_plan_parser(sub)
         add_bench_parser(sub)
         return parser
-    from pentatron.checkpoint.cli import add_checkpoint_parser
+    from pentatron.checkpoint_cli import add_checkpoint_parser
     from pentatron.data.tokenize import add_tokenize_parser
     from pentatron.demo import add_demo_parser
     from pentatron.generate import add_generate_parser

@@ -1,6 +1,6 @@
 """The whole model of a checkpoint of any layout, assembled from the pieces each rank described
 (`reshard.py`), so ZeRO and tensor parallelism together are fine. Used by `pentatron checkpoint
-export-hf` (`checkpoint/cli.py`) and `pentatron generate`.
+export-hf` (`checkpoint_cli.py`) and `pentatron generate`.
 """
 
 from __future__ import annotations
