@@ -1,6 +1,7 @@
 """Resume into another layout (and another number of processes): 3 steps + save in one layout, then
 resume to step 6 in another — dp2 ZeRO-1 → tp2×pp2, tp2 → dp4 ZeRO-3, pp2 → 1 process, and out of and into
-context parallelism (cp2 ZeRO-1 → dp4 ZeRO-2, dp2 → cp2 Ulysses × dp2 ZeRO-3). The six losses
+context parallelism (cp2 ZeRO-1 → dp4 ZeRO-2, dp2 → cp2 Ulysses × dp2 ZeRO-3), and the 8-rank
+dp2 × tp2 × pp2 ZeRO-2 (SP) → dp4 ZeRO-3. The six losses
 match an uninterrupted 1-process run within 1e-5, every step reads exactly the same global samples,
 and the final parameters match. Model and optimizer state (exp_avg, exp_avg_sq, step) are re-sharded
 from the pieces' descriptions (checkpoint/reshard.py)."""
@@ -25,6 +26,8 @@ MOVES = {
     "cp2 ring zero1 -> dp4 zero2": (2, ["parallel.cp=2", "parallel.zero=1"], 4, ["parallel.dp=4", "parallel.zero=2"]),
     "dp2 -> cp2 ulysses x dp2 zero3": (2, ["parallel.dp=2"], 4, ["parallel.dp=2", "parallel.cp=2",
                                                                 "parallel.cp_mode='ulysses'", "parallel.zero=3"]),
+    "dp2 tp2 pp2 zero2 -> dp4 zero3": (8, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.sp=true",
+                                           "parallel.zero=2"], 4, ["parallel.dp=4", "parallel.zero=3"]),
 }
 STEPS, SAVED_AT = 6, 3
 _TIED = {"lm_head.weight": "embed.weight", "embed.weight": "lm_head.weight"}
@@ -96,6 +99,7 @@ def runs(default_dataset, tmp_path_factory) -> dict[str, Any]:
     data = str(default_dataset)
     reference = _merge([{"ref": _train(1, root, data, "ref", STEPS, [], None)}])["ref"]
     sources = _merge(run_ranks(_source_ranks, 2, args=(data, root), timeout=600))
+    sources.update(_merge(run_ranks(_source_ranks, 8, args=(data, root), timeout=600)))
     targets = _merge(run_ranks(_target_ranks, 4, args=(data, root), timeout=600))
     targets.update(_merge([_target_ranks(0, 1, data, root)]))
     return {"reference": reference, "sources": sources, "targets": targets}
