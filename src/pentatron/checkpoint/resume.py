@@ -52,7 +52,8 @@ def model_mismatch(path: Path, meta: dict[str, Any], model: dict[str, Any]) -> s
     if not isinstance(saved, dict):
         return None  # very old checkpoints did not record it
     current = json.loads(json.dumps(model))  # tuples → lists, as saved
-    changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    # The shape decides; the name is a label (an imported Hugging Face model has none of ours).
+    changed = sorted(k for k in set(saved) | set(current) if k != "name" and saved.get(k) != current.get(k))
     if not changed:
         return None
     return (f"{path / 'meta.json'}: the checkpoint holds another model "

@@ -256,6 +256,7 @@ class Trainer:
         self.runner.after_load()
         self.store.continue_lineage(latest, meta)
         self.step = meta["step"]
-        self.loader.load_state_dict(meta["loader"])
+        if meta.get("loader") is not None:  # None: imported weights (`checkpoint import-hf`), no data read yet
+            self.loader.load_state_dict(meta["loader"])
         if self.rank == 0:
             print(f"pentatron: resumed from {latest} at step {self.step}", flush=True)

@@ -1,0 +1,52 @@
+"""`pentatron checkpoint import-hf`: a Hugging Face Llama directory (built here, never downloaded) becomes a
+step-0 checkpoint that `pentatron train` resumes from in another layout (1 process with ZeRO-3: the
+re-sharded path) — the run's parameters before its first step are bitwise the Hugging Face weights,
+and training goes on from them. A non-empty target directory is refused with exit code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pentatron.cli import main
+from pentatron.config import load_config
+from pentatron.models.hf import hf_to_pentatron_name
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_debug_model(d: Path) -> dict[str, np.ndarray]:
+    """A random HF Llama of the `debug` registry shape, saved to `d`; its weights under our names."""
+    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True)
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(d, safe_serialization=True)
+    return {hf_to_pentatron_name(n): p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def test_an_imported_hugging_face_model_is_where_training_starts(default_dataset, tmp_path, capsys):
+    from pentatron.train.trainer import Trainer
+
+    weights = _hf_debug_model(tmp_path / "hf")
+    ck = tmp_path / "ck"
+    assert main(["checkpoint", "import-hf", str(tmp_path / "hf"), str(ck)]) == 0
+    assert "step 0" in capsys.readouterr().out
+    cfg = load_config(None, ["train.steps=2", "train.seq_len=32", "train.micro_batch=2", "train.global_batch=2",
+                             "train.warmup=1", "train.peak_tflops=1.0", "parallel.zero=3", "log.progress=false",
+                             "log.tensorboard=false", f"log.dir={json.dumps(str(tmp_path / 'log'))}",
+                             f"checkpoint.dir={json.dumps(str(ck))}"])
+    trainer = Trainer(cfg, dataset_dir=Path(default_dataset))
+    assert trainer.step == 0
+    for name, value in trainer.runner.full_parameters().items():
+        np.testing.assert_array_equal(value.numpy(), weights[name], err_msg=name)
+    records = trainer.fit()
+    trainer.engine.close()
+    assert [r["step"] for r in records] == [1, 2] and all(np.isfinite(r["loss"]) for r in records)
+    assert main(["checkpoint", "import-hf", str(tmp_path / "hf"), str(ck)]) == 2
+    assert "is not empty" in capsys.readouterr().err
