@@ -4,8 +4,8 @@
     → activation checkpointing → compile → data parallel / ZeRO → step runner
 
 `ParallelLayout.problems`/`unsupported` refuse what cannot run before any process group starts, and
-again here. Each step records what it did to every
-parameter in that parameter's `Placement` (by name), which the later steps and the step runner read.
+again here. Each step records what it did to every parameter in that parameter's `Placement` (by
+name), which the later steps and the step runner read.
 """
 
 from __future__ import annotations
