@@ -146,49 +146,27 @@ def scatter_sequence(x: torch.Tensor, comm: Comm, dim: str = "tp", seq_dim: int 
     return _ScatterSequence.apply(x, comm, dim, seq_dim)
 
 
-def _all_to_all(x: torch.Tensor, comm: Comm, dim: str, split: int, concat: int) -> torch.Tensor:
+def _exchange_chunks(x: torch.Tensor, comm: Comm, dim: str, split: int, concat: int) -> torch.Tensor:
     """Split `x` into N chunks along axis `split`, send chunk r to group rank r, and concatenate what
-    arrives along axis `concat` in rank order."""
+    arrives along axis `concat` in rank order: `all_to_all` with one equal row per rank, between two
+    rearrangements that autograd reverses."""
     n = comm.ctx.size(dim)
     if n == 1:
         return x
     if x.shape[split] % n:
         raise ValueError(f"all-to-all over {dim} (size {n}): axis {split} has {x.shape[split]} entries, "
                          f"not divisible by {n}")
-    chunks = x.unflatten(split, (n, x.shape[split] // n)).movedim(split, 0).contiguous()
-    out = torch.empty_like(chunks)
-    comm.all_to_all(out, chunks, dim)
+    chunks = x.unflatten(split, (n, x.shape[split] // n)).movedim(split, 0)
+    out = all_to_all(chunks.reshape(n, -1), [1] * n, [1] * n, comm, dim).view(chunks.shape)
     return out.movedim(0, concat).flatten(concat, concat + 1)
-
-
-class _SeqToHeads(Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: str) -> torch.Tensor:
-        ctx.comm, ctx.dim = comm, dim
-        return _all_to_all(x, comm, dim, split=2, concat=1)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_to_all(grad, ctx.comm, ctx.dim, split=1, concat=2), None, None
-
-
-class _HeadsToSeq(Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: str) -> torch.Tensor:
-        ctx.comm, ctx.dim = comm, dim
-        return _all_to_all(x, comm, dim, split=1, concat=2)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_to_all(grad, ctx.comm, ctx.dim, split=2, concat=1), None, None
 
 
 def seq_to_heads(x: torch.Tensor, comm: Comm, dim: str) -> torch.Tensor:
     """[b, s/N, H, d] sequence-sharded → [b, s, H/N, d] head-sharded (rank r keeps heads chunk r; the
     sequence is the group's chunks in rank order)."""
-    return _SeqToHeads.apply(x, comm, dim)
+    return _exchange_chunks(x, comm, dim, split=2, concat=1)
 
 
 def heads_to_seq(x: torch.Tensor, comm: Comm, dim: str) -> torch.Tensor:
     """The inverse of `seq_to_heads`: [b, s, H/N, d] → [b, s/N, H, d]."""
-    return _HeadsToSeq.apply(x, comm, dim)
+    return _exchange_chunks(x, comm, dim, split=1, concat=2)
