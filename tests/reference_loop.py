@@ -31,6 +31,14 @@ def cosine_lr(step: int, *, lr: float, warmup: int, steps: int, min_ratio: float
     return lr * min_ratio + (lr - lr * min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
 
+def adamw(named: list[tuple[str, torch.nn.Parameter]], *, lr: float, eps: float, weight_decay: float
+          ) -> torch.optim.AdamW:
+    """torch's AdamW with the trainer's grouping: weight decay on matrices, none on norm gains."""
+    groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=eps)
+
+
 def reference_run(dataset_dir: Path, *, model: str = "debug", steps: int, seq_len: int, global_batch: int,
                   lr: float, eps: float, warmup: int, clip: float = 1.0, weight_decay: float = 0.1,
                   min_ratio: float = 0.1, seed: int = 0, n_layers: int | None = None) -> dict[str, Any]:
@@ -42,9 +50,7 @@ def reference_run(dataset_dir: Path, *, model: str = "debug", steps: int, seq_le
         cfg = dataclasses.replace(cfg, n_layers=n_layers)
     net = build_model(cfg, seed=seed)
     named = list(net.named_parameters())
-    groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
-              {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=eps)
+    opt = adamw(named, lr=lr, eps=eps, weight_decay=weight_decay)
     loader = TokenLoader(TokenDataset(dataset_dir), seq_len=seq_len, micro_batch=global_batch,
                          global_batch=global_batch, seed=seed)
     out: dict[str, Any] = {"losses": [], "norms": [], "grads": {}}

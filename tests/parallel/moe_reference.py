@@ -18,7 +18,7 @@ from pentatron.data.loader import TokenDataset, TokenLoader
 from pentatron.models.llama import build_model
 from pentatron.models.moe import finish_step, moe_layers, set_aux_loss_scale
 from pentatron.models.registry import get_model_config
-from tests.reference_loop import _clip_grad_norm, cosine_lr
+from tests.reference_loop import _clip_grad_norm, adamw, cosine_lr
 
 
 def moe_reference_run(dataset_dir: Path, *, model: str, steps: int, seq_len: int, global_batch: int,
@@ -27,9 +27,7 @@ def moe_reference_run(dataset_dir: Path, *, model: str, steps: int, seq_len: int
     torch.manual_seed(seed)
     net = build_model(get_model_config(model), seed=seed)
     named = list(net.named_parameters())
-    groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
-              {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=eps)
+    opt = adamw(named, lr=lr, eps=eps, weight_decay=weight_decay)
     loader = TokenLoader(TokenDataset(dataset_dir), seq_len=seq_len, micro_batch=micro_batch,
                          global_batch=global_batch, seed=seed)
     chunks = global_batch // micro_batch
