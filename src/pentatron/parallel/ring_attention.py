@@ -84,17 +84,21 @@ class _RingExchange:
             w.wait()
 
 
+def _geometry(q: torch.Tensor, k: torch.Tensor, comm: Comm, dim: str
+              ) -> tuple[int, int, _RingExchange, int, int, float, torch.dtype]:
+    """(ring size, rank, exchange, query heads per kv head, chunk length, softmax scale, accumulator dtype)."""
+    return (comm.ctx.size(dim), comm.ctx.local_rank(dim), _RingExchange(comm, dim), q.shape[1] // k.shape[1],
+            q.shape[2] // 2, q.shape[3] ** -0.5, torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
 class _RingAttention(Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, dim: str,
                 kernel: BlockKernel, count: AttentionCount | None) -> torch.Tensor:
-        r, i = comm.ctx.size(dim), comm.ctx.local_rank(dim)
-        ring = _RingExchange(comm, dim)
-        b, h, s, d = q.shape
-        groups, c, scale = h // k.shape[1], s // 2, d ** -0.5
-        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        out = torch.zeros(b, h, s, d, dtype=acc_dtype, device=q.device)
-        lse = torch.full((b, h, s), float("-inf"), dtype=acc_dtype, device=q.device)
+        r, i, ring, groups, c, scale, acc_dtype = _geometry(q, k, comm, dim)
+        b, h = q.shape[:2]
+        out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc_dtype, device=q.device)
         kv = torch.stack([k, v]).contiguous()  # one message per step
         for t in range(r):
             pending = ring.start(kv) if t < r - 1 else None  # the next block is on its way while we compute
@@ -123,11 +127,7 @@ class _RingAttention(Function):
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         comm, dim, kernel = ctx.comm, ctx.dim, ctx.kernel
-        r, i = comm.ctx.size(dim), comm.ctx.local_rank(dim)
-        ring = _RingExchange(comm, dim)
-        b, h, s, d = q.shape
-        groups, c, scale = h // k.shape[1], s // 2, d ** -0.5
-        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        r, i, ring, groups, c, scale, acc_dtype = _geometry(q, k, comm, dim)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         kv = torch.stack([k, v]).contiguous()
