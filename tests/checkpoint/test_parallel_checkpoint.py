@@ -86,6 +86,7 @@ def _rank_fn(rank: int, world: int, dataset: str, root: str) -> dict[str, Any]:
         except RuntimeError as e:
             reshard_error = str(e)
         # ...unless it was written before pieces were described: then it is refused, naming both layouts.
+        dist.barrier()  # every rank is done reading the checkpoint (a refusal returns without a collective)
         if rank == 0:
             _make_legacy(Path(root), label)
         dist.barrier()
