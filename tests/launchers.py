@@ -35,11 +35,16 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**env, **(extra or {})}
 
 
-def pentatron_nproc(args: list[str], nproc: int, cwd: Path, timeout: float = 300) -> Outcome:
+def pentatron(args: list[str], cwd: Path, timeout: float = 300) -> Outcome:
+    """`pentatron <args>` as a user runs it, in `cwd`."""
     cwd.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([PY, "-m", "pentatron.cli", "train", *args, f"--nproc={nproc}"], cwd=cwd,
-                          env=_env(), capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run([PY, "-m", "pentatron.cli", *args], cwd=cwd, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
     return Outcome([done.returncode], done.stdout + done.stderr)
+
+
+def pentatron_nproc(args: list[str], nproc: int, cwd: Path, timeout: float = 300) -> Outcome:
+    return pentatron(["train", *args, f"--nproc={nproc}"], cwd, timeout)
 
 
 def outer_torchrun(args: list[str], nproc: int, cwd: Path, timeout: float = 300) -> Outcome:

@@ -44,16 +44,17 @@ def _alive(pids: list[int]) -> list[int]:
     return alive
 
 
-def _flags(tmp: Path, dataset: Path) -> list[str]:
-    return [CONFIG, f"--set=data.path={json.dumps(str(dataset))}", f"--set=log.dir={json.dumps(str(tmp / 'runs'))}",
+def _flags(tmp: Path, dataset: Path, *extra: str) -> list[str]:
+    return [CONFIG, *extra, f"--set=data.path={json.dumps(str(dataset))}", f"--set=log.dir={json.dumps(str(tmp / 'runs'))}",
             "--set=log.progress=false", "--set=log.tensorboard=false", "--set=train.steps=100000",
             "--set=checkpoint.every=1000", f"--set=checkpoint.dir={json.dumps(str(tmp / 'ck'))}"]
 
 
-def _start_training(tmp: Path, dataset: Path) -> tuple[subprocess.Popen, list[int]]:
+def _start_training(tmp: Path, dataset: Path, *extra: str) -> tuple[subprocess.Popen, list[int]]:
     """The launcher and its 2 ranks, once they are training (a step has been logged)."""
     tmp.mkdir(parents=True, exist_ok=True)
-    launcher = subprocess.Popen([sys.executable, "-m", "pentatron.cli", "train", *_flags(tmp, dataset), "--nproc=2"],
+    launcher = subprocess.Popen([sys.executable, "-m", "pentatron.cli", "train", *_flags(tmp, dataset, *extra),
+                                 "--nproc=2"],
                                 cwd=tmp, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
@@ -88,6 +89,31 @@ def test_sigterm_stops_every_rank_and_a_second_job_is_refused_meanwhile(tmp_path
         assert launcher.returncode == 143, out[-2000:]
         assert "stopped by SIGTERM" in out
         assert _wait_gone(ranks, 10) == []
+    finally:
+        for p in _alive(ranks):
+            os.kill(p, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux-only")
+def test_sigterm_with_save_on_sigterm_saves_the_last_step_then_exits_143(tmp_path, default_dataset):
+    from pentatron.checkpoint import manifest
+
+    launcher, ranks = _start_training(tmp_path / "a", default_dataset, "--set=checkpoint.save_on_sigterm=true")
+    try:
+        launcher.send_signal(signal.SIGTERM)
+        out, _ = launcher.communicate(timeout=60)
+        assert launcher.returncode == 143, out[-2000:]
+        assert _wait_gone(ranks, 10) == []
+        assert out.count("stopped by SIGTERM after step") == 1, out[-2000:]
+        step = int(out.split("stopped by SIGTERM after step ")[1].split(",")[0])
+        ck = tmp_path / "a" / "ck"
+        latest = ck / (ck / "latest").read_text()
+        manifest.verify(latest)  # complete and intact
+        assert json.loads((latest / "meta.json").read_text())["step"] == step
+        (metrics,) = [m for m in (tmp_path / "a" / "runs").rglob("metrics.jsonl") if m.parent.name != "latest"]
+        assert json.loads(metrics.read_text().splitlines()[-1])["step"] == step  # the saved step is the last run
     finally:
         for p in _alive(ranks):
             os.kill(p, signal.SIGKILL)

@@ -1,4 +1,6 @@
-"""`pentatron checkpoint export-hf CKPT OUT`: a training checkpoint of any layout as a Hugging Face Llama
+"""`pentatron checkpoint convert SRC DST [CONFIG] --nproc N --to-layout tp=2,pp=2`: a checkpoint re-written
+in another parallel layout by the ranks of that layout (`train/convert.py`). `pentatron checkpoint
+export-hf CKPT OUT`: a training checkpoint of any layout as a Hugging Face Llama
 directory (config.json + safetensors) that `transformers` loads; the export itself is
 `models/hf.export_hf` (atomic, sharded above --max-shard-size). `pentatron checkpoint import-hf HF CKPT`:
 the reverse, a step-0 checkpoint (`checkpoint/import_hf.py`)."""
@@ -6,6 +8,7 @@ the reverse, a step-0 checkpoint (`checkpoint/import_hf.py`)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -15,8 +18,23 @@ from pentatron.checkpoint.errors import CheckpointError
 def add_checkpoint_parser(subparsers: argparse._SubParsersAction) -> None:
     from pentatron.models.hf import _DTYPES
 
-    p = subparsers.add_parser("checkpoint", help="training checkpoints to and from Hugging Face")
+    p = subparsers.add_parser("checkpoint", help="training checkpoints: another layout, to and from Hugging Face")
     sub = p.add_subparsers(dest="action", required=True)
+    cv = sub.add_parser("convert", help="re-write a checkpoint in another parallel layout (any number of processes)",
+                        description="Load SRC (any layout) with the ranks of the target layout and save it into DST "
+                                    "at the same step, data position and lineage; `pentatron train` in that layout "
+                                    "with checkpoint.dir=DST then continues the run. Give the run's CONFIG (its "
+                                    "model, batch and precision settings); the target layout is CONFIG's parallel "
+                                    "section changed by --to-layout / --set.")
+    cv.add_argument("src", type=Path, metavar="SRC", help="checkpoint.dir of a run (its latest) or one step_XXXXXXXX")
+    cv.add_argument("dst", type=Path, metavar="DST", help="a new (empty) checkpoint directory")
+    cv.add_argument("config", nargs="?", help="the run's TOML config (default: built-in defaults)")
+    cv.add_argument("--to-layout", default="", metavar="K=V,...",
+                    help="the target layout's parallel settings, e.g. dp=2,tp=2,pp=2,zero=1 (keys of [parallel])")
+    cv.add_argument("--nproc", type=int, default=None,
+                    help="local processes = the target layout's world size (default 1; not under torchrun/srun)")
+    cv.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    cv.set_defaults(func=run_convert, dotted_overrides=True)
     ex = sub.add_parser("export-hf", help="write a checkpoint (any layout) as a Hugging Face Llama directory",
                         description="Assemble the full model from a training checkpoint written in any parallel "
                                     "layout and write config.json + safetensors that transformers loads.")
@@ -33,6 +51,42 @@ def add_checkpoint_parser(subparsers: argparse._SubParsersAction) -> None:
     im.add_argument("hf_dir", type=Path, metavar="HF_DIR")
     im.add_argument("ckpt_dir", type=Path, metavar="CKPT_DIR", help="a new (empty) checkpoint directory")
     im.set_defaults(func=run_import_hf)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from pentatron.config import ConfigError, load_config
+    from pentatron.distributed.launch import launch_local_ranks, launched_world_size
+    from pentatron.preflight import convert_problems
+    from pentatron.runner import input_error, nproc_problem, problems_error, run_in_this_process, stop_all_ranks
+    from pentatron.train.convert import convert_checkpoint
+
+    layout = [kv.strip() for kv in args.to_layout.split(",") if kv.strip()]
+    bad = [kv for kv in layout if "=" not in kv or "." in kv.split("=", 1)[0]]
+    if bad:
+        return input_error(f"--to-layout {args.to_layout!r}: expected KEY=VALUE pairs of [parallel] separated by "
+                           f"commas (e.g. dp=2,tp=2,zero=1), got {', '.join(bad)}")
+    overrides = [f"parallel.{kv}" for kv in layout] + list(args.overrides) + list(args.dotted)
+    # DST is a new checkpoint directory of the converted run (never resumed into, never beside another run).
+    overrides += [f"checkpoint.dir={json.dumps(str(args.dst))}", "checkpoint.resume=false",
+                  "checkpoint.force_new=false"]
+    outer = launched_world_size()
+    problem = nproc_problem(args.nproc, outer)
+    if problem:
+        return input_error(problem)
+    world = outer or args.nproc or 1
+    try:
+        cfg = load_config(args.config, overrides, world_size=world)
+    except ConfigError as e:
+        return stop_all_ranks([str(e)]) if outer is not None and outer > 1 else input_error(str(e))
+    if outer is None and world > 1:
+        problems = convert_problems(cfg, args.src, world, rank=0)
+        if problems:
+            return problems_error(problems)
+        argv = ["checkpoint", "convert", str(args.src), str(args.dst), *([args.config] if args.config else []),
+                *[f"--set={o}" for o in overrides]]
+        return launch_local_ranks(world, argv)
+    return run_in_this_process(cfg, lambda rank, w: convert_problems(cfg, args.src, w, rank),
+                               lambda rank, verdict: convert_checkpoint(cfg, args.src), measure_peak=False)
 
 
 def run_export_hf(args: argparse.Namespace) -> int:

@@ -40,7 +40,7 @@ def _add_train_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_train(args: argparse.Namespace) -> int:
     from pentatron.config import ConfigError, load_config
     from pentatron.distributed.launch import launched_world_size
-    from pentatron.runner import launch, stop_all_ranks, train_in_this_process
+    from pentatron.runner import launch, nproc_problem, stop_all_ranks, train_in_this_process
 
     overrides = list(args.overrides) + list(args.dotted)
     if args.force_new:
@@ -48,11 +48,9 @@ def run_train(args: argparse.Namespace) -> int:
     if args.peak_tflops is not None:
         overrides.append(f"train.peak_tflops={args.peak_tflops}")
     outer = launched_world_size()
-    if outer is not None and (args.nproc not in (None, outer) or args.nnodes != 1):
-        return _input_error(f"--nproc/--nnodes conflict with the outer launcher's WORLD_SIZE={outer}; "
-                            "drop them under torchrun/srun")
-    if args.nproc is not None and args.nproc < 1:
-        return _input_error(f"--nproc must be ≥ 1, got {args.nproc}")
+    problem = nproc_problem(args.nproc, outer, args.nnodes)
+    if problem:
+        return _input_error(problem)
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         return _input_error(f"--node-rank must be within 0 … --nnodes-1, got --nnodes {args.nnodes} "
                             f"--node-rank {args.node_rank}")
@@ -130,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     rest, dotted = _split_dotted(argv)
     args = build_parser(rest[0] if rest else None).parse_args(rest)
     args.dotted = dotted
-    if dotted and args.command != "train":
-        return _input_error(f"{' '.join('--' + d for d in dotted)}: dotted config flags apply to `train` only")
+    if dotted and not getattr(args, "dotted_overrides", args.command == "train"):
+        return _input_error(f"{' '.join('--' + d for d in dotted)}: dotted config flags apply to `train` and "
+                            "`checkpoint convert` only")
     return args.func(args)
 
 

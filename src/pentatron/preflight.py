@@ -128,6 +128,33 @@ def checkpoint_problems(cfg: Config, world_size: int) -> list[str]:
     return problems
 
 
+def convert_problems(cfg: Config, src: Path, world_size: int, rank: int) -> list[str]:
+    """`checkpoint convert`: the device, SRC holding a checkpoint (a checkpoint.dir with `latest`, or one step
+    directory) that no running job is writing (rank 0 looks), and checkpoint.dir (the destination) new,
+    writable and with room."""
+    from pentatron.checkpoint.lineage import complete_checkpoints, latest_name
+    from pentatron.checkpoint.lock import probe
+
+    dst = Path(cfg.checkpoint.dir)
+    problems = device_problems(cfg)
+    if not src.is_dir():
+        problems.append(f"{src}: no such checkpoint directory")
+    elif not (src / "meta.json").is_file() and latest_name(src) is None:
+        problems.append(f"{src}: holds no checkpoint (neither a `latest` pointer nor a step directory's meta.json)")
+    elif src.resolve() == dst.resolve() or src.resolve() in dst.resolve().parents:
+        problems.append(f"the destination {dst} must be a new directory outside {src}")
+    elif rank == 0:
+        found = probe(src)
+        problems += [f"{found} (the source of the conversion)"] if found else []
+    if dst.is_dir() and (complete_checkpoints(dst) or latest_name(dst) is not None):
+        problems.append(f"the destination {dst} already holds checkpoints; give a new (or empty) directory")
+    elif dst.exists() and not dst.is_dir():
+        problems.append(f"the destination {dst} is a file, not a directory")
+    else:
+        problems += storage_problems(cfg, dst)
+    return problems
+
+
 def storage_problems(cfg: Config, root: Path) -> list[str]:
     """checkpoint.dir writable, with room for (keep + 1) checkpoints of the predicted size — the ones
     a resume continues count as already paid for."""

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,8 +57,39 @@ def refresh_cpu_peak(cfg: Config) -> None:
 
 
 def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_done: bool = False) -> int:
-    """One rank (or the only process): checks agreed with the other ranks, then the run. `run_dir` and
-    `preflight_done` come from `launch` (node 0's choice; the launcher measured the CPU peak)."""
+    """One rank (or the only process) of `pentatron train`. `run_dir` and `preflight_done` come from
+    `launch` (node 0's choice; the launcher measured the CPU peak)."""
+    from pentatron.observe.rundir import RunDir, record_run, resolve_run_dir
+    from pentatron.observe.summary import finish_run
+    from pentatron.preflight import preflight_problems
+    from pentatron.train.trainer import Trainer
+
+    started = time.time()
+
+    def leader() -> dict[str, str]:
+        return {"run_dir": run_dir or str(resolve_run_dir(cfg).path)}
+
+    def train(rank: int, verdict: dict[str, str]) -> None:
+        chosen = RunDir(Path(verdict["run_dir"]), resumed=False)
+        cfg.log.dir = str(chosen.path)
+        trainer = Trainer(cfg)
+        if rank == 0:
+            record_run(cfg, chosen, trainer.dataset.path)
+        records = trainer.fit()
+        finish_run(trainer, records, wall_s=time.time() - started)
+
+    def problems(rank: int, world: int) -> list[str]:
+        return preflight_problems(cfg, world_size=world, build_default_data=rank == 0)
+
+    return run_in_this_process(cfg, problems, train, leader, measure_peak=not preflight_done)
+
+
+def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]],
+                        job: Callable[[int, dict[str, str]], None],
+                        leader: Callable[[], dict[str, str]] = dict, measure_peak: bool = True) -> int:
+    """One rank of a job (`train`, `checkpoint convert`): its checks (`problems_of(rank, world)`) agreed
+    with the other ranks, the checkpoint directory locked, then `job(rank, verdict)` — `verdict` is what
+    rank 0's `leader()` chose for everyone — and a clean exit with the job's exit code."""
     from pentatron.checkpoint.errors import CheckpointError
     from pentatron.data.errors import DataError
     from pentatron.distributed.launch import (
@@ -68,42 +100,35 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
         shutdown_distributed,
     )
     from pentatron.distributed.lifeline import die_with_parent
-    from pentatron.observe.rundir import RunDir, record_run, resolve_run_dir
-    from pentatron.observe.summary import finish_run
-    from pentatron.preflight import environment_problems, preflight_problems
+    from pentatron.preflight import environment_problems
     from pentatron.train.nonfinite import EXIT_CODE as NONFINITE_EXIT
     from pentatron.train.nonfinite import NonFiniteStop
-    from pentatron.train.trainer import Trainer
+    from pentatron.train.sigterm import EXIT_CODE as SIGTERM_EXIT
+    from pentatron.train.sigterm import Terminated
 
     die_with_parent()  # no rank outlives the launcher (or torchrun) that started it
-    started = time.time()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if world > 1 and environment_problems():
         # Without a complete environment the ranks cannot meet to agree: each says it (once per host).
         return problems_error(environment_problems()) if local_rank == 0 else 2
-    problems = preflight_problems(cfg, world_size=world, build_default_data=rank == 0)
+    problems = problems_of(rank, world)
     lock = hold_checkpoint_lock(cfg, problems) if rank == 0 and not problems else None
-
-    def leader() -> dict[str, str]:
-        return {"run_dir": run_dir or str(resolve_run_dir(cfg).path)}
 
     store = None
     if world > 1:
         store, rank, world = rendezvous()
-        if local_rank == 0 and not problems and not preflight_done:
+        if local_rank == 0 and not problems and measure_peak:
             refresh_cpu_peak(cfg)  # the host's other ranks wait for the verdict meanwhile
         verdict = agree_on_preflight(store, rank, world, problems, leader, report=problems_error)
     else:
-        if not problems:
+        if not problems and measure_peak:
             refresh_cpu_peak(cfg)
         verdict = {"problems": problems, **({} if problems else leader())}
     if verdict["problems"]:
         if lock is not None:
             lock.release()
         return 2 if world > 1 else problems_error(verdict["problems"])
-    chosen = RunDir(Path(verdict["run_dir"]), resumed=False)
-    cfg.log.dir = str(chosen.path)
 
     finished = False
     try:
@@ -112,11 +137,7 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
         # The watchdog names a stuck rank after distributed.timeout_s; the process group's own timeout
         # is only the fallback behind it.
         init_distributed(local_device(cfg.train.device), store, process_group_timeout(cfg.distributed.timeout_s))
-        trainer = Trainer(cfg)
-        if rank == 0:
-            record_run(cfg, chosen, trainer.dataset.path)
-        records = trainer.fit()
-        finish_run(trainer, records, wall_s=time.time() - started)
+        job(rank, verdict)
         finished = True
     except CheckpointError as e:  # every rank raises it; rank 0's names the file
         return input_error(str(e)) if rank == 0 else 2
@@ -126,6 +147,11 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
         if rank == 0:  # every rank stops on the same (all-reduced) numbers: say it once
             print(f"pentatron: stopped: {e}", file=sys.stderr)
         return NONFINITE_EXIT
+    except Terminated as e:  # every rank stopped after the same step (checkpoint.save_on_sigterm)
+        if rank == 0:
+            print(f"pentatron: {e}", file=sys.stderr, flush=True)
+        finished = True
+        return SIGTERM_EXIT
     except KeyboardInterrupt:
         print(f"pentatron: rank {rank} interrupted", file=sys.stderr)
         return 130
@@ -157,6 +183,16 @@ def hold_checkpoint_lock(cfg: Config, problems: list[str]) -> CheckpointDirLock 
         problems.append(f"checkpoint.dir {cfg.checkpoint.dir!r} cannot be locked ({e.strerror}); check its permissions")
         return None
     return lock
+
+
+def nproc_problem(nproc: int | None, outer: int | None, nnodes: int = 1) -> str | None:
+    """--nproc/--nnodes against an outer launcher's WORLD_SIZE (`outer`; None: none)."""
+    if outer is not None and (nproc not in (None, outer) or nnodes != 1):
+        return (f"--nproc/--nnodes conflict with the outer launcher's WORLD_SIZE={outer}; "
+                "drop them under torchrun/srun")
+    if nproc is not None and nproc < 1:
+        return f"--nproc must be ≥ 1, got {nproc}"
+    return None
 
 
 def stop_all_ranks(problems: list[str]) -> int:

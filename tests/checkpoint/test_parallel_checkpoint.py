@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
+from pentatron.checkpoint.errors import CheckpointError
 from pentatron.config import Config, load_config
 from tests.multiprocess import run_ranks
 
@@ -83,7 +84,7 @@ def _rank_fn(rank: int, world: int, dataset: str, root: str) -> dict[str, Any]:
         try:
             Trainer(_config(world, Path(root), label, 6, other, True), dataset_dir=Path(dataset)).engine.close()
             reshard_error = None
-        except RuntimeError as e:
+        except CheckpointError as e:
             reshard_error = str(e)
         # ...unless it was written before pieces were described: then it is refused, naming both layouts.
         dist.barrier()  # every rank is done reading the checkpoint (a refusal returns without a collective)
@@ -93,7 +94,7 @@ def _rank_fn(rank: int, world: int, dataset: str, root: str) -> dict[str, Any]:
         try:
             Trainer(_config(world, Path(root), label, 6, other, True), dataset_dir=Path(dataset))
             error = None
-        except RuntimeError as e:
+        except CheckpointError as e:
             error = str(e)
         out[label] = {"straight": [r["loss"] for r in straight], "resumed": [r["loss"] for r in first + resumed],
                       "steps": [r["step"] for r in first + resumed], "error": error,

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from pentatron.checkpoint.errors import CheckpointError
-from pentatron.checkpoint.reshard import _assemble, _source, read_pieces
+from pentatron.checkpoint.reshard import assemble, read_pieces, source_pieces
 from pentatron.models.config import ModelConfig
 
 
@@ -24,10 +24,10 @@ def model_from_pieces(step_dir: Path) -> tuple[torch.nn.Module, ModelConfig]:
     saved = read_pieces(step_dir)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            pieces = _source(saved, name, "param")
+            pieces = source_pieces(saved, name, "param")
             if pieces is None:
                 raise CheckpointError(f"{step_dir}: holds no parameter {name}")
-            full = _assemble(step_dir, pieces)
+            full = assemble(step_dir, pieces)
             if full.shape != p.shape:
                 raise CheckpointError(f"{step_dir}: {name} has shape {tuple(full.shape)}, the model {tuple(p.shape)}")
             p.copy_(full)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pentatron.checkpoint.errors import CheckpointError
 from pentatron.layout import ParallelLayout
 
 _ALWAYS_COMPARED = ("tp", "pp", "ep", "pp_schedule", "pp_virtual")
@@ -50,7 +51,7 @@ def check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> 
     diff = layout_differences(saved, mine)
     if diff:
         # Every rank sees the same two layouts, so every rank raises (none is left in a collective).
-        raise RuntimeError(f"checkpoint {path} was written with layout {saved}, this run has layout {mine} "
+        raise CheckpointError(f"checkpoint {path} was written with layout {saved}, this run has layout {mine} "
                            f"(they differ in {', '.join(diff)}); resuming into another layout is not "
                            "supported yet: resume with the same parallel.dp, tp, pp, ep, zero, bucket_mb, "
                            "pp_schedule and pp_virtual")

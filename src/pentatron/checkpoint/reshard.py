@@ -117,7 +117,7 @@ def _read(directory: Path, pieces: list[dict[str, Any]]) -> list[torch.Tensor]:
     return [state[d["part"]][d["key"]] for d in pieces]
 
 
-def _assemble(directory: Path, pieces: list[dict[str, Any]]) -> torch.Tensor:
+def assemble(directory: Path, pieces: list[dict[str, Any]]) -> torch.Tensor:
     """The full tensor from its saved pieces (a 0-d tensor for AdamW's step count)."""
     tensors = _read(directory, pieces)
     first = pieces[0]
@@ -140,7 +140,7 @@ def _assemble(directory: Path, pieces: list[dict[str, Any]]) -> torch.Tensor:
     return local[0] if first["tp_dim"] is None else torch.cat(local, dim=first["tp_dim"])
 
 
-def _source(saved: dict[tuple[str, str], list[dict[str, Any]]], name: str, field: str
+def source_pieces(saved: dict[tuple[str, str], list[dict[str, Any]]], name: str, field: str
             ) -> list[dict[str, Any]] | None:
     """The saved pieces for (name, field): a tied copy stands for the other; a missing fp32 master is the
     (fp32) parameter, and a parameter is best restored from its master when one was saved."""
@@ -168,10 +168,10 @@ def load_resharded(directory: Path, state: dict[str, dict[str, torch.Tensor]], p
                                   "tensor, so it cannot be re-sharded into: resume in the checkpoint's layout")
         wanted[(d["name"], d["field"])].append((d, state[part][key]))
     for (name, field), targets in wanted.items():
-        pieces = _source(saved, name, field)
+        pieces = source_pieces(saved, name, field)
         if pieces is None:
             raise CheckpointError(f"{directory}: holds no {field} for parameter {name} (another model?)")
-        full = _assemble(directory, pieces)
+        full = assemble(directory, pieces)
         for d, target in targets:
             if field == "step":
                 target.copy_(full)

@@ -10,6 +10,7 @@ saying which it skipped. A checkpoint of another model is always an error (an ol
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,22 +98,37 @@ def resume_target(root: Path, model: dict[str, Any], fallback: bool, comm: Any, 
                   device: torch.device) -> Path | None:
     """Every rank: the checkpoint to resume, chosen and verified by rank 0 (None: start fresh). A
     rejected checkpoint raises `CheckpointError` on every rank (rank 0's names the file)."""
+    return agreed_checkpoint(lambda: select_checkpoint(root, model, fallback), comm, rank, device)
+
+
+def select_named(path: Path, model: dict[str, Any]) -> tuple[Path, list[str]]:
+    """Rank 0: one checkpoint directory named by the user (`step_XXXXXXXX`), verified like `latest`."""
+    meta = verify_checkpoint(path)
+    problem = model_mismatch(path, meta, model)
+    if problem:
+        raise CheckpointError(problem)
+    return path, []
+
+
+def agreed_checkpoint(choose: Callable[[], tuple[Path, list[str]] | None], comm: Any, rank: int,
+                      device: torch.device) -> Path | None:
+    """Every rank: the checkpoint rank 0's `choose()` picked (with notes on any it skipped), or None."""
     if rank == 0:
         try:
-            chosen = select_checkpoint(root, model, fallback)
+            chosen = choose()
         except CheckpointError as e:
             share_from_rank0(comm, rank, device, f"error:{e}")
             raise
         if chosen is not None:
             for note in chosen[1]:
                 print(f"pentatron: {note}; resuming from {chosen[0].name} (checkpoint.fallback=true)", flush=True)
-        verdict = share_from_rank0(comm, rank, device, "none:" if chosen is None else f"ok:{chosen[0].name}")
+        verdict = share_from_rank0(comm, rank, device, "none:" if chosen is None else f"ok:{chosen[0]}")
     else:
         verdict = share_from_rank0(comm, rank, device, "")
     kind, _, text = verdict.partition(":")
     if kind == "error":
         raise CheckpointError(text)
-    return None if kind == "none" else root / text
+    return None if kind == "none" else Path(text)
 
 
 def share_from_rank0(comm: Any, rank: int, device: torch.device, text: str) -> str:

@@ -2,34 +2,27 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from pentatron.checkpoint.async_save import AsyncCheckpointer
-from pentatron.checkpoint.layout import check_resumable, layout_differences, layout_record
-from pentatron.checkpoint.reshard import describe_state, has_pieces, load_resharded
 from pentatron.checkpoint.resume import resume_target
 from pentatron.checkpoint.store import CheckpointStore
-from pentatron.config import Config, resolved_dp
+from pentatron.config import Config
 from pentatron.data.loader import TokenDataset, TokenLoader
 from pentatron.data.tokenize import ensure_default_dataset
-from pentatron.distributed.context import ParallelContext, resolve_degrees
-from pentatron.distributed.launch import local_device
-from pentatron.models.llama import build_model
 from pentatron.observe.metrics import COMM_LEGEND, MetricsLogger
-from pentatron.observe.run_observer import RunObserver, start_flight_recorder
+from pentatron.observe.run_observer import RunObserver
 from pentatron.observe.system import peak_flops, peak_memory_bytes
-from pentatron.parallel.parallelize import parallelize
 from pentatron.parallel.pipeline.trace import write_rank_trace
 from pentatron.plan.flops import model_flops_per_token
-from pentatron.precision import resolve_precision
 from pentatron.train.lr_schedule import lr_at
-from pentatron.train.nonfinite import NonFiniteGuard, NonFiniteStop, local_nonfinite_count
+from pentatron.train.model_state import ModelState
+from pentatron.train.nonfinite import NonFiniteGuard, NonFiniteStop
+from pentatron.train.sigterm import SigtermWatch, Terminated
 
 
 def resolve_dataset(cfg: Config, vocab_size: int) -> Path:
@@ -43,28 +36,15 @@ class Trainer:
     def __init__(self, cfg: Config, dataset_dir: Path | None = None) -> None:
         self.cfg = cfg
         tr = cfg.train
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.device = local_device(tr.device)
-        par = cfg.parallel
-        degrees = resolve_degrees(world_size, dp=resolved_dp(cfg, world_size), tp=par.tp, pp=par.pp,
-                                  cp=par.cp, ep=par.ep, cp_ulysses=cfg.layout(world_size).cp_ulysses_degree)
-        self.ctx = ParallelContext.from_degrees(degrees, self.device)
+        self.state = ModelState(cfg)
+        self.ctx, self.device, self.watchdog = self.state.ctx, self.state.device, self.state.watchdog
         self.rank, self.world_size = self.ctx.rank, self.ctx.world_size
         self.dp, self.dp_rank = self.ctx.dp_size, self.ctx.dp_rank
         self.comm = self.ctx.comm
-        self.watchdog = start_flight_recorder(cfg, self.ctx)
-        self.policy = resolve_precision(tr.precision, self.device)
-        torch.manual_seed(tr.seed)
-
-        self.model_cfg = cfg.model_config()
-        model = build_model(self.model_cfg, seed=tr.seed, device=self.device, dtype=self.policy.param_dtype)
-        self.n_params = sum(p.numel() for p in model.parameters())
-        # Pipeline stages, TP, recompute, then data parallel / ZeRO: the step runner owns a step's
-        # forward/backward, the loss, gradient sync and the optimizer. With pp > 1 only this rank's
-        # stages remain (`self.model` is a LocalStages).
-        self.runner = parallelize(model, self.ctx, cfg, self.policy)
+        self.policy, self.model_cfg, self.n_params = self.state.policy, self.state.model_cfg, self.state.n_params
+        self.runner = self.state.runner
         self.engine = self.runner.engine
-        self.model = self.runner.model
+        self.model = self.runner.model  # with pp > 1: this rank's stages (a LocalStages)
         self.pp, self.pp_rank = self.ctx.size("pp"), self.ctx.local_rank("pp")
         self.params = self.engine.params
         self.names = self.engine.names
@@ -91,6 +71,7 @@ class Trainer:
             if cfg.checkpoint.resume:
                 self._resume()
         self.async_saver = AsyncCheckpointer(self.store) if self.store and cfg.checkpoint.async_save else None
+        self.sigterm = SigtermWatch() if cfg.checkpoint.save_on_sigterm else None
         self.save_blocked_s: list[float] = []  # training time each save blocked (staging only when async)
 
         self.tokens_per_step = tr.global_batch * tr.seq_len
@@ -179,9 +160,14 @@ class Trainer:
                         last_table = table
                 if "nonfinite" in record and self.guard.action == "stop":  # after logging: the record shows it
                     raise NonFiniteStop(self.guard.stop_message(record["nonfinite"]))
-                if self.store is not None and self._checkpoint_due():
+                stop = self.sigterm is not None and self.sigterm.agreed(self.comm, self.world_size, self.device)
+                if self.store is not None and (self._checkpoint_due() or stop):
                     self.save_checkpoint()
+                if stop:
+                    raise Terminated(f"stopped by SIGTERM after step {self.step}, saved in {self.cfg.checkpoint.dir}")
         finally:
+            if self.sigterm is not None:
+                self.sigterm.close()
             if self.async_saver is not None:
                 self.async_saver.wait()  # the last save in flight is published (or reported) before exit
             if logger is not None:
@@ -195,20 +181,13 @@ class Trainer:
         return self.step == self.cfg.train.steps or (every > 0 and self.step % every == 0)
 
     def state_dict(self) -> dict[str, Any]:
-        """Tensors keyed by parameter name: whole tensors when replicated (DCP writes one copy),
-        "<name>|tp<i>/<n>" for tensor-parallel shard i of n, and "<key>[lo:hi]" ranges of the flattened
-        local parameter for ZeRO shards (each rank writes its own). Pipeline ranks hold disjoint names."""
-        return self.runner.state_dict()
+        return self.state.state_dict()
 
     def save_checkpoint(self) -> Path | None:
         """Save (every rank); the published directory, or None while an async save is still writing."""
         assert self.store is not None
         start = time.perf_counter()
-        self._check_finite_state()
-        meta = {"step": self.step, "loader": self.loader.state_dict(), "model": self.model_cfg.to_dict(),
-                "layout": self.layout_meta(), "parallel_layout": dataclasses.asdict(self.runner.layout)}
-        state = self.state_dict()
-        pieces = describe_state(state, list(self.engine.place.values()))
+        state, meta, pieces = self.state.checkpoint(self.step, self.loader.state_dict())
         if self.async_saver is not None:
             path = None
             self.async_saver.save(self.step, state, meta, pieces)
@@ -221,17 +200,8 @@ class Trainer:
                   f"({kind})", flush=True)
         return path
 
-    def _check_finite_state(self) -> None:
-        """Never save a non-finite state: every rank counts its non-finite tensors, summed over the world."""
-        tensors = [t for part in self.state_dict().values() for t in part.values()]
-        bad = torch.tensor([float(local_nonfinite_count(tensors))], device=self.device)
-        self.comm.all_reduce(bad, "world")
-        if bad.item():
-            raise NonFiniteStop(f"the state at step {self.step} holds {int(bad.item())} non-finite tensor(s); "
-                                "it was not saved and the last checkpoint is the last clean state")
-
     def layout_meta(self) -> dict[str, Any]:
-        return layout_record(self.runner.layout, self.engine.layout_meta(), self.cfg.parallel.bucket_mb)
+        return self.state.layout_meta()
 
     def _resume(self) -> None:
         assert self.store is not None
@@ -239,21 +209,7 @@ class Trainer:
                                self.rank, self.device)
         if latest is None:
             return
-        saved = self.store.meta(latest).get("layout", {"zero": 0})
-        state = self.state_dict()
-        saved_par = self.store.meta(latest).get("parallel_layout", {})
-        # Re-sharding reads tp/pp/ZeRO placements (context parallelism only widens the ZeRO group, which the
-        # pieces' ranges describe); expert-parallel layouts resume as saved.
-        plain = saved_par.get("ep", 1) == 1 and self.runner.layout.ep == 1
-        if layout_differences(saved, self.layout_meta()) and has_pieces(latest) and plain:
-            load_resharded(latest, state, list(self.engine.place.values()))  # another layout: re-shard
-            meta = self.store.meta(latest)
-            if self.rank == 0:
-                print(f"pentatron: re-sharded {latest} from layout {saved} to {self.layout_meta()}", flush=True)
-        else:
-            check_resumable(latest, saved, self.layout_meta())  # the same layout, or an old checkpoint
-            meta = self.store.load(latest, state)
-        self.runner.after_load()
+        meta = self.state.load(latest, self.store)
         self.store.continue_lineage(latest, meta)
         self.step = meta["step"]
         if meta.get("loader") is not None:  # None: imported weights (`checkpoint import-hf`), no data read yet

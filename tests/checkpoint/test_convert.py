@@ -1,0 +1,115 @@
+"""`pentatron checkpoint convert`, run as a user runs it (real processes, the CLI): a dp2 ZeRO-2 checkpoint
+re-written by 4 ranks as tp2 × pp2 (interleaved, 2 virtual stages), then by 1 process back to one
+process. The converted checkpoints hold bitwise the same parameters and AdamW state, the same step, data
+position and lineage; a run in the target layout resumes the converted checkpoint as saved (no
+re-sharding at resume) and its losses continue the uninterrupted 1-process run's within 1e-5."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pentatron.checkpoint import manifest
+from pentatron.checkpoint.reshard import assemble, read_pieces
+from tests.launchers import Outcome, pentatron
+
+TARGET = ["tp=2", "pp=2", "pp_schedule=interleaved", "pp_virtual=2"]
+
+
+def _common(dataset: Path) -> list[str]:
+    return [f"--set={o}" for o in ("train.seq_len=32", "train.micro_batch=2", "train.global_batch=8",
+                                   "train.warmup=2", "train.schedule='cosine'", "train.peak_tflops=1.0",
+                                   "parallel.bucket_mb=0.05", "log.progress=false", "log.tensorboard=false",
+                                   f"data.path={json.dumps(str(dataset))}")]
+
+
+def _ok(outcome: Outcome) -> str:
+    assert outcome.codes == [0], outcome.output
+    return outcome.output
+
+
+def _losses(log_dir: Path) -> dict[int, float]:
+    (metrics,) = [p for p in log_dir.glob("*/metrics.jsonl") if p.parent.name != "latest"]
+    return {r["step"]: r["loss"] for r in map(json.loads, metrics.read_text().splitlines())}
+
+
+def _latest(root: Path) -> Path:
+    return root / (root / "latest").read_text().strip()
+
+
+def _full_state(step_dir: Path) -> dict[tuple[str, str], np.ndarray]:
+    """Every (parameter, field) of a checkpoint as a full tensor; a tied head is its embedding."""
+    return {key: assemble(step_dir, pieces).numpy() for key, pieces in read_pieces(step_dir).items()
+            if key[0] != "lm_head.weight" or ("embed.weight", key[1]) not in read_pieces(step_dir)}
+
+
+@pytest.fixture(scope="module")
+def runs(default_dataset, tmp_path_factory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("convert")
+    common = _common(default_dataset)
+    _ok(pentatron(["train", *common, "--set=train.steps=6", f"--set=log.dir={root / 'ref'}"], root))
+    _ok(pentatron(["train", *common, "--set=train.steps=3", "--set=parallel.zero=2", f"--set=log.dir={root / 'a'}",
+                   f"--set=checkpoint.dir={root / 'src'}", "--nproc=2"], root))
+    converted = _ok(pentatron(["checkpoint", "convert", str(root / "src"), str(root / "dst"), *common,
+                               f"--to-layout={','.join(TARGET)}", "--nproc=4"], root))
+    resumed = _ok(pentatron(["train", *common, "--set=train.steps=6", f"--set=log.dir={root / 'b'}",
+                             *[f"--parallel.{kv}" for kv in TARGET], f"--set=checkpoint.dir={root / 'dst'}",
+                             "--nproc=4"], root))
+    # Back to one process, from the converted checkpoint's step directory (kept beside the resumed run's).
+    _ok(pentatron(["checkpoint", "convert", str(root / "dst" / "step_00000003"), str(root / "one"), *common], root))
+    return {"root": root, "converted": converted, "resumed": resumed}
+
+
+def test_the_converted_checkpoint_holds_the_same_state_step_data_position_and_lineage(runs):
+    root = runs["root"]
+    src, dst, one = _latest(root / "src"), root / "dst" / "step_00000003", _latest(root / "one")
+    assert src.name == one.name == "step_00000003"
+    assert "re-sharded" in runs["converted"] and "converted" in runs["converted"]
+    metas = [json.loads((d / "meta.json").read_text()) for d in (src, dst, one)]
+    for meta in metas[1:]:
+        assert meta["step"] == 3 and meta["loader"] == metas[0]["loader"] and meta["model"] == metas[0]["model"]
+        assert meta["run_id"] == metas[0]["run_id"]
+    assert metas[1]["layout"]["tp"] == 2 and metas[1]["layout"]["pp_virtual"] == 2
+    assert metas[2]["layout"]["tp"] == 1 and metas[2]["layout"]["zero"] == 0
+    assert len(list(dst.glob("*.distcp"))) == 4
+    saved = _full_state(src)
+    assert {field for _, field in saved} >= {"param", "exp_avg", "exp_avg_sq", "step"}
+    for other in (dst, one):
+        manifest.verify(other)
+        state = _full_state(other)
+        assert state.keys() == saved.keys()
+        for key, value in saved.items():
+            np.testing.assert_array_equal(state[key], value, err_msg=f"{other}: {key}")
+
+
+def test_a_run_in_the_target_layout_resumes_it_as_saved_and_continues_the_run(runs):
+    root = runs["root"]
+    assert "resumed from" in runs["resumed"] and "re-sharded" not in runs["resumed"]
+    ref, first, then = _losses(root / "ref"), _losses(root / "a"), _losses(root / "b")
+    assert list(first) == [1, 2, 3] and list(then) == [4, 5, 6]
+    np.testing.assert_allclose([*first.values(), *then.values()], list(ref.values()), rtol=0, atol=1e-5)
+
+
+def test_convert_refuses_bad_input_before_any_rank_starts(runs, default_dataset):
+    root = runs["root"]
+    common = _common(default_dataset)
+    cases = [
+        (["checkpoint", "convert", str(root / "src"), str(root / "dst"), *common],
+         "already holds checkpoints; give a new"),
+        (["checkpoint", "convert", str(root / "missing"), str(root / "x1"), *common], "no such checkpoint directory"),
+        (["checkpoint", "convert", str(root / "src"), str(root / "x2"), *common, "--to-layout=tp"],
+         "expected KEY=VALUE pairs"),
+        (["checkpoint", "convert", str(root / "src"), str(root / "x3"), *common, "--to-layout=tp=3", "--nproc=3"],
+         "tp=3 does not divide"),
+        (["checkpoint", "convert", str(root / "src"), str(root / "x4"), *common, "--set=model.n_layers=2"],
+         "holds another model (n_layers=4 vs 2 here)"),
+    ]
+    for args, expected in cases:
+        outcome = pentatron(args, root)
+        assert outcome.codes == [2], outcome.output
+        assert expected in outcome.output and "Traceback" not in outcome.output, outcome.output
+        assert outcome.output.count("pentatron: error:") == 1, outcome.output
