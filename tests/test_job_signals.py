@@ -45,7 +45,8 @@ def _alive(pids: list[int]) -> list[int]:
 
 
 def _flags(tmp: Path, dataset: Path, *extra: str) -> list[str]:
-    return [CONFIG, *extra, f"--set=data.path={json.dumps(str(dataset))}", f"--set=log.dir={json.dumps(str(tmp / 'runs'))}",
+    return [CONFIG, *extra, f"--set=data.path={json.dumps(str(dataset))}",
+            f"--set=log.dir={json.dumps(str(tmp / 'runs'))}",
             "--set=log.progress=false", "--set=log.tensorboard=false", "--set=train.steps=100000",
             "--set=checkpoint.every=1000", f"--set=checkpoint.dir={json.dumps(str(tmp / 'ck'))}"]
 

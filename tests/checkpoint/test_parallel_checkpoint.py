@@ -79,8 +79,7 @@ def _rank_fn(rank: int, world: int, dataset: str, root: str) -> dict[str, Any]:
         straight, straight_state = fit(6, False)
         first, _ = fit(3, True)
         resumed, resumed_state = fit(6, True)
-        # Another layout re-shards the checkpoint (tests/checkpoint/test_reshard.py checks the numbers), except
-        # an expert-parallel one, which resumes only as saved...
+        # Another layout re-shards the checkpoint (tests/checkpoint/test_reshard.py checks the numbers)...
         try:
             Trainer(_config(world, Path(root), label, 6, other, True), dataset_dir=Path(dataset)).engine.close()
             reshard_error = None
@@ -129,12 +128,9 @@ def test_resume_in_the_same_layout_is_exact(results, label):
 
 
 @pytest.mark.parametrize("label", LABELS)
-def test_another_layout_re_shards_except_expert_parallel(results, label):
+def test_another_layout_re_shards(results, label):
     for r in results[label]:
-        if "ep=2" in label:  # every rank refuses, naming the layouts
-            assert r["reshard_error"] is not None and "'ep': 2" in r["reshard_error"], r["reshard_error"]
-        else:
-            assert r["reshard_error"] is None, r["reshard_error"]
+        assert r["reshard_error"] is None, r["reshard_error"]
 
 
 @pytest.mark.parametrize("label", LABELS)

@@ -1,8 +1,9 @@
 """Resume into another layout (and another number of processes): 3 steps + save in one layout, then
 resume to step 6 in another — dp2 ZeRO-1 → tp2×pp2, tp2 → dp4 ZeRO-3, pp2 → 1 process, and out of and into
-context parallelism (cp2 ZeRO-1 → dp4 ZeRO-2, dp2 → cp2 Ulysses × dp2 ZeRO-3), and the 8-rank
-dp2 × tp2 × pp2 ZeRO-2 (SP) → dp4 ZeRO-3. The six losses
-match an uninterrupted 1-process run within 1e-5, every step reads exactly the same global samples,
+context parallelism (cp2 ZeRO-1 → dp4 ZeRO-2, dp2 → cp2 Ulysses × dp2 ZeRO-3), the 8-rank
+dp2 × tp2 × pp2 ZeRO-2 (SP) → dp4 ZeRO-3, and MoE models into and out of expert parallelism (ep2 × dp2
+ZeRO-1 → tp2 × dp2 ZeRO-2 with the aux-free router biases; pp2 → ep4 × dp4 ZeRO-3). The six losses
+match an uninterrupted 1-process run of the same model within 1e-5, every step reads exactly the same global samples,
 and the final parameters match. Model and optimizer state (exp_avg, exp_avg_sq, step) are re-sharded
 from the pieces' descriptions (checkpoint/reshard.py)."""
 
@@ -18,6 +19,7 @@ import pytest
 from pentatron.config import load_config
 from tests.multiprocess import run_ranks
 
+MOE, AUXFREE = "model.name='debug-moe'", "model.name='debug-moe-auxfree'"
 # source label → (source world, source overrides, target world, target overrides)
 MOVES = {
     "dp2 zero1 -> tp2 pp2": (2, ["parallel.dp=2", "parallel.zero=1"], 4, ["parallel.tp=2", "parallel.pp=2"]),
@@ -28,9 +30,18 @@ MOVES = {
                                                                 "parallel.cp_mode='ulysses'", "parallel.zero=3"]),
     "dp2 tp2 pp2 zero2 -> dp4 zero3": (8, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.sp=true",
                                            "parallel.zero=2"], 4, ["parallel.dp=4", "parallel.zero=3"]),
+    "moe auxfree ep2 zero1 -> tp2 dp2 zero2": (2, [AUXFREE, "parallel.dp=2", "parallel.ep=2", "parallel.zero=1"],
+                                               4, [AUXFREE, "parallel.tp=2", "parallel.dp=2", "parallel.zero=2"]),
+    "moe pp2 -> ep4 dp4 zero3": (2, [MOE, "parallel.pp=2"], 4, [MOE, "parallel.dp=4", "parallel.ep=4",
+                                                                  "parallel.zero=3"]),
 }
 STEPS, SAVED_AT = 6, 3
 _TIED = {"lm_head.weight": "embed.weight", "embed.weight": "lm_head.weight"}
+
+
+def _model(label: str) -> str:
+    """The source's model override ("" for the default dense debug model): the reference run's model."""
+    return next((o for o in MOVES[label][1] if o.startswith("model.name=")), "")
 
 
 def _config(world: int, root: Path, tag: str, steps: int, extra: list[str], ckpt: str | None):
@@ -97,7 +108,9 @@ def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 def runs(default_dataset, tmp_path_factory) -> dict[str, Any]:
     root = str(tmp_path_factory.mktemp("reshard"))
     data = str(default_dataset)
-    reference = _merge([{"ref": _train(1, root, data, "ref", STEPS, [], None)}])["ref"]
+    models = {_model(label) for label in MOVES}
+    reference = {m: _merge([{"ref": _train(1, root, data, f"ref-{i}", STEPS, [m] if m else [], None)}])["ref"]
+                 for i, m in enumerate(sorted(models))}
     sources = _merge(run_ranks(_source_ranks, 2, args=(data, root), timeout=600))
     sources.update(_merge(run_ranks(_source_ranks, 8, args=(data, root), timeout=600)))
     targets = _merge(run_ranks(_target_ranks, 4, args=(data, root), timeout=600))
@@ -107,7 +120,7 @@ def runs(default_dataset, tmp_path_factory) -> dict[str, Any]:
 
 @pytest.mark.parametrize("label", list(MOVES))
 def test_resume_into_another_layout_continues_the_same_run(runs, label):
-    ref, src, dst = runs["reference"], runs["sources"][label], runs["targets"][label]
+    ref, src, dst = runs["reference"][_model(label)], runs["sources"][label], runs["targets"][label]
     assert src["steps"] == [1, 2, 3] and dst["steps"] == [4, 5, 6]
     assert all(losses == dst["losses"] for losses in dst["all_losses"])
     np.testing.assert_allclose(src["losses"] + dst["losses"], ref["losses"], rtol=0, atol=1e-5, err_msg=label)

@@ -1,19 +1,21 @@
 """Resume into another layout: every saved piece described by where it sits in the full tensor.
 
 Saving: each rank writes `pieces/rank<r>.json` beside DCP's files, one entry per tensor it saved: the
-parameter's name and full shape, its tensor-parallel shard (dim, index, parts) and local shape, the
-range [lo, hi) of the flattened local shard the tensor holds (a ZeRO piece, or all of it), and the
-field (the parameter, an fp32 master, or AdamW's exp_avg / exp_avg_sq / step). All of it comes from the
-parameter's `Placement`, so it covers dp, ZeRO 0–3 (any bucketing), tp (replicated kv heads included)
-and pp (any schedule and virtual stages: a stage holds whole parameters).
+parameter's name and full shape, its expert-parallel slice (an MoE layer's stacked experts: which of
+ep equal slices of dim 0), its tensor-parallel shard (dim, index, parts) and local shape, the range
+[lo, hi) of the flattened local shard the tensor holds (a ZeRO piece, or all of it), and the field (the
+parameter, an fp32 master, or AdamW's exp_avg / exp_avg_sq / step). All of it comes from the
+parameter's `Placement`, so it covers dp, ZeRO 0–3 (any bucketing), tp (replicated kv heads included),
+pp (any schedule and virtual stages: a stage holds whole parameters), cp (a wider ZeRO group) and ep.
+The MoE routers' aux-free biases, state but not parameters, are described as whole tensors.
 
 Loading (`load_resharded`): for each tensor this rank's new layout wants, the rank reads — with DCP's
 reader, on its own (`no_dist`), only the keys it needs — every saved piece of that parameter and field,
-assembles the full tensor (pieces into their tp shards' flat ranges, shards concatenated along the tp
-dim), checks that every element was covered, and cuts its own piece out: the tp slice, then the
-flattened range. One parameter at a time, so the memory is one full tensor per field. A tied
-embedding's two pipeline copies (`embed.weight`, `lm_head.weight`) hold identical values and state,
-so either may stand for the other.
+assembles the full tensor (pieces into their shards' flat ranges, tp shards concatenated along the tp
+dim, expert slices along dim 0), checks that every element was covered, and cuts its own piece out: the
+expert slice, the tp slice, then the flattened range. One parameter at a time, so the memory is one full
+tensor per field. A tied embedding's two pipeline copies (`embed.weight`, `lm_head.weight`) hold
+identical values and state, so either may stand for the other.
 
 Why our own reader rather than DCP's resharding planner: DCP reshards rectangular chunks of one global
 tensor (DTensor/ShardedTensor), but a ZeRO piece is a range of a flattened tp shard, which is not a
@@ -37,7 +39,9 @@ from pentatron.checkpoint.errors import CheckpointError
 from pentatron.parallel.placement import Placement
 
 PIECES_DIR = "pieces"
-FIELDS = ("exp_avg", "exp_avg_sq", "step", "master")
+# State that is not a parameter but that every rank holding it holds whole: the MoE routers' aux-free
+# selection biases (`StepRunner.state_dict`).
+REPLICATED_PARTS = ("moe_bias",)
 _TIED = {"embed.weight": "lm_head.weight", "lm_head.weight": "embed.weight"}
 
 
@@ -57,20 +61,28 @@ def describe_state(state: dict[str, dict[str, torch.Tensor]], placements: list[P
     out = {}
     for part, tensors in state.items():
         for key, t in tensors.items():
+            if part in REPLICATED_PARTS and isinstance(t, torch.Tensor):  # whole on every rank that holds it
+                out[f"{part}/{key}"] = {
+                    "part": part, "key": key, "name": key, "field": part, "full_shape": list(t.shape),
+                    "local_shape": list(t.shape), "tp_dim": None, "tp_index": 0, "tp_parts": 1, "ep_index": 0,
+                    "ep_parts": 1, "lo": 0, "hi": t.numel(), "shape": list(t.shape),
+                    "dtype": str(t.dtype).removeprefix("torch.")}
+                continue
             if part == "optim":
                 base, field = key.rsplit(".", 1)
             else:
                 base, field = key, "param"
             if base not in geom or not isinstance(t, torch.Tensor):
-                # Not a parameter's piece (e.g. a buffer): left undescribed; a re-sharded resume refuses it.
+                # Not a parameter's piece: left undescribed; a re-sharded resume refuses it.
                 out[f"{part}/{key}"] = {"part": part, "key": key, "undescribed": True}
                 continue
             pl, lo, hi = geom[base]
+            ep_index, ep_parts = pl.expert or (0, 1)
             out[f"{part}/{key}"] = {
                 "part": part, "key": key, "name": pl.name, "field": field, "full_shape": list(pl.full_shape),
                 "local_shape": list(pl.local_shape), "tp_dim": pl.tp.dim, "tp_index": pl.tp.index,
-                "tp_parts": pl.tp.parts, "lo": lo, "hi": hi, "shape": list(t.shape),
-                "dtype": str(t.dtype).removeprefix("torch.")}
+                "tp_parts": pl.tp.parts, "ep_index": ep_index, "ep_parts": ep_parts, "lo": lo, "hi": hi,
+                "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
     return out
 
 
@@ -124,20 +136,39 @@ def assemble(directory: Path, pieces: list[dict[str, Any]]) -> torch.Tensor:
     if first["field"] == "step":
         return torch.stack([t.reshape(()) for t in tensors]).max()
     n_local = math.prod(first["local_shape"])
-    shards: dict[int, torch.Tensor] = {}
-    covered: dict[int, torch.Tensor] = {}
+    flats: dict[tuple[int, int], torch.Tensor] = {}  # by (ep index, tp index)
+    covered: dict[tuple[int, int], torch.Tensor] = {}
     for d, t in zip(pieces, tensors, strict=True):
-        i = d["tp_index"]
-        flat = shards.setdefault(i, torch.zeros(n_local, dtype=t.dtype))
-        seen = covered.setdefault(i, torch.zeros(n_local, dtype=torch.bool))
+        at = (d.get("ep_index", 0), d["tp_index"])
+        flat = flats.setdefault(at, torch.zeros(n_local, dtype=t.dtype))
+        seen = covered.setdefault(at, torch.zeros(n_local, dtype=torch.bool))
         flat[d["lo"]: d["hi"]] = t.reshape(-1)
         seen[d["lo"]: d["hi"]] = True
-    parts = first["tp_parts"] if first["tp_dim"] is not None else 1
-    if sorted(shards) != list(range(parts)) or not all(bool(c.all()) for c in covered.values()):
+    tp = first["tp_parts"] if first["tp_dim"] is not None else 1
+    ep = first.get("ep_parts", 1)
+    whole = all(bool(c.all()) for c in covered.values())
+    if sorted(flats) != [(e, i) for e in range(ep) for i in range(tp)] or not whole:
         raise CheckpointError(f"{directory}: the saved pieces of {first['name']} ({first['field']}) do not cover "
                               "the whole tensor (a rank's files are missing?)")
-    local = [shards[i].view(first["local_shape"]) for i in range(parts)]
-    return local[0] if first["tp_dim"] is None else torch.cat(local, dim=first["tp_dim"])
+
+    def expert_slice(e: int) -> torch.Tensor:  # this ep slice of the experts, its tp shards joined
+        local = [flats[(e, i)].view(first["local_shape"]) for i in range(tp)]
+        return local[0] if first["tp_dim"] is None else torch.cat(local, dim=first["tp_dim"])
+
+    return expert_slice(0) if ep == 1 else torch.cat([expert_slice(e) for e in range(ep)], dim=0)
+
+
+def cut(full: torch.Tensor, d: dict[str, Any]) -> torch.Tensor:
+    """A described piece out of the full tensor: the ep slice of the experts (dim 0), the tp shard, then
+    the range of the flattened local tensor."""
+    local = full
+    if d.get("ep_parts", 1) > 1:
+        size = full.shape[0] // d["ep_parts"]
+        local = local.narrow(0, d["ep_index"] * size, size)
+    if d["tp_dim"] is not None:
+        size = d["full_shape"][d["tp_dim"]] // d["tp_parts"]
+        local = local.narrow(d["tp_dim"], d["tp_index"] * size, size)
+    return local.reshape(-1)[d["lo"]: d["hi"]]
 
 
 def source_pieces(saved: dict[tuple[str, str], list[dict[str, Any]]], name: str, field: str
@@ -179,8 +210,4 @@ def load_resharded(directory: Path, state: dict[str, dict[str, torch.Tensor]], p
             if list(full.shape) != d["full_shape"]:
                 raise CheckpointError(f"{directory}: {name} was saved with shape {list(full.shape)}, this model "
                                       f"has {d['full_shape']}")
-            local = full
-            if d["tp_dim"] is not None:
-                size = d["full_shape"][d["tp_dim"]] // d["tp_parts"]
-                local = full.narrow(d["tp_dim"], d["tp_index"] * size, size)
-            target.copy_(local.reshape(-1)[d["lo"]: d["hi"]].view(target.shape))
+            target.copy_(cut(full, d).view(target.shape))

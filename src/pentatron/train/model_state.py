@@ -88,10 +88,7 @@ class ModelState:
         meta = store.meta(path)
         saved = meta.get("layout", {"zero": 0})
         state = self.state_dict()
-        # Re-sharding reads tp/pp/ZeRO placements (context parallelism only widens the ZeRO group, which the
-        # pieces' ranges describe); expert-parallel layouts resume as saved.
-        plain = meta.get("parallel_layout", {}).get("ep", 1) == 1 and self.runner.layout.ep == 1
-        if layout_differences(saved, self.layout_meta()) and has_pieces(path) and plain:
+        if layout_differences(saved, self.layout_meta()) and has_pieces(path):
             load_resharded(path, state, list(self.engine.place.values()))  # another layout: re-shard
             if self.rank == 0:
                 print(f"pentatron: re-sharded {path} from layout {saved} to {self.layout_meta()}", flush=True)
