@@ -1,9 +1,11 @@
 """How `pentatron train` runs, after the config is loaded: the launcher (`launch`), each rank's checks
-agreed with the others, the run, its summary and a clean exit (`train_in_this_process`), and the
-all-ranks stop on a user error (`stop_all_ranks`). docs/running.md walks through it.
+agreed with the others, the run, its summary and a clean exit (`train_in_this_process`, over
+`run_in_this_process`, which `checkpoint convert` shares), and the all-ranks stop on a user error
+(`stop_all_ranks`). docs/running.md walks through it.
 
 Exit codes: 0 done; 2 a user-fixable problem (reported once, no traceback); 3 stopped on a non-finite
-loss, gradient norm or state (train.nonfinite='stop'); 1 any other failure, with a message naming the rank.
+loss, gradient norm or state (train.nonfinite='stop'); 143 stopped after a step by SIGTERM with
+checkpoint.save_on_sigterm (else the signal's own 143); 1 any other failure, with a message naming the rank.
 """
 
 from __future__ import annotations
