@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pentatron.checkpoint import manifest
-from pentatron.checkpoint.reshard import assemble, read_pieces
+from pentatron.checkpoint.reshard import assembled, read_pieces
 from tests.launchers import Outcome, pentatron
 
 TARGET = ["tp=2", "pp=2", "pp_schedule=interleaved", "pp_virtual=2"]
@@ -43,8 +43,9 @@ def _latest(root: Path) -> Path:
 
 def _full_state(step_dir: Path) -> dict[tuple[str, str], np.ndarray]:
     """Every (parameter, field) of a checkpoint as a full tensor; a tied head is its embedding."""
-    return {key: assemble(step_dir, pieces).numpy() for key, pieces in read_pieces(step_dir).items()
-            if key[0] != "lm_head.weight" or ("embed.weight", key[1]) not in read_pieces(step_dir)}
+    saved = read_pieces(step_dir)
+    keys = [k for k in saved if k[0] != "lm_head.weight" or ("embed.weight", k[1]) not in saved]
+    return {k: full.numpy() for k, full in zip(keys, assembled(step_dir, [saved[k] for k in keys]), strict=True)}
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from pentatron.checkpoint.errors import CheckpointError
-from pentatron.checkpoint.reshard import assemble, read_pieces, source_pieces
+from pentatron.checkpoint.reshard import assembled, read_pieces, source_pieces
 from pentatron.models.config import ModelConfig
 
 
@@ -22,12 +22,15 @@ def model_from_pieces(step_dir: Path) -> tuple[torch.nn.Module, ModelConfig]:
     model_cfg = ModelConfig.from_dict(CheckpointStore.meta(step_dir)["model"])
     model = build_model(model_cfg, device="cpu", dtype=torch.float32)
     saved = read_pieces(step_dir)
+    params = dict(model.named_parameters())
+    sources = []
+    for name in params:
+        pieces = source_pieces(saved, name, "param")
+        if pieces is None:
+            raise CheckpointError(f"{step_dir}: holds no parameter {name}")
+        sources.append(pieces)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            pieces = source_pieces(saved, name, "param")
-            if pieces is None:
-                raise CheckpointError(f"{step_dir}: holds no parameter {name}")
-            full = assemble(step_dir, pieces)
+        for (name, p), full in zip(params.items(), assembled(step_dir, sources), strict=True):
             if full.shape != p.shape:
                 raise CheckpointError(f"{step_dir}: {name} has shape {tuple(full.shape)}, the model {tuple(p.shape)}")
             p.copy_(full)
