@@ -28,7 +28,7 @@ def add_checkpoint_parser(subparsers: argparse._SubParsersAction) -> None:
                                     "section changed by --to-layout / --set.")
     cv.add_argument("src", type=Path, metavar="SRC", help="checkpoint.dir of a run (its latest) or one step_XXXXXXXX")
     cv.add_argument("dst", type=Path, metavar="DST", help="a new (empty) checkpoint directory")
-    cv.add_argument("config", nargs="?", help="the run's TOML config (default: built-in defaults)")
+    cv.add_argument("config", nargs="?", metavar="CONFIG", help="the run's TOML config (default: built-in defaults)")
     cv.add_argument("--to-layout", default="", metavar="K=V,...",
                     help="the target layout's parallel settings, e.g. dp=2,tp=2,pp=2,zero=1 (keys of [parallel])")
     cv.add_argument("--nproc", type=int, default=None,
