@@ -118,8 +118,8 @@ def checkpoint_problems(cfg: Config, world_size: int) -> list[str]:
     for key, mine in layout:
         if key in saved and saved[key] != mine:
             problems.append(f"checkpoint {target} was written with parallel.{key}={saved[key]}, this run has "
-                            f"parallel.{key}={mine}; resuming into another layout is not supported yet: set "
-                            f"parallel.{key}={saved[key]}, or {fix}")
+                            f"parallel.{key}={mine}, and it was saved before checkpoints described their pieces, so it "
+                            f"cannot be re-sharded: set parallel.{key}={saved[key]}, or {fix}")
     current = json.loads(json.dumps(cfg.model_config().to_dict()))  # tuples → lists, as saved
     changed = sorted(k for k in model if k in current and model[k] != current[k])
     if changed:

@@ -137,5 +137,5 @@ def test_another_layout_re_shards(results, label):
 def test_an_old_checkpoint_in_another_layout_is_a_clear_error(results, label):
     for r in results[label]:  # every rank refuses (none is left waiting in a collective)
         msg = r["error"]
-        assert msg is not None and "layout" in msg and "not supported yet" in msg, msg
+        assert msg is not None and "layout" in msg and "cannot be re-sharded" in msg, msg
         assert "'tp':" in msg and "'pp':" in msg and msg.count("'zero':") == 2, msg

@@ -52,6 +52,6 @@ def check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> 
     if diff:
         # Every rank sees the same two layouts, so every rank raises (none is left in a collective).
         raise CheckpointError(f"checkpoint {path} was written with layout {saved}, this run has layout {mine} "
-                           f"(they differ in {', '.join(diff)}); resuming into another layout is not "
-                           "supported yet: resume with the same parallel.dp, tp, pp, ep, zero, bucket_mb, "
-                           "pp_schedule and pp_virtual")
+                              f"(they differ in {', '.join(diff)}); it was saved before checkpoints described "
+                              "their pieces, so it cannot be re-sharded: resume with the same parallel.dp, tp, pp, "
+                              "ep, zero, bucket_mb, pp_schedule and pp_virtual")
