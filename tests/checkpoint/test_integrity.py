@@ -109,3 +109,25 @@ def test_dcp_failures_become_one_line_checkpoint_errors(tmp_path):
         store.load(path, {"w": torch.zeros(64)})
     msg = str(info.value)
     assert str(path) in msg and "\n" not in msg, msg
+
+
+def test_a_manifest_merged_from_the_ranks_shares_equals_one_checksummed_by_rank_0(pristine, tmp_path):
+    """Each rank of a save checksums every world-th file (`write_share`); rank 0 merges the shares, and
+    checksums what no share holds (meta.json) or what changed size since."""
+    from pentatron.checkpoint import manifest
+
+    source = pristine / (pristine / "latest").read_text()
+    alone, shared = tmp_path / "alone", tmp_path / "shared"
+    for d in (alone, shared):
+        shutil.copytree(source, d)
+        (d / manifest.MANIFEST).unlink()
+    want = manifest.write(alone)
+    (shared / "meta.json").rename(tmp_path / "meta.json")  # written by rank 0 after the shares
+    for rank in range(3):
+        manifest.write_share(shared, rank, 3)
+    (tmp_path / "meta.json").rename(shared / "meta.json")
+    shares = [json.loads(p.read_text()) for p in sorted((shared / manifest.SHARES_DIR).glob("rank*.json"))]
+    assert len(shares) == 3 and sum(len(s) for s in shares) == len(want["files"]) - 1  # all but meta.json
+    assert manifest.write(shared) == want
+    assert not (shared / manifest.SHARES_DIR).exists()
+    manifest.verify(shared)

@@ -1,7 +1,10 @@
 """A checkpoint's manifest: every file with its size and CRC-32, written last, before `latest` moves.
 
 `write` runs on rank 0 once every rank's DCP files and meta.json are in the `.tmp` directory; only then
-is it renamed and pointed to, so a published checkpoint always carries one. `verify` names the first
+is it renamed and pointed to, so a published checkpoint always carries one. Reading every file back is
+the cost of a manifest (a 70B model with AdamW state is ~1 TB), so in a synchronous save every rank first
+checksums its share of the files (`write_share`: every world-th file) and rank 0 only merges the shares
+(and checksums what no share covers: meta.json, or everything after an async save). `verify` names the first
 file that is missing, truncated or altered (a flipped bit, an edited meta.json). CRC-32 (zlib) finds
 accidental damage at several GB/s; it is not a defence against deliberate tampering. Checkpoints
 written before manifests existed (meta.json without `manifest`) are accepted unverified.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import zlib
 from pathlib import Path
 from typing import Any
@@ -18,6 +22,7 @@ from typing import Any
 from pentatron.checkpoint.errors import CheckpointError
 
 MANIFEST = "manifest.json"
+SHARES_DIR = "manifest.shares"
 _CHUNK = 8 << 20
 
 
@@ -30,12 +35,34 @@ def crc32_of(path: Path) -> int:
 
 
 def _files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return sorted(p for p in root.rglob("*")
+                  if p.is_file() and p.name != MANIFEST and p.parent.name != SHARES_DIR)
+
+
+def _record(path: Path) -> dict[str, int]:
+    return {"size": path.stat().st_size, "crc32": crc32_of(path)}
+
+
+def write_share(root: Path, rank: int, world: int) -> None:
+    """Every rank, once every rank's files are written: the records of its share of them (every world-th
+    file in name order) in `root/manifest.shares/rank<r>.json`, for `write` to merge."""
+    share = {str(p.relative_to(root)): _record(p) for p in _files(root)[rank::world]}
+    (root / SHARES_DIR).mkdir(exist_ok=True)
+    (root / SHARES_DIR / f"rank{rank}.json").write_text(json.dumps(share))
 
 
 def write(root: Path) -> dict[str, Any]:
-    """Record every file under `root` (size, crc32) in `root/manifest.json`; returns the manifest."""
-    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "crc32": crc32_of(p)} for p in _files(root)}
+    """Record every file under `root` (size, crc32) in `root/manifest.json`, taking the records the ranks'
+    shares hold (when the file's size still agrees) and checksumming the rest; returns the manifest."""
+    known: dict[str, dict[str, int]] = {}
+    for share in sorted((root / SHARES_DIR).glob("rank*.json")):
+        known.update(json.loads(share.read_text()))
+    shutil.rmtree(root / SHARES_DIR, ignore_errors=True)
+    files = {}
+    for p in _files(root):
+        name = str(p.relative_to(root))
+        rec = known.get(name)
+        files[name] = rec if rec is not None and rec["size"] == p.stat().st_size else _record(p)
     manifest = {"version": 1, "files": files}
     tmp = root / (MANIFEST + ".tmp")
     with open(tmp, "w") as f:

@@ -85,6 +85,9 @@ class CheckpointStore:
         tmp = self.prepare(step, pieces)
         with _dcp_mode() as single:
             dcp.save(state, checkpoint_id=tmp, no_dist=single)
+        # DCP's save returns once every rank's files and its metadata are written: the ranks checksum them
+        # together, rank 0 merges the shares into the manifest
+        manifest.write_share(tmp, _rank(), dist.get_world_size() if dist.is_initialized() else 1)
         self._barrier()
         final = self.publish(step, tmp, meta) if _rank() == 0 else self._dir(step)
         self._barrier()
