@@ -131,3 +131,26 @@ def test_a_manifest_merged_from_the_ranks_shares_equals_one_checksummed_by_rank_
     assert manifest.write(shared) == want
     assert not (shared / manifest.SHARES_DIR).exists()
     manifest.verify(shared)
+
+
+@pytest.mark.parametrize("share", [0, 1])
+def test_two_ranks_divide_the_verification_and_rank_0_names_the_damaged_file(pristine, tmp_path, default_dataset,
+                                                                              share):
+    """A resume on 2 ranks (re-sharding the 1-process checkpoint to dp2): each rank checks every other file
+    of the manifest; damage in either rank's share is one line on stderr, naming the file, exit 2."""
+    from pentatron.checkpoint import manifest
+    from tests.launchers import pentatron_nproc
+
+    ck = tmp_path / "ck"
+    shutil.copytree(pristine, ck)
+    step = ck / "step_00000002"
+    names = sorted(json.loads((step / manifest.MANIFEST).read_text())["files"])
+    name = next(n for n in names[share::2] if n != "meta.json")
+    data = bytearray((step / name).read_bytes())
+    data[len(data) // 2] ^= 0x10
+    (step / name).write_bytes(bytes(data))
+    out = pentatron_nproc(_flags(tmp_path, default_dataset, ck, "--set=train.steps=3"), 2, tmp_path / "cwd")
+    assert out.codes == [2], out.output
+    errors = [line for line in out.output.splitlines() if line.startswith("pentatron: error:")]
+    assert len(errors) == 1 and name in errors[0] and "checksum" in errors[0], out.output
+    assert "Traceback" not in out.output

@@ -73,8 +73,10 @@ def write(root: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify(root: Path) -> None:
-    """Raise `CheckpointError` naming the first damaged, missing or truncated file of checkpoint `root`."""
+def verify(root: Path, share: tuple[int, int] = (0, 1)) -> None:
+    """Raise `CheckpointError` naming the first damaged, missing or truncated file of checkpoint `root`.
+    `share` = (rank, ranks): check only every ranks-th file from the rank-th (the ranks of a resume
+    divide the reading); the manifest itself is checked by every share."""
     path = root / MANIFEST
     if not path.is_file():
         meta = root / "meta.json"
@@ -90,7 +92,8 @@ def verify(root: Path) -> None:
         items = [(name, int(rec["size"]), int(rec["crc32"])) for name, rec in files.items()]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
-    for name, size, crc in items:
+    rank, ranks = share
+    for name, size, crc in sorted(items)[rank::ranks]:
         f = root / name
         if not f.is_file():
             raise CheckpointError(f"{f}: missing (listed in {MANIFEST})")

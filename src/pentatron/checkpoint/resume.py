@@ -1,16 +1,18 @@
 """Which checkpoint a run resumes, verified before any tensor is read.
 
-Rank 0 verifies the checkpoint `latest` names (its manifest, meta.json, the step in meta.json against
-the directory's name, and the saved model config against this run's), and every rank then loads the one
-it chose (`share_from_rank0`). A damaged checkpoint is an error naming the file; with
-`checkpoint.fallback = true` the run instead resumes from the newest older checkpoint that verifies,
-saying which it skipped. A checkpoint of another model is always an error (an older one would be too).
+The candidates are the checkpoint `latest` names, then (for `checkpoint.fallback = true`) the older
+complete ones, newest first; `checkpoint convert` may name one step directory instead. For each candidate
+in turn every rank checks its share of the files against the manifest (reading a large checkpoint back is
+the slow part, so the ranks divide it), the first failing rank's message is shared, and rank 0 checks
+meta.json (its step against the directory's name) and the saved model config against this run's, then
+tells every rank what to do (`share_text`). A damaged checkpoint is an error naming the file; with
+fallback the run instead resumes from the newest older checkpoint that verifies, saying which it skipped.
+A checkpoint of another model is always an error (an older one would be too).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +36,8 @@ def _read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def verify_checkpoint(path: Path) -> dict[str, Any]:
-    """The checkpoint's meta.json once its files check out; raises `CheckpointError` naming the file."""
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: missing (named by {path.parent / 'latest'})")
-    manifest.verify(path)
+def checked_meta(path: Path) -> dict[str, Any]:
+    """The checkpoint's meta.json, its step agreeing with the directory's name; raises `CheckpointError`."""
     meta = _read_meta(path)
     digits = path.name[len(_NAME_PREFIX):].split("-r")[0]
     if digits.isdigit() and int(digits) != meta["step"]:
@@ -62,31 +61,86 @@ def model_mismatch(path: Path, meta: dict[str, Any], model: dict[str, Any]) -> s
             "use the checkpoint's model settings, or another checkpoint.dir")
 
 
-def select_checkpoint(root: Path, model: dict[str, Any], fallback: bool) -> tuple[Path, list[str]] | None:
-    """Rank 0: the checkpoint to resume (None: nothing to resume) and notes on any skipped for damage."""
+def candidates(root: Path) -> list[Path]:
+    """Rank 0: what `latest` names, then the older complete checkpoints, newest first ([]: nothing)."""
     name = latest_name(root)
     if name is None:
-        return None
-    target = root / name
-    older = [c.path for c in reversed(complete_checkpoints(root)) if c.path.name != name]
+        return []
+    return [root / name, *[c.path for c in reversed(complete_checkpoints(root)) if c.path.name != name]]
+
+
+def resume_target(root: Path, model: dict[str, Any], fallback: bool, comm: Any, rank: int,
+                  device: torch.device) -> Path | None:
+    """Every rank: the checkpoint of `root` to resume (None: start fresh), verified by all. A rejected
+    checkpoint raises `CheckpointError` on every rank (rank 0's message names the file)."""
+    listing = share_text(comm, rank, device, json.dumps([str(p) for p in candidates(root)]) if rank == 0 else "")
+    return agreed_checkpoint([Path(p) for p in json.loads(listing)], model, fallback, comm, rank, device)
+
+
+def agreed_checkpoint(paths: list[Path], model: dict[str, Any], fallback: bool | None, comm: Any, rank: int,
+                      device: torch.device) -> Path | None:
+    """Every rank: the first of `paths` (the checkpoint asked for, then older ones to fall back on) that
+    verifies, or None when `paths` is empty. `fallback`: None when there is nothing to fall back on."""
     notes: list[str] = []
-    for i, path in enumerate([target, *older]):
+    for i, path in enumerate(paths):
+        damage = _damage(path, comm, rank, device)
+        verdict = _judge(paths, i, damage, model, fallback) if rank == 0 else ""
+        kind, _, text = share_text(comm, rank, device, verdict).partition(":")
+        if kind == "error":
+            raise CheckpointError(text)
+        if kind == "skip":
+            notes.append(text)
+        if kind == "ok":
+            if rank == 0:
+                for note in notes:
+                    print(f"pentatron: {note}; resuming from {path.name} (checkpoint.fallback=true)", flush=True)
+            return path
+    if not paths:
+        return None
+    raise CheckpointError(f"{paths[0]}: damaged and no older checkpoint in {paths[0].parent} verifies "
+                          f"({'; '.join(notes)})")
+
+
+def _damage(path: Path, comm: Any, rank: int, device: torch.device) -> str | None:
+    """Every rank: the first failing rank's message on checking its share of `path`'s files (None: intact)."""
+    world = comm.ctx.world_size
+    mine = None
+    if not path.is_dir():
+        mine = f"{path}: missing (named by {path.parent / 'latest'})"
+    else:
         try:
-            meta = verify_checkpoint(path)
+            manifest.verify(path, share=(rank, world))
         except CheckpointError as e:
-            if not fallback:
-                alt = f" ({older[0].name})" if older else ""
-                raise CheckpointError(f"{e}; restore it, or set checkpoint.fallback=true to resume from the "
-                                      f"previous good checkpoint{alt}") from None
-            notes.append(f"skipped damaged checkpoint: {e}")
-            continue
-        if i > 0 and meta.get("step", 0) >= _step_of(target):
-            continue  # fall back only to older states
-        problem = model_mismatch(path, meta, model)
-        if problem:
-            raise CheckpointError(problem)
-        return path, notes
-    raise CheckpointError(f"{target}: damaged and no older checkpoint in {root} verifies ({'; '.join(notes)})")
+            mine = str(e)
+    first = torch.tensor([rank if mine else world], dtype=torch.int64, device=device)
+    comm.all_reduce(first, "world", op="min")
+    src = int(first.item())
+    return None if src == world else share_text(comm, rank, device, mine or "", src=src)
+
+
+def _judge(paths: list[Path], i: int, damage: str | None, model: dict[str, Any], fallback: bool | None) -> str:
+    """Rank 0: what to do with candidate `paths[i]` — "ok:", "next:" (not older than the target), "skip:<note>"
+    (damaged, falling back) or "error:<message>"."""
+    path, target = paths[i], paths[0]
+    problem, meta = damage, None
+    if problem is None:
+        try:
+            meta = checked_meta(path)
+        except CheckpointError as e:
+            problem = str(e)
+    if problem is not None:
+        if fallback:
+            return f"skip:skipped damaged checkpoint: {problem}"
+        if fallback is None:
+            return f"error:{problem}"
+        alt = f" ({paths[1].name})" if len(paths) > 1 else ""
+        return (f"error:{problem}; restore it, or set checkpoint.fallback=true to resume from the previous good "
+                f"checkpoint{alt}")
+    assert meta is not None
+    if i > 0 and meta["step"] >= _step_of(target):
+        return "next:"  # fall back only to older states
+    mismatch = model_mismatch(path, meta, model)
+    return f"error:{mismatch}" if mismatch else "ok:"
 
 
 def _step_of(path: Path) -> int:
@@ -94,50 +148,13 @@ def _step_of(path: Path) -> int:
     return int(digits) if digits.isdigit() else 1 << 62
 
 
-def resume_target(root: Path, model: dict[str, Any], fallback: bool, comm: Any, rank: int,
-                  device: torch.device) -> Path | None:
-    """Every rank: the checkpoint to resume, chosen and verified by rank 0 (None: start fresh). A
-    rejected checkpoint raises `CheckpointError` on every rank (rank 0's names the file)."""
-    return agreed_checkpoint(lambda: select_checkpoint(root, model, fallback), comm, rank, device)
-
-
-def select_named(path: Path, model: dict[str, Any]) -> tuple[Path, list[str]]:
-    """Rank 0: one checkpoint directory named by the user (`step_XXXXXXXX`), verified like `latest`."""
-    meta = verify_checkpoint(path)
-    problem = model_mismatch(path, meta, model)
-    if problem:
-        raise CheckpointError(problem)
-    return path, []
-
-
-def agreed_checkpoint(choose: Callable[[], tuple[Path, list[str]] | None], comm: Any, rank: int,
-                      device: torch.device) -> Path | None:
-    """Every rank: the checkpoint rank 0's `choose()` picked (with notes on any it skipped), or None."""
-    if rank == 0:
-        try:
-            chosen = choose()
-        except CheckpointError as e:
-            share_from_rank0(comm, rank, device, f"error:{e}")
-            raise
-        if chosen is not None:
-            for note in chosen[1]:
-                print(f"pentatron: {note}; resuming from {chosen[0].name} (checkpoint.fallback=true)", flush=True)
-        verdict = share_from_rank0(comm, rank, device, "none:" if chosen is None else f"ok:{chosen[0]}")
-    else:
-        verdict = share_from_rank0(comm, rank, device, "")
-    kind, _, text = verdict.partition(":")
-    if kind == "error":
-        raise CheckpointError(text)
-    return None if kind == "none" else Path(text)
-
-
-def share_from_rank0(comm: Any, rank: int, device: torch.device, text: str) -> str:
-    """Rank 0's `text` on every rank (through the comm layer: a length, then the UTF-8 bytes)."""
-    data = torch.tensor(list(text.encode()) if rank == 0 else [], dtype=torch.uint8, device=device)
+def share_text(comm: Any, rank: int, device: torch.device, text: str, src: int = 0) -> str:
+    """Rank `src`'s `text` on every rank (through the comm layer: a length, then the UTF-8 bytes)."""
+    data = torch.tensor(list(text.encode()) if rank == src else [], dtype=torch.uint8, device=device)
     length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    comm.broadcast(length, "world", src=0)
-    if rank != 0:
+    comm.broadcast(length, "world", src=src)
+    if rank != src:
         data = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
     if data.numel():
-        comm.broadcast(data, "world", src=0)
+        comm.broadcast(data, "world", src=src)
     return bytes(data.cpu().tolist()).decode()

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from pentatron.checkpoint.errors import CheckpointError
-from pentatron.checkpoint.resume import agreed_checkpoint, select_checkpoint, select_named
+from pentatron.checkpoint.resume import agreed_checkpoint, resume_target
 from pentatron.checkpoint.store import CheckpointStore
 from pentatron.config import Config
 from pentatron.train.model_state import ModelState
@@ -26,10 +26,9 @@ def convert_checkpoint(cfg: Config, src: Path) -> Path:
     comm, rank = state.ctx.comm, state.rank
     model = state.model_cfg.to_dict()
     if (src / "meta.json").is_file():  # one step directory
-        source = agreed_checkpoint(lambda: select_named(src, model), comm, rank, state.device)
+        source = agreed_checkpoint([src], model, None, comm, rank, state.device)
     else:
-        source = agreed_checkpoint(lambda: select_checkpoint(src, model, cfg.checkpoint.fallback), comm, rank,
-                                   state.device)
+        source = resume_target(src, model, cfg.checkpoint.fallback, comm, rank, state.device)
     if source is None:
         raise CheckpointError(f"{src}: holds no checkpoint to convert")
     meta = state.load(source, CheckpointStore(source.parent))
