@@ -33,6 +33,7 @@ def convert_checkpoint(cfg: Config, src: Path) -> Path:
         raise CheckpointError(f"{src}: holds no checkpoint to convert")
     meta = state.load(source, CheckpointStore(source.parent))
     store = CheckpointStore(Path(cfg.checkpoint.dir), keep=cfg.checkpoint.keep, barrier=comm.barrier)
+    store.clean_stale()  # a conversion killed mid-save left a `.tmp` directory in DST
     # The same lineage: resuming the converted checkpoint continues the run (its metrics, its retention).
     if isinstance(meta.get("run_id"), str):
         store.run_id, store.parent = meta["run_id"], meta.get("parent")
