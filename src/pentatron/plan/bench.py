@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from pentatron.plan.bench_cpu import ATTN_HEAD_DIM, ATTN_SEQ, measure_cpu_kernels
 from pentatron.plan.hardware import GB, GiB, detect_gpu
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -47,6 +48,9 @@ class BenchResult:
     matmul_curve: list[tuple[int, float]] = field(default_factory=list)  # [(FLOPs per call, FLOP/s)] fp32
     host_overhead: tuple[float, ...] = ()  # (layer fwd, layer bwd, ends fwd, ends bwd) seconds per micro-batch
     host_optimizer_per_tensor: float = 0.0  # seconds per parameter tensor of an optimizer step
+    # CPU kernels inside a step (bench_cpu): {"stream_curve", "gemm_grid", "attention_grid",
+    # "optimizer_per_element"}
+    cpu_kernels: dict[str, Any] = field(default_factory=dict)
     torch_version: str = torch.__version__
     host: str = field(default_factory=platform.node)
     when: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -145,8 +149,28 @@ def measure_host_overhead(device: torch.device, seconds: float) -> tuple[float, 
         return t_f, t_fb - t_f
 
     (f2, b2), (f6, b6) = run(2), run(6)
-    lf, lb = max(0.0, (f6 - f2) / 4), max(0.0, (b6 - b2) / 4)
-    return lf, lb, max(0.0, f2 - 2 * lf), max(0.0, b2 - 2 * lb)
+    # the layer's attention kernel at this tiny shape is not host work: the planner charges attention
+    # at the run's shape from the attention grid (bench_cpu), so its tiny-shape cost comes off here
+    af, ab = _tiny_attention(device, seconds)
+    lf, lb = max(0.0, (f6 - f2) / 4 - af), max(0.0, (b6 - b2) / 4 - ab)
+    return lf, lb, max(0.0, f2 - 2 * (lf + af)), max(0.0, b2 - 2 * (lb + ab))
+
+
+def _tiny_attention(device: torch.device, seconds: float) -> tuple[float, float]:
+    """Forward and backward seconds of the tiny Llama's attention call (1 x 2 heads, 1 kv head, 4 tokens,
+    head dim 32)."""
+    import torch.nn.functional as F
+
+    q = torch.zeros(1, 2, 4, 32, device=device, requires_grad=True)
+    k, v = (torch.zeros(1, 1, 4, 32, device=device, requires_grad=True) for _ in range(2))
+    g = torch.ones(1, 2, 4, 32, device=device)
+
+    def fwd() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    t_f = _best_of(lambda: fwd().detach(), device, seconds, min_iters=10)
+    t_fb = _best_of(lambda: torch.autograd.grad(fwd(), (q, k, v), g), device, seconds, min_iters=10)
+    return t_f, max(0.0, t_fb - t_f)
 
 
 def measure_optimizer_overhead(device: torch.device, seconds: float, n_tensors: int = 64) -> float:
@@ -164,19 +188,6 @@ def measure_optimizer_overhead(device: torch.device, seconds: float, n_tensors: 
         opt.step()
 
     return _best_of(step, device, 3 * seconds, min_iters=5) / n_tensors
-
-
-MATMUL_CURVE_N = (32, 64, 128, 256, 512)  # square fp32 GEMMs: a debug model's shapes up to the peak size
-
-
-def measure_matmul_curve(device: torch.device, seconds: float) -> list[tuple[int, float]]:
-    """fp32 matmul FLOP/s by the FLOPs of one call (2n^3): small GEMMs, their per-call cost included."""
-    out = []
-    for n in MATMUL_CURVE_N:
-        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-        c = torch.empty(n, n, device=device)
-        out.append((2 * n**3, 2 * n**3 / _best_of(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), device, 3 * seconds)))
-    return out
 
 
 def measure_copy_curve(device: torch.device, seconds: float) -> list[tuple[int, float]]:
@@ -306,9 +317,10 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
                          _memory_bytes(dev))
     if device == "cpu":  # GPU tensors of real models dwarf the L2: the large-buffer rate applies
         result.copy_curve = measure_copy_curve(dev, seconds)
-        result.matmul_curve = measure_matmul_curve(dev, seconds)
         result.host_overhead = measure_host_overhead(dev, seconds)
         result.host_optimizer_per_tensor = measure_optimizer_overhead(dev, seconds)
+        result.cpu_kernels = measure_cpu_kernels(dev, seconds, result.host_optimizer_per_tensor)
+        result.matmul_curve = result.cpu_kernels["matmul_curve"]
     if nproc >= 2:
         import torch.multiprocessing as mp
 
@@ -346,6 +358,15 @@ def profile_dict(r: BenchResult) -> dict[str, Any]:
         gpu["host_us"]["optimizer_per_tensor"] = round(r.host_optimizer_per_tensor * 1e6, 2)
     if r.matmul_curve:
         gpu["matmul_fp32"] = {"flops": [f for f, _ in r.matmul_curve], "gflop_s": [v / 1e9 for _, v in r.matmul_curve]}
+    ck = r.cpu_kernels
+    if ck:
+        gpu["optimizer_ns_per_element"] = round(ck["optimizer_per_element"] * 1e9, 4)
+        stream = ck["stream_curve"]
+        gpu["stream_bw"] = {"bytes": [n for n, _ in stream], "gb_s": [b / GB for _, b in stream]}
+        att = {(s, d): (f, b) for s, d, f, b in ck["attention_grid"]}
+        gpu["attention_fp32"] = {"seq": list(ATTN_SEQ), "head_dim": list(ATTN_HEAD_DIM),
+                                 "fwd_gflop_s": [round(att[s, d][0] / 1e9, 3) for s in ATTN_SEQ for d in ATTN_HEAD_DIM],
+                                 "bwd_gflop_s": [round(att[s, d][1] / 1e9, 3) for s in ATTN_SEQ for d in ATTN_HEAD_DIM]}
     if r.copy_curve:
         gpu["copy_bw"] = {"bytes": [n for n, _ in r.copy_curve], "gb_s": [b / GB for _, b in r.copy_curve]}
     if r.busbw:
@@ -370,12 +391,15 @@ def _toml_value(v: Any) -> str:
     raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
 
+_TABLES = ("busbw", "measured", "gpu", "attention_fp32")  # written as [sections]
+
+
 def to_toml(d: dict[str, Any]) -> str:
     """Minimal TOML writer for the profile's nesting (tables of scalars, lists and inline tables)."""
     lines: list[str] = []
 
     def table(prefix: str, t: dict[str, Any]) -> None:
-        scalars = {k: v for k, v in t.items() if not (isinstance(v, dict) and k in ("busbw", "measured", "gpu"))
+        scalars = {k: v for k, v in t.items() if not (isinstance(v, dict) and k in _TABLES)
                    and not (isinstance(v, dict) and all(isinstance(x, dict) for x in v.values()) and v)}
         subs = {k: v for k, v in t.items() if k not in scalars}
         if prefix:

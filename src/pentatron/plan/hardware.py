@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from pentatron.plan.kernel_tables import AttentionGrid, parse_attention_grid
+
 try:  # Python >= 3.11
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - 3.10 fallback
@@ -73,6 +75,13 @@ class GPUSpec:
     host_layer_s: tuple[float, float] = (0.0, 0.0)
     host_ends_s: tuple[float, float] = (0.0, 0.0)
     host_optimizer_per_tensor_s: float = 0.0  # optimizer step (norm, clip, AdamW) per parameter tensor
+    # Optional CPU kernels measured as a step runs them (bench_cpu.py: operands out of the L2, outputs
+    # kept alive): an out-of-place elementwise op's bytes/s by operand size (reads + write), causal
+    # attention FLOP/s by (seq, head dim), and the optimizer step's seconds per parameter element.
+    # Absent on GPUs: the paths above apply there.
+    measured_stream_bw: tuple[tuple[float, float], ...] = ()
+    measured_attention_fp32: AttentionGrid | None = None
+    optimizer_per_element_s: float = 0.0
     source: str = ""
 
     def flops(self, dtype: str) -> float:
@@ -98,6 +107,13 @@ class GPUSpec:
         if self.measured_copy_bw:
             return interp_log(self.measured_copy_bw, nbytes)
         return self.hbm_bandwidth * (self.hbm_efficiency if efficiency else 1.0)
+
+    def op_bandwidth(self, operand_bytes: float, working_set: float, efficiency: bool = True) -> float:
+        """Bytes/s of an eager elementwise op on operands of `operand_bytes` inside a step: bench's
+        in-step curve when measured, else `stream_bandwidth(working_set)`."""
+        if self.measured_stream_bw:
+            return interp_log(self.measured_stream_bw, operand_bytes)
+        return self.stream_bandwidth(working_set, efficiency)
 
     @property
     def nics(self) -> int:
@@ -267,6 +283,7 @@ _TOML_SCALARS = {
     "hbm_efficiency": ("hbm_efficiency", 1),
     "nics_per_node": ("nics_per_node", 1),
     "fp8_gemm_k0": ("fp8_gemm_k0", 1),
+    "optimizer_ns_per_element": ("optimizer_per_element_s", 1e-9),
 }
 
 
@@ -309,6 +326,11 @@ def hardware_from_dict(d: dict[str, Any], where: str = "hardware") -> GPUSpec:
         if isinstance(mm, dict) and "flops" in mm and "gflop_s" in mm:
             mm = {"bytes": mm["flops"], "gb_s": mm["gflop_s"]}  # same shape as a bandwidth curve
         kw["measured_matmul_fp32"] = _parse_busbw({"matmul_fp32": mm}, where, problems).get("matmul_fp32", ())
+    stream = d.pop("stream_bw", None)
+    if stream is not None:
+        kw["measured_stream_bw"] = _parse_busbw({"stream_bw": stream}, where, problems).get("stream_bw", ())
+    if "attention_fp32" in d:
+        kw["measured_attention_fp32"] = parse_attention_grid(d.pop("attention_fp32"), where, problems)
     for key, (attr, scale) in _TOML_SCALARS.items():
         if key in d:
             v = d.pop(key)
