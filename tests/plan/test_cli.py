@@ -122,7 +122,7 @@ def test_bench_writes_a_profile_the_planner_reads(capsys, tmp_path):
     from pentatron.plan.hardware import load_hardware_toml
 
     prof = load_hardware_toml(out)
-    assert set(prof.measured_busbw) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert set(prof.measured_busbw) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
     assert all(b > 0 for pts in prof.measured_busbw.values() for _, b in pts)
     assert run(["plan", "--model", "debug", "--seq", "256", "--global-batch", "8", "--gpus", "2",
                 "--hardware-profile", str(out), "--precision", "fp32"]) == 0

@@ -25,6 +25,7 @@ POOL_BYTES = 32 * 2**20  # beyond a server core's L2 (1-2 MiB): what a step's ac
 STREAM_BYTES = tuple(2**k for k in range(14, 25, 2))  # one operand: 16 KiB .. 16 MiB
 ATTN_SEQ = (16, 64, 256, 1024)
 ATTN_HEAD_DIM = (32, 64, 128)
+ATTN_POOL_BYTES = 8 * 2**20  # 4x a core's L2 is out of it too, and keeps the 12 shapes quick
 ATTN_HEADS, ATTN_KV_HEADS = 8, 4  # per call (batch 1): grouped-query, as Llama-style models run it
 
 
@@ -118,7 +119,7 @@ def measure_attention_grid(device: torch.device, seconds: float) -> list[tuple[i
         for d in ATTN_HEAD_DIM:
             q_shape, kv_shape = (1, ATTN_HEADS, seq, d), (1, ATTN_KV_HEADS, seq, d)
             per_set = 4 * d * seq * (2 * ATTN_HEADS + 2 * ATTN_KV_HEADS)  # q, k, v, out
-            sets = max(2, POOL_BYTES // per_set)
+            sets = max(2, ATTN_POOL_BYTES // per_set)
             qkv = [tuple(torch.empty(s, device=device).uniform_(-1, 1).requires_grad_()
                          for s in (q_shape, kv_shape, kv_shape)) for _ in range(sets)]
             grad = torch.ones(q_shape, device=device)
@@ -140,9 +141,9 @@ def measure_attention_grid(device: torch.device, seconds: float) -> list[tuple[i
 
 def measure_optimizer_per_element(device: torch.device, seconds: float, per_tensor_s: float) -> float:
     """Seconds per parameter element of an optimizer step (gradient norm, clipping, torch's AdamW, as
-    the trainer runs them) on 16 tensors of 256 Ki elements (64 MiB of state: out of the caches), less
-    the per-tensor host cost measured on tiny tensors."""
-    n_tensors, numel = 16, 2**18
+    the trainer runs them) on 8 tensors of 256 Ki elements (32 MiB of parameters, gradients and moments:
+    out of the caches), less the per-tensor host cost measured on tiny tensors."""
+    n_tensors, numel = 8, 2**18
     params = [torch.zeros(numel, device=device, requires_grad=True) for _ in range(n_tensors)]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)

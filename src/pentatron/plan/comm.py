@@ -105,8 +105,12 @@ def tree_latency(gpu: GPUSpec, g: Group) -> float:
 
 
 def p2p_time(gpu: GPUSpec, nbytes: float, inter_node: bool) -> float:
+    """One send/recv of `nbytes`: latency + bytes / link bandwidth, or inside a node the one-way time
+    `pentatron bench` measured by ping-pong (busbw "p2p": bytes / one-way seconds) when it did."""
     if nbytes <= 0:
         return 0.0
+    if not inter_node and "p2p" in gpu.measured_busbw:
+        return nbytes / interp_log(gpu.measured_busbw["p2p"], nbytes)
     if inter_node:
         return gpu.inter_node_latency + nbytes / (gpu.inter_node_bandwidth * gpu.collective_efficiency)
     return gpu.intra_node_latency + nbytes / (gpu.intra_node_bandwidth * gpu.collective_efficiency)
