@@ -1,7 +1,11 @@
 """Predict, then measure: `pentatron plan` with a `pentatron bench` profile of this machine predicts the
 step time and the per-rank model state of debug-model runs (1 process, dp2, tp2, pp2), then
-`pentatron train` runs them and the two are printed side by side. The "(flat copy)" column is the same
-prediction with every memory-bound op at the profile's large-buffer copy rate (no size curve).
+`pentatron train` runs them and the two are printed side by side. The "(hot)" column is the same
+prediction without the in-step CPU terms (elementwise ops at the hot copy curve, attention at the
+default efficiency, the optimizer as memory traffic): what the profile predicted before those were
+measured. Under the table, each prediction's parts: per micro-batch forward / backward (+ weight
+gradients) on the busiest stage, exposed data-parallel communication, optimizer, overlapped
+communication charged as contention (all of it on a CPU: the cores that compute also communicate).
 
     python benchmarks/predict_vs_measure.py [--profile cpu.toml] [--steps 12] [--warmup 3]
 
@@ -89,17 +93,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"profile: {gpu.name} ({gpu.source}); fp32 matmul {gpu.flops('fp32') / 1e9:.1f} GFLOP/s, "
               f"copy {gpu.hbm_bandwidth / 1e9:.1f} GB/s")
         print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} CPUs)")
-        flat = dataclasses.replace(gpu, measured_copy_bw=())  # the large-buffer copy rate for every op
+        hot = dataclasses.replace(gpu, measured_stream_bw=(), measured_attention_fp32=None,
+                                  optimizer_per_element_s=0.0)
         if gpu.measured_copy_bw:
             print("copy curve: " + ", ".join(f"{n / 1024:.0f} KiB {b / 1e9:.1f} GB/s" for n, b in gpu.measured_copy_bw))
-        head = (f"{'run':<10} {'pred step ms':>12} {'(flat copy)':>11} {'meas step ms':>12} {'ratio':>6} "
+        head = (f"{'run':<10} {'pred step ms':>12} {'(hot)':>11} {'meas step ms':>12} {'ratio':>6} "
                 f"{'best ms':>8} {'ratio':>6}   "
                 f"{'pred state KiB':>14} {'meas state KiB':>14} {'ratio':>6}   {'peak RSS MiB':>12}")
         print(head)
         print("-" * len(head))
+        parts = []
         for i, (name, (lay, overrides)) in enumerate(RUNS.items()):
             pred = predict(w, lay, gpu, kernels="eager")
-            pred_flat = predict(w, lay, flat, kernels="eager")
+            pred_flat = predict(w, lay, hot, kernels="eager")
             m = _train(overrides, lay.world, args.steps, args.warmup, Path(tmp) / f"run{i}")
             mem = pred.memory
             state = mem.parameters + mem.gradients + mem.master_weights + mem.optimizer
@@ -108,7 +114,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"{pred.step.step / m.best_s:>6.2f}"
                   f"   {state / 1024:>14.1f} {m.model_state / 1024:>14.1f} {state / m.model_state:>6.2f}"
                   f"   {m.peak_rss / 2**20:>12.0f}")
+            st = pred.step
+            ph = max(st.phases, key=lambda p: p.total)
+            parts.append(f"{name:<10} {lay.microbatches(w)} x (f {1e3 * ph.f:.2f} + b {1e3 * ph.b:.2f} "
+                         f"+ w {1e3 * ph.w:.2f}) -> pipeline {1e3 * st.pipeline:.2f} "
+                         f"(bubble {100 * st.bubble_fraction:.0f} %), dp exposed "
+                         f"{1e3 * st.dp_exposed:.2f}, optimizer {1e3 * st.optimizer:.2f}, contention "
+                         f"{1e3 * st.contention:.2f}, tied grads {1e3 * st.tied_grads:.2f} ms")
         print(f"load after: {os.getloadavg()[0]:.2f}")
+        print("predicted parts (busiest stage, per micro-batch):\n" + "\n".join(parts))
     return 0
 
 

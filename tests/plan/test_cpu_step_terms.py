@@ -119,3 +119,21 @@ def test_cpu_step_terms_round_trip_through_a_profile(tmp_path):
                  'fwd_gflop_s = [10, 40, 20]\nbwd_gflop_s = [5, 20, 10, 40]\n')
     with pytest.raises(ValueError, match="attention_fp32 needs 4 positive rates"):
         load_hardware_toml(p)
+
+
+def test_ranks_sharing_a_cpu_node_compute_slower_by_the_measured_factor():
+    cpu = dataclasses.replace(H100, gpus_per_node=4, measured_matmul_fp32=((1e6, 1e10),),
+                              measured_stream_bw=((1.0, 12e9),), measured_attention_fp32=GRID,
+                              host_layer_s=(1e-3, 2e-3), optimizer_per_element_s=1e-9,
+                              node_slowdown={"matmul": 4.0, "stream": 7.0, "host": 2.5})
+    assert cpu.sharing(1) is cpu and H100.sharing(8) is H100  # alone, or no measurement: unchanged
+    full = cpu.sharing(4)  # every process of the node busy: the measured factors
+    assert full.measured_matmul_fp32 == ((1e6, 1e10 / 4),) and full.peak_flops["bf16"] == H100.peak_flops["bf16"] / 4
+    assert full.measured_stream_bw == ((1.0, 12e9 / 7),) and full.optimizer_per_element_s == pytest.approx(7e-9)
+    assert full.measured_attention_fp32.fwd[0] == pytest.approx(10e9 / 4)
+    assert full.host_layer_s == pytest.approx((2.5e-3, 5e-3)) and full.node_slowdown == {}
+    half = cpu.sharing(2)  # 1 of the 3 other processes busy: a third of each excess
+    assert half.measured_matmul_fp32 == ((1e6, 1e10 / 2),) and half.measured_stream_bw == ((1.0, 12e9 / 3),)
+    assert half.host_layer_s == pytest.approx((1.5e-3, 3e-3))
+    lay = Layout(dp=2, micro_batch=4, precision="fp32")  # step_time applies it for the layout's ranks
+    assert step_time(W, lay, cpu).optimizer == pytest.approx(step_time(W, lay, half).optimizer)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pentatron.plan.bench_cpu import ATTN_HEAD_DIM, ATTN_SEQ, measure_cpu_kernels
+from pentatron.plan.bench_cpu import ATTN_HEAD_DIM, ATTN_SEQ, measure_cpu_kernels, reference_kernels
 from pentatron.plan.hardware import GB, GiB, detect_gpu
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -280,6 +280,10 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
     try:
         ctx = ParallelContext.from_degrees(Degrees(dp=world), device)
         comm = ctx.comm
+        concurrent = {}
+        if device_type == "cpu":  # every process of the node computes at once, as the ranks of a run do
+            comm.barrier("dp")
+            concurrent = reference_kernels(device, seconds / 3)
         results: dict[str, list[tuple[int, float]]] = {op: [] for op in OPS}
         sizes = _sizes(max_bytes)
         budget = seconds / max(1, len(sizes))
@@ -302,7 +306,7 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
                 results.setdefault("p2p", []).append((payload, payload / t))
             comm.ledger.begin_step()  # the ledger is per step: do not let it grow across sizes
         if rank == 0:
-            Path(out_path).write_text(json.dumps(results))
+            Path(out_path).write_text(json.dumps({"busbw": results, "concurrent": concurrent}))
     finally:
         dist.destroy_process_group()
 
@@ -336,6 +340,7 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
         result.host_overhead = measure_host_overhead(dev, seconds)
         result.host_optimizer_per_tensor = measure_optimizer_overhead(dev, seconds)
         result.cpu_kernels = measure_cpu_kernels(dev, seconds, result.host_optimizer_per_tensor)
+        result.cpu_kernels["reference"] = reference_kernels(dev, seconds / 3)  # alone, for node_slowdown
         result.matmul_curve = result.cpu_kernels["matmul_curve"]
     if nproc >= 2:
         import torch.multiprocessing as mp
@@ -344,7 +349,11 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
             out = os.path.join(tmp, "busbw.json")
             mp.spawn(_collective_worker, args=(nproc, _free_port(), device, max_bytes, seconds * 3, out),
                      nprocs=nproc, join=True)
-            result.busbw = {op: [tuple(x) for x in pts] for op, pts in json.loads(Path(out).read_text()).items()}
+            got = json.loads(Path(out).read_text())
+            result.busbw = {op: [tuple(x) for x in pts] for op, pts in got["busbw"].items()}
+            if got["concurrent"] and result.cpu_kernels:
+                solo = result.cpu_kernels["reference"]
+                result.cpu_kernels["node_slowdown"] = {k: max(1.0, got["concurrent"][k] / solo[k]) for k in solo}
     return result
 
 
@@ -379,6 +388,8 @@ def profile_dict(r: BenchResult) -> dict[str, Any]:
         gpu["optimizer_ns_per_element"] = round(ck["optimizer_per_element"] * 1e9, 4)
         stream = ck["stream_curve"]
         gpu["stream_bw"] = {"bytes": [n for n, _ in stream], "gb_s": [b / GB for _, b in stream]}
+        if ck.get("node_slowdown"):
+            gpu["node_slowdown"] = {k: round(v, 3) for k, v in ck["node_slowdown"].items()}
         att = {(s, d): (f, b) for s, d, f, b in ck["attention_grid"]}
         gpu["attention_fp32"] = {"seq": list(ATTN_SEQ), "head_dim": list(ATTN_HEAD_DIM),
                                  "fwd_gflop_s": [round(att[s, d][0] / 1e9, 3) for s in ATTN_SEQ for d in ATTN_HEAD_DIM],

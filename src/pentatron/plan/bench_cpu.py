@@ -159,6 +159,24 @@ def measure_optimizer_per_element(device: torch.device, seconds: float, per_tens
     return max(0.0, (t - n_tensors * per_tensor_s) / (n_tensors * numel))
 
 
+def reference_kernels(device: torch.device, seconds: float) -> dict[str, float]:
+    """Seconds per call of three reference loads, run alone and then in every process of the node at
+    once (`node_slowdown`): CPU cores of a node may share execution units, caches and memory bandwidth
+    (on the 2-vCPU VM of BENCHMARKS.md two processes each run exactly 2x slower), GPUs do not.
+    matmul: a 256² in-step GEMM; stream: a 256 KiB in-step add; host: an add of two 64-element tensors
+    (op dispatch)."""
+    out = {}
+    pool = _Pool([(256, 256)], 256 * 256, device)
+    x = torch.empty(256, 256, device=device).uniform_(-1, 1)
+    out["matmul"] = _windows(lambda i: pool.keep(i, torch.mm(x, pool.take(i)[0].t())), seconds)
+    n = 2**16
+    spool = _Pool([(n,), (n,)], n, device)
+    out["stream"] = _windows(lambda i: spool.keep(i, spool.take(i)[0] + spool.take(i)[1]), seconds)
+    a, b = torch.ones(64, device=device), torch.ones(64, device=device)
+    out["host"] = _windows(lambda i: a + b, seconds, min_iters=100)
+    return out
+
+
 def measure_cpu_kernels(device: torch.device, seconds: float, per_tensor_s: float) -> dict[str, Any]:
     """Everything above, keyed as `BenchResult` stores it."""
     return {"stream_curve": measure_stream_curve(device, seconds),

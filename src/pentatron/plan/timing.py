@@ -382,6 +382,7 @@ class StepTime:
 
 
 def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", exact: bool = True) -> StepTime:
+    gpu = gpu.sharing(lay.world)  # CPU profiles: ranks on one node share its cores (no-op on GPUs)
     m = lay.microbatches(w)
     phases = stage_phases(w, lay, gpu, kernels)
     hop = pp_hop_time(w, lay, gpu)
