@@ -1,7 +1,8 @@
 """Predict, then measure: `pentatron plan` with a `pentatron bench` profile of this machine predicts the
 step time and the per-rank model state of debug-model runs (1 process, dp2, tp2, pp2), then
-`pentatron train` runs them and the two are printed side by side. The "(hot)" column is the same
-prediction without the in-step CPU terms (elementwise ops at the hot copy curve, attention at the
+`pentatron train` runs them and the two are printed side by side. The "(alone)" column is the same
+prediction without `node_slowdown` (as if each rank had its cores to itself); the "(hot)" column is
+also without the in-step CPU terms (elementwise ops at the hot copy curve, attention at the
 default efficiency, the optimizer as memory traffic): what the profile predicted before those were
 measured. Under the table, each prediction's parts: per micro-batch forward / backward (+ weight
 gradients) on the busiest stage, exposed data-parallel communication, optimizer, overlapped
@@ -94,10 +95,14 @@ def main(argv: list[str] | None = None) -> int:
               f"copy {gpu.hbm_bandwidth / 1e9:.1f} GB/s")
         print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} CPUs)")
         hot = dataclasses.replace(gpu, measured_stream_bw=(), measured_attention_fp32=None,
-                                  optimizer_per_element_s=0.0)
+                                  optimizer_per_element_s=0.0, node_slowdown={})
+        alone = dataclasses.replace(gpu, node_slowdown={})
+        if gpu.node_slowdown:
+            print("node slowdown (every process busy): "
+                  + ", ".join(f"{k} {v:.2f}x" for k, v in gpu.node_slowdown.items()))
         if gpu.measured_copy_bw:
             print("copy curve: " + ", ".join(f"{n / 1024:.0f} KiB {b / 1e9:.1f} GB/s" for n, b in gpu.measured_copy_bw))
-        head = (f"{'run':<10} {'pred step ms':>12} {'(hot)':>11} {'meas step ms':>12} {'ratio':>6} "
+        head = (f"{'run':<10} {'pred step ms':>12} {'(alone)':>8} {'(hot)':>8} {'meas step ms':>12} {'ratio':>6} "
                 f"{'best ms':>8} {'ratio':>6}   "
                 f"{'pred state KiB':>14} {'meas state KiB':>14} {'ratio':>6}   {'peak RSS MiB':>12}")
         print(head)
@@ -106,10 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         for i, (name, (lay, overrides)) in enumerate(RUNS.items()):
             pred = predict(w, lay, gpu, kernels="eager")
             pred_flat = predict(w, lay, hot, kernels="eager")
+            pred_alone = predict(w, lay, alone, kernels="eager")
             m = _train(overrides, lay.world, args.steps, args.warmup, Path(tmp) / f"run{i}")
             mem = pred.memory
             state = mem.parameters + mem.gradients + mem.master_weights + mem.optimizer
-            print(f"{name:<10} {1e3 * pred.step.step:>12.2f} {1e3 * pred_flat.step.step:>11.2f} "
+            print(f"{name:<10} {1e3 * pred.step.step:>12.2f} {1e3 * pred_alone.step.step:>8.2f} "
+                  f"{1e3 * pred_flat.step.step:>8.2f} "
                   f"{1e3 * m.step_s:>12.2f} {pred.step.step / m.step_s:>6.2f} {1e3 * m.best_s:>8.2f} "
                   f"{pred.step.step / m.best_s:>6.2f}"
                   f"   {state / 1024:>14.1f} {m.model_state / 1024:>14.1f} {state / m.model_state:>6.2f}"

@@ -159,6 +159,21 @@ def measure_optimizer_per_element(device: torch.device, seconds: float, per_tens
     return max(0.0, (t - n_tensors * per_tensor_s) / (n_tensors * numel))
 
 
+def step_compute(device: torch.device) -> Callable[[], None]:
+    """About 0.5 ms of a layer's work on one core (two 256² GEMMs, weights rotating through the pool):
+    what a rank does between two collectives of a step, for timing collectives in context."""
+    pool = _Pool([(256, 256)], 256 * 256, device)
+    x = torch.empty(256, 256, device=device).uniform_(-1, 1)
+    i = [0]
+
+    def run() -> None:
+        for _ in range(2):
+            i[0] += 1
+            pool.keep(i[0], torch.mm(x, pool.take(i[0])[0].t()))
+
+    return run
+
+
 def reference_kernels(device: torch.device, seconds: float) -> dict[str, float]:
     """Seconds per call of three reference loads, run alone and then in every process of the node at
     once (`node_slowdown`): CPU cores of a node may share execution units, caches and memory bandwidth
