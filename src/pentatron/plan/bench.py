@@ -283,7 +283,7 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
         concurrent = {}
         if device_type == "cpu":  # every process of the node computes at once, as the ranks of a run do
             comm.barrier("dp")
-            concurrent = reference_kernels(device, seconds / 3)
+            concurrent = reference_kernels(device, seconds)
         results: dict[str, list[tuple[int, float]]] = {op: [] for op in OPS}
         sizes = _sizes(max_bytes)
         budget = seconds / max(1, len(sizes))
@@ -351,7 +351,7 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
         result.host_overhead = measure_host_overhead(dev, seconds)
         result.host_optimizer_per_tensor = measure_optimizer_overhead(dev, seconds)
         result.cpu_kernels = measure_cpu_kernels(dev, seconds, result.host_optimizer_per_tensor)
-        result.cpu_kernels["reference"] = reference_kernels(dev, seconds / 3)  # alone, for node_slowdown
+        result.cpu_kernels["reference"] = reference_kernels(dev, seconds)  # alone, for node_slowdown
         result.matmul_curve = result.cpu_kernels["matmul_curve"]
     if nproc >= 2:
         import torch.multiprocessing as mp
@@ -364,7 +364,10 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
             result.busbw = {op: [tuple(x) for x in pts] for op, pts in got["busbw"].items()}
             if got["concurrent"] and result.cpu_kernels:
                 solo = result.cpu_kernels["reference"]
-                result.cpu_kernels["node_slowdown"] = {k: max(1.0, got["concurrent"][k] / solo[k]) for k in solo}
+                # n processes fairly sharing the node's compute are at most n times slower; more is other
+                # tenants' load during the measurement
+                result.cpu_kernels["node_slowdown"] = {k: min(float(nproc), max(1.0, got["concurrent"][k] / solo[k]))
+                                                       for k in solo}
     return result
 
 
