@@ -137,3 +137,17 @@ def test_ranks_sharing_a_cpu_node_compute_slower_by_the_measured_factor():
     assert half.host_layer_s == pytest.approx((1.5e-3, 3e-3))
     lay = Layout(dp=2, micro_batch=4, precision="fp32")  # step_time applies it for the layout's ranks
     assert step_time(W, lay, cpu).optimizer == pytest.approx(step_time(W, lay, half).optimizer)
+
+
+def test_vocab_parallel_loss_pays_its_two_small_all_reduces_in_forward():
+    from pentatron.plan.comm import LOSS_WHERE, loss_all_reduces, step_collectives
+    from pentatron.plan.timing import head_phase
+    lay = Layout(dp=1, tp=2, micro_batch=4, precision="fp32")
+    assert loss_all_reduces(256) == (1024, 2048)  # per token: the fp32 max, then two fp32 sums
+    # measured curves at a constant bus bandwidth B: a 2-rank all-reduce of p bytes takes p / B
+    slow, fast = (dataclasses.replace(H100, measured_busbw={"all_reduce": ((1.0, b),)}) for b in (1e8, 1e9))
+    gap = [head_phase(W, lay, g, "eager").f - head_phase(W, lay, g, "eager").b for g in (slow, fast)]
+    assert gap[0] - gap[1] == pytest.approx(3072 / 1e8 - 3072 / 1e9)  # the forward alone pays them
+    colls = step_collectives(W, lay, slow, 0, 0, 4, 0, first=True, last=True)
+    (loss,) = [c for c in colls if c.where == LOSS_WHERE]
+    assert loss.count == 2 * 2 and loss.payload == 1536  # 2 micro-batches x 2 calls, mean payload

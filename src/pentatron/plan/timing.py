@@ -29,6 +29,7 @@ from pentatron.plan.comm import (
     cp_layer_cost,
     group_of,
     layer_comm,
+    loss_all_reduces,
     pp_hop_time,
     step_collectives,
 )
@@ -256,7 +257,11 @@ def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -
     if lay.cross_entropy == "fused":  # flash-attn's kernel: reads the logits; backward reads, writes grads
         loss = tokens * v * a / bw
         return Phase(ph.f + loss + tp, ph.b + 2 * loss + tp, ph.w)
-    return Phase(ph.f + loss + tp, ph.b + 1.5 * loss + tp, ph.w)
+    ce_comm = 0.0
+    if lay.tp > 1:  # the vocab-parallel loss's small all-reduces (latency-bound), forward only
+        g = group_of(lay, "tp", gpu)
+        ce_comm = sum(collective_time(gpu, "all_reduce", x, g) for x in loss_all_reduces(tokens))
+    return Phase(ph.f + loss + tp + ce_comm, ph.b + 1.5 * loss + tp, ph.w)
 
 
 def _head_tp(w: Workload, lay: Layout, gpu: GPUSpec) -> float:
