@@ -7,6 +7,8 @@ on GPU), through the project's comm layer. Bus bandwidth follows nccl-tests: alg
 (payload / time) times 2(n-1)/n for all-reduce and (n-1)/n for all-gather and reduce-scatter, so it
 is comparable across group sizes and with link speeds. Only one machine is measured: inter-node
 figures stay those of the catalogue entry (or equal the intra-node ones on an unknown device).
+On a CPU the kernels are also measured as a training step runs them (`bench_cpu.py`), the collectives
+after a block of compute, and how much the node's processes slow each other when all compute.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ class BenchResult:
     matmul_curve: list[tuple[int, float]] = field(default_factory=list)  # [(FLOPs per call, FLOP/s)] fp32
     host_overhead: tuple[float, ...] = ()  # (layer fwd, layer bwd, ends fwd, ends bwd) seconds per micro-batch
     host_optimizer_per_tensor: float = 0.0  # seconds per parameter tensor of an optimizer step
-    # CPU kernels inside a step (bench_cpu): {"stream_curve", "gemm_grid", "attention_grid",
-    # "optimizer_per_element"}
+    # CPU kernels inside a step (bench_cpu): "stream_curve", "matmul_curve", "attention_grid",
+    # "optimizer_per_element", "reference" (alone) and "node_slowdown" (every process at once)
     cpu_kernels: dict[str, Any] = field(default_factory=dict)
     torch_version: str = torch.__version__
     host: str = field(default_factory=platform.node)
@@ -289,7 +291,7 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
         budget = seconds / max(1, len(sizes))
         # CPU: time each collective as a step issues it, after a block of compute (about 0.5 ms of
         # GEMMs), less that block: gloo's threads wake up, caches are cold, ranks arrive apart; a
-        # tight loop of collectives measured 0.46-0.66 ms per 128 KiB all-reduce, in a step 0.9-1.2
+        # tight loop of collectives measured 0.46-0.66 ms per 128 KiB all-reduce, in a step 0.9-1.2 ms
         between, t_between = (lambda: None), 0.0
         if device_type == "cpu":
             between = step_compute(device)
