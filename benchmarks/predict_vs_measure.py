@@ -1,11 +1,17 @@
 """Predict, then measure: `pentatron plan` with a `pentatron bench` profile of this machine predicts the
 step time and the per-rank model state of debug-model runs (1 process, dp2, tp2, pp2), then
-`pentatron train` runs them and the two are printed side by side. The "(flat copy)" column is the same
-prediction with every memory-bound op at the profile's large-buffer copy rate (no size curve).
+`pentatron train` runs them and the two are printed side by side. The "(alone)" column is the same
+prediction without `node_slowdown` (as if each rank had its cores to itself); the "(hot)" column is
+also without the in-step CPU terms (elementwise ops at the hot copy curve, attention at the
+default efficiency, the optimizer as memory traffic): what the profile predicted before those were
+measured. Under the table, each prediction's parts: per micro-batch forward / backward (+ weight
+gradients) on the busiest stage, exposed data-parallel communication, optimizer, overlapped
+communication charged as contention (all of it on a CPU: the cores that compute also communicate).
 
-    python benchmarks/predict_vs_measure.py [--profile cpu.toml] [--steps 12] [--warmup 3]
+    python benchmarks/predict_vs_measure.py [--profile cpu.toml] [--steps 12] [--warmup 3] [--rounds N]
 
-Without `--profile` it first runs `pentatron bench --nproc 2` into a temporary profile. Measured step
+Without `--profile` it first runs `pentatron bench --nproc 2` into a temporary profile (each round:
+the profile and the runs then see the machine in the same minute). Measured step
 time is the median over the steps after `--warmup` (rank 0's wall time per step, as the trainer logs
 it), and the fastest of them (bench keeps its fastest timing windows: on a shared machine the best is
 the comparable figure); model state is the trainer's per-rank accounting (parameters, gradients, optimizer state, master
@@ -24,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,44 +78,82 @@ def _train(overrides: list[str], nproc: int, steps: int, warmup: int, logdir: Pa
                     max(r["peak_mem_bytes"] for r in recs))
 
 
+def _bench(out: str) -> None:
+    subprocess.run([sys.executable, "-m", "pentatron.cli", "bench", "--nproc", "2", "--device", "cpu",
+                    "--out", out], check=True, cwd=ROOT, capture_output=True, timeout=900,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[float, float, float]]:
+    """One profile, the four runs; prints the table; returns run -> (predicted, median, fastest) s."""
+    gpu = load_hardware_toml(profile)
+    w = Workload(get_model_config("debug"), SEQ, GLOBAL)
+    print(f"profile: {gpu.name} ({gpu.source}); fp32 matmul {gpu.flops('fp32') / 1e9:.1f} GFLOP/s, "
+          f"copy {gpu.hbm_bandwidth / 1e9:.1f} GB/s")
+    print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} CPUs)")
+    hot = dataclasses.replace(gpu, measured_stream_bw=(), measured_attention_fp32=None,
+                              optimizer_per_element_s=0.0, node_slowdown={})
+    alone = dataclasses.replace(gpu, node_slowdown={})
+    if gpu.node_slowdown:
+        print("node slowdown (every process busy): "
+              + ", ".join(f"{k} {v:.2f}x" for k, v in gpu.node_slowdown.items()))
+    head = (f"{'run':<10} {'pred step ms':>12} {'(alone)':>8} {'(hot)':>8} {'meas step ms':>12} {'ratio':>6} "
+            f"{'best ms':>8} {'ratio':>6}   "
+            f"{'pred state KiB':>14} {'meas state KiB':>14} {'ratio':>6}   {'peak RSS MiB':>12}")
+    print(head)
+    print("-" * len(head))
+    parts, out = [], {}
+    for i, (name, (lay, overrides)) in enumerate(RUNS.items()):
+        pred = predict(w, lay, gpu, kernels="eager")
+        pred_flat = predict(w, lay, hot, kernels="eager")
+        pred_alone = predict(w, lay, alone, kernels="eager")
+        m = _train(overrides, lay.world, steps, warmup, tmp / f"run{i}")
+        mem = pred.memory
+        state = mem.parameters + mem.gradients + mem.master_weights + mem.optimizer
+        print(f"{name:<10} {1e3 * pred.step.step:>12.2f} {1e3 * pred_alone.step.step:>8.2f} "
+              f"{1e3 * pred_flat.step.step:>8.2f} "
+              f"{1e3 * m.step_s:>12.2f} {pred.step.step / m.step_s:>6.2f} {1e3 * m.best_s:>8.2f} "
+              f"{pred.step.step / m.best_s:>6.2f}"
+              f"   {state / 1024:>14.1f} {m.model_state / 1024:>14.1f} {state / m.model_state:>6.2f}"
+              f"   {m.peak_rss / 2**20:>12.0f}", flush=True)
+        out[name] = (pred.step.step, m.step_s, m.best_s)
+        st = pred.step
+        ph = max(st.phases, key=lambda p: p.total)
+        parts.append(f"{name:<10} {lay.microbatches(w)} x (f {1e3 * ph.f:.2f} + b {1e3 * ph.b:.2f} "
+                     f"+ w {1e3 * ph.w:.2f}) -> pipeline {1e3 * st.pipeline:.2f} "
+                     f"(bubble {100 * st.bubble_fraction:.0f} %), dp exposed "
+                     f"{1e3 * st.dp_exposed:.2f}, optimizer {1e3 * st.optimizer:.2f}, contention "
+                     f"{1e3 * st.contention:.2f}, tied grads {1e3 * st.tied_grads:.2f} ms")
+    print(f"load after: {os.getloadavg()[0]:.2f}")
+    print("predicted parts (busiest stage, per micro-batch):\n" + "\n".join(parts), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", help="a `pentatron bench` profile (default: measure one now)")
+    ap.add_argument("--profile", help="a `pentatron bench` profile (default: measure one now, each round)")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat (bench, then the four runs) this many times and summarise the ratios: on a "
+                         "shared machine one round measures the neighbours as much as the model")
     args = ap.parse_args(argv)
+    rounds = []
     with tempfile.TemporaryDirectory(prefix="pentatron-pvm-") as tmp:
-        profile = args.profile
-        if profile is None:
-            profile = str(Path(tmp) / "cpu.toml")
-            subprocess.run([sys.executable, "-m", "pentatron.cli", "bench", "--nproc", "2", "--device", "cpu",
-                            "--out", profile], check=True, cwd=ROOT, capture_output=True, timeout=900,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-        gpu = load_hardware_toml(profile)
-        w = Workload(get_model_config("debug"), SEQ, GLOBAL)
-        print(f"profile: {gpu.name} ({gpu.source}); fp32 matmul {gpu.flops('fp32') / 1e9:.1f} GFLOP/s, "
-              f"copy {gpu.hbm_bandwidth / 1e9:.1f} GB/s")
-        print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} CPUs)")
-        flat = dataclasses.replace(gpu, measured_copy_bw=())  # the large-buffer copy rate for every op
-        if gpu.measured_copy_bw:
-            print("copy curve: " + ", ".join(f"{n / 1024:.0f} KiB {b / 1e9:.1f} GB/s" for n, b in gpu.measured_copy_bw))
-        head = (f"{'run':<10} {'pred step ms':>12} {'(flat copy)':>11} {'meas step ms':>12} {'ratio':>6} "
-                f"{'best ms':>8} {'ratio':>6}   "
-                f"{'pred state KiB':>14} {'meas state KiB':>14} {'ratio':>6}   {'peak RSS MiB':>12}")
-        print(head)
-        print("-" * len(head))
-        for i, (name, (lay, overrides)) in enumerate(RUNS.items()):
-            pred = predict(w, lay, gpu, kernels="eager")
-            pred_flat = predict(w, lay, flat, kernels="eager")
-            m = _train(overrides, lay.world, args.steps, args.warmup, Path(tmp) / f"run{i}")
-            mem = pred.memory
-            state = mem.parameters + mem.gradients + mem.master_weights + mem.optimizer
-            print(f"{name:<10} {1e3 * pred.step.step:>12.2f} {1e3 * pred_flat.step.step:>11.2f} "
-                  f"{1e3 * m.step_s:>12.2f} {pred.step.step / m.step_s:>6.2f} {1e3 * m.best_s:>8.2f} "
-                  f"{pred.step.step / m.best_s:>6.2f}"
-                  f"   {state / 1024:>14.1f} {m.model_state / 1024:>14.1f} {state / m.model_state:>6.2f}"
-                  f"   {m.peak_rss / 2**20:>12.0f}")
-        print(f"load after: {os.getloadavg()[0]:.2f}")
+        for r in range(args.rounds):
+            profile = args.profile
+            if profile is None:
+                profile = str(Path(tmp) / f"cpu{r}.toml")
+                _bench(profile)
+            print(f"round {r + 1}/{args.rounds}, {time.strftime('%H:%M:%S')}")
+            rounds.append(_round(profile, args.steps, args.warmup, Path(tmp) / f"r{r}"))
+    if len(rounds) > 1:
+        print("\npredicted / measured over the rounds (median [min .. max]):")
+        for name in RUNS:
+            med = [x[name][0] / x[name][1] for x in rounds]
+            best = [x[name][0] / x[name][2] for x in rounds]
+            print(f"{name:<10} median step {statistics.median(med):.2f} [{min(med):.2f} .. {max(med):.2f}]   "
+                  f"fastest step {statistics.median(best):.2f} [{min(best):.2f} .. {max(best):.2f}]")
     return 0
 
 

@@ -122,8 +122,13 @@ def test_bench_writes_a_profile_the_planner_reads(capsys, tmp_path):
     from pentatron.plan.hardware import load_hardware_toml
 
     prof = load_hardware_toml(out)
-    assert set(prof.measured_busbw) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert set(prof.measured_busbw) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
     assert all(b > 0 for pts in prof.measured_busbw.values() for _, b in pts)
+    # CPU: the in-step kernels (bench_cpu.py) and the node sharing of 2 processes, capped at 2
+    assert prof.measured_stream_bw and prof.measured_matmul_fp32 and prof.optimizer_per_element_s > 0
+    assert prof.measured_attention_fp32 is not None and min(prof.measured_attention_fp32.bwd) > 0
+    assert set(prof.node_slowdown) == {"matmul", "stream", "host"}
+    assert all(1.0 <= v <= 2.0 for v in prof.node_slowdown.values())
     assert run(["plan", "--model", "debug", "--seq", "256", "--global-batch", "8", "--gpus", "2",
                 "--hardware-profile", str(out), "--precision", "fp32"]) == 0
     assert run(["bench", "--out", str(tmp_path / "p.yaml")]) == 2

@@ -7,6 +7,8 @@ on GPU), through the project's comm layer. Bus bandwidth follows nccl-tests: alg
 (payload / time) times 2(n-1)/n for all-reduce and (n-1)/n for all-gather and reduce-scatter, so it
 is comparable across group sizes and with link speeds. Only one machine is measured: inter-node
 figures stay those of the catalogue entry (or equal the intra-node ones on an unknown device).
+On a CPU the kernels are also measured as a training step runs them (`bench_cpu.py`), the collectives
+after a block of compute, and how much the node's processes slow each other when all compute.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from pentatron.plan.bench_cpu import ATTN_HEAD_DIM, ATTN_SEQ, measure_cpu_kernels, reference_kernels, step_compute
 from pentatron.plan.hardware import GB, GiB, detect_gpu
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -47,6 +50,9 @@ class BenchResult:
     matmul_curve: list[tuple[int, float]] = field(default_factory=list)  # [(FLOPs per call, FLOP/s)] fp32
     host_overhead: tuple[float, ...] = ()  # (layer fwd, layer bwd, ends fwd, ends bwd) seconds per micro-batch
     host_optimizer_per_tensor: float = 0.0  # seconds per parameter tensor of an optimizer step
+    # CPU kernels inside a step (bench_cpu): "stream_curve", "matmul_curve", "attention_grid",
+    # "optimizer_per_element", "reference" (alone) and "node_slowdown" (every process at once)
+    cpu_kernels: dict[str, Any] = field(default_factory=dict)
     torch_version: str = torch.__version__
     host: str = field(default_factory=platform.node)
     when: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -145,8 +151,28 @@ def measure_host_overhead(device: torch.device, seconds: float) -> tuple[float, 
         return t_f, t_fb - t_f
 
     (f2, b2), (f6, b6) = run(2), run(6)
-    lf, lb = max(0.0, (f6 - f2) / 4), max(0.0, (b6 - b2) / 4)
-    return lf, lb, max(0.0, f2 - 2 * lf), max(0.0, b2 - 2 * lb)
+    # the layer's attention kernel at this tiny shape is not host work: the planner charges attention
+    # at the run's shape from the attention grid (bench_cpu), so its tiny-shape cost comes off here
+    af, ab = _tiny_attention(device, seconds)
+    lf, lb = max(0.0, (f6 - f2) / 4 - af), max(0.0, (b6 - b2) / 4 - ab)
+    return lf, lb, max(0.0, f2 - 2 * (lf + af)), max(0.0, b2 - 2 * (lb + ab))
+
+
+def _tiny_attention(device: torch.device, seconds: float) -> tuple[float, float]:
+    """Forward and backward seconds of the tiny Llama's attention call (1 x 2 heads, 1 kv head, 4 tokens,
+    head dim 32)."""
+    import torch.nn.functional as F
+
+    q = torch.zeros(1, 2, 4, 32, device=device, requires_grad=True)
+    k, v = (torch.zeros(1, 1, 4, 32, device=device, requires_grad=True) for _ in range(2))
+    g = torch.ones(1, 2, 4, 32, device=device)
+
+    def fwd() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    t_f = _best_of(lambda: fwd().detach(), device, seconds, min_iters=10)
+    t_fb = _best_of(lambda: torch.autograd.grad(fwd(), (q, k, v), g), device, seconds, min_iters=10)
+    return t_f, max(0.0, t_fb - t_f)
 
 
 def measure_optimizer_overhead(device: torch.device, seconds: float, n_tensors: int = 64) -> float:
@@ -164,19 +190,6 @@ def measure_optimizer_overhead(device: torch.device, seconds: float, n_tensors: 
         opt.step()
 
     return _best_of(step, device, 3 * seconds, min_iters=5) / n_tensors
-
-
-MATMUL_CURVE_N = (32, 64, 128, 256, 512)  # square fp32 GEMMs: a debug model's shapes up to the peak size
-
-
-def measure_matmul_curve(device: torch.device, seconds: float) -> list[tuple[int, float]]:
-    """fp32 matmul FLOP/s by the FLOPs of one call (2n^3): small GEMMs, their per-call cost included."""
-    out = []
-    for n in MATMUL_CURVE_N:
-        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-        c = torch.empty(n, n, device=device)
-        out.append((2 * n**3, 2 * n**3 / _best_of(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), device, 3 * seconds)))
-    return out
 
 
 def measure_copy_curve(device: torch.device, seconds: float) -> list[tuple[int, float]]:
@@ -212,7 +225,7 @@ def _sizes(max_bytes: int) -> list[int]:
     out, n = [], 4096
     while n <= max_bytes:
         out.append(n)
-        n *= 4
+        n *= 2
     return out or [max_bytes]
 
 
@@ -226,15 +239,28 @@ def _timed_collective(fn: Any, comm: Any, device: torch.device, seconds: float) 
         fn()
     _sync(device)
     per = max((time.perf_counter() - t0) / 2, 1e-7)
-    n = torch.tensor([float(min(1000, max(3, int(seconds / per))))], device=device)
+    n = torch.tensor([float(min(1000, max(3, int(seconds / per / 3))))], device=device)
     comm.all_reduce(n, "dp", op="max")
     iters = int(n.item())
-    comm.barrier("dp")
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - t0) / iters
+    best = float("inf")
+    for _ in range(3):  # the fastest of 3 windows, as for the kernels: the others measure the neighbours
+        comm.barrier("dp")
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        _sync(device)
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return best
+
+
+def _ping_pong(comm: Any, buf: torch.Tensor, rank: int) -> None:
+    """Rank 0 sends `buf` to rank 1, which sends it back (the pipeline's send/recv through the comm layer)."""
+    if rank == 0:
+        comm.send(buf, "dp", 1)
+        comm.recv(buf, "dp", 1)
+    else:
+        comm.recv(buf, "dp", 0)
+        comm.send(buf, "dp", 0)
 
 
 def _collective_worker(rank: int, world: int, port: int, device_type: str, max_bytes: int, seconds: float,
@@ -256,9 +282,24 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
     try:
         ctx = ParallelContext.from_degrees(Degrees(dp=world), device)
         comm = ctx.comm
+        concurrent = {}
+        if device_type == "cpu":  # every process of the node computes at once, as the ranks of a run do
+            comm.barrier("dp")
+            concurrent = reference_kernels(device, seconds)
         results: dict[str, list[tuple[int, float]]] = {op: [] for op in OPS}
         sizes = _sizes(max_bytes)
         budget = seconds / max(1, len(sizes))
+        # CPU: time each collective as a step issues it, after a block of compute (about 0.5 ms of
+        # GEMMs), less that block: gloo's threads wake up, caches are cold, ranks arrive apart; a
+        # tight loop of collectives measured 0.46-0.66 ms per 128 KiB all-reduce, in a step 0.9-1.2 ms
+        between, t_between = (lambda: None), 0.0
+        if device_type == "cpu":
+            between = step_compute(device)
+            t_between = _timed_collective(between, comm, device, budget)
+
+        def timed(fn: Any) -> float:
+            return max(1e-7, _timed_collective(lambda: (between(), fn()), comm, device, budget) - t_between)
+
         for size in sizes:
             n = max(world, size // 4 // world * world)  # float32 elements, divisible by the group
             full = torch.ones(n, device=device)
@@ -270,12 +311,15 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
                 "reduce_scatter": lambda full=full, shard=shard: comm.reduce_scatter(shard, full, "dp"),
             }
             for op in OPS:
-                t = _timed_collective(calls[op], comm, device, budget)
+                t = timed(calls[op])
                 factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
                 results[op].append((payload, payload * factor / t))
+            if world == 2:  # pipeline p2p: a ping-pong, one way = half the round trip
+                t = timed(lambda full=full: _ping_pong(comm, full, rank)) / 2
+                results.setdefault("p2p", []).append((payload, payload / t))
             comm.ledger.begin_step()  # the ledger is per step: do not let it grow across sizes
         if rank == 0:
-            Path(out_path).write_text(json.dumps(results))
+            Path(out_path).write_text(json.dumps({"busbw": results, "concurrent": concurrent}))
     finally:
         dist.destroy_process_group()
 
@@ -291,7 +335,7 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
         nproc = torch.cuda.device_count() if device == "cuda" else 2
     if device == "cuda" and nproc > torch.cuda.device_count():
         raise BenchError(f"--nproc {nproc} exceeds the {torch.cuda.device_count()} CUDA devices")
-    max_bytes = max_bytes or (256 * 2**20 if device == "cuda" else 2**20)
+    max_bytes = max_bytes or (256 * 2**20 if device == "cuda" else 4 * 2**20)  # CPU: a debug model's gradients
     if device == "cuda":
         name = torch.cuda.get_device_name(dev)
         flops = {"bf16": measure_matmul(dev, torch.bfloat16, 8192, seconds),
@@ -306,9 +350,11 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
                          _memory_bytes(dev))
     if device == "cpu":  # GPU tensors of real models dwarf the L2: the large-buffer rate applies
         result.copy_curve = measure_copy_curve(dev, seconds)
-        result.matmul_curve = measure_matmul_curve(dev, seconds)
         result.host_overhead = measure_host_overhead(dev, seconds)
         result.host_optimizer_per_tensor = measure_optimizer_overhead(dev, seconds)
+        result.cpu_kernels = measure_cpu_kernels(dev, seconds, result.host_optimizer_per_tensor)
+        result.cpu_kernels["reference"] = reference_kernels(dev, seconds)  # alone, for node_slowdown
+        result.matmul_curve = result.cpu_kernels["matmul_curve"]
     if nproc >= 2:
         import torch.multiprocessing as mp
 
@@ -316,7 +362,14 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
             out = os.path.join(tmp, "busbw.json")
             mp.spawn(_collective_worker, args=(nproc, _free_port(), device, max_bytes, seconds * 3, out),
                      nprocs=nproc, join=True)
-            result.busbw = {op: [tuple(x) for x in pts] for op, pts in json.loads(Path(out).read_text()).items()}
+            got = json.loads(Path(out).read_text())
+            result.busbw = {op: [tuple(x) for x in pts] for op, pts in got["busbw"].items()}
+            if got["concurrent"] and result.cpu_kernels:
+                solo = result.cpu_kernels["reference"]
+                # n processes fairly sharing the node's compute are at most n times slower; more is other
+                # tenants' load during the measurement
+                result.cpu_kernels["node_slowdown"] = {k: min(float(nproc), max(1.0, got["concurrent"][k] / solo[k]))
+                                                       for k in solo}
     return result
 
 
@@ -346,6 +399,17 @@ def profile_dict(r: BenchResult) -> dict[str, Any]:
         gpu["host_us"]["optimizer_per_tensor"] = round(r.host_optimizer_per_tensor * 1e6, 2)
     if r.matmul_curve:
         gpu["matmul_fp32"] = {"flops": [f for f, _ in r.matmul_curve], "gflop_s": [v / 1e9 for _, v in r.matmul_curve]}
+    ck = r.cpu_kernels
+    if ck:
+        gpu["optimizer_ns_per_element"] = round(ck["optimizer_per_element"] * 1e9, 4)
+        stream = ck["stream_curve"]
+        gpu["stream_bw"] = {"bytes": [n for n, _ in stream], "gb_s": [b / GB for _, b in stream]}
+        if ck.get("node_slowdown"):
+            gpu["node_slowdown"] = {k: round(v, 3) for k, v in ck["node_slowdown"].items()}
+        att = {(s, d): (f, b) for s, d, f, b in ck["attention_grid"]}
+        gpu["attention_fp32"] = {"seq": list(ATTN_SEQ), "head_dim": list(ATTN_HEAD_DIM),
+                                 "fwd_gflop_s": [round(att[s, d][0] / 1e9, 3) for s in ATTN_SEQ for d in ATTN_HEAD_DIM],
+                                 "bwd_gflop_s": [round(att[s, d][1] / 1e9, 3) for s in ATTN_SEQ for d in ATTN_HEAD_DIM]}
     if r.copy_curve:
         gpu["copy_bw"] = {"bytes": [n for n, _ in r.copy_curve], "gb_s": [b / GB for _, b in r.copy_curve]}
     if r.busbw:
@@ -370,12 +434,15 @@ def _toml_value(v: Any) -> str:
     raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
 
+_TABLES = ("busbw", "measured", "gpu", "attention_fp32")  # written as [sections]
+
+
 def to_toml(d: dict[str, Any]) -> str:
     """Minimal TOML writer for the profile's nesting (tables of scalars, lists and inline tables)."""
     lines: list[str] = []
 
     def table(prefix: str, t: dict[str, Any]) -> None:
-        scalars = {k: v for k, v in t.items() if not (isinstance(v, dict) and k in ("busbw", "measured", "gpu"))
+        scalars = {k: v for k, v in t.items() if not (isinstance(v, dict) and k in _TABLES)
                    and not (isinstance(v, dict) and all(isinstance(x, dict) for x in v.values()) and v)}
         subs = {k: v for k, v in t.items() if k not in scalars}
         if prefix:

@@ -105,8 +105,12 @@ def tree_latency(gpu: GPUSpec, g: Group) -> float:
 
 
 def p2p_time(gpu: GPUSpec, nbytes: float, inter_node: bool) -> float:
+    """One send/recv of `nbytes`: latency + bytes / link bandwidth, or inside a node the one-way time
+    `pentatron bench` measured by ping-pong (busbw "p2p": bytes / one-way seconds) when it did."""
     if nbytes <= 0:
         return 0.0
+    if not inter_node and "p2p" in gpu.measured_busbw:
+        return nbytes / interp_log(gpu.measured_busbw["p2p"], nbytes)
     if inter_node:
         return gpu.inter_node_latency + nbytes / (gpu.inter_node_bandwidth * gpu.collective_efficiency)
     return gpu.intra_node_latency + nbytes / (gpu.intra_node_bandwidth * gpu.collective_efficiency)
@@ -213,6 +217,16 @@ def pp_message_bytes(w: Workload, lay: Layout) -> float:
     return tokens * w.cfg.hidden_size * act_bytes(lay.precision) / (lay.tp if lay.sp else 1)
 
 
+LOSS_WHERE = "vocab-parallel loss"
+
+
+def loss_all_reduces(tokens: float) -> tuple[float, ...]:
+    """Payloads of the vocab-parallel cross-entropy's all-reduces per micro-batch (parallel/tensor.py):
+    the max of each token's logits (fp32), then each token's sum of exponentials and target logit
+    together (Megatron's splits the second in two: its 3 calls move the same bytes)."""
+    return (4 * tokens, 8 * tokens)
+
+
 def pp_hop_time(w: Workload, lay: Layout, gpu: GPUSpec) -> float:
     if lay.pp == 1:
         return 0.0
@@ -240,6 +254,9 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
             out.append(_coll(gpu, g, "reduce_scatter", act, m * per_mb / 2, "layers fwd+bwd (SP)"))
         else:
             out.append(_coll(gpu, g, "all_reduce", act, m * per_mb, "layers fwd+bwd"))
+        if last and lay.cross_entropy != "fused":
+            loss = loss_all_reduces(tokens)
+            out.append(_coll(gpu, g, "all_reduce", sum(loss) / len(loss), m * len(loss), LOSS_WHERE))
     if lay.cp > 1:
         u, r = cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)
         fwd = cp_forward_passes(lay.recompute)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from pentatron.plan.kernel_tables import AttentionGrid, parse_attention_grid
+
 try:  # Python >= 3.11
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - 3.10 fallback
@@ -73,6 +75,17 @@ class GPUSpec:
     host_layer_s: tuple[float, float] = (0.0, 0.0)
     host_ends_s: tuple[float, float] = (0.0, 0.0)
     host_optimizer_per_tensor_s: float = 0.0  # optimizer step (norm, clip, AdamW) per parameter tensor
+    # Optional CPU kernels measured as a step runs them (bench_cpu.py: operands out of the L2, outputs
+    # kept alive): an out-of-place elementwise op's bytes/s by operand size (reads + write), causal
+    # attention FLOP/s by (seq, head dim), and the optimizer step's seconds per parameter element.
+    # Absent on GPUs: the paths above apply there.
+    measured_stream_bw: tuple[tuple[float, float], ...] = ()
+    measured_attention_fp32: AttentionGrid | None = None
+    optimizer_per_element_s: float = 0.0
+    # Optional (bench, CPU): how much slower each process computes when every process of the node
+    # computes at once (cores sharing execution units, caches, memory bandwidth), by kind of work:
+    # {"matmul", "stream", "host"} -> factor >= 1. GPUs compute independently: empty.
+    node_slowdown: dict[str, float] = field(default_factory=dict)
     source: str = ""
 
     def flops(self, dtype: str) -> float:
@@ -98,6 +111,36 @@ class GPUSpec:
         if self.measured_copy_bw:
             return interp_log(self.measured_copy_bw, nbytes)
         return self.hbm_bandwidth * (self.hbm_efficiency if efficiency else 1.0)
+
+    def op_bandwidth(self, operand_bytes: float, working_set: float, efficiency: bool = True) -> float:
+        """Bytes/s of an eager elementwise op on operands of `operand_bytes` inside a step: bench's
+        in-step curve when measured, else `stream_bandwidth(working_set)`."""
+        if self.measured_stream_bw:
+            return interp_log(self.measured_stream_bw, operand_bytes)
+        return self.stream_bandwidth(working_set, efficiency)
+
+    def sharing(self, ranks: int) -> GPUSpec:
+        """This device as each of `ranks` processes on one node sees it when all of them compute at once
+        (`node_slowdown`, measured with gpus_per_node processes; linear in the other busy processes in
+        between): compute rates divided, host times multiplied. Communication curves are unchanged:
+        bench measured them with every process running."""
+        if not self.node_slowdown or ranks <= 1 or self.gpus_per_node <= 1:
+            return self
+        share = (min(ranks, self.gpus_per_node) - 1) / (self.gpus_per_node - 1)
+        mm, st, host = (1 + (self.node_slowdown.get(k, 1.0) - 1) * share for k in ("matmul", "stream", "host"))
+        att = self.measured_attention_fp32
+        if att is not None:
+            att = replace(att, fwd=tuple(x / mm for x in att.fwd), bwd=tuple(x / mm for x in att.bwd))
+        return replace(
+            self, peak_flops={k: v / mm for k, v in self.peak_flops.items()},
+            measured_matmul_fp32=tuple((f, r / mm) for f, r in self.measured_matmul_fp32),
+            measured_attention_fp32=att, hbm_bandwidth=self.hbm_bandwidth / st,
+            measured_copy_bw=tuple((n, b / st) for n, b in self.measured_copy_bw),
+            measured_stream_bw=tuple((n, b / st) for n, b in self.measured_stream_bw),
+            optimizer_per_element_s=self.optimizer_per_element_s * st,
+            host_layer_s=(self.host_layer_s[0] * host, self.host_layer_s[1] * host),
+            host_ends_s=(self.host_ends_s[0] * host, self.host_ends_s[1] * host),
+            host_optimizer_per_tensor_s=self.host_optimizer_per_tensor_s * host, node_slowdown={})
 
     @property
     def nics(self) -> int:
@@ -267,6 +310,7 @@ _TOML_SCALARS = {
     "hbm_efficiency": ("hbm_efficiency", 1),
     "nics_per_node": ("nics_per_node", 1),
     "fp8_gemm_k0": ("fp8_gemm_k0", 1),
+    "optimizer_ns_per_element": ("optimizer_per_element_s", 1e-9),
 }
 
 
@@ -309,6 +353,17 @@ def hardware_from_dict(d: dict[str, Any], where: str = "hardware") -> GPUSpec:
         if isinstance(mm, dict) and "flops" in mm and "gflop_s" in mm:
             mm = {"bytes": mm["flops"], "gb_s": mm["gflop_s"]}  # same shape as a bandwidth curve
         kw["measured_matmul_fp32"] = _parse_busbw({"matmul_fp32": mm}, where, problems).get("matmul_fp32", ())
+    stream = d.pop("stream_bw", None)
+    if stream is not None:
+        kw["measured_stream_bw"] = _parse_busbw({"stream_bw": stream}, where, problems).get("stream_bw", ())
+    slow = d.pop("node_slowdown", None)
+    if slow is not None:
+        if isinstance(slow, dict) and all(isinstance(v, int | float) and v >= 1 for v in slow.values()):
+            kw["node_slowdown"] = {str(k): float(v) for k, v in slow.items()}
+        else:
+            problems.append(f"{where}: node_slowdown must be a table of factors >= 1, like {{ matmul = 2.0 }}")
+    if "attention_fp32" in d:
+        kw["measured_attention_fp32"] = parse_attention_grid(d.pop("attention_fp32"), where, problems)
     for key, (attr, scale) in _TOML_SCALARS.items():
         if key in d:
             v = d.pop(key)

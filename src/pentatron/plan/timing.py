@@ -29,12 +29,14 @@ from pentatron.plan.comm import (
     cp_layer_cost,
     group_of,
     layer_comm,
+    loss_all_reduces,
     pp_hop_time,
     step_collectives,
 )
 from pentatron.plan.context import cp_degrees
 from pentatron.plan.flops import hardware_flops_per_token, layer_params, model_flops_per_token
 from pentatron.plan.hardware import GPUSpec, interp_log
+from pentatron.plan.kernel_tables import attention_rate
 from pentatron.plan.layout import Layout, Workload, compute_dtype, kv_heads_per_tp_rank, layers_per_chunk
 from pentatron.plan.memory import DP_BUCKET, STATE_PRECISIONS, act_bytes, rank_layers, rank_params
 from pentatron.schedules import make_schedule, simulate
@@ -100,16 +102,16 @@ def _linear(gpu: GPUSpec, tokens: float, n_out: float, n_in: float, peak: float,
     peak, and every operand is first cast by a memory-bound kernel that reads the bf16 tensor (plus an
     amax pass) and writes the fp8 copy and, for Hopper's TN-only fp8 GEMMs, its transpose: forward casts
     x and W (W once per micro-batch), backward casts dY (and x^T / W^T come from the forward casts)."""
-    if not fp8:
+    if not fp8:  # dW = dYᵀ X is [n_out, n_in]
         return Phase(gemm_time(gpu, tokens, n_out, n_in, peak, a), gemm_time(gpu, tokens, n_in, n_out, peak, a),
-                     gemm_time(gpu, n_in, n_out, tokens, peak, a))
+                     gemm_time(gpu, n_out, n_in, tokens, peak, a))
     bw = gpu.hbm_bandwidth * gpu.hbm_efficiency
     cast = FP8_CAST_BYTES_PER_ELEMENT  # read bf16 (2) + amax read (2) + write fp8 and its transpose (1 + 1)
     fwd_cast = (tokens * n_in + n_in * n_out) * cast / bw
     bwd_cast = tokens * n_out * cast / bw
     return Phase(gemm_time(gpu, tokens, n_out, n_in, peak, 1) + fwd_cast,
                  gemm_time(gpu, tokens, n_in, n_out, peak, 1) + bwd_cast,
-                 gemm_time(gpu, n_in, n_out, tokens, peak, 1))
+                 gemm_time(gpu, n_out, n_in, tokens, peak, 1))
 
 
 def _elementwise_bytes(w: Workload, lay: Layout, kernels: str) -> float:
@@ -146,6 +148,9 @@ def attention_times(w: Workload, lay: Layout, gpu: GPUSpec) -> tuple[float, floa
         fwd = qk + pv + scores * a * MATH_SOFTMAX_BYTES[0] / bw
         return fwd, 2 * (qk + pv) + scores * a * MATH_SOFTMAX_BYTES[1] / bw
     flops = 4 * heads * cfg.head_dim * lay.micro_batch * w.seq_len * (w.seq_len + 1) / 2 / lay.cp
+    if gpu.measured_attention_fp32 is not None and prec == "fp32":  # bench CPU profile: SDPA as measured
+        rate_f, rate_b = attention_rate(gpu.measured_attention_fp32, w.seq_len, cfg.head_dim)
+        return flops / rate_f, flops / rate_b
     eff_f, eff_b = gpu.attention(lay.attention)
     # ring attention calls the kernel per step and per zigzag half-chunk: 2 launches per ring step
     # instead of one call
@@ -189,7 +194,8 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
         ph = ph + up + down
     attn_f, attn_b = attention_times(w, lay, gpu)
     # each elementwise op streams about one hidden-sized tensor in and one out
-    elem = tokens * _elementwise_bytes(w, lay, kernels) / gpu.stream_bandwidth(2 * tokens * h * a)
+    hs = h / (tp if lay.sp else 1)
+    elem = tokens * _elementwise_bytes(w, lay, kernels) / gpu.op_bandwidth(tokens * hs * a, 2 * tokens * h * a)
     lc = layer_comm(w, lay, gpu, bool(lp.expert_total))
     cp = cp_layer_cost(w, lay, gpu, attn_f, attn_b)
     f = ph.f + attn_f + elem + lc.tp_fwd + lc.ep_fwd + cp.fwd_exposed
@@ -204,7 +210,24 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
     elif lay.recompute == "full-alternate":  # every second block
         b += f / 2
     hf, hb = gpu.host_layer_s  # measured host work (CPU profiles), serial with the arithmetic there
-    return Phase(f + hf, b + hb + (hf if lay.recompute == "full" else 0.0), ph.w)
+    acc = grad_accumulation(gpu, lay, layer_local_params(w, lay, index), kernels)
+    return Phase(f + hf, b + hb + (hf if lay.recompute == "full" else 0.0), ph.w + acc)
+
+
+def layer_local_params(w: Workload, lay: Layout, index: int) -> float:
+    """Parameters of layer `index` one rank holds (tp shards the linears, ep the experts)."""
+    lp = layer_params(w.cfg, index, w.moe_spec)
+    dense = lp.attn + lp.mlp_total - lp.expert_total
+    return dense / lay.tp + lp.expert_total / (lay.tp * lay.ep) + lp.norms
+
+
+def grad_accumulation(gpu: GPUSpec, lay: Layout, params: float, kernels: str) -> float:
+    """Eager engines (ours, Megatron's DDP before its fused wgrad accumulation) add each micro-batch's
+    fresh gradient into the fp32 main_grad buffer: read the gradient, read and write main_grad."""
+    if kernels != "eager" or params <= 0:
+        return 0.0
+    per = act_bytes(lay.precision) + 8
+    return params * per / gpu.op_bandwidth(params * 4, params * per)
 
 
 def sp_regather_split(lc: LayerComm, qkv: Phase, up: Phase) -> tuple[tuple[float, float], float]:
@@ -228,13 +251,17 @@ def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -
     ph = _linear(gpu, tokens, v, cfg.hidden_size, peak, a)
     # logits: bf16 write, fp32 copy, log-softmax write; backward reads them back and writes grads
     per_logit = (a + 4 + 4 + 4) if kernels == "eager" else (a + 4)
-    bw = gpu.stream_bandwidth(2 * tokens * v * 4, efficiency=False)  # one fp32 logits tensor in and out
+    bw = gpu.op_bandwidth(tokens * v * 4, 2 * tokens * v * 4, efficiency=False)  # fp32 logits in and out
     loss = tokens * v * per_logit / bw
     tp = _head_tp(w, lay, gpu)
     if lay.cross_entropy == "fused":  # flash-attn's kernel: reads the logits; backward reads, writes grads
         loss = tokens * v * a / bw
         return Phase(ph.f + loss + tp, ph.b + 2 * loss + tp, ph.w)
-    return Phase(ph.f + loss + tp, ph.b + 1.5 * loss + tp, ph.w)
+    ce_comm = 0.0
+    if lay.tp > 1:  # the vocab-parallel loss's small all-reduces (latency-bound), forward only
+        g = group_of(lay, "tp", gpu)
+        ce_comm = sum(collective_time(gpu, "all_reduce", x, g) for x in loss_all_reduces(tokens))
+    return Phase(ph.f + loss + tp + ce_comm, ph.b + 1.5 * loss + tp, ph.w)
 
 
 def _head_tp(w: Workload, lay: Layout, gpu: GPUSpec) -> float:
@@ -245,7 +272,7 @@ def _head_tp(w: Workload, lay: Layout, gpu: GPUSpec) -> float:
     return collective_time(gpu, "all_gather" if lay.sp else "all_reduce", act, group_of(lay, "tp", gpu))
 
 
-def embed_phase(w: Workload, lay: Layout, gpu: GPUSpec) -> Phase:
+def embed_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -> Phase:
     a = act_bytes(lay.precision)
     tokens = lay.micro_batch * w.seq_len / lay.cp
     act = tokens * w.cfg.hidden_size * a
@@ -253,8 +280,15 @@ def embed_phase(w: Workload, lay: Layout, gpu: GPUSpec) -> Phase:
     if lay.tp > 1:
         tp = collective_time(gpu, "reduce_scatter" if lay.sp else "all_reduce", act, group_of(lay, "tp", gpu))
     # gather rows forward; scatter-add fp32 gradient rows backward (memory-bound)
-    bw = gpu.stream_bandwidth(2 * act, efficiency=False)
-    return Phase(2 * act / bw + tp, 0.0, tokens * w.cfg.hidden_size * 8 / bw)
+    bw = gpu.op_bandwidth(act, 2 * act, efficiency=False)
+    wgrad = tokens * w.cfg.hidden_size * 8 / bw
+    if kernels == "eager":
+        # torch's dense embedding backward zero-fills a [vocab/tp, h] fp32 gradient before the scatter;
+        # a tied head on the same rank has its gradient summed with it by autograd (read 2, write 1)
+        table = w.cfg.vocab_size * w.cfg.hidden_size / lay.tp
+        dense = table * 4 * (1 + (3 if w.cfg.tie_embeddings and lay.pp == 1 else 0))
+        wgrad += dense / gpu.op_bandwidth(table * 4, table * 4) + grad_accumulation(gpu, lay, table, kernels)
+    return Phase(2 * act / bw + tp, 0.0, wgrad)
 
 
 def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -> list[Phase]:
@@ -276,9 +310,13 @@ def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused")
                 ph = ph + cache[key].scale(count)
         start += per_chunk[s]
         if s == 0:
-            ph = ph + embed_phase(w, lay, gpu)
+            ph = ph + embed_phase(w, lay, gpu, kernels)
         if s == chunks - 1:
+            # the final norm's gradient and an untied (or other-stage) head's are accumulated here
+            head = cfg.hidden_size + (cfg.vocab_size * cfg.hidden_size / lay.tp
+                                      if not cfg.tie_embeddings or lay.pp > 1 else 0)
             ph = ph + head_phase(w, lay, gpu, kernels) + Phase(*gpu.host_ends_s, 0.0)
+            ph = ph + Phase(0.0, 0.0, grad_accumulation(gpu, lay, head, kernels))
         out.append(ph)
     return out
 
@@ -349,6 +387,7 @@ class StepTime:
 
 
 def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", exact: bool = True) -> StepTime:
+    gpu = gpu.sharing(lay.world)  # CPU profiles: ranks on one node share its cores (no-op on GPUs)
     m = lay.microbatches(w)
     phases = stage_phases(w, lay, gpu, kernels)
     hop = pp_hop_time(w, lay, gpu)
@@ -403,6 +442,8 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
         per_param += 4
     # the step runs tensor by tensor: its working set is about one layer's parameters at a time
     optimizer = local * per_param / gpu.stream_bandwidth(per_param * local / max(1, n_layers))
+    if gpu.optimizer_per_element_s:  # bench CPU profile: the step (norm, clip, AdamW) as measured, fp32
+        optimizer = local * gpu.optimizer_per_element_s
     # host work per parameter tensor (CPU profiles): 9 per decoder layer (q, k, v, o, 3 MLP, 2 norms) and,
     # on rank 0, the embedding (+ the final norm and an untied head when it is also the last stage)
     ends = 1 + ((2 if not w.cfg.tie_embeddings else 1) if lay.pp == 1 else 0)
