@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 from pentatron.plan.bench_cpu import ATTN_HEAD_DIM, ATTN_SEQ, measure_cpu_kernels, reference_kernels, step_compute
+from pentatron.plan.bench_tp import HEAD_DIM as TP_HEAD_DIM
+from pentatron.plan.bench_tp import measure_tp_step, tiny_attention_shape
 from pentatron.plan.hardware import GB, GiB, detect_gpu
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -53,6 +55,8 @@ class BenchResult:
     # CPU kernels inside a step (bench_cpu): "stream_curve", "matmul_curve", "attention_grid",
     # "optimizer_per_element", "reference" (alone) and "node_slowdown" (every process at once)
     cpu_kernels: dict[str, Any] = field(default_factory=dict)
+    # CPU, >= 2 processes: the tensor-parallel step over all of them (bench_tp.TPStep.to_profile)
+    tp_step: dict[str, float | int] = field(default_factory=dict)
     torch_version: str = torch.__version__
     host: str = field(default_factory=platform.node)
     when: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -158,14 +162,15 @@ def measure_host_overhead(device: torch.device, seconds: float) -> tuple[float, 
     return lf, lb, max(0.0, f2 - 2 * (lf + af)), max(0.0, b2 - 2 * (lb + ab))
 
 
-def _tiny_attention(device: torch.device, seconds: float) -> tuple[float, float]:
-    """Forward and backward seconds of the tiny Llama's attention call (1 x 2 heads, 1 kv head, 4 tokens,
-    head dim 32)."""
+def _tiny_attention(device: torch.device, seconds: float, heads: int = 2, kv_heads: int = 1,
+                    tokens: int = 4, head_dim: int = 32) -> tuple[float, float]:
+    """Forward and backward seconds of a tiny model's attention call (default: the tiny Llama's, 1 x 2
+    heads, 1 kv head, 4 tokens, head dim 32)."""
     import torch.nn.functional as F
 
-    q = torch.zeros(1, 2, 4, 32, device=device, requires_grad=True)
-    k, v = (torch.zeros(1, 1, 4, 32, device=device, requires_grad=True) for _ in range(2))
-    g = torch.ones(1, 2, 4, 32, device=device)
+    q = torch.zeros(1, heads, tokens, head_dim, device=device, requires_grad=True)
+    k, v = (torch.zeros(1, kv_heads, tokens, head_dim, device=device, requires_grad=True) for _ in range(2))
+    g = torch.ones(1, heads, tokens, head_dim, device=device)
 
     def fwd() -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -318,8 +323,14 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
                 t = timed(lambda full=full: _ping_pong(comm, full, rank)) / 2
                 results.setdefault("p2p", []).append((payload, payload / t))
             comm.ledger.begin_step()  # the ledger is per step: do not let it grow across sizes
+        tp_step = {}
+        if device_type == "cpu":  # the real tensor-parallel layer over every process (bench_tp)
+            heads, kv, tokens = tiny_attention_shape()
+            attn = _tiny_attention(device, seconds / 3, heads, kv, tokens, TP_HEAD_DIM)
+            tp_ctx = ParallelContext.from_degrees(Degrees(tp=world), device)
+            tp_step = measure_tp_step(tp_ctx, attn).to_profile()
         if rank == 0:
-            Path(out_path).write_text(json.dumps({"busbw": results, "concurrent": concurrent}))
+            Path(out_path).write_text(json.dumps({"busbw": results, "concurrent": concurrent, "tp_step": tp_step}))
     finally:
         dist.destroy_process_group()
 
@@ -364,6 +375,7 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
                      nprocs=nproc, join=True)
             got = json.loads(Path(out).read_text())
             result.busbw = {op: [tuple(x) for x in pts] for op, pts in got["busbw"].items()}
+            result.tp_step = got.get("tp_step") or {}
             if got["concurrent"] and result.cpu_kernels:
                 solo = result.cpu_kernels["reference"]
                 # n processes fairly sharing the node's compute are at most n times slower; more is other
@@ -397,6 +409,8 @@ def profile_dict(r: BenchResult) -> dict[str, Any]:
         gpu["host_us"] = {k: round(v * 1e6, 2) for k, v in zip(("layer_fwd", "layer_bwd", "ends_fwd", "ends_bwd"),
                                                                 r.host_overhead, strict=True)}
         gpu["host_us"]["optimizer_per_tensor"] = round(r.host_optimizer_per_tensor * 1e6, 2)
+    if r.tp_step:
+        gpu["tp_step"] = dict(r.tp_step)
     if r.matmul_curve:
         gpu["matmul_fp32"] = {"flops": [f for f, _ in r.matmul_curve], "gflop_s": [v / 1e9 for _, v in r.matmul_curve]}
     ck = r.cpu_kernels

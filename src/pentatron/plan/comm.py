@@ -91,9 +91,20 @@ def collective_time(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
     alpha = 0.0 if measured else (gpu.inter_node_latency if g.crosses_nodes else gpu.intra_node_latency)
     beta = wire_bytes(op, payload, n) / bus_bandwidth(gpu, op, payload, g)
     ring = steps * alpha + beta
+    if g.dim == "tp" and measured and gpu.tp_collective_s:
+        return tp_in_step_time(gpu, op, payload, g, ring)
     if op == "all_reduce" and g.crosses_nodes and not measured:
         return min(ring, tree_latency(gpu, g) + beta)
     return ring
+
+
+def tp_in_step_time(gpu: GPUSpec, op: str, payload: float, g: Group, curve_time: float) -> float:
+    """A tp collective as a tensor-parallel step experiences it (CPU bench profiles, bench_tp.py): the
+    time bench measured per tp call inside the real TP step at its probe size (latency, ranks arriving
+    apart) in place of the curve's own time at that size, plus what the curve adds for the bytes beyond
+    the probe. Bench probes all-reduces; other ops keep their own curve's increment."""
+    probe = wire_bytes(op, gpu.tp_probe_bytes, g.size) / bus_bandwidth(gpu, op, gpu.tp_probe_bytes, g)
+    return gpu.tp_collective_s + max(0.0, curve_time - probe)
 
 
 def tree_latency(gpu: GPUSpec, g: Group) -> float:

@@ -86,6 +86,16 @@ class GPUSpec:
     # computes at once (cores sharing execution units, caches, memory bandwidth), by kind of work:
     # {"matmul", "stream", "host"} -> factor >= 1. GPUs compute independently: empty.
     node_slowdown: dict[str, float] = field(default_factory=dict)
+    # Optional (bench, CPU, >= 2 processes; bench_tp.py): the tensor-parallel step as its ranks run it,
+    # measured with every process busy (so `sharing` leaves it alone): host seconds per TP decoder layer
+    # and for the vocab-parallel ends (embedding, head, loss) outside the collectives, forward and
+    # backward, replacing host_layer_s / host_ends_s when tp > 1; and the seconds of one tp collective
+    # call as the step experiences it at `tp_probe_bytes` (latency and the ranks arriving apart), which
+    # replaces the measured curve's own time at that size for every tp collective. 0: not measured.
+    host_tp_layer_s: tuple[float, float] = (0.0, 0.0)
+    host_tp_ends_s: tuple[float, float] = (0.0, 0.0)
+    tp_collective_s: float = 0.0
+    tp_probe_bytes: float = 0.0
     source: str = ""
 
     def flops(self, dtype: str) -> float:
@@ -141,6 +151,15 @@ class GPUSpec:
             host_layer_s=(self.host_layer_s[0] * host, self.host_layer_s[1] * host),
             host_ends_s=(self.host_ends_s[0] * host, self.host_ends_s[1] * host),
             host_optimizer_per_tensor_s=self.host_optimizer_per_tensor_s * host, node_slowdown={})
+
+    def host_layer(self, tp: int) -> tuple[float, float]:
+        """Host (forward, backward) seconds per decoder layer and micro-batch: the tensor-parallel
+        layer's as bench ran it when tp > 1 and measured, else the plain layer's."""
+        return self.host_tp_layer_s if tp > 1 and self.tp_collective_s else self.host_layer_s
+
+    def host_ends(self, tp: int) -> tuple[float, float]:
+        """Host (forward, backward) seconds per micro-batch of embedding, head and loss (as `host_layer`)."""
+        return self.host_tp_ends_s if tp > 1 and self.tp_collective_s else self.host_ends_s
 
     @property
     def nics(self) -> int:
@@ -362,6 +381,16 @@ def hardware_from_dict(d: dict[str, Any], where: str = "hardware") -> GPUSpec:
             kw["node_slowdown"] = {str(k): float(v) for k, v in slow.items()}
         else:
             problems.append(f"{where}: node_slowdown must be a table of factors >= 1, like {{ matmul = 2.0 }}")
+    tp_step = d.pop("tp_step", None)
+    if tp_step is not None:
+        try:
+            kw["host_tp_layer_s"] = (float(tp_step["layer_fwd_us"]) * US, float(tp_step["layer_bwd_us"]) * US)
+            kw["host_tp_ends_s"] = (float(tp_step["ends_fwd_us"]) * US, float(tp_step["ends_bwd_us"]) * US)
+            kw["tp_collective_s"] = float(tp_step["collective_us"]) * US
+            kw["tp_probe_bytes"] = float(tp_step["probe_bytes"])
+        except (TypeError, KeyError, ValueError):
+            problems.append(f"{where}: tp_step needs numbers layer_fwd_us, layer_bwd_us, ends_fwd_us, ends_bwd_us, "
+                            "collective_us, probe_bytes")
     if "attention_fp32" in d:
         kw["measured_attention_fp32"] = parse_attention_grid(d.pop("attention_fp32"), where, problems)
     for key, (attr, scale) in _TOML_SCALARS.items():

@@ -209,7 +209,7 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
         b += f
     elif lay.recompute == "full-alternate":  # every second block
         b += f / 2
-    hf, hb = gpu.host_layer_s  # measured host work (CPU profiles), serial with the arithmetic there
+    hf, hb = gpu.host_layer(tp)  # measured host work (CPU profiles), serial with the arithmetic there
     acc = grad_accumulation(gpu, lay, layer_local_params(w, lay, index), kernels)
     return Phase(f + hf, b + hb + (hf if lay.recompute == "full" else 0.0), ph.w + acc)
 
@@ -315,7 +315,7 @@ def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused")
             # the final norm's gradient and an untied (or other-stage) head's are accumulated here
             head = cfg.hidden_size + (cfg.vocab_size * cfg.hidden_size / lay.tp
                                       if not cfg.tie_embeddings or lay.pp > 1 else 0)
-            ph = ph + head_phase(w, lay, gpu, kernels) + Phase(*gpu.host_ends_s, 0.0)
+            ph = ph + head_phase(w, lay, gpu, kernels) + Phase(*gpu.host_ends(lay.tp), 0.0)
             ph = ph + Phase(0.0, 0.0, grad_accumulation(gpu, lay, head, kernels))
         out.append(ph)
     return out

@@ -1,0 +1,132 @@
+"""The tensor-parallel step as its ranks run it, for `pentatron bench` on a CPU (`tp_step` in the profile).
+
+Measured on a 2-rank tp2 debug-model step (BENCHMARKS.md): its 42 gloo all-reduces averaged 1.3-1.4 ms
+per call (median 0.7: the ranks arrive at each one apart), while a collective timed in a loop, even
+after a block of compute, read 0.4-1.2 ms at the same size; and the rest of a micro-batch took about
+what the 1-process one takes although TP halves the arithmetic: the TP wrappers (the f/g autograd
+functions, the vocab-parallel embedding and loss, the comm layer's bookkeeping) add op dispatch the
+plain model's host term does not have, and the ranks dispatch on cores they share.
+
+So bench runs the real thing: a tiny Llama (arithmetic negligible, like `measure_host_overhead`'s)
+made tensor-parallel over every benched process with `apply_tensor_parallel`, forward through
+`vocab_parallel_cross_entropy` and backward, at 2 and 6 layers, timing the time each rank spends
+inside the tp collectives apart from the rest:
+
+* `collective_s`: the mean seconds per tp collective call as the step experiences it (its latency and
+  the wait for the other ranks) at `probe_bytes` (one activation of the tiny model); the planner
+  charges a tp collective of a larger payload this plus what the measured curve adds beyond the probe;
+* `layer_fwd_s`, `layer_bwd_s`: host seconds per TP decoder layer outside the collectives (from the
+  2 -> 6 layer difference), less the tiny model's own attention call (charged at the run's shape);
+* `ends_fwd_s`, `ends_bwd_s`: the same for the vocab-parallel embedding, the head and the loss.
+
+All ranks compute at once here, so these already include the ranks sharing the node's cores.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+TOKENS = 16  # one sequence; an activation of the tiny model is TOKENS x hidden fp32 numbers
+HEAD_DIM = 32
+WARMUP, ITERS = 3, 20  # iterations per model; every rank runs the same count (the collectives pair them)
+
+
+@dataclass(frozen=True)
+class TPStep:
+    layer_fwd_s: float
+    layer_bwd_s: float
+    ends_fwd_s: float
+    ends_bwd_s: float
+    collective_s: float
+    probe_bytes: int
+    tp: int
+
+    def to_profile(self) -> dict[str, float | int]:
+        """The `tp_step` table of the profile (microseconds)."""
+        return {"layer_fwd_us": round(self.layer_fwd_s * 1e6, 2), "layer_bwd_us": round(self.layer_bwd_s * 1e6, 2),
+                "ends_fwd_us": round(self.ends_fwd_s * 1e6, 2), "ends_bwd_us": round(self.ends_bwd_s * 1e6, 2),
+                "collective_us": round(self.collective_s * 1e6, 2), "probe_bytes": self.probe_bytes, "tp": self.tp}
+
+
+class _TimedComm:
+    """Accumulates the seconds this rank spends inside the comm layer's calls (every call of the TP
+    layers goes through `comm.all_reduce` on CPU/gloo, synchronously)."""
+
+    def __init__(self, comm: Any) -> None:
+        self.seconds, self.calls = 0.0, 0
+        inner = comm.all_reduce
+
+        def all_reduce(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = inner(*args, **kwargs)
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+            return out
+
+        comm.all_reduce = all_reduce  # this instance only: bench's own tp context
+
+    def take(self) -> tuple[float, int]:
+        out = (self.seconds, self.calls)
+        self.seconds, self.calls = 0.0, 0
+        return out
+
+
+def _run(n_layers: int, tp: int, ctx: Any, timer: _TimedComm) -> dict[str, float]:
+    """Medians over ITERS of (forward, backward) wall seconds and seconds inside collectives, and the
+    collective calls per iteration, for the tiny TP Llama at `n_layers`."""
+    from pentatron.models.config import ModelConfig
+    from pentatron.models.llama import Llama
+    from pentatron.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+
+    hidden = HEAD_DIM * tp  # one query and one kv head per rank: no replicated kv heads, no extra hook
+    cfg = ModelConfig(vocab_size=16 * tp, hidden_size=hidden, n_layers=n_layers, n_heads=tp, n_kv_heads=tp,
+                      ffn_hidden_size=2 * hidden, max_seq_len=TOKENS)
+    torch.manual_seed(0)  # every rank builds the same full model and keeps its slice
+    model = apply_tensor_parallel(Llama(cfg).to(ctx.device), ctx)
+    tokens = torch.arange(TOKENS, device=ctx.device).remainder(cfg.vocab_size).unsqueeze(0)
+    rows: list[tuple[float, float, float, float, int]] = []
+    for i in range(WARMUP + ITERS):
+        ctx.comm.barrier("tp")
+        timer.take()
+        t0 = time.perf_counter()
+        loss = vocab_parallel_cross_entropy(model(tokens).float(), tokens, ctx.comm)
+        t1 = time.perf_counter()
+        cf, nf = timer.take()
+        loss.backward()
+        t2 = time.perf_counter()
+        cb, nb = timer.take()
+        model.zero_grad(set_to_none=True)
+        if i >= WARMUP:
+            rows.append((t1 - t0, t2 - t1, cf, cb, nf + nb))
+    med = [statistics.median(r[k] for r in rows) for k in range(4)]
+    return {"f": med[0], "b": med[1], "cf": med[2], "cb": med[3], "calls": float(rows[-1][4])}
+
+
+def measure_tp_step(ctx: Any, tiny_attention: tuple[float, float]) -> TPStep:
+    """Run on every rank of a tensor-parallel context `ctx` (a collective call); `tiny_attention`: the
+    (forward, backward) seconds of one local attention call of the tiny model (1 head, TOKENS tokens,
+    HEAD_DIM), which the planner charges at the run's shape instead. Averages over the ranks."""
+    tp = ctx.size("tp")
+    timer = _TimedComm(ctx.comm)
+    r2, r6 = _run(2, tp, ctx, timer), _run(6, tp, ctx, timer)
+    vals = torch.tensor([r2["f"], r2["b"], r2["cf"], r2["cb"], r6["f"], r6["b"], r6["cf"], r6["cb"]],
+                        dtype=torch.float64)
+    ctx.comm.all_reduce(vals, "tp")  # the mean over ranks (not timed: the wrapper is only read above)
+    f2, b2, cf2, cb2, f6, b6, cf6, cb6 = (vals / tp).tolist()
+    af, ab = tiny_attention
+    lf = max(0.0, ((f6 - cf6) - (f2 - cf2)) / 4 - af)
+    lb = max(0.0, ((b6 - cb6) - (b2 - cb2)) / 4 - ab)
+    ef = max(0.0, (f2 - cf2) - 2 * (lf + af))
+    eb = max(0.0, (b2 - cb2) - 2 * (lb + ab))
+    per_call = (cf6 + cb6) / max(1.0, r6["calls"])
+    return TPStep(lf, lb, ef, eb, per_call, TOKENS * HEAD_DIM * tp * 4, tp)
+
+
+def tiny_attention_shape() -> tuple[int, int, int]:
+    """(local heads, kv heads, tokens) of the tiny TP model's attention call, with head dim HEAD_DIM."""
+    return 1, 1, TOKENS
