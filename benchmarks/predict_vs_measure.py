@@ -85,19 +85,22 @@ def _bench(out: str) -> None:
 
 
 def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[float, float, float]]:
-    """One profile, the four runs; prints the table; returns run -> (predicted, median, fastest) s."""
+    """One profile, the four runs; prints the table; returns run -> (predicted, median, fastest,
+    predicted without the TP step) s."""
     gpu = load_hardware_toml(profile)
     w = Workload(get_model_config("debug"), SEQ, GLOBAL)
     print(f"profile: {gpu.name} ({gpu.source}); fp32 matmul {gpu.flops('fp32') / 1e9:.1f} GFLOP/s, "
           f"copy {gpu.hbm_bandwidth / 1e9:.1f} GB/s")
     print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} CPUs)")
     hot = dataclasses.replace(gpu, measured_stream_bw=(), measured_attention_fp32=None,
-                              optimizer_per_element_s=0.0, node_slowdown={})
+                              optimizer_per_element_s=0.0, node_slowdown={}, tp_collective_s=0.0)
     alone = dataclasses.replace(gpu, node_slowdown={})
+    no_tp_step = dataclasses.replace(gpu, tp_collective_s=0.0)
     if gpu.node_slowdown:
         print("node slowdown (every process busy): "
               + ", ".join(f"{k} {v:.2f}x" for k, v in gpu.node_slowdown.items()))
-    head = (f"{'run':<10} {'pred step ms':>12} {'(alone)':>8} {'(hot)':>8} {'meas step ms':>12} {'ratio':>6} "
+    head = (f"{'run':<10} {'pred step ms':>12} {'(alone)':>8} {'(hot)':>8} {'(no TP step)':>12} "
+            f"{'meas step ms':>12} {'ratio':>6} "
             f"{'best ms':>8} {'ratio':>6}   "
             f"{'pred state KiB':>14} {'meas state KiB':>14} {'ratio':>6}   {'peak RSS MiB':>12}")
     print(head)
@@ -107,16 +110,17 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
         pred = predict(w, lay, gpu, kernels="eager")
         pred_flat = predict(w, lay, hot, kernels="eager")
         pred_alone = predict(w, lay, alone, kernels="eager")
+        pred_no_tp = predict(w, lay, no_tp_step, kernels="eager")
         m = _train(overrides, lay.world, steps, warmup, tmp / f"run{i}")
         mem = pred.memory
         state = mem.parameters + mem.gradients + mem.master_weights + mem.optimizer
         print(f"{name:<10} {1e3 * pred.step.step:>12.2f} {1e3 * pred_alone.step.step:>8.2f} "
-              f"{1e3 * pred_flat.step.step:>8.2f} "
+              f"{1e3 * pred_flat.step.step:>8.2f} {1e3 * pred_no_tp.step.step:>12.2f} "
               f"{1e3 * m.step_s:>12.2f} {pred.step.step / m.step_s:>6.2f} {1e3 * m.best_s:>8.2f} "
               f"{pred.step.step / m.best_s:>6.2f}"
               f"   {state / 1024:>14.1f} {m.model_state / 1024:>14.1f} {state / m.model_state:>6.2f}"
               f"   {m.peak_rss / 2**20:>12.0f}", flush=True)
-        out[name] = (pred.step.step, m.step_s, m.best_s)
+        out[name] = (pred.step.step, m.step_s, m.best_s, pred_no_tp.step.step)
         st = pred.step
         ph = max(st.phases, key=lambda p: p.total)
         parts.append(f"{name:<10} {lay.microbatches(w)} x (f {1e3 * ph.f:.2f} + b {1e3 * ph.b:.2f} "
@@ -125,6 +129,12 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
                      f"{1e3 * st.dp_exposed:.2f}, optimizer {1e3 * st.optimizer:.2f}, contention "
                      f"{1e3 * st.contention:.2f}, tied grads {1e3 * st.tied_grads:.2f} ms")
     print(f"load after: {os.getloadavg()[0]:.2f}")
+    if gpu.tp_collective_s:
+        print(f"tp step (bench_tp): host per TP layer fwd {1e6 * gpu.host_tp_layer_s[0]:.0f} / bwd "
+              f"{1e6 * gpu.host_tp_layer_s[1]:.0f} us (plain layer {1e6 * gpu.host_layer_s[0]:.0f} / "
+              f"{1e6 * gpu.host_layer_s[1]:.0f}), ends {1e6 * gpu.host_tp_ends_s[0]:.0f} / "
+              f"{1e6 * gpu.host_tp_ends_s[1]:.0f} us, tp collective in step {1e6 * gpu.tp_collective_s:.0f} us "
+              f"at {gpu.tp_probe_bytes:.0f} B")
     print("predicted parts (busiest stage, per micro-batch):\n" + "\n".join(parts), flush=True)
     return out
 
@@ -152,8 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         for name in RUNS:
             med = [x[name][0] / x[name][1] for x in rounds]
             best = [x[name][0] / x[name][2] for x in rounds]
-            print(f"{name:<10} median step {statistics.median(med):.2f} [{min(med):.2f} .. {max(med):.2f}]   "
-                  f"fastest step {statistics.median(best):.2f} [{min(best):.2f} .. {max(best):.2f}]")
+            pre = [x[name][3] / x[name][1] for x in rounds]
+            within = sum(abs(r - 1) <= 0.25 for r in med)
+            print(f"{name:<10} median step {statistics.median(med):.2f} [{min(med):.2f} .. {max(med):.2f}] "
+                  f"({within}/{len(med)} within 25 %)   "
+                  f"fastest step {statistics.median(best):.2f} [{min(best):.2f} .. {max(best):.2f}]   "
+                  f"without the TP step {statistics.median(pre):.2f} [{min(pre):.2f} .. {max(pre):.2f}]")
     return 0
 
 
