@@ -93,9 +93,9 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
           f"copy {gpu.hbm_bandwidth / 1e9:.1f} GB/s")
     print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} CPUs)")
     hot = dataclasses.replace(gpu, measured_stream_bw=(), measured_attention_fp32=None,
-                              optimizer_per_element_s=0.0, node_slowdown={}, tp_collective_s=0.0)
+                              optimizer_per_element_s=0.0, node_slowdown={}, tp_collective=())
     alone = dataclasses.replace(gpu, node_slowdown={})
-    no_tp_step = dataclasses.replace(gpu, tp_collective_s=0.0)
+    no_tp_step = dataclasses.replace(gpu, tp_collective=())
     if gpu.node_slowdown:
         print("node slowdown (every process busy): "
               + ", ".join(f"{k} {v:.2f}x" for k, v in gpu.node_slowdown.items()))
@@ -129,12 +129,12 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
                      f"{1e3 * st.dp_exposed:.2f}, optimizer {1e3 * st.optimizer:.2f}, contention "
                      f"{1e3 * st.contention:.2f}, tied grads {1e3 * st.tied_grads:.2f} ms")
     print(f"load after: {os.getloadavg()[0]:.2f}")
-    if gpu.tp_collective_s:
+    if gpu.tp_collective:
         print(f"tp step (bench_tp): host per TP layer fwd {1e6 * gpu.host_tp_layer_s[0]:.0f} / bwd "
               f"{1e6 * gpu.host_tp_layer_s[1]:.0f} us (plain layer {1e6 * gpu.host_layer_s[0]:.0f} / "
               f"{1e6 * gpu.host_layer_s[1]:.0f}), ends {1e6 * gpu.host_tp_ends_s[0]:.0f} / "
-              f"{1e6 * gpu.host_tp_ends_s[1]:.0f} us, tp collective in step {1e6 * gpu.tp_collective_s:.0f} us "
-              f"at {gpu.tp_probe_bytes:.0f} B")
+              f"{1e6 * gpu.host_tp_ends_s[1]:.0f} us, tp all-reduce in step "
+              + ", ".join(f"{1e6 * t:.0f} us at {b / 1024:g} KiB" for b, t in gpu.tp_collective))
     print("predicted parts (busiest stage, per micro-batch):\n" + "\n".join(parts), flush=True)
     return out
 

@@ -1,7 +1,8 @@
 """The tensor-parallel step terms of a `pentatron bench` CPU profile (plan/bench_tp.py, issue 10 item 5):
-host work per TP layer and per vocab-parallel ends, and each tp collective at the in-step time bench
-measured at its probe size plus the curve's increment beyond it. Hand-computed on the debug model at
-seq 64, micro-batch 4, fp32: one activation is 256 tokens x 128 x 4 B = 131,072 B."""
+host work per TP layer and per vocab-parallel ends, and each tp collective at the in-step all-reduce
+time bench measured by size (log-linear between sizes, the curve's increment beyond the largest).
+Hand-computed on the debug model at seq 64, micro-batch 4, fp32: one activation is 256 tokens x 128 x
+4 B = 131,072 B."""
 
 from __future__ import annotations
 
@@ -20,18 +21,21 @@ TP2 = Layout(dp=1, tp=2, micro_batch=4, precision="fp32")
 FLAT = ((4096.0, 1e9), (4.0 * 2**20, 1e9))  # 1 GB/s bus bandwidth at every size
 BASE = dataclasses.replace(get_gpu("h100"), measured_busbw={"all_reduce": FLAT, "all_gather": FLAT},
                            host_layer_s=(1e-4, 2e-4), host_ends_s=(3e-4, 4e-4))
+# in-step all-reduce: 1 ms at 4 KiB, 2 ms at 256 KiB (log-linear: 128 KiB is 5/6 of the way, 1.8333 ms)
 TPS = dataclasses.replace(BASE, host_tp_layer_s=(5e-4, 6e-4), host_tp_ends_s=(7e-4, 8e-4),
-                          tp_collective_s=1e-3, tp_probe_bytes=4096.0)
+                          tp_collective=((4096.0, 1e-3), (262144.0, 2e-3)))
+AR = 1e-3 + 5 / 6 * 1e-3  # the 131,072 B activation all-reduce in the step
 TP_GROUP, DP_GROUP = Group("tp", 2, 2, 1), Group("dp", 2, 2, 1)
 
 
-def test_tp_collective_is_the_in_step_time_plus_the_curve_beyond_the_probe():
-    # all-reduce over 2 ranks sends 2(n-1)/n x payload = the payload: 131,072 B at 1 GB/s = 131.072 us,
-    # the 4,096 B probe 4.096 us on the same curve; in the step: 1 ms + (131.072 - 4.096) us
-    assert collective_time(TPS, "all_reduce", 131072, TP_GROUP) == pytest.approx(1e-3 + 126.976e-6)
-    assert collective_time(TPS, "all_reduce", 64, TP_GROUP) == pytest.approx(1e-3)  # below the probe
-    # all-gather sends (n-1)/n: 65.536 us, probe 2.048 us
-    assert collective_time(TPS, "all_gather", 131072, TP_GROUP) == pytest.approx(1e-3 + 63.488e-6)
+def test_tp_collective_is_the_in_step_time_by_size():
+    # log2(131072 / 4096) = 5 of log2(262144 / 4096) = 6
+    assert collective_time(TPS, "all_reduce", 131072, TP_GROUP) == pytest.approx(AR)
+    assert collective_time(TPS, "all_reduce", 64, TP_GROUP) == pytest.approx(1e-3)  # below the sizes
+    # an all-gather of 131,072 B sends (n-1)/n of it, what an all-reduce of 65,536 B sends: 4/6 of the way
+    assert collective_time(TPS, "all_gather", 131072, TP_GROUP) == pytest.approx(1e-3 + 4 / 6 * 1e-3)
+    # beyond 256 KiB: 2 ms + the curve's increment: (1 MiB - 256 KiB) at 1 GB/s = 786.432 us
+    assert collective_time(TPS, "all_reduce", 2**20, TP_GROUP) == pytest.approx(2e-3 + 786.432e-6)
     # other dimensions, and profiles without the measurement, keep the curve
     assert collective_time(TPS, "all_reduce", 131072, DP_GROUP) == pytest.approx(131.072e-6)
     assert collective_time(BASE, "all_reduce", 131072, TP_GROUP) == pytest.approx(131.072e-6)
@@ -44,34 +48,36 @@ def test_host_terms_switch_to_the_tp_measurement_only_under_tp():
 
 
 def test_tp_layer_and_ends_carry_the_measured_terms():
-    # a layer: forward + (5e-4 - 1e-4) host + 2 all-reduces x (1 ms - 4.096 us) more; backward the same
-    # with (6e-4 - 2e-4); the weight-gradient pass has neither
+    # a layer: forward + (5e-4 - 1e-4) host + 2 all-reduces x (AR - 131.072 us on the curve) more;
+    # backward the same with (6e-4 - 2e-4); the weight-gradient pass has neither
     old, new = layer_phase(W, TP2, BASE, 0, "eager"), layer_phase(W, TP2, TPS, 0, "eager")
-    comm = 2 * (1e-3 - 4.096e-6)
+    comm = 2 * (AR - 131.072e-6)
     assert new.f - old.f == pytest.approx(4e-4 + comm)
     assert new.b - old.b == pytest.approx(4e-4 + comm)
     assert new.w == pytest.approx(old.w)
     # the ends (one stage holds all 4 layers): host (7e-4 - 3e-4, 8e-4 - 4e-4); the embedding's and the
-    # head's all-reduce (1 ms - 4.096 us more each) and the loss's two small ones (1 ms - 1.024 us and
+    # head's all-reduce (AR - 131.072 us more each) and the loss's two small ones (1 ms - 1.024 us and
     # 1 ms - 2.048 us: 1,024 B and 2,048 B at 1 GB/s) in forward, the head's input gradient in backward
     (o,), (n,) = stage_phases(W, TP2, BASE, "eager"), stage_phases(W, TP2, TPS, "eager")
-    ends_f = 4e-4 + 2 * (1e-3 - 4.096e-6) + (1e-3 - 1.024e-6) + (1e-3 - 2.048e-6)
+    ends_f = 4e-4 + 2 * (AR - 131.072e-6) + (1e-3 - 1.024e-6) + (1e-3 - 2.048e-6)
     assert n.f - o.f == pytest.approx(4 * (4e-4 + comm) + ends_f)
-    assert n.b - o.b == pytest.approx(4 * (4e-4 + comm) + 4e-4 + (1e-3 - 4.096e-6))
+    assert n.b - o.b == pytest.approx(4 * (4e-4 + comm) + 4e-4 + (AR - 131.072e-6))
 
 
 def test_sharing_leaves_the_tp_step_alone():
     # measured with every process busy: the node's sharing is already in it
     shared = dataclasses.replace(TPS, gpus_per_node=2, node_slowdown={"host": 2.0}).sharing(2)
     assert shared.host_layer(1) == pytest.approx((2e-4, 4e-4))
-    assert shared.host_layer(2) == (5e-4, 6e-4) and shared.tp_collective_s == 1e-3
+    assert shared.host_layer(2) == (5e-4, 6e-4) and shared.tp_collective == TPS.tp_collective
 
 
 def test_profile_table_parses_and_names_what_is_missing():
     d = {"name": "x", "base": "h100", "tp_step": {"layer_fwd_us": 500, "layer_bwd_us": 600, "ends_fwd_us": 700,
-                                                 "ends_bwd_us": 800, "collective_us": 1000, "probe_bytes": 4096}}
+                                                 "ends_bwd_us": 800, "collective_bytes": [262144, 4096],
+                                                 "collective_us": [2000, 1000]}}
     g = hardware_from_dict(d)
     assert g.host_tp_layer_s == pytest.approx((5e-4, 6e-4)) and g.host_tp_ends_s == pytest.approx((7e-4, 8e-4))
-    assert g.tp_collective_s == pytest.approx(1e-3) and g.tp_probe_bytes == 4096
+    assert [b for b, _ in g.tp_collective] == [4096, 262144]  # sorted by size
+    assert [t for _, t in g.tp_collective] == pytest.approx([1e-3, 2e-3])
     with pytest.raises(ValueError, match="tp_step needs"):
         hardware_from_dict({"name": "x", "base": "h100", "tp_step": {"layer_fwd_us": 1}})

@@ -12,9 +12,10 @@ made tensor-parallel over every benched process with `apply_tensor_parallel`, fo
 `vocab_parallel_cross_entropy` and backward, at 2 and 6 layers, timing the time each rank spends
 inside the tp collectives apart from the rest:
 
-* `collective_s`: the mean seconds per tp collective call as the step experiences it (its latency and
-  the wait for the other ranks) at `probe_bytes` (one activation of the tiny model); the planner
-  charges a tp collective of a larger payload this plus what the measured curve adds beyond the probe;
+* `collective`: [(bytes, seconds)], the mean seconds of one activation all-reduce as the step experiences
+  it (its latency and the wait for the other ranks), at 16, 128 and 1024 tokens (4 KiB .. 256 KiB at
+  tp2): the tp layer's own collectives, not a loop of them (a loop's small sizes read 0.1-0.9 ms
+  from one profile to the next, not even monotone in the size); the planner interpolates it;
 * `layer_fwd_s`, `layer_bwd_s`: host seconds per TP decoder layer outside the collectives (from the
   2 -> 6 layer difference), less the tiny model's own attention call (charged at the run's shape);
 * `ends_fwd_s`, `ends_bwd_s`: the same for the vocab-parallel embedding, the head and the loss.
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 TOKENS = 16  # one sequence; an activation of the tiny model is TOKENS x hidden fp32 numbers
+COLLECTIVE_TOKENS = (16, 128, 1024)  # the in-step collective by size: activations of these many tokens
 HEAD_DIM = 32
 WARMUP, ITERS = 3, 20  # iterations per model; every rank runs the same count (the collectives pair them)
 
@@ -42,30 +44,33 @@ class TPStep:
     layer_bwd_s: float
     ends_fwd_s: float
     ends_bwd_s: float
-    collective_s: float
-    probe_bytes: int
+    collective: tuple[tuple[int, float], ...]  # (activation bytes, mean seconds per all-reduce in the step)
     tp: int
 
     def to_profile(self) -> dict[str, float | int]:
         """The `tp_step` table of the profile (microseconds)."""
         return {"layer_fwd_us": round(self.layer_fwd_s * 1e6, 2), "layer_bwd_us": round(self.layer_bwd_s * 1e6, 2),
                 "ends_fwd_us": round(self.ends_fwd_s * 1e6, 2), "ends_bwd_us": round(self.ends_bwd_s * 1e6, 2),
-                "collective_us": round(self.collective_s * 1e6, 2), "probe_bytes": self.probe_bytes, "tp": self.tp}
+                "collective_bytes": [b for b, _ in self.collective],
+                "collective_us": [round(t * 1e6, 2) for _, t in self.collective], "tp": self.tp}
 
 
 class _TimedComm:
     """Accumulates the seconds this rank spends inside the comm layer's calls (every call of the TP
-    layers goes through `comm.all_reduce` on CPU/gloo, synchronously)."""
+    layers goes through `comm.all_reduce` on CPU/gloo, synchronously), and each call's (bytes, seconds)."""
 
     def __init__(self, comm: Any) -> None:
         self.seconds, self.calls = 0.0, 0
+        self.log: list[tuple[int, float]] = []
         inner = comm.all_reduce
 
-        def all_reduce(*args: Any, **kwargs: Any) -> Any:
+        def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
-            out = inner(*args, **kwargs)
-            self.seconds += time.perf_counter() - t0
+            out = inner(tensor, *args, **kwargs)
+            dt = time.perf_counter() - t0
+            self.seconds += dt
             self.calls += 1
+            self.log.append((tensor.numel() * tensor.element_size(), dt))
             return out
 
         comm.all_reduce = all_reduce  # this instance only: bench's own tp context
@@ -76,20 +81,22 @@ class _TimedComm:
         return out
 
 
-def _run(n_layers: int, tp: int, ctx: Any, timer: _TimedComm) -> dict[str, float]:
-    """Medians over ITERS of (forward, backward) wall seconds and seconds inside collectives, and the
-    collective calls per iteration, for the tiny TP Llama at `n_layers`."""
+def _run(n_layers: int, tp: int, ctx: Any, timer: _TimedComm, n_tokens: int = TOKENS) -> dict[str, float]:
+    """Medians over ITERS of (forward, backward) wall seconds and seconds inside collectives, the
+    collective calls per iteration, and the mean seconds of an activation-sized all-reduce ("act"),
+    for the tiny TP Llama at `n_layers` on `n_tokens` tokens."""
     from pentatron.models.config import ModelConfig
     from pentatron.models.llama import Llama
     from pentatron.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 
     hidden = HEAD_DIM * tp  # one query and one kv head per rank: no replicated kv heads, no extra hook
     cfg = ModelConfig(vocab_size=16 * tp, hidden_size=hidden, n_layers=n_layers, n_heads=tp, n_kv_heads=tp,
-                      ffn_hidden_size=2 * hidden, max_seq_len=TOKENS)
+                      ffn_hidden_size=2 * hidden, max_seq_len=n_tokens)
     torch.manual_seed(0)  # every rank builds the same full model and keeps its slice
     model = apply_tensor_parallel(Llama(cfg).to(ctx.device), ctx)
-    tokens = torch.arange(TOKENS, device=ctx.device).remainder(cfg.vocab_size).unsqueeze(0)
+    tokens = torch.arange(n_tokens, device=ctx.device).remainder(cfg.vocab_size).unsqueeze(0)
     rows: list[tuple[float, float, float, float, int]] = []
+    act_bytes, act = n_tokens * hidden * 4, []
     for i in range(WARMUP + ITERS):
         ctx.comm.barrier("tp")
         timer.take()
@@ -103,8 +110,11 @@ def _run(n_layers: int, tp: int, ctx: Any, timer: _TimedComm) -> dict[str, float
         model.zero_grad(set_to_none=True)
         if i >= WARMUP:
             rows.append((t1 - t0, t2 - t1, cf, cb, nf + nb))
+            act += [t for n, t in timer.log if n == act_bytes]
+        timer.log.clear()
     med = [statistics.median(r[k] for r in rows) for k in range(4)]
-    return {"f": med[0], "b": med[1], "cf": med[2], "cb": med[3], "calls": float(rows[-1][4])}
+    return {"f": med[0], "b": med[1], "cf": med[2], "cb": med[3], "calls": float(rows[-1][4]),
+            "act": statistics.fmean(act) if act else 0.0, "act_bytes": float(act_bytes)}
 
 
 def measure_tp_step(ctx: Any, tiny_attention: tuple[float, float]) -> TPStep:
@@ -123,8 +133,11 @@ def measure_tp_step(ctx: Any, tiny_attention: tuple[float, float]) -> TPStep:
     lb = max(0.0, ((b6 - cb6) - (b2 - cb2)) / 4 - ab)
     ef = max(0.0, (f2 - cf2) - 2 * (lf + af))
     eb = max(0.0, (b2 - cb2) - 2 * (lb + ab))
-    per_call = (cf6 + cb6) / max(1.0, r6["calls"])
-    return TPStep(lf, lb, ef, eb, per_call, TOKENS * HEAD_DIM * tp * 4, tp)
+    sizes = [r6] + [_run(2, tp, ctx, timer, n) for n in COLLECTIVE_TOKENS if n != TOKENS]
+    acts = torch.tensor([r["act"] for r in sizes], dtype=torch.float64)
+    ctx.comm.all_reduce(acts, "tp")
+    collective = tuple((int(r["act_bytes"]), t / tp) for r, t in zip(sizes, acts.tolist(), strict=True))
+    return TPStep(lf, lb, ef, eb, collective, tp)
 
 
 def tiny_attention_shape() -> tuple[int, int, int]:

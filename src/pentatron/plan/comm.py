@@ -91,20 +91,29 @@ def collective_time(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
     alpha = 0.0 if measured else (gpu.inter_node_latency if g.crosses_nodes else gpu.intra_node_latency)
     beta = wire_bytes(op, payload, n) / bus_bandwidth(gpu, op, payload, g)
     ring = steps * alpha + beta
-    if g.dim == "tp" and measured and gpu.tp_collective_s:
-        return tp_in_step_time(gpu, op, payload, g, ring)
+    if g.dim == "tp" and measured and gpu.tp_collective:
+        return tp_in_step_time(gpu, op, payload, g)
     if op == "all_reduce" and g.crosses_nodes and not measured:
         return min(ring, tree_latency(gpu, g) + beta)
     return ring
 
 
-def tp_in_step_time(gpu: GPUSpec, op: str, payload: float, g: Group, curve_time: float) -> float:
-    """A tp collective as a tensor-parallel step experiences it (CPU bench profiles, bench_tp.py): the
-    time bench measured per tp call inside the real TP step at its probe size (latency, ranks arriving
-    apart) in place of the curve's own time at that size, plus what the curve adds for the bytes beyond
-    the probe. Bench probes all-reduces; other ops keep their own curve's increment."""
-    probe = wire_bytes(op, gpu.tp_probe_bytes, g.size) / bus_bandwidth(gpu, op, gpu.tp_probe_bytes, g)
-    return gpu.tp_collective_s + max(0.0, curve_time - probe)
+def tp_in_step_time(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
+    """A tp collective as a tensor-parallel step experiences it (CPU bench profiles, bench_tp.py): bench's
+    in-step all-reduce time at the same bytes on the wire (an all-gather or reduce-scatter of P sends
+    what an all-reduce of P/2 does), log-linear between its sizes and the smallest's below them; beyond
+    the largest, that plus what the measured curve adds from there."""
+    pts = gpu.tp_collective
+    size = payload if op == "all_reduce" else payload / 2
+    top_bytes, top = pts[-1]
+    if size <= top_bytes:
+        return interp_log(pts, size)
+    top_payload = top_bytes if op == "all_reduce" else 2 * top_bytes
+
+    def curve(p: float) -> float:
+        return wire_bytes(op, p, g.size) / bus_bandwidth(gpu, op, p, g)
+
+    return top + max(0.0, curve(payload) - curve(top_payload))
 
 
 def tree_latency(gpu: GPUSpec, g: Group) -> float:

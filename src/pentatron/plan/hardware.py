@@ -89,13 +89,12 @@ class GPUSpec:
     # Optional (bench, CPU, >= 2 processes; bench_tp.py): the tensor-parallel step as its ranks run it,
     # measured with every process busy (so `sharing` leaves it alone): host seconds per TP decoder layer
     # and for the vocab-parallel ends (embedding, head, loss) outside the collectives, forward and
-    # backward, replacing host_layer_s / host_ends_s when tp > 1; and the seconds of one tp collective
-    # call as the step experiences it at `tp_probe_bytes` (latency and the ranks arriving apart), which
-    # replaces the measured curve's own time at that size for every tp collective. 0: not measured.
+    # backward, replacing host_layer_s / host_ends_s when tp > 1; and the seconds of one tp all-reduce as
+    # the step experiences it (latency, the ranks arriving apart) by activation bytes, which replaces
+    # the measured curve for tp collectives (comm.tp_in_step_time). Empty: not measured.
     host_tp_layer_s: tuple[float, float] = (0.0, 0.0)
     host_tp_ends_s: tuple[float, float] = (0.0, 0.0)
-    tp_collective_s: float = 0.0
-    tp_probe_bytes: float = 0.0
+    tp_collective: tuple[tuple[float, float], ...] = ()  # ((bytes, seconds), ...) by bytes
     source: str = ""
 
     def flops(self, dtype: str) -> float:
@@ -155,11 +154,11 @@ class GPUSpec:
     def host_layer(self, tp: int) -> tuple[float, float]:
         """Host (forward, backward) seconds per decoder layer and micro-batch: the tensor-parallel
         layer's as bench ran it when tp > 1 and measured, else the plain layer's."""
-        return self.host_tp_layer_s if tp > 1 and self.tp_collective_s else self.host_layer_s
+        return self.host_tp_layer_s if tp > 1 and self.tp_collective else self.host_layer_s
 
     def host_ends(self, tp: int) -> tuple[float, float]:
         """Host (forward, backward) seconds per micro-batch of embedding, head and loss (as `host_layer`)."""
-        return self.host_tp_ends_s if tp > 1 and self.tp_collective_s else self.host_ends_s
+        return self.host_tp_ends_s if tp > 1 and self.tp_collective else self.host_ends_s
 
     @property
     def nics(self) -> int:
@@ -386,11 +385,14 @@ def hardware_from_dict(d: dict[str, Any], where: str = "hardware") -> GPUSpec:
         try:
             kw["host_tp_layer_s"] = (float(tp_step["layer_fwd_us"]) * US, float(tp_step["layer_bwd_us"]) * US)
             kw["host_tp_ends_s"] = (float(tp_step["ends_fwd_us"]) * US, float(tp_step["ends_bwd_us"]) * US)
-            kw["tp_collective_s"] = float(tp_step["collective_us"]) * US
-            kw["tp_probe_bytes"] = float(tp_step["probe_bytes"])
+            pts = tuple(sorted((float(b), float(t) * US) for b, t in
+                               zip(tp_step["collective_bytes"], tp_step["collective_us"], strict=True)))
+            if not pts or any(b <= 0 or t <= 0 for b, t in pts):
+                raise ValueError
+            kw["tp_collective"] = pts
         except (TypeError, KeyError, ValueError):
-            problems.append(f"{where}: tp_step needs numbers layer_fwd_us, layer_bwd_us, ends_fwd_us, ends_bwd_us, "
-                            "collective_us, probe_bytes")
+            problems.append(f"{where}: tp_step needs numbers layer_fwd_us, layer_bwd_us, ends_fwd_us, ends_bwd_us "
+                            "and equally long lists of positive collective_bytes, collective_us")
     if "attention_fp32" in d:
         kw["measured_attention_fp32"] = parse_attention_grid(d.pop("attention_fp32"), where, problems)
     for key, (attr, scale) in _TOML_SCALARS.items():
