@@ -14,8 +14,9 @@ inside the tp collectives apart from the rest:
 
 * `collective`: [(bytes, seconds)], the mean seconds of one activation all-reduce as the step experiences
   it (its latency and the wait for the other ranks), at 16, 128 and 1024 tokens (4 KiB .. 256 KiB at
-  tp2): the tp layer's own collectives, not a loop of them (a loop's small sizes read 0.1-0.9 ms
-  from one profile to the next, not even monotone in the size); the planner interpolates it;
+  tp2): the tp layer's own collectives, not a loop of them (after a block of compute a loop read
+  0.6-0.9 ms at 4 KiB and 0.4-0.5 ms at 128 KiB in two profiles, the step ~1.1 ms at 128 KiB); the
+  planner interpolates it;
 * `layer_fwd_s`, `layer_bwd_s`: host seconds per TP decoder layer outside the collectives (from the
   2 -> 6 layer difference), less the tiny model's own attention call (charged at the run's shape);
 * `ends_fwd_s`, `ends_bwd_s`: the same for the vocab-parallel embedding, the head and the loss.
@@ -82,9 +83,9 @@ class _TimedComm:
 
 
 def _run(n_layers: int, tp: int, ctx: Any, timer: _TimedComm, n_tokens: int = TOKENS) -> dict[str, float]:
-    """Medians over ITERS of (forward, backward) wall seconds and seconds inside collectives, the
-    collective calls per iteration, and the mean seconds of an activation-sized all-reduce ("act"),
-    for the tiny TP Llama at `n_layers` on `n_tokens` tokens."""
+    """Medians over ITERS of (forward, backward) wall seconds and seconds inside collectives, and the
+    mean seconds of an activation-sized all-reduce ("act"), for the tiny TP Llama at `n_layers` on
+    `n_tokens` tokens."""
     from pentatron.models.config import ModelConfig
     from pentatron.models.llama import Llama
     from pentatron.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
@@ -95,7 +96,7 @@ def _run(n_layers: int, tp: int, ctx: Any, timer: _TimedComm, n_tokens: int = TO
     torch.manual_seed(0)  # every rank builds the same full model and keeps its slice
     model = apply_tensor_parallel(Llama(cfg).to(ctx.device), ctx)
     tokens = torch.arange(n_tokens, device=ctx.device).remainder(cfg.vocab_size).unsqueeze(0)
-    rows: list[tuple[float, float, float, float, int]] = []
+    rows: list[tuple[float, float, float, float]] = []
     act_bytes, act = n_tokens * hidden * 4, []
     for i in range(WARMUP + ITERS):
         ctx.comm.barrier("tp")
@@ -103,17 +104,17 @@ def _run(n_layers: int, tp: int, ctx: Any, timer: _TimedComm, n_tokens: int = TO
         t0 = time.perf_counter()
         loss = vocab_parallel_cross_entropy(model(tokens).float(), tokens, ctx.comm)
         t1 = time.perf_counter()
-        cf, nf = timer.take()
+        cf, _ = timer.take()
         loss.backward()
         t2 = time.perf_counter()
-        cb, nb = timer.take()
+        cb, _ = timer.take()
         model.zero_grad(set_to_none=True)
         if i >= WARMUP:
-            rows.append((t1 - t0, t2 - t1, cf, cb, nf + nb))
+            rows.append((t1 - t0, t2 - t1, cf, cb))
             act += [t for n, t in timer.log if n == act_bytes]
         timer.log.clear()
     med = [statistics.median(r[k] for r in rows) for k in range(4)]
-    return {"f": med[0], "b": med[1], "cf": med[2], "cb": med[3], "calls": float(rows[-1][4]),
+    return {"f": med[0], "b": med[1], "cf": med[2], "cb": med[3],
             "act": statistics.fmean(act) if act else 0.0, "act_bytes": float(act_bytes)}
 
 
