@@ -132,7 +132,7 @@ def convert_problems(cfg: Config, src: Path, world_size: int, rank: int) -> list
     """`checkpoint convert`: the device, SRC holding a checkpoint (a checkpoint.dir with `latest`, or one step
     directory) that no running job is writing (rank 0 looks), and checkpoint.dir (the destination) new,
     writable and with room."""
-    from pentatron.checkpoint.lineage import complete_checkpoints, latest_name
+    from pentatron.checkpoint.lineage import latest_name
     from pentatron.checkpoint.lock import probe
 
     dst = Path(cfg.checkpoint.dir)
@@ -146,7 +146,7 @@ def convert_problems(cfg: Config, src: Path, world_size: int, rank: int) -> list
     elif rank == 0:
         found = probe(src)
         problems += [f"{found} (the source of the conversion)"] if found else []
-    if dst.is_dir() and (complete_checkpoints(dst) or latest_name(dst) is not None):
+    if fresh_run_problem(dst) is not None:  # the same test as a fresh run's, another remedy
         problems.append(f"the destination {dst} already holds checkpoints; give a new (or empty) directory")
     elif dst.exists() and not dst.is_dir():
         problems.append(f"the destination {dst} is a file, not a directory")
