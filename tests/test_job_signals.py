@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,19 @@ def _flags(tmp: Path, dataset: Path, *extra: str) -> list[str]:
             "--set=checkpoint.every=1000", f"--set=checkpoint.dir={json.dumps(str(tmp / 'ck'))}"]
 
 
+@contextmanager
+def _training(tmp: Path, dataset: Path, *extra: str) -> Iterator[tuple[subprocess.Popen, list[int]]]:
+    """The launcher and its 2 ranks once they are training; whatever is left of them is killed on exit."""
+    launcher, ranks = _start_training(tmp, dataset, *extra)
+    try:
+        yield launcher, ranks
+    finally:
+        for p in _alive(ranks):
+            os.kill(p, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+
+
 def _start_training(tmp: Path, dataset: Path, *extra: str) -> tuple[subprocess.Popen, list[int]]:
     """The launcher and its 2 ranks, once they are training (a step has been logged)."""
     tmp.mkdir(parents=True, exist_ok=True)
@@ -80,8 +95,7 @@ def _wait_gone(pids: list[int], seconds: float) -> list[int]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux-only")
 def test_sigterm_stops_every_rank_and_a_second_job_is_refused_meanwhile(tmp_path, default_dataset):
-    launcher, ranks = _start_training(tmp_path / "a", default_dataset)
-    try:
+    with _training(tmp_path / "a", default_dataset) as (launcher, ranks):
         second = pentatron_nproc(_flags(tmp_path / "a", default_dataset), 2, tmp_path / "b", timeout=240)
         assert second.codes == [2] and "in use by another job" in second.output, second.output[-2000:]
         assert "pid " in second.output and "Traceback" not in second.output
@@ -90,19 +104,13 @@ def test_sigterm_stops_every_rank_and_a_second_job_is_refused_meanwhile(tmp_path
         assert launcher.returncode == 143, out[-2000:]
         assert "stopped by SIGTERM" in out
         assert _wait_gone(ranks, 10) == []
-    finally:
-        for p in _alive(ranks):
-            os.kill(p, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux-only")
 def test_sigterm_with_save_on_sigterm_saves_the_last_step_then_exits_143(tmp_path, default_dataset):
     from pentatron.checkpoint import manifest
 
-    launcher, ranks = _start_training(tmp_path / "a", default_dataset, "--set=checkpoint.save_on_sigterm=true")
-    try:
+    with _training(tmp_path / "a", default_dataset, "--set=checkpoint.save_on_sigterm=true") as (launcher, ranks):
         launcher.send_signal(signal.SIGTERM)
         out, _ = launcher.communicate(timeout=60)
         assert launcher.returncode == 143, out[-2000:]
@@ -115,17 +123,11 @@ def test_sigterm_with_save_on_sigterm_saves_the_last_step_then_exits_143(tmp_pat
         assert json.loads((latest / "meta.json").read_text())["step"] == step
         (metrics,) = [m for m in (tmp_path / "a" / "runs").rglob("metrics.jsonl") if m.parent.name != "latest"]
         assert json.loads(metrics.read_text().splitlines()[-1])["step"] == step  # the saved step is the last run
-    finally:
-        for p in _alive(ranks):
-            os.kill(p, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux-only")
 def test_a_killed_launcher_leaves_no_rank_behind_and_frees_the_directory(tmp_path, default_dataset):
-    launcher, ranks = _start_training(tmp_path / "a", default_dataset)
-    try:
+    with _training(tmp_path / "a", default_dataset) as (launcher, ranks):
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
         assert _wait_gone(ranks, 10) == [], "ranks outlived their SIGKILLed launcher"
@@ -137,6 +139,3 @@ def test_a_killed_launcher_leaves_no_rank_behind_and_frees_the_directory(tmp_pat
         while probe(tmp_path / "a" / "ck") is not None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert probe(tmp_path / "a" / "ck") is None
-    finally:
-        for p in _alive(ranks):
-            os.kill(p, signal.SIGKILL)
