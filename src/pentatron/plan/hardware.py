@@ -59,6 +59,8 @@ class GPUSpec:
     # FP8 GEMMs lose throughput at small k (a fixed prologue/epilogue per output tile): efficiency x
     # k / (k + fp8_gemm_k0); 0 = not measured for this GPU
     fp8_gemm_k0: float = 0.0
+    # The same small-k loss of 16-bit (bf16/fp16) GEMMs: efficiency x k / (k + gemm_k0); 0 = not measured
+    gemm_k0: float = 0.0
     # Network interface cards per node (each `inter_node_bandwidth * gpus_per_node / nics_per_node`).
     nics_per_node: int = 0  # 0 = one per GPU (rail-optimised DGX/HGX nodes)
     # Optional measured bus-bandwidth curves (from `pentatron bench`), replacing the link model above.
@@ -216,6 +218,10 @@ _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float3
 #        scaled to the large-K rate also matches K=2048..8192 within 3%); with our 0.80 matmul_efficiency
 #        and H100 wave quantisation the model sits 2-5% under the sweep. bf16 has no such sweep cited
 #        here and keeps k0 = 0.
+#  gemm_k0 (Hopper, bf16/fp16): the same sweep for FP16 (tile-lang benchmark/matmul/README.md, H800 SXM, M=N=8192):
+#        386, 520, 628, 705, 736, 758, 766 TFLOP/s at K = 256 .. 16384; the K=16384/K=1024 ratio gives k0 = 244,
+#        which reproduces K = 2048, 4096, 8192 within 1.5 % (K = 256 within 3 %). Ampere and Blackwell: not
+#        measured here, k0 = 0.
 #  hbm_efficiency: streaming kernels reach ~90% of nominal HBM bandwidth (BabelStream copy/triad on
 #        A100 and H100, Deakin et al.); applied to elementwise traffic, not to GEMM/attention roofs.
 #  HBM capacity is the nominal GiB; torch reports slightly less (e.g. 79.1 GiB on an H100 80GB).
@@ -244,7 +250,7 @@ _CATALOGUE: dict[str, GPUSpec] = {
         intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
         intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.80,
         sm_count=132, attention_efficiency=(0.35, 0.30),
-        fp8_gemm_k0=409.0,
+        fp8_gemm_k0=409.0, gemm_k0=244.0,
         attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.75, 0.60)},
         source="NVIDIA H100 datasheet; DGX H100 user guide"),
     "h200": GPUSpec(
@@ -255,7 +261,7 @@ _CATALOGUE: dict[str, GPUSpec] = {
         intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
         intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.80,
         sm_count=132, attention_efficiency=(0.35, 0.30),
-        fp8_gemm_k0=409.0,
+        fp8_gemm_k0=409.0, gemm_k0=244.0,
         attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.75, 0.60)},
         source="NVIDIA H200 datasheet; DGX H200 user guide"),
     "b200": GPUSpec(
@@ -328,6 +334,7 @@ _TOML_SCALARS = {
     "hbm_efficiency": ("hbm_efficiency", 1),
     "nics_per_node": ("nics_per_node", 1),
     "fp8_gemm_k0": ("fp8_gemm_k0", 1),
+    "gemm_k0": ("gemm_k0", 1),
     "optimizer_ns_per_element": ("optimizer_per_element_s", 1e-9),
 }
 

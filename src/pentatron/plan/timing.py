@@ -78,15 +78,17 @@ ZERO = Phase(0.0, 0.0, 0.0)
 
 
 def gemm_time(gpu: GPUSpec, m: float, n: float, k: float, peak: float, a: int) -> float:
-    """C[m,n] = A[m,k] B[k,n]: max(compute at peak x matmul_efficiency x wave efficiency, HBM traffic);
-    FP8 (a = 1) also x k / (k + fp8_gemm_k0), the small-k loss of the measured FP8 kernels."""
+    """C[m,n] = A[m,k] B[k,n]: max(compute at peak x matmul_efficiency x wave efficiency, HBM traffic),
+    also x k / (k + k0), the small-k loss of the measured kernels (fp8_gemm_k0 for FP8, a = 1; gemm_k0 for
+    bf16/fp16, a = 2): each output tile pays a fixed prologue/epilogue that a short k cannot amortise."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
     tiles = math.ceil(m / TILE) * math.ceil(n / TILE)
     waves = math.ceil(tiles / gpu.sm_count)
     wave_eff = tiles / (waves * gpu.sm_count)
-    if a == 1 and gpu.fp8_gemm_k0:
-        wave_eff *= k / (k + gpu.fp8_gemm_k0)
+    k0 = {1: gpu.fp8_gemm_k0, 2: gpu.gemm_k0}.get(a, 0.0)
+    if k0:
+        wave_eff *= k / (k + k0)
     compute = 2 * m * n * k / (peak * gpu.matmul_efficiency * wave_eff)
     if a == 4 and gpu.measured_matmul_fp32:  # bench's rate for a call of this many FLOPs, its cost included
         return 2 * m * n * k / interp_log(gpu.measured_matmul_fp32, 2 * m * n * k)
