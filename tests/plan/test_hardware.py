@@ -112,3 +112,18 @@ def test_gemm_small_k_efficiency(dtype, a, k0, sweep):
     rates = [2 * 8192 * 8192 * k / (gemm_time(a100, 8192, 8192, k, a100.flops("bf16"), 2) - KERNEL_OVERHEAD)
              for k in (1024, 16384)]
     assert rates[0] == pytest.approx(rates[1], rel=1e-12)
+
+
+def test_gpu_bench_profile_reproduces_its_own_gemm():
+    """A GPU bench profile keeps the datasheet peak and sets matmul_efficiency so that the planner's GEMM
+    at bench's shape runs at the measured rate (the shape's waves and small-k loss are not charged twice)."""
+    from pentatron.plan.bench import GPU_GEMM_N, BenchResult, profile_dict
+    from pentatron.plan.hardware import hardware_from_dict
+    from pentatron.plan.timing import KERNEL_OVERHEAD, gemm_time
+    measured = 700e12
+    r = BenchResult("cuda", "NVIDIA H100 80GB HBM3", 8, "nccl", {"bf16": measured, "tf32": 350e12}, 3.0e12, 80 * 2**30)
+    prof = hardware_from_dict(profile_dict(r)["gpu"])
+    n = GPU_GEMM_N
+    t = gemm_time(prof, n, n, n, prof.flops("bf16"), 2) - KERNEL_OVERHEAD
+    assert prof.peak_flops["bf16"] == pytest.approx(989.4e12)
+    assert 2 * n**3 / t == pytest.approx(measured, rel=1e-3)

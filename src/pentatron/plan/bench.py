@@ -112,6 +112,9 @@ def _best_of(fn: Any, device: torch.device, seconds: float, repeats: int = 3, mi
     return min(_timed(fn, device, seconds / repeats, min_iters) for _ in range(repeats))
 
 
+GPU_GEMM_N = 8192  # bf16 GEMM edge bench times on a GPU (square: m = n = k)
+
+
 def measure_matmul(device: torch.device, dtype: torch.dtype, n: int, seconds: float) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -349,7 +352,7 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
     max_bytes = max_bytes or (256 * 2**20 if device == "cuda" else 4 * 2**20)  # CPU: a debug model's gradients
     if device == "cuda":
         name = torch.cuda.get_device_name(dev)
-        flops = {"bf16": measure_matmul(dev, torch.bfloat16, 8192, seconds),
+        flops = {"bf16": measure_matmul(dev, torch.bfloat16, GPU_GEMM_N, seconds),
                  "tf32": measure_matmul(dev, torch.float32, 4096, seconds)}
         copy = measure_copy(dev, 1 * GiB, seconds)
     else:
@@ -392,9 +395,12 @@ def profile_dict(r: BenchResult) -> dict[str, Any]:
                            "source": f"pentatron bench on {r.host} ({r.device_name}), {r.when}"}
     best_bus = max((b for pts in r.busbw.values() for _, b in pts), default=r.copy_bandwidth)
     if known is not None:
-        # keep the datasheet peak (the MFU denominator); the measurement sets the achievable fraction
+        # keep the datasheet peak (the MFU denominator); the measurement sets the achievable fraction, less
+        # what the planner charges that square GEMM's shape itself (waves, small k), so that it predicts
+        # the measured rate at that shape instead of charging the shape twice
         gpu["base"] = known.name
-        gpu["matmul_efficiency"] = round(min(1.0, r.matmul_flops["bf16"] / known.peak_flops["bf16"]), 4)
+        shape = known.gemm_shape_efficiency(GPU_GEMM_N, GPU_GEMM_N, GPU_GEMM_N, 2)
+        gpu["matmul_efficiency"] = round(min(1.0, r.matmul_flops["bf16"] / (known.peak_flops["bf16"] * shape)), 4)
     else:
         gpu["peak_tflops"] = {k: v / 1e12 for k, v in r.matmul_flops.items()}
         gpu["matmul_efficiency"] = 1.0

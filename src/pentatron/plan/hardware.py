@@ -26,6 +26,7 @@ TFLOPS = 1e12
 GB = 1e9
 GiB = 2**30
 US = 1e-6
+GEMM_TILE = 128  # output tile edge of tensor-core GEMM kernels (cuBLAS/CUTLASS 128x128 class)
 
 # Collective name -> ((message bytes, bus bandwidth B/s), ...) measured by `pentatron bench`.
 BusBwTable = dict[str, tuple[tuple[float, float], ...]]
@@ -107,6 +108,15 @@ class GPUSpec:
         if key not in self.peak_flops:
             raise KeyError(f"{self.name} has no {dtype!r} peak; known: {', '.join(sorted(self.peak_flops))}")
         return self.peak_flops[key]
+
+    def gemm_shape_efficiency(self, m: float, n: float, k: float, operand_bytes: int) -> float:
+        """Fraction of `matmul_efficiency` a GEMM C[m,n] = A[m,k] B[k,n] keeps: wave quantisation of its
+        128x128 output tiles over the SMs, times k / (k + k0), the small-k loss of the measured kernels
+        (fp8_gemm_k0 for 1-byte operands, gemm_k0 for 2-byte ones)."""
+        tiles = math.ceil(m / GEMM_TILE) * math.ceil(n / GEMM_TILE)
+        waves = math.ceil(tiles / self.sm_count)
+        k0 = {1: self.fp8_gemm_k0, 2: self.gemm_k0}.get(operand_bytes, 0.0)
+        return tiles / (waves * self.sm_count) * (k / (k + k0) if k0 else 1.0)
 
     def attention(self, kernel: str) -> tuple[float, float]:
         """(forward, backward) fraction of peak of a fused attention kernel; a kernel this GPU lacks

@@ -15,7 +15,6 @@ Overlap rules (what hides behind what):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -41,7 +40,6 @@ from pentatron.plan.layout import Layout, Workload, compute_dtype, kv_heads_per_
 from pentatron.plan.memory import DP_BUCKET, STATE_PRECISIONS, act_bytes, rank_layers, rank_params
 from pentatron.schedules import make_schedule, simulate
 
-TILE = 128  # output tile edge of tensor-core GEMM kernels (cuBLAS/CUTLASS 128x128 class)
 KERNEL_OVERHEAD = 3e-6  # per GEMM launch/tail on the GPU (seconds)
 OPTIMIZER_BYTES_PER_PARAM = 34  # AdamW step: read grad 4, r/w master 8, r/w moments 16, write param 2, norm 4
 KERNELS = ("fused", "eager")
@@ -78,18 +76,12 @@ ZERO = Phase(0.0, 0.0, 0.0)
 
 
 def gemm_time(gpu: GPUSpec, m: float, n: float, k: float, peak: float, a: int) -> float:
-    """C[m,n] = A[m,k] B[k,n]: max(compute at peak x matmul_efficiency x wave efficiency, HBM traffic),
-    also x k / (k + k0), the small-k loss of the measured kernels (fp8_gemm_k0 for FP8, a = 1; gemm_k0 for
-    bf16/fp16, a = 2): each output tile pays a fixed prologue/epilogue that a short k cannot amortise."""
+    """C[m,n] = A[m,k] B[k,n]: max(compute at peak x matmul_efficiency x the shape's efficiency (wave
+    quantisation, small k: `GPUSpec.gemm_shape_efficiency`), HBM traffic) + the launch/tail."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
-    tiles = math.ceil(m / TILE) * math.ceil(n / TILE)
-    waves = math.ceil(tiles / gpu.sm_count)
-    wave_eff = tiles / (waves * gpu.sm_count)
-    k0 = {1: gpu.fp8_gemm_k0, 2: gpu.gemm_k0}.get(a, 0.0)
-    if k0:
-        wave_eff *= k / (k + k0)
-    compute = 2 * m * n * k / (peak * gpu.matmul_efficiency * wave_eff)
+    shape = gpu.gemm_shape_efficiency(m, n, k, a)
+    compute = 2 * m * n * k / (peak * gpu.matmul_efficiency * shape)
     if a == 4 and gpu.measured_matmul_fp32:  # bench's rate for a call of this many FLOPs, its cost included
         return 2 * m * n * k / interp_log(gpu.measured_matmul_fp32, 2 * m * n * k)
     traffic = (m * k + k * n + m * n) * a
