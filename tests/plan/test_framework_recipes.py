@@ -1,5 +1,6 @@
 """Framework recipes the planner models for published runs (issue 10): Megatron's sequence parallelism
-that keeps the sharded block inputs, and flash-attn's fused cross-entropy. Hand-computed cases."""
+that keeps the sharded block inputs, flash-attn's fused cross-entropy, TP communication pipelined with
+its GEMMs, and nanotron's blocking ZeRO-1 (no DP overlap, gradients all-reduced). Hand-computed cases."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pentatron.plan.comm import SP_REGATHER_WHERE, collective_time, group_of, la
 from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload, problems, trainable_problems
 from pentatron.plan.memory import llama_layer_activation_bytes, stage_extras
-from pentatron.plan.timing import _column_linears, layer_phase
+from pentatron.plan.timing import _dense_linears, layer_phase, step_time, tp_overlap_split
 
 H100 = get_gpu("h100")
 CFG = ModelConfig(vocab_size=32000, hidden_size=1024, n_layers=8, n_heads=16, n_kv_heads=8,
@@ -36,7 +37,7 @@ def test_megatron_sp_regathers_in_backward_under_the_input_gradient_gemms():
     lc = layer_comm(w, meg, H100, False)
     ag = collective_time(H100, "all_gather", act, group_of(meg, "tp", H100))
     assert lc.sp_regather == ag and layer_comm(w, lay, H100, False).sp_regather == 0.0
-    qkv, up = _column_linears(w, meg, H100)
+    qkv, _, up, _ = _dense_linears(w, meg, H100)
     exposed = max(0.0, ag - qkv.b) + max(0.0, ag - up.b)
     ours, theirs = layer_phase(w, lay, H100, 0), layer_phase(w, meg, H100, 0)
     assert theirs.f == ours.f and theirs.w == ours.w
@@ -92,3 +93,51 @@ def test_pipeline_engine_holds_inputs_and_outputs_of_micro_batches_in_flight():
     assert pipeline_boundary_bytes(w, lay.with_(pp_outputs="freed"), 1, 3) == 3 * one  # Megatron
     assert pipeline_boundary_bytes(w, Layout(dp=1, tp=2, sp=True, pp=4), 1, 3) == 6 * one / 2
     assert pipeline_boundary_bytes(w, Layout(dp=4), 0, 1) == 0.0
+
+
+def test_tp_overlap_hides_each_sp_collective_behind_its_gemm_but_one_chunk():
+    w = Workload(CFG, 2048, 64)
+    lay = Layout(dp=2, tp=4, sp=True, micro_batch=1)
+    ov = dataclasses.replace(lay, tp_overlap=True)
+    lc = layer_comm(w, lay, H100, False)
+    g = group_of(lay, "tp", H100)
+    act = 2048 * 1024 * 2
+    ag, rs = collective_time(H100, "all_gather", act, g), collective_time(H100, "reduce_scatter", act, g)
+    assert (lc.sp_all_gather, lc.sp_reduce_scatter) == (ag, rs) and lc.tp_fwd == 2 * (ag + rs)
+    qkv, proj, up, down = _dense_linears(w, lay, H100)
+    fwd = max(ag / 4, ag - qkv.f) + max(rs / 4, rs - proj.f) + max(ag / 4, ag - up.f) + max(rs / 4, rs - down.f)
+    bwd = (max(ag / 4, ag - proj.b - proj.w) + max(rs / 4, rs - qkv.b - qkv.w)
+           + max(ag / 4, ag - down.b - down.w) + max(rs / 4, rs - up.b - up.w))
+    (ef, eb), (hf, hb) = tp_overlap_split(lc, 4, qkv, proj, up, down)
+    assert (ef, eb) == (fwd, bwd) and hf == 2 * (ag + rs) - fwd and hb == 2 * (ag + rs) - bwd
+    plain, over = layer_phase(w, lay, H100, 0), layer_phase(w, ov, H100, 0)
+    assert abs((plain.f - over.f) - (lc.tp_fwd - fwd)) < 1e-15 and abs((plain.b - over.b) - (lc.tp_bwd - bwd)) < 1e-15
+    # the step reports the dense layers' hidden share as contention, not as exposed tp
+    st0, st1 = step_time(w, lay, H100), step_time(w, ov, H100)
+    m, layers = 32, 8
+    assert abs((st0.exposed_by_dim["tp"] - st1.exposed_by_dim["tp"]) - m * layers * (hf + hb)) < 1e-9
+    assert st1.contention > st0.contention
+    assert any("needs tp > 1 with sp" in x for x in problems(w, dataclasses.replace(ov, sp=False), H100, 8))
+    assert any("tp_overlap" in x for x in trainable_problems(w, ov, 8))
+
+
+def test_nanotron_zero1_reduces_all_gradients_after_the_backward_and_gathers_blocking():
+    w = Workload(CFG, 2048, 64)
+    ours = Layout(dp=8, zero=1)
+    nano = dataclasses.replace(ours, dp_overlap=False, zero1_reduce="all_reduce")
+    colls = {c.where: c for c in step_collectives(w, nano, H100, 1e8, 0.0, 8, 0, first=True, last=True)}
+    grads, params = colls["gradients"], colls["updated parameters"]
+    assert grads.op == "all_reduce" and grads.payload == 4e8 and params.op == "all_gather" and params.payload == 2e8
+    g = group_of(nano, "dp", H100)
+    assert grads.time == collective_time(H100, "all_reduce", 4e8, g)
+    st_ours, st_nano = step_time(w, ours, H100), step_time(w, nano, H100)
+    # ours hides the reduce-scatter behind the last backward and the gather behind the next forward;
+    # nanotron's ZeRO-1 waits for both, the all-reduce twice the reduce-scatter's bytes
+    dp = [c for c in st_nano.collectives if c.dim == "dp_cp"]
+    assert {c.op for c in dp} == {"all_reduce", "all_gather"}
+    assert st_nano.dp_exposed == sum(c.time_per_step for c in dp)
+    assert st_nano.dp_exposed > st_ours.dp_exposed
+    assert any("dp_overlap" in x for x in trainable_problems(w, nano, 8))
+    assert any("zero1_reduce='all_reduce'" in x for x in trainable_problems(w, nano, 8))
+    assert any("dp_overlap=false is modelled for ZeRO 0-2" in x
+               for x in problems(w, dataclasses.replace(nano, zero=3), H100, 8))

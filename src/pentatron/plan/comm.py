@@ -172,6 +172,8 @@ class LayerComm:
     ep_fwd: float  # seconds of MoE all-to-all (exposed)
     ep_bwd: float
     sp_regather: float = 0.0  # one backward all-gather of a block input (sp_inputs="sharded"), x2 per layer
+    sp_all_gather: float = 0.0  # one SP all-gather of a block input (2 per layer forward, 2 backward)
+    sp_reduce_scatter: float = 0.0  # one SP reduce-scatter of a block output (likewise)
 
 
 def layer_comm(w: Workload, lay: Layout, gpu: GPUSpec, layer_is_moe: bool) -> LayerComm:
@@ -180,8 +182,10 @@ def layer_comm(w: Workload, lay: Layout, gpu: GPUSpec, layer_is_moe: bool) -> La
     tokens = lay.micro_batch * w.seq_len // lay.cp
     act = tokens * cfg.hidden_size * a  # one full [b, s/cp, h] activation
     tp_g = group_of(lay, "tp", gpu)
+    ag = rs = 0.0
     if lay.sp:  # all-gather before, reduce-scatter after attention and MLP
-        tp_one = collective_time(gpu, "all_gather", act, tp_g) + collective_time(gpu, "reduce_scatter", act, tp_g)
+        ag, rs = collective_time(gpu, "all_gather", act, tp_g), collective_time(gpu, "reduce_scatter", act, tp_g)
+        tp_one = ag + rs
     else:  # the f/g operators: one all-reduce after attention and one after the MLP
         tp_one = collective_time(gpu, "all_reduce", act, tp_g)
     tp_fwd = 2 * tp_one if lay.tp > 1 else 0.0
@@ -195,7 +199,7 @@ def layer_comm(w: Workload, lay: Layout, gpu: GPUSpec, layer_is_moe: bool) -> La
     regather = 0.0
     if lay.tp > 1 and lay.sp and lay.sp_inputs == "sharded":
         regather = collective_time(gpu, "all_gather", act, tp_g)
-    return LayerComm(tp_fwd, tp_fwd, ep_fwd, ep_bwd, regather)
+    return LayerComm(tp_fwd, tp_fwd, ep_fwd, ep_bwd, regather, ag, rs)
 
 
 def _ulysses_payloads(w: Workload, lay: Layout) -> tuple[float, float]:
@@ -268,10 +272,10 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
         g = group_of(lay, "tp", gpu)
         per_mb = (2 + 2 + 2 * recompute_fwd) * layers_on_rank + (1 if first else 0) + (2 if last else 0)
         if lay.sp:
-            out.append(_coll(gpu, g, "all_gather", act, m * per_mb / 2, "layers fwd+bwd (SP)"))
+            out.append(_coll(gpu, g, "all_gather", act, m * per_mb / 2, SP_LAYERS_WHERE))
             if lay.sp_inputs == "sharded":
                 out.append(_coll(gpu, g, "all_gather", act, m * 2 * layers_on_rank, SP_REGATHER_WHERE))
-            out.append(_coll(gpu, g, "reduce_scatter", act, m * per_mb / 2, "layers fwd+bwd (SP)"))
+            out.append(_coll(gpu, g, "reduce_scatter", act, m * per_mb / 2, SP_LAYERS_WHERE))
         else:
             out.append(_coll(gpu, g, "all_reduce", act, m * per_mb, "layers fwd+bwd"))
         if last and lay.cross_entropy != "fused":
@@ -316,6 +320,7 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
 
 TIED_WHERE = "tied embedding gradient"
 SP_REGATHER_WHERE = "block inputs again in bwd (SP, sharded inputs)"
+SP_LAYERS_WHERE = "layers fwd+bwd (SP)"
 
 
 def tied_grad_bytes(params: float, lay: Layout) -> float:
@@ -328,7 +333,8 @@ def tied_grad_bytes(params: float, lay: Layout) -> float:
 def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a: int,
                    layers: int = 1) -> list[Collective]:
     """Gradient reduction (fp32, as the trainer's grad buffer) and ZeRO parameter gathers.
-    ZeRO-0: one all-reduce per step; ZeRO-1: reduce-scatter + all-gather per step (the same volume);
+    ZeRO-0: one all-reduce per step; ZeRO-1: reduce-scatter (or all-reduce, `zero1_reduce`) + all-gather
+    per step;
     ZeRO-2: gradients are sharded, so each micro-batch's are reduce-scattered; ZeRO-3: parameters are
     all-gathered layer by layer for forward and again for backward of every micro-batch, and gradients
     reduce-scattered layer by layer: one call per layer, so its latency is paid `layers` times."""
@@ -339,7 +345,7 @@ def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a
     if lay.zero == 0:
         return [_coll(gpu, g, "all_reduce", grads, 1, "gradients")]
     if lay.zero == 1:
-        return [_coll(gpu, g, "reduce_scatter", grads, 1, "gradients"),
+        return [_coll(gpu, g, lay.zero1_reduce, grads, 1, "gradients"),
                 _coll(gpu, g, "all_gather", weights, 1, "updated parameters")]
     if lay.zero == 2:
         return [_coll(gpu, g, "reduce_scatter", grads, m, "gradients per micro-batch"),

@@ -79,6 +79,17 @@ class Layout:
     # the stage output of each in-flight micro-batch until its backward: "kept" (our engine's
     # state.output, DeepSpeed's pipe buffers) or "freed" once sent (Megatron's deallocate_pipeline_outputs)
     pp_outputs: str = "kept"
+    # Under SP, each all-gather pipelined with the column-parallel GEMM it feeds and each reduce-scatter
+    # with the row-parallel GEMM it follows (Transformer Engine userbuffers: Megatron-Core
+    # --tp-comm-overlap; torch's async TP): only what exceeds its GEMM, and one of its tp chunks, is exposed
+    tp_overlap: bool = False
+    # Data-parallel traffic behind compute (ours, DDP/FSDP, Megatron): gradient buckets reduced during the
+    # backward, ZeRO-1/2 parameter gathers behind the next forward. False: one blocking reduction after the
+    # last backward and a blocking gather after the optimizer (nanotron's ZeRO-1)
+    dp_overlap: bool = True
+    # ZeRO-1's gradient collective: "reduce_scatter" (each rank receives its shard) or "all_reduce" (every
+    # rank receives all of it and keeps its shard: nanotron, which avoids a second buffer)
+    zero1_reduce: str = "reduce_scatter"
 
     @property
     def world(self) -> int:
@@ -154,6 +165,13 @@ def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
         out.append(f"cross_entropy must be one of {', '.join(CROSS_ENTROPY)}, got {lay.cross_entropy!r}")
     if lay.grad_precision not in GRAD_PRECISIONS:
         out.append(f"grad_precision must be one of {', '.join(GRAD_PRECISIONS)}, got {lay.grad_precision!r}")
+    if lay.tp_overlap and not (lay.sp and lay.tp > 1):
+        out.append("tp_overlap pipelines the sequence-parallel all-gathers and reduce-scatters with their GEMMs: "
+                   "it needs tp > 1 with sp")
+    if not lay.dp_overlap and lay.zero == 3:
+        out.append("dp_overlap=false is modelled for ZeRO 0-2 (ZeRO-3 gathers layer by layer behind compute)")
+    if lay.zero1_reduce not in ("reduce_scatter", "all_reduce"):
+        out.append(f"zero1_reduce must be 'reduce_scatter' or 'all_reduce', got {lay.zero1_reduce!r}")
     if lay.ep > 1 and moe is None:
         out.append(f"ep={lay.ep} needs a mixture-of-experts model")
     if moe is not None and moe.num_experts % lay.ep:
@@ -199,6 +217,13 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
     if lay.sp_inputs != "gathered" and lay.sp:
         out.append("training's column-parallel layers keep the all-gathered input (sp_inputs='sharded' is "
                    "Megatron's recipe, not available)")
+    if not lay.dp_overlap:
+        out.append("training reduces gradients during the backward (dp_overlap=false is not available)")
+    if lay.zero1_reduce != "reduce_scatter" and lay.zero == 1:
+        out.append("training's ZeRO-1 reduce-scatters the gradients (zero1_reduce='all_reduce' is not available)")
+    if lay.tp_overlap:
+        out.append("training runs each tensor-parallel collective before or after its GEMM (tp_overlap is "
+                   "Transformer Engine's / torch async TP's recipe, not available)")
     if lay.cross_entropy != "eager":
         out.append("training computes the loss in fp32 PyTorch ops (cross_entropy='fused' is not available)")
     if lay.pp_outputs != "kept":

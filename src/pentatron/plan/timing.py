@@ -3,13 +3,15 @@ memory-bound elementwise traffic, exposed communication, and the pipeline bubble
 schedule (simulated by `schedules.py`).
 
 Overlap rules (what hides behind what):
-* TP/SP collectives and MoE all-to-alls sit on the critical path (exposed).
+* TP/SP collectives and MoE all-to-alls sit on the critical path (exposed); with `tp_overlap` each SP
+  collective hides behind its GEMM but for one of its tp chunks (`tp_overlap_split`).
 * Ring-attention (CP) KV exchange overlaps the attention kernel of the same step: exposed = excess.
 * Pipeline p2p delays only the dependent action on the next rank (asynchronous sends), as simulated.
 * DP gradient reduction overlaps the last micro-batch's backward (bucketed); the last bucket never
   hides. ZeRO-2 reduce-scatters each micro-batch behind that micro-batch's backward. ZeRO-1/2
   parameter all-gathers after the optimizer hide behind the next step's first forward. ZeRO-3 gathers
-  each layer behind the previous layer's compute (prefetch).
+  each layer behind the previous layer's compute (prefetch). With `dp_overlap=False` the gradient
+  reduction and the ZeRO-1/2 gathers are all exposed.
 * The optimizer step is memory-bound and exposed.
 """
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from pentatron.plan.comm import (
+    SP_LAYERS_WHERE,
     SP_REGATHER_WHERE,
     TIED_WHERE,
     Collective,
@@ -165,7 +168,8 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
     fp8 = lay.precision == "fp8"
 
     qkv = _linear(gpu, tokens, hq, h, peak, a, fp8) + _linear(gpu, tokens, kvl, h, peak, a, fp8).scale(2)
-    ph = qkv + _linear(gpu, tokens, h, hq, peak, a, fp8)
+    proj = _linear(gpu, tokens, h, hq, peak, a, fp8)
+    ph = qkv + proj
     up = ZERO
     lp = layer_params(cfg, index, moe)
     mats = 3 if cfg.mlp == "swiglu" else 2
@@ -192,8 +196,11 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
     elem = tokens * _elementwise_bytes(w, lay, kernels) / gpu.op_bandwidth(tokens * hs * a, 2 * tokens * h * a)
     lc = layer_comm(w, lay, gpu, bool(lp.expert_total))
     cp = cp_layer_cost(w, lay, gpu, attn_f, attn_b)
-    f = ph.f + attn_f + elem + lc.tp_fwd + lc.ep_fwd + cp.fwd_exposed
-    b = ph.b + attn_b + 2 * elem + lc.tp_bwd + lc.ep_bwd + cp.bwd_exposed
+    tp_f, tp_b = lc.tp_fwd, lc.tp_bwd
+    if lay.tp_overlap and not lp.expert_total:
+        (tp_f, tp_b), _ = tp_overlap_split(lc, tp, qkv, proj, up, down)
+    f = ph.f + attn_f + elem + tp_f + lc.ep_fwd + cp.fwd_exposed
+    b = ph.b + attn_b + 2 * elem + tp_b + lc.ep_bwd + cp.bwd_exposed
     b += sum(sp_regather_split(lc, qkv, up)[0])
     if lay.recompute == "selective":  # the attention core replays, its context-parallel exchange included
         b += attn_f + cp.fwd_exposed
@@ -233,6 +240,25 @@ def sp_regather_split(lc: LayerComm, qkv: Phase, up: Phase) -> tuple[tuple[float
         return (0.0, 0.0), 0.0
     exposed = (max(0.0, ag - qkv.b), max(0.0, ag - up.b) if up.b else ag)
     return exposed, 2 * ag - sum(exposed)
+
+
+def tp_overlap_split(lc: LayerComm, tp: int, qkv: Phase, proj: Phase, up: Phase, down: Phase
+                     ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """SP collectives pipelined with their GEMMs (`Layout.tp_overlap`): ((forward, backward) exposed,
+    (forward, backward) hidden) seconds per layer and micro-batch. Forward, each all-gather feeds a
+    column-parallel GEMM (q/k/v, gate/up) and each reduce-scatter follows a row-parallel one (output
+    projection, down); backward, the all-gather of the output gradient feeds the row-parallel GEMMs'
+    backward and the reduce-scatter of the input gradient follows the column-parallel ones'. A collective
+    split into tp chunks hides behind its GEMM but for one chunk, and is exposed by what exceeds it."""
+    ag, rs = lc.sp_all_gather, lc.sp_reduce_scatter
+    fwd = ((ag, qkv.f), (rs, proj.f), (ag, up.f), (rs, down.f))
+    bwd = ((ag, proj.b + proj.w), (rs, qkv.b + qkv.w), (ag, down.b + down.w), (rs, up.b + up.w))
+
+    def exposed(pairs: tuple[tuple[float, float], ...]) -> float:
+        return sum(max(c / tp, c - gemm) for c, gemm in pairs)
+
+    ef, eb = exposed(fwd), exposed(bwd)
+    return (ef, eb), (2 * (ag + rs) - ef, 2 * (ag + rs) - eb)
 
 
 def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -> Phase:
@@ -411,6 +437,8 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
         tail = c.time * min(1.0, DP_BUCKET / grad_bytes) if grad_bytes else 0.0
         if lay.zero == 3 and c.op in ("reduce_scatter", "all_gather"):
             e = 0.0  # exposure of the per-layer ZeRO-3 traffic is computed below, together
+        elif not lay.dp_overlap:  # blocking: after the last backward, after the optimizer
+            e = total
         elif c.op == "reduce_scatter" and c.count > 1:
             # ZeRO-2: a micro-batch's reduce-scatter runs while the rank computes the next micro-batch
             # (all of its chunks: f + b + w); only the last one has just its own backward to hide behind
@@ -443,13 +471,21 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
     ends = 1 + ((2 if not w.cfg.tie_embeddings else 1) if lay.pp == 1 else 0)
     optimizer += gpu.host_optimizer_per_tensor_s * (9 * n_layers + ends)
     tied = 0.0
+    tp_hidden = 0.0  # tp_overlap: SP collectives of the dense layers hidden under their GEMMs, per step
+    if lay.tp_overlap:
+        qkv, proj, up, down = _dense_linears(w, lay, gpu)
+        _, (hf, hb) = tp_overlap_split(layer_comm(w, lay, gpu, False), lay.tp, qkv, proj, up, down)
+        tp_hidden = m * (n_layers - n_moe) * (hf * (2 if lay.recompute == "full" else 1) + hb)
+        hidden += tp_hidden
     for c in colls:  # exposure inside the pipeline, reported per dimension
         if c.where == SP_REGATHER_WHERE:  # partly hidden under the input-gradient GEMMs
             lc = layer_comm(w, lay, gpu, False)
             exposed["tp"] = exposed.get("tp", 0.0) + m * n_layers * sum(
-                sp_regather_split(lc, *_column_linears(w, lay, gpu))[0])
+                sp_regather_split(lc, *_dense_linears(w, lay, gpu)[::2])[0])
         elif c.dim in ("tp", "ep"):
             exposed[c.dim] = exposed.get(c.dim, 0.0) + c.time_per_step
+            if c.where == SP_LAYERS_WHERE and lay.tp_overlap:  # the dense layers' share hides under GEMMs
+                exposed["tp"] -= tp_hidden / 2  # half on the all-gathers, half on the reduce-scatters
         elif c.dim == "pp" and c.where == TIED_WHERE:
             tied += c.time_per_step
             exposed["pp"] = exposed.get("pp", 0.0) + c.time_per_step
@@ -457,7 +493,7 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
             exposed["pp"] = exposed.get("pp", 0.0) + 2 * (lay.pp - 1) * hop
     if lay.sp and lay.tp > 1 and lay.sp_inputs == "sharded":  # the backward re-gathers under GEMMs
         lc = layer_comm(w, lay, gpu, False)
-        hidden += m * n_layers * sp_regather_split(lc, *_column_linears(w, lay, gpu))[1]
+        hidden += m * n_layers * sp_regather_split(lc, *_dense_linears(w, lay, gpu)[::2])[1]
     if lay.cp > 1:
         cp = cp_layer_cost(w, lay, gpu, *attention_times(w, lay, gpu))
         fwd_passes = cp_forward_passes(lay.recompute)
@@ -469,15 +505,18 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
                     tied)
 
 
-def _column_linears(w: Workload, lay: Layout, gpu: GPUSpec) -> tuple[Phase, Phase]:
-    """(q/k/v, gate/up) GEMM phases of one dense layer and micro-batch: what the SP re-gathers hide behind."""
+def _dense_linears(w: Workload, lay: Layout, gpu: GPUSpec) -> tuple[Phase, Phase, Phase, Phase]:
+    """(q/k/v, output projection, gate/up, down) GEMM phases of one dense layer and micro-batch: what the
+    SP collectives and re-gathers hide behind."""
     cfg, a, fp8 = w.cfg, act_bytes(lay.precision), lay.precision == "fp8"
     peak = gpu.flops(compute_dtype(lay.precision))
     tokens, h, tp = lay.micro_batch * w.seq_len / lay.cp, cfg.hidden_size, lay.tp
     hq, kvl = cfg.n_heads * cfg.head_dim / tp, kv_heads_per_tp_rank(cfg, tp) * cfg.head_dim
+    f = cfg.ffn_hidden_size / tp
     qkv = _linear(gpu, tokens, hq, h, peak, a, fp8) + _linear(gpu, tokens, kvl, h, peak, a, fp8).scale(2)
     mats = 3 if cfg.mlp == "swiglu" else 2
-    return qkv, _linear(gpu, tokens, cfg.ffn_hidden_size / tp, h, peak, a, fp8).scale(mats - 1)
+    return (qkv, _linear(gpu, tokens, h, hq, peak, a, fp8), _linear(gpu, tokens, f, h, peak, a, fp8).scale(mats - 1),
+            _linear(gpu, tokens, h, f, peak, a, fp8))
 
 
 def zero3_exposed(lay: Layout, colls: tuple[Collective, ...] | list[Collective], ph: Phase, n_layers: int,
