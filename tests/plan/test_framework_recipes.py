@@ -1,17 +1,18 @@
 """Framework recipes the planner models for published runs (issue 10): Megatron's sequence parallelism
 that keeps the sharded block inputs, flash-attn's fused cross-entropy, TP communication pipelined with
-its GEMMs, and nanotron's blocking ZeRO-1 (no DP overlap, gradients all-reduced). Hand-computed cases."""
+its GEMMs, nanotron's blocking ZeRO-1 (no DP overlap, gradients all-reduced) and the blocking pipeline
+sends of DeepSpeed and nanotron. Hand-computed cases."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from pentatron.models.config import ModelConfig
-from pentatron.plan.comm import SP_REGATHER_WHERE, collective_time, group_of, layer_comm, step_collectives
+from pentatron.plan.comm import SP_REGATHER_WHERE, collective_time, group_of, layer_comm, pp_hop_time, step_collectives
 from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload, problems, trainable_problems
 from pentatron.plan.memory import llama_layer_activation_bytes, stage_extras
-from pentatron.plan.timing import _dense_linears, layer_phase, step_time, tp_overlap_split
+from pentatron.plan.timing import _dense_linears, layer_phase, stage_phases, step_time, tp_overlap_split
 
 H100 = get_gpu("h100")
 CFG = ModelConfig(vocab_size=32000, hidden_size=1024, n_layers=8, n_heads=16, n_kv_heads=8,
@@ -141,3 +142,18 @@ def test_nanotron_zero1_reduces_all_gradients_after_the_backward_and_gathers_blo
     assert any("zero1_reduce='all_reduce'" in x for x in trainable_problems(w, nano, 8))
     assert any("dp_overlap=false is modelled for ZeRO 0-2" in x
                for x in problems(w, dataclasses.replace(nano, zero=3), H100, 8))
+
+
+def test_blocking_pipeline_sends_hold_the_sender():
+    w = Workload(CFG, 2048, 64)
+    lay = Layout(dp=2, pp=4, micro_batch=1)
+    ds = dataclasses.replace(lay, pp_p2p="blocking")
+    hop = pp_hop_time(w, lay, H100)
+    assert hop > 0
+    ours, theirs = stage_phases(w, lay, H100), stage_phases(w, ds, H100)
+    for s, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        # each stage but the last sends its activations forward, each but the first its gradients back
+        assert b.f == a.f + (hop if s < 3 else 0.0) and b.b == a.b + (hop if s > 0 else 0.0) and b.w == a.w
+    assert step_time(w, ds, H100).step > step_time(w, lay, H100).step
+    assert any("pp_p2p='blocking'" in x for x in trainable_problems(w, ds, 8))
+    assert any("pp_p2p must be" in x for x in problems(w, dataclasses.replace(ds, pp_p2p="x"), H100, 8))

@@ -90,6 +90,10 @@ class Layout:
     # ZeRO-1's gradient collective: "reduce_scatter" (each rank receives its shard) or "all_reduce" (every
     # rank receives all of it and keeps its shard: nanotron, which avoids a second buffer)
     zero1_reduce: str = "reduce_scatter"
+    # pipeline sends and receives: "async" (ours, Megatron, torch.distributed.pipelining: isend/irecv, the
+    # sender goes on computing) or "blocking" (DeepSpeed's pipeline engine, nanotron: the sender waits for
+    # the transfer)
+    pp_p2p: str = "async"
 
     @property
     def world(self) -> int:
@@ -170,6 +174,8 @@ def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
                    "it needs tp > 1 with sp")
     if not lay.dp_overlap and lay.zero == 3:
         out.append("dp_overlap=false is modelled for ZeRO 0-2 (ZeRO-3 gathers layer by layer behind compute)")
+    if lay.pp_p2p not in ("async", "blocking"):
+        out.append(f"pp_p2p must be 'async' or 'blocking', got {lay.pp_p2p!r}")
     if lay.zero1_reduce not in ("reduce_scatter", "all_reduce"):
         out.append(f"zero1_reduce must be 'reduce_scatter' or 'all_reduce', got {lay.zero1_reduce!r}")
     if lay.ep > 1 and moe is None:
@@ -217,6 +223,8 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
     if lay.sp_inputs != "gathered" and lay.sp:
         out.append("training's column-parallel layers keep the all-gathered input (sp_inputs='sharded' is "
                    "Megatron's recipe, not available)")
+    if lay.pp_p2p != "async" and lay.pp > 1:
+        out.append("training's pipeline sends asynchronously (pp_p2p='blocking' is not available)")
     if not lay.dp_overlap:
         out.append("training reduces gradients during the backward (dp_overlap=false is not available)")
     if lay.zero1_reduce != "reduce_scatter" and lay.zero == 1:

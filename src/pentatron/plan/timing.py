@@ -6,7 +6,8 @@ Overlap rules (what hides behind what):
 * TP/SP collectives and MoE all-to-alls sit on the critical path (exposed); with `tp_overlap` each SP
   collective hides behind its GEMM but for one of its tp chunks (`tp_overlap_split`).
 * Ring-attention (CP) KV exchange overlaps the attention kernel of the same step: exposed = excess.
-* Pipeline p2p delays only the dependent action on the next rank (asynchronous sends), as simulated.
+* Pipeline p2p delays only the dependent action on the next rank (asynchronous sends), as simulated;
+  `pp_p2p="blocking"` (DeepSpeed's pipeline engine, nanotron) also holds the sender for the transfer.
 * DP gradient reduction overlaps the last micro-batch's backward (bucketed); the last bucket never
   hides. ZeRO-2 reduce-scatters each micro-batch behind that micro-batch's backward. ZeRO-1/2
   parameter all-gathers after the optimizer hide behind the next step's first forward. ZeRO-3 gathers
@@ -338,6 +339,10 @@ def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused")
             ph = ph + head_phase(w, lay, gpu, kernels) + Phase(*gpu.host_ends(lay.tp), 0.0)
             ph = ph + Phase(0.0, 0.0, grad_accumulation(gpu, lay, head, kernels))
         out.append(ph)
+    if lay.pp_p2p == "blocking" and chunks > 1:  # the sender waits for its transfer
+        hop = pp_hop_time(w, lay, gpu)
+        out = [Phase(ph.f + (hop if s < chunks - 1 else 0.0), ph.b + (hop if s > 0 else 0.0), ph.w)
+               for s, ph in enumerate(out)]
     return out
 
 
