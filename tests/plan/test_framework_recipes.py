@@ -1,14 +1,23 @@
 """Framework recipes the planner models for published runs (issue 10): Megatron's sequence parallelism
 that keeps the sharded block inputs, flash-attn's fused cross-entropy, TP communication pipelined with
 its GEMMs, nanotron's blocking ZeRO-1 (no DP overlap, gradients all-reduced) and the blocking pipeline
-sends of DeepSpeed and nanotron. Hand-computed cases."""
+sends of DeepSpeed and nanotron, and Megatron's / DeepSpeed's stage outputs sent as 1/tp slices. Hand-computed
+cases."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from pentatron.models.config import ModelConfig
-from pentatron.plan.comm import SP_REGATHER_WHERE, collective_time, group_of, layer_comm, pp_hop_time, step_collectives
+from pentatron.plan.comm import (
+    SP_REGATHER_WHERE,
+    collective_time,
+    group_of,
+    layer_comm,
+    p2p_time,
+    pp_hop_time,
+    step_collectives,
+)
 from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload, problems, trainable_problems
 from pentatron.plan.memory import llama_layer_activation_bytes, stage_extras
@@ -157,3 +166,19 @@ def test_blocking_pipeline_sends_hold_the_sender():
     assert step_time(w, ds, H100).step > step_time(w, lay, H100).step
     assert any("pp_p2p='blocking'" in x for x in trainable_problems(w, ds, 8))
     assert any("pp_p2p must be" in x for x in problems(w, dataclasses.replace(ds, pp_p2p="x"), H100, 8))
+
+
+def test_scatter_gather_sends_a_tp_slice_and_regathers_it_inside_the_node():
+    w = Workload(CFG, 2048, 64)
+    lay = Layout(dp=2, tp=4, sp=False, pp=2, micro_batch=1)  # 16 ranks: pp neighbours on different nodes
+    meg = dataclasses.replace(lay, pp_scatter_gather=True)
+    act = 2048 * 1024 * 2
+    assert group_of(lay, "pp", H100).crosses_nodes
+    assert pp_hop_time(w, lay, H100) == p2p_time(H100, act, True)
+    regather = collective_time(H100, "all_gather", act, group_of(lay, "tp", H100))
+    assert pp_hop_time(w, meg, H100) == p2p_time(H100, act / 4, True) + regather
+    assert pp_hop_time(w, meg, H100) < pp_hop_time(w, lay, H100)
+    # under SP the stage output is already a sequence shard: nothing changes
+    sp = dataclasses.replace(lay, sp=True)
+    assert pp_hop_time(w, dataclasses.replace(sp, pp_scatter_gather=True), H100) == pp_hop_time(w, sp, H100)
+    assert any("pp_scatter_gather" in x for x in trainable_problems(w, meg, 16))

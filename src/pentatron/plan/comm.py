@@ -236,9 +236,19 @@ def cp_forward_passes(recompute: str) -> float:
 
 
 def pp_message_bytes(w: Workload, lay: Layout) -> float:
-    """One activation (or gradient) sent between pipeline stages for one micro-batch."""
+    """One activation (or gradient) sent between pipeline stages for one micro-batch, by each rank: its
+    sequence shard under SP, a 1/tp slice of the replicated tensor with `pp_scatter_gather`."""
     tokens = lay.micro_batch * w.seq_len // lay.cp
-    return tokens * w.cfg.hidden_size * act_bytes(lay.precision) / (lay.tp if lay.sp else 1)
+    return tokens * w.cfg.hidden_size * act_bytes(lay.precision) / (lay.tp if lay.sp or lay.pp_scatter_gather else 1)
+
+
+def pp_regather_time(w: Workload, lay: Layout, gpu: GPUSpec) -> float:
+    """`pp_scatter_gather` without SP: the receiving stage all-gathers the tp slices (inside the node)."""
+    if not lay.pp_scatter_gather or lay.sp or lay.tp == 1:
+        return 0.0
+    tokens = lay.micro_batch * w.seq_len // lay.cp
+    return collective_time(gpu, "all_gather", tokens * w.cfg.hidden_size * act_bytes(lay.precision),
+                           group_of(lay, "tp", gpu))
 
 
 LOSS_WHERE = "vocab-parallel loss"
@@ -254,7 +264,8 @@ def loss_all_reduces(tokens: float) -> tuple[float, ...]:
 def pp_hop_time(w: Workload, lay: Layout, gpu: GPUSpec) -> float:
     if lay.pp == 1:
         return 0.0
-    return p2p_time(gpu, pp_message_bytes(w, lay), group_of(lay, "pp", gpu).crosses_nodes)
+    return (p2p_time(gpu, pp_message_bytes(w, lay), group_of(lay, "pp", gpu).crosses_nodes)
+            + pp_regather_time(w, lay, gpu))
 
 
 def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float, expert_params: float,

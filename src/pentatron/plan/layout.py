@@ -94,6 +94,10 @@ class Layout:
     # sender goes on computing) or "blocking" (DeepSpeed's pipeline engine, nanotron: the sender waits for
     # the transfer)
     pp_p2p: str = "async"
+    # Without SP each tp rank holds the whole stage output: send it whole (ours), or each rank 1/tp of it,
+    # all-gathered by the receivers over NVLink (Megatron-LM's scatter_gather_tensors_in_pipeline, on by
+    # default since 2021; DeepSpeed's pipeline engine partitions the same way when model-parallel)
+    pp_scatter_gather: bool = False
 
     @property
     def world(self) -> int:
@@ -223,6 +227,8 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
     if lay.sp_inputs != "gathered" and lay.sp:
         out.append("training's column-parallel layers keep the all-gathered input (sp_inputs='sharded' is "
                    "Megatron's recipe, not available)")
+    if lay.pp_scatter_gather and lay.pp > 1 and lay.tp > 1 and not lay.sp:
+        out.append("training's pipeline sends each stage output whole (pp_scatter_gather is not available)")
     if lay.pp_p2p != "async" and lay.pp > 1:
         out.append("training's pipeline sends asynchronously (pp_p2p='blocking' is not available)")
     if not lay.dp_overlap:
