@@ -28,8 +28,8 @@ from pentatron.models.config import ModelConfig
 
 Recompute = Literal["none", "selective", "full", "selective-op", "full-alternate"]
 # none / selective (Megatron: the attention core) / full (every block) are what `pentatron train` runs;
-# selective-op (torchtitan's op-level SAC: every other matmul output and the attention output saved,
-# the rest replayed) and full-alternate (torchtitan's layer SAC: full recompute of every 2nd block) are
+# selective-op (torchtitan's op-level SAC: the odd-numbered matmul outputs of each block and the attention
+# output saved, the rest replayed) and full-alternate (torchtitan's layer SAC: full recompute of every 2nd block) are
 # evaluated for published runs and advice, never recommended (training cannot run them).
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full", "selective-op", "full-alternate")
 TRAINABLE_RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
@@ -187,8 +187,11 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Recompu
     trainer uses it, traced by `--verify`) the replay stops once every saved tensor is rebuilt, so the
     MLP down projection, whose output only feeds the residual add, is skipped (dense layers; MoE layers
     are charged in full: the combine needs the expert outputs).
-    selective-op (torchtitan op-level SAC): every other matmul output is saved, so half the block's
-    matmul FLOPs replay; the attention kernel's output is saved (not replayed).
+    selective-op (torchtitan op-level SAC, parallelize_llama.py at 9dec370: of a block's aten.mm calls in
+    forward order only the odd-numbered outputs are saved, q(1) v(3) w1(5) w2(7)): k, o and the up
+    projection w3 replay (for a 2-matmul MLP: k, o and down), the attention kernel's output is saved
+    (not replayed); MoE layers: half of their matmul FLOPs. With Float8 linears nothing is saved
+    (`aten._scaled_mm` is not in the save list): see `sac_op_replayed_matmuls`.
     full-alternate: full recompute of every second block, i.e. half of `full`."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
@@ -200,13 +203,33 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Recompu
     if recompute == "selective":
         return fb.attention if attention == "flash" else fb.attention / 2
     if recompute == "selective-op":
-        return fb.layers_matmul / 2
+        return sac_op_replayed_matmul_flops(cfg, moe)
     full = fb.layers_matmul + fb.attention
     if early_stop:
         moe = moe_of(cfg, moe)
         dense_layers = cfg.n_layers if moe is None else min(cfg.n_layers, moe.first_dense_layers)
         full -= 2.0 * cfg.hidden_size * cfg.ffn_hidden_size * dense_layers
     return full / 2 if recompute == "full-alternate" else full
+
+
+def sac_op_replayed_matmuls(mlp: str) -> tuple[str, ...]:
+    """Which of a dense block's linears torchtitan's op-level SAC replays: the even-numbered aten.mm calls
+    in forward order (q, k, v, o, then w1, w3, w2 for SwiGLU or up, down for a 2-matmul MLP)."""
+    order = ("q", "k", "v", "o") + (("gate", "up", "down") if mlp == "swiglu" else ("up", "down"))
+    return order[1::2]
+
+
+def sac_op_replayed_matmul_flops(cfg: ModelConfig, moe: MoESpec | None = None) -> float:
+    """Forward FLOPs per token of the matmuls selective-op replays (dense layers exactly, MoE layers half)."""
+    moe = moe_of(cfg, moe)
+    h = cfg.hidden_size
+    width = {"k": cfg.kv_dim, "o": cfg.n_heads * cfg.head_dim, "up": cfg.ffn_hidden_size, "down": cfg.ffn_hidden_size}
+    dense = sum(2 * h * width[name] for name in sac_op_replayed_matmuls(cfg.mlp))
+    total = 0.0
+    for i in range(cfg.n_layers):
+        lp = layer_params(cfg, i, moe)
+        total += (lp.attn + lp.mlp_active) if lp.expert_total else dense  # 2 FLOPs x params, halved
+    return total
 
 
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Recompute = "none", *,

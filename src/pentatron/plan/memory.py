@@ -18,7 +18,7 @@ from pentatron.models.config import ModelConfig
 from pentatron.parallel.activation_memory import layer_activation_bytes
 from pentatron.plan.context import comm_buffer_bytes as cp_comm_buffer_bytes
 from pentatron.plan.context import cp_degrees, ulysses_kv_replication_bytes
-from pentatron.plan.flops import MoESpec, layer_params, moe_of
+from pentatron.plan.flops import MoESpec, layer_params, moe_of, sac_op_replayed_matmuls
 from pentatron.plan.hardware import GiB, GPUSpec
 from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, layers_per_chunk
 from pentatron.schedules import last_stage_awaiting_backward_closed, peak_in_flight_closed
@@ -137,9 +137,9 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
     sp_inputs="sharded" (Megatron's SP: the column-parallel linears keep the sequence shard of their
     input and all-gather it again in backward): the two block inputs a*h become a*h/tp.
     cp_ulysses_degree u > kv heads per tp rank: K and V are replicated to one head per rank (plan/context.py).
-    selective-op (torchtitan op-level SAC): the block input, every other matmul output (half of q, k,
-    v, o, gate, up, down), the attention output and logsumexp. full-alternate: every second block
-    fully recomputed, so per layer the mean of none and full."""
+    selective-op (torchtitan op-level SAC): the block input, the odd-numbered matmul outputs (q, v, gate,
+    down; q, v, up for a 2-matmul MLP; MoE layers half of them), the attention output and logsumexp.
+    full-alternate: every second block fully recomputed, so per layer the mean of none and full."""
     h, a = cfg.hidden_size, act_bytes(precision)
     hd = cfg.head_dim
     hq = cfg.n_heads * hd / tp
@@ -173,8 +173,13 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
         return LayerActivation(full_layer - tokens * 4 * heads, tokens * 4 * heads)
     if recompute == "selective-op":
         f_local = (lp.mlp_active / (mlp_mats * h)) / tp if not lp.expert_total else mlp / (a * per_f)
-        mm_out = hq + 2 * kv + 2 * h / (tp if sp else 1) + (mlp_mats - 1) * f_local
-        saved = tokens * (a * hs + a * mm_out / 2 + a * hq + 4 * heads)
+        out = h / (tp if sp else 1)
+        width = {"q": hq, "k": kv, "v": kv, "o": out, "gate": f_local, "up": f_local, "down": out}
+        names = ("q", "k", "v", "o") + (("gate", "up", "down") if mlp_mats == 3 else ("up", "down"))
+        replayed = sac_op_replayed_matmuls(cfg.mlp)
+        mm_saved = (sum(width[n] for n in names if n not in replayed) if not lp.expert_total
+                    else sum(width[n] for n in names) / 2)
+        saved = tokens * (a * hs + a * mm_saved + a * hq + 4 * heads)
         return LayerActivation(saved, full_layer)
     if recompute == "full-alternate":
         return LayerActivation((full_layer + tokens * a * hs) / 2, full_layer)

@@ -37,7 +37,7 @@ from pentatron.plan.comm import (
     step_collectives,
 )
 from pentatron.plan.context import cp_degrees
-from pentatron.plan.flops import hardware_flops_per_token, layer_params, model_flops_per_token
+from pentatron.plan.flops import hardware_flops_per_token, layer_params, model_flops_per_token, sac_op_replayed_matmuls
 from pentatron.plan.hardware import GPUSpec, interp_log
 from pentatron.plan.kernel_tables import attention_rate
 from pentatron.plan.layout import Layout, Workload, compute_dtype, kv_heads_per_tp_rank, layers_per_chunk
@@ -168,7 +168,8 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
     hq, kvl = cfg.n_heads * cfg.head_dim / tp, kv_heads_per_tp_rank(cfg, tp) * cfg.head_dim
     fp8 = lay.precision == "fp8"
 
-    qkv = _linear(gpu, tokens, hq, h, peak, a, fp8) + _linear(gpu, tokens, kvl, h, peak, a, fp8).scale(2)
+    k_proj = _linear(gpu, tokens, kvl, h, peak, a, fp8)
+    qkv = _linear(gpu, tokens, hq, h, peak, a, fp8) + k_proj.scale(2)
     proj = _linear(gpu, tokens, h, hq, peak, a, fp8)
     ph = qkv + proj
     up = ZERO
@@ -205,8 +206,13 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
     b += sum(sp_regather_split(lc, qkv, up)[0])
     if lay.recompute == "selective":  # the attention core replays, its context-parallel exchange included
         b += attn_f + cp.fwd_exposed
-    elif lay.recompute == "selective-op":  # half the matmuls and every elementwise op replay
-        b += (ph.f - down.f) / 2 + down.f / 2 + elem
+    elif lay.recompute == "selective-op":  # torchtitan's op SAC: every elementwise op and some matmuls replay
+        if fp8 or lp.expert_total:  # Float8 saves no matmul output (_scaled_mm is not in the save list)
+            b += (ph.f if fp8 else ph.f / 2) + elem
+        else:  # the even-numbered matmuls: k, o and w3 (SwiGLU) or down
+            one_up = up.scale(1 / (mats - 1))
+            by_name = {"k": k_proj, "o": proj, "gate": one_up, "up": one_up, "down": down}
+            b += sum(by_name[n].f for n in sac_op_replayed_matmuls(cfg.mlp)) + elem
     elif lay.recompute == "full":  # the whole block replays, its TP collectives included
         b += f
     elif lay.recompute == "full-alternate":  # every second block
