@@ -168,6 +168,10 @@ def summary(results: list[Result]) -> dict[str, dict[str, float]]:
                      "predicted_not_fit": sum(1 for r in rs if not r.pred.fits),
                      "predicted_tight": sum(1 for r in rs if r.pred.tight),
                      "refused": sum(1 for r in rs if r.refused)}
+        m = [abs(r.memory_error) for r in rs if r.memory_error is not None]
+        if m:
+            out[name] |= {"memory_rows": len(m), "memory_median_abs_error": statistics.median(m),
+                          "memory_worst_abs_error": max(m), "memory_within_10pct": sum(1 for x in m if x <= 0.10)}
     return out
 
 
@@ -199,6 +203,13 @@ def format_summary(s: dict[str, dict[str, float]], baseline_mfu: float) -> str:
                      f"{100 * v['signed_median_error']:>+9.1f}% {v['predicted_not_fit']:>6} "
                      f"{v['predicted_tight']:>5}   "
                      f"{100 * v['baseline_median_abs_error']:>15.1f}% / {100 * v['baseline_p90_abs_error']:.1f}%")
+    lines.append("")
+    lines.append("memory (peak per GPU, where published):")
+    for name, v in s.items():
+        if "memory_rows" in v:
+            lines.append(f"{name:<14} {v['memory_rows']:>4} rows: median |err| "
+                         f"{100 * v['memory_median_abs_error']:.1f}%, worst {100 * v['memory_worst_abs_error']:.0f}%, "
+                         f"within 10 %: {v['memory_within_10pct']}")
     return "\n".join(lines)
 
 
