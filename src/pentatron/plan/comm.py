@@ -94,10 +94,6 @@ def collective_time(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
     if g.dim == "tp" and measured and gpu.tp_collective:
         return tp_in_step_time(gpu, op, payload, g)
     if op == "all_reduce" and g.crosses_nodes and not measured:
-        if gpu.inter_node_allreduce:  # the cluster's measured bandwidth, NCCL's algorithm choice included
-            share = min(g.per_node, gpu.nics) / min(gpu.gpus_per_node, gpu.nics)
-            busbw = interp_log(gpu.inter_node_allreduce, g.nodes) * share
-            return tree_latency(gpu, g) + wire_bytes(op, payload, n) / busbw
         return min(ring, tree_latency(gpu, g) + beta)
     return ring
 

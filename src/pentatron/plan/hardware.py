@@ -66,11 +66,6 @@ class GPUSpec:
     nics_per_node: int = 0  # 0 = one per GPU (rail-optimised DGX/HGX nodes)
     # Optional measured bus-bandwidth curves (from `pentatron bench`), replacing the link model above.
     measured_busbw: BusBwTable = field(default_factory=dict)
-    # Optional measured all-reduce bus bandwidth across nodes by node count ((nodes, B/s), ...), large messages
-    # with every GPU of each node in the group (a cluster's own sweep). NCCL switches all-reduce between ring
-    # and tree by size and scale, and fabrics lose bandwidth as jobs grow: where measured, this replaces the
-    # link model's bandwidth for all-reduces across nodes (comm.collective_time)
-    inter_node_allreduce: tuple[tuple[float, float], ...] = ()
     # Optional measured copy bandwidth (read + write, B/s) by buffer size (from `pentatron bench`): on a
     # CPU small tensors stay in the caches, so elementwise ops run far above the large-buffer rate
     measured_copy_bw: tuple[tuple[float, float], ...] = ()
@@ -377,11 +372,6 @@ def hardware_from_dict(d: dict[str, Any], where: str = "hardware") -> GPUSpec:
     busbw = d.pop("busbw", None)
     if busbw is not None:
         kw["measured_busbw"] = _parse_busbw(busbw, where, problems)
-    across = d.pop("inter_node_allreduce", None)
-    if across is not None:  # { nodes = [2, 4, ...], gb_s = [...] }
-        pts = {"bytes": across.get("nodes"), "gb_s": across.get("gb_s")} if isinstance(across, dict) else None
-        kw["inter_node_allreduce"] = _parse_busbw({"inter_node_allreduce": pts}, where, problems).get(
-            "inter_node_allreduce", ())
     copy_bw = d.pop("copy_bw", None)
     if copy_bw is not None:
         kw["measured_copy_bw"] = _parse_busbw({"copy_bw": copy_bw}, where, problems).get("copy_bw", ())
