@@ -21,7 +21,7 @@ from pentatron.plan.comm import (
 from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload, problems, trainable_problems
 from pentatron.plan.memory import llama_layer_activation_bytes, stage_extras
-from pentatron.plan.timing import _dense_linears, layer_phase, stage_phases, step_time, tp_overlap_split
+from pentatron.plan.timing import dense_linears, layer_phase, stage_phases, step_time, tp_overlap_split
 
 H100 = get_gpu("h100")
 CFG = ModelConfig(vocab_size=32000, hidden_size=1024, n_layers=8, n_heads=16, n_kv_heads=8,
@@ -47,7 +47,8 @@ def test_megatron_sp_regathers_in_backward_under_the_input_gradient_gemms():
     lc = layer_comm(w, meg, H100, False)
     ag = collective_time(H100, "all_gather", act, group_of(meg, "tp", H100))
     assert lc.sp_regather == ag and layer_comm(w, lay, H100, False).sp_regather == 0.0
-    qkv, _, up, _ = _dense_linears(w, meg, H100)
+    lin = dense_linears(w, meg, H100)
+    qkv, up = lin.qkv, lin.up
     exposed = max(0.0, ag - qkv.b) + max(0.0, ag - up.b)
     ours, theirs = layer_phase(w, lay, H100, 0), layer_phase(w, meg, H100, 0)
     assert theirs.f == ours.f and theirs.w == ours.w
@@ -114,7 +115,8 @@ def test_tp_overlap_hides_each_sp_collective_behind_its_gemm_but_one_chunk():
     act = 2048 * 1024 * 2
     ag, rs = collective_time(H100, "all_gather", act, g), collective_time(H100, "reduce_scatter", act, g)
     assert (lc.sp_all_gather, lc.sp_reduce_scatter) == (ag, rs) and lc.tp_fwd == 2 * (ag + rs)
-    qkv, proj, up, down = _dense_linears(w, lay, H100)
+    lin = dense_linears(w, lay, H100)
+    qkv, proj, up, down = lin.qkv, lin.o, lin.up, lin.down
     fwd = max(ag / 4, ag - qkv.f) + max(rs / 4, rs - proj.f) + max(ag / 4, ag - up.f) + max(rs / 4, rs - down.f)
     bwd = (max(ag / 4, ag - proj.b - proj.w) + max(rs / 4, rs - qkv.b - qkv.w)
            + max(ag / 4, ag - down.b - down.w) + max(rs / 4, rs - up.b - up.w))

@@ -226,8 +226,7 @@ _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float3
 #        tile-lang repository, benchmark/matmul_fp8/README.md): 569, 858, 1129, 1343, 1467, 1507, 1541
 #        TFLOP/s at K = 256 .. 16384. The ratio of the K=16384 and K=1024 points gives k0 = 409 (k/(k + k0)
 #        scaled to the large-K rate also matches K=2048..8192 within 3%); with our 0.80 matmul_efficiency
-#        and H100 wave quantisation the model sits 2-5% under the sweep. bf16 has no such sweep cited
-#        here and keeps k0 = 0.
+#        and H100 wave quantisation the model sits 2-5% under the sweep.
 #  gemm_k0 (Hopper, bf16/fp16): the same sweep for FP16 (tile-lang benchmark/matmul/README.md, H800 SXM, M=N=8192):
 #        386, 520, 628, 705, 736, 758, 766 TFLOP/s at K = 256 .. 16384; the K=16384/K=1024 ratio gives k0 = 244,
 #        which reproduces K = 2048, 4096, 8192 within 1.5 % (K = 256 within 3 %). Ampere and Blackwell: not

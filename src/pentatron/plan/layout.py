@@ -80,8 +80,8 @@ class Layout:
     # state.output, DeepSpeed's pipe buffers) or "freed" once sent (Megatron's deallocate_pipeline_outputs)
     pp_outputs: str = "kept"
     # Under SP, each all-gather pipelined with the column-parallel GEMM it feeds and each reduce-scatter
-    # with the row-parallel GEMM it follows (Transformer Engine userbuffers: Megatron-Core
-    # --tp-comm-overlap; torch's async TP): only what exceeds its GEMM, and one of its tp chunks, is exposed
+    # with the row-parallel GEMM it follows, forward and backward (Transformer Engine's userbuffers:
+    # Megatron-Core --tp-comm-overlap): only what exceeds its GEMM, and one of its tp chunks, is exposed
     tp_overlap: bool = False
     # Data-parallel traffic behind compute (ours, DDP/FSDP, Megatron): gradient buckets reduced during the
     # backward, ZeRO-1/2 parameter gathers behind the next forward. False: one blocking reduction after the
@@ -237,7 +237,7 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
         out.append("training's ZeRO-1 reduce-scatters the gradients (zero1_reduce='all_reduce' is not available)")
     if lay.tp_overlap:
         out.append("training runs each tensor-parallel collective before or after its GEMM (tp_overlap is "
-                   "Transformer Engine's / torch async TP's recipe, not available)")
+                   "Transformer Engine's recipe, not available)")
     if lay.cross_entropy != "eager":
         out.append("training computes the loss in fp32 PyTorch ops (cross_entropy='fused' is not available)")
     if lay.pp_outputs != "kept":

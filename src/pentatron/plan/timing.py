@@ -165,17 +165,13 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
     peak = gpu.flops(compute_dtype(lay.precision))
     tokens = lay.micro_batch * w.seq_len / lay.cp
     h, tp = cfg.hidden_size, lay.tp
-    hq, kvl = cfg.n_heads * cfg.head_dim / tp, kv_heads_per_tp_rank(cfg, tp) * cfg.head_dim
     fp8 = lay.precision == "fp8"
-
-    k_proj = _linear(gpu, tokens, kvl, h, peak, a, fp8)
-    qkv = _linear(gpu, tokens, hq, h, peak, a, fp8) + k_proj.scale(2)
-    proj = _linear(gpu, tokens, h, hq, peak, a, fp8)
+    lin = dense_linears(w, lay, gpu)
+    qkv, proj = lin.qkv, lin.o
     ph = qkv + proj
-    up = ZERO
+    up = down = ZERO
     lp = layer_params(cfg, index, moe)
     mats = 3 if cfg.mlp == "swiglu" else 2
-    down = ZERO
     if lp.expert_total and moe is not None:
         local_experts = moe.num_experts / lay.ep
         per_expert = tokens * moe.top_k / local_experts  # balanced routing
@@ -188,9 +184,7 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
             sh = _linear(gpu, tokens, fs, h, peak, a, fp8).scale(mats - 1) + _linear(gpu, tokens, h, fs, peak, a, fp8)
             ph = ph + sh.scale(moe.n_shared_experts)
     else:
-        f = cfg.ffn_hidden_size / tp
-        down = _linear(gpu, tokens, h, f, peak, a, fp8)
-        up = _linear(gpu, tokens, f, h, peak, a, fp8).scale(mats - 1)
+        up, down = lin.up, lin.down
         ph = ph + up + down
     attn_f, attn_b = attention_times(w, lay, gpu)
     # each elementwise op streams about one hidden-sized tensor in and one out
@@ -210,9 +204,7 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
         if fp8 or lp.expert_total:  # Float8 saves no matmul output (_scaled_mm is not in the save list)
             b += (ph.f if fp8 else ph.f / 2) + elem
         else:  # the even-numbered matmuls: k, o and w3 (SwiGLU) or down
-            one_up = up.scale(1 / (mats - 1))
-            by_name = {"k": k_proj, "o": proj, "gate": one_up, "up": one_up, "down": down}
-            b += sum(by_name[n].f for n in sac_op_replayed_matmuls(cfg.mlp)) + elem
+            b += sum(lin.named(n).f for n in sac_op_replayed_matmuls(cfg.mlp)) + elem
     elif lay.recompute == "full":  # the whole block replays, its TP collectives included
         b += f
     elif lay.recompute == "full-alternate":  # every second block
@@ -482,17 +474,15 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
     ends = 1 + ((2 if not w.cfg.tie_embeddings else 1) if lay.pp == 1 else 0)
     optimizer += gpu.host_optimizer_per_tensor_s * (9 * n_layers + ends)
     tied = 0.0
+    lin, lc = dense_linears(w, lay, gpu), layer_comm(w, lay, gpu, False)  # a dense layer's GEMMs and comm
     tp_hidden = 0.0  # tp_overlap: SP collectives of the dense layers hidden under their GEMMs, per step
     if lay.tp_overlap:
-        qkv, proj, up, down = _dense_linears(w, lay, gpu)
-        _, (hf, hb) = tp_overlap_split(layer_comm(w, lay, gpu, False), lay.tp, qkv, proj, up, down)
+        _, (hf, hb) = tp_overlap_split(lc, lay.tp, lin.qkv, lin.o, lin.up, lin.down)
         tp_hidden = m * (n_layers - n_moe) * (hf * (2 if lay.recompute == "full" else 1) + hb)
         hidden += tp_hidden
     for c in colls:  # exposure inside the pipeline, reported per dimension
         if c.where == SP_REGATHER_WHERE:  # partly hidden under the input-gradient GEMMs
-            lc = layer_comm(w, lay, gpu, False)
-            exposed["tp"] = exposed.get("tp", 0.0) + m * n_layers * sum(
-                sp_regather_split(lc, *_dense_linears(w, lay, gpu)[::2])[0])
+            exposed["tp"] = exposed.get("tp", 0.0) + m * n_layers * sum(sp_regather_split(lc, lin.qkv, lin.up)[0])
         elif c.dim in ("tp", "ep"):
             exposed[c.dim] = exposed.get(c.dim, 0.0) + c.time_per_step
             if c.where == SP_LAYERS_WHERE and lay.tp_overlap:  # the dense layers' share hides under GEMMs
@@ -503,8 +493,7 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
         elif c.dim == "pp":
             exposed["pp"] = exposed.get("pp", 0.0) + 2 * (lay.pp - 1) * hop
     if lay.sp and lay.tp > 1 and lay.sp_inputs == "sharded":  # the backward re-gathers under GEMMs
-        lc = layer_comm(w, lay, gpu, False)
-        hidden += m * n_layers * sp_regather_split(lc, *_dense_linears(w, lay, gpu)[::2])[1]
+        hidden += m * n_layers * sp_regather_split(lc, lin.qkv, lin.up)[1]
     if lay.cp > 1:
         cp = cp_layer_cost(w, lay, gpu, *attention_times(w, lay, gpu))
         fwd_passes = cp_forward_passes(lay.recompute)
@@ -516,18 +505,41 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
                     tied)
 
 
-def _dense_linears(w: Workload, lay: Layout, gpu: GPUSpec) -> tuple[Phase, Phase, Phase, Phase]:
-    """(q/k/v, output projection, gate/up, down) GEMM phases of one dense layer and micro-batch: what the
-    SP collectives and re-gathers hide behind."""
+@dataclass(frozen=True)
+class DenseLinears:
+    """A dense layer's GEMM phases for one micro-batch on one GPU: q, one of k/v, the output projection,
+    the MLP's column-parallel part (gate + up for SwiGLU) and down. What the SP collectives and re-gathers
+    hide behind, and what op-level SAC replays."""
+
+    q: Phase
+    k: Phase
+    o: Phase
+    up: Phase  # gate and up together for SwiGLU
+    down: Phase
+    mats: int  # MLP matmuls (3 for SwiGLU)
+
+    @property
+    def qkv(self) -> Phase:
+        return self.q + self.k.scale(2)
+
+    def named(self, name: str) -> Phase:
+        """One linear by its name in `flops.sac_op_replayed_matmuls` (gate and up are each half of `up`)."""
+        if name in ("gate", "up") and self.mats == 3:
+            return self.up.scale(0.5)
+        return {"q": self.q, "k": self.k, "v": self.k, "o": self.o, "up": self.up, "down": self.down}[name]
+
+
+def dense_linears(w: Workload, lay: Layout, gpu: GPUSpec) -> DenseLinears:
     cfg, a, fp8 = w.cfg, act_bytes(lay.precision), lay.precision == "fp8"
     peak = gpu.flops(compute_dtype(lay.precision))
     tokens, h, tp = lay.micro_batch * w.seq_len / lay.cp, cfg.hidden_size, lay.tp
     hq, kvl = cfg.n_heads * cfg.head_dim / tp, kv_heads_per_tp_rank(cfg, tp) * cfg.head_dim
     f = cfg.ffn_hidden_size / tp
-    qkv = _linear(gpu, tokens, hq, h, peak, a, fp8) + _linear(gpu, tokens, kvl, h, peak, a, fp8).scale(2)
     mats = 3 if cfg.mlp == "swiglu" else 2
-    return (qkv, _linear(gpu, tokens, h, hq, peak, a, fp8), _linear(gpu, tokens, f, h, peak, a, fp8).scale(mats - 1),
-            _linear(gpu, tokens, h, f, peak, a, fp8))
+    def linear(n_out: float, n_in: float) -> Phase:
+        return _linear(gpu, tokens, n_out, n_in, peak, a, fp8)
+
+    return DenseLinears(linear(hq, h), linear(kvl, h), linear(h, hq), linear(f, h).scale(mats - 1), linear(h, f), mats)
 
 
 def zero3_exposed(lay: Layout, colls: tuple[Collective, ...] | list[Collective], ph: Phase, n_layers: int,
