@@ -32,7 +32,7 @@ DEFAULT_FILE = Path(__file__).with_name("published_runs.toml")
 LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "zero", "sp", "pp_schedule", "pp_virtual", "micro_batch", "recompute",
                  "precision", "attention", "grad_precision", "sp_inputs", "cross_entropy",
                  "pp_outputs", "tp_overlap", "dp_overlap", "zero1_reduce", "pp_p2p",
-                 "pp_scatter_gather")
+                 "pp_scatter_gather", "cp_rotate", "cp_kv_heads")
 
 
 @dataclass(frozen=True)

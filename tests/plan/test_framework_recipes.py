@@ -1,8 +1,8 @@
 """Framework recipes the planner models for published runs (issue 10): Megatron's sequence parallelism
 that keeps the sharded block inputs, flash-attn's fused cross-entropy, TP communication pipelined with
 its GEMMs, nanotron's blocking ZeRO-1 (no DP overlap, gradients all-reduced) and the blocking pipeline
-sends of DeepSpeed and nanotron, and Megatron's / DeepSpeed's stage outputs sent as 1/tp slices. Hand-computed
-cases."""
+sends of DeepSpeed and nanotron, Megatron's / DeepSpeed's stage outputs sent as 1/tp slices, and torch's
+all-gather ring attention. Hand-computed cases."""
 
 from __future__ import annotations
 
@@ -184,3 +184,31 @@ def test_scatter_gather_sends_a_tp_slice_and_regathers_it_inside_the_node():
     sp = dataclasses.replace(lay, sp=True)
     assert pp_hop_time(w, dataclasses.replace(sp, pp_scatter_gather=True), H100) == pp_hop_time(w, sp, H100)
     assert any("pp_scatter_gather" in x for x in trainable_problems(w, meg, 16))
+
+
+def test_torch_allgather_ring_attention():
+    from pentatron.plan.comm import cp_layer_cost
+    from pentatron.plan.context import comm_buffer_bytes
+    from pentatron.plan.timing import attention_times
+
+    cfg = ModelConfig(vocab_size=32000, hidden_size=1024, n_layers=8, n_heads=16, n_kv_heads=4,
+                      ffn_hidden_size=4096, max_seq_len=65536)
+    w = Workload(cfg, 65536, 8)
+    lay = Layout(dp=2, cp=4, micro_batch=1)
+    tt = dataclasses.replace(lay, cp_rotate="allgather", cp_kv_heads="q")
+    g = group_of(tt, "cp_ring", H100)
+    local = 2 * 16384 * 16 * 64  # K and V of the rank's 16384 tokens, expanded to the 16 query heads
+    gather = collective_time(H100, "all_gather", local * 4 * 2, g)
+    dkv = p2p_time(H100, local * 4, g.crosses_nodes)  # the fp32 dK/dV accumulator
+    attn_f, attn_b = attention_times(w, tt, H100)
+    c = cp_layer_cost(w, tt, H100, attn_f, attn_b)
+    assert c.fwd_exposed == max(0.0, gather - attn_f / 4)
+    assert c.bwd_exposed == max(0.0, gather - attn_b / 4) + 3 * max(0.0, dkv - attn_b / 4) + dkv
+    assert c.fwd_hidden + c.fwd_exposed == gather and c.bwd_hidden + c.bwd_exposed == gather + 4 * dkv
+    # the p2p ring sends the 4 kv heads block by block instead
+    assert cp_layer_cost(w, lay, H100, attn_f, attn_b).bwd_exposed < c.bwd_exposed
+    # transient buffers: the gathered K/V of the 4 ranks and the fp32 dK/dV sent and received
+    assert comm_buffer_bytes(16384, 16 * 64, 4, 64, 4, "ring", 1, 2, "allgather", 16) == 4 * local * 2 + 2 * local * 4
+    assert any("cp_rotate='allgather'" in x for x in trainable_problems(w, tt, 8))
+    bad = dataclasses.replace(tt, cp_mode="ulysses")
+    assert any("needs cp_mode='ring'" in x for x in problems(w, bad, H100, 8))

@@ -3,7 +3,7 @@
 FILE is TOML with one `[[layout]]` table per layout, holding any `Layout` field (dp, tp, pp, cp, ep,
 zero, sp, pp_schedule, pp_virtual, micro_batch, recompute, precision, attention, grad_precision,
 zero3_gather, cp_mode, cp_ulysses, sp_inputs, cross_entropy, pp_outputs, tp_overlap, dp_overlap,
-zero1_reduce, pp_p2p, pp_scatter_gather); the model, sequence, batch
+zero1_reduce, pp_p2p, pp_scatter_gather, cp_rotate, cp_kv_heads); the model, sequence, batch
 and hardware come from the command line. Each layout is evaluated as given (`problems` refuse only
 what cannot exist; warnings and "training cannot run this yet" are notes), so a sweep costs one
 import plus the arithmetic per layout.

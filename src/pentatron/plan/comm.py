@@ -17,7 +17,9 @@ from dataclasses import dataclass, replace
 from pentatron.distributed.ring import ring_bytes
 from pentatron.plan.context import (
     CpLayerCost,
+    allgather_exposure,
     cp_degrees,
+    exchanged_heads,
     kv_block_bytes,
     kv_heads_after_ulysses,
     layer_cost,
@@ -217,9 +219,23 @@ def _ring_block(w: Workload, lay: Layout) -> float:
                           w.cfg.head_dim, u, act_bytes(lay.precision))
 
 
+def cp_allgather_payloads(w: Workload, lay: Layout) -> tuple[float, float]:
+    """torch's all-gather ring attention, per layer and micro-batch: (the gathered K/V of all ranks, one
+    pass of the rank's fp32 dK/dV accumulator) in bytes."""
+    heads = exchanged_heads(w.cfg.n_heads, kv_heads_per_tp_rank(w.cfg, lay.tp), lay.tp, lay.cp_kv_heads)
+    local = 2 * (lay.micro_batch * w.seq_len // lay.cp) * heads * w.cfg.head_dim
+    return local * lay.cp * act_bytes(lay.precision), local * 4
+
+
 def cp_layer_cost(w: Workload, lay: Layout, gpu: GPUSpec, attn_f: float, attn_b: float) -> CpLayerCost:
     """Context parallelism's seconds per layer and micro-batch (plan/context.py), on this hardware."""
     u, r = cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)
+    if r > 1 and lay.cp_rotate == "allgather":
+        g = group_of(lay, "cp_ring", gpu)
+        kv_all, dkv = cp_allgather_payloads(w, lay)
+        gather, dkv_pass = collective_time(gpu, "all_gather", kv_all, g), p2p_time(gpu, dkv, g.crosses_nodes)
+        fe, be, fh, bh = allgather_exposure(r, gather, dkv_pass, attn_f, attn_b)
+        return CpLayerCost(fe, be, fh, bh, dkv_pass, (0.0, 0.0))
     hop = p2p_time(gpu, _ring_block(w, lay), group_of(lay, "cp_ring", gpu).crosses_nodes) if r > 1 else 0.0
     tq = tkv = 0.0
     if u > 1:
@@ -295,7 +311,14 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
     if lay.cp > 1:
         u, r = cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)
         fwd = cp_forward_passes(lay.recompute)
-        if r > 1:  # forward r-1 K/V blocks; backward r-1 K/V and r-1 dK/dV blocks
+        if r > 1 and lay.cp_rotate == "allgather":  # a K/V all-gather per call; backward r fp32 dK/dV passes
+            g = group_of(lay, "cp_ring", gpu)
+            kv_all, dkv = cp_allgather_payloads(w, lay)
+            out.append(replace(_coll(gpu, g, "all_gather", kv_all, m * layers_on_rank * (fwd + 1),
+                                     "ring attention K/V (all-gather)"), dim="cp"))
+            out.append(Collective("cp", "send", dkv, m * layers_on_rank * r, p2p_time(gpu, dkv, g.crosses_nodes),
+                                  "ring attention dK/dV (fp32)", dkv))
+        elif r > 1:  # forward r-1 K/V blocks; backward r-1 K/V and r-1 dK/dV blocks
             kv = _ring_block(w, lay)
             g = group_of(lay, "cp_ring", gpu)
             calls = m * layers_on_rank * (r - 1) * (fwd + 2)

@@ -11,6 +11,11 @@ work, so memory and FLOPs are the same; the communication differs:
   2·tokens·kv·head_dim·bytes; backward r−1 steps each sending a K/V block and a dK/dV block. Step i's
   transfer runs while block i's attention computes (1/r of the layer's attention): what exceeds it is
   exposed, the rest is hidden (and slows compute by the SMs NCCL occupies).
+* ring with `cp_rotate="allgather"` (torch's context_parallel, torch 2.6: the default rotate method):
+  each attention call all-gathers the whole K/V first, overlapped with the first (diagonal) block only;
+  backward gathers again and passes the fp32 dK/dV accumulator around the ring, each pass overlapped
+  with the next block's backward and the last one exposed. `cp_kv_heads="q"`: K/V are expanded to the
+  query heads before the exchange (torchtitan's repeat_kv before SDPA), n_heads/n_kv times the bytes.
 * Ulysses, degree u: per layer forward 4 all-to-alls over u ranks (q, k, v in; the output back), the
   same 4 in backward (gradients), on the critical path. Heads per tp rank must divide by u; when the kv
   heads per tp rank are fewer than u they are replicated (each rank receives one kv head).
@@ -85,13 +90,36 @@ def ring_exposure(r: int, hop: float, attn_f: float, attn_b: float) -> tuple[flo
     return fe, be, steps * hop - fe, steps * 2 * hop - be
 
 
+def exchanged_heads(n_heads: int, kv_local: int, tp: int, cp_kv_heads: str) -> float:
+    """Heads of K (and of V) each rank sends in ring attention: its kv heads, or its query heads when K/V
+    are expanded before the exchange (`cp_kv_heads="q"`)."""
+    return n_heads / tp if cp_kv_heads == "q" else kv_local
+
+
+def allgather_exposure(r: int, gather: float, dkv_pass: float, attn_f: float, attn_b: float
+                       ) -> tuple[float, float, float, float]:
+    """(fwd exposed, bwd exposed, fwd hidden, bwd hidden) of torch's all-gather ring attention over r ranks:
+    one K/V all-gather per call behind the first block (1/r of the attention), backward another plus r
+    passes of the fp32 dK/dV accumulator, each behind the next block's backward but the last."""
+    if r <= 1:
+        return 0.0, 0.0, 0.0, 0.0
+    blk_f, blk_b = attn_f / r, attn_b / r
+    fe = max(0.0, gather - blk_f)
+    be = max(0.0, gather - blk_b) + (r - 1) * max(0.0, dkv_pass - blk_b) + dkv_pass
+    return fe, be, gather - fe, gather + r * dkv_pass - be
+
+
 def comm_buffer_bytes(tokens: float, hq_local: float, kv_local: int, head_dim: int, cp: int, mode: str,
-                      cp_ulysses: int, a: int) -> float:
+                      cp_ulysses: int, a: int, rotate: str = "p2p", exchanged_heads: float | None = None) -> float:
     """Transient communication buffers of one layer's attention: ring, the K/V block in hand and the one
-    arriving (and in backward dK/dV the same: 4 blocks); Ulysses, the received q, k, v."""
+    arriving (and in backward dK/dV the same: 4 blocks); all-gather ring, the gathered K/V of all r ranks
+    and the fp32 dK/dV accumulator sent and received; Ulysses, the received q, k, v."""
     u, r = cp_degrees(cp, mode, cp_ulysses)
     out = 0.0
-    if r > 1:
+    if r > 1 and rotate == "allgather":
+        local = 2 * tokens * (exchanged_heads or kv_local) * head_dim
+        out += r * local * a + 2 * local * 4
+    elif r > 1:
         out += 4 * kv_block_bytes(tokens, kv_local, head_dim, u, a)
     if u > 1:
         out += tokens * (hq_local + 2 * kv_heads_after_ulysses(kv_local, u) * head_dim) * a

@@ -98,6 +98,11 @@ class Layout:
     # all-gathered by the receivers over NVLink (Megatron-LM's scatter_gather_tensors_in_pipeline, on by
     # default since 2021; DeepSpeed's pipeline engine partitions the same way when model-parallel)
     pp_scatter_gather: bool = False
+    # Ring attention's K/V exchange: "p2p" (ours: blocks passed rank to rank behind each block's attention)
+    # or "allgather" (torch's context_parallel: all of K/V gathered per call, dK/dV passed in fp32), and which
+    # heads travel: "kv" (ours) or "q" (torchtitan expands K/V to the query heads before attention)
+    cp_rotate: str = "p2p"
+    cp_kv_heads: str = "kv"
 
     @property
     def world(self) -> int:
@@ -178,6 +183,12 @@ def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
                    "it needs tp > 1 with sp")
     if not lay.dp_overlap and lay.zero == 3:
         out.append("dp_overlap=false is modelled for ZeRO 0-2 (ZeRO-3 gathers layer by layer behind compute)")
+    if lay.cp_rotate not in ("p2p", "allgather"):
+        out.append(f"cp_rotate must be 'p2p' or 'allgather', got {lay.cp_rotate!r}")
+    elif lay.cp_rotate == "allgather" and lay.cp > 1 and lay.cp_mode != "ring":
+        out.append("cp_rotate='allgather' is torch's ring attention: it needs cp_mode='ring'")
+    if lay.cp_kv_heads not in ("kv", "q"):
+        out.append(f"cp_kv_heads must be 'kv' or 'q', got {lay.cp_kv_heads!r}")
     if lay.pp_p2p not in ("async", "blocking"):
         out.append(f"pp_p2p must be 'async' or 'blocking', got {lay.pp_p2p!r}")
     if lay.zero1_reduce not in ("reduce_scatter", "all_reduce"):
@@ -229,6 +240,9 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
                    "Megatron's recipe, not available)")
     if lay.pp_scatter_gather and lay.pp > 1 and lay.tp > 1 and not lay.sp:
         out.append("training's pipeline sends each stage output whole (pp_scatter_gather is not available)")
+    if lay.cp > 1 and (lay.cp_rotate != "p2p" or lay.cp_kv_heads != "kv"):
+        out.append("training's ring attention passes K/V blocks of the kv heads rank to rank (cp_rotate="
+                   f"{lay.cp_rotate!r}, cp_kv_heads={lay.cp_kv_heads!r} is torch's / torchtitan's, not available)")
     if lay.pp_p2p != "async" and lay.pp > 1:
         out.append("training's pipeline sends asynchronously (pp_p2p='blocking' is not available)")
     if not lay.dp_overlap:

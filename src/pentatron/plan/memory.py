@@ -17,7 +17,7 @@ from functools import lru_cache
 from pentatron.models.config import ModelConfig
 from pentatron.parallel.activation_memory import layer_activation_bytes
 from pentatron.plan.context import comm_buffer_bytes as cp_comm_buffer_bytes
-from pentatron.plan.context import cp_degrees, ulysses_kv_replication_bytes
+from pentatron.plan.context import cp_degrees, exchanged_heads, ulysses_kv_replication_bytes
 from pentatron.plan.flops import MoESpec, layer_params, moe_of, sac_op_replayed_matmuls
 from pentatron.plan.hardware import GiB, GPUSpec
 from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, layers_per_chunk
@@ -388,9 +388,10 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
         comm += 2 * rp.largest_layer * a  # current + prefetched gathered layer
     if lay.ep > 1 and moe is not None:
         comm += 2 * tokens * moe.top_k * cfg.hidden_size * a  # all-to-all send/recv buffers
-    if lay.cp > 1:  # ring blocks in hand and arriving; Ulysses receive buffers
+    if lay.cp > 1:  # ring blocks in hand and arriving (or all of them, gathered); Ulysses receive buffers
+        exchanged = exchanged_heads(cfg.n_heads, kv_heads_per_tp_rank(cfg, lay.tp), lay.tp, lay.cp_kv_heads)
         comm += cp_comm_buffer_bytes(tokens, cfg.n_heads / lay.tp * cfg.head_dim, kv_heads_per_tp_rank(cfg, lay.tp),
-                                     cfg.head_dim, lay.cp, lay.cp_mode, lay.cp_ulysses, a)
+                                     cfg.head_dim, lay.cp, lay.cp_mode, lay.cp_ulysses, a, lay.cp_rotate, exchanged)
     live = (dense.total + expert.total + acts + logits_loss + working + comm)
     return MemoryBreakdown(
         rank=rank, parameters=dense.parameters + expert.parameters, gradients=dense.gradients + expert.gradients,
