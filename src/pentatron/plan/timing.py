@@ -474,9 +474,11 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
     ends = 1 + ((2 if not w.cfg.tie_embeddings else 1) if lay.pp == 1 else 0)
     optimizer += gpu.host_optimizer_per_tensor_s * (9 * n_layers + ends)
     tied = 0.0
-    lin, lc = dense_linears(w, lay, gpu), layer_comm(w, lay, gpu, False)  # a dense layer's GEMMs and comm
+    sp_overlaps = lay.sp and lay.tp > 1 and (lay.tp_overlap or lay.sp_inputs == "sharded")
+    if sp_overlaps:  # a dense layer's GEMMs and TP collectives: what overlaps what
+        lin, lc = dense_linears(w, lay, gpu), layer_comm(w, lay, gpu, False)
     tp_hidden = 0.0  # tp_overlap: SP collectives of the dense layers hidden under their GEMMs, per step
-    if lay.tp_overlap:
+    if lay.tp_overlap and sp_overlaps:
         _, (hf, hb) = tp_overlap_split(lc, lay.tp, lin.qkv, lin.o, lin.up, lin.down)
         tp_hidden = m * (n_layers - n_moe) * (hf * (2 if lay.recompute == "full" else 1) + hb)
         hidden += tp_hidden
@@ -485,14 +487,14 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
             exposed["tp"] = exposed.get("tp", 0.0) + m * n_layers * sum(sp_regather_split(lc, lin.qkv, lin.up)[0])
         elif c.dim in ("tp", "ep"):
             exposed[c.dim] = exposed.get(c.dim, 0.0) + c.time_per_step
-            if c.where == SP_LAYERS_WHERE and lay.tp_overlap:  # the dense layers' share hides under GEMMs
+            if c.where == SP_LAYERS_WHERE:  # tp_overlap: the dense layers' share hides under their GEMMs
                 exposed["tp"] -= tp_hidden / 2  # half on the all-gathers, half on the reduce-scatters
         elif c.dim == "pp" and c.where == TIED_WHERE:
             tied += c.time_per_step
             exposed["pp"] = exposed.get("pp", 0.0) + c.time_per_step
         elif c.dim == "pp":
             exposed["pp"] = exposed.get("pp", 0.0) + 2 * (lay.pp - 1) * hop
-    if lay.sp and lay.tp > 1 and lay.sp_inputs == "sharded":  # the backward re-gathers under GEMMs
+    if sp_overlaps and lay.sp_inputs == "sharded":  # the backward re-gathers under GEMMs
         hidden += m * n_layers * sp_regather_split(lc, lin.qkv, lin.up)[1]
     if lay.cp > 1:
         cp = cp_layer_cost(w, lay, gpu, *attention_times(w, lay, gpu))
