@@ -15,7 +15,7 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +29,7 @@ from pentatron.plan.layout import Layout, Workload, compute_dtype, problems
 from pentatron.plan.search import Prediction, predict
 
 DEFAULT_FILE = Path(__file__).with_name("published_runs.toml")
-LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "zero", "sp", "pp_schedule", "pp_virtual", "micro_batch", "recompute",
-                 "precision", "attention", "grad_precision", "sp_inputs", "cross_entropy",
-                 "pp_outputs", "tp_overlap", "dp_overlap", "zero1_reduce", "pp_p2p",
-                 "pp_scatter_gather", "cp_rotate", "cp_kv_heads")
+LAYOUT_FIELDS = tuple(f.name for f in fields(Layout))  # a row's keys that describe its layout
 
 
 @dataclass(frozen=True)

@@ -208,7 +208,7 @@ def test_torch_allgather_ring_attention():
     # the p2p ring sends the 4 kv heads block by block instead
     assert cp_layer_cost(w, lay, H100, attn_f, attn_b).bwd_exposed < c.bwd_exposed
     # transient buffers: the gathered K/V of the 4 ranks and the fp32 dK/dV sent and received
-    assert comm_buffer_bytes(16384, 16 * 64, 4, 64, 4, "ring", 1, 2, "allgather", 16) == 4 * local * 2 + 2 * local * 4
+    assert comm_buffer_bytes(16384, 16 * 64, 4, 64, 4, "ring", 1, 2, "allgather", "q") == 4 * local * 2 + 2 * local * 4
     assert any("cp_rotate='allgather'" in x for x in trainable_problems(w, tt, 8))
     bad = dataclasses.replace(tt, cp_mode="ulysses")
     assert any("needs cp_mode='ring'" in x for x in problems(w, bad, H100, 8))

@@ -90,10 +90,10 @@ def ring_exposure(r: int, hop: float, attn_f: float, attn_b: float) -> tuple[flo
     return fe, be, steps * hop - fe, steps * 2 * hop - be
 
 
-def exchanged_heads(n_heads: int, kv_local: int, tp: int, cp_kv_heads: str) -> float:
+def exchanged_heads(q_local: float, kv_local: int, cp_kv_heads: str) -> float:
     """Heads of K (and of V) each rank sends in ring attention: its kv heads, or its query heads when K/V
     are expanded before the exchange (`cp_kv_heads="q"`)."""
-    return n_heads / tp if cp_kv_heads == "q" else kv_local
+    return q_local if cp_kv_heads == "q" else kv_local
 
 
 def allgather_exposure(r: int, gather: float, dkv_pass: float, attn_f: float, attn_b: float
@@ -110,14 +110,14 @@ def allgather_exposure(r: int, gather: float, dkv_pass: float, attn_f: float, at
 
 
 def comm_buffer_bytes(tokens: float, hq_local: float, kv_local: int, head_dim: int, cp: int, mode: str,
-                      cp_ulysses: int, a: int, rotate: str = "p2p", exchanged_heads: float | None = None) -> float:
+                      cp_ulysses: int, a: int, rotate: str = "p2p", cp_kv_heads: str = "kv") -> float:
     """Transient communication buffers of one layer's attention: ring, the K/V block in hand and the one
     arriving (and in backward dK/dV the same: 4 blocks); all-gather ring, the gathered K/V of all r ranks
     and the fp32 dK/dV accumulator sent and received; Ulysses, the received q, k, v."""
     u, r = cp_degrees(cp, mode, cp_ulysses)
     out = 0.0
     if r > 1 and rotate == "allgather":
-        local = 2 * tokens * (exchanged_heads or kv_local) * head_dim
+        local = 2 * tokens * exchanged_heads(hq_local / head_dim, kv_local, cp_kv_heads) * head_dim
         out += r * local * a + 2 * local * 4
     elif r > 1:
         out += 4 * kv_block_bytes(tokens, kv_local, head_dim, u, a)

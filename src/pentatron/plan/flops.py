@@ -212,11 +212,16 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Recompu
     return full / 2 if recompute == "full-alternate" else full
 
 
+def block_matmuls(mlp: str) -> tuple[str, ...]:
+    """A dense block's linears in forward order: q, k, v, o, then w1, w3, w2 for SwiGLU (gate, up, down)
+    or up, down for a 2-matmul MLP."""
+    return ("q", "k", "v", "o") + (("gate", "up", "down") if mlp == "swiglu" else ("up", "down"))
+
+
 def sac_op_replayed_matmuls(mlp: str) -> tuple[str, ...]:
     """Which of a dense block's linears torchtitan's op-level SAC replays: the even-numbered aten.mm calls
-    in forward order (q, k, v, o, then w1, w3, w2 for SwiGLU or up, down for a 2-matmul MLP)."""
-    order = ("q", "k", "v", "o") + (("gate", "up", "down") if mlp == "swiglu" else ("up", "down"))
-    return order[1::2]
+    in forward order (`block_matmuls`)."""
+    return block_matmuls(mlp)[1::2]
 
 
 def sac_op_replayed_matmul_flops(cfg: ModelConfig, moe: MoESpec | None = None) -> float:

@@ -17,8 +17,8 @@ from functools import lru_cache
 from pentatron.models.config import ModelConfig
 from pentatron.parallel.activation_memory import layer_activation_bytes
 from pentatron.plan.context import comm_buffer_bytes as cp_comm_buffer_bytes
-from pentatron.plan.context import cp_degrees, exchanged_heads, ulysses_kv_replication_bytes
-from pentatron.plan.flops import MoESpec, layer_params, moe_of, sac_op_replayed_matmuls
+from pentatron.plan.context import cp_degrees, ulysses_kv_replication_bytes
+from pentatron.plan.flops import MoESpec, block_matmuls, layer_params, moe_of, sac_op_replayed_matmuls
 from pentatron.plan.hardware import GiB, GPUSpec
 from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, layers_per_chunk
 from pentatron.schedules import last_stage_awaiting_backward_closed, peak_in_flight_closed
@@ -175,7 +175,7 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
         f_local = (lp.mlp_active / (mlp_mats * h)) / tp if not lp.expert_total else mlp / (a * per_f)
         out = h / (tp if sp else 1)
         width = {"q": hq, "k": kv, "v": kv, "o": out, "gate": f_local, "up": f_local, "down": out}
-        names = ("q", "k", "v", "o") + (("gate", "up", "down") if mlp_mats == 3 else ("up", "down"))
+        names = block_matmuls(cfg.mlp)
         replayed = sac_op_replayed_matmuls(cfg.mlp)
         mm_saved = (sum(width[n] for n in names if n not in replayed) if not lp.expert_total
                     else sum(width[n] for n in names) / 2)
@@ -389,9 +389,9 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     if lay.ep > 1 and moe is not None:
         comm += 2 * tokens * moe.top_k * cfg.hidden_size * a  # all-to-all send/recv buffers
     if lay.cp > 1:  # ring blocks in hand and arriving (or all of them, gathered); Ulysses receive buffers
-        exchanged = exchanged_heads(cfg.n_heads, kv_heads_per_tp_rank(cfg, lay.tp), lay.tp, lay.cp_kv_heads)
         comm += cp_comm_buffer_bytes(tokens, cfg.n_heads / lay.tp * cfg.head_dim, kv_heads_per_tp_rank(cfg, lay.tp),
-                                     cfg.head_dim, lay.cp, lay.cp_mode, lay.cp_ulysses, a, lay.cp_rotate, exchanged)
+                                     cfg.head_dim, lay.cp, lay.cp_mode, lay.cp_ulysses, a, lay.cp_rotate,
+                                     lay.cp_kv_heads)
     live = (dense.total + expert.total + acts + logits_loss + working + comm)
     return MemoryBreakdown(
         rank=rank, parameters=dense.parameters + expert.parameters, gradients=dense.gradients + expert.gradients,

@@ -538,6 +538,7 @@ def dense_linears(w: Workload, lay: Layout, gpu: GPUSpec) -> DenseLinears:
     hq, kvl = cfg.n_heads * cfg.head_dim / tp, kv_heads_per_tp_rank(cfg, tp) * cfg.head_dim
     f = cfg.ffn_hidden_size / tp
     mats = 3 if cfg.mlp == "swiglu" else 2
+
     def linear(n_out: float, n_in: float) -> Phase:
         return _linear(gpu, tokens, n_out, n_in, peak, a, fp8)
 
