@@ -77,6 +77,8 @@ def load_rows(path: Path = DEFAULT_FILE) -> list[Row]:
         w = Workload(cfg, r["seq"], r["global_batch"])
         lay_kw = {k: r[k] for k in LAYOUT_FIELDS if k in r}
         lay_kw.setdefault("sp", r.get("tp", 1) > 1)
+        if "pp_layers" in lay_kw:
+            lay_kw["pp_layers"] = tuple(lay_kw["pp_layers"])
         lay = Layout(**lay_kw)
         gpu = get_gpu(r["gpu"])
         if "hw" in r:

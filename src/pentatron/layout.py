@@ -164,8 +164,10 @@ class ParallelLayout:
                          f"{u} (kv heads are then replicated)")
         return p
 
-    def pipeline_problems(self, model: ModelConfig, layers: Sequence[int] | None = None) -> list[str]:
-        """The schedule, its micro-batch count and the partition of the layers into stages."""
+    def pipeline_problems(self, model: ModelConfig, layers: Sequence[int] | None = None,
+                          min_layers: int = 1) -> list[str]:
+        """The schedule, its micro-batch count and the partition of the layers into stages (`min_layers`:
+        the fewest an explicit stage may hold; the planner evaluates 0, an embedding- or head-only chunk)."""
         if self.pp <= 1:
             if self.pp_virtual > 1:
                 return [f"parallel.pp_virtual={self.pp_virtual} needs parallel.pp > 1"]
@@ -191,7 +193,8 @@ class ParallelLayout:
         else:
             what = (f"pipeline stages (pp={self.pp} × pp_virtual={v})" if v > 1
                     else f"pipeline stages (pp={self.pp})")
-            out += partition_problems(model.n_layers, self.n_stages, layers=layers, what=what)
+            out += partition_problems(model.n_layers, self.n_stages, layers=layers, what=what,
+                                      min_layers=min_layers)
         return out
 
     def unsupported(self, model: ModelConfig | None = None) -> list[str]:
@@ -282,7 +285,8 @@ def tensor_parallel_warnings(tp: int, node_size: int | None) -> list[str]:
 
 
 def partition_problems(n_layers: int, n_stages: int, *, uniform: bool = False,
-                       layers: Sequence[int] | None = None, what: str = "pipeline stages") -> list[str]:
+                       layers: Sequence[int] | None = None, what: str = "pipeline stages",
+                       min_layers: int = 1) -> list[str]:
     """Every reason the layers cannot be split into `n_stages` contiguous stages (empty when they can)."""
     if n_stages < 1:
         return [f"the number of {what} must be ≥ 1, got {n_stages}"]
@@ -290,8 +294,8 @@ def partition_problems(n_layers: int, n_stages: int, *, uniform: bool = False,
         out = []
         if len(layers) != n_stages:
             out.append(f"parallel.pp_layers lists {len(layers)} stages but there are {n_stages} {what}")
-        if any(not isinstance(c, int) or c < 1 for c in layers):
-            out.append(f"parallel.pp_layers entries must be integers ≥ 1, got {list(layers)}")
+        if any(not isinstance(c, int) or isinstance(c, bool) or c < min_layers for c in layers):
+            out.append(f"parallel.pp_layers entries must be integers ≥ {min_layers}, got {list(layers)}")
         if sum(layers) != n_layers:
             out.append(f"parallel.pp_layers={list(layers)} sums to {sum(layers)}, but the model has "
                        f"{n_layers} layers")

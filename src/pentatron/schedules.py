@@ -102,12 +102,14 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     return Schedule(p, m, 1, acts, "1f1b")
 
 
-def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
+def interleaved_1f1b(p: int, m: int, v: int, all_warmup: bool = True) -> Schedule:
     """Megatron-LM interleaved 1F1B with v chunks per rank (rank r holds stages r, r+p, ...).
 
     Rule (as Megatron-LM's schedules.py): m must be a multiple of p (so m >= p). Micro-batches advance in
     groups of p through chunk 0, then chunk 1, ...; warm-up is 2(p-1-r) + (v-1)p forwards (all of them
-    when m == p). Bubble (p-1)/(v m). v == 1 is plain 1F1B.
+    when m == p). Bubble (p-1)/(v m). v == 1 is plain 1F1B. all_warmup=False keeps the counted warm-up
+    when m == p too, as torch.distributed.pipelining's ScheduleInterleaved1F1B does (torch 2.5-2.6
+    `_calculate_single_rank_operations`: min((v-1)p + 2(p-1-r), m v), no m == p case).
     """
     _check_pm(p, m, "interleaved")
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -126,7 +128,7 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 
     acts = []
     for r in range(p):
-        nw = total if m == p else min(2 * (p - 1 - r) + (v - 1) * p, total)
+        nw = total if m == p and all_warmup else min(2 * (p - 1 - r) + (v - 1) * p, total)
         a = [Action(F, *mb_chunk(k, True)) for k in range(nw)]
         for k in range(total - nw):
             a.append(Action(F, *mb_chunk(nw + k, True)))
@@ -158,15 +160,16 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
 
 
-def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """Generator by config name (`parallel.pp_schedule`: afab | 1f1b | interleaved | zb)."""
+def make_schedule(name: str, p: int, m: int, v: int = 1, all_warmup: bool = True) -> Schedule:
+    """Generator by config name (`parallel.pp_schedule`: afab | 1f1b | interleaved | zb); `all_warmup`:
+    see `interleaved_1f1b`."""
     key = name.lower().replace("_", "-")
     if key in ("afab", "gpipe"):
         gen = afab(p, m)
     elif key in ("1f1b", "one-f-one-b"):
         gen = one_f_one_b(p, m)
     elif key in ("interleaved", "interleaved-1f1b"):
-        return interleaved_1f1b(p, m, v)
+        return interleaved_1f1b(p, m, v, all_warmup)
     elif key in ("zb", "zb-h1", "zero-bubble"):
         gen = zero_bubble_h1(p, m)
     else:
@@ -360,6 +363,19 @@ def peak_in_flight(s: Schedule) -> list[int]:
     return out
 
 
+def peak_in_flight_weighted(s: Schedule, rank: int, weights: Sequence[float]) -> float:
+    """`peak_in_flight` of one rank with chunk c counting weights[c] (e.g. its decoder layers): exact where
+    the rank's chunks are unequal, such as an embedding-only first chunk, where the count is not."""
+    cur = peak = 0.0
+    for a in s.actions[rank]:
+        if a.kind == F:
+            cur += weights[a.chunk]
+            peak = max(peak, cur)
+        elif a.kind in (BW, W):
+            cur -= weights[a.chunk]
+    return peak
+
+
 def peak_awaiting_backward(s: Schedule, rank: int, chunk: int) -> int:
     """Most micro-batches of one (rank, chunk) whose forward has run and whose input-gradient pass (B or
     BW) has not: how many copies of state freed by B (e.g. the last stage's loss) the chunk holds."""
@@ -375,7 +391,7 @@ def peak_awaiting_backward(s: Schedule, rank: int, chunk: int) -> int:
     return peak
 
 
-def peak_in_flight_closed(name: str, p: int, m: int, v: int = 1) -> list[int]:
+def peak_in_flight_closed(name: str, p: int, m: int, v: int = 1, all_warmup: bool = True) -> list[int]:
     """`peak_in_flight` of a generated schedule without generating it (the planner's search asks for
     thousands): AFAB m; 1F1B min(p - r, m); ZB-H1 min(p, m); interleaved min(2(p-1-r) + (v-1)p + 1, mv)
     (every forward first when m == p). Tests check these against the schedules themselves."""
@@ -387,17 +403,18 @@ def peak_in_flight_closed(name: str, p: int, m: int, v: int = 1) -> list[int]:
     if key in ("zb", "zb-h1", "zero-bubble"):
         return [min(p, m)] * p
     if key in ("interleaved", "interleaved-1f1b"):
-        if m == p:
+        if m == p and all_warmup:
             return [m * v] * p
         return [min(2 * (p - 1 - r) + (v - 1) * p + 1, m * v) for r in range(p)]
     raise ScheduleError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
 
 
-def last_stage_awaiting_backward_closed(name: str, p: int, m: int, v: int = 1) -> int:
+def last_stage_awaiting_backward_closed(name: str, p: int, m: int, v: int = 1, all_warmup: bool = True) -> int:
     """`peak_awaiting_backward` of the last stage (rank p-1, chunk v-1), which holds the loss: AFAB m;
     1F1B and ZB-H1 1 (B follows F at once); interleaved 1, or m when m == p (all forwards first)."""
     key = name.lower().replace("_", "-")
-    if key in ("afab", "gpipe") or (key in ("interleaved", "interleaved-1f1b") and v > 1 and m == p):
+    if key in ("afab", "gpipe") or (key in ("interleaved", "interleaved-1f1b") and v > 1 and m == p
+                                    and all_warmup):
         return m
     if key in ("1f1b", "one-f-one-b", "zb", "zb-h1", "zero-bubble", "interleaved", "interleaved-1f1b"):
         return 1

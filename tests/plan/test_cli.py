@@ -148,6 +148,14 @@ def test_batch_evaluates_every_layout_in_one_process(capsys, tmp_path):
     assert [r["prediction"] is not None for r in rows] == [True, True, False, True]
     assert rows[1]["layout"]["sp"] is True and "does not equal the world size 8" in rows[2]["problems"][0]
     assert not any("training cannot run this yet" in n for n in rows[3]["prediction"]["notes"])  # cp trains
+    f.write_text("[[layout]]\ndp = 2\npp = 4\npp_layers = [7, 8, 9, 8]\n")  # an explicit split of the 32 layers
+    assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--seq", "4096", "--global-batch", "64",
+                "--batch", str(f), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["batch"][0]
+    assert row["layout"]["pp_layers"] == [7, 8, 9, 8] and row["prediction"] is not None, row["problems"]
+    f.write_text("[[layout]]\ndp = 8\npp_layers = 8\n")
+    assert run(["plan", "--model", "llama3-8b", "--batch", str(f)]) == 2
+    assert "pp_layers must be a list of integers" in capsys.readouterr().err
     f.write_text("[[layout]]\ndp = 8\nbogus = 1\n")
     assert run(["plan", "--model", "llama3-8b", "--batch", str(f)]) == 2
     assert "unknown key(s) bogus" in capsys.readouterr().err

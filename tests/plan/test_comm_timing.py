@@ -120,3 +120,23 @@ def test_step_time_and_mfu():
     st2 = step_time(w, lay.with_(recompute="full"), H100)
     r2 = throughput(w, lay.with_(recompute="full"), H100, st2)
     assert st2.step > st.step and r2.hfu > r2.mfu
+
+
+def test_the_embedding_gradient_is_reduced_after_the_backward():
+    """The embedding's gradient is complete only when the backward ends, and being larger than a bucket
+    it is a bucket by itself (DDP, Megatron): its all-reduce is exposed in full. A 2-layer model with a
+    128k vocabulary, one micro-batch per step: the embedding is 44 % of the gradient (131.1M of 2 x 16.8M
+    layer, 131.1M LM-head and 131.1M embedding parameters; the untied head's gradient is ready first)."""
+    from pentatron.models.config import ModelConfig
+    from pentatron.plan.memory import DP_BUCKET, rank_params
+
+    cfg = ModelConfig(vocab_size=128000, hidden_size=1024, n_layers=2, n_heads=8, n_kv_heads=8,
+                      ffn_hidden_size=4096)
+    w = Workload(cfg, 2048, 64)
+    lay = Layout(dp=8, micro_batch=8)
+    st = step_time(w, lay, H100)
+    (c,) = [c for c in st.collectives if c.dim == "dp_cp"]
+    share = 128000 * 1024 / rank_params(w, lay, 0).dense
+    assert share == pytest.approx(131.072 / 295.7, abs=1e-3) and share > DP_BUCKET / c.payload
+    last_bwd = st.phases[0].b + st.phases[0].w
+    assert st.exposed_by_dim["dp"] == pytest.approx(max(0.0, c.time_per_step - last_bwd) + c.time * share)

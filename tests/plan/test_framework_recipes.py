@@ -1,8 +1,8 @@
 """Framework recipes the planner models for published runs (issue 10): Megatron's sequence parallelism
 that keeps the sharded block inputs, flash-attn's fused cross-entropy, TP communication pipelined with
 its GEMMs, nanotron's blocking ZeRO-1 (no DP overlap, gradients all-reduced) and the blocking pipeline
-sends of DeepSpeed and nanotron, Megatron's / DeepSpeed's stage outputs sent as 1/tp slices, and torch's
-all-gather ring attention. Hand-computed cases."""
+sends of DeepSpeed and nanotron, Megatron's / DeepSpeed's stage outputs sent as 1/tp slices, torch's
+all-gather ring attention and torch's interleaved warm-up. Hand-computed cases."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pentatron.plan.comm import (
 )
 from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload, problems, trainable_problems
-from pentatron.plan.memory import llama_layer_activation_bytes, stage_extras
+from pentatron.plan.memory import llama_layer_activation_bytes, memory_for_rank, stage_extras
 from pentatron.plan.timing import dense_linears, layer_phase, stage_phases, step_time, tp_overlap_split
 
 H100 = get_gpu("h100")
@@ -102,6 +102,8 @@ def test_pipeline_engine_holds_inputs_and_outputs_of_micro_batches_in_flight():
     assert pipeline_boundary_bytes(w, lay, 3, 1) == 1 * one  # the last stage's output is the loss
     assert pipeline_boundary_bytes(w, lay.with_(recompute="full"), 1, 3) == 3 * one  # input = checkpoint's
     assert pipeline_boundary_bytes(w, lay.with_(pp_outputs="freed"), 1, 3) == 3 * one  # Megatron
+    # a fused norm saves its input, which is the received tensor itself: counted once, with the layer
+    assert pipeline_boundary_bytes(w, lay, 1, 3, norm="fused") == 3 * one
     assert pipeline_boundary_bytes(w, Layout(dp=1, tp=2, sp=True, pp=4), 1, 3) == 6 * one / 2
     assert pipeline_boundary_bytes(w, Layout(dp=4), 0, 1) == 0.0
 
@@ -212,3 +214,19 @@ def test_torch_allgather_ring_attention():
     assert any("cp_rotate='allgather'" in x for x in trainable_problems(w, tt, 8))
     bad = dataclasses.replace(tt, cp_mode="ulysses")
     assert any("needs cp_mode='ring'" in x for x in problems(w, bad, H100, 8))
+
+
+def test_torch_interleaved_warmup_keeps_one_loss_on_the_last_rank():
+    """pp4, v2, 4 micro-batches (m == pp): Megatron runs all 8 forwards first on every rank, so the last
+    rank keeps 4 losses; torch's ScheduleInterleaved1F1B warms the last rank up with (v-1)pp = 4
+    forwards and keeps one loss, with 5 chunks in flight."""
+    w = Workload(CFG, 2048, 4)
+    lay = Layout(dp=1, pp=4, pp_schedule="interleaved", pp_virtual=2, micro_batch=1)
+    counted = dataclasses.replace(lay, pp_all_warmup=False)
+    mega, torch_ = memory_for_rank(w, lay, H100, 3), memory_for_rank(w, counted, H100, 3)
+    assert (mega.in_flight, torch_.in_flight) == (8, 5)
+    saved, _ = stage_extras(CFG, 2048, first=False, last=True)
+    assert mega.logits_loss - torch_.logits_loss == 3 * saved
+    assert memory_for_rank(w, counted, H100, 0).in_flight == 8  # rank 0: min(4 + 6 + 1, 8)
+    assert any("pp_all_warmup" in x for x in trainable_problems(w, counted, 4))
+    assert problems(w, counted, H100, 4) == []

@@ -3,6 +3,7 @@ layouts real runs used with a warning, and recommends only what `pentatron train
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -11,6 +12,7 @@ from pentatron.config import ConfigError, config_from_dict
 from pentatron.models.registry import get_model_config
 from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload, problems, trainable_problems, warnings
+from pentatron.plan.memory import llama_layer_activation_bytes, memory_for_rank, rank_params
 from pentatron.plan.search import predict
 
 H100 = get_gpu("h100")
@@ -80,3 +82,34 @@ def test_the_search_recommends_only_trainable_layouts():
     pinned = search(w, H100, 16, fixed={"precision": "fp8"}, top=2)
     assert pinned.ranked and pinned.ranked[0].layout.precision == "fp8"
     assert any("training cannot run this yet" in n for n in pinned.ranked[0].notes)
+
+
+LLAMA3_SPLIT = (0,) + (1,) * 126 + (0,)  # Llama 3 405B, sec. 3.3.2: embedding-only and head-only end chunks
+
+
+def test_an_explicit_split_with_empty_end_chunks_is_evaluated_not_trained():
+    w = Workload(get_model_config("llama3.1-405b"), 8192, 2048)
+    lay = Layout(dp=64, tp=8, sp=True, pp=16, pp_schedule="interleaved", pp_virtual=8, pp_layers=LLAMA3_SPLIT)
+    assert problems(w, lay, H100, 8192) == []
+    assert not any("unequal layer counts" in x for x in warnings(w, lay, H100))
+    assert any("parallel.pp_layers entries must be integers ≥ 1" in x for x in trainable_problems(w, lay, 8192))
+    short = dataclasses.replace(lay, pp_layers=(0,) + (1,) * 125 + (0, 0))
+    assert any("sums to 125, but the model has 126 layers" in x for x in problems(w, short, H100, 8192))
+    assert any("needs pp > 1" in x for x in problems(w, Layout(dp=8192, pp_layers=(126,)), H100, 8192))
+    # an explicit split with a layer or more per chunk is what training takes as parallel.pp_layers
+    ok = Layout(dp=32, pp=8, micro_batch=1, pp_layers=(9, 10, 10, 10, 10, 10, 10, 11))
+    assert problems(W70, ok, H100, 256) == [] and trainable_problems(W70, ok, 256) == []
+
+
+def test_memory_follows_the_explicit_split_in_schedule_order():
+    """Rank 0 of Llama 3's split holds 16 micro-batches x 7 one-layer chunks at its peak (the schedule's
+    own order, tests/parallel/pipeline/test_schedules.py), where the default split gives it eight
+    one-layer chunks and its closed-form 143 in flight."""
+    w = Workload(get_model_config("llama3.1-405b"), 8192, 2048)
+    lay = Layout(dp=64, tp=8, sp=True, pp=16, pp_schedule="interleaved", pp_virtual=8, zero=1)
+    split = dataclasses.replace(lay, pp_layers=LLAMA3_SPLIT)
+    layer = llama_layer_activation_bytes(w.cfg, 8192, 8192, tp=8, sp=True).saved
+    default0, split0 = memory_for_rank(w, lay, H100, 0), memory_for_rank(w, split, H100, 0)
+    assert default0.in_flight == split0.in_flight == 143
+    assert default0.activations - split0.activations == pytest.approx((143 - 112) * layer)
+    assert rank_params(w, split, 0).dense < rank_params(w, lay, 0).dense  # one layer fewer

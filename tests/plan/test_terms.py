@@ -127,6 +127,19 @@ def test_fused_norms_keep_no_fp32_copy():
     assert eager - fused == 64 * 2 * 4 * 128 == 65_536
 
 
+def test_fused_swiglu_keeps_gate_and_up_only():
+    """Megatron-Core's SwiGLUFunction saves its input (gate, up) and recomputes silu(gate) in backward:
+    one ffn-wide bf16 tensor per token less than eager SwiGLU's gate, up, silu(gate) and product."""
+    eager = llama_layer_activation_bytes(DEBUG, 64, 64).saved
+    fused = llama_layer_activation_bytes(DEBUG, 64, 64, swiglu="fused").saved
+    assert eager - fused == 64 * 2 * 256 == 32_768
+    tp2 = llama_layer_activation_bytes(DEBUG, 64, 64, tp=2).saved
+    assert tp2 - llama_layer_activation_bytes(DEBUG, 64, 64, tp=2, swiglu="fused").saved == 64 * 2 * 128
+    gelu = dataclasses.replace(DEBUG, mlp="gelu")
+    assert (llama_layer_activation_bytes(gelu, 64, 64, swiglu="fused").saved
+            == llama_layer_activation_bytes(gelu, 64, 64).saved)
+
+
 def test_fp16_loss_scaling_and_bf16_gradients():
     w = Workload(get_model_config("llama3-8b"), 4096, 64)
     bf16 = step_time(w, Layout(dp=8), H100)

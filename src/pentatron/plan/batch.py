@@ -3,10 +3,10 @@
 FILE is TOML with one `[[layout]]` table per layout, holding any `Layout` field (dp, tp, pp, cp, ep,
 zero, sp, pp_schedule, pp_virtual, micro_batch, recompute, precision, attention, grad_precision,
 zero3_gather, cp_mode, cp_ulysses, sp_inputs, cross_entropy, pp_outputs, tp_overlap, dp_overlap,
-zero1_reduce, pp_p2p, pp_scatter_gather, cp_rotate, cp_kv_heads); the model, sequence, batch
-and hardware come from the command line. Each layout is evaluated as given (`problems` refuse only
-what cannot exist; warnings and "training cannot run this yet" are notes), so a sweep costs one
-import plus the arithmetic per layout.
+zero1_reduce, pp_p2p, pp_scatter_gather, pp_all_warmup, cp_rotate, cp_kv_heads, and pp_layers: a list of
+decoder layers per pipeline chunk); the model, sequence, batch and hardware come from the command line.
+Each layout is evaluated as given (`problems` refuse only what cannot exist; warnings and "training cannot
+run this yet" are notes), so a sweep costs one import plus the arithmetic per layout.
 """
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ def load_layouts(path: str | Path, defaults: dict[str, Any] | None = None) -> li
                              f"known: {', '.join(sorted(_FIELDS))}")
         kw: dict[str, Any] = {**(defaults or {}), **e}
         kw.setdefault("sp", kw.get("tp", 1) > 1)
+        if "pp_layers" in kw:  # a TOML array; the layout keeps a (hashable) tuple
+            if not isinstance(kw["pp_layers"], list) or not all(type(c) is int for c in kw["pp_layers"]):
+                raise BatchError(f"--batch {str(p)!r}: layout {i}: pp_layers must be a list of integers "
+                                 "(decoder layers per pipeline chunk)")
+            kw["pp_layers"] = tuple(kw["pp_layers"])
         out.append(Layout(**kw))
     return out
 

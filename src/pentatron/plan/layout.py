@@ -98,11 +98,19 @@ class Layout:
     # all-gathered by the receivers over NVLink (Megatron-LM's scatter_gather_tensors_in_pipeline, on by
     # default since 2021; DeepSpeed's pipeline engine partitions the same way when model-parallel)
     pp_scatter_gather: bool = False
+    # Interleaved with as many micro-batches as ranks (m == pp): every forward first (Megatron-LM, ours), or
+    # False, the counted warm-up 2(pp-1-r) + (v-1)pp as ever (torch.distributed.pipelining's
+    # ScheduleInterleaved1F1B, torchtitan): the later ranks then hold fewer micro-batches
+    pp_all_warmup: bool = True
     # Ring attention's K/V exchange: "p2p" (ours: blocks passed rank to rank behind each block's attention)
     # or "allgather" (torch's context_parallel: all of K/V gathered per call, dK/dV passed in fp32), and which
     # heads travel: "kv" (ours) or "q" (torchtitan expands K/V to the query heads before attention)
     cp_rotate: str = "p2p"
     cp_kv_heads: str = "kv"
+    # Decoder layers of each pipeline chunk in global stage order (training's parallel.pp_layers); None:
+    # the engine's default split. 0 is evaluated: a chunk with only the embedding or only the LM head and
+    # loss (Llama 3's balanced pipeline, sec. 3.3.2), which training cannot build
+    pp_layers: tuple[int, ...] | None = None
 
     @property
     def world(self) -> int:
@@ -168,6 +176,8 @@ def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
         out.append(f"--precision must be one of {', '.join(PRECISIONS)}, got {lay.precision!r}")
     elif lay.precision != "fp32" and _dtype_key(lay.precision) not in gpu.peak_flops:
         out.append(f"--precision {lay.precision}: {gpu.name} has no {lay.precision} tensor cores")
+    if lay.pp_layers is not None and lay.pp <= 1:
+        out.append(f"pp_layers={list(lay.pp_layers)} needs pp > 1")
     if lay.attention not in ATTENTION_KERNELS:
         out.append(f"--attention must be one of {', '.join(ATTENTION_KERNELS)}, got {lay.attention!r}")
     if lay.sp_inputs not in SP_INPUTS:
@@ -211,7 +221,11 @@ def problems(w: Workload, lay: Layout, gpu: GPUSpec, gpus: int | None = None) ->
     out = _knob_problems(w, lay, gpu)
     pl = parallel_layout(w, lay)
     found = list(_training_rules(pl, w.cfg, gpus))
-    if pl.virtual > 1 and pl.n_stages <= w.cfg.n_layers and w.cfg.n_layers % pl.n_stages:
+    if lay.pp_layers is not None:  # the explicit split replaces the default one's rules
+        default = set(pl.pipeline_problems(w.cfg))
+        found = [x for x in found if x not in default] + pl.pipeline_problems(w.cfg, layers=lay.pp_layers,
+                                                                              min_layers=0)
+    elif pl.virtual > 1 and pl.n_stages <= w.cfg.n_layers and w.cfg.n_layers % pl.n_stages:
         # the pipeline rules again, for the explicit uneven split the planner evaluates
         default = set(pl.pipeline_problems(w.cfg))
         uneven = layers_per_chunk(w.cfg, w.seq_len, lay.pp, lay.pp_virtual)
@@ -226,6 +240,9 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
     for which it is empty."""
     pl = parallel_layout(w, lay)
     out = [*_training_rules(pl, w.cfg, gpus), *pl.unsupported(w.cfg)]
+    if lay.pp_layers is not None:  # training takes the split as parallel.pp_layers, every chunk a layer or more
+        default = set(pl.pipeline_problems(w.cfg))
+        out = [x for x in out if x not in default] + pl.pipeline_problems(w.cfg, layers=lay.pp_layers)
     if lay.precision not in TRAIN_PRECISIONS:
         out.append(f"train.precision={lay.precision!r} is not available in training (use one of "
                    f"{', '.join(TRAIN_PRECISIONS)})")
@@ -252,6 +269,9 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
     if lay.tp_overlap:
         out.append("training runs each tensor-parallel collective before or after its GEMM (tp_overlap is "
                    "Transformer Engine's recipe, not available)")
+    if not lay.pp_all_warmup and lay.pp_schedule == "interleaved" and lay.pp_virtual > 1:
+        out.append("training's interleaved schedule runs every forward first when micro-batches == pp "
+                   "(pp_all_warmup=False is not available)")
     if lay.cross_entropy != "eager":
         out.append("training computes the loss in fp32 PyTorch ops (cross_entropy='fused' is not available)")
     if lay.pp_outputs != "kept":
@@ -272,7 +292,8 @@ def warnings(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
     m = lay.microbatches(w) if lay.dp * lay.micro_batch else 0
     if lay.pp > 1 and 0 < m < lay.pp:
         out.append(f"{m} micro-batches < pp={lay.pp}: the pipeline never fills (bubble >= {(lay.pp - 1) / m:.0%})")
-    if lay.pp_virtual > 1 and lay.pp * lay.pp_virtual <= w.cfg.n_layers and w.cfg.n_layers % (lay.pp * lay.pp_virtual):
+    if (lay.pp_layers is None and lay.pp_virtual > 1 and lay.pp * lay.pp_virtual <= w.cfg.n_layers
+            and w.cfg.n_layers % (lay.pp * lay.pp_virtual)):
         out.append(f"interleaved chunks hold unequal layer counts ({w.cfg.n_layers} layers over "
                    f"{lay.pp * lay.pp_virtual} chunks): training needs parallel.pp_layers for this split")
     if lay.cp > 1 and lay.cp_mode == "hybrid" and lay.tp * lay.cp_ulysses > gpu.gpus_per_node:
@@ -294,6 +315,14 @@ def compute_dtype(precision: str) -> str:
 
 
 @lru_cache(maxsize=1024)
+def chunk_layers(w: Workload, lay: Layout) -> tuple[int, ...]:
+    """Decoder layers of each pipeline chunk (global stage order): the layout's explicit split, or the
+    engine's default."""
+    if lay.pp_layers is not None:
+        return lay.pp_layers
+    return layers_per_chunk(w.cfg, w.seq_len, lay.pp, lay.pp_virtual)
+
+
 def layers_per_chunk(cfg: ModelConfig, seq_len: int, pp: int, v: int = 1) -> tuple[int, ...]:
     """Decoder layers of each pipeline chunk (global stage order), exactly as the pipeline engine will
     partition them (`parallel/pipeline/stages.py`): equal chunks for interleaving, otherwise balanced by

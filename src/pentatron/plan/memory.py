@@ -20,8 +20,14 @@ from pentatron.plan.context import comm_buffer_bytes as cp_comm_buffer_bytes
 from pentatron.plan.context import cp_degrees, ulysses_kv_replication_bytes
 from pentatron.plan.flops import MoESpec, block_matmuls, layer_params, moe_of, sac_op_replayed_matmuls
 from pentatron.plan.hardware import GiB, GPUSpec
-from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, layers_per_chunk
-from pentatron.schedules import last_stage_awaiting_backward_closed, peak_in_flight_closed
+from pentatron.plan.layout import Layout, Workload, chunk_layers, kv_heads_per_tp_rank
+from pentatron.schedules import (
+    ScheduleError,
+    last_stage_awaiting_backward_closed,
+    make_schedule,
+    peak_in_flight_closed,
+    peak_in_flight_weighted,
+)
 
 MiB = 2**20
 
@@ -120,7 +126,7 @@ class LayerActivation:
 @lru_cache(maxsize=16384)
 def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *, precision: str = "bf16",
                                  tp: int = 1, sp: bool = False, recompute: str = "none", layer: int = 0,
-                                 moe: MoESpec | None = None, norm: str = "eager",
+                                 moe: MoESpec | None = None, norm: str = "eager", swiglu: str = "eager",
                                  sp_inputs: str = "gathered", cp_ulysses_degree: int = 1) -> LayerActivation:
     """Saved tensors of one `DecoderBlock` of models/llama.py for `tokens` local tokens (micro_batch *
     seq/cp) of sequences `seq_len/cp` long. Per token, a = activation bytes:
@@ -134,6 +140,8 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
     out is kept as o_proj's input, so only the logsumexp goes. Full recompute keeps the block input.
     norm="fused" (Apex/TE/Megatron fused norm kernels, MPT's low-precision LayerNorm): each norm keeps
     its a*h input and the fp32 rstd only, no fp32 copy and no separate normalised tensor.
+    swiglu="fused" (Megatron-Core's SwiGLUFunction, megatron/core/fusions/fused_bias_swiglu.py: it saves
+    only its input, gate and up, and recomputes silu in backward): 3*a*f instead of 4*a*f.
     sp_inputs="sharded" (Megatron's SP: the column-parallel linears keep the sequence shard of their
     input and all-gather it again in backward): the two block inputs a*h become a*h/tp.
     cp_ulysses_degree u > kv heads per tp rank: K and V are replicated to one head per rank (plan/context.py).
@@ -149,12 +157,14 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
     moe = moe_of(cfg, moe)
     lp = layer_params(cfg, layer, moe)
     mlp_mats = 3 if cfg.mlp == "swiglu" else 2
-    per_f = 4 if cfg.mlp == "swiglu" else 2
+    per_f = 2 if cfg.mlp != "swiglu" else (3 if swiglu == "fused" else 4)
     # The dense layer without recompute is the runtime's own formula (tested against autograd at tp in
     # {1, 2, 4} with and without SP); the variants below are deltas on it. tokens = micro_batch * seq_len.
     full_layer = float(layer_activation_bytes(cfg, seq_len, tokens // seq_len, tp=tp, sp=sp, act_bytes=a))
     if norm == "fused":  # each of the two norms drops its fp32 copy of the input (4h) and keeps a*h
         full_layer -= tokens * 2 * 4 * hs
+    if swiglu == "fused" and cfg.mlp == "swiglu":  # silu(gate) is not kept
+        full_layer -= tokens * a * cfg.ffn_hidden_size / tp
     if sp and tp > 1 and sp_inputs == "sharded":
         full_layer -= tokens * 2 * a * h * (1 - 1 / tp)
     full_layer += ulysses_kv_replication_bytes(tokens, kv_heads_per_tp_rank(cfg, tp), hd, cp_ulysses_degree, a)
@@ -215,10 +225,11 @@ def rope_shared_bytes(cfg: ModelConfig, seq_len: int, precision: str, recompute:
     return 2 * seq_len * cfg.head_dim * 4 if (act_bytes(precision) == 4 or recompute == "full") else 0.0
 
 
-def pipeline_boundary_bytes(w: Workload, lay: Layout, rank: int, in_flight: int) -> float:
+def pipeline_boundary_bytes(w: Workload, lay: Layout, rank: int, in_flight: int, norm: str = "eager") -> float:
     """What the pipeline engine holds per in-flight micro-batch besides the layers' saved tensors: the
     received input (the autograd leaf whose gradient is sent back: not on stage 0, where it is token
-    ids, nor under full recompute, where it is the checkpointed block input already counted) and the
+    ids, nor under full recompute, where it is the checkpointed block input already counted, nor with
+    fused norms, whose first norm saves that very tensor as its input, counted with the layer) and the
     stage output the backward starts from (not the last stage's loss; freed after the send with
     Megatron's deallocate_pipeline_outputs). Interleaved chunks are counted like stages of rank `rank`."""
     if lay.pp <= 1:
@@ -226,7 +237,7 @@ def pipeline_boundary_bytes(w: Workload, lay: Layout, rank: int, in_flight: int)
     one = lay.micro_batch * w.seq_len // lay.cp * w.cfg.hidden_size * act_bytes(lay.precision)
     one /= lay.tp if lay.sp else 1
     v = lay.pp_virtual
-    inputs = in_flight if (rank > 0 or v > 1) and lay.recompute != "full" else 0
+    inputs = in_flight if (rank > 0 or v > 1) and lay.recompute != "full" and norm == "eager" else 0
     outputs = in_flight if lay.pp_outputs == "kept" and (rank < lay.pp - 1 or v > 1) else 0
     return (inputs + outputs) * one
 
@@ -300,7 +311,7 @@ def rank_layers(per_chunk: tuple[int, ...], pp: int, v: int, rank: int) -> list[
 
 def rank_params(w: Workload, lay: Layout, rank: int) -> RankParams:
     """Parameters pipeline rank `rank` holds per GPU (TP/EP-sharded, before ZeRO)."""
-    per_chunk = layers_per_chunk(w.cfg, w.seq_len, lay.pp, lay.pp_virtual)
+    per_chunk = chunk_layers(w, lay)
     return _rank_params(w.cfg, w.moe_spec, lay.tp, lay.ep, lay.pp, lay.pp_virtual, rank, per_chunk)
 
 
@@ -325,12 +336,28 @@ def _rank_params(cfg: ModelConfig, moe: MoESpec | None, tp: int, ep: int, pp: in
     return RankParams(dense, expert, largest)
 
 
-def schedule_in_flight(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
+@lru_cache(maxsize=4096)
+def _layers_in_flight(name: str, p: int, m: int, v: int, rank: int, layers: tuple[int, ...], in_flight: int,
+                      all_warmup: bool = True) -> float:
+    """Most decoder layers' activations rank `rank` holds at once (`layers`: its chunks' layer counts,
+    `in_flight`: the schedule's peak count of chunks). Equal chunks: the count times the chunk; unequal
+    ones (an embedding-only chunk): walked in the schedule's own order, or, for a schedule that cannot
+    be built, bounded by the heaviest chunks in turn."""
+    if len(set(layers)) == 1:
+        return in_flight * layers[0]
+    try:
+        return peak_in_flight_weighted(make_schedule(name, p, m, v, all_warmup), rank, layers)
+    except ScheduleError:
+        full_sets, rest = divmod(in_flight, v)
+        return full_sets * sum(layers) + sum(sorted(layers, reverse=True)[:rest])
+
+
+def schedule_in_flight(name: str, p: int, m: int, v: int, all_warmup: bool = True) -> tuple[int, ...]:
     """Peak in-flight (chunk, micro-batch) pairs per rank of the schedule (closed forms that the tests
     check against the generated schedules)."""
     if p == 1:
         return (1,)
-    return tuple(peak_in_flight_closed(name, p, m, v))
+    return tuple(peak_in_flight_closed(name, p, m, v, all_warmup))
 
 
 @lru_cache(maxsize=16384)
@@ -353,25 +380,25 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
 
     # activations: layers on this rank x micro-batches in flight (weighted per chunk for interleaved)
     m = lay.microbatches(w)
-    per_chunk = layers_per_chunk(cfg, w.seq_len, lay.pp, lay.pp_virtual)
-    in_flight = schedule_in_flight(lay.pp_schedule, lay.pp, m, lay.pp_virtual)[rank] if lay.pp > 1 else 1
+    per_chunk = chunk_layers(w, lay)
+    sched = (lay.pp_schedule, lay.pp, m, lay.pp_virtual)
+    in_flight = schedule_in_flight(*sched, lay.pp_all_warmup)[rank] if lay.pp > 1 else 1
+    norm_kind = norm or ("fused" if kernels == "fused" else "eager")
     layer_act = llama_layer_activation_bytes(cfg, tokens, seq_local, precision=lay.precision, tp=lay.tp,
-                                             sp=lay.sp, recompute=lay.recompute, moe=moe,
-                                             norm=norm or ("fused" if kernels == "fused" else "eager"),
+                                             sp=lay.sp, recompute=lay.recompute, moe=moe, norm=norm_kind,
+                                             swiglu="fused" if kernels == "fused" else "eager",
                                              sp_inputs=lay.sp_inputs,
                                              cp_ulysses_degree=cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)[0])
     first, last = rank == 0, rank == lay.pp - 1
     extra_saved, extra_transient = stage_extras(cfg, tokens, first=first, last=last, precision=lay.precision,
                                                 tp=lay.tp, sp=lay.sp, cross_entropy=lay.cross_entropy)
     n_rank_layers = [per_chunk[c * lay.pp + rank] for c in range(lay.pp_virtual)]
-    # In-flight chunks are the rank's chunks in turn; the heaviest ones bound the peak.
-    per_chunk_bytes = sorted((n * layer_act.saved for n in n_rank_layers), reverse=True)
-    full_sets, rest = divmod(in_flight, lay.pp_virtual)
-    acts = full_sets * sum(per_chunk_bytes) + sum(per_chunk_bytes[:rest])
+    acts = _layers_in_flight(*sched, rank, tuple(n_rank_layers), in_flight, lay.pp_all_warmup)
+    acts *= layer_act.saved
     acts += rope_shared_bytes(cfg, seq_local, lay.precision, lay.recompute) * min(in_flight, m)
-    acts += pipeline_boundary_bytes(w, lay, rank, in_flight)
+    acts += pipeline_boundary_bytes(w, lay, rank, in_flight, norm_kind)
     # logits/loss: the last stage keeps the loss state of each micro-batch until its backward (B) runs
-    loss_sets = last_stage_awaiting_backward_closed(lay.pp_schedule, lay.pp, m, lay.pp_virtual) if last else 1
+    loss_sets = last_stage_awaiting_backward_closed(*sched, lay.pp_all_warmup) if last else 1
     logits_loss = extra_saved * loss_sets + extra_transient
     working = layer_act.working
 
@@ -407,7 +434,7 @@ def memory_per_gpu(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "eager
     if lay.pp <= 3:
         ranks: list[int] | range = range(lay.pp)
     else:
-        per_chunk = layers_per_chunk(w.cfg, w.seq_len, lay.pp, lay.pp_virtual)
+        per_chunk = chunk_layers(w, lay)
         per_rank = [sum(per_chunk[c * lay.pp + r] for c in range(lay.pp_virtual)) for r in range(lay.pp)]
         heavy = per_rank.index(max(per_rank))
         ranks = sorted({0, 1, heavy, lay.pp - 1})

@@ -40,7 +40,7 @@ from pentatron.plan.context import cp_degrees
 from pentatron.plan.flops import hardware_flops_per_token, layer_params, model_flops_per_token, sac_op_replayed_matmuls
 from pentatron.plan.hardware import GPUSpec, interp_log
 from pentatron.plan.kernel_tables import attention_rate
-from pentatron.plan.layout import Layout, Workload, compute_dtype, kv_heads_per_tp_rank, layers_per_chunk
+from pentatron.plan.layout import Layout, Workload, chunk_layers, compute_dtype, kv_heads_per_tp_rank
 from pentatron.plan.memory import DP_BUCKET, STATE_PRECISIONS, act_bytes, rank_layers, rank_params
 from pentatron.schedules import make_schedule, simulate
 
@@ -314,7 +314,7 @@ def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused")
     """Per global pipeline stage (chunk), the F/B/W seconds of one micro-batch."""
     cfg = w.cfg
     chunks = lay.pp * lay.pp_virtual
-    per_chunk = layers_per_chunk(cfg, w.seq_len, lay.pp, lay.pp_virtual)
+    per_chunk = chunk_layers(w, lay)
     cache: dict[bool, Phase] = {}
     moe = w.moe_spec
     out, start = [], 0
@@ -350,13 +350,14 @@ SIM_MAX_MICROBATCHES = 48  # beyond this the makespan is extrapolated (it is aff
 
 @lru_cache(maxsize=2048)
 def _simulate_cached(name: str, p: int, m: int, v: int, f: tuple[float, ...], b: tuple[float, ...],
-                     w: tuple[float, ...], comm: float) -> tuple[float, float]:
+                     w: tuple[float, ...], comm: float, all_warmup: bool) -> tuple[float, float]:
     # BW actions cost b + w, so the same costs serve split and unsplit schedules
-    tl = simulate(make_schedule(name, p, m, v), list(f), list(b), list(w), comm, record=False)
+    tl = simulate(make_schedule(name, p, m, v, all_warmup), list(f), list(b), list(w), comm, record=False)
     return tl.makespan, tl.bubble_fraction
 
 
-def pipeline_makespan(name: str, p: int, m: int, v: int, phases: list[Phase], comm: float) -> tuple[float, float]:
+def pipeline_makespan(name: str, p: int, m: int, v: int, phases: list[Phase], comm: float,
+                      all_warmup: bool = True) -> tuple[float, float]:
     """(makespan, bubble fraction) of one step's micro-batches through the pipeline, by simulating the
     schedule. For many micro-batches the steady state is periodic, so the makespan is affine in m: it
     is simulated at two sizes m1 < m2 (same divisibility) and extrapolated."""
@@ -369,11 +370,11 @@ def pipeline_makespan(name: str, p: int, m: int, v: int, phases: list[Phase], co
     busy = m * sum(x.total for x in phases) / p
     cap = max(SIM_MAX_MICROBATCHES, 4 * p)
     if m <= cap:
-        return _simulate_cached(name, p, m, v, f, b, w, comm)
+        return _simulate_cached(name, p, m, v, f, b, w, comm, all_warmup)
     m1 = (cap // (2 * p)) * p if name == "interleaved" else cap // 2
     m2 = 2 * m1
-    t1, _ = _simulate_cached(name, p, m1, v, f, b, w, comm)
-    t2, _ = _simulate_cached(name, p, m2, v, f, b, w, comm)
+    t1, _ = _simulate_cached(name, p, m1, v, f, b, w, comm, all_warmup)
+    t2, _ = _simulate_cached(name, p, m2, v, f, b, w, comm, all_warmup)
     t = t1 + (m - m1) * (t2 - t1) / (m2 - m1)
     return t, max(0.0, (t - busy) / busy)
 
@@ -415,20 +416,22 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
     phases = stage_phases(w, lay, gpu, kernels)
     hop = pp_hop_time(w, lay, gpu)
     if exact:
-        pipe, bubble = pipeline_makespan(lay.pp_schedule, lay.pp, m, lay.pp_virtual, phases, hop)
+        pipe, bubble = pipeline_makespan(lay.pp_schedule, lay.pp, m, lay.pp_virtual, phases, hop,
+                                         lay.pp_all_warmup)
     else:
         pipe = closed_form_makespan(lay.pp_schedule, lay.pp, m, lay.pp_virtual, phases, hop)
         busy = m * sum(x.total for x in phases) / lay.pp
         bubble = max(0.0, (pipe - busy) / busy)
     # the busiest pipeline rank for DP/optimizer purposes: rank 0 (embedding; finishes last in 1F1B)
     rp = rank_params(w, lay, 0)
-    ranges = rank_layers(layers_per_chunk(w.cfg, w.seq_len, lay.pp, lay.pp_virtual), lay.pp, lay.pp_virtual, 0)
+    ranges = rank_layers(chunk_layers(w, lay), lay.pp, lay.pp_virtual, 0)
     n_layers = sum(len(r) for r in ranges)
     moe = w.moe_spec
     n_moe = sum(1 for r in ranges for i in r if moe and i >= moe.first_dense_layers)
     colls = step_collectives(w, lay, gpu, rp.dense, rp.expert, n_layers, n_moe, first=True, last=lay.pp == 1)
     last_bwd = phases[0].b + phases[0].w  # rank 0's last action: backward of chunk 0
     first_fwd = phases[0].f
+    emb_share = w.cfg.vocab_size * w.cfg.hidden_size / lay.tp / rp.dense if rp.dense else 0.0
     dp_exposed = 0.0
     exposed: dict[str, float] = {}
     hidden = 0.0  # communication overlapped with compute (costs SMs, see NCCL_CHANNELS)
@@ -437,7 +440,10 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
             continue
         total = c.time_per_step
         grad_bytes = c.payload
-        tail = c.time * min(1.0, DP_BUCKET / grad_bytes) if grad_bytes else 0.0
+        # the last bucket, reduced after the backward: at least the embedding's gradient, which is ready
+        # only when the backward ends and, larger than a bucket, is one by itself (DDP, Megatron)
+        last_bucket = max(DP_BUCKET / grad_bytes, emb_share) if grad_bytes else 0.0
+        tail = c.time * min(1.0, last_bucket)
         if lay.zero == 3 and c.op in ("reduce_scatter", "all_gather"):
             e = 0.0  # exposure of the per-layer ZeRO-3 traffic is computed below, together
         elif not lay.dp_overlap:  # blocking: after the last backward, after the optimizer

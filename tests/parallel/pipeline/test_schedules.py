@@ -22,6 +22,7 @@ from pentatron.schedules import (
     peak_awaiting_backward,
     peak_in_flight,
     peak_in_flight_closed,
+    peak_in_flight_weighted,
     simulate,
     validate,
     zero_bubble_h1,
@@ -76,6 +77,22 @@ def test_closed_form_in_flight_matches_schedule(name, p, m, v):
     sched = make_schedule(name, p, m, vv)
     assert peak_in_flight_closed(name, p, m, vv) == peak_in_flight(sched)
     assert last_stage_awaiting_backward_closed(name, p, m, vv) == peak_awaiting_backward(sched, p - 1, vv - 1)
+
+
+@pytest.mark.parametrize(("p", "v"), [(2, 2), (4, 2), (4, 3), (8, 2), (8, 4)])
+def test_counted_warmup_when_microbatches_equal_ranks(p, v):
+    """torch.distributed.pipelining's ScheduleInterleaved1F1B with m == p: rank r warms up
+    min((v-1)p + 2(p-1-r), pv) forwards instead of all of them, runs to completion, and its last stage
+    holds one micro-batch's loss at a time (Megatron's all-forwards-first holds p)."""
+    counted = interleaved_1f1b(p, p, v, all_warmup=False)
+    validate(counted)
+    warm = [min((v - 1) * p + 2 * (p - 1 - r), p * v) for r in range(p)]
+    assert [sum(1 for a in acts[: warm[r]] if a.kind == F) for r, acts in enumerate(counted.actions)] == warm
+    assert peak_in_flight(counted) == peak_in_flight_closed("interleaved", p, p, v, all_warmup=False)
+    assert peak_in_flight(counted)[-1] < p * v == peak_in_flight(interleaved_1f1b(p, p, v))[-1]
+    assert peak_awaiting_backward(counted, p - 1, v - 1) == 1 == last_stage_awaiting_backward_closed(
+        "interleaved", p, p, v, all_warmup=False)
+    assert make_schedule("interleaved", p, 2 * p, v, all_warmup=False).actions == interleaved_1f1b(p, 2 * p, v).actions
 
 
 @pytest.mark.parametrize("name", ["afab", "1f1b", "zb"])
@@ -165,3 +182,18 @@ def test_bad_requests(call, match):
 
 def test_interleaved_v1_is_1f1b():
     assert interleaved_1f1b(4, 8, 1).actions == one_f_one_b(4, 8).actions
+
+
+def test_weighted_in_flight_walks_the_order_of_unequal_chunks():
+    """Interleaved p=2, m=4, v=2, rank 0 runs F(0,c0) F(1,c0) F(0,c1) F(1,c1) F(2,c0) BW(0,c1) F(3,c0)
+    BW(1,c1) F(2,c1) BW(0,c0) F(3,c1) BW(1,c0) then the cool-down: 5 chunks in flight at the peak. With
+    an empty first chunk (an embedding-only stage) at most two one-layer chunks are held, not the 3 that
+    the 5 heaviest chunks in turn would bound; with an empty last chunk, 4."""
+    s = interleaved_1f1b(2, 4, 2)
+    assert peak_in_flight(s)[0] == 5 == peak_in_flight_weighted(s, 0, (1, 1))
+    assert peak_in_flight_weighted(s, 0, (0, 1)) == 2
+    assert peak_in_flight_weighted(s, 0, (1, 0)) == 4
+    # Llama 3 405B's split (pp16, v8, 32 micro-batches): rank 0's warm-up is 142 forwards, chunks 0..7 of
+    # micro-batches 0..15 and chunk 0 of 16..29, so with chunk 0 empty it holds 16 x 7 layers
+    llama = interleaved_1f1b(16, 32, 8)
+    assert peak_in_flight_weighted(llama, 0, (0,) + (1,) * 7) == 16 * 7
