@@ -314,7 +314,6 @@ def compute_dtype(precision: str) -> str:
     return _dtype_key(precision)
 
 
-@lru_cache(maxsize=1024)
 def chunk_layers(w: Workload, lay: Layout) -> tuple[int, ...]:
     """Decoder layers of each pipeline chunk (global stage order): the layout's explicit split, or the
     engine's default."""
@@ -323,6 +322,7 @@ def chunk_layers(w: Workload, lay: Layout) -> tuple[int, ...]:
     return layers_per_chunk(w.cfg, w.seq_len, lay.pp, lay.pp_virtual)
 
 
+@lru_cache(maxsize=1024)
 def layers_per_chunk(cfg: ModelConfig, seq_len: int, pp: int, v: int = 1) -> tuple[int, ...]:
     """Decoder layers of each pipeline chunk (global stage order), exactly as the pipeline engine will
     partition them (`parallel/pipeline/stages.py`): equal chunks for interleaving, otherwise balanced by

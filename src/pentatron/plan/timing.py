@@ -442,7 +442,7 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
         grad_bytes = c.payload
         # the last bucket, reduced after the backward: at least the embedding's gradient, which is ready
         # only when the backward ends and, larger than a bucket, is one by itself (DDP, Megatron)
-        last_bucket = max(DP_BUCKET / grad_bytes, emb_share) if grad_bytes else 0.0
+        last_bucket = max(DP_BUCKET / grad_bytes, emb_share if c.dim == "dp_cp" else 0.0) if grad_bytes else 0.0
         tail = c.time * min(1.0, last_bucket)
         if lay.zero == 3 and c.op in ("reduce_scatter", "all_gather"):
             e = 0.0  # exposure of the per-layer ZeRO-3 traffic is computed below, together
