@@ -129,11 +129,12 @@ def test_activations_fall_as_one_over_cp():
 
 
 def test_cp_recommended_only_where_it_helps():
-    """Among the layouts that fit, short sequences are best without CP; at 256k tokens on 8 GPUs only tp8
-    with full recompute fits without it (within 0.1 GiB of 80 GiB), and the best layout uses CP."""
+    """Among the layouts that fit, short sequences are best without CP; at 128k tokens on 8 GPUs only tp8
+    with full recompute fits without it, and the best layout uses CP (at 256k nothing fits on 80 GB:
+    the loss alone needs 12 bytes per token and vocabulary entry)."""
     cfg = get_model_config("llama3-8b")
     short = [s for s in search(Workload(cfg, 2048, 64), H100, 8, top=1).pool if s.fits]
     assert max(short, key=lambda s: s.est_tokens_per_s).layout.cp == 1
-    long = [s for s in search(Workload(cfg, 262144, 8), H100, 8, top=1).pool if s.fits]
+    long = [s for s in search(Workload(cfg, 131072, 8), H100, 8, top=1).pool if s.fits]
     assert long and max(long, key=lambda s: s.est_tokens_per_s).layout.cp > 1
     assert [s.layout.short() for s in long if s.layout.cp == 1] in ([], ["dp1 tp8+sp pp1 cp1 z0 mb1 rc:full"])

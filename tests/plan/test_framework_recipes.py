@@ -67,7 +67,7 @@ def test_fused_cross_entropy_keeps_logits_and_logsumexp():
     assert transient == tokens * a * v  # the logits' gradient during backward
     eager_saved, eager_transient = stage_extras(CFG, tokens, first=False, last=True)
     assert eager_saved - saved == tokens * (4 * v - a * v - 4)
-    assert eager_transient == tokens * (a + 4) * v
+    assert eager_transient == tokens * 8 * v  # the backward's two fp32 gradients (more than the forward's a + 4)
 
 
 def test_recipes_are_evaluated_but_not_trainable():
@@ -230,3 +230,22 @@ def test_torch_interleaved_warmup_keeps_one_loss_on_the_last_rank():
     assert memory_for_rank(w, counted, H100, 0).in_flight == 8  # rank 0: min(4 + 6 + 1, 8)
     assert any("pp_all_warmup" in x for x in trainable_problems(w, counted, 4))
     assert problems(w, counted, H100, 4) == []
+
+
+def test_fsdp2_keeps_only_the_fp32_parameter_shard():
+    """ZeRO-3 as FSDP2 stores it with a bf16 param_dtype: the fp32 shard is the parameter and the bf16
+    copy exists only while gathered, 2 bytes per parameter and rank fewer than ours (bf16 shard + fp32
+    master). Without ZeRO-3 the bf16 parameters are whole and needed; in fp32 there is no second copy."""
+    from pentatron.plan.memory import rank_params
+
+    w = Workload(CFG, 2048, 64)
+    ours = Layout(dp=8, zero=3, micro_batch=8)
+    fsdp2 = dataclasses.replace(ours, param_shard="fp32")
+    a, b = memory_for_rank(w, ours, H100, 0), memory_for_rank(w, fsdp2, H100, 0)
+    assert a.parameters == rank_params(w, ours, 0).dense * 2 / 8 and b.parameters == 0.0
+    assert (a.gradients, a.master_weights, a.optimizer) == (b.gradients, b.master_weights, b.optimizer)
+    assert any("param_shard" in x for x in trainable_problems(w, fsdp2, 8)) and problems(w, fsdp2, H100, 8) == []
+    for other in (dataclasses.replace(ours, zero=1), dataclasses.replace(ours, precision="fp32")):
+        assert (memory_for_rank(w, dataclasses.replace(other, param_shard="fp32"), H100, 0).parameters
+                == memory_for_rank(w, other, H100, 0).parameters)
+    assert any("param_shard must be" in x for x in problems(w, dataclasses.replace(ours, param_shard="bf16"), H100, 8))

@@ -67,6 +67,9 @@ class Layout:
     # fp32 accumulation it reduces (2 bytes/param more: the playbook's 20 bytes/param recipe)
     grad_precision: str = "fp32"
     zero3_gather: str = "micro_batch"  # ZeRO-3 with pp: re-gather per micro-batch, or once per "step"
+    # ZeRO-3's parameter shard: "both" (ours, DeepSpeed: a low-precision shard beside the fp32 master shard)
+    # or "fp32" (FSDP2 with a bf16 param_dtype: the fp32 shard only, cast as it is all-gathered)
+    param_shard: str = "both"
     cp_mode: str = "ring"  # context parallelism: "ring" | "ulysses" | "hybrid" (plan/context.py)
     cp_ulysses: int = 1  # hybrid: the Ulysses degree inside a node (ring degree = cp // cp_ulysses)
     # Under SP, what the column-parallel linears (q/k/v, gate/up) keep for backward: "gathered" (ours:
@@ -182,6 +185,8 @@ def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
         out.append(f"--attention must be one of {', '.join(ATTENTION_KERNELS)}, got {lay.attention!r}")
     if lay.sp_inputs not in SP_INPUTS:
         out.append(f"sp_inputs must be one of {', '.join(SP_INPUTS)}, got {lay.sp_inputs!r}")
+    if lay.param_shard not in ("both", "fp32"):
+        out.append(f"param_shard must be 'both' or 'fp32', got {lay.param_shard!r}")
     if lay.pp_outputs not in ("kept", "freed"):
         out.append(f"pp_outputs must be 'kept' or 'freed', got {lay.pp_outputs!r}")
     if lay.cross_entropy not in CROSS_ENTROPY:
@@ -272,6 +277,9 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
     if not lay.pp_all_warmup and lay.pp_schedule == "interleaved" and lay.pp_virtual > 1:
         out.append("training's interleaved schedule runs every forward first when micro-batches == pp "
                    "(pp_all_warmup=False is not available)")
+    if lay.param_shard != "both" and lay.zero == 3:
+        out.append("training's ZeRO-3 keeps a bf16 parameter shard beside the fp32 master shard (param_shard="
+                   "'fp32' is FSDP2's storage, not available)")
     if lay.cross_entropy != "eager":
         out.append("training computes the loss in fp32 PyTorch ops (cross_entropy='fused' is not available)")
     if lay.pp_outputs != "kept":

@@ -200,7 +200,9 @@ def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, prec
                  tp: int = 1, sp: bool = False, cross_entropy: str = "eager") -> tuple[float, float]:
     """(saved, transient) bytes outside the decoder layers for one micro-batch: the token ids the
     embedding keeps (first stage); the final RMSNorm, LM-head input and the loss's fp32 log-softmax
-    plus targets (last stage). Transient: the bf16 logits and their fp32 copy while the loss runs.
+    plus targets (last stage). Transient, the larger of: in forward the low-precision logits and their
+    fp32 copy, (a + 4) per token and vocabulary entry; in backward the incoming fp32 gradient and the
+    one log-softmax's backward makes beside it, 8 (measured, tests/plan/test_activation_parity.py).
     cross_entropy="fused" (flash-attn's kernel): the low-precision logits and an fp32 logsumexp per
     token are kept, and the logits' gradient (same dtype) is the transient."""
     h, a, v = cfg.hidden_size, act_bytes(precision), cfg.vocab_size / tp
@@ -215,7 +217,7 @@ def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, prec
             transient += tokens * a * v
         else:
             saved += tokens * 4 * v
-            transient += tokens * (a + 4) * v
+            transient += tokens * max(a + 4, 8) * v
     return saved, transient
 
 
@@ -377,6 +379,8 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     rp = rank_params(w, lay, rank)
     dpcp = lay.dp * lay.cp
     dense, expert = _states(rp, prec, lay.zero, dpcp, lay.ep)
+    if lay.zero == 3 and lay.param_shard == "fp32" and prec.master:  # FSDP2: the master is the parameter
+        dense, expert = replace(dense, parameters=0.0), replace(expert, parameters=0.0)
 
     # activations: layers on this rank x micro-batches in flight (weighted per chunk for interleaved)
     m = lay.microbatches(w)
