@@ -23,6 +23,7 @@ import tomllib
 
 from pentatron.models.config import ModelConfig
 from pentatron.models.registry import get_model_config
+from pentatron.plan.batch import layout_from_toml
 from pentatron.plan.flops import model_flops_per_token
 from pentatron.plan.hardware import GiB, GPUSpec, get_gpu, hardware_from_dict
 from pentatron.plan.layout import Layout, Workload, compute_dtype, problems
@@ -75,11 +76,7 @@ def load_rows(path: Path = DEFAULT_FILE) -> list[Row]:
         r = {**data["sources"][r["source"]].get("defaults", {}), **r}
         cfg = models[r["model"]]
         w = Workload(cfg, r["seq"], r["global_batch"])
-        lay_kw = {k: r[k] for k in LAYOUT_FIELDS if k in r}
-        lay_kw.setdefault("sp", r.get("tp", 1) > 1)
-        if "pp_layers" in lay_kw:
-            lay_kw["pp_layers"] = tuple(lay_kw["pp_layers"])
-        lay = Layout(**lay_kw)
+        lay = layout_from_toml({k: r[k] for k in LAYOUT_FIELDS if k in r}, r["id"])
         gpu = get_gpu(r["gpu"])
         if "hw" in r:
             gpu = hardware_from_dict({"base": gpu.name, **r["hw"]}, where=r["id"])

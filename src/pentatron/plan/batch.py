@@ -45,15 +45,20 @@ def load_layouts(path: str | Path, defaults: dict[str, Any] | None = None) -> li
         if unknown:
             raise BatchError(f"--batch {str(p)!r}: layout {i}: unknown key(s) {', '.join(unknown)}; "
                              f"known: {', '.join(sorted(_FIELDS))}")
-        kw: dict[str, Any] = {**(defaults or {}), **e}
-        kw.setdefault("sp", kw.get("tp", 1) > 1)
-        if "pp_layers" in kw:  # a TOML array; the layout keeps a (hashable) tuple
-            if not isinstance(kw["pp_layers"], list) or not all(type(c) is int for c in kw["pp_layers"]):
-                raise BatchError(f"--batch {str(p)!r}: layout {i}: pp_layers must be a list of integers "
-                                 "(decoder layers per pipeline chunk)")
-            kw["pp_layers"] = tuple(kw["pp_layers"])
-        out.append(Layout(**kw))
+        out.append(layout_from_toml({**(defaults or {}), **e}, f"--batch {str(p)!r}: layout {i}"))
     return out
+
+
+def layout_from_toml(fields: dict[str, Any], where: str) -> Layout:
+    """A `Layout` from a TOML table of its fields: sp defaults to tp > 1, and `pp_layers` (a TOML array)
+    becomes the tuple the layout keeps (hashable)."""
+    kw = dict(fields)
+    kw.setdefault("sp", kw.get("tp", 1) > 1)
+    if "pp_layers" in kw:
+        if not isinstance(kw["pp_layers"], list) or not all(type(c) is int for c in kw["pp_layers"]):
+            raise BatchError(f"{where}: pp_layers must be a list of integers (decoder layers per pipeline chunk)")
+        kw["pp_layers"] = tuple(kw["pp_layers"])
+    return Layout(**kw)
 
 
 @dataclasses.dataclass(frozen=True)

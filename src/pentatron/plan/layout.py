@@ -226,16 +226,20 @@ def problems(w: Workload, lay: Layout, gpu: GPUSpec, gpus: int | None = None) ->
     out = _knob_problems(w, lay, gpu)
     pl = parallel_layout(w, lay)
     found = list(_training_rules(pl, w.cfg, gpus))
-    if lay.pp_layers is not None:  # the explicit split replaces the default one's rules
-        default = set(pl.pipeline_problems(w.cfg))
-        found = [x for x in found if x not in default] + pl.pipeline_problems(w.cfg, layers=lay.pp_layers,
-                                                                              min_layers=0)
-    elif pl.virtual > 1 and pl.n_stages <= w.cfg.n_layers and w.cfg.n_layers % pl.n_stages:
-        # the pipeline rules again, for the explicit uneven split the planner evaluates
-        default = set(pl.pipeline_problems(w.cfg))
-        uneven = layers_per_chunk(w.cfg, w.seq_len, lay.pp, lay.pp_virtual)
-        found = [x for x in found if x not in default] + pl.pipeline_problems(w.cfg, layers=uneven)
+    if lay.pp_layers is not None or (pl.virtual > 1 and pl.n_stages <= w.cfg.n_layers
+                                     and w.cfg.n_layers % pl.n_stages):
+        # the pipeline rules again, for the split the planner evaluates: the explicit one (a chunk may
+        # hold no layer) or the remainder spread over the interleaved chunks
+        found = _with_split(found, pl, w.cfg, chunk_layers(w, lay), min_layers=0)
     return out + found
+
+
+def _with_split(found: list[str], pl: ParallelLayout, cfg: ModelConfig, layers: tuple[int, ...],
+                min_layers: int = 1) -> list[str]:
+    """`found` (the training rules) with the default split's pipeline problems replaced by those of
+    the split `layers`."""
+    default = set(pl.pipeline_problems(cfg))
+    return [x for x in found if x not in default] + pl.pipeline_problems(cfg, layers=layers, min_layers=min_layers)
 
 
 def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> list[str]:
@@ -246,8 +250,7 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
     pl = parallel_layout(w, lay)
     out = [*_training_rules(pl, w.cfg, gpus), *pl.unsupported(w.cfg)]
     if lay.pp_layers is not None:  # training takes the split as parallel.pp_layers, every chunk a layer or more
-        default = set(pl.pipeline_problems(w.cfg))
-        out = [x for x in out if x not in default] + pl.pipeline_problems(w.cfg, layers=lay.pp_layers)
+        out = _with_split(out, pl, w.cfg, lay.pp_layers)
     if lay.precision not in TRAIN_PRECISIONS:
         out.append(f"train.precision={lay.precision!r} is not available in training (use one of "
                    f"{', '.join(TRAIN_PRECISIONS)})")
