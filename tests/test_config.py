@@ -59,10 +59,31 @@ def test_int_is_accepted_for_float_fields(tmp_path):
     ("[parallel]\ncp = 2\ncp_mode = 'tree'", (), 2, "parallel.cp_mode must be one of 'ring', 'ulysses', 'hybrid'"),
     ("[parallel]\ncp = 2\ntp = 4\nsp = true\n[train]\nseq_len = 36", (), 8,
      "parallel.sp=true needs the tokens per cp rank (train.seq_len / cp = 36/2 = 18) to be divisible by parallel.tp=4"),
+    # an explicit pipeline split (the debug model has 4 layers; global batch 8 of 2 → 4 micro-batches)
+    ("[parallel]\npp = 2\npp_layers = 3\n[train]\nmicro_batch = 2", (), 2, "parallel.pp_layers must be a list, got 3"),
+    ("[parallel]\npp = 2\npp_layers = [1, 'x']", (), 2, "parallel.pp_layers[1] must be an integer, got 'x'"),
+    ("[parallel]\npp = 2\npp_layers = [1, 2]\n[train]\nmicro_batch = 2", (), 2,
+     "parallel.pp_layers=[1, 2] sums to 3, but the model has 4 layers"),
+    ("[parallel]\npp = 2\npp_layers = [0, 4]\n[train]\nmicro_batch = 2", (), 2,
+     "parallel.pp_layers entries must be integers ≥ 1, got [0, 4]"),
+    ("[parallel]\npp = 2\npp_layers = [1, 1, 2]\n[train]\nmicro_batch = 2", (), 2,
+     "parallel.pp_layers lists 3 stages but there are 2 pipeline stages (pp=2)"),
+    ("[parallel]\npp_layers = [4]", (), 1, "parallel.pp_layers=[4] needs parallel.pp > 1"),
 ])
 def test_each_bad_value_gets_a_message_naming_the_field(tmp_path, toml, overrides, world, expected):
     problems = _problems(tmp_path, toml, overrides, world)
     assert any(expected in p for p in problems), problems
+
+
+def test_an_explicit_pipeline_split_reaches_the_layout(tmp_path):
+    (tmp_path / "c.toml").write_text("[parallel]\npp = 2\npp_schedule = 'interleaved'\npp_virtual = 2\n"
+                                     "pp_layers = [1, 2, 2, 1]\n[model]\nn_layers = 6\n[train]\nmicro_batch = 2\n")
+    cfg = load_config(tmp_path / "c.toml", world_size=2)
+    assert cfg.parallel.pp_layers == [1, 2, 2, 1] and cfg.layout(2).pp_layers == (1, 2, 2, 1)
+    # interleaving without an explicit split still needs equal chunks
+    assert any("interleaved chunks must hold equal numbers of layers" in p for p in
+               _problems(tmp_path, "[parallel]\npp = 2\npp_schedule = 'interleaved'\npp_virtual = 2\n"
+                                   "[model]\nn_layers = 6\n[train]\nmicro_batch = 2\n", world_size=2))
 
 
 def test_all_problems_are_reported_at_once(tmp_path):

@@ -89,6 +89,9 @@ class ParallelConfig:
     # (Ulysses over cp_ulysses ranks inside a node, ring across).
     cp_mode: Literal["ring", "ulysses", "hybrid"] = "ring"
     cp_ulysses: int = 1
+    # Decoder layers per pipeline stage (per chunk when interleaving), in stage order, e.g. [15, 17, 17, 15]
+    # to leave room for the embedding on the first stage and the head on the last; unset: the runtime's split.
+    pp_layers: list[int] | None = None
     bucket_mb: float = 25.0
 
 
@@ -188,6 +191,7 @@ class Config:
         return ParallelLayout(dp=dp or 1, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero, sp=par.sp,
                               pp_schedule=par.pp_schedule, pp_virtual=par.pp_virtual,
                               zero3_gather=par.zero3_gather, cp_mode=par.cp_mode, cp_ulysses=par.cp_ulysses,
+                              pp_layers=None if par.pp_layers is None else tuple(par.pp_layers),
                               micro_batch=tr.micro_batch,
                               global_batch=tr.global_batch, seq_len=tr.seq_len)
 
@@ -229,6 +233,14 @@ def _check_value(path: str, value: Any, tp: Any, problems: list[str]) -> Any:
         if not isinstance(value, str):
             problems.append(f"{path} must be a string, got {value!r}")
         return value
+    if origin is list:
+        if not isinstance(value, list):
+            problems.append(f"{path} must be a list, got {value!r}")
+            return value
+        sub = []
+        out = [_check_value(f"{path}[{i}]", v, get_args(tp)[0], sub) for i, v in enumerate(value)]
+        problems.extend(sub)
+        return out
     raise TypeError(f"unsupported config type {tp!r} for {path}")  # a bug in this file, not user input
 
 

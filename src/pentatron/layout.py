@@ -36,7 +36,9 @@ class ParallelLayout:
     from its first forward to its last backward of the step (torchtitan's FSDP + PP choice).
     `cp_mode`: how the cp ranks share attention — "ring" (K/V blocks travel a ring), "ulysses"
     (all-to-all from sequence- to head-sharded) or "hybrid" (Ulysses over `cp_ulysses` ranks inside,
-    ring over cp / cp_ulysses across)."""
+    ring over cp / cp_ulysses across). `pp_layers`: decoder layers of each pipeline stage (chunk) in
+    stage order, e.g. fewer on the first and the last stage, which also hold the embedding and the head;
+    None: the runtime's own split (equal chunks when interleaving, else balanced by cost)."""
 
     dp: int = 1
     tp: int = 1
@@ -53,6 +55,7 @@ class ParallelLayout:
     micro_batch: int = 1
     global_batch: int = 1
     seq_len: int = 1
+    pp_layers: tuple[int, ...] | None = None
 
     # ------------------------------------------------------------------ derived
     @property
@@ -167,11 +170,15 @@ class ParallelLayout:
     def pipeline_problems(self, model: ModelConfig, layers: Sequence[int] | None = None,
                           min_layers: int = 1) -> list[str]:
         """The schedule, its micro-batch count and the partition of the layers into stages (`min_layers`:
-        the fewest an explicit stage may hold; the planner evaluates 0, an embedding- or head-only chunk)."""
+        the fewest an explicit stage may hold; the planner evaluates 0, an embedding- or head-only chunk).
+        `layers`: the split to check, by default `pp_layers`."""
         if self.pp <= 1:
-            if self.pp_virtual > 1:
-                return [f"parallel.pp_virtual={self.pp_virtual} needs parallel.pp > 1"]
-            return []
+            out = [f"parallel.pp_virtual={self.pp_virtual} needs parallel.pp > 1"] if self.pp_virtual > 1 else []
+            if self.pp_layers is not None:
+                out.append(f"parallel.pp_layers={list(self.pp_layers)} needs parallel.pp > 1")
+            return out
+        if layers is None:
+            layers = self.pp_layers
         if self.pp_schedule not in SCHEDULES:
             return [f"parallel.pp_schedule={self.pp_schedule!r} is unknown; known: {', '.join(SCHEDULES)}"]
         out: list[str] = []
@@ -186,10 +193,12 @@ class ParallelLayout:
                            f"micro-batches per step (train.global_batch / (dp · train.micro_batch)): {e}")
         v = self.virtual
         if v > 1 and layers is None and model.n_layers % v:
-            out.append(f"parallel.pp_virtual={v} does not divide model.n_layers={model.n_layers}")
+            out.append(f"parallel.pp_virtual={v} does not divide model.n_layers={model.n_layers} (or list each "
+                       "chunk's layers in parallel.pp_layers)")
         elif v > 1 and layers is None and model.n_layers % self.n_stages:
             out.append(f"model.n_layers={model.n_layers} is not divisible by pp × pp_virtual = {self.pp} × {v} = "
-                       f"{self.n_stages}: interleaved chunks must hold equal numbers of layers")
+                       f"{self.n_stages}: interleaved chunks must hold equal numbers of layers (or list each "
+                       "chunk's in parallel.pp_layers)")
         else:
             what = (f"pipeline stages (pp={self.pp} × pp_virtual={v})" if v > 1
                     else f"pipeline stages (pp={self.pp})")

@@ -37,3 +37,26 @@ def test_an_untrainable_layout_is_not_emitted(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "train.precision='fp8' is not available" in err
     assert not path.exists()
+
+
+def test_an_explicit_split_is_planned_emitted_and_loaded(tmp_path, capsys):
+    """--pp-layers pins the split: the search keeps pp x pp_virtual = its length, the prediction and the
+    emitted config carry it, and training's validation loads it as parallel.pp_layers."""
+    path = tmp_path / "run.toml"
+    rc = run(["plan", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192", "--global-batch", "64", "--tp", "4",
+              "--pp-layers", "7,9,9,7", "--json", "--top", "3", "--emit-config", str(path)])
+    assert rc == 0
+    preds = json.loads(capsys.readouterr().out)["predictions"]
+    assert preds and all(p["layout"]["pp_layers"] == [7, 9, 9, 7] and p["layout"]["pp"] in (2, 4) for p in preds)
+    assert all(p["layout"]["pp"] * p["layout"]["pp_virtual"] == 4 for p in preds)
+    assert load_config(path, world_size=16).layout(16).pp_layers == (7, 9, 9, 7)
+    # an embedding-only and a head-only stage are evaluated but not trainable: nothing is emitted
+    empty_ends = tmp_path / "ends.toml"
+    rc = run(["plan", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192", "--global-batch", "64", "--tp", "4",
+              "--pp", "4", "--pp-layers", "0,16,16,0", "--emit-config", str(empty_ends)])
+    out = capsys.readouterr()
+    assert rc == 2 and "parallel.pp_layers entries must be integers ≥ 1" in out.out + out.err
+    assert not empty_ends.exists()
+    rc = run(["plan", "--model", "llama3-8b", "--gpus", "16", "--pp", "4", "--pp-layers", "7,9,9"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "parallel.pp_layers=[7, 9, 9] sums to 25, but the model has 32 layers" in err

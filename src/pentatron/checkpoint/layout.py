@@ -18,7 +18,7 @@ from typing import Any
 from pentatron.checkpoint.errors import CheckpointError
 from pentatron.layout import ParallelLayout
 
-_ALWAYS_COMPARED = ("tp", "pp", "ep", "pp_schedule", "pp_virtual")
+_ALWAYS_COMPARED = ("tp", "pp", "ep", "pp_schedule", "pp_virtual", "pp_layers")
 
 
 def layout_record(layout: ParallelLayout, engine_meta: dict[str, Any], bucket_mb: float) -> dict[str, Any]:
@@ -31,6 +31,8 @@ def layout_record(layout: ParallelLayout, engine_meta: dict[str, Any], bucket_mb
     if layout.pp > 1:
         meta.pop("buckets", None)
         meta.update(bucket_mb=bucket_mb, pp_schedule=layout.pp_schedule, pp_virtual=layout.virtual)
+        if layout.pp_layers is not None:  # an explicit split: which layers each rank holds
+            meta["pp_layers"] = list(layout.pp_layers)
     return meta
 
 
@@ -54,4 +56,4 @@ def check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> 
         raise CheckpointError(f"checkpoint {path} was written with layout {saved}, this run has layout {mine} "
                               f"(they differ in {', '.join(diff)}); it was saved before checkpoints described "
                               "their pieces, so it cannot be re-sharded: resume with the same parallel.dp, tp, pp, "
-                              "ep, zero, bucket_mb, pp_schedule and pp_virtual")
+                              "ep, zero, bucket_mb, pp_schedule, pp_virtual and pp_layers")

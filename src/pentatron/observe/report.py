@@ -80,7 +80,8 @@ def layout_and_workload(cfg: dict[str, Any], world_size: int, device: str) -> tu
     dp = par.dp or max(1, world_size // (par.tp * par.pp * par.cp))
     lay = Layout(dp=dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero, sp=par.sp,
                  pp_schedule=par.pp_schedule, pp_virtual=par.pp_virtual if par.pp_schedule == "interleaved" else 1,
-                 micro_batch=tr.micro_batch, recompute=tr.recompute, precision=precision)
+                 micro_batch=tr.micro_batch, recompute=tr.recompute, precision=precision,
+                 pp_layers=None if par.pp_layers is None else tuple(par.pp_layers))
     return lay, Workload(c.model_config(), tr.seq_len, tr.global_batch)
 
 

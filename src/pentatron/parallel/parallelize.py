@@ -60,7 +60,7 @@ def split_pipeline(model: nn.Module, ctx: ParallelContext, layout: ParallelLayou
     """This rank's pipeline stages, in chunk order (None when pp = 1)."""
     if layout.pp == 1:
         return None
-    ranges = stage_layers(model.cfg, layout.pp, layout.virtual, layout.seq_len)
+    ranges = stage_layers(model.cfg, layout.pp, layout.virtual, layout.seq_len, layers=layout.pp_layers)
     return build_stages(model, layout.pp, ctx.local_rank("pp"), ranges)
 
 

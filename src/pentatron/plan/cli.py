@@ -15,11 +15,23 @@ from pathlib import Path
 from typing import Any
 
 KNOB_FLAGS = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "pp_virtual", "micro_batch", "recompute",
-              "cp_mode", "cp_ulysses")
+              "cp_mode", "cp_ulysses", "pp_layers")
 
 
 class InputError(ValueError):
     """Bad user input: reported as one line, exit code 2."""
+
+
+def _layer_counts(text: str) -> tuple[int, ...]:
+    """'15,17,17,15' (or '[15, 17, 17, 15]') -> (15, 17, 17, 15)."""
+    try:
+        counts = tuple(int(x) for x in text.strip().strip("[]").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer counts (e.g. 15,17,17,15), got {text!r}") from None
+    if any(c < 0 for c in counts):
+        raise argparse.ArgumentTypeError(f"layer counts must be >= 0, got {text!r}")
+    return counts
 
 
 def _fail(cmd: str, msg: str) -> int:
@@ -89,6 +101,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     k.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None, help="sequence parallelism")
     k.add_argument("--pp-schedule", choices=("afab", "1f1b", "interleaved", "zb"))
     k.add_argument("--pp-virtual", type=int, help="chunks per rank for the interleaved schedule")
+    k.add_argument("--pp-layers", type=_layer_counts, metavar="N,N,...",
+                   help="decoder layers per pipeline stage (per chunk when interleaving), e.g. 15,17,17,15; "
+                        "0 = a stage with only the embedding or only the head (evaluated, not trainable)")
     k.add_argument("--micro-batch", type=int, help="sequences per micro-batch")
     k.add_argument("--recompute", choices=("none", "selective", "full"))
     k.add_argument("--cp-mode", choices=("ring", "ulysses", "hybrid"),
@@ -422,12 +437,16 @@ def _emit(args: argparse.Namespace, w: Any, gpu: Any, pred: Any) -> str:
 def _requested_layout(fixed: dict[str, Any], gpus: int, w: Any) -> Any:
     from pentatron.plan.layout import Layout
 
-    tp, pp, cp = fixed.get("tp", 1), fixed.get("pp", 1), fixed.get("cp", 1)
+    split = fixed.get("pp_layers")
+    v_given = fixed.get("pp_virtual", 2 if fixed.get("pp_schedule") == "interleaved" else 1)
+    tp, cp = fixed.get("tp", 1), fixed.get("cp", 1)
+    pp = fixed.get("pp") or (max(1, len(split) // v_given) if split else 1)
     dp = fixed.get("dp") or max(1, gpus // max(1, tp * pp * cp))
-    sched = fixed.get("pp_schedule", "1f1b")
+    v = len(split) // pp if split and len(split) >= pp else v_given
+    sched = fixed.get("pp_schedule", "interleaved" if v > 1 else "1f1b")
     return Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=fixed.get("ep", 1), zero=fixed.get("zero", 0),
-                  sp=fixed.get("sp", tp > 1), pp_schedule=sched,
-                  pp_virtual=fixed.get("pp_virtual", 2 if sched == "interleaved" else 1),
+                  sp=fixed.get("sp", tp > 1), pp_schedule=sched, pp_layers=split,
+                  pp_virtual=v,
                   micro_batch=fixed.get("micro_batch", 1), recompute=fixed.get("recompute", "none"),
                   precision=fixed.get("precision", "bf16"), attention=fixed.get("attention", "flash2"),
                   cp_mode=fixed.get("cp_mode", "ring"), cp_ulysses=fixed.get("cp_ulysses", 1))

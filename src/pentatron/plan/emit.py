@@ -62,6 +62,8 @@ def training_config_text(w: Workload, lay: Layout, header: str = "") -> str:
     }
     if lay.zero == 3 and lay.pp > 1:
         sections["parallel"]["zero3_gather"] = lay.zero3_gather
+    if lay.pp_layers is not None:
+        sections["parallel"]["pp_layers"] = list(lay.pp_layers)
     if lay.cp > 1:  # training's names (parallel.cp_mode, parallel.cp_ulysses)
         sections["parallel"]["cp_mode"] = lay.cp_mode
         if lay.cp_mode == "hybrid":

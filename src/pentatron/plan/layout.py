@@ -131,7 +131,8 @@ class Layout:
             s += f" ep{self.ep}"
         if self.pp > 1:
             s += f" {self.pp_schedule}" + (f"/v{self.pp_virtual}" if self.pp_schedule == "interleaved" else "")
-        return s + f" z{self.zero} mb{self.micro_batch} rc:{self.recompute}"
+        s += f" z{self.zero} mb{self.micro_batch} rc:{self.recompute}"
+        return s + (f" layers:{_run_length(self.pp_layers)}" if self.pp_layers is not None else "")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -150,7 +151,7 @@ def parallel_layout(w: Workload, lay: Layout) -> ParallelLayout:
     return ParallelLayout(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, zero=lay.zero, sp=lay.sp,
                           pp_schedule=lay.pp_schedule, pp_virtual=lay.pp_virtual, zero3_gather=lay.zero3_gather,
                           cp_mode=lay.cp_mode, cp_ulysses=lay.cp_ulysses, micro_batch=lay.micro_batch,
-                          global_batch=w.global_batch, seq_len=w.seq_len)
+                          global_batch=w.global_batch, seq_len=w.seq_len, pp_layers=lay.pp_layers)
 
 
 @lru_cache(maxsize=16384)
@@ -234,6 +235,17 @@ def problems(w: Workload, lay: Layout, gpu: GPUSpec, gpus: int | None = None) ->
     return out + found
 
 
+def _run_length(counts: tuple[int, ...]) -> str:
+    """(0, 1, 1, 1, 0) -> '0,1x3,0'."""
+    runs: list[list[int]] = []
+    for c in counts:
+        if runs and runs[-1][0] == c:
+            runs[-1][1] += 1
+        else:
+            runs.append([c, 1])
+    return ",".join(f"{c}x{n}" if n > 1 else str(c) for c, n in runs)
+
+
 def _with_split(found: list[str], pl: ParallelLayout, cfg: ModelConfig, layers: tuple[int, ...],
                 min_layers: int = 1) -> list[str]:
     """`found` (the training rules) with the default split's pipeline problems replaced by those of
@@ -249,8 +261,6 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
     for which it is empty."""
     pl = parallel_layout(w, lay)
     out = [*_training_rules(pl, w.cfg, gpus), *pl.unsupported(w.cfg)]
-    if lay.pp_layers is not None:  # training takes the split as parallel.pp_layers, every chunk a layer or more
-        out = _with_split(out, pl, w.cfg, lay.pp_layers)
     if lay.precision not in TRAIN_PRECISIONS:
         out.append(f"train.precision={lay.precision!r} is not available in training (use one of "
                    f"{', '.join(TRAIN_PRECISIONS)})")
@@ -306,7 +316,8 @@ def warnings(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
     if (lay.pp_layers is None and lay.pp_virtual > 1 and lay.pp * lay.pp_virtual <= w.cfg.n_layers
             and w.cfg.n_layers % (lay.pp * lay.pp_virtual)):
         out.append(f"interleaved chunks hold unequal layer counts ({w.cfg.n_layers} layers over "
-                   f"{lay.pp * lay.pp_virtual} chunks): training needs parallel.pp_layers for this split")
+                   f"{lay.pp * lay.pp_virtual} chunks): training runs this split with parallel.pp_layers = "
+                   f"{list(chunk_layers(w, lay))}")
     if lay.cp > 1 and lay.cp_mode == "hybrid" and lay.tp * lay.cp_ulysses > gpu.gpus_per_node:
         out.append(f"cp_ulysses={lay.cp_ulysses} × tp={lay.tp} ranks exceed a node ({gpu.gpus_per_node}): the "
                    "Ulysses all-to-alls cross the inter-node network")

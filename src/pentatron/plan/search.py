@@ -114,12 +114,13 @@ def enumerate_layouts(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any
         return [fixed[name]] if fixed.get(name) is not None else values
 
     precision = fixed.get("precision") or "bf16"
+    split = fixed.get("pp_layers")  # an explicit split fixes pp x pp_virtual = its length
     for tp in opts("tp", [t for t in _pow2_upto(min(gpu.gpus_per_node, gpus)) if gpus % t == 0]):
         for cp in opts("cp", [c for c in _pow2_upto(16) if gpus % (tp * c) == 0]):
             if gpus % (tp * cp):
                 continue
             for pp in opts("pp", [p for p in _divisors(gpus // (tp * cp)) if p <= cfg.n_layers]):
-                if gpus % (tp * cp * pp):
+                if gpus % (tp * cp * pp) or (split is not None and (pp == 1 or len(split) % pp)):
                     continue
                 dp = gpus // (tp * cp * pp)
                 if fixed.get("dp") is not None and fixed["dp"] != dp:
@@ -154,6 +155,10 @@ def _knob_variants(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any], 
             scheds = [(s, want_v) for s, _ in scheds[:1]]
     elif fixed.get("pp_virtual") is not None:
         scheds = [("interleaved", fixed["pp_virtual"])] if fixed["pp_virtual"] > 1 else scheds
+    split = fixed.get("pp_layers")
+    if split is not None:  # the chunks per rank follow from the split's length
+        v = len(split) // pp
+        scheds = [(sc, vv) for sc, vv in scheds if vv == v] or ([("interleaved", v)] if v > 1 else [])
     recs = [fixed["recompute"]] if fixed.get("recompute") is not None else list(RECOMPUTE_ORDER)
     modes = cp_mode_options(cp, tp, gpu.gpus_per_node)
     if fixed.get("cp_mode") is not None or fixed.get("cp_ulysses") is not None:
@@ -168,7 +173,7 @@ def _knob_variants(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any], 
                         lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp, pp_schedule=sched,
                                      pp_virtual=v, micro_batch=mb, recompute=rc, precision=precision,
                                      attention=fixed.get("attention") or "flash2", cp_mode=cp_mode,
-                                     cp_ulysses=cp_u)
+                                     cp_ulysses=cp_u, pp_layers=split)
                         if not quick_problems(w, lay, gpu, gpus):
                             yield lay
 

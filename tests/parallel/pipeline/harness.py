@@ -38,10 +38,12 @@ class Case:
     n_layers: int = 8
     m: int = M
     steps: int = STEPS
+    layers: tuple[int, ...] | None = None  # an explicit split (layers per stage); None: the runtime's own
 
     @property
     def label(self) -> str:
-        return f"{self.schedule}{'-v' + str(self.v) if self.v > 1 else ''}{'' if self.tied else '-untied'}"
+        split = "-layers" + ",".join(map(str, self.layers)) if self.layers else ""
+        return f"{self.schedule}{'-v' + str(self.v) if self.v > 1 else ''}{'' if self.tied else '-untied'}{split}"
 
 
 def model_config(case: Case) -> ModelConfig:
@@ -104,7 +106,7 @@ def pipeline_worker(rank: int, world_size: int, cases: list[Case], dataset_dir: 
         cfg = model_config(case)
         schedule = make_schedule(case.schedule, p, case.m, case.v)
         model = build_model(cfg, seed=SEED)
-        stages = build_stages(model, p, pp_rank, stage_layers(cfg, p, case.v, SEQ))
+        stages = build_stages(model, p, pp_rank, stage_layers(cfg, p, case.v, SEQ, layers=case.layers))
         del model
         params = {n: prm for st in stages for n, prm in st.named_parameters()}
         opt = _optimizer(list(params.values()))

@@ -1,5 +1,6 @@
 """Parity: 10 training steps on real gloo pipeline ranks equal the 1-process run (fp32, ≤ 1e-5 relative),
-for pp ∈ {2, 4} × AFAB, 1F1B, interleaved 1F1B (v=2) and ZB-H1; plus the engine's memory claims.
+for pp ∈ {2, 4} × AFAB, 1F1B, interleaved 1F1B (v=2) and ZB-H1, and explicit unequal splits at pp=2; plus
+the engine's memory claims.
 
 One `run_ranks` call per world size runs every schedule (process start-up is most of the cost)."""
 
@@ -13,7 +14,7 @@ from tests.parallel.pipeline.harness import Case, assert_close, pipeline_worker,
 
 # m > p everywhere, so AFAB's peak (m) and 1F1B's (≤ p) differ; interleaving needs m % p == 0 and
 # p·v chunks of whole layers.
-SIZES = {2: {"m": 4, "n_layers": 4}, 4: {"m": 8, "n_layers": 8}}
+SIZES = {2: {"m": 4, "n_layers": 4}, 4: {"m": 8, "n_layers": 8}}  # (pp=2 also splits 6 layers unevenly)
 
 
 def cases_for(p: int) -> list[Case]:
@@ -21,6 +22,9 @@ def cases_for(p: int) -> list[Case]:
     cases = [Case("afab", **kw), Case("1f1b", **kw), Case("interleaved", v=2, **kw), Case("zb", **kw)]
     if p == 2:
         cases.append(Case("1f1b", tied=False, **kw))  # untied head: no tied-gradient exchange
+        # explicit, unequal splits (parallel.pp_layers): a light first stage; interleaved chunks of 1, 2, 2, 1
+        cases.append(Case("1f1b", layers=(1, 3), **kw))
+        cases.append(Case("interleaved", v=2, m=kw["m"], n_layers=6, layers=(1, 2, 2, 1)))
     return cases
 
 
@@ -63,6 +67,18 @@ def test_parity_with_one_process(pipelined, references):
                 assert_close(param, ref["params"][want_name], f"{what} after {case.steps} steps")
         assert seen == set(ref["params"]), f"{case.label} pp={p}: parameters held by no rank: " \
                                            f"{sorted(set(ref['params']) - seen)}"
+
+
+def test_explicit_splits_place_the_layers_they_list(pipelined):
+    """Rank r holds stages r, r + p, ... of the split, each stage the next `layers[s]` decoder layers."""
+    p, cases, per_rank = pipelined
+    for i, case in enumerate(cases):
+        if case.layers is None:
+            continue
+        starts = [sum(case.layers[:s]) for s in range(len(case.layers))]
+        for r in range(p):
+            want = [list(range(starts[s], starts[s] + case.layers[s])) for s in range(r, len(case.layers), p)]
+            assert [list(ids) for ids in per_rank[r][i]["layers"]] == want, f"{case.label} rank {r}"
 
 
 def test_tied_embedding_copies_stay_identical(pipelined):

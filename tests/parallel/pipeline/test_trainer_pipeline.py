@@ -1,7 +1,8 @@
 """Pipeline parallelism through the real `Trainer`: 10 steps of the (tied) debug model equal the
 1-process run — losses and grad norms each step, every parameter's step-1 gradient, final parameters
 gathered from every stage — for
-pp=2 with each of the four schedules (interleaved with v=2 over the 4 layers), pp=4 with 1F1B,
+pp=2 with each of the four schedules (interleaved with v=2 over the 4 layers) and with an explicit
+split (parallel.pp_layers=[1,3]), pp=4 with 1F1B,
 pp=2 × dp=2 with ZeRO-1, and pp=2 × tp=2 with and without sequence parallelism.
 
 One `run_ranks` call per world size runs its configurations in sequence (process start-up dominates
@@ -32,7 +33,8 @@ LR, EPS = 1e-3, 1e-4
 # (label, world size, overrides): m = GLOBAL / (dp · MICRO) micro-batches per step.
 CASES: dict[int, list[tuple[str, list[str]]]] = {
     2: [(f"pp=2 {s}", ["parallel.pp=2", f"parallel.pp_schedule={s}"]) for s in ("afab", "1f1b", "zb")]
-    + [("pp=2 interleaved v=2", ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2"])],
+    + [("pp=2 interleaved v=2", ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2"]),
+       ("pp=2 1f1b pp_layers=[1,3]", ["parallel.pp=2", "parallel.pp_layers=[1,3]"])],
     4: [("pp=4 1f1b", ["parallel.pp=4"]),
         ("pp=2 dp=2 zero=1", ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1"]),
         ("pp=2 tp=2", ["parallel.pp=2", "parallel.tp=2"]),
@@ -118,6 +120,10 @@ def test_pp2_every_schedule_through_the_trainer_equals_one_process(reference, de
     # Engine-counted in-flight micro-batches (m = 4): all of them for AFAB, at most p for 1F1B.
     assert [r["pp=2 afab"]["peak"] for r in runs] == [4, 4]
     assert max(r["pp=2 1f1b"]["peak"] for r in runs) <= 2
+    # parallel.pp_layers=[1,3]: the first rank holds layer 0 only, the second layers 1-3
+    held = [{n.split(".")[1] for n in r["pp=2 1f1b pp_layers=[1,3]"]["params"] if n.startswith("layers.")}
+            for r in runs]
+    assert held == [{"0"}, {"1", "2", "3"}], held
     # log.pp_trace: one Chrome trace per pipeline rank per step; merged they form the step's timeline.
     files = sorted((tmp_path / "pp_trace").glob(f"step{STEPS:06d}.rank*.json"))
     assert len(files) == 2 and all(json.loads(f.read_text())["traceEvents"] for f in files)
