@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pentatron.distributed.launch import shutdown_distributed
+
 
 class RankFailed(RuntimeError):
     pass
@@ -32,15 +34,18 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
+    finished = False
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
         results.put((rank, True, out))
+        finished = True
     except BaseException:  # noqa: BLE001 - everything must reach the parent, or it would wait forever
         results.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # as training leaves (distributed/launch.py): a barrier first when every rank finished, so that
+        # none tears its connections down while a peer still uses them
+        shutdown_distributed(finished)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 180.0) -> list[Any]:

@@ -277,6 +277,7 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
     import torch.distributed as dist
 
     from pentatron.distributed.context import Degrees, ParallelContext
+    from pentatron.distributed.launch import shutdown_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
@@ -287,6 +288,7 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # *_tensor collective names, torch >= 2.12
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world)
+    finished = False
     try:
         ctx = ParallelContext.from_degrees(Degrees(dp=world), device)
         comm = ctx.comm
@@ -334,8 +336,9 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
             tp_step = measure_tp_step(tp_ctx, attn).to_profile()
         if rank == 0:
             Path(out_path).write_text(json.dumps({"busbw": results, "concurrent": concurrent, "tp_step": tp_step}))
+        finished = True
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed(finished)  # as training leaves: meet at a barrier first when all went well
 
 
 def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: int | None = None,
