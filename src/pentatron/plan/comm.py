@@ -18,8 +18,8 @@ from pentatron.distributed.ring import ring_bytes
 from pentatron.plan.context import (
     CpLayerCost,
     allgather_exposure,
+    allgather_kv_elements,
     cp_degrees,
-    exchanged_heads,
     kv_block_bytes,
     kv_heads_after_ulysses,
     layer_cost,
@@ -222,8 +222,8 @@ def _ring_block(w: Workload, lay: Layout) -> float:
 def cp_allgather_payloads(w: Workload, lay: Layout) -> tuple[float, float]:
     """torch's all-gather ring attention, per layer and micro-batch: (the gathered K/V of all ranks, one
     pass of the rank's fp32 dK/dV accumulator) in bytes."""
-    heads = exchanged_heads(w.cfg.n_heads / lay.tp, kv_heads_per_tp_rank(w.cfg, lay.tp), lay.cp_kv_heads)
-    local = 2 * (lay.micro_batch * w.seq_len // lay.cp) * heads * w.cfg.head_dim
+    local = allgather_kv_elements(lay.micro_batch * w.seq_len // lay.cp, w.cfg.n_heads / lay.tp,
+                                  kv_heads_per_tp_rank(w.cfg, lay.tp), w.cfg.head_dim, lay.cp_kv_heads)
     return local * lay.cp * act_bytes(lay.precision), local * 4
 
 

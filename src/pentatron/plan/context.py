@@ -96,6 +96,11 @@ def exchanged_heads(q_local: float, kv_local: int, cp_kv_heads: str) -> float:
     return q_local if cp_kv_heads == "q" else kv_local
 
 
+def allgather_kv_elements(tokens: float, q_local: float, kv_local: int, head_dim: int, cp_kv_heads: str) -> float:
+    """Elements of one rank's K and V as torch's all-gather ring attention exchanges them."""
+    return 2 * tokens * exchanged_heads(q_local, kv_local, cp_kv_heads) * head_dim
+
+
 def allgather_exposure(r: int, gather: float, dkv_pass: float, attn_f: float, attn_b: float
                        ) -> tuple[float, float, float, float]:
     """(fwd exposed, bwd exposed, fwd hidden, bwd hidden) of torch's all-gather ring attention over r ranks:
@@ -117,7 +122,7 @@ def comm_buffer_bytes(tokens: float, hq_local: float, kv_local: int, head_dim: i
     u, r = cp_degrees(cp, mode, cp_ulysses)
     out = 0.0
     if r > 1 and rotate == "allgather":
-        local = 2 * tokens * exchanged_heads(hq_local / head_dim, kv_local, cp_kv_heads) * head_dim
+        local = allgather_kv_elements(tokens, hq_local / head_dim, kv_local, head_dim, cp_kv_heads)
         out += r * local * a + 2 * local * 4
     elif r > 1:
         out += 4 * kv_block_bytes(tokens, kv_local, head_dim, u, a)
