@@ -231,7 +231,7 @@ def problems(w: Workload, lay: Layout, gpu: GPUSpec, gpus: int | None = None) ->
                                      and w.cfg.n_layers % pl.n_stages):
         # the pipeline rules again, for the split the planner evaluates: the explicit one (a chunk may
         # hold no layer) or the remainder spread over the interleaved chunks
-        found = _with_split(found, pl, w.cfg, chunk_layers(w, lay), min_layers=0)
+        found = _with_split(found, pl, w.cfg, chunk_layers(w, lay))
     return out + found
 
 
@@ -246,12 +246,12 @@ def _run_length(counts: tuple[int, ...]) -> str:
     return ",".join(f"{c}x{n}" if n > 1 else str(c) for c, n in runs)
 
 
-def _with_split(found: list[str], pl: ParallelLayout, cfg: ModelConfig, layers: tuple[int, ...],
-                min_layers: int = 1) -> list[str]:
-    """`found` (the training rules) with the default split's pipeline problems replaced by those of
-    the split `layers`."""
+def _with_split(found: list[str], pl: ParallelLayout, cfg: ModelConfig, layers: tuple[int, ...]) -> list[str]:
+    """`found` (the training rules) with the pipeline problems of training's split replaced by those of
+    the split the planner evaluates, `layers`, where a chunk may hold no layer (only the embedding or
+    only the head: evaluated, not trainable)."""
     default = set(pl.pipeline_problems(cfg))
-    return [x for x in found if x not in default] + pl.pipeline_problems(cfg, layers=layers, min_layers=min_layers)
+    return [x for x in found if x not in default] + pl.pipeline_problems(cfg, layers=layers, min_layers=0)
 
 
 def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> list[str]:
