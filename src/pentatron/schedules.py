@@ -350,17 +350,7 @@ def peak_in_flight(s: Schedule) -> list[int]:
     """Per rank, the most (chunk, micro-batch) pairs whose forward has run and whose last backward action
     (BW, or W when split) has not: the number of activation sets the rank holds at its peak. For v > 1
     the unit is one chunk's activations (1/v of the rank's layers)."""
-    out = []
-    for acts in s.actions:
-        cur = peak = 0
-        for a in acts:
-            if a.kind == F:
-                cur += 1
-                peak = max(peak, cur)
-            elif a.kind in (BW, W):
-                cur -= 1
-        out.append(peak)
-    return out
+    return [int(peak_in_flight_weighted(s, r, [1] * s.v)) for r in range(s.p)]
 
 
 def peak_in_flight_weighted(s: Schedule, rank: int, weights: Sequence[float]) -> float:
