@@ -4,8 +4,8 @@ per row, then the median and p90 |error| overall and per source (and memory wher
 
     python benchmarks/planner_accuracy.py [--file benchmarks/published_runs.toml] [--json] [--source mpt]
 
-Published TFLOP/s are converted to tokens/s/GPU with the source's own FLOP convention (see the file's
-header). For reference it also prints the error of a constant-MFU guess (`--baseline-mfu`, default 40 %).
+Published TFLOP/s and MFU are converted to tokens/s/GPU with the source's own FLOP convention, iteration
+times with the row's global batch (see the file's header). For reference it also prints the error of a constant-MFU guess (`--baseline-mfu`, default 40 %).
 Nothing is fitted here: the planner's constants come from kernel and collective measurements.
 """
 
@@ -84,10 +84,14 @@ def load_rows(path: Path = DEFAULT_FILE) -> list[Row]:
             raise ValueError(f"{r['id']}: dp*tp*pp*cp = {lay.world} != gpus {r['gpus']}")
         if r["metric"] == "tokens_per_s_per_gpu":
             tps = float(r["value"])
-        elif r["metric"] == "tflops_per_gpu":
+        elif r["metric"] == "iteration_s":  # seconds per step of the whole global batch
+            tps = r["global_batch"] * r["seq"] / (r["value"] * r["gpus"])
+        elif r["metric"] in ("tflops_per_gpu", "mfu"):
             fpt = (megatron2021_flops_per_token(cfg, r["seq"]) if r["flops"] == "megatron2021"
                    else model_flops_per_token(cfg, r["seq"]))
-            tps = r["value"] * 1e12 / fpt
+            flops = (r["value"] * 1e12 if r["metric"] == "tflops_per_gpu"
+                     else r["value"] / 100 * gpu.flops(compute_dtype(lay.precision)))
+            tps = flops / fpt
         else:
             raise ValueError(f"{r['id']}: unknown metric {r['metric']!r}")
         mem = r.get("memory_gib")
