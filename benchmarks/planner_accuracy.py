@@ -5,7 +5,8 @@ per row, then the median and p90 |error| overall and per source (and memory wher
     python benchmarks/planner_accuracy.py [--file benchmarks/published_runs.toml] [--json] [--source mpt]
 
 Published TFLOP/s and MFU are converted to tokens/s/GPU with the source's own FLOP convention, iteration
-times with the row's global batch (see the file's header). For reference it also prints the error of a constant-MFU guess (`--baseline-mfu`, default 40 %).
+times with the row's global batch (see the file's header). For reference it also prints the error of a
+constant-MFU guess (`--baseline-mfu`, default 40 %).
 Nothing is fitted here: the planner's constants come from kernel and collective measurements.
 """
 

@@ -151,6 +151,10 @@ def test_fp16_loss_scaling_and_bf16_gradients():
     g32 = dp_collectives(Layout(dp=8), H100, 1e9, "dp", 1, 2)[0]
     g16 = dp_collectives(Layout(dp=8, grad_precision="bf16"), H100, 1e9, "dp", 1, 2)[0]
     assert (g32.payload, g16.payload) == (4e9, 2e9)
+    # Megatron-LM --fp16 without --accumulate-allreduce-grads-in-fp32 reduces the fp16 .grad: the same 2 bytes
+    fp16_grads = Layout(dp=8, precision="fp16", grad_precision="fp16")
+    assert memory_per_gpu(w, fp16_grads, H100).gradients == pytest.approx(m16.gradients)
+    assert dp_collectives(fp16_grads, H100, 1e9, "dp", 1, 2)[0].payload == 2e9
 
 
 def test_zero3_with_pp_gathers_per_micro_batch_or_once_per_step():

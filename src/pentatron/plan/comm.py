@@ -361,7 +361,7 @@ def tied_grad_bytes(params: float, lay: Layout) -> float:
     """Bytes of the tied weight's gradient one rank sends its peer stage: the gradient buffer's dtype,
     only the piece it owns under ZeRO >= 1 (sharded over dp x cp)."""
     shard = lay.dp * lay.cp if lay.zero >= 1 else 1
-    return params * (2 if lay.grad_precision == "bf16" else 4) / shard
+    return params * lay.grad_bytes / shard
 
 
 def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a: int,
@@ -375,7 +375,7 @@ def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a
     g = group_of(lay, dim, gpu)
     if g.size <= 1 or params <= 0:
         return []
-    grads, weights = params * (2 if lay.grad_precision == "bf16" else 4), params * a
+    grads, weights = params * lay.grad_bytes, params * a
     if lay.zero == 0:
         return [_coll(gpu, g, "all_reduce", grads, 1, "gradients")]
     if lay.zero == 1:

@@ -26,7 +26,7 @@ ATTENTION_KERNELS: tuple[str, ...] = ("flash2", "flash3", "cudnn", "math")
 TRAIN_PRECISIONS: tuple[str, ...] = ("bf16", "fp32")  # train.precision (besides "auto")
 PP_SCHEDULES: tuple[str, ...] = ("afab", "1f1b", "interleaved", "zb")
 SP_INPUTS: tuple[str, ...] = ("gathered", "sharded")
-GRAD_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "bf16+fp32")
+GRAD_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16+fp32")
 CROSS_ENTROPY: tuple[str, ...] = ("eager", "fused")
 
 
@@ -63,6 +63,8 @@ class Layout:
     attention: str = "flash2"
     # dtype of the gradient buffer that is accumulated and reduced: our trainer keeps fp32; Megatron's
     # default distributed optimizer and FSDP with a bf16 reduce dtype keep bf16 (2 bytes/param less);
+    # "fp16": the same 2 bytes in fp16 (Megatron-LM with --fp16 and without
+    # --accumulate-allreduce-grads-in-fp32, DeepSpeed's fp16 engine: the .grad itself is reduced);
     # "bf16+fp32": DeepSpeed's BF16_Optimizer keeps the bf16 .grad (clear_lp_grads=False) beside the
     # fp32 accumulation it reduces (2 bytes/param more: the playbook's 20 bytes/param recipe)
     grad_precision: str = "fp32"
@@ -118,6 +120,12 @@ class Layout:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per element of the gradient buffer that is reduced: 2 for bf16/fp16 buffers, 4 for fp32
+        and for "bf16+fp32" (DeepSpeed reduces its fp32 sum; the bf16 .grad beside it is memory only)."""
+        return 2 if self.grad_precision in ("bf16", "fp16") else 4
 
     def microbatches(self, w: Workload) -> int:
         """Micro-batches per step on each pipeline (gradient-accumulation steps)."""

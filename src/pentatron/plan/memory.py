@@ -64,11 +64,11 @@ PLAYBOOK_20 = StatePrecision("playbook-bf16-fp32grads", 2, 6, 4, 8)
 
 
 def state_precision(lay: Layout) -> StatePrecision:
-    """Bytes per parameter held by this layout's training recipe (gradients in bf16 when asked)."""
+    """Bytes per parameter held by this layout's training recipe (2-byte gradients when asked)."""
     prec = STATE_PRECISIONS[lay.precision]
     if lay.grad_precision == "bf16+fp32":  # DeepSpeed's BF16_Optimizer: bf16 .grad kept beside the fp32 sum
         return replace(prec, grad=prec.grad + 2)
-    return replace(prec, grad=2) if lay.grad_precision == "bf16" else prec
+    return replace(prec, grad=lay.grad_bytes)
 
 
 @dataclass(frozen=True)
