@@ -188,8 +188,6 @@ def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
         out.append(f"--precision must be one of {', '.join(PRECISIONS)}, got {lay.precision!r}")
     elif lay.precision != "fp32" and _dtype_key(lay.precision) not in gpu.peak_flops:
         out.append(f"--precision {lay.precision}: {gpu.name} has no {lay.precision} tensor cores")
-    if lay.pp_layers is not None and lay.pp <= 1:
-        out.append(f"pp_layers={list(lay.pp_layers)} needs pp > 1")
     if lay.attention not in ATTENTION_KERNELS:
         out.append(f"--attention must be one of {', '.join(ATTENTION_KERNELS)}, got {lay.attention!r}")
     if lay.sp_inputs not in SP_INPUTS:
