@@ -1,5 +1,6 @@
-"""The run report on real debug runs (1 process, dp2, tp2 with the profiler, pp2): its communication
-bytes are the ledger's, and the predicted-vs-measured table is there."""
+"""The run report on real debug runs (1 process, dp2, tp2 with the profiler, tp2 with SP, pp2): its
+communication bytes are the ledger's, the planner predicts the tensor-parallel ones byte for byte, and
+the predicted-vs-measured table is there."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ def _train(rank: int, world: int, run_dir: str, dataset: str, extra: list[str]) 
     (1, []),
     (2, ["parallel.dp=2"]),
     (2, ["parallel.tp=2", "log.profile='2:3'"]),
+    (2, ["parallel.tp=2", "parallel.sp=true"]),
     (2, ["parallel.pp=2"]),
-], ids=["1proc", "dp2", "tp2", "pp2"])
+], ids=["1proc", "dp2", "tp2", "tp2sp", "pp2"])
 def test_report_matches_the_ledger(tmp_path: Path, default_dataset, world: int, extra: list[str]):
     run_dir = tmp_path / "run"
     if world == 1:
@@ -54,7 +56,10 @@ def test_report_matches_the_ledger(tmp_path: Path, default_dataset, world: int, 
         assert per_step == {} and meas["model_state_bytes"] == pytest.approx(pred["model_state_bytes"], rel=0.01)
     if "parallel.pp=2" in extra:
         assert "| pipeline bubble |" in md and 0 < meas["bubble"] < 1
-    if "parallel.tp=2" in extra:
+    if "parallel.tp=2" in extra:  # every TP collective the planner counts, and only those (the one
+        # exception: the 4-byte all-reduce of the squared gradient norm)
+        assert per_step["tp"] - pred["comm_bytes_per_step"]["tp"] == 4
+    if "log.profile='2:3'" in extra:
         summary = json.loads((run_dir / "profile" / "rank1.summary.json").read_text())
         assert summary["steps"] == [2, 3] and summary["comm_calls"]["tp"] > 0 and summary["comm_s"]["tp"] > 0
         assert set(summary["compute_s"]) == {"forward", "backward", "optimizer"}

@@ -140,3 +140,21 @@ def test_the_embedding_gradient_is_reduced_after_the_backward():
     assert share == pytest.approx(131.072 / 295.7, abs=1e-3) and share > DP_BUCKET / c.payload
     last_bwd = st.phases[0].b + st.phases[0].w
     assert st.exposed_by_dim["dp"] == pytest.approx(max(0.0, c.time_per_step - last_bwd) + c.time * share)
+
+
+def test_tensor_parallel_collectives_per_micro_batch():
+    """What training's ledger records per micro-batch (tests/observe/test_report.py checks it byte for
+    byte): without SP 4 all-reduces per layer, the embedding's forward and the head input's backward one;
+    under SP each of those becomes an all-gather and a reduce-scatter, and each norm weight's gradient
+    (2 per layer and the final norm) is all-reduced."""
+    w = Workload(get_model_config("llama3-8b"), 4096, 8)
+    act = 4096 * 4096 * 2  # one micro-batch of 1 sequence, bf16
+    counts = {}
+    for sp in (False, True):
+        for c in step_collectives(w, Layout(dp=1, tp=2, sp=sp), H100, 1e9, 0, 4, 0, first=True, last=True):
+            counts[(sp, c.op, c.where)] = (c.count, c.payload)
+    m = 8  # micro-batches
+    assert counts[(False, "all_reduce", "layers fwd+bwd")] == (m * (4 * 4 + 1 + 1), act)
+    assert counts[(True, "all_gather", "layers fwd+bwd (SP)")] == (m * 18, act)
+    assert counts[(True, "reduce_scatter", "layers fwd+bwd (SP)")] == (m * 18, act)
+    assert counts[(True, "all_reduce", "norm weight gradients (SP)")] == (m * (2 * 4 + 1), 4096 * 2)

@@ -176,6 +176,7 @@ class LayerComm:
     sp_regather: float = 0.0  # one backward all-gather of a block input (sp_inputs="sharded"), x2 per layer
     sp_all_gather: float = 0.0  # one SP all-gather of a block input (2 per layer forward, 2 backward)
     sp_reduce_scatter: float = 0.0  # one SP reduce-scatter of a block output (likewise)
+    sp_norm_grads: float = 0.0  # backward: the two norm weights' gradients summed over tp (SP), per layer
 
 
 def layer_comm(w: Workload, lay: Layout, gpu: GPUSpec, layer_is_moe: bool) -> LayerComm:
@@ -198,10 +199,18 @@ def layer_comm(w: Workload, lay: Layout, gpu: GPUSpec, layer_is_moe: bool) -> La
         routed = tokens * moe.top_k * cfg.hidden_size * a
         ep_fwd = 2 * collective_time(gpu, "all_to_all", routed, g)  # dispatch + combine
         ep_bwd = ep_fwd
-    regather = 0.0
+    regather = norm_grads = 0.0
     if lay.tp > 1 and lay.sp and lay.sp_inputs == "sharded":
         regather = collective_time(gpu, "all_gather", act, tp_g)
-    return LayerComm(tp_fwd, tp_fwd, ep_fwd, ep_bwd, regather, ag, rs)
+    if lay.tp > 1 and lay.sp:
+        norm_grads = 2 * collective_time(gpu, "all_reduce", sp_norm_grad_bytes(w, lay), tp_g)
+    return LayerComm(tp_fwd, tp_fwd, ep_fwd, ep_bwd, regather, ag, rs, norm_grads)
+
+
+def sp_norm_grad_bytes(w: Workload, lay: Layout) -> float:
+    """One norm weight's gradient: under SP each tp rank's covers its sequence shard only, so every norm
+    weight's gradient is all-reduced over tp after each backward (parallel/tensor.py `_sum_grad`)."""
+    return w.cfg.hidden_size * act_bytes(lay.precision)
 
 
 def _ulysses_payloads(w: Workload, lay: Layout) -> tuple[float, float]:
@@ -297,12 +306,17 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
     recompute_fwd = 1 if lay.recompute == "full" else 0  # full recompute replays the forward's TP comm
     if lay.tp > 1:
         g = group_of(lay, "tp", gpu)
-        per_mb = (2 + 2 + 2 * recompute_fwd) * layers_on_rank + (1 if first else 0) + (2 if last else 0)
+        # all-reduces per micro-batch without SP: 2 per layer forward and 2 backward (and the forward's
+        # again under full recompute), the embedding's forward and the LM head input's backward; SP
+        # turns each into an all-gather and a reduce-scatter (one forward, the other backward)
+        per_mb = (2 + 2 + 2 * recompute_fwd) * layers_on_rank + (1 if first else 0) + (1 if last else 0)
         if lay.sp:
-            out.append(_coll(gpu, g, "all_gather", act, m * per_mb / 2, SP_LAYERS_WHERE))
+            out.append(_coll(gpu, g, "all_gather", act, m * per_mb, SP_LAYERS_WHERE))
             if lay.sp_inputs == "sharded":
                 out.append(_coll(gpu, g, "all_gather", act, m * 2 * layers_on_rank, SP_REGATHER_WHERE))
-            out.append(_coll(gpu, g, "reduce_scatter", act, m * per_mb / 2, SP_LAYERS_WHERE))
+            out.append(_coll(gpu, g, "reduce_scatter", act, m * per_mb, SP_LAYERS_WHERE))
+            norms = 2 * layers_on_rank + (1 if last else 0)
+            out.append(_coll(gpu, g, "all_reduce", sp_norm_grad_bytes(w, lay), m * norms, SP_NORMS_WHERE))
         else:
             out.append(_coll(gpu, g, "all_reduce", act, m * per_mb, "layers fwd+bwd"))
         if last and lay.cross_entropy != "fused":
@@ -355,6 +369,7 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
 TIED_WHERE = "tied embedding gradient"
 SP_REGATHER_WHERE = "block inputs again in bwd (SP, sharded inputs)"
 SP_LAYERS_WHERE = "layers fwd+bwd (SP)"
+SP_NORMS_WHERE = "norm weight gradients (SP)"
 
 
 def tied_grad_bytes(params: float, lay: Layout) -> float:

@@ -34,6 +34,7 @@ from pentatron.plan.comm import (
     layer_comm,
     loss_all_reduces,
     pp_hop_time,
+    sp_norm_grad_bytes,
     step_collectives,
 )
 from pentatron.plan.context import cp_degrees
@@ -197,7 +198,7 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
         (tp_f, tp_b), _ = tp_overlap_split(lc, tp, qkv, proj, up, down)
     f = ph.f + attn_f + elem + tp_f + lc.ep_fwd + cp.fwd_exposed
     b = ph.b + attn_b + 2 * elem + tp_b + lc.ep_bwd + cp.bwd_exposed
-    b += sum(sp_regather_split(lc, qkv, up)[0])
+    b += sum(sp_regather_split(lc, qkv, up)[0]) + lc.sp_norm_grads
     if lay.recompute == "selective":  # the attention core replays, its context-parallel exchange included
         b += attn_f + cp.fwd_exposed
     elif lay.recompute == "selective-op":  # torchtitan's op SAC: every elementwise op and some matmuls replay
@@ -272,32 +273,40 @@ def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -
     per_logit = (a + 4 + 4 + 4) if kernels == "eager" else (a + 4)
     bw = gpu.op_bandwidth(tokens * v * 4, 2 * tokens * v * 4, efficiency=False)  # fp32 logits in and out
     loss = tokens * v * per_logit / bw
-    tp = _head_tp(w, lay, gpu)
+    tp_f, tp_b = _head_tp(w, lay, gpu)
     if lay.cross_entropy == "fused":  # flash-attn's kernel: reads the logits; backward reads, writes grads
         loss = tokens * v * a / bw
-        return Phase(ph.f + loss + tp, ph.b + 2 * loss + tp, ph.w)
+        return Phase(ph.f + loss + tp_f, ph.b + 2 * loss + tp_b, ph.w)
     ce_comm = 0.0
     if lay.tp > 1:  # the vocab-parallel loss's small all-reduces (latency-bound), forward only
         g = group_of(lay, "tp", gpu)
         ce_comm = sum(collective_time(gpu, "all_reduce", x, g) for x in loss_all_reduces(tokens))
-    return Phase(ph.f + loss + tp + ce_comm, ph.b + 1.5 * loss + tp, ph.w)
+    return Phase(ph.f + loss + tp_f + ce_comm, ph.b + 1.5 * loss + tp_b, ph.w)
 
 
-def _head_tp(w: Workload, lay: Layout, gpu: GPUSpec) -> float:
-    """The LM head's TP collective: all-gather of the SP shards, or the f operator's all-reduce."""
+def _head_tp(w: Workload, lay: Layout, gpu: GPUSpec) -> tuple[float, float]:
+    """The LM head's TP collectives, forward and backward: under SP the all-gather of the sequence shards
+    and its reduce-scatter (plus the final norm's gradient all-reduce); without, the f operator's
+    all-reduce of the input gradient, backward only."""
     if lay.tp == 1:
-        return 0.0
+        return 0.0, 0.0
+    g = group_of(lay, "tp", gpu)
     act = lay.micro_batch * w.seq_len / lay.cp * w.cfg.hidden_size * act_bytes(lay.precision)
-    return collective_time(gpu, "all_gather" if lay.sp else "all_reduce", act, group_of(lay, "tp", gpu))
+    if not lay.sp:
+        return 0.0, collective_time(gpu, "all_reduce", act, g)
+    norm = collective_time(gpu, "all_reduce", sp_norm_grad_bytes(w, lay), g)
+    return collective_time(gpu, "all_gather", act, g), collective_time(gpu, "reduce_scatter", act, g) + norm
 
 
 def embed_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -> Phase:
     a = act_bytes(lay.precision)
     tokens = lay.micro_batch * w.seq_len / lay.cp
     act = tokens * w.cfg.hidden_size * a
-    tp = 0.0
+    tp_f = tp_b = 0.0  # the g operator's all-reduce forward; under SP a reduce-scatter, its all-gather backward
     if lay.tp > 1:
-        tp = collective_time(gpu, "reduce_scatter" if lay.sp else "all_reduce", act, group_of(lay, "tp", gpu))
+        g = group_of(lay, "tp", gpu)
+        tp_f = collective_time(gpu, "reduce_scatter" if lay.sp else "all_reduce", act, g)
+        tp_b = collective_time(gpu, "all_gather", act, g) if lay.sp else 0.0
     # gather rows forward; scatter-add fp32 gradient rows backward (memory-bound)
     bw = gpu.op_bandwidth(act, 2 * act, efficiency=False)
     wgrad = tokens * w.cfg.hidden_size * 8 / bw
@@ -307,7 +316,7 @@ def embed_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") 
         table = w.cfg.vocab_size * w.cfg.hidden_size / lay.tp
         dense = table * 4 * (1 + (3 if w.cfg.tie_embeddings and lay.pp == 1 else 0))
         wgrad += dense / gpu.op_bandwidth(table * 4, table * 4) + grad_accumulation(gpu, lay, table, kernels)
-    return Phase(2 * act / bw + tp, 0.0, wgrad)
+    return Phase(2 * act / bw + tp_f, tp_b, wgrad)
 
 
 def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -> list[Phase]:
