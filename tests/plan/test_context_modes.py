@@ -35,30 +35,34 @@ def test_degrees():
 
 
 def test_ring_step_hides_behind_one_block():
-    # r=4: 3 steps; block attention fwd 8/4 = 2, bwd 20/4 = 5; hop 3 (bwd sends K/V and dK/dV: 6)
-    assert ring_exposure(4, 3.0, 8.0, 20.0) == (3 * 1.0, 3 * 1.0, 9.0 - 3.0, 18.0 - 3.0)
-    assert ring_exposure(4, 1.0, 8.0, 20.0) == (0.0, 0.0, 3.0, 6.0)  # fully hidden
-    assert ring_exposure(1, 3.0, 8.0, 20.0) == (0.0, 0.0, 0.0, 0.0)
+    # r=4: 3 steps; block attention fwd 8/4 = 2, bwd 20/4 = 5; hop 3 (bwd sends K/V and dK/dV: 6 per
+    # step) and the 4th accumulator pass home after the last block, exposed (3)
+    assert ring_exposure(4, 3.0, 3.0, 8.0, 20.0) == (3 * 1.0, 3 * 1.0 + 3.0, 9.0 - 3.0, 18.0 + 3.0 - 6.0)
+    assert ring_exposure(4, 1.0, 1.0, 8.0, 20.0) == (0.0, 1.0, 3.0, 6.0)  # hidden but the last pass
+    assert ring_exposure(4, 1.0, 2.0, 8.0, 20.0) == (0.0, 2.0, 3.0, 9.0)  # fp32 dK/dV: twice bf16 K/V's bytes
+    assert ring_exposure(1, 3.0, 3.0, 8.0, 20.0) == (0.0, 0.0, 0.0, 0.0)
 
 
 def test_ring_volume_per_layer_and_time():
     lay = Layout(dp=1, cp=4, micro_batch=1)
     block = 2 * 2048 * 4 * 128 * 2  # K and V of 2048 tokens, 4 un-expanded kv heads of 128, bf16
     assert block == 4194304
-    (ring,) = [c for c in step_collectives(W, lay, H100, 1e8, 0, 4, 0, first=True, last=True) if c.dim == "cp"]
-    # 8 micro-batches x 4 layers x 3 steps x (1 forward + 2 backward: K/V and dK/dV)
-    assert ring.op == "send" and ring.payload == block and ring.count == 8 * 4 * 3 * 3
-    hop = p2p_time(H100, block, False)
+    ring, dkv = [c for c in step_collectives(W, lay, H100, 1e8, 0, 4, 0, first=True, last=True) if c.dim == "cp"]
+    # K/V: 8 micro-batches x 4 layers x 3 steps x (1 forward + 1 backward); the fp32 dK/dV accumulator:
+    # 4 passes per layer (3 steps and the last one home), twice the bf16 block's bytes
+    assert ring.op == "send" and ring.payload == block and ring.count == 8 * 4 * 3 * 2
+    assert dkv.op == "send" and dkv.payload == 2 * block and dkv.count == 8 * 4 * 4
+    hop, dkv_hop = p2p_time(H100, block, False), p2p_time(H100, 2 * block, False)
     assert hop == 2e-6 + block / (450e9 * 0.8)
     attn_f, attn_b = attention_times(W, lay, H100)
     cost = cp_layer_cost(W, lay, H100, attn_f, attn_b)
     assert cost.ring_hop == hop
     assert cost.fwd_exposed == 3 * max(0.0, hop - attn_f / 4)
-    assert cost.bwd_exposed == 3 * max(0.0, 2 * hop - attn_b / 4)
-    # full recompute replays the forward's 3 sends too
-    (rc,) = [c for c in step_collectives(W, dataclasses.replace(lay, recompute="full"), H100, 1e8, 0, 4, 0,
-                                          first=True, last=True) if c.dim == "cp"]
-    assert rc.count == 8 * 4 * 3 * 4
+    assert cost.bwd_exposed == 3 * max(0.0, hop + dkv_hop - attn_b / 4) + dkv_hop
+    # full recompute replays the forward's 3 K/V sends too
+    rc, _ = [c for c in step_collectives(W, dataclasses.replace(lay, recompute="full"), H100, 1e8, 0, 4, 0,
+                                         first=True, last=True) if c.dim == "cp"]
+    assert rc.count == 8 * 4 * 3 * 3
 
 
 def test_ulysses_four_all_to_alls_each_way():

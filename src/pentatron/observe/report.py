@@ -49,18 +49,22 @@ def load_records(run_dir: Path) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------- measured
 def measured(records: list[dict[str, Any]]) -> dict[str, Any]:
+    from pentatron.plan.comm import report_dim
+
     steady = records[1:] or records  # step 1 includes warm-up (allocations, first collectives)
     comm: dict[str, float] = defaultdict(float)
+    sent: dict[str, float] = defaultdict(float)  # what the planner predicts: sends, under its dim names
     for r in steady:
         for dim, ops in r.get("comm_bytes", {}).items():
             comm[dim] += sum(ops.values()) / len(steady)
+            sent[report_dim(dim)] += sum(b for op, b in ops.items() if op != "recv") / len(steady)
     mem = records[0].get("memory", {})
     out = {"steps": records[-1]["step"], "final_loss": records[-1]["loss"],
            "step_time_s": statistics.median(r["step_time_s"] for r in steady),
            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
            "model_state_bytes": sum(mem.get(k, 0) for k in ("params", "grads", "optimizer", "master")),
-           "comm_bytes_per_step": dict(comm),
+           "comm_bytes_per_step": dict(comm), "comm_sent_per_step": dict(sent),
            "comm_bytes_last_step": records[-1].get("comm_bytes", {})}
     bubbles = [r["bubble"] for r in steady if "bubble" in r]
     if bubbles:
@@ -152,9 +156,9 @@ def comparison_rows(meas: dict[str, Any], pred: dict[str, Any]) -> list[tuple[st
                  _size(meas["model_state_bytes"]), _err(pred["model_state_bytes"], meas["model_state_bytes"] or None)))
     rows.append(("peak memory per rank", _size(pred["memory_bytes"]), _size(meas["peak_mem_bytes"]),
                  _err(pred["memory_bytes"], meas["peak_mem_bytes"]) if pred["same_machine"] else "n/a (CPU RSS)"))
-    dims = sorted(set(pred["comm_bytes_per_step"]) | set(meas["comm_bytes_per_step"]))
+    dims = sorted(set(pred["comm_bytes_per_step"]) | set(meas["comm_sent_per_step"]))
     for d in dims:
-        p, m = pred["comm_bytes_per_step"].get(d, 0.0), meas["comm_bytes_per_step"].get(d, 0.0)
+        p, m = pred["comm_bytes_per_step"].get(d, 0.0), meas["comm_sent_per_step"].get(d, 0.0)
         rows.append((f"comm bytes per step, {d}", _size(p), _size(m), _err(p, m)))
     if "bubble" in meas or pred["bubble"] > 0:
         m = meas.get("bubble")

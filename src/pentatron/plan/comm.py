@@ -228,6 +228,11 @@ def _ring_block(w: Workload, lay: Layout) -> float:
                           w.cfg.head_dim, u, act_bytes(lay.precision))
 
 
+def _ring_dkv_block(w: Workload, lay: Layout) -> float:
+    """The dK/dV accumulator that travels beside a K/V block in backward: the same elements, in fp32."""
+    return _ring_block(w, lay) * 4 / act_bytes(lay.precision)
+
+
 def cp_allgather_payloads(w: Workload, lay: Layout) -> tuple[float, float]:
     """torch's all-gather ring attention, per layer and micro-batch: (the gathered K/V of all ranks, one
     pass of the rank's fp32 dK/dV accumulator) in bytes."""
@@ -245,13 +250,16 @@ def cp_layer_cost(w: Workload, lay: Layout, gpu: GPUSpec, attn_f: float, attn_b:
         gather, dkv_pass = collective_time(gpu, "all_gather", kv_all, g), p2p_time(gpu, dkv, g.crosses_nodes)
         fe, be, fh, bh = allgather_exposure(r, gather, dkv_pass, attn_f, attn_b)
         return CpLayerCost(fe, be, fh, bh, dkv_pass, (0.0, 0.0))
-    hop = p2p_time(gpu, _ring_block(w, lay), group_of(lay, "cp_ring", gpu).crosses_nodes) if r > 1 else 0.0
+    hop = dkv_hop = 0.0
+    if r > 1:
+        inter = group_of(lay, "cp_ring", gpu).crosses_nodes
+        hop, dkv_hop = p2p_time(gpu, _ring_block(w, lay), inter), p2p_time(gpu, _ring_dkv_block(w, lay), inter)
     tq = tkv = 0.0
     if u > 1:
         g = group_of(lay, "cp_ulysses", gpu)
         q, kv = _ulysses_payloads(w, lay)
         tq, tkv = collective_time(gpu, "all_to_all", q, g), collective_time(gpu, "all_to_all", kv, g)
-    return layer_cost(u, r, hop, tq, tkv, attn_f, attn_b)
+    return layer_cost(u, r, hop, dkv_hop, tq, tkv, attn_f, attn_b)
 
 
 def cp_forward_passes(recompute: str) -> float:
@@ -332,11 +340,14 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
                                      "ring attention K/V (all-gather)"), dim="cp"))
             out.append(Collective("cp", "send", dkv, m * layers_on_rank * r, p2p_time(gpu, dkv, g.crosses_nodes),
                                   "ring attention dK/dV (fp32)", dkv))
-        elif r > 1:  # forward r-1 K/V blocks; backward r-1 K/V and r-1 dK/dV blocks
-            kv = _ring_block(w, lay)
+        elif r > 1:  # forward r-1 K/V blocks; backward r-1 K/V blocks and r passes of the fp32 dK/dV
+            kv, dkv = _ring_block(w, lay), _ring_dkv_block(w, lay)
             g = group_of(lay, "cp_ring", gpu)
-            calls = m * layers_on_rank * (r - 1) * (fwd + 2)
-            out.append(Collective("cp", "send", kv, calls, p2p_time(gpu, kv, g.crosses_nodes), "ring attention", kv))
+            calls = m * layers_on_rank * (r - 1) * (fwd + 1)
+            out.append(Collective("cp", "send", kv, calls, p2p_time(gpu, kv, g.crosses_nodes), "ring attention K/V",
+                                  kv))
+            out.append(Collective("cp", "send", dkv, m * layers_on_rank * r, p2p_time(gpu, dkv, g.crosses_nodes),
+                                  "ring attention dK/dV (fp32)", dkv))
         if u > 1:  # 4 all-to-alls per layer forward (q, k, v in; out back) and 4 backward
             g = group_of(lay, "cp_ulysses", gpu)
             q, kv = _ulysses_payloads(w, lay)
@@ -407,9 +418,15 @@ def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a
             _coll(gpu, g, "all_gather", weights / n, 2 * m * n, "parameters per layer, fwd+bwd per micro-batch")]
 
 
+def report_dim(dim: str) -> str:
+    """The dimension traffic is reported under: gradient reductions over dp x cp or the expert groups
+    count as dp, context parallelism's ring and Ulysses groups as cp (training's ledger uses both names)."""
+    return {"dp_cp": "dp", "edp": "dp", "cp_ring": "cp", "cp_ulysses": "cp"}.get(dim, dim)
+
+
 def bytes_by_dim(colls: list[Collective]) -> dict[str, float]:
     out: dict[str, float] = {}
     for c in colls:
-        key = "dp" if c.dim in ("dp_cp", "edp") else c.dim
+        key = report_dim(c.dim)
         out[key] = out.get(key, 0.0) + c.wire * c.count
     return out

@@ -78,16 +78,19 @@ def kv_block_bytes(tokens: int | float, kv_local: int, head_dim: int, u: int, a:
     return 2 * tokens * kv_heads_after_ulysses(kv_local, u) * head_dim * a
 
 
-def ring_exposure(r: int, hop: float, attn_f: float, attn_b: float) -> tuple[float, float, float, float]:
+def ring_exposure(r: int, hop: float, dkv_hop: float, attn_f: float, attn_b: float
+                  ) -> tuple[float, float, float, float]:
     """(fwd exposed, bwd exposed, fwd hidden, bwd hidden) of r−1 ring steps, each transfer behind one
-    block's attention (1/r of the layer's); backward sends K/V and dK/dV per step."""
+    block's attention (1/r of the layer's). Backward sends K/V (`hop`) and the dK/dV accumulator
+    (`dkv_hop`: fp32) per step, and the accumulator once more after the last block, home to its owner:
+    r accumulator passes, the last with nothing left to hide behind (parallel/ring_attention.py)."""
     if r <= 1:
         return 0.0, 0.0, 0.0, 0.0
     steps = r - 1
     blk_f, blk_b = attn_f / r, attn_b / r
     fe = steps * max(0.0, hop - blk_f)
-    be = steps * max(0.0, 2 * hop - blk_b)
-    return fe, be, steps * hop - fe, steps * 2 * hop - be
+    be = steps * max(0.0, hop + dkv_hop - blk_b) + dkv_hop
+    return fe, be, steps * hop - fe, steps * (hop + dkv_hop) + dkv_hop - be
 
 
 def exchanged_heads(q_local: float, kv_local: int, cp_kv_heads: str) -> float:
@@ -117,15 +120,16 @@ def allgather_exposure(r: int, gather: float, dkv_pass: float, attn_f: float, at
 def comm_buffer_bytes(tokens: float, hq_local: float, kv_local: int, head_dim: int, cp: int, mode: str,
                       cp_ulysses: int, a: int, rotate: str = "p2p", cp_kv_heads: str = "kv") -> float:
     """Transient communication buffers of one layer's attention: ring, the K/V block in hand and the one
-    arriving (and in backward dK/dV the same: 4 blocks); all-gather ring, the gathered K/V of all r ranks
-    and the fp32 dK/dV accumulator sent and received; Ulysses, the received q, k, v."""
+    arriving (and in backward the fp32 dK/dV accumulator sent and the one arriving); all-gather ring, the
+    gathered K/V of all r ranks and the fp32 dK/dV accumulator sent and received; Ulysses, the received
+    q, k, v."""
     u, r = cp_degrees(cp, mode, cp_ulysses)
     out = 0.0
     if r > 1 and rotate == "allgather":
         local = allgather_kv_elements(tokens, hq_local / head_dim, kv_local, head_dim, cp_kv_heads)
         out += r * local * a + 2 * local * 4
     elif r > 1:
-        out += 4 * kv_block_bytes(tokens, kv_local, head_dim, u, a)
+        out += 2 * (kv_block_bytes(tokens, kv_local, head_dim, u, a) + kv_block_bytes(tokens, kv_local, head_dim, u, 4))
     if u > 1:
         out += tokens * (hq_local + 2 * kv_heads_after_ulysses(kv_local, u) * head_dim) * a
     return out
@@ -137,10 +141,11 @@ def ulysses_kv_replication_bytes(tokens: float, kv_local: int, head_dim: int, u:
     return 2 * tokens * (kv_heads_after_ulysses(kv_local, u) - kv_local) * head_dim * a
 
 
-def layer_cost(u: int, r: int, hop: float, a2a_q: float, a2a_kv: float, attn_f: float, attn_b: float
-               ) -> CpLayerCost:
-    """The per-layer cost from the degrees (u Ulysses × r ring), one ring hop's seconds and one Ulysses
-    all-to-all's seconds for a q-sized and a k-sized buffer (collective model in plan/comm.py)."""
-    fe, be, fh, bh = ring_exposure(r, hop, attn_f, attn_b)
+def layer_cost(u: int, r: int, hop: float, dkv_hop: float, a2a_q: float, a2a_kv: float, attn_f: float,
+               attn_b: float) -> CpLayerCost:
+    """The per-layer cost from the degrees (u Ulysses × r ring), one ring hop's seconds (K/V, and the
+    fp32 dK/dV accumulator) and one Ulysses all-to-all's seconds for a q-sized and a k-sized buffer
+    (collective model in plan/comm.py)."""
+    fe, be, fh, bh = ring_exposure(r, hop, dkv_hop, attn_f, attn_b)
     a2a = 2 * a2a_q + 2 * a2a_kv if u > 1 else 0.0  # q, k, v in and the output back (backward: gradients)
     return CpLayerCost(fe + a2a, be + a2a, fh, bh, hop if r > 1 else 0.0, (a2a_q, a2a_kv) if u > 1 else (0.0, 0.0))
