@@ -200,10 +200,10 @@ def layer_comm(w: Workload, lay: Layout, gpu: GPUSpec, layer_is_moe: bool) -> La
         ep_fwd = 2 * collective_time(gpu, "all_to_all", routed, g)  # dispatch + combine
         ep_bwd = ep_fwd
     regather = norm_grads = 0.0
-    if lay.tp > 1 and lay.sp and lay.sp_inputs == "sharded":
-        regather = collective_time(gpu, "all_gather", act, tp_g)
     if lay.tp > 1 and lay.sp:
         norm_grads = 2 * collective_time(gpu, "all_reduce", sp_norm_grad_bytes(w, lay), tp_g)
+        if lay.sp_inputs == "sharded":
+            regather = collective_time(gpu, "all_gather", act, tp_g)
     return LayerComm(tp_fwd, tp_fwd, ep_fwd, ep_bwd, regather, ag, rs, norm_grads)
 
 
