@@ -99,6 +99,9 @@ def test_verify_flag(capsys):
     (["--gpus", "8"], "no model"),
     (["--model", "debug", "--model-file", "x.toml", "--gpus", "2"], "not both"),
     (["--model", "debug", "--gpus", "2", "--hardware", "/nonexistent.toml"], "not found"),
+    (["--model", "llama3-8b", "--gpus", "8", "--fp8-scaling", "rowwise"], "rowwise applies to --precision fp8"),
+    (["--model", "llama3-8b", "--gpus", "8", "--gpu", "b200", "--precision", "fp8", "--fp8-scaling", "rowwise"],
+     "no row-wise FP8 measurement for b200"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, needle):
     assert run(["plan", *argv]) == 2

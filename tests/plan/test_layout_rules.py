@@ -27,10 +27,19 @@ W70 = Workload(get_model_config("llama3-70b"), 4096, 1024)
     ({"cp": 3, "dp": 1}, "load-balanced ring|does not equal"),
     ({"precision": "fp4"}, "--precision must be one of"),
     ({"attention": "flash9"}, "--attention must be one of"),
+    ({"precision": "fp8", "fp8_scaling": "blockwise"}, "--fp8-scaling must be one of tensorwise, rowwise"),
+    ({"fp8_scaling": "rowwise"}, "--fp8-scaling rowwise applies to --precision fp8, not bf16"),
 ])
 def test_impossible_layouts_are_refused(kw, match):
     msgs = problems(W70, Layout(**{"dp": 256, **kw}), H100, 256)
     assert any(re.search(match, m) for m in msgs), msgs
+
+
+def test_rowwise_fp8_needs_a_measured_gpu():
+    lay = Layout(dp=256, precision="fp8", fp8_scaling="rowwise")
+    assert not problems(W70, lay, H100, 256)
+    msgs = problems(W70, lay, get_gpu("b200"), 256)
+    assert any("no row-wise FP8 measurement for b200" in m and "--fp8-scaling tensorwise" in m for m in msgs), msgs
 
 
 @pytest.mark.parametrize(("kw", "warning", "untrainable"), [

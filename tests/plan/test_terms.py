@@ -13,6 +13,7 @@ from pentatron.models.config import ModelConfig
 from pentatron.models.registry import get_model_config
 from pentatron.plan.comm import Collective, Group, bus_bandwidth, collective_time, dp_collectives
 from pentatron.plan.flops import flop_breakdown, recompute_flops_per_token
+from pentatron.plan.fp8_rowwise import rowwise_seconds
 from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.memory import llama_layer_activation_bytes, memory_per_gpu
@@ -48,12 +49,42 @@ def test_unfused_attention_pays_the_softmax_traffic():
 def test_fp8_linear_pays_its_casts():
     t, n = 4096, 4096
     bf16 = _linear(H100, t, n, n, 989.4e12, 2)
-    fp8 = _linear(H100, t, n, n, 1978.9e12, 2, fp8=True)
+    fp8 = _linear(H100, t, n, n, 1978.9e12, 2, fp8="tensorwise")
     bw = 3350e9 * 0.9
     assert fp8.f == pytest.approx(gemm_time(H100, t, n, n, 1978.9e12, 1) + (t * n + n * n) * 6 / bw)
     assert fp8.b == pytest.approx(gemm_time(H100, t, n, n, 1978.9e12, 1) + t * n * 6 / bw)
     assert fp8.w == pytest.approx(gemm_time(H100, n, n, t, 1978.9e12, 1))
     assert bf16.total / fp8.total < 2  # twice the peak is not twice the speed
+
+
+def test_rowwise_table_reads_the_published_points_and_interpolates_in_log_space():
+    """torchao's H100 row-wise table (docs/static/fp8-rowwise-perf.png): grid points as printed, halfway
+    (in log shape) between two points the geometric mean, and clamped beyond the grid."""
+    g = H100.fp8_rowwise
+    assert g.at(1024, 1024, 1024) == pytest.approx(0.42)
+    assert g.at(8192, 4096, 8192) == pytest.approx(1.13)  # M 8192, K 4096, N 8192
+    assert g.at(32768, 32768, 32768) == pytest.approx(1.52)
+    assert g.at(8192, 4096, 8192 * 2 ** 0.5) == pytest.approx((1.13 * 1.17) ** 0.5)
+    assert g.at(131072, 4096, 128) == pytest.approx(0.59)  # M beyond 32768 and N below 1024: the edges
+    assert get_gpu("h200").fp8_rowwise is g and get_gpu("b200").fp8_rowwise is None
+
+
+def test_rowwise_linear_takes_the_block_s_layernorm_and_sigmoid_back_out():
+    """At M, K, N = 8192, 4096, 1024 the block ran 1/0.52 slower in fp8 than bf16: the linear's share is
+    (t_bf16 + t_ln_sig) / 0.52 - t_ln_sig, the LayerNorm + Sigmoid at 10 bytes per element of [M, K] and
+    [M, N]; each phase keeps the bf16 linear's proportions. Where the table promises more than the
+    tensorwise model can do, the tensorwise model is the floor."""
+    m, k, n = 8192, 4096, 1024
+    bf16 = _linear(H100, m, n, k, 989.4e12, 2)
+    row = _linear(H100, m, n, k, 1978.9e12, 2, fp8="rowwise")
+    ln_sig = 10 * m * (k + n) / (3350e9 * 0.9)
+    want = (bf16.total + ln_sig) / 0.52 - ln_sig
+    assert row.total == pytest.approx(want)
+    assert row.f / row.total == pytest.approx(bf16.f / bf16.total)
+    assert row.total > bf16.total  # slower than bf16 at this shape, as measured
+    # M 32768, K 16384, N 32768 printed 1.73: 1 s of bf16 would be 0.578 s, under a 0.6 s tensorwise floor
+    assert rowwise_seconds(H100.fp8_rowwise, 32768, 16384, 32768, 1.0, 0.0, 0.6) == 0.6
+    assert rowwise_seconds(H100.fp8_rowwise, 32768, 16384, 32768, 1.0, 0.0, 0.5) == pytest.approx(1 / 1.73)
 
 
 def test_small_all_reduce_across_nodes_uses_the_tree():

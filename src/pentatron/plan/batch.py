@@ -1,7 +1,7 @@
 """`pentatron plan --batch FILE`: evaluate many fixed layouts of one workload in one process.
 
 FILE is TOML with one `[[layout]]` table per layout, holding any `Layout` field (dp, tp, pp, cp, ep,
-zero, sp, pp_schedule, pp_virtual, micro_batch, recompute, precision, attention, grad_precision,
+zero, sp, pp_schedule, pp_virtual, micro_batch, recompute, precision, fp8_scaling, attention, grad_precision,
 zero3_gather, param_shard, cp_mode, cp_ulysses, sp_inputs, cross_entropy, pp_outputs, tp_overlap, dp_overlap,
 zero1_reduce, pp_p2p, pp_scatter_gather, pp_all_warmup, cp_rotate, cp_kv_heads, and pp_layers: a list of
 decoder layers per pipeline chunk); the model, sequence, batch and hardware come from the command line.

@@ -91,6 +91,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     w.add_argument("--gpus-per-node", type=int, help="override the node size")
     w.add_argument("--precision", choices=("bf16", "fp32", "fp8", "fp16"), default="bf16",
                    help="fp8 and fp16 are evaluated, not trained by `pentatron train` (bf16/fp32)")
+    w.add_argument("--fp8-scaling", choices=("tensorwise", "rowwise"), default="tensorwise",
+                   help="with --precision fp8: one scale per tensor (default) or per row (torchao's rowwise "
+                        "recipe, costed from its measured H100 table)")
     w.add_argument("--attention", choices=("flash2", "flash3", "cudnn", "math"), default="flash2",
                    help="attention kernel (default flash2: what torch SDPA runs); see docs/planner.md")
     w.add_argument("--kernels", choices=("fused", "eager"), default="fused",
@@ -296,6 +299,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     fixed = {k: getattr(args, k) for k in KNOB_FLAGS if getattr(args, k) is not None}
     fixed["precision"] = args.precision
     fixed["attention"] = args.attention
+    fixed["fp8_scaling"] = args.fp8_scaling
     verify_rows = None
     rc = 0
     if args.verify:
@@ -400,7 +404,8 @@ def _batch(args: argparse.Namespace, w: Any, gpu: Any) -> int:
     from pentatron.plan.batch import BatchError, evaluate_batch, load_layouts
 
     try:
-        layouts = load_layouts(args.batch, defaults={"precision": args.precision, "attention": args.attention})
+        layouts = load_layouts(args.batch, defaults={"precision": args.precision, "attention": args.attention,
+                                                           "fp8_scaling": args.fp8_scaling})
     except BatchError as e:
         raise InputError(str(e)) from None
     rows = evaluate_batch(w, gpu, layouts, args.gpus, kernels=args.kernels)
@@ -449,6 +454,7 @@ def _requested_layout(fixed: dict[str, Any], gpus: int, w: Any) -> Any:
                   pp_virtual=v,
                   micro_batch=fixed.get("micro_batch", 1), recompute=fixed.get("recompute", "none"),
                   precision=fixed.get("precision", "bf16"), attention=fixed.get("attention", "flash2"),
+                  fp8_scaling=fixed.get("fp8_scaling", "tensorwise"),
                   cp_mode=fixed.get("cp_mode", "ring"), cp_ulysses=fixed.get("cp_ulysses", 1))
 
 

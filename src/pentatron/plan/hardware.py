@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from pentatron.plan.fp8_rowwise import H100_ROWWISE, SpeedupGrid
 from pentatron.plan.kernel_tables import AttentionGrid, parse_attention_grid
 
 try:  # Python >= 3.11
@@ -62,6 +63,9 @@ class GPUSpec:
     fp8_gemm_k0: float = 0.0
     # The same small-k loss of 16-bit (bf16/fp16) GEMMs: efficiency x k / (k + gemm_k0); 0 = not measured
     gemm_k0: float = 0.0
+    # FP8 with row-wise scaling: the measured speedup over bf16 by shape (plan/fp8_rowwise.py); None = not
+    # measured on this GPU, and row-wise FP8 is refused
+    fp8_rowwise: SpeedupGrid | None = None
     # Network interface cards per node (each `inter_node_bandwidth * gpus_per_node / nics_per_node`).
     nics_per_node: int = 0  # 0 = one per GPU (rail-optimised DGX/HGX nodes)
     # Optional measured bus-bandwidth curves (from `pentatron bench`), replacing the link model above.
@@ -231,6 +235,8 @@ _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float3
 #        386, 520, 628, 705, 736, 758, 766 TFLOP/s at K = 256 .. 16384; the K=16384/K=1024 ratio gives k0 = 244,
 #        which reproduces K = 2048, 4096, 8192 within 1.5 % (K = 256 within 3 %). Ampere and Blackwell: not
 #        measured here, k0 = 0.
+#  fp8_rowwise (H100, H200): torchao's row-wise FP8 block speedup table measured on an H100 (plan/fp8_rowwise.py);
+#        the H200 has the same SM90 die and the same CUTLASS kernel, so the H100's ratios are used there.
 #  hbm_efficiency: streaming kernels reach ~90% of nominal HBM bandwidth (BabelStream copy/triad on
 #        A100 and H100, Deakin et al.); applied to elementwise traffic, not to GEMM/attention roofs.
 #  HBM capacity is the nominal GiB; torch reports slightly less (e.g. 79.1 GiB on an H100 80GB).
@@ -259,7 +265,7 @@ _CATALOGUE: dict[str, GPUSpec] = {
         intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
         intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.80,
         sm_count=132, attention_efficiency=(0.35, 0.30),
-        fp8_gemm_k0=409.0, gemm_k0=244.0,
+        fp8_gemm_k0=409.0, gemm_k0=244.0, fp8_rowwise=H100_ROWWISE,
         attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.75, 0.60)},
         source="NVIDIA H100 datasheet; DGX H100 user guide"),
     "h200": GPUSpec(
@@ -270,7 +276,7 @@ _CATALOGUE: dict[str, GPUSpec] = {
         intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
         intra_node_latency=2 * US, inter_node_latency=6 * US, matmul_efficiency=0.80,
         sm_count=132, attention_efficiency=(0.35, 0.30),
-        fp8_gemm_k0=409.0, gemm_k0=244.0,
+        fp8_gemm_k0=409.0, gemm_k0=244.0, fp8_rowwise=H100_ROWWISE,
         attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.75, 0.60)},
         source="NVIDIA H200 datasheet; DGX H200 user guide"),
     "b200": GPUSpec(

@@ -23,7 +23,7 @@ class AttentionGrid:
     bwd: tuple[float, ...]
 
 
-def _axis(dims: tuple[float, ...], x: float) -> tuple[int, int, float]:
+def log_axis(dims: tuple[float, ...], x: float) -> tuple[int, int, float]:
     """(lower index, upper index, weight of the upper one) of x on the log axis `dims`, clamped."""
     if x <= dims[0]:
         return 0, 0, 0.0
@@ -35,7 +35,7 @@ def _axis(dims: tuple[float, ...], x: float) -> tuple[int, int, float]:
 
 def attention_rate(grid: AttentionGrid, seq: float, head_dim: float) -> tuple[float, float]:
     """(forward, backward) FLOP/s of causal attention at this sequence length and head dim."""
-    (i0, i1, fi), (j0, j1, fj) = _axis(grid.seq, seq), _axis(grid.head_dim, head_dim)
+    (i0, i1, fi), (j0, j1, fj) = log_axis(grid.seq, seq), log_axis(grid.head_dim, head_dim)
     cols = len(grid.head_dim)
     out = []
     for table in (grid.fwd, grid.bwd):

@@ -28,6 +28,9 @@ PP_SCHEDULES: tuple[str, ...] = ("afab", "1f1b", "interleaved", "zb")
 SP_INPUTS: tuple[str, ...] = ("gathered", "sharded")
 GRAD_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16+fp32")
 CROSS_ENTROPY: tuple[str, ...] = ("eager", "fused")
+# fp8 scaling: one scale per tensor (Transformer Engine's delayed scaling, torchao's default recipe) or per
+# row (torchao's "rowwise": its own CUTLASS GEMM, costed from a measured table in plan/fp8_rowwise.py)
+FP8_SCALINGS: tuple[str, ...] = ("tensorwise", "rowwise")
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class Layout:
     micro_batch: int = 1
     recompute: str = "none"
     precision: str = "bf16"
+    fp8_scaling: str = "tensorwise"  # with precision="fp8": FP8_SCALINGS
     attention: str = "flash2"
     # dtype of the gradient buffer that is accumulated and reduced: our trainer keeps fp32; Megatron's
     # default distributed optimizer and FSDP with a bf16 reduce dtype keep bf16 (2 bytes/param less);
@@ -188,6 +192,13 @@ def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
         out.append(f"--precision must be one of {', '.join(PRECISIONS)}, got {lay.precision!r}")
     elif lay.precision != "fp32" and _dtype_key(lay.precision) not in gpu.peak_flops:
         out.append(f"--precision {lay.precision}: {gpu.name} has no {lay.precision} tensor cores")
+    if lay.fp8_scaling not in FP8_SCALINGS:
+        out.append(f"--fp8-scaling must be one of {', '.join(FP8_SCALINGS)}, got {lay.fp8_scaling!r}")
+    elif lay.fp8_scaling == "rowwise" and lay.precision != "fp8":
+        out.append(f"--fp8-scaling rowwise applies to --precision fp8, not {lay.precision}")
+    elif lay.fp8_scaling == "rowwise" and gpu.fp8_rowwise is None:
+        out.append(f"--fp8-scaling rowwise: no row-wise FP8 measurement for {gpu.name} (H100 and H200 have one); "
+                   "use --fp8-scaling tensorwise")
     if lay.attention not in ATTENTION_KERNELS:
         out.append(f"--attention must be one of {', '.join(ATTENTION_KERNELS)}, got {lay.attention!r}")
     if lay.sp_inputs not in SP_INPUTS:

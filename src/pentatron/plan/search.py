@@ -173,6 +173,7 @@ def _knob_variants(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any], 
                         lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp, pp_schedule=sched,
                                      pp_virtual=v, micro_batch=mb, recompute=rc, precision=precision,
                                      attention=fixed.get("attention") or "flash2", cp_mode=cp_mode,
+                                     fp8_scaling=fixed.get("fp8_scaling") or "tensorwise",
                                      cp_ulysses=cp_u, pp_layers=split)
                         if not quick_problems(w, lay, gpu, gpus):
                             yield lay
@@ -218,7 +219,7 @@ def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None
             evaluable.append(s)
         if not trainable_problems(w, s.layout, gpus):
             chosen.append(s)
-    pinned = ({kk for kk in fixed if kk not in ("precision", "attention")}
+    pinned = ({kk for kk in fixed if kk not in ("precision", "attention", "fp8_scaling")}
               or fixed.get("precision", "bf16") != "bf16")
     if not chosen and pinned:
         chosen = evaluable[:k]

@@ -39,6 +39,7 @@ from pentatron.plan.comm import (
 )
 from pentatron.plan.context import cp_degrees
 from pentatron.plan.flops import hardware_flops_per_token, layer_params, model_flops_per_token, sac_op_replayed_matmuls
+from pentatron.plan.fp8_rowwise import LN_SIGMOID_BYTES_PER_ELEMENT, rowwise_seconds
 from pentatron.plan.hardware import GPUSpec, interp_log
 from pentatron.plan.kernel_tables import attention_rate
 from pentatron.plan.layout import Layout, Workload, chunk_layers, compute_dtype, kv_heads_per_tp_rank
@@ -95,12 +96,15 @@ def gemm_time(gpu: GPUSpec, m: float, n: float, k: float, peak: float, a: int) -
 
 
 def _linear(gpu: GPUSpec, tokens: float, n_out: float, n_in: float, peak: float, a: int,
-            fp8: bool = False) -> Phase:
-    """y = x W for `tokens` rows: forward, dX = dY W^T, dW = X^T dY.
-    fp8 (Transformer Engine, per-tensor or row-wise scaling): the GEMMs read 1-byte operands at the fp8
-    peak, and every operand is first cast by a memory-bound kernel that reads the bf16 tensor (plus an
-    amax pass) and writes the fp8 copy and, for Hopper's TN-only fp8 GEMMs, its transpose: forward casts
-    x and W (W once per micro-batch), backward casts dY (and x^T / W^T come from the forward casts)."""
+            fp8: str = "") -> Phase:
+    """y = x W for `tokens` rows: forward, dX = dY W^T, dW = X^T dY. `fp8`: "" (16/32-bit GEMMs), or the
+    FP8 scaling, "tensorwise" or "rowwise".
+    tensorwise (Transformer Engine, torchao's default): the GEMMs read 1-byte operands at the fp8 peak,
+    and every operand is first cast by a memory-bound kernel that reads the bf16 tensor (plus an amax
+    pass) and writes the fp8 copy and, for Hopper's TN-only fp8 GEMMs, its transpose: forward casts x and
+    W (W once per micro-batch), backward casts dY (and x^T / W^T come from the forward casts).
+    rowwise: the bf16 linear scaled by the GPU's measured row-wise speedup for this shape
+    (plan/fp8_rowwise.py), each phase alike."""
     if not fp8:  # dW = dYᵀ X is [n_out, n_in]
         return Phase(gemm_time(gpu, tokens, n_out, n_in, peak, a), gemm_time(gpu, tokens, n_in, n_out, peak, a),
                      gemm_time(gpu, n_out, n_in, tokens, peak, a))
@@ -108,9 +112,20 @@ def _linear(gpu: GPUSpec, tokens: float, n_out: float, n_in: float, peak: float,
     cast = FP8_CAST_BYTES_PER_ELEMENT  # read bf16 (2) + amax read (2) + write fp8 and its transpose (1 + 1)
     fwd_cast = (tokens * n_in + n_in * n_out) * cast / bw
     bwd_cast = tokens * n_out * cast / bw
-    return Phase(gemm_time(gpu, tokens, n_out, n_in, peak, 1) + fwd_cast,
-                 gemm_time(gpu, tokens, n_in, n_out, peak, 1) + bwd_cast,
-                 gemm_time(gpu, n_out, n_in, tokens, peak, 1))
+    tensorwise = Phase(gemm_time(gpu, tokens, n_out, n_in, peak, 1) + fwd_cast,
+                       gemm_time(gpu, tokens, n_in, n_out, peak, 1) + bwd_cast,
+                       gemm_time(gpu, n_out, n_in, tokens, peak, 1))
+    if fp8 != "rowwise" or gpu.fp8_rowwise is None or tensorwise.total <= 0:
+        return tensorwise
+    bf16 = _linear(gpu, tokens, n_out, n_in, gpu.flops("bf16"), 2)
+    ln_sigmoid = LN_SIGMOID_BYTES_PER_ELEMENT * tokens * (n_in + n_out) / bw
+    t = rowwise_seconds(gpu.fp8_rowwise, tokens, n_in, n_out, bf16.total, ln_sigmoid, tensorwise.total)
+    return bf16.scale(t / bf16.total)
+
+
+def fp8_of(lay: Layout) -> str:
+    """`_linear`'s fp8 argument for this layout: its scaling under precision fp8, else ""."""
+    return lay.fp8_scaling if lay.precision == "fp8" else ""
 
 
 def _elementwise_bytes(w: Workload, lay: Layout, kernels: str) -> float:
@@ -166,7 +181,7 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
     peak = gpu.flops(compute_dtype(lay.precision))
     tokens = lay.micro_batch * w.seq_len / lay.cp
     h, tp = cfg.hidden_size, lay.tp
-    fp8 = lay.precision == "fp8"
+    fp8 = fp8_of(lay)
     lin = dense_linears(w, lay, gpu)
     qkv, proj = lin.qkv, lin.o
     ph = qkv + proj
@@ -547,7 +562,7 @@ class DenseLinears:
 
 
 def dense_linears(w: Workload, lay: Layout, gpu: GPUSpec) -> DenseLinears:
-    cfg, a, fp8 = w.cfg, act_bytes(lay.precision), lay.precision == "fp8"
+    cfg, a, fp8 = w.cfg, act_bytes(lay.precision), fp8_of(lay)
     peak = gpu.flops(compute_dtype(lay.precision))
     tokens, h, tp = lay.micro_batch * w.seq_len / lay.cp, cfg.hidden_size, lay.tp
     hq, kvl = cfg.n_heads * cfg.head_dim / tp, kv_heads_per_tp_rank(cfg, tp) * cfg.head_dim
