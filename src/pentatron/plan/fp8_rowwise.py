@@ -19,10 +19,9 @@ No torch here: `pentatron plan` reads it without importing torch.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from pentatron.plan.kernel_tables import log_axis
+from pentatron.plan.kernel_tables import log_grid_value
 
 # LayerNorm (no affine) and Sigmoid, compiled: forward reads x and writes y (2 + 2 bytes per bf16
 # element), backward reads x and dy and writes dx (2 + 2 + 2): 10 bytes per element of the LayerNorm's
@@ -42,15 +41,7 @@ class SpeedupGrid:
     def at(self, m: float, k: float, n: float) -> float:
         """Interpolated linearly in log(speedup) over log(m), log(k), log(n); clamped to the grid's edges
         (shapes beyond the largest M take its row: speedups grow with M, so this errs slow)."""
-        axes = (log_axis(self.m, m), log_axis(self.k, k), log_axis(self.n, n))
-        nk, nn = len(self.k), len(self.n)
-        acc = 0.0
-        for i, wi in ((axes[0][0], 1 - axes[0][2]), (axes[0][1], axes[0][2])):
-            for j, wj in ((axes[1][0], 1 - axes[1][2]), (axes[1][1], axes[1][2])):
-                for ll, wl in ((axes[2][0], 1 - axes[2][2]), (axes[2][1], axes[2][2])):
-                    if wi * wj * wl:
-                        acc += wi * wj * wl * math.log(self.speedup[(i * nk + j) * nn + ll])
-        return math.exp(acc)
+        return log_grid_value(self.speedup, ((self.m, m), (self.k, k), (self.n, n)))
 
 
 _P2 = (1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0)

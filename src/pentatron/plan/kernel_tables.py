@@ -1,12 +1,14 @@
 """Measured attention rates by shape (from `pentatron bench` on a CPU, see `bench_cpu.py`) and how the
 planner reads them between the measured points: causal attention FLOP/s on a (sequence length, head
 dim) grid, interpolated linearly in log(rate) over log(size) (the rate changes by factors with each
-doubling, not by steps) and clamped to the grid's edges outside it. No torch here: `pentatron plan`
+doubling, not by steps) and clamped to the grid's edges outside it; `log_grid_value` is that reading for
+a grid of any number of axes (plan/fp8_rowwise.py reads its (M, K, N) table with it). No torch here: `pentatron plan`
 reads it without importing torch."""
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -33,19 +35,25 @@ def log_axis(dims: tuple[float, ...], x: float) -> tuple[int, int, float]:
     return i, i + 1, (math.log(x) - math.log(dims[i])) / (math.log(dims[i + 1]) - math.log(dims[i]))
 
 
+def log_grid_value(values: tuple[float, ...], axes: tuple[tuple[tuple[float, ...], float], ...]) -> float:
+    """A measured grid read between its points: `values` stored row-major over `axes`, each given as
+    (its grid points, where to read it); multilinear in log(value) over log(coordinate), clamped."""
+    spans = [log_axis(dims, x) for dims, x in axes]
+    acc = 0.0
+    for corner in itertools.product(*(((i0, 1 - f), (i1, f)) for i0, i1, f in spans)):
+        weight = math.prod(wt for _, wt in corner)
+        if weight:
+            index = 0
+            for (i, _), (dims, _) in zip(corner, axes, strict=True):
+                index = index * len(dims) + i
+            acc += weight * math.log(values[index])
+    return math.exp(acc)
+
+
 def attention_rate(grid: AttentionGrid, seq: float, head_dim: float) -> tuple[float, float]:
     """(forward, backward) FLOP/s of causal attention at this sequence length and head dim."""
-    (i0, i1, fi), (j0, j1, fj) = log_axis(grid.seq, seq), log_axis(grid.head_dim, head_dim)
-    cols = len(grid.head_dim)
-    out = []
-    for table in (grid.fwd, grid.bwd):
-        acc = 0.0
-        for i, wi in ((i0, 1 - fi), (i1, fi)):
-            for j, wj in ((j0, 1 - fj), (j1, fj)):
-                if wi * wj:
-                    acc += wi * wj * math.log(table[i * cols + j])
-        out.append(math.exp(acc))
-    return out[0], out[1]
+    axes = ((grid.seq, seq), (grid.head_dim, head_dim))
+    return log_grid_value(grid.fwd, axes), log_grid_value(grid.bwd, axes)
 
 
 GFLOP = 1e9
