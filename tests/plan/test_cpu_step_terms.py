@@ -152,3 +152,22 @@ def test_vocab_parallel_loss_pays_its_two_small_all_reduces_in_forward():
     colls = step_collectives(W, lay, slow, 0, 0, 4, 0, first=True, last=True)
     (loss,) = [c for c in colls if c.where == LOSS_WHERE]
     assert loss.count == 2 * 2 and loss.payload == 1536  # 2 micro-batches x 2 calls, mean payload
+
+
+def test_torch_loss_parallel_pays_three_all_reduces_and_its_passes_over_the_fp32_logits():
+    """torch's loss_parallel reduces the max, the sum of exponentials and the target's log-probability
+    apart (4 bytes per token each), and moves a + 36 bytes per logit each way (timing.LOSS_PARALLEL_BYTES:
+    .float() 4, amax 4, shift 8, exp 8, sum 4, log-softmax 8; backward zeros 4, exp 8, add 12, scale 8,
+    cast 4)."""
+    from pentatron.plan.comm import loss_all_reduces
+    from pentatron.plan.timing import LOSS_PARALLEL_BYTES, head_phase
+    assert loss_all_reduces(256, "loss_parallel") == (1024, 1024, 1024)
+    assert LOSS_PARALLEL_BYTES == 4 + 4 + 8 + 8 + 4 + 8 == 4 + 8 + 12 + 8 + 4
+    # no communication at all (busbw infinite in effect) isolates the loss's memory-bound passes
+    gpu = dataclasses.replace(H100, measured_busbw={"all_reduce": ((1.0, 1e30),)}, measured_stream_bw=((1.0, 1e9),))
+    eager, par = (Layout(dp=1, tp=2, micro_batch=4, precision="fp32", cross_entropy=ce)
+                  for ce in ("eager", "loss_parallel"))
+    he, hp = head_phase(W, eager, gpu, "eager"), head_phase(W, par, gpu, "eager")
+    entries = 4 * 64 * W.cfg.vocab_size / 2  # tokens x local vocabulary
+    assert hp.f - he.f == pytest.approx(entries * ((4 + 36) - (4 + 4 + 4 + 4)) / 1e9, rel=1e-6)
+    assert hp.b - he.b == pytest.approx(entries * ((4 + 36) - 1.5 * (4 + 4 + 4 + 4)) / 1e9, rel=1e-6)

@@ -29,6 +29,8 @@ W70 = Workload(get_model_config("llama3-70b"), 4096, 1024)
     ({"attention": "flash9"}, "--attention must be one of"),
     ({"precision": "fp8", "fp8_scaling": "blockwise"}, "--fp8-scaling must be one of tensorwise, rowwise"),
     ({"fp8_scaling": "rowwise"}, "--fp8-scaling rowwise applies to --precision fp8, not bf16"),
+    ({"cross_entropy": "loss_parallel"}, "cross_entropy='loss_parallel' splits the loss over the tp ranks"),
+    ({"cross_entropy": "flash"}, "cross_entropy must be one of eager, fused, loss_parallel"),
 ])
 def test_impossible_layouts_are_refused(kw, match):
     msgs = problems(W70, Layout(**{"dp": 256, **kw}), H100, 256)
@@ -51,6 +53,8 @@ def test_rowwise_fp8_needs_a_measured_gpu():
     ({"cp": 8, "dp": 32}, None, None),  # trainable since context parallelism landed
     ({"precision": "fp8"}, None, "train.precision='fp8' is not available"),
     ({"recompute": "selective-op"}, None, "recompute 'selective-op' is not available"),
+    ({"tp": 8, "dp": 32, "sp": True, "cross_entropy": "loss_parallel"}, None,
+     "cross_entropy='loss_parallel' is not available; use 'eager'"),
 ])
 def test_layouts_real_runs_used_are_evaluated_with_a_warning(kw, warning, untrainable):
     lay = Layout(**{"dp": 256, **kw})

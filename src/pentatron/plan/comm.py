@@ -287,10 +287,13 @@ def pp_regather_time(w: Workload, lay: Layout, gpu: GPUSpec) -> float:
 LOSS_WHERE = "vocab-parallel loss"
 
 
-def loss_all_reduces(tokens: float) -> tuple[float, ...]:
-    """Payloads of the vocab-parallel cross-entropy's all-reduces per micro-batch (parallel/tensor.py):
-    the max of each token's logits (fp32), then each token's sum of exponentials and target logit
-    together (Megatron's splits the second in two: its 3 calls move the same bytes)."""
+def loss_all_reduces(tokens: float, cross_entropy: str = "eager") -> tuple[float, ...]:
+    """Payloads of the vocab-parallel cross-entropy's all-reduces per micro-batch: ours (parallel/tensor.py)
+    reduces the max of each token's logits (fp32), then each token's sum of exponentials and target logit
+    together (Megatron's splits the second in two: its 3 calls move the same bytes); torch's
+    loss_parallel reduces the max, the sum of exponentials and the target's log-probability apart."""
+    if cross_entropy == "loss_parallel":
+        return (4 * tokens, 4 * tokens, 4 * tokens)
     return (4 * tokens, 8 * tokens)
 
 
@@ -328,7 +331,7 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
         else:
             out.append(_coll(gpu, g, "all_reduce", act, m * per_mb, "layers fwd+bwd"))
         if last and lay.cross_entropy != "fused":
-            loss = loss_all_reduces(tokens)
+            loss = loss_all_reduces(tokens, lay.cross_entropy)
             out.append(_coll(gpu, g, "all_reduce", sum(loss) / len(loss), m * len(loss), LOSS_WHERE))
     if lay.cp > 1:
         u, r = cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)

@@ -27,7 +27,9 @@ TRAIN_PRECISIONS: tuple[str, ...] = ("bf16", "fp32")  # train.precision (besides
 PP_SCHEDULES: tuple[str, ...] = ("afab", "1f1b", "interleaved", "zb")
 SP_INPUTS: tuple[str, ...] = ("gathered", "sharded")
 GRAD_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16+fp32")
-CROSS_ENTROPY: tuple[str, ...] = ("eager", "fused")
+# the loss: "eager" (fp32 PyTorch ops: F.cross_entropy, or under TP our vocab-parallel loss), "fused"
+# (flash-attn's kernel) or "loss_parallel" (torch's DTensor loss_parallel over the tp mesh: torchtitan at tp > 1)
+CROSS_ENTROPY: tuple[str, ...] = ("eager", "fused", "loss_parallel")
 # fp8 scaling: one scale per tensor (Transformer Engine's delayed scaling, torchao's default recipe) or per
 # row (torchao's "rowwise": its own CUTLASS GEMM, costed from a measured table in plan/fp8_rowwise.py)
 FP8_SCALINGS: tuple[str, ...] = ("tensorwise", "rowwise")
@@ -82,8 +84,9 @@ class Layout:
     # the all-gathered block input) or "sharded" (Megatron-LM/-Core: the sequence shard, all-gathered
     # again in backward, overlapped with the input-gradient GEMM)
     sp_inputs: str = "gathered"
-    # the loss: "eager" (log-softmax in fp32, as training) or "fused" (flash-attn's cross-entropy kernel,
-    # llm-foundry's default: keeps the low-precision logits and a per-token logsumexp only)
+    # the loss: "eager" (log-softmax in fp32, as training), "fused" (flash-attn's cross-entropy kernel,
+    # llm-foundry's default: keeps the low-precision logits and a per-token logsumexp only) or
+    # "loss_parallel" (torch's DTensor loss over the tp mesh, torchtitan's at tp > 1: decomposed fp32 ops)
     cross_entropy: str = "eager"
     # the stage output of each in-flight micro-batch until its backward: "kept" (our engine's
     # state.output, DeepSpeed's pipe buffers) or "freed" once sent (Megatron's deallocate_pipeline_outputs)
@@ -209,6 +212,9 @@ def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
         out.append(f"pp_outputs must be 'kept' or 'freed', got {lay.pp_outputs!r}")
     if lay.cross_entropy not in CROSS_ENTROPY:
         out.append(f"cross_entropy must be one of {', '.join(CROSS_ENTROPY)}, got {lay.cross_entropy!r}")
+    elif lay.cross_entropy == "loss_parallel" and lay.tp == 1:
+        out.append("cross_entropy='loss_parallel' splits the loss over the tp ranks' vocabulary slices; with tp=1 "
+                   "use 'eager'")
     if lay.grad_precision not in GRAD_PRECISIONS:
         out.append(f"grad_precision must be one of {', '.join(GRAD_PRECISIONS)}, got {lay.grad_precision!r}")
     if lay.tp_overlap and not (lay.sp and lay.tp > 1):
@@ -311,7 +317,8 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
         out.append("training's ZeRO-3 keeps a bf16 parameter shard beside the fp32 master shard (param_shard="
                    "'fp32' is FSDP2's storage, not available)")
     if lay.cross_entropy != "eager":
-        out.append("training computes the loss in fp32 PyTorch ops (cross_entropy='fused' is not available)")
+        out.append(f"training computes the loss in fp32 PyTorch ops (cross_entropy={lay.cross_entropy!r} is not "
+                   "available; use 'eager')")
     if lay.pp_outputs != "kept":
         out.append("training's pipeline engine keeps each in-flight stage output (pp_outputs='freed' is not "
                    "available)")

@@ -196,15 +196,29 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
     return LayerActivation(tokens * a * hs, full_layer)
 
 
+def loss_transient_per_entry(cross_entropy: str, a: int, tp: int) -> float:
+    """Bytes per token and (local) vocabulary entry the loss holds at its peak beside what it saves, each
+    measured (tests/plan/test_activation_parity.py):
+    * F.cross_entropy (tp 1): in forward the low-precision logits and their fp32 copy, (a + 4); in
+      backward the incoming fp32 gradient and the one log-softmax's backward makes, 8.
+    * ours under TP (parallel/tensor.py `vocab_parallel_cross_entropy`): in forward the low-precision
+      logits (none in fp32, where `.float()` copies nothing), the fp32 logits and their shifted copy.
+    * torch's `loss_parallel` (torch/distributed/tensor/parallel/loss.py): in backward the zero-filled
+      gradient, the exponential of the saved log-softmax and their sum, 12, whatever the logits' dtype."""
+    if cross_entropy == "loss_parallel":
+        return 12
+    if tp > 1:
+        return 8 + (a if a < 4 else 0)
+    return max(a + 4, 8)
+
+
 def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, precision: str = "bf16",
                  tp: int = 1, sp: bool = False, cross_entropy: str = "eager") -> tuple[float, float]:
     """(saved, transient) bytes outside the decoder layers for one micro-batch: the token ids the
     embedding keeps (first stage); the final RMSNorm, LM-head input and the loss's fp32 log-softmax
-    plus targets (last stage). Transient, the larger of: in forward the low-precision logits and their
-    fp32 copy, (a + 4) per token and vocabulary entry; in backward the incoming fp32 gradient and the
-    one log-softmax's backward makes beside it, 8 (measured, tests/plan/test_activation_parity.py).
-    cross_entropy="fused" (flash-attn's kernel): the low-precision logits and an fp32 logsumexp per
-    token are kept, and the logits' gradient (same dtype) is the transient."""
+    (softmax, for our vocab-parallel loss) plus targets (last stage), with the loss's transient peak of
+    `loss_transient_per_entry`. cross_entropy="fused" (flash-attn's kernel): the low-precision logits and
+    an fp32 logsumexp per token are kept, and the logits' gradient (same dtype) is the transient."""
     h, a, v = cfg.hidden_size, act_bytes(precision), cfg.vocab_size / tp
     hs = h / tp if sp else h
     saved = transient = 0.0
@@ -217,7 +231,7 @@ def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, prec
             transient += tokens * a * v
         else:
             saved += tokens * 4 * v
-            transient += tokens * max(a + 4, 8) * v
+            transient += tokens * loss_transient_per_entry(cross_entropy, a, tp) * v
     return saved, transient
 
 

@@ -276,6 +276,13 @@ def tp_overlap_split(lc: LayerComm, tp: int, qkv: Phase, proj: Phase, up: Phase,
     return (ef, eb), (2 * (ag + rs) - ef, 2 * (ag + rs) - eb)
 
 
+# Bytes per logit moved by torch's loss_parallel besides reading the low-precision logits once
+# (torch/distributed/tensor/parallel/loss.py), forward: .float() writes 4, amax reads 4, the shift reads
+# and writes 8, exp 8, its sum reads 4, the log-softmax 8; backward: zeros 4, exp 8, the add 12, the
+# scale by the loss gradient 8, the cast back reads 4 (and writes the low-precision gradient).
+LOSS_PARALLEL_BYTES = 36
+
+
 def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -> Phase:
     """Final norm, LM head and the cross-entropy loss (vocab-parallel under TP)."""
     cfg = w.cfg
@@ -292,11 +299,14 @@ def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -
     if lay.cross_entropy == "fused":  # flash-attn's kernel: reads the logits; backward reads, writes grads
         loss = tokens * v * a / bw
         return Phase(ph.f + loss + tp_f, ph.b + 2 * loss + tp_b, ph.w)
+    loss_b = 1.5 * loss
+    if lay.cross_entropy == "loss_parallel":  # torch's decomposed ops, each a pass over the fp32 logits
+        loss = loss_b = tokens * v * (a + LOSS_PARALLEL_BYTES) / bw
     ce_comm = 0.0
     if lay.tp > 1:  # the vocab-parallel loss's small all-reduces (latency-bound), forward only
         g = group_of(lay, "tp", gpu)
-        ce_comm = sum(collective_time(gpu, "all_reduce", x, g) for x in loss_all_reduces(tokens))
-    return Phase(ph.f + loss + tp_f + ce_comm, ph.b + 1.5 * loss + tp_b, ph.w)
+        ce_comm = sum(collective_time(gpu, "all_reduce", x, g) for x in loss_all_reduces(tokens, lay.cross_entropy))
+    return Phase(ph.f + loss + tp_f + ce_comm, ph.b + loss_b + tp_b, ph.w)
 
 
 def _head_tp(w: Workload, lay: Layout, gpu: GPUSpec) -> tuple[float, float]:
