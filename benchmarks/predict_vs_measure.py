@@ -1,5 +1,6 @@
 """Predict, then measure: `pentatron plan` with a `pentatron bench` profile of this machine predicts the
-step time and the per-rank model state of debug-model runs (1 process, dp2, tp2, pp2), then
+step time, the per-rank model state and the peak of tensor memory of debug-model runs (1 process, dp2,
+tp2, pp2), then
 `pentatron train` runs them and the two are printed side by side. The "(alone)" column is the same
 prediction without `node_slowdown` (as if each rank had its cores to itself); the "(hot)" column is
 also without the in-step CPU terms (elementwise ops at the hot copy curve, attention at the
@@ -15,9 +16,13 @@ the profile and the runs then see the machine in the same minute). Measured step
 time is the median over the steps after `--warmup` (rank 0's wall time per step, as the trainer logs
 it), and the fastest of them (bench keeps its fastest timing windows: on a shared machine the best is
 the comparable figure); model state is the trainer's per-rank accounting (parameters, gradients, optimizer state, master
-weights); peak RSS is printed for context (it includes the Python process and torch, which the planner
-does not model). Training runs in fp32 on CPU (train.precision auto), as predicted, one thread per rank
-(the bench profile should be measured the same way: OMP_NUM_THREADS=1).
+weights). Peak tensor memory: the last step runs under `log.profile`, whose allocator events give each
+rank's most bytes of tensors allocated during the step and live at once; plus that rank's model state,
+this is the rank's peak of tensor memory (a CPU allocator keeps no statistics), compared, busiest rank
+against busiest rank, with the planner's memory less its CUDA context and fragmentation reserve; that
+step is left out of the step times. Peak RSS is printed for context (it includes the Python process and
+torch, which the planner does not model). Training runs in fp32 on CPU (train.precision auto), as
+predicted, one thread per rank (the bench profile should be measured the same way: OMP_NUM_THREADS=1).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from pathlib import Path
 from pentatron.models.registry import get_model_config
 from pentatron.plan.hardware import load_hardware_toml
 from pentatron.plan.layout import Layout, Workload
+from pentatron.plan.memory import RUNTIME_RESERVED
 from pentatron.plan.search import predict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +61,7 @@ class Measured:
     step_s: float
     best_s: float  # the fastest step: the least contended, as bench's best-of windows
     model_state: float
+    tensor_peak: float  # max over ranks of (model state + tensor memory allocated during the step, at its peak)
     peak_rss: float
 
 
@@ -62,7 +69,7 @@ def _train(overrides: list[str], nproc: int, steps: int, warmup: int, logdir: Pa
     cmd = [sys.executable, "-m", "pentatron.cli", "train", str(ROOT / "configs" / "debug.toml"),
            "--nproc", str(nproc), "--set", f"train.steps={steps}", "--set", "train.warmup=1",
            "--set", f"log.dir={json.dumps(str(logdir))}", "--set", "log.progress=false",
-           "--set", "log.tensorboard=false"]
+           "--set", "log.tensorboard=false", "--set", f"log.profile='{steps}:{steps}'"]
     for o in overrides:
         cmd += ["--set", o]
     # one intra-op thread per rank, as torchrun sets it for --nproc > 1: on a shared 2-core machine a
@@ -73,8 +80,10 @@ def _train(overrides: list[str], nproc: int, steps: int, warmup: int, logdir: Pa
         raise RuntimeError(f"training failed ({' '.join(overrides) or '1 process'}):\n{done.stderr[-2000:]}")
     # runs write <log.dir>/<timestamp>/ and point <log.dir>/latest at it
     recs = [json.loads(x) for x in (logdir / "latest" / "metrics.jsonl").read_text().splitlines()]
-    times = [r["step_time_s"] for r in recs[warmup:]]
-    return Measured(statistics.median(times), min(times), float(recs[0]["memory"]["total"]),
+    times = [r["step_time_s"] for r in recs[warmup:-1]]  # the last step ran under the profiler
+    ranks = [json.loads(f.read_text()) for f in sorted((logdir / "latest" / "profile").glob("rank*.summary.json"))]
+    tensor_peak = max(r["model_state_bytes"] + r["tensor_memory_growth_bytes"] for r in ranks)
+    return Measured(statistics.median(times), min(times), float(recs[0]["memory"]["total"]), tensor_peak,
                     max(r["peak_mem_bytes"] for r in recs))
 
 
@@ -86,7 +95,7 @@ def _bench(out: str) -> None:
 
 def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[float, float, float]]:
     """One profile, the four runs; prints the table; returns run -> (predicted, median, fastest,
-    predicted without the TP step) s."""
+    predicted without the TP step) s, and predicted / measured peak tensor memory."""
     gpu = load_hardware_toml(profile)
     w = Workload(get_model_config("debug"), SEQ, GLOBAL)
     print(f"profile: {gpu.name} ({gpu.source}); fp32 matmul {gpu.flops('fp32') / 1e9:.1f} GFLOP/s, "
@@ -102,7 +111,8 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
     head = (f"{'run':<10} {'pred step ms':>12} {'(alone)':>8} {'(hot)':>8} {'(no TP step)':>12} "
             f"{'meas step ms':>12} {'ratio':>6} "
             f"{'best ms':>8} {'ratio':>6}   "
-            f"{'pred state KiB':>14} {'meas state KiB':>14} {'ratio':>6}   {'peak RSS MiB':>12}")
+            f"{'pred state KiB':>14} {'meas state KiB':>14} {'ratio':>6}   "
+            f"{'pred tensors KiB':>16} {'meas tensors KiB':>16} {'ratio':>6}   {'peak RSS MiB':>12}")
     print(head)
     print("-" * len(head))
     parts, out = [], {}
@@ -114,13 +124,15 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
         m = _train(overrides, lay.world, steps, warmup, tmp / f"run{i}")
         mem = pred.memory
         state = mem.parameters + mem.gradients + mem.master_weights + mem.optimizer
+        tensors = mem.required - RUNTIME_RESERVED  # live tensors: without the context and the margin
         print(f"{name:<10} {1e3 * pred.step.step:>12.2f} {1e3 * pred_alone.step.step:>8.2f} "
               f"{1e3 * pred_flat.step.step:>8.2f} {1e3 * pred_no_tp.step.step:>12.2f} "
               f"{1e3 * m.step_s:>12.2f} {pred.step.step / m.step_s:>6.2f} {1e3 * m.best_s:>8.2f} "
               f"{pred.step.step / m.best_s:>6.2f}"
               f"   {state / 1024:>14.1f} {m.model_state / 1024:>14.1f} {state / m.model_state:>6.2f}"
+              f"   {tensors / 1024:>16.1f} {m.tensor_peak / 1024:>16.1f} {tensors / m.tensor_peak:>6.2f}"
               f"   {m.peak_rss / 2**20:>12.0f}", flush=True)
-        out[name] = (pred.step.step, m.step_s, m.best_s, pred_no_tp.step.step)
+        out[name] = (pred.step.step, m.step_s, m.best_s, pred_no_tp.step.step, tensors / m.tensor_peak)
         st = pred.step
         ph = max(st.phases, key=lambda p: p.total)
         parts.append(f"{name:<10} {lay.microbatches(w)} x (f {1e3 * ph.f:.2f} + b {1e3 * ph.b:.2f} "
@@ -163,11 +175,14 @@ def main(argv: list[str] | None = None) -> int:
             med = [x[name][0] / x[name][1] for x in rounds]
             best = [x[name][0] / x[name][2] for x in rounds]
             pre = [x[name][3] / x[name][1] for x in rounds]
+            mem = [x[name][4] for x in rounds]
             within = sum(abs(r - 1) <= 0.25 for r in med)
             print(f"{name:<10} median step {statistics.median(med):.2f} [{min(med):.2f} .. {max(med):.2f}] "
                   f"({within}/{len(med)} within 25 %)   "
                   f"fastest step {statistics.median(best):.2f} [{min(best):.2f} .. {max(best):.2f}]   "
-                  f"without the TP step {statistics.median(pre):.2f} [{min(pre):.2f} .. {max(pre):.2f}]")
+                  f"without the TP step {statistics.median(pre):.2f} [{min(pre):.2f} .. {max(pre):.2f}]   "
+                  f"peak tensors {min(mem):.2f} .. {max(mem):.2f} "
+                  f"({sum(abs(r - 1) <= 0.10 for r in mem)}/{len(mem)} within 10 %)")
     return 0
 
 

@@ -72,6 +72,11 @@ def test_report_matches_the_ledger(tmp_path: Path, default_dataset, world: int, 
         summary = json.loads((run_dir / "profile" / "rank1.summary.json").read_text())
         assert summary["steps"] == [2, 3] and summary["comm_calls"]["tp"] > 0 and summary["comm_s"]["tp"] > 0
         assert set(summary["compute_s"]) == {"forward", "backward", "optimizer"}
+        # the profiled steps' tensor memory: rank 0's model state + what the steps allocated at once,
+        # against the planner's live tensors for rank 0
+        assert summary["model_state_bytes"] == meas["model_state_bytes"] and summary["tensor_memory_growth_bytes"] > 0
+        assert meas["tensor_peak_bytes_rank0"] == pytest.approx(pred["tensor_bytes_rank0"], rel=0.10)
+        assert "| tensor memory at its peak, rank 0" in md
         trace = json.loads((run_dir / "profile" / "rank0.trace.json").read_text())
         names = {e.get("name") for e in trace["traceEvents"]}
         assert {"pentatron/forward", "pentatron/backward", "pentatron/optimizer", "comm/tp/all_reduce"} <= names

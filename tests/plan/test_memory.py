@@ -126,3 +126,20 @@ def test_fp32_states():
     assert m32.master_weights == 0 and m32.parameters == pytest.approx(4 * total_params(w.cfg))
     w2 = dataclasses.replace(w, seq_len=128)
     assert memory_per_gpu(w2, Layout(precision="fp32"), H100).activations < m32.activations
+
+
+def test_data_parallel_buckets_cost_memory_only_where_they_are_transient():
+    """ZeRO-0/1 reduce each bucket in place in the persistent gradient buffer (parallel/data.py, zero.py):
+    no memory beyond the gradients, as predict_vs_measure measures at dp2. ZeRO-2's buckets are transient:
+    two in flight, none larger than the rank's gradients (the debug model's 4.25 MiB of fp32 gradients is
+    below one 25 MiB bucket, so two of them: 8.5 MiB)."""
+    from pentatron.plan.memory import DP_BUCKET, memory_for_rank, rank_params
+    w = Workload(get_model_config("debug"), 64, 8)
+    comm = {z: memory_for_rank(w, Layout(dp=2, zero=z, micro_batch=4, precision="fp32"), H100, 0).comm_buffers
+            for z in (0, 1, 2)}
+    rp = rank_params(w, Layout(dp=2, micro_batch=4, precision="fp32"), 0)
+    grads = 4 * (rp.dense + rp.expert)
+    assert comm[0] == comm[1] == 0
+    assert grads < DP_BUCKET and comm[2] == pytest.approx(2 * grads)
+    big = Workload(get_model_config("llama3-8b"), 4096, 64)
+    assert memory_for_rank(big, Layout(dp=8, zero=2, micro_batch=1), H100, 0).comm_buffers == 2 * DP_BUCKET

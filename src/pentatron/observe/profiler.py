@@ -16,6 +16,12 @@ transfer hidden behind compute costs nothing there, and waiting for a slower pee
 bubble, a straggler) counts as communication of that dimension, since that is where the rank
 idled. Times are host-side wall clock; on CUDA, each step is synchronised first so that they
 include the device's work, and the trace's device lanes show the kernels.
+
+Memory (`tensor_memory_growth_bytes`): the most bytes of tensors allocated on this rank's device
+during the profiled steps and live at once, from the profiler's allocator events. Tensors that were
+live before profiling began (parameters, gradient buffers, optimizer state: `model_state_bytes`) are
+not in it, so on a CPU, where no allocator keeps statistics, model state + growth is the rank's peak
+of tensor memory over those steps.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,13 +77,14 @@ class _Phase:
 
 class StepProfiler:
     def __init__(self, steps: tuple[int, int], out_dir: Path, rank: int, device: torch.device,
-                 recorder: Any, model: nn.Module) -> None:
+                 recorder: Any, model: nn.Module, model_state: Callable[[], int] | None = None) -> None:
         self.first, self.last = steps
         self.dir = out_dir
         self.rank = rank
         self.device = device
         self.recorder = recorder
         self.modules = list(getattr(model, "stages", None) or [model])
+        self.model_state = model_state  # bytes of this rank's persistent model state (live before profiling)
         self.active = False
         self._prof: Any = None
         self._hooks: list[Any] = []
@@ -94,7 +102,7 @@ class StepProfiler:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._prof = torch.profiler.profile(activities=activities)
+            self._prof = torch.profiler.profile(activities=activities, profile_memory=True)
             self._prof.__enter__()
             self.recorder.timer = self.timer
             self._hooks = [h for m in self.modules for h in (m.register_forward_pre_hook(self._fwd_begin),
@@ -152,6 +160,9 @@ class StepProfiler:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._prof.export_chrome_trace(str(self.dir / f"rank{self.rank}.trace.json"))
         summary = self.summary()
+        summary["tensor_memory_growth_bytes"] = peak_allocation_growth(self._prof, self.device)
+        if self.model_state is not None:
+            summary["model_state_bytes"] = self.model_state()
         (self.dir / f"rank{self.rank}.summary.json").write_text(json.dumps(summary, indent=1))
         (self.dir / f"rank{self.rank}.summary.txt").write_text(format_summary(summary) + "\n")
 
@@ -172,6 +183,24 @@ class StepProfiler:
                 "compute_s": compute, "comm_s": comm, "comm_calls": dict(self.timer.calls), "other_s": other}
 
 
+def peak_allocation_growth(prof: Any, device: torch.device) -> int:
+    """Peak over time of the bytes allocated on `device` while `prof` (profile_memory=True) ran and not
+    yet freed: the profiler's "[memory]" events (+ allocation, − free) summed in time order."""
+    dev = torch.device(device)
+    index = (dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else None
+
+    def mine(e: Any) -> bool:
+        return (e.name() == "[memory]" and str(e.device_type()).split(".")[-1].lower() == dev.type
+                and (index is None or e.device_index() == index))
+
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if mine(e))
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
 def format_summary(s: dict[str, Any]) -> str:
     wall = s["wall_s"] or 1e-12
     lines = [f"rank {s['rank']}: where the time went, steps {s['steps'][0]}..{s['steps'][1]} "
@@ -185,4 +214,7 @@ def format_summary(s: dict[str, Any]) -> str:
     total_comm = sum(s["comm_s"].values())
     lines.append(f"  compute {100 * sum(s['compute_s'].values()) / wall:.1f}% · communication "
                  f"{100 * total_comm / wall:.1f}% · other {100 * s['other_s'] / wall:.1f}%")
+    if "tensor_memory_growth_bytes" in s:
+        lines.append(f"  tensor memory: at most {s['tensor_memory_growth_bytes'] / 2**20:,.1f} MiB allocated during "
+                     "these steps and live at once (beyond the tensors that existed before them)")
     return "\n".join(lines)

@@ -72,6 +72,16 @@ def measured(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def profiled_tensor_peak(run_dir: Path) -> dict[str, int]:
+    """Rank 0's peak of tensor memory over the steps `log.profile` traced (its own summary, written before
+    the report): the model state live before them plus the most allocated during them at once."""
+    path = Path(run_dir) / "profile" / "rank0.summary.json"
+    s = json.loads(path.read_text()) if path.is_file() else {}
+    if "tensor_memory_growth_bytes" not in s or "model_state_bytes" not in s:
+        return {}
+    return {"tensor_peak_bytes_rank0": s["model_state_bytes"] + s["tensor_memory_growth_bytes"]}
+
+
 # ---------------------------------------------------------------- predicted
 def layout_and_workload(cfg: dict[str, Any], world_size: int, device: str) -> tuple[Any, Any]:
     """The planner's Layout and Workload for a run's config (as saved in run.json)."""
@@ -111,18 +121,21 @@ def _hardware(info: dict[str, Any], profile: Path | None) -> tuple[Any, str, boo
 def predicted(info: dict[str, Any], profile: Path | None) -> dict[str, Any]:
     """The planner's numbers for the run's layout, or {"error": why} when it cannot evaluate it."""
     from pentatron.plan.comm import bytes_by_dim
+    from pentatron.plan.memory import RUNTIME_RESERVED, memory_for_rank
     from pentatron.plan.search import predict
 
     gpu, source, same_machine = _hardware(info, profile)
     try:
         lay, w = layout_and_workload(info["config"], info.get("world_size", 1), info.get("device", "cpu"))
-        p = predict(w, lay, gpu)
+        p = predict(w, lay, gpu, kernels="eager")  # training runs PyTorch's own ops, no fused kernels
+        rank0 = memory_for_rank(w, lay, gpu, 0, "eager")
     except Exception as e:  # noqa: BLE001 - the planner may not model every layout: say so in the report
         return {"error": f"{type(e).__name__}: {e}", "hardware": source}
     mem = p.memory
     return {"hardware": source, "same_machine": same_machine, "layout": lay.short(),
             "step_time_s": p.step.step, "bubble": p.step.bubble_fraction, "memory_bytes": mem.total,
             "model_state_bytes": mem.parameters + mem.gradients + mem.master_weights + mem.optimizer,
+            "tensor_bytes_rank0": rank0.required - RUNTIME_RESERVED,  # live tensors: no context, no margin
             "comm_bytes_per_step": bytes_by_dim(list(p.step.collectives))}
 
 
@@ -156,6 +169,10 @@ def comparison_rows(meas: dict[str, Any], pred: dict[str, Any]) -> list[tuple[st
                  _size(meas["model_state_bytes"]), _err(pred["model_state_bytes"], meas["model_state_bytes"] or None)))
     rows.append(("peak memory per rank", _size(pred["memory_bytes"]), _size(meas["peak_mem_bytes"]),
                  _err(pred["memory_bytes"], meas["peak_mem_bytes"]) if pred["same_machine"] else "n/a (CPU RSS)"))
+    if "tensor_peak_bytes_rank0" in meas:
+        rows.append(("tensor memory at its peak, rank 0 (profiled steps: model state + allocations)",
+                     _size(pred["tensor_bytes_rank0"]), _size(meas["tensor_peak_bytes_rank0"]),
+                     _err(pred["tensor_bytes_rank0"], meas["tensor_peak_bytes_rank0"])))
     dims = sorted(set(pred["comm_bytes_per_step"]) | set(meas["comm_sent_per_step"]))
     for d in dims:
         p, m = pred["comm_bytes_per_step"].get(d, 0.0), meas["comm_sent_per_step"].get(d, 0.0)
@@ -205,6 +222,7 @@ def write_report(run_dir: Path, hardware_profile: Path | None = None) -> Path:
     info_path = run_dir / RUN_INFO
     info = json.loads(info_path.read_text()) if info_path.is_file() else None
     meas = measured(records)
+    meas.update(profiled_tensor_peak(run_dir))
     pred = predicted(info, hardware_profile) if info else {"error": f"no {RUN_INFO} in {run_dir} (run older "
                                                                     "than the report): nothing to predict from"}
     plots = _plots(run_dir, records)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import platform
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +48,7 @@ def start_flight_recorder(cfg: Config, ctx: ParallelContext) -> Watchdog | None:
 
 class RunObserver:
     def __init__(self, cfg: Config, ctx: ParallelContext, model: nn.Module, engine: Any, loader: Any,
-                 watchdog: Watchdog | None = None) -> None:
+                 watchdog: Watchdog | None = None, model_state: Callable[[], int] | None = None) -> None:
         self.cfg = cfg
         self.ctx = ctx
         self.engine = engine
@@ -63,7 +64,7 @@ class RunObserver:
             steps = profile_steps(cfg.log.profile)
             assert steps is not None  # validated with the config
             self.profiler = StepProfiler(steps, Path(cfg.log.dir) / "profile", ctx.rank, ctx.device,
-                                         ctx.comm.recorder, model)
+                                         ctx.comm.recorder, model, model_state)
         self.step = 0
         self._consumed = 0
         self._extra: dict[str, Any] = {}

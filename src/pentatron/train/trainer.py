@@ -77,7 +77,8 @@ class Trainer:
         self.tokens_per_step = tr.global_batch * tr.seq_len
         self.flops_per_token = model_flops_per_token(self.model_cfg, tr.seq_len)
         self.peak_flops, self.peak_source = peak_flops(self.device, self.policy.param_dtype, tr.peak_tflops)
-        self.observer = RunObserver(cfg, self.ctx, self.model, self.engine, self.loader, self.watchdog)
+        self.observer = RunObserver(cfg, self.ctx, self.model, self.engine, self.loader, self.watchdog,
+                                    model_state=lambda: self.runner.memory().total)
 
     # ------------------------------------------------------------------ one optimizer step
     def train_step(self) -> dict[str, Any]:
