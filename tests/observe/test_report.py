@@ -1,4 +1,4 @@
-"""The run report on real debug runs (1 process, dp2, tp2 with the profiler, tp2 with SP, pp2): its
+"""The run report on real debug runs (1 process, dp2, tp2 and pp2 with the profiler, tp2 with SP, cp2): its
 communication bytes are the ledger's, the planner predicts the tensor-parallel ones byte for byte, and
 the predicted-vs-measured table is there."""
 
@@ -31,7 +31,7 @@ def _train(rank: int, world: int, run_dir: str, dataset: str, extra: list[str]) 
     (2, ["parallel.dp=2"]),
     (2, ["parallel.tp=2", "log.profile='2:3'"]),
     (2, ["parallel.tp=2", "parallel.sp=true"]),
-    (2, ["parallel.pp=2"]),
+    (2, ["parallel.pp=2", "log.profile='2:3'"]),
     (2, ["parallel.cp=2"]),
 ], ids=["1proc", "dp2", "tp2", "tp2sp", "pp2", "cp2"])
 def test_report_matches_the_ledger(tmp_path: Path, default_dataset, world: int, extra: list[str]):
@@ -69,17 +69,23 @@ def test_report_matches_the_ledger(tmp_path: Path, default_dataset, world: int, 
     if "parallel.cp=2" in extra:  # the ring's K/V and fp32 dK/dV passes, and the gradients over dp x cp
         assert sent["cp"] == pred_bytes["cp"] and 0 <= sent["dp"] - pred_bytes["dp"] <= 8
     if "log.profile='2:3'" in extra:
+        dim = "tp" if "parallel.tp=2" in extra else "pp"
         summary = json.loads((run_dir / "profile" / "rank1.summary.json").read_text())
-        assert summary["steps"] == [2, 3] and summary["comm_calls"]["tp"] > 0 and summary["comm_s"]["tp"] > 0
+        assert summary["steps"] == [2, 3] and summary["comm_calls"][dim] > 0 and summary["comm_s"][dim] > 0
+        # the phases are timed on every layout (a pipeline rank's forward hooks sit on its stages)
         assert set(summary["compute_s"]) == {"forward", "backward", "optimizer"}
+        assert summary["compute_s"]["forward"] > 0 and summary["compute_s"]["backward"] > 0
         # the profiled steps' tensor memory: rank 0's model state + what the steps allocated at once,
         # against the planner's live tensors for rank 0
-        assert summary["model_state_bytes"] == meas["model_state_bytes"] and summary["tensor_memory_growth_bytes"] > 0
+        assert summary["tensor_memory_growth_bytes"] > 0
+        if dim == "tp":  # tp ranks hold equal shards: rank 1's state is rank 0's
+            assert summary["model_state_bytes"] == meas["model_state_bytes"]
         assert meas["tensor_peak_bytes_rank0"] == pytest.approx(pred["tensor_bytes_rank0"], rel=0.10)
         assert "| tensor memory at its peak, rank 0" in md
         trace = json.loads((run_dir / "profile" / "rank0.trace.json").read_text())
         names = {e.get("name") for e in trace["traceEvents"]}
-        assert {"pentatron/forward", "pentatron/backward", "pentatron/optimizer", "comm/tp/all_reduce"} <= names
+        assert {"pentatron/forward", "pentatron/backward", "pentatron/optimizer"} <= names
+        assert any(str(n).startswith(f"comm/{dim}/") for n in names)
     # and again from the command line
     assert main(["report", str(run_dir)]) == 0
 

@@ -51,6 +51,9 @@ class LocalStages(nn.Module):
             for name in ("norm", "lm_head"):
                 if hasattr(st, name):
                     self.add_module(name, getattr(st, name))
+        # the stages themselves, for hooks on each chunk's forward (the profiler): a tuple is not
+        # registered as submodules, so parameter names stay the full model's
+        self.stages = tuple(stages)
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a pipeline-parallel model runs through its StepRunner, not forward()")
