@@ -10,6 +10,7 @@ gradients) on the busiest stage, exposed data-parallel communication, optimizer,
 communication charged as contention (all of it on a CPU: the cores that compute also communicate).
 
     python benchmarks/predict_vs_measure.py [--profile cpu.toml] [--steps 12] [--warmup 3] [--rounds N]
+                                            [--memory-layouts]
 
 Without `--profile` it first runs `pentatron bench --nproc 2` into a temporary profile (each round:
 the profile and the runs then see the machine in the same minute). Measured step
@@ -53,6 +54,21 @@ RUNS: dict[str, tuple[Layout, list[str]]] = {
     "dp2": (Layout(dp=2, micro_batch=MICRO, precision="fp32"), ["parallel.dp=2"]),
     "tp2": (Layout(dp=1, tp=2, micro_batch=MICRO, precision="fp32"), ["parallel.tp=2"]),
     "pp2": (Layout(dp=1, pp=2, micro_batch=1, precision="fp32"), ["parallel.pp=2", "train.micro_batch=1"]),
+}
+
+# Memory only (`--memory-layouts`): the planner's peak tensor memory for more of training's layouts, each
+# run once for 3 steps (the third profiled), rank 0 against the planner's rank 0.
+MEMORY_RUNS: dict[str, tuple[Layout, list[str]]] = {
+    "zero1 dp2": (Layout(dp=2, zero=1, micro_batch=MICRO, precision="fp32"), ["parallel.dp=2", "parallel.zero=1"]),
+    "zero2 dp2": (Layout(dp=2, zero=2, micro_batch=MICRO, precision="fp32"), ["parallel.dp=2", "parallel.zero=2"]),
+    "zero3 dp2": (Layout(dp=2, zero=3, micro_batch=MICRO, precision="fp32"), ["parallel.dp=2", "parallel.zero=3"]),
+    "dp2 m2": (Layout(dp=2, micro_batch=2, precision="fp32"), ["parallel.dp=2", "train.micro_batch=2"]),
+    "tp2 sp": (Layout(dp=1, tp=2, sp=True, micro_batch=MICRO, precision="fp32"), ["parallel.tp=2", "parallel.sp=true"]),
+    "cp2": (Layout(dp=1, cp=2, micro_batch=MICRO, precision="fp32"), ["parallel.cp=2"]),
+    "full recompute": (Layout(dp=1, micro_batch=MICRO, recompute="full", precision="fp32"),
+                       ["train.recompute='full'"]),
+    "selective recompute": (Layout(dp=1, micro_batch=MICRO, recompute="selective", precision="fp32"),
+                            ["train.recompute='selective'"]),
 }
 
 
@@ -151,6 +167,27 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
     return out
 
 
+def _memory_layouts(tmp: Path) -> None:
+    """Peak tensor memory of rank 0, predicted vs measured, for MEMORY_RUNS."""
+    from pentatron.plan.hardware import get_gpu
+    from pentatron.plan.memory import memory_for_rank
+
+    w = Workload(get_model_config("debug"), SEQ, GLOBAL)
+    gpu = get_gpu("h100")  # memory does not depend on the machine's speed
+    print(f"\n{'layout':<20} {'pred tensors KiB':>16} {'meas tensors KiB':>16} {'ratio':>6}   "
+          f"{'pred state KiB':>14} {'meas state KiB':>14}")
+    for i, (name, (lay, overrides)) in enumerate(MEMORY_RUNS.items()):
+        pred = memory_for_rank(w, lay, gpu, 0, "eager")
+        tensors = pred.required - RUNTIME_RESERVED
+        state = pred.parameters + pred.gradients + pred.master_weights + pred.optimizer
+        logdir = tmp / f"mem{i}"
+        _train(overrides, lay.world, 3, 1, logdir)
+        s = json.loads((logdir / "latest" / "profile" / "rank0.summary.json").read_text())
+        meas = s["model_state_bytes"] + s["tensor_memory_growth_bytes"]
+        print(f"{name:<20} {tensors / 1024:>16.1f} {meas / 1024:>16.1f} {tensors / meas:>6.2f}   "
+              f"{state / 1024:>14.1f} {s['model_state_bytes'] / 1024:>14.1f}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", help="a `pentatron bench` profile (default: measure one now, each round)")
@@ -159,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat (bench, then the four runs) this many times and summarise the ratios: on a "
                          "shared machine one round measures the neighbours as much as the model")
+    ap.add_argument("--memory-layouts", action="store_true",
+                    help="then peak tensor memory only, rank 0, for zero 1/2/3, 2 micro-batches, tp2+sp, cp2 and "
+                         "full / selective recompute (one 3-step run each)")
     args = ap.parse_args(argv)
     rounds = []
     with tempfile.TemporaryDirectory(prefix="pentatron-pvm-") as tmp:
@@ -169,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                 _bench(profile)
             print(f"round {r + 1}/{args.rounds}, {time.strftime('%H:%M:%S')}")
             rounds.append(_round(profile, args.steps, args.warmup, Path(tmp) / f"r{r}"))
+        if args.memory_layouts:
+            _memory_layouts(Path(tmp))
     if len(rounds) > 1:
         print("\npredicted / measured over the rounds (median [min .. max]):")
         for name in RUNS:
