@@ -20,6 +20,7 @@ from pentatron.distributed.comm import Comm
 from pentatron.distributed.context import Degrees, ParallelContext
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
+from pentatron.observe.profiler import peak_allocation_growth
 from pentatron.parallel.activation_memory import SavedTensorMeter, layer_activation_bytes
 from pentatron.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from pentatron.plan.memory import llama_layer_activation_bytes, stage_extras
@@ -71,13 +72,7 @@ def _peak_bytes(fn: Callable[[], object]) -> int:
     caching allocator would have to hold on top of what existed before."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    current = peak = 0
-    for _, nbytes in events:
-        current += nbytes
-        peak = max(peak, current)
-    return peak
+    return peak_allocation_growth(prof, torch.device("cpu"))
 
 
 def _planner_peak_per_entry(precision: str, tp: int, cross_entropy: str = "eager") -> float:
