@@ -132,7 +132,7 @@ def test_data_parallel_buckets_cost_memory_only_where_they_are_transient():
     """ZeRO-0/1 reduce each bucket in place in the persistent gradient buffer (parallel/data.py, zero.py):
     no memory beyond the gradients, as predict_vs_measure measures at dp2. ZeRO-2's buckets are transient:
     two in flight, none larger than the rank's gradients (the debug model's 4.25 MiB of fp32 gradients is
-    below one 25 MiB bucket, so two of them: 8.5 MiB)."""
+    below one 25 MiB bucket, so two of them: 8.5 MiB). ZeRO-3's buckets are its units."""
     from pentatron.plan.memory import DP_BUCKET, memory_for_rank, rank_params
     w = Workload(get_model_config("debug"), 64, 8)
     comm = {z: memory_for_rank(w, Layout(dp=2, zero=z, micro_batch=4, precision="fp32"), H100, 0).comm_buffers
@@ -143,3 +143,7 @@ def test_data_parallel_buckets_cost_memory_only_where_they_are_transient():
     assert grads < DP_BUCKET and comm[2] == pytest.approx(2 * grads)
     big = Workload(get_model_config("llama3-8b"), 4096, 64)
     assert memory_for_rank(big, Layout(dp=8, zero=2, micro_batch=1), H100, 0).comm_buffers == 2 * DP_BUCKET
+    # ZeRO-3: a bucket per unit (layer), so none bigger than the largest layer's gradients; besides them the
+    # current and the prefetched layer are gathered (4 bytes each in fp32)
+    z3 = memory_for_rank(w, Layout(dp=2, zero=3, micro_batch=4, precision="fp32"), H100, 0).comm_buffers
+    assert rp.largest_layer * 4 < DP_BUCKET and z3 == pytest.approx(2 * rp.largest_layer * 4 + 2 * rp.largest_layer * 4)

@@ -427,8 +427,8 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
         comm += tokens * cfg.hidden_size * a  # all-gathered layer input
     if dpcp > 1 and lay.zero == 2:  # transient gradient buckets, two in flight, none bigger than the gradients
         comm += 2 * min(DP_BUCKET, (rp.dense + rp.expert) * prec.grad)
-    elif dpcp > 1 and lay.zero == 3:
-        comm += 2 * DP_BUCKET
+    elif dpcp > 1 and lay.zero == 3:  # two in flight, none bigger than the unit (layer) whose gradients it holds
+        comm += 2 * min(DP_BUCKET, rp.largest_layer * prec.grad)
     # ZeRO-0/1: each bucket is a slice of the persistent gradient buffer, reduced where it lies (ours,
     # Megatron's contiguous buffer; measured: benchmarks/predict_vs_measure.py, dp2): nothing more
     if lay.zero == 3 and dpcp > 1 and lay.pp > 1 and lay.zero3_gather == "step":
