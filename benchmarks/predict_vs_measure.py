@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pentatron.models.registry import get_model_config
+from pentatron.observe.profiler import summary_tensor_peak
 from pentatron.plan.hardware import load_hardware_toml
 from pentatron.plan.layout import Layout, Workload
-from pentatron.plan.memory import RUNTIME_RESERVED
 from pentatron.plan.search import predict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +98,7 @@ def _train(overrides: list[str], nproc: int, steps: int, warmup: int, logdir: Pa
     recs = [json.loads(x) for x in (logdir / "latest" / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time_s"] for r in recs[warmup:-1]]  # the last step ran under the profiler
     ranks = [json.loads(f.read_text()) for f in sorted((logdir / "latest" / "profile").glob("rank*.summary.json"))]
-    tensor_peak = max(r["model_state_bytes"] + r["tensor_memory_growth_bytes"] for r in ranks)
+    tensor_peak = max(summary_tensor_peak(r) for r in ranks)
     return Measured(statistics.median(times), min(times), float(recs[0]["memory"]["total"]), tensor_peak,
                     max(r["peak_mem_bytes"] for r in recs))
 
@@ -140,15 +140,14 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
         m = _train(overrides, lay.world, steps, warmup, tmp / f"run{i}")
         mem = pred.memory
         state = mem.parameters + mem.gradients + mem.master_weights + mem.optimizer
-        tensors = mem.required - RUNTIME_RESERVED  # live tensors: without the context and the margin
         print(f"{name:<10} {1e3 * pred.step.step:>12.2f} {1e3 * pred_alone.step.step:>8.2f} "
               f"{1e3 * pred_flat.step.step:>8.2f} {1e3 * pred_no_tp.step.step:>12.2f} "
               f"{1e3 * m.step_s:>12.2f} {pred.step.step / m.step_s:>6.2f} {1e3 * m.best_s:>8.2f} "
               f"{pred.step.step / m.best_s:>6.2f}"
               f"   {state / 1024:>14.1f} {m.model_state / 1024:>14.1f} {state / m.model_state:>6.2f}"
-              f"   {tensors / 1024:>16.1f} {m.tensor_peak / 1024:>16.1f} {tensors / m.tensor_peak:>6.2f}"
+              f"   {mem.tensors / 1024:>16.1f} {m.tensor_peak / 1024:>16.1f} {mem.tensors / m.tensor_peak:>6.2f}"
               f"   {m.peak_rss / 2**20:>12.0f}", flush=True)
-        out[name] = (pred.step.step, m.step_s, m.best_s, pred_no_tp.step.step, tensors / m.tensor_peak)
+        out[name] = (pred.step.step, m.step_s, m.best_s, pred_no_tp.step.step, mem.tensors / m.tensor_peak)
         st = pred.step
         ph = max(st.phases, key=lambda p: p.total)
         parts.append(f"{name:<10} {lay.microbatches(w)} x (f {1e3 * ph.f:.2f} + b {1e3 * ph.b:.2f} "
@@ -178,12 +177,12 @@ def _memory_layouts(tmp: Path) -> None:
           f"{'pred state KiB':>14} {'meas state KiB':>14}")
     for i, (name, (lay, overrides)) in enumerate(MEMORY_RUNS.items()):
         pred = memory_for_rank(w, lay, gpu, 0, "eager")
-        tensors = pred.required - RUNTIME_RESERVED
+        tensors = pred.tensors
         state = pred.parameters + pred.gradients + pred.master_weights + pred.optimizer
         logdir = tmp / f"mem{i}"
         _train(overrides, lay.world, 3, 1, logdir)
         s = json.loads((logdir / "latest" / "profile" / "rank0.summary.json").read_text())
-        meas = s["model_state_bytes"] + s["tensor_memory_growth_bytes"]
+        meas = summary_tensor_peak(s)
         print(f"{name:<20} {tensors / 1024:>16.1f} {meas / 1024:>16.1f} {tensors / meas:>6.2f}   "
               f"{state / 1024:>14.1f} {s['model_state_bytes'] / 1024:>14.1f}", flush=True)
 

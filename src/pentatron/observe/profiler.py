@@ -201,6 +201,14 @@ def peak_allocation_growth(prof: Any, device: torch.device) -> int:
     return peak
 
 
+def summary_tensor_peak(s: dict[str, Any]) -> int | None:
+    """A rank's peak of tensor memory over its profiled steps, from its summary: the model state live
+    before them plus the most they allocated at once (None when the summary lacks either)."""
+    if "tensor_memory_growth_bytes" not in s or "model_state_bytes" not in s:
+        return None
+    return s["model_state_bytes"] + s["tensor_memory_growth_bytes"]
+
+
 def format_summary(s: dict[str, Any]) -> str:
     wall = s["wall_s"] or 1e-12
     lines = [f"rank {s['rank']}: where the time went, steps {s['steps'][0]}..{s['steps'][1]} "

@@ -75,11 +75,11 @@ def measured(records: list[dict[str, Any]]) -> dict[str, Any]:
 def profiled_tensor_peak(run_dir: Path) -> dict[str, int]:
     """Rank 0's peak of tensor memory over the steps `log.profile` traced (its own summary, written before
     the report): the model state live before them plus the most allocated during them at once."""
+    from pentatron.observe.profiler import summary_tensor_peak
+
     path = Path(run_dir) / "profile" / "rank0.summary.json"
-    s = json.loads(path.read_text()) if path.is_file() else {}
-    if "tensor_memory_growth_bytes" not in s or "model_state_bytes" not in s:
-        return {}
-    return {"tensor_peak_bytes_rank0": s["model_state_bytes"] + s["tensor_memory_growth_bytes"]}
+    peak = summary_tensor_peak(json.loads(path.read_text())) if path.is_file() else None
+    return {} if peak is None else {"tensor_peak_bytes_rank0": peak}
 
 
 # ---------------------------------------------------------------- predicted
@@ -121,7 +121,7 @@ def _hardware(info: dict[str, Any], profile: Path | None) -> tuple[Any, str, boo
 def predicted(info: dict[str, Any], profile: Path | None) -> dict[str, Any]:
     """The planner's numbers for the run's layout, or {"error": why} when it cannot evaluate it."""
     from pentatron.plan.comm import bytes_by_dim
-    from pentatron.plan.memory import RUNTIME_RESERVED, memory_for_rank
+    from pentatron.plan.memory import memory_for_rank
     from pentatron.plan.search import predict
 
     gpu, source, same_machine = _hardware(info, profile)
@@ -135,7 +135,7 @@ def predicted(info: dict[str, Any], profile: Path | None) -> dict[str, Any]:
     return {"hardware": source, "same_machine": same_machine, "layout": lay.short(),
             "step_time_s": p.step.step, "bubble": p.step.bubble_fraction, "memory_bytes": mem.total,
             "model_state_bytes": mem.parameters + mem.gradients + mem.master_weights + mem.optimizer,
-            "tensor_bytes_rank0": rank0.required - RUNTIME_RESERVED,  # live tensors: no context, no margin
+            "tensor_bytes_rank0": rank0.tensors,
             "comm_bytes_per_step": bytes_by_dim(list(p.step.collectives))}
 
 

@@ -279,6 +279,12 @@ class MemoryBreakdown:
                 + self.logits_loss + self.recompute_working + self.comm_buffers + self.reserved)
 
     @property
+    def tensors(self) -> float:
+        """The live tensors alone: the total without the CUDA context and the fragmentation margin (what a
+        profiler's allocation events or torch.cuda.max_memory_allocated measure)."""
+        return self.total - self.reserved
+
+    @property
     def required(self) -> float:
         """The total without the allocator-fragmentation margin: live tensors + the CUDA context. A run
         whose `required` exceeds the device cannot exist; one between `required` and `total` is tight."""
