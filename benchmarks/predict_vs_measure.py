@@ -154,7 +154,8 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
                      f"+ w {1e3 * ph.w:.2f}) -> pipeline {1e3 * st.pipeline:.2f} "
                      f"(bubble {100 * st.bubble_fraction:.0f} %), dp exposed "
                      f"{1e3 * st.dp_exposed:.2f}, optimizer {1e3 * st.optimizer:.2f}, contention "
-                     f"{1e3 * st.contention:.2f}, tied grads {1e3 * st.tied_grads:.2f} ms")
+                     f"{1e3 * st.contention:.2f}, tied grads {1e3 * st.tied_grads:.2f}, step scalars "
+                     f"{1e3 * st.scalars:.2f} ms")
     print(f"load after: {os.getloadavg()[0]:.2f}")
     if gpu.tp_collective:
         print(f"tp step (bench_tp): host per TP layer fwd {1e6 * gpu.host_tp_layer_s[0]:.0f} / bwd "
@@ -162,6 +163,11 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
               f"{1e6 * gpu.host_layer_s[1]:.0f}), ends {1e6 * gpu.host_tp_ends_s[0]:.0f} / "
               f"{1e6 * gpu.host_tp_ends_s[1]:.0f} us, tp all-reduce in step "
               + ", ".join(f"{1e6 * t:.0f} us at {b / 1024:g} KiB" for b, t in gpu.tp_collective))
+    if gpu.dp_collective:
+        print("dp step (bench_dp): gradient all-reduce in step "
+              + ", ".join(f"{1e3 * t:.2f} ms at {b / 2**20:g} MiB" for b, t in gpu.dp_collective)
+              + f"; a scalar all-reduce {1e3 * gpu.scalar_collective_s:.2f} ms; tied-gradient exchange "
+              + ("measured" if "exchange" in gpu.measured_busbw else "not measured"))
     print("predicted parts (busiest stage, per micro-batch):\n" + "\n".join(parts), flush=True)
     return out
 

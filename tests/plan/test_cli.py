@@ -125,7 +125,7 @@ def test_bench_writes_a_profile_the_planner_reads(capsys, tmp_path):
     from pentatron.plan.hardware import load_hardware_toml
 
     prof = load_hardware_toml(out)
-    assert set(prof.measured_busbw) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
+    assert set(prof.measured_busbw) == {"all_reduce", "all_gather", "reduce_scatter", "p2p", "exchange"}
     assert all(b > 0 for pts in prof.measured_busbw.values() for _, b in pts)
     # CPU: the in-step kernels (bench_cpu.py) and the node sharing of 2 processes, capped at 2
     assert prof.measured_stream_bw and prof.measured_matmul_fp32 and prof.optimizer_per_element_s > 0
@@ -135,6 +135,9 @@ def test_bench_writes_a_profile_the_planner_reads(capsys, tmp_path):
     # the tp2 step as the ranks ran it (bench_tp.py): activations of 16, 128, 1024 tokens x 64 x 4 B
     assert [b for b, _ in prof.tp_collective] == [4096, 32768, 262144] and prof.host_tp_layer_s[0] > 0
     assert all(t > 0 for _, t in prof.tp_collective)
+    # the dp2 step's synchronisations (bench_dp.py): gradient all-reduces after a backward's compute
+    assert [b for b, _ in prof.dp_collective] == [256 * 2**10, 2**20, 4 * 2**20]
+    assert all(t > 0 for _, t in prof.dp_collective) and prof.scalar_collective_s > 0
     assert run(["plan", "--model", "debug", "--seq", "256", "--global-batch", "8", "--gpus", "2",
                 "--hardware-profile", str(out), "--precision", "fp32"]) == 0
     assert run(["bench", "--out", str(tmp_path / "p.yaml")]) == 2

@@ -135,11 +135,11 @@ def test_the_embedding_gradient_is_reduced_after_the_backward():
     w = Workload(cfg, 2048, 64)
     lay = Layout(dp=8, micro_batch=8)
     st = step_time(w, lay, H100)
-    (c,) = [c for c in st.collectives if c.dim == "dp_cp"]
+    (c,) = [c for c in st.collectives if c.dim == "dp_cp" and c.where == "gradients"]
     share = 128000 * 1024 / rank_params(w, lay, 0).dense
     assert share == pytest.approx(131.072 / 295.7, abs=1e-3) and share > DP_BUCKET / c.payload
     last_bwd = st.phases[0].b + st.phases[0].w
-    assert st.exposed_by_dim["dp"] == pytest.approx(max(0.0, c.time_per_step - last_bwd) + c.time * share)
+    assert st.dp_exposed == pytest.approx(max(0.0, c.time_per_step - last_bwd) + c.time * share)
 
 
 def test_tensor_parallel_collectives_per_micro_batch():

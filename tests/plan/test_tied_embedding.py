@@ -31,7 +31,7 @@ def test_hand_computed_bytes_and_time():
     assert c.time == 2e-6 + nbytes / (450e9 * 0.8)
     st = step_time(w, lay, H100)
     assert st.tied_grads == c.time
-    assert st.step == st.pipeline + st.dp_exposed + st.optimizer + st.contention + st.tied_grads
+    assert st.step == st.pipeline + st.dp_exposed + st.optimizer + st.contention + st.tied_grads + st.scalars
     # ZeRO-0 swaps the whole gradient; bf16 gradients half of it; tp shards the vocabulary
     assert _tied(w, dataclasses.replace(lay, zero=0))[0].payload == 32000 * 1024 * 4
     assert _tied(w, dataclasses.replace(lay, zero=0, grad_precision="bf16"))[0].payload == 32000 * 1024 * 2

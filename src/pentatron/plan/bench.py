@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from pentatron.plan.bench_cpu import ATTN_HEAD_DIM, ATTN_SEQ, measure_cpu_kernels, reference_kernels, step_compute
+from pentatron.plan.bench_dp import measure_dp_step
 from pentatron.plan.bench_tp import HEAD_DIM as TP_HEAD_DIM
 from pentatron.plan.bench_tp import measure_tp_step, tiny_attention_shape
 from pentatron.plan.hardware import GB, GiB, detect_gpu
@@ -55,8 +56,10 @@ class BenchResult:
     # CPU kernels inside a step (bench_cpu): "stream_curve", "matmul_curve", "attention_grid",
     # "optimizer_per_element", "reference" (alone) and "node_slowdown" (every process at once)
     cpu_kernels: dict[str, Any] = field(default_factory=dict)
-    # CPU, >= 2 processes: the tensor-parallel step over all of them (bench_tp.TPStep.to_profile)
+    # CPU, >= 2 processes: the tensor-parallel step over all of them (bench_tp.TPStep.to_profile) and the
+    # data-parallel step's synchronisations (bench_dp.DPStep.to_profile)
     tp_step: dict[str, float | int] = field(default_factory=dict)
+    dp_step: dict[str, Any] = field(default_factory=dict)
     torch_version: str = torch.__version__
     host: str = field(default_factory=platform.node)
     when: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -271,6 +274,16 @@ def _ping_pong(comm: Any, buf: torch.Tensor, rank: int) -> None:
         comm.send(buf, "dp", 0)
 
 
+def _exchange(comm: Any, buf: torch.Tensor, rank: int) -> None:
+    """Ranks 0 and 1 swap `buf`-sized messages, sending and receiving at once (one batch of both)."""
+    from pentatron.distributed.comm import P2P
+
+    peer = 1 - rank
+    incoming = torch.empty_like(buf)
+    for w in comm.batch_p2p([P2P("send", buf, peer), P2P("recv", incoming, peer)], "dp"):
+        w.wait()
+
+
 def _collective_worker(rank: int, world: int, port: int, device_type: str, max_bytes: int, seconds: float,
                        out_path: str) -> None:
     """One process of the collective benchmark; rank 0 writes the result file."""
@@ -327,15 +340,21 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
             if world == 2:  # pipeline p2p: a ping-pong, one way = half the round trip
                 t = timed(lambda full=full: _ping_pong(comm, full, rank)) / 2
                 results.setdefault("p2p", []).append((payload, payload / t))
+                if device_type == "cpu":  # both ranks send and receive at once (the tied gradients' swap)
+                    t = timed(lambda full=full: _exchange(comm, full, rank))
+                    results.setdefault("exchange", []).append((payload, payload / t))
             comm.ledger.begin_step()  # the ledger is per step: do not let it grow across sizes
-        tp_step = {}
+        tp_step, dp_step = {}, {}
+        if device_type == "cpu":  # the data-parallel step's synchronisations (bench_dp)
+            dp_step = measure_dp_step(comm, "dp", step_compute(device)).to_profile()
         if device_type == "cpu":  # the real tensor-parallel layer over every process (bench_tp)
             heads, kv, tokens = tiny_attention_shape()
             attn = _tiny_attention(device, seconds / 3, heads, kv, tokens, TP_HEAD_DIM)
             tp_ctx = ParallelContext.from_degrees(Degrees(tp=world), device)
             tp_step = measure_tp_step(tp_ctx, attn).to_profile()
         if rank == 0:
-            Path(out_path).write_text(json.dumps({"busbw": results, "concurrent": concurrent, "tp_step": tp_step}))
+            Path(out_path).write_text(json.dumps({"busbw": results, "concurrent": concurrent, "tp_step": tp_step,
+                                                  "dp_step": dp_step}))
         finished = True
     finally:
         shutdown_distributed(finished)  # as training leaves: meet at a barrier first when all went well
@@ -382,6 +401,7 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
             got = json.loads(Path(out).read_text())
             result.busbw = {op: [tuple(x) for x in pts] for op, pts in got["busbw"].items()}
             result.tp_step = got.get("tp_step") or {}
+            result.dp_step = got.get("dp_step") or {}
             if got["concurrent"] and result.cpu_kernels:
                 solo = result.cpu_kernels["reference"]
                 # n processes fairly sharing the node's compute are at most n times slower; more is other
@@ -420,6 +440,8 @@ def profile_dict(r: BenchResult) -> dict[str, Any]:
         gpu["host_us"]["optimizer_per_tensor"] = round(r.host_optimizer_per_tensor * 1e6, 2)
     if r.tp_step:
         gpu["tp_step"] = dict(r.tp_step)
+    if r.dp_step:
+        gpu["dp_step"] = dict(r.dp_step)
     if r.matmul_curve:
         gpu["matmul_fp32"] = {"flops": [f for f, _ in r.matmul_curve], "gflop_s": [v / 1e9 for _, v in r.matmul_curve]}
     ck = r.cpu_kernels

@@ -94,18 +94,26 @@ def collective_time(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
     beta = wire_bytes(op, payload, n) / bus_bandwidth(gpu, op, payload, g)
     ring = steps * alpha + beta
     if g.dim == "tp" and measured and gpu.tp_collective:
-        return tp_in_step_time(gpu, op, payload, g)
+        return in_step_time(gpu.tp_collective, gpu, op, payload, g)
     if op == "all_reduce" and g.crosses_nodes and not measured:
         return min(ring, tree_latency(gpu, g) + beta)
     return ring
 
 
-def tp_in_step_time(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
-    """A tp collective as a tensor-parallel step experiences it (CPU bench profiles, bench_tp.py): bench's
-    in-step all-reduce time at the same bytes on the wire (an all-gather or reduce-scatter of P sends
-    what an all-reduce of P/2 does), log-linear between its sizes and the smallest's below them; beyond
-    the largest, that plus what the measured curve adds from there."""
-    pts = gpu.tp_collective
+def dp_in_step_time(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
+    """A per-step gradient collective (or the parameters' all-gather after the optimizer) as the step
+    meets it, after a backward's compute (CPU bench profiles, bench_dp.py); elsewhere the curve."""
+    if not gpu.dp_collective or g.crosses_nodes or g.size <= 1 or payload <= 0:
+        return collective_time(gpu, op, payload, g)
+    return in_step_time(gpu.dp_collective, gpu, op, payload, g)
+
+
+def in_step_time(pts: tuple[tuple[float, float], ...], gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
+    """A collective as a step experiences it (CPU bench profiles: tp collectives from bench_tp.py, the
+    per-step gradient collectives from bench_dp.py): bench's in-step all-reduce seconds `pts` (by bytes)
+    read for `op` at the same bytes on the wire (an all-gather or reduce-scatter of P sends what an
+    all-reduce of P/2 does), log-linear between its sizes and the smallest's below them; beyond the
+    largest, that plus what the measured curve adds from there."""
     size = payload if op == "all_reduce" else payload / 2
     top_bytes, top = pts[-1]
     if size <= top_bytes:
@@ -118,6 +126,16 @@ def tp_in_step_time(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
     return top + max(0.0, curve(payload) - curve(top_payload))
 
 
+def scalar_time(gpu: GPUSpec, op: str, nbytes: float, g: Group) -> float:
+    """One of the step's scalar collectives (`step_scalars`): bench's scalar all-reduce inside a step
+    on a CPU profile that measured it, else the collective's latency."""
+    if g.size <= 1:
+        return 0.0
+    if gpu.scalar_collective_s and not g.crosses_nodes:
+        return gpu.scalar_collective_s
+    return collective_time(gpu, op, nbytes, g)
+
+
 def tree_latency(gpu: GPUSpec, g: Group) -> float:
     """NCCL's tree all-reduce (chosen for small messages across nodes): a chain inside each node and a
     binary tree across nodes, up (reduce) then down (broadcast): 2 (per_node - 1) intra-node hops and
@@ -126,11 +144,15 @@ def tree_latency(gpu: GPUSpec, g: Group) -> float:
             + 2 * math.ceil(math.log2(g.nodes)) * gpu.inter_node_latency)
 
 
-def p2p_time(gpu: GPUSpec, nbytes: float, inter_node: bool) -> float:
+def p2p_time(gpu: GPUSpec, nbytes: float, inter_node: bool, both_ways: bool = False) -> float:
     """One send/recv of `nbytes`: latency + bytes / link bandwidth, or inside a node the one-way time
-    `pentatron bench` measured by ping-pong (busbw "p2p": bytes / one-way seconds) when it did."""
+    `pentatron bench` measured by ping-pong (busbw "p2p": bytes / one-way seconds) when it did.
+    `both_ways`: two ranks swap `nbytes` at once; GPU links are full duplex (the one-way time), on a CPU
+    both directions share the cores (bench's "exchange" when measured: 1.6-1.9x one way here)."""
     if nbytes <= 0:
         return 0.0
+    if both_ways and not inter_node and "exchange" in gpu.measured_busbw:
+        return nbytes / interp_log(gpu.measured_busbw["exchange"], nbytes)
     if not inter_node and "p2p" in gpu.measured_busbw:
         return nbytes / interp_log(gpu.measured_busbw["p2p"], nbytes)
     if inter_node:
@@ -373,10 +395,37 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
         # all-reduces it over its embedding group: the same bytes), exposed before the optimizer
         tied = tied_grad_bytes(cfg.vocab_size * cfg.hidden_size / lay.tp, lay)
         g = group_of(lay, "pp", gpu)
-        out.append(Collective("pp", "send", tied, 1, p2p_time(gpu, tied, g.crosses_nodes), TIED_WHERE, tied))
+        out.append(Collective("pp", "send", tied, 1, p2p_time(gpu, tied, g.crosses_nodes, both_ways=True),
+                              TIED_WHERE, tied))
     out += dp_collectives(lay, gpu, dense_params, "dp_cp", m, a, layers_on_rank)
     if expert_params:
         out += dp_collectives(lay, gpu, expert_params, "edp", m, a, max(1, moe_layers_on_rank))
+    return out + step_scalars(lay, gpu)
+
+
+STEP_SCALARS_WHERE = "step scalars (loss, gradient norm, pipeline statistics)"
+
+
+def step_scalars(lay: Layout, gpu: GPUSpec) -> list[Collective]:
+    """The trainer's one-number collectives of a step, each on the critical path (its result is needed
+    at once): the loss's mean over dp x cp (parallel/step_runner.py); the squared gradient norm's sum
+    over the ZeRO shards, over tp and over the pipeline stages (parallel/data.py); under pp the loss's
+    broadcast from the last stage and the measured bubble's three statistics (pipeline/engine.py).
+    Latency only: `scalar_time`."""
+    out: list[Collective] = []
+
+    def add(dim: str, op: str, nbytes: float, count: int) -> None:
+        g = group_of(lay, dim, gpu)
+        if g.size > 1:
+            out.append(Collective(g.dim, op, nbytes, count, scalar_time(gpu, op, nbytes, g), STEP_SCALARS_WHERE,
+                                  wire_bytes(op, nbytes, g.size)))
+
+    add("dp_cp", "all_reduce", 4, 2 if lay.zero >= 1 else 1)  # the loss; the norm of the shards
+    add("tp", "all_reduce", 4, 1)
+    if lay.pp > 1:
+        add("pp", "broadcast", 4, 1)
+        add("pp", "all_reduce", 4, 1)
+        add("pp", "all_reduce", 8, 3)  # busy time, first start, last end (float64)
     return out
 
 
@@ -405,14 +454,19 @@ def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a
     if g.size <= 1 or params <= 0:
         return []
     grads, weights = params * lay.grad_bytes, params * a
+
+    def after_compute(op: str, payload: float, count: float, where: str) -> Collective:
+        """Issued after a backward (or the optimizer): as the step meets it (`dp_in_step_time`)."""
+        return replace(_coll(gpu, g, op, payload, count, where), time=dp_in_step_time(gpu, op, payload, g))
+
     if lay.zero == 0:
-        return [_coll(gpu, g, "all_reduce", grads, 1, "gradients")]
+        return [after_compute("all_reduce", grads, 1, "gradients")]
     if lay.zero == 1:
-        return [_coll(gpu, g, lay.zero1_reduce, grads, 1, "gradients"),
-                _coll(gpu, g, "all_gather", weights, 1, "updated parameters")]
+        return [after_compute(lay.zero1_reduce, grads, 1, "gradients"),
+                after_compute("all_gather", weights, 1, "updated parameters")]
     if lay.zero == 2:
-        return [_coll(gpu, g, "reduce_scatter", grads, m, "gradients per micro-batch"),
-                _coll(gpu, g, "all_gather", weights, 1, "updated parameters")]
+        return [after_compute("reduce_scatter", grads, m, "gradients per micro-batch"),
+                after_compute("all_gather", weights, 1, "updated parameters")]
     n = max(1, layers)
     if lay.pp > 1 and lay.zero3_gather == "step":  # the stage stays gathered for the whole step
         return [_coll(gpu, g, "reduce_scatter", grads / n, n, "gradients per layer, once per step"),

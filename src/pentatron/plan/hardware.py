@@ -98,10 +98,17 @@ class GPUSpec:
     # and for the vocab-parallel ends (embedding, head, loss) outside the collectives, forward and
     # backward, replacing host_layer_s / host_ends_s when tp > 1; and the seconds of one tp all-reduce as
     # the step experiences it (latency, the ranks arriving apart) by activation bytes, which replaces
-    # the measured curve for tp collectives (comm.tp_in_step_time). Empty: not measured.
+    # the measured curve for tp collectives (comm.in_step_time). Empty: not measured.
     host_tp_layer_s: tuple[float, float] = (0.0, 0.0)
     host_tp_ends_s: tuple[float, float] = (0.0, 0.0)
     tp_collective: tuple[tuple[float, float], ...] = ()  # ((bytes, seconds), ...) by bytes
+    # Optional (bench, CPU, >= 2 processes; bench_dp.py): the data-parallel step's synchronisations as its
+    # ranks meet them: the gradient all-reduce after a backward's compute by bytes (replacing the
+    # measured curve for the per-step gradient collectives, comm.dp_in_step_time), and one scalar
+    # all-reduce right after it (each of the trainer's per-step scalars, comm.scalar_time). Empty: not
+    # measured.
+    dp_collective: tuple[tuple[float, float], ...] = ()  # ((bytes, seconds), ...) by bytes
+    scalar_collective_s: float = 0.0
     source: str = ""
 
     def flops(self, dtype: str) -> float:
@@ -415,6 +422,18 @@ def hardware_from_dict(d: dict[str, Any], where: str = "hardware") -> GPUSpec:
         except (TypeError, KeyError, ValueError):
             problems.append(f"{where}: tp_step needs numbers layer_fwd_us, layer_bwd_us, ends_fwd_us, ends_bwd_us "
                             "and equally long lists of positive collective_bytes, collective_us")
+    dp_step = d.pop("dp_step", None)
+    if dp_step is not None:
+        try:
+            pts = tuple(sorted((float(b), float(t) * US) for b, t in
+                               zip(dp_step["collective_bytes"], dp_step["collective_us"], strict=True)))
+            scalar = float(dp_step["scalar_us"]) * US
+            if not pts or any(b <= 0 or t <= 0 for b, t in pts) or scalar <= 0:
+                raise ValueError
+            kw["dp_collective"], kw["scalar_collective_s"] = pts, scalar
+        except (TypeError, KeyError, ValueError):
+            problems.append(f"{where}: dp_step needs a positive number scalar_us and equally long lists of "
+                            "positive collective_bytes, collective_us")
     if "attention_fp32" in d:
         kw["measured_attention_fp32"] = parse_attention_grid(d.pop("attention_fp32"), where, problems)
     for key, (attr, scale) in _TOML_SCALARS.items():

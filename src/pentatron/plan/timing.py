@@ -24,6 +24,7 @@ from functools import lru_cache
 from pentatron.plan.comm import (
     SP_LAYERS_WHERE,
     SP_REGATHER_WHERE,
+    STEP_SCALARS_WHERE,
     TIED_WHERE,
     Collective,
     LayerComm,
@@ -34,6 +35,7 @@ from pentatron.plan.comm import (
     layer_comm,
     loss_all_reduces,
     pp_hop_time,
+    report_dim,
     sp_norm_grad_bytes,
     step_collectives,
 )
@@ -442,6 +444,7 @@ class StepTime:
     collectives: tuple[Collective, ...]
     exposed_by_dim: dict[str, float]
     tied_grads: float = 0.0  # the tied embedding's gradient swapped between first and last stage
+    scalars: float = 0.0  # the step's one-number collectives (loss, gradient norm, pipeline statistics)
 
 
 def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", exact: bool = True) -> StepTime:
@@ -463,13 +466,15 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
     moe = w.moe_spec
     n_moe = sum(1 for r in ranges for i in r if moe and i >= moe.first_dense_layers)
     colls = step_collectives(w, lay, gpu, rp.dense, rp.expert, n_layers, n_moe, first=True, last=lay.pp == 1)
+    scalars = [c for c in colls if c.where == STEP_SCALARS_WHERE]  # the step's one-number collectives
+    traffic = [c for c in colls if c.where != STEP_SCALARS_WHERE]
     last_bwd = phases[0].b + phases[0].w  # rank 0's last action: backward of chunk 0
     first_fwd = phases[0].f
     emb_share = w.cfg.vocab_size * w.cfg.hidden_size / lay.tp / rp.dense if rp.dense else 0.0
     dp_exposed = 0.0
     exposed: dict[str, float] = {}
     hidden = 0.0  # communication overlapped with compute (costs SMs, see NCCL_CHANNELS)
-    for c in colls:
+    for c in traffic:
         if c.dim not in ("dp_cp", "edp"):
             continue
         total = c.time_per_step
@@ -486,17 +491,17 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
             # ZeRO-2: a micro-batch's reduce-scatter runs while the rank computes the next micro-batch
             # (all of its chunks: f + b + w); only the last one has just its own backward to hide behind
             window = sum(phases[ch * lay.pp].total for ch in range(lay.pp_virtual))
-            e = (c.count - 1) * max(0.0, c.time - window) + max(0.0, c.time - last_bwd) + tail
+            e = (c.count - 1) * max(0.0, c.time - window) + max(0.0, c.time - tail - last_bwd) + tail
         elif c.op == "all_gather":  # updated parameters, behind the next step's first forward
             e = max(0.0, total - first_fwd)
-        else:  # gradient all-reduce / reduce-scatter behind the last backward
-            e = max(0.0, total - last_bwd) + tail
+        else:  # gradient all-reduce / reduce-scatter: all but the last bucket behind the last backward
+            e = max(0.0, total - tail - last_bwd) + tail
         dp_exposed += e
         hidden += max(0.0, total - e)
         exposed["dp"] = exposed.get("dp", 0.0) + e
-    z3 = zero3_exposed(lay, colls, phases[0], n_layers, m)
+    z3 = zero3_exposed(lay, traffic, phases[0], n_layers, m)
     dp_exposed += z3
-    hidden += sum(c.time_per_step for c in colls if lay.zero == 3 and c.dim in ("dp_cp", "edp")) - z3
+    hidden += sum(c.time_per_step for c in traffic if lay.zero == 3 and c.dim in ("dp_cp", "edp")) - z3
     if z3:
         exposed["dp"] = exposed.get("dp", 0.0) + z3
     prec = STATE_PRECISIONS[lay.precision]
@@ -522,7 +527,7 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
         _, (hf, hb) = tp_overlap_split(lc, lay.tp, lin.qkv, lin.o, lin.up, lin.down)
         tp_hidden = m * (n_layers - n_moe) * (hf * (2 if lay.recompute == "full" else 1) + hb)
         hidden += tp_hidden
-    for c in colls:  # exposure inside the pipeline, reported per dimension
+    for c in traffic:  # exposure inside the pipeline, reported per dimension
         if c.where == SP_REGATHER_WHERE:  # partly hidden under the input-gradient GEMMs
             exposed["tp"] = exposed.get("tp", 0.0) + m * n_layers * sum(sp_regather_split(lc, lin.qkv, lin.up)[0])
         elif c.dim in ("tp", "ep"):
@@ -542,9 +547,12 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
         exposed["cp"] = m * n_layers * (cp.fwd_exposed * fwd_passes + cp.bwd_exposed)
         hidden += m * n_layers * (cp.fwd_hidden * fwd_passes + cp.bwd_hidden)
     contention = hidden * min(1.0, NCCL_CHANNELS / gpu.sm_count)
-    step = pipe + dp_exposed + optimizer + contention + tied
+    sync = sum(c.time_per_step for c in scalars)
+    for c in scalars:
+        exposed[report_dim(c.dim)] = exposed.get(report_dim(c.dim), 0.0) + c.time_per_step
+    step = pipe + dp_exposed + optimizer + contention + tied + sync
     return StepTime(step, pipe, bubble, dp_exposed, optimizer, contention, tuple(phases), tuple(colls), exposed,
-                    tied)
+                    tied, sync)
 
 
 @dataclass(frozen=True)
