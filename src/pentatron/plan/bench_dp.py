@@ -31,7 +31,7 @@ import torch
 
 GRAD_BYTES = (256 * 2**10, 2**20, 4 * 2**20)  # gradient buffers (a debug model's is 4.4 MiB in fp32)
 COMPUTE_S = 0.01  # the compute before each all-reduce: a CPU debug-model backward is 10-25 ms
-WARMUP, ITERS = 2, 8  # per size; every rank runs the same count (the collectives pair them)
+WARMUP, ITERS = 2, 16  # per size; every rank runs the same count (the collectives pair them)
 
 
 @dataclass(frozen=True)

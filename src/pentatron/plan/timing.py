@@ -248,6 +248,15 @@ def grad_accumulation(gpu: GPUSpec, lay: Layout, params: float, kernels: str) ->
     return params * per / gpu.op_bandwidth(params * 4, params * per)
 
 
+def tied_pack_add(gpu: GPUSpec, nbytes: float, kernels: str) -> float:
+    """Our swap of the tied gradient (parallel/data.sync_tied_grads, eager) packs the owned pieces into one
+    buffer (read + write) and adds the peer's copy back (two reads, one write): 5 passes over its bytes.
+    Fused frameworks reduce the gradient in place (Megatron's embedding-group all-reduce): none."""
+    if kernels != "eager" or nbytes <= 0:
+        return 0.0
+    return 5 * nbytes / gpu.op_bandwidth(nbytes, 3 * nbytes)
+
+
 def sp_regather_split(lc: LayerComm, qkv: Phase, up: Phase) -> tuple[tuple[float, float], float]:
     """Megatron's SP backward all-gathers each column-parallel linear's input again while it computes
     that linear's input gradient (async, then waits): ((exposed before q/k/v, before gate/up), hidden)
@@ -535,7 +544,7 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
             if c.where == SP_LAYERS_WHERE:  # tp_overlap: the dense layers' share hides under their GEMMs
                 exposed["tp"] -= tp_hidden / 2  # half on the all-gathers, half on the reduce-scatters
         elif c.dim == "pp" and c.where == TIED_WHERE:
-            tied += c.time_per_step
+            tied += c.time_per_step + tied_pack_add(gpu, c.payload, kernels)
             exposed["pp"] = exposed.get("pp", 0.0) + c.time_per_step
         elif c.dim == "pp":
             exposed["pp"] = exposed.get("pp", 0.0) + 2 * (lay.pp - 1) * hop
