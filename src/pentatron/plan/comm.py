@@ -12,6 +12,7 @@ its ranks per node, min(NVLink, k * per-GPU NIC) (rail-optimised nodes: one NIC 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pentatron.distributed.ring import ring_bytes
@@ -182,8 +183,10 @@ class Collective:
         return self.time * self.count
 
 
-def _coll(gpu: GPUSpec, g: Group, op: str, payload: float, count: float, where: str) -> Collective:
-    return Collective(g.dim, op, payload, count, collective_time(gpu, op, payload, g), where,
+def _coll(gpu: GPUSpec, g: Group, op: str, payload: float, count: float, where: str,
+          timed: Callable[[GPUSpec, str, float, Group], float] | None = None) -> Collective:
+    """`timed`: seconds per call (default `collective_time`; the in-step and scalar readings otherwise)."""
+    return Collective(g.dim, op, payload, count, (timed or collective_time)(gpu, op, payload, g), where,
                       wire_bytes(op, payload, g.size))
 
 
@@ -417,8 +420,7 @@ def step_scalars(lay: Layout, gpu: GPUSpec) -> list[Collective]:
     def add(dim: str, op: str, nbytes: float, count: int) -> None:
         g = group_of(lay, dim, gpu)
         if g.size > 1:
-            out.append(Collective(g.dim, op, nbytes, count, scalar_time(gpu, op, nbytes, g), STEP_SCALARS_WHERE,
-                                  wire_bytes(op, nbytes, g.size)))
+            out.append(_coll(gpu, g, op, nbytes, count, STEP_SCALARS_WHERE, scalar_time))
 
     add("dp_cp", "all_reduce", 4, 2 if lay.zero >= 1 else 1)  # the loss; the norm of the shards
     add("tp", "all_reduce", 4, 1)
@@ -457,7 +459,7 @@ def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a
 
     def after_compute(op: str, payload: float, count: float, where: str) -> Collective:
         """Issued after a backward (or the optimizer): as the step meets it (`dp_in_step_time`)."""
-        return replace(_coll(gpu, g, op, payload, count, where), time=dp_in_step_time(gpu, op, payload, g))
+        return _coll(gpu, g, op, payload, count, where, dp_in_step_time)
 
     if lay.zero == 0:
         return [after_compute("all_reduce", grads, 1, "gradients")]

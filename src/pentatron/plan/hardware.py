@@ -414,21 +414,16 @@ def hardware_from_dict(d: dict[str, Any], where: str = "hardware") -> GPUSpec:
         try:
             kw["host_tp_layer_s"] = (float(tp_step["layer_fwd_us"]) * US, float(tp_step["layer_bwd_us"]) * US)
             kw["host_tp_ends_s"] = (float(tp_step["ends_fwd_us"]) * US, float(tp_step["ends_bwd_us"]) * US)
-            pts = tuple(sorted((float(b), float(t) * US) for b, t in
-                               zip(tp_step["collective_bytes"], tp_step["collective_us"], strict=True)))
-            if not pts or any(b <= 0 or t <= 0 for b, t in pts):
-                raise ValueError
-            kw["tp_collective"] = pts
+            kw["tp_collective"] = _in_step_points(tp_step)
         except (TypeError, KeyError, ValueError):
             problems.append(f"{where}: tp_step needs numbers layer_fwd_us, layer_bwd_us, ends_fwd_us, ends_bwd_us "
                             "and equally long lists of positive collective_bytes, collective_us")
     dp_step = d.pop("dp_step", None)
     if dp_step is not None:
         try:
-            pts = tuple(sorted((float(b), float(t) * US) for b, t in
-                               zip(dp_step["collective_bytes"], dp_step["collective_us"], strict=True)))
+            pts = _in_step_points(dp_step)
             scalar = float(dp_step["scalar_us"]) * US
-            if not pts or any(b <= 0 or t <= 0 for b, t in pts) or scalar <= 0:
+            if scalar <= 0:
                 raise ValueError
             kw["dp_collective"], kw["scalar_collective_s"] = pts, scalar
         except (TypeError, KeyError, ValueError):
@@ -475,6 +470,17 @@ def interp_log(table: tuple[tuple[float, float], ...], nbytes: float) -> float:
     (s0, b0), (s1, b1) = table[i - 1], table[i]
     f = (math.log(nbytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
     return b0 + f * (b1 - b0)
+
+
+def _in_step_points(tbl: Any) -> tuple[tuple[float, float], ...]:
+    """A bench step table's in-step collective times, ((bytes, seconds), ...) by bytes, from its lists
+    `collective_bytes` and `collective_us`; ValueError/KeyError/TypeError unless equally long, non-empty
+    and positive."""
+    pts = tuple(sorted((float(b), float(t) * US) for b, t in
+                       zip(tbl["collective_bytes"], tbl["collective_us"], strict=True)))
+    if not pts or any(b <= 0 or t <= 0 for b, t in pts):
+        raise ValueError
+    return pts
 
 
 def _parse_busbw(tbl: Any, where: str, problems: list[str]) -> BusBwTable:
