@@ -63,6 +63,23 @@ def test_evaluate_one_layout(capsys):
         assert word in out
 
 
+def test_cross_entropy_flag_sets_the_loss_evaluated_and_searched(capsys):
+    base = ["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch-tokens", "1M", "--json"]
+    pinned = ["--dp", "8", "--tp", "2", "--pp", "1", "--zero", "1", "--micro-batch", "1", "--recompute", "none"]
+    logits = {}
+    for ce in ("eager", "loss_parallel"):
+        assert run([*base, *pinned, "--cross-entropy", ce]) == 0
+        p = json.loads(capsys.readouterr().out)["predictions"][0]
+        assert p["layout"]["cross_entropy"] == ce
+        logits[ce] = p["memory_bytes"]["logits_loss"]
+    # torch's loss_parallel keeps 12 bytes per local vocabulary entry in its backward, our vocab-parallel
+    # loss 8 (memory.loss_transient_per_entry): the flag reaches the memory model
+    assert logits["loss_parallel"] > logits["eager"]
+    assert run([*base, "--top", "3", "--cross-entropy", "loss_parallel"]) == 0
+    preds = json.loads(capsys.readouterr().out)["predictions"]
+    assert preds and all(p["layout"]["cross_entropy"] == "loss_parallel" and p["layout"]["tp"] > 1 for p in preds)
+
+
 def test_layout_that_does_not_fit_explains(capsys):
     rc = run(["plan", "--model", "llama3-70b", "--gpus", "256", "--dp", "32", "--tp", "8", "--pp", "1",
               "--cp", "1", "--zero", "0", "--micro-batch", "1", "--recompute", "none"])
@@ -102,6 +119,8 @@ def test_verify_flag(capsys):
     (["--model", "llama3-8b", "--gpus", "8", "--fp8-scaling", "rowwise"], "rowwise applies to --precision fp8"),
     (["--model", "llama3-8b", "--gpus", "8", "--gpu", "b200", "--precision", "fp8", "--fp8-scaling", "rowwise"],
      "no row-wise FP8 measurement for b200"),
+    (["--model", "llama3-8b", "--gpus", "8", "--tp", "1", "--cross-entropy", "loss_parallel"],
+     "with tp=1 use 'eager'"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, needle):
     assert run(["plan", *argv]) == 2

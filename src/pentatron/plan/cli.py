@@ -96,6 +96,10 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                         "recipe, costed from its measured H100 table)")
     w.add_argument("--attention", choices=("flash2", "flash3", "cudnn", "math"), default="flash2",
                    help="attention kernel (default flash2: what torch SDPA runs); see docs/planner.md")
+    w.add_argument("--cross-entropy", choices=("eager", "fused", "loss_parallel"), default="eager",
+                   help="the loss: fp32 PyTorch ops (default; under tp our vocab-parallel loss), flash-attn's "
+                        "fused kernel, or torch's loss_parallel over the tp ranks (torchtitan); evaluated, "
+                        "`pentatron train` runs eager")
     w.add_argument("--kernels", choices=("fused", "eager"), default="fused",
                    help="elementwise ops fused (torch.compile/Megatron kernels) or one PyTorch op each")
     k = p.add_argument_group("layout (any of these evaluates that layout; the rest are searched)")
@@ -300,6 +304,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     fixed["precision"] = args.precision
     fixed["attention"] = args.attention
     fixed["fp8_scaling"] = args.fp8_scaling
+    fixed["cross_entropy"] = args.cross_entropy
     verify_rows = None
     rc = 0
     if args.verify:
@@ -405,7 +410,8 @@ def _batch(args: argparse.Namespace, w: Any, gpu: Any) -> int:
 
     try:
         layouts = load_layouts(args.batch, defaults={"precision": args.precision, "attention": args.attention,
-                                                           "fp8_scaling": args.fp8_scaling})
+                                                           "fp8_scaling": args.fp8_scaling,
+                                                           "cross_entropy": args.cross_entropy})
     except BatchError as e:
         raise InputError(str(e)) from None
     rows = evaluate_batch(w, gpu, layouts, args.gpus, kernels=args.kernels)
@@ -455,6 +461,7 @@ def _requested_layout(fixed: dict[str, Any], gpus: int, w: Any) -> Any:
                   micro_batch=fixed.get("micro_batch", 1), recompute=fixed.get("recompute", "none"),
                   precision=fixed.get("precision", "bf16"), attention=fixed.get("attention", "flash2"),
                   fp8_scaling=fixed.get("fp8_scaling", "tensorwise"),
+                  cross_entropy=fixed.get("cross_entropy", "eager"),
                   cp_mode=fixed.get("cp_mode", "ring"), cp_ulysses=fixed.get("cp_ulysses", 1))
 
 

@@ -174,6 +174,7 @@ def _knob_variants(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any], 
                                      pp_virtual=v, micro_batch=mb, recompute=rc, precision=precision,
                                      attention=fixed.get("attention") or "flash2", cp_mode=cp_mode,
                                      fp8_scaling=fixed.get("fp8_scaling") or "tensorwise",
+                                     cross_entropy=fixed.get("cross_entropy") or "eager",
                                      cp_ulysses=cp_u, pp_layers=split)
                         if not quick_problems(w, lay, gpu, gpus):
                             yield lay
@@ -219,8 +220,8 @@ def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None
             evaluable.append(s)
         if not trainable_problems(w, s.layout, gpus):
             chosen.append(s)
-    pinned = ({kk for kk in fixed if kk not in ("precision", "attention", "fp8_scaling")}
-              or fixed.get("precision", "bf16") != "bf16")
+    pinned = ({kk for kk in fixed if kk not in ("precision", "attention", "fp8_scaling", "cross_entropy")}
+              or fixed.get("precision", "bf16") != "bf16" or fixed.get("cross_entropy", "eager") != "eager")
     if not chosen and pinned:
         chosen = evaluable[:k]
     ranked = [predict(w, s.layout, gpu, kernels=kernels) for s in chosen]
