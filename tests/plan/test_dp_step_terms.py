@@ -44,6 +44,24 @@ def test_the_trainers_scalars_per_layout():
                                                            ("pp", "broadcast", 4, 1)]
 
 
+def test_the_moe_layers_add_their_loads_and_the_expert_norm():
+    w = Workload(get_model_config("debug-moe"), 64, 8)  # 4 layers, the first dense: 3 MoE layers of 8 experts
+
+    def scalars(lay: Layout) -> list[tuple[str, str, float, float]]:
+        st = step_time(w, lay, H100)
+        return sorted((c.dim, c.op, c.payload, c.count) for c in st.collectives if c.where == STEP_SCALARS_WHERE)
+
+    loads = ("dp_cp", "all_reduce", 8 * (8 + 5), 3)  # per MoE layer: 8 counts + 5 totals, float64
+    assert scalars(Layout(dp=2, micro_batch=4)) == [("dp_cp", "all_reduce", 4, 1), loads]
+    # ep: the expert weights' squared norm summed over the ranks holding the other experts
+    assert scalars(Layout(dp=2, ep=2, micro_batch=4)) == [("dp_cp", "all_reduce", 4, 1), loads,
+                                                          ("ep", "all_reduce", 4, 1)]
+    # ZeRO-1, dp 4 / ep 2: each expert engine's shard norm over its expert-data group (edp = 2) first
+    assert scalars(Layout(dp=4, ep=2, zero=1, micro_batch=2)) == [("dp_cp", "all_reduce", 4, 2), loads,
+                                                                  ("edp", "all_reduce", 4, 1),
+                                                                  ("ep", "all_reduce", 4, 1)]
+
+
 def test_scalars_cost_the_measured_in_step_latency_each():
     lay = Layout(dp=1, pp=2, micro_batch=1, precision="fp32")
     st = step_time(W, lay, DPS)

@@ -403,26 +403,34 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
     out += dp_collectives(lay, gpu, dense_params, "dp_cp", m, a, layers_on_rank)
     if expert_params:
         out += dp_collectives(lay, gpu, expert_params, "edp", m, a, max(1, moe_layers_on_rank))
-    return out + step_scalars(lay, gpu)
+    n_experts = w.moe_spec.num_experts if w.moe_spec is not None else 0
+    return out + step_scalars(lay, gpu, moe_layers_on_rank, n_experts)
 
 
 STEP_SCALARS_WHERE = "step scalars (loss, gradient norm, pipeline statistics)"
 
 
-def step_scalars(lay: Layout, gpu: GPUSpec) -> list[Collective]:
+def step_scalars(lay: Layout, gpu: GPUSpec, moe_layers: int = 0, n_experts: int = 0) -> list[Collective]:
     """The trainer's one-number collectives of a step, each on the critical path (its result is needed
     at once): the loss's mean over dp x cp (parallel/step_runner.py); the squared gradient norm's sum
     over the ZeRO shards, over tp and over the pipeline stages (parallel/data.py); under pp the loss's
     broadcast from the last stage and the measured bubble's three statistics (pipeline/engine.py).
-    Latency only: `scalar_time`."""
+    With MoE (`moe_layers` on this rank, of `n_experts`): each layer's loads summed over the dense
+    replicas, one float64 vector of the expert counts and 5 totals (models/moe.py `finish_step`), and
+    under ep the expert gradients' squared norm over their ZeRO shards (edp) and over ep, whose ranks
+    hold the other experts (parallel/grouped.py). Latency only: `scalar_time`."""
     out: list[Collective] = []
 
     def add(dim: str, op: str, nbytes: float, count: int) -> None:
         g = group_of(lay, dim, gpu)
-        if g.size > 1:
+        if g.size > 1 and count > 0:
             out.append(_coll(gpu, g, op, nbytes, count, STEP_SCALARS_WHERE, scalar_time))
 
     add("dp_cp", "all_reduce", 4, 2 if lay.zero >= 1 else 1)  # the loss; the norm of the shards
+    add("dp_cp", "all_reduce", 8 * (n_experts + 5), moe_layers)  # the MoE layers' loads
+    if lay.ep > 1 and moe_layers:  # the expert engine's norm: its shards, then the other experts
+        add("edp", "all_reduce", 4, 1 if lay.zero >= 1 else 0)
+        add("ep", "all_reduce", 4, 1)
     add("tp", "all_reduce", 4, 1)
     if lay.pp > 1:
         add("pp", "broadcast", 4, 1)
