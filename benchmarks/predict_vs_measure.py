@@ -145,7 +145,7 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
         pred_no_dp = predict(w, lay, no_dp_step, kernels="eager")
         m = _train(overrides, lay.world, steps, warmup, tmp / f"run{i}")
         mem = pred.memory
-        state = mem.parameters + mem.gradients + mem.master_weights + mem.optimizer
+        state = mem.model_state
         print(f"{name:<10} {1e3 * pred.step.step:>12.2f} {1e3 * pred_alone.step.step:>8.2f} "
               f"{1e3 * pred_flat.step.step:>8.2f} {1e3 * pred_no_tp.step.step:>12.2f} "
               f"{1e3 * pred_no_dp.step.step:>12.2f} "
@@ -192,7 +192,7 @@ def _memory_layouts(tmp: Path) -> None:
     for i, (name, (lay, overrides)) in enumerate(MEMORY_RUNS.items()):
         pred = memory_for_rank(w, lay, gpu, 0, "eager")
         tensors = pred.tensors
-        state = pred.parameters + pred.gradients + pred.master_weights + pred.optimizer
+        state = pred.model_state
         logdir = tmp / f"mem{i}"
         _train(overrides, lay.world, 3, 1, logdir)
         s = json.loads((logdir / "latest" / "profile" / "rank0.summary.json").read_text())

@@ -134,7 +134,7 @@ def predicted(info: dict[str, Any], profile: Path | None) -> dict[str, Any]:
     mem = p.memory
     return {"hardware": source, "same_machine": same_machine, "layout": lay.short(),
             "step_time_s": p.step.step, "bubble": p.step.bubble_fraction, "memory_bytes": mem.total,
-            "model_state_bytes": mem.parameters + mem.gradients + mem.master_weights + mem.optimizer,
+            "model_state_bytes": mem.model_state,
             "tensor_bytes_rank0": rank0.tensors,
             "comm_bytes_per_step": bytes_by_dim(list(p.step.collectives))}
 

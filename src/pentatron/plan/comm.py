@@ -423,14 +423,16 @@ def step_scalars(lay: Layout, gpu: GPUSpec, moe_layers: int = 0, n_experts: int 
 
     def add(dim: str, op: str, nbytes: float, count: int) -> None:
         g = group_of(lay, dim, gpu)
-        if g.size > 1 and count > 0:
+        if g.size > 1:
             out.append(_coll(gpu, g, op, nbytes, count, STEP_SCALARS_WHERE, scalar_time))
 
     add("dp_cp", "all_reduce", 4, 2 if lay.zero >= 1 else 1)  # the loss; the norm of the shards
-    add("dp_cp", "all_reduce", 8 * (n_experts + 5), moe_layers)  # the MoE layers' loads
-    if lay.ep > 1 and moe_layers:  # the expert engine's norm: its shards, then the other experts
-        add("edp", "all_reduce", 4, 1 if lay.zero >= 1 else 0)
-        add("ep", "all_reduce", 4, 1)
+    if moe_layers:
+        add("dp_cp", "all_reduce", 8 * (n_experts + 5), moe_layers)  # the MoE layers' loads
+        if lay.ep > 1:  # the expert engine's norm: its shards, then the other experts
+            if lay.zero >= 1:
+                add("edp", "all_reduce", 4, 1)
+            add("ep", "all_reduce", 4, 1)
     add("tp", "all_reduce", 4, 1)
     if lay.pp > 1:
         add("pp", "broadcast", 4, 1)

@@ -275,8 +275,14 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
-        return (self.parameters + self.gradients + self.master_weights + self.optimizer + self.activations
-                + self.logits_loss + self.recompute_working + self.comm_buffers + self.reserved)
+        return (self.model_state + self.activations + self.logits_loss + self.recompute_working
+                + self.comm_buffers + self.reserved)
+
+    @property
+    def model_state(self) -> float:
+        """Parameters, gradients, fp32 masters and optimizer state: what the trainer's per-rank accounting
+        reports."""
+        return self.parameters + self.gradients + self.master_weights + self.optimizer
 
     @property
     def tensors(self) -> float:
