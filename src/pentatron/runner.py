@@ -75,10 +75,13 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
         chosen = RunDir(Path(verdict["run_dir"]), resumed=False)
         cfg.log.dir = str(chosen.path)
         trainer = Trainer(cfg)
-        if rank == 0:
-            record_run(cfg, chosen, trainer.dataset.path)
-        records = trainer.fit()
-        finish_run(trainer, records, wall_s=time.time() - started)
+        try:
+            if rank == 0:
+                record_run(cfg, chosen, trainer.dataset.path)
+            records = trainer.fit()
+            finish_run(trainer, records, wall_s=time.time() - started)
+        finally:
+            trainer.close()
 
     def problems(rank: int, world: int) -> list[str]:
         return preflight_problems(cfg, world_size=world, build_default_data=rank == 0)

@@ -44,6 +44,17 @@ def test_single_process_context_needs_no_process_group():
         ParallelContext.from_degrees(Degrees(dp=2), "cpu")
 
 
+def test_a_released_context_refuses_collectives_instead_of_running_them_alone():
+    """After `release` a size-1 short-circuit would silently skip what is asked: it is an error instead."""
+    ctx = ParallelContext.single()
+    ctx.release()
+    ctx.release()  # idempotent
+    with pytest.raises(RuntimeError, match="released its process groups"):
+        ctx.group("dp")
+    with pytest.raises(RuntimeError, match="released its process groups"):
+        ctx.comm.all_reduce(torch.ones(1), "dp")
+
+
 _LAYOUTS = [Degrees(dp=4), Degrees(pp=2, dp=2), Degrees(dp=2, tp=2), Degrees(dp=2, cp=2)]
 
 

@@ -164,6 +164,10 @@ def init_distributed(device: torch.device, store: dist.Store | None = None, time
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
+    # Its functions take the default group as a default argument, captured at import (torch.distributed
+    # .checkpoint imports it): imported after this, they would keep that group and its worker threads
+    # alive past `destroy_process_group`, into interpreter exit (see `ParallelContext.release`).
+    import torch.distributed.nn  # noqa: F401
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if store is None:

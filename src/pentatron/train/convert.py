@@ -23,25 +23,28 @@ def convert_checkpoint(cfg: Config, src: Path) -> Path:
     """Every rank: SRC's checkpoint in this run's layout, saved to checkpoint.dir; returns its directory."""
     started = time.perf_counter()
     state = ModelState(cfg, flight_recorder=False)
-    comm, rank = state.ctx.comm, state.rank
-    model = state.model_cfg.to_dict()
-    if (src / "meta.json").is_file():  # one step directory
-        source = agreed_checkpoint([src], model, None, comm, rank, state.device)
-    else:
-        source = resume_target(src, model, cfg.checkpoint.fallback, comm, rank, state.device)
-    if source is None:
-        raise CheckpointError(f"{src}: holds no checkpoint to convert")
-    meta = state.load(source, CheckpointStore(source.parent))
-    store = CheckpointStore(Path(cfg.checkpoint.dir), keep=cfg.checkpoint.keep, barrier=comm.barrier)
-    store.clean_stale()  # a conversion killed mid-save left a `.tmp` directory in DST
-    # The same lineage: resuming the converted checkpoint continues the run (its metrics, its retention).
-    if isinstance(meta.get("run_id"), str):
-        store.run_id, store.parent = meta["run_id"], meta.get("parent")
-    tensors, new_meta, pieces = state.checkpoint(meta["step"], meta.get("loader"))
-    new_meta["converted_from"] = str(source.resolve())
-    path = store.save(meta["step"], tensors, new_meta, pieces)
-    if rank == 0:
-        print(f"pentatron: converted {source} (layout {meta.get('layout')}) to {path} (layout "
-              f"{new_meta['layout']}, {state.ctx.world_size} rank(s)) in {time.perf_counter() - started:.1f} s",
-              flush=True)
-    return path
+    try:
+        comm, rank = state.ctx.comm, state.rank
+        model = state.model_cfg.to_dict()
+        if (src / "meta.json").is_file():  # one step directory
+            source = agreed_checkpoint([src], model, None, comm, rank, state.device)
+        else:
+            source = resume_target(src, model, cfg.checkpoint.fallback, comm, rank, state.device)
+        if source is None:
+            raise CheckpointError(f"{src}: holds no checkpoint to convert")
+        meta = state.load(source, CheckpointStore(source.parent))
+        store = CheckpointStore(Path(cfg.checkpoint.dir), keep=cfg.checkpoint.keep, barrier=comm.barrier)
+        store.clean_stale()  # a conversion killed mid-save left a `.tmp` directory in DST
+        # The same lineage: resuming the converted checkpoint continues the run (its metrics, its retention).
+        if isinstance(meta.get("run_id"), str):
+            store.run_id, store.parent = meta["run_id"], meta.get("parent")
+        tensors, new_meta, pieces = state.checkpoint(meta["step"], meta.get("loader"))
+        new_meta["converted_from"] = str(source.resolve())
+        path = store.save(meta["step"], tensors, new_meta, pieces)
+        if rank == 0:
+            print(f"pentatron: converted {source} (layout {meta.get('layout')}) to {path} (layout "
+                  f"{new_meta['layout']}, {state.ctx.world_size} rank(s)) in {time.perf_counter() - started:.1f} s",
+                  flush=True)
+        return path
+    finally:
+        state.close()

@@ -7,6 +7,8 @@ only loads and saves it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from pentatron.distributed.context import ParallelContext, resolve_degrees
 from pentatron.distributed.launch import local_device
 from pentatron.models.llama import build_model
 from pentatron.observe.run_observer import start_flight_recorder
+from pentatron.observe.watchdog import Watchdog
 from pentatron.parallel.parallelize import parallelize
 from pentatron.precision import resolve_precision
 from pentatron.train.nonfinite import NonFiniteStop, local_nonfinite_count
@@ -38,17 +41,35 @@ class ModelState:
         degrees = resolve_degrees(world_size, dp=resolved_dp(cfg, world_size), tp=par.tp, pp=par.pp,
                                   cp=par.cp, ep=par.ep, cp_ulysses=cfg.layout(world_size).cp_ulysses_degree)
         self.ctx = ParallelContext.from_degrees(degrees, self.device)
-        self.watchdog = start_flight_recorder(cfg, self.ctx) if flight_recorder else None
-        self.policy = resolve_precision(tr.precision, self.device)
-        torch.manual_seed(tr.seed)
-        self.model_cfg = cfg.model_config()
-        model = build_model(self.model_cfg, seed=tr.seed, device=self.device, dtype=self.policy.param_dtype)
-        self.n_params = sum(p.numel() for p in model.parameters())
-        # Pipeline stages, TP, recompute, then data parallel / ZeRO: the step runner owns a step's
-        # forward/backward, the loss, gradient sync and the optimizer. With pp > 1 only this rank's
-        # stages remain (`runner.model` is a LocalStages).
-        self.runner = parallelize(model, self.ctx, cfg, self.policy)
-        self.engine = self.runner.engine
+        self.watchdog: Watchdog | None = None
+        with self.closed_on_error():
+            self.watchdog = start_flight_recorder(cfg, self.ctx) if flight_recorder else None
+            self.policy = resolve_precision(tr.precision, self.device)
+            torch.manual_seed(tr.seed)
+            self.model_cfg = cfg.model_config()
+            model = build_model(self.model_cfg, seed=tr.seed, device=self.device, dtype=self.policy.param_dtype)
+            self.n_params = sum(p.numel() for p in model.parameters())
+            # Pipeline stages, TP, recompute, then data parallel / ZeRO: the step runner owns a step's
+            # forward/backward, the loss, gradient sync and the optimizer. With pp > 1 only this rank's
+            # stages remain (`runner.model` is a LocalStages).
+            self.runner = parallelize(model, self.ctx, cfg, self.policy)
+            self.engine = self.runner.engine
+
+    def close(self) -> None:
+        """The end of this rank's use of the model: the hang watchdog stopped and the process groups let go
+        (`ParallelContext.release`), so that their threads end before the interpreter does. Idempotent."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        self.ctx.release()
+
+    @contextmanager
+    def closed_on_error(self) -> Iterator[None]:
+        """`close()` if the block raises (what builds on this state fails before its owner holds it)."""
+        try:
+            yield
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def rank(self) -> int:

@@ -37,48 +37,53 @@ class Trainer:
         self.cfg = cfg
         tr = cfg.train
         self.state = ModelState(cfg)
-        self.ctx, self.device, self.watchdog = self.state.ctx, self.state.device, self.state.watchdog
-        self.rank, self.world_size = self.ctx.rank, self.ctx.world_size
-        self.dp, self.dp_rank = self.ctx.dp_size, self.ctx.dp_rank
-        self.comm = self.ctx.comm
-        self.policy, self.model_cfg, self.n_params = self.state.policy, self.state.model_cfg, self.state.n_params
-        self.runner = self.state.runner
-        self.engine = self.runner.engine
-        self.model = self.runner.model  # with pp > 1: this rank's stages (a LocalStages)
-        self.pp, self.pp_rank = self.ctx.size("pp"), self.ctx.local_rank("pp")
-        self.params = self.engine.params
-        self.names = self.engine.names
-        self.optimizer = self.runner.optimizer
-        self.memory = self.runner.memory()
+        with self.state.closed_on_error():  # e.g. a damaged checkpoint at resume: every rank raises
+            self.ctx, self.device, self.watchdog = self.state.ctx, self.state.device, self.state.watchdog
+            self.rank, self.world_size = self.ctx.rank, self.ctx.world_size
+            self.dp, self.dp_rank = self.ctx.dp_size, self.ctx.dp_rank
+            self.comm = self.ctx.comm
+            self.policy, self.model_cfg, self.n_params = self.state.policy, self.state.model_cfg, self.state.n_params
+            self.runner = self.state.runner
+            self.engine = self.runner.engine
+            self.model = self.runner.model  # with pp > 1: this rank's stages (a LocalStages)
+            self.pp, self.pp_rank = self.ctx.size("pp"), self.ctx.local_rank("pp")
+            self.params = self.engine.params
+            self.names = self.engine.names
+            self.optimizer = self.runner.optimizer
+            self.memory = self.runner.memory()
 
-        if dataset_dir is None:
-            # Rank 0 tokenizes the default corpus once; the others wait rather than race on the cache.
-            if self.rank == 0:
-                dataset_dir = resolve_dataset(cfg, self.model_cfg.vocab_size)
-            self.comm.barrier()
-            dataset_dir = dataset_dir or resolve_dataset(cfg, self.model_cfg.vocab_size)
-        self.dataset = TokenDataset(dataset_dir)
-        self.dataset.check_vocab(self.model_cfg.vocab_size)
-        self.loader = TokenLoader(self.dataset, seq_len=tr.seq_len, micro_batch=tr.micro_batch,
-                                  global_batch=tr.global_batch, dp_rank=self.dp_rank, dp_size=self.dp,
-                                  seed=tr.seed)
-        self.step = 0
-        self.guard = NonFiniteGuard(tr.nonfinite)
-        self.store = CheckpointStore(Path(cfg.checkpoint.dir), keep=cfg.checkpoint.keep, barrier=self.comm.barrier) \
-            if cfg.checkpoint.dir else None
-        if self.store is not None:
-            self.store.clean_stale()
-            if cfg.checkpoint.resume:
-                self._resume()
-        self.async_saver = AsyncCheckpointer(self.store) if self.store and cfg.checkpoint.async_save else None
-        self.sigterm = SigtermWatch() if cfg.checkpoint.save_on_sigterm else None
-        self.save_blocked_s: list[float] = []  # training time each save blocked (staging only when async)
+            if dataset_dir is None:
+                # Rank 0 tokenizes the default corpus once; the others wait rather than race on the cache.
+                if self.rank == 0:
+                    dataset_dir = resolve_dataset(cfg, self.model_cfg.vocab_size)
+                self.comm.barrier()
+                dataset_dir = dataset_dir or resolve_dataset(cfg, self.model_cfg.vocab_size)
+            self.dataset = TokenDataset(dataset_dir)
+            self.dataset.check_vocab(self.model_cfg.vocab_size)
+            self.loader = TokenLoader(self.dataset, seq_len=tr.seq_len, micro_batch=tr.micro_batch,
+                                      global_batch=tr.global_batch, dp_rank=self.dp_rank, dp_size=self.dp,
+                                      seed=tr.seed)
+            self.step = 0
+            self.guard = NonFiniteGuard(tr.nonfinite)
+            self.store = CheckpointStore(Path(cfg.checkpoint.dir), keep=cfg.checkpoint.keep,
+                                         barrier=self.comm.barrier) if cfg.checkpoint.dir else None
+            if self.store is not None:
+                self.store.clean_stale()
+                if cfg.checkpoint.resume:
+                    self._resume()
+            self.async_saver = AsyncCheckpointer(self.store) if self.store and cfg.checkpoint.async_save else None
+            self.sigterm = SigtermWatch() if cfg.checkpoint.save_on_sigterm else None
+            self.save_blocked_s: list[float] = []  # training time each save blocked (staging only when async)
 
-        self.tokens_per_step = tr.global_batch * tr.seq_len
-        self.flops_per_token = model_flops_per_token(self.model_cfg, tr.seq_len)
-        self.peak_flops, self.peak_source = peak_flops(self.device, self.policy.param_dtype, tr.peak_tflops)
-        self.observer = RunObserver(cfg, self.ctx, self.model, self.engine, self.loader, self.watchdog,
-                                    model_state=lambda: self.runner.memory().total)
+            self.tokens_per_step = tr.global_batch * tr.seq_len
+            self.flops_per_token = model_flops_per_token(self.model_cfg, tr.seq_len)
+            self.peak_flops, self.peak_source = peak_flops(self.device, self.policy.param_dtype, tr.peak_tflops)
+            self.observer = RunObserver(cfg, self.ctx, self.model, self.engine, self.loader, self.watchdog,
+                                        model_state=lambda: self.runner.memory().total)
+
+    def close(self) -> None:
+        """The run is over on this rank (after its summary): see `ModelState.close`."""
+        self.state.close()
 
     # ------------------------------------------------------------------ one optimizer step
     def train_step(self) -> dict[str, Any]:
