@@ -302,8 +302,10 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
     warnings.filterwarnings("ignore", category=FutureWarning)  # *_tensor collective names, torch >= 2.12
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world)
     finished = False
+    contexts: list[ParallelContext] = []
     try:
         ctx = ParallelContext.from_degrees(Degrees(dp=world), device)
+        contexts.append(ctx)
         comm = ctx.comm
         concurrent = {}
         if device_type == "cpu":  # every process of the node computes at once, as the ranks of a run do
@@ -351,13 +353,18 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
             heads, kv, tokens = tiny_attention_shape()
             attn = _tiny_attention(device, seconds / 3, heads, kv, tokens, TP_HEAD_DIM)
             tp_ctx = ParallelContext.from_degrees(Degrees(tp=world), device)
+            contexts.append(tp_ctx)
             tp_step = measure_tp_step(tp_ctx, attn).to_profile()
         if rank == 0:
             Path(out_path).write_text(json.dumps({"busbw": results, "concurrent": concurrent, "tp_step": tp_step,
                                                   "dp_step": dp_step}))
         finished = True
     finally:
-        shutdown_distributed(finished)  # as training leaves: meet at a barrier first when all went well
+        # As training leaves: the groups let go (`ParallelContext.release`), a barrier when all went
+        # well, then the process group destroyed.
+        for c in contexts:
+            c.release()
+        shutdown_distributed(finished)
 
 
 def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: int | None = None,
