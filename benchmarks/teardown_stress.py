@@ -1,6 +1,6 @@
 """Multi-process runs must exit with their own code every time: run `pentatron train --nproc N` many
 times and count the runs that did not (or that printed a C++ abort at shutdown). Finished runs (a few
-steps) must exit 0; with `--damaged-resume` each run resumes a checkpoint with one flipped byte, which
+steps) must exit 0; with `--damaged-resume` each run resumes a checkpoint with one bit flipped, which
 every rank learns from a broadcast just before they all stop: exit 2 and one error line. `--busy K`
 keeps K busy loops running beside the runs (a loaded machine is where a late exit races).
 
