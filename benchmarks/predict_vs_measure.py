@@ -5,8 +5,9 @@ tp2, pp2), then
 prediction without `node_slowdown` (as if each rank had its cores to itself); the "(hot)" column is
 also without the in-step CPU terms (elementwise ops at the hot copy curve, attention at the
 default efficiency, the optimizer as memory traffic): what the profile predicted before those were
-measured; "(no TP step)" and "(no DP step)" leave out bench_tp's tensor-parallel step and bench_dp's
-in-step gradient and scalar collectives (with the tied gradients' measured exchange). Under the table,
+measured; "(no TP step)", "(no DP step)" and "(no PP step)" leave out bench_tp's tensor-parallel step,
+bench_dp's in-step gradient and scalar collectives (with the tied gradients' measured exchange) and
+bench_pp's in-step pipeline hop (the ping-pong curve prices it instead). Under the table,
 each prediction's parts: per micro-batch forward / backward (+ weight
 gradients) on the busiest stage, exposed data-parallel communication, optimizer, overlapped
 communication charged as contention (all of it on a CPU: the cores that compute also communicate).
@@ -113,24 +114,26 @@ def _bench(out: str) -> None:
 
 def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[float, ...]]:
     """One profile, the four runs; prints the table; returns run -> (predicted, median, fastest,
-    predicted without the TP step) s, predicted / measured peak tensor memory, and the prediction
-    without the DP step (bench_dp's in-step gradient and scalar collectives, the measured exchange)."""
+    predicted without the TP step) s, predicted / measured peak tensor memory, and the predictions
+    without the DP step (bench_dp's in-step gradient and scalar collectives, the measured exchange) and
+    without the PP step (bench_pp's in-step hop)."""
     gpu = load_hardware_toml(profile)
     w = Workload(get_model_config("debug"), SEQ, GLOBAL)
     print(f"profile: {gpu.name} ({gpu.source}); fp32 matmul {gpu.flops('fp32') / 1e9:.1f} GFLOP/s, "
           f"copy {gpu.hbm_bandwidth / 1e9:.1f} GB/s")
     print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} CPUs)")
     hot = dataclasses.replace(gpu, measured_stream_bw=(), measured_attention_fp32=None,
-                              optimizer_per_element_s=0.0, node_slowdown={}, tp_collective=())
+                              optimizer_per_element_s=0.0, node_slowdown={}, tp_collective=(), pp_hop=())
     alone = dataclasses.replace(gpu, node_slowdown={})
     no_tp_step = dataclasses.replace(gpu, tp_collective=())
     no_dp_step = dataclasses.replace(gpu, dp_collective=(), scalar_collective_s=0.0,
                                      measured_busbw={k: v for k, v in gpu.measured_busbw.items() if k != "exchange"})
+    no_pp_step = dataclasses.replace(gpu, pp_hop=())
     if gpu.node_slowdown:
         print("node slowdown (every process busy): "
               + ", ".join(f"{k} {v:.2f}x" for k, v in gpu.node_slowdown.items()))
     head = (f"{'run':<10} {'pred step ms':>12} {'(alone)':>8} {'(hot)':>8} {'(no TP step)':>12} {'(no DP step)':>12} "
-            f"{'meas step ms':>12} {'ratio':>6} "
+            f"{'(no PP step)':>12} {'meas step ms':>12} {'ratio':>6} "
             f"{'best ms':>8} {'ratio':>6}   "
             f"{'pred state KiB':>14} {'meas state KiB':>14} {'ratio':>6}   "
             f"{'pred tensors KiB':>16} {'meas tensors KiB':>16} {'ratio':>6}   {'peak RSS MiB':>12}")
@@ -143,19 +146,20 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
         pred_alone = predict(w, lay, alone, kernels="eager")
         pred_no_tp = predict(w, lay, no_tp_step, kernels="eager")
         pred_no_dp = predict(w, lay, no_dp_step, kernels="eager")
+        pred_no_pp = predict(w, lay, no_pp_step, kernels="eager")
         m = _train(overrides, lay.world, steps, warmup, tmp / f"run{i}")
         mem = pred.memory
         state = mem.model_state
         print(f"{name:<10} {1e3 * pred.step.step:>12.2f} {1e3 * pred_alone.step.step:>8.2f} "
               f"{1e3 * pred_flat.step.step:>8.2f} {1e3 * pred_no_tp.step.step:>12.2f} "
-              f"{1e3 * pred_no_dp.step.step:>12.2f} "
+              f"{1e3 * pred_no_dp.step.step:>12.2f} {1e3 * pred_no_pp.step.step:>12.2f} "
               f"{1e3 * m.step_s:>12.2f} {pred.step.step / m.step_s:>6.2f} {1e3 * m.best_s:>8.2f} "
               f"{pred.step.step / m.best_s:>6.2f}"
               f"   {state / 1024:>14.1f} {m.model_state / 1024:>14.1f} {state / m.model_state:>6.2f}"
               f"   {mem.tensors / 1024:>16.1f} {m.tensor_peak / 1024:>16.1f} {mem.tensors / m.tensor_peak:>6.2f}"
               f"   {m.peak_rss / 2**20:>12.0f}", flush=True)
         out[name] = (pred.step.step, m.step_s, m.best_s, pred_no_tp.step.step, mem.tensors / m.tensor_peak,
-                     pred_no_dp.step.step)
+                     pred_no_dp.step.step, pred_no_pp.step.step)
         st = pred.step
         ph = max(st.phases, key=lambda p: p.total)
         parts.append(f"{name:<10} {lay.microbatches(w)} x (f {1e3 * ph.f:.2f} + b {1e3 * ph.b:.2f} "
@@ -232,12 +236,14 @@ def main(argv: list[str] | None = None) -> int:
             pre = [x[name][3] / x[name][1] for x in rounds]
             mem = [x[name][4] for x in rounds]
             no_dp = [x[name][5] / x[name][1] for x in rounds]
+            no_pp = [x[name][6] / x[name][1] for x in rounds]
             within = sum(abs(r - 1) <= 0.25 for r in med)
             print(f"{name:<10} median step {statistics.median(med):.2f} [{min(med):.2f} .. {max(med):.2f}] "
                   f"({within}/{len(med)} within 25 %)   "
                   f"fastest step {statistics.median(best):.2f} [{min(best):.2f} .. {max(best):.2f}]   "
                   f"without the TP step {statistics.median(pre):.2f} [{min(pre):.2f} .. {max(pre):.2f}]   "
                   f"without the DP step {statistics.median(no_dp):.2f} [{min(no_dp):.2f} .. {max(no_dp):.2f}]   "
+                  f"without the PP step {statistics.median(no_pp):.2f} [{min(no_pp):.2f} .. {max(no_pp):.2f}]   "
                   f"peak tensors {min(mem):.2f} .. {max(mem):.2f} "
                   f"({sum(abs(r - 1) <= 0.10 for r in mem)}/{len(mem)} within 10 %)")
     return 0

@@ -149,6 +149,7 @@ def test_bench_writes_a_profile_the_planner_reads(capsys, tmp_path):
     # CPU: the in-step kernels (bench_cpu.py) and the node sharing of 2 processes, capped at 2
     assert prof.measured_stream_bw and prof.measured_matmul_fp32 and prof.optimizer_per_element_s > 0
     assert prof.measured_attention_fp32 is not None and min(prof.measured_attention_fp32.bwd) > 0
+    assert len(prof.measured_head_fp32) == 4 and all(x > 0 for row in prof.measured_head_fp32 for x in row)
     assert set(prof.node_slowdown) == {"matmul", "stream", "host"}
     assert all(1.0 <= v <= 2.0 for v in prof.node_slowdown.values())
     # the tp2 step as the ranks ran it (bench_tp.py): activations of 16, 128, 1024 tokens x 64 x 4 B
@@ -157,6 +158,8 @@ def test_bench_writes_a_profile_the_planner_reads(capsys, tmp_path):
     # the dp2 step's synchronisations (bench_dp.py): gradient all-reduces after a backward's compute
     assert [b for b, _ in prof.dp_collective] == [256 * 2**10, 2**20, 4 * 2**20]
     assert all(t > 0 for _, t in prof.dp_collective) and prof.scalar_collective_s > 0
+    # the pp2 hop (bench_pp.py): both ranks compute, then swap a message of 4 KiB .. 1 MiB
+    assert [b for b, _ in prof.pp_hop] == [4096, 32768, 262144, 2**20] and all(t > 0 for _, t in prof.pp_hop)
     assert run(["plan", "--model", "debug", "--seq", "256", "--global-batch", "8", "--gpus", "2",
                 "--hardware-profile", str(out), "--precision", "fp32"]) == 0
     assert run(["bench", "--out", str(tmp_path / "p.yaml")]) == 2

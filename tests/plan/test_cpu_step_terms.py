@@ -1,6 +1,7 @@
 """Terms a `pentatron bench` CPU profile adds, measured as a training step runs its kernels (issue 10,
-item 5): attention by (sequence, head dim), the in-step elementwise curve, eager gradient accumulation
-and the dense embedding gradient, the optimizer per parameter element, pipeline p2p by ping-pong.
+item 5): attention by (sequence, head dim), the LM head's GEMMs, the in-step elementwise curve, eager
+gradient accumulation and the dense embedding gradient, the optimizer per parameter element, pipeline
+p2p by ping-pong.
 Each against a hand-computed case on the debug model (4 layers, h 128, 4 heads / 2 kv of 32, ffn 256,
 vocab 4096, tied: 1,115,264 parameters)."""
 
@@ -121,9 +122,45 @@ def test_cpu_step_terms_round_trip_through_a_profile(tmp_path):
         load_hardware_toml(p)
 
 
+# an LM head's GEMMs (forward, dX, dW FLOP/s) at 2^24 and 2^28 FLOPs per call, against a flat square curve
+HEAD = ((2.0**24, 3e10, 4e10, 3.5e10), (2.0**28, 6e10, 8e10, 7e10))
+SQUARE = ((1e3, 1e11), (1e12, 1e11))
+
+
+def test_the_lm_head_gemms_read_their_own_measured_curve():
+    from pentatron.plan.hardware import hardware_from_dict
+    from pentatron.plan.timing import head_phase
+
+    cpu = dataclasses.replace(H100, measured_matmul_fp32=SQUARE)
+    lm = dataclasses.replace(cpu, measured_head_fp32=HEAD)
+    lay = Layout(dp=1, micro_batch=1, precision="fp32")
+    # 64 tokens x 4096 x 128 x 2 = 2^26 FLOPs, half way (in log) from 2^24 to 2^28: the rates' midpoints;
+    # the rest of the phase (norm, loss, host) is unchanged
+    f = 2.0**26
+    base, got = head_phase(W, lay, cpu, "eager"), head_phase(W, lay, lm, "eager")
+    assert got.f - base.f == pytest.approx(f / 4.5e10 - f / 1e11)
+    assert got.b - base.b == pytest.approx(f / 6e10 - f / 1e11)
+    assert got.w - base.w == pytest.approx(f / 5.25e10 - f / 1e11)
+    # tp 2: each rank's 2048-entry slice, 2^25 FLOPs, a quarter of the way: 3e10 + 3e10 / 4
+    tp2 = Layout(dp=1, tp=2, micro_batch=1, precision="fp32")
+    assert head_phase(W, tp2, lm, "eager").f - head_phase(W, tp2, cpu, "eager").f == pytest.approx(
+        2**25 / 3.75e10 - 2**25 / 1e11)
+    # 16-bit runs (GPU profiles) have no such curve: the linear model as before
+    bf16 = Layout(dp=1, micro_batch=1)
+    assert head_phase(W, bf16, lm, "eager") == head_phase(W, bf16, cpu, "eager")
+    # the profile's table, in GFLOP/s, sorted by FLOPs; a bad one is named
+    g = hardware_from_dict({"name": "x", "base": "h100", "lm_head_fp32": {
+        "flops": [2**28, 2**24], "fwd_gflop_s": [60, 30], "dx_gflop_s": [80, 40], "dw_gflop_s": [70, 35]}})
+    assert [row == pytest.approx(want) for row, want in zip(g.measured_head_fp32, HEAD, strict=True)] == [True, True]
+    with pytest.raises(ValueError, match="lm_head_fp32 needs"):
+        hardware_from_dict({"name": "x", "base": "h100", "lm_head_fp32": {
+            "flops": [2**24], "fwd_gflop_s": [30], "dx_gflop_s": [40], "dw_gflop_s": [0]}})
+
+
 def test_ranks_sharing_a_cpu_node_compute_slower_by_the_measured_factor():
     cpu = dataclasses.replace(H100, gpus_per_node=4, measured_matmul_fp32=((1e6, 1e10),),
                               measured_stream_bw=((1.0, 12e9),), measured_attention_fp32=GRID,
+                              measured_head_fp32=HEAD,
                               host_layer_s=(1e-3, 2e-3), optimizer_per_element_s=1e-9,
                               node_slowdown={"matmul": 4.0, "stream": 7.0, "host": 2.5})
     assert cpu.sharing(1) is cpu and H100.sharing(8) is H100  # alone, or no measurement: unchanged
@@ -131,6 +168,7 @@ def test_ranks_sharing_a_cpu_node_compute_slower_by_the_measured_factor():
     assert full.measured_matmul_fp32 == ((1e6, 1e10 / 4),) and full.peak_flops["bf16"] == H100.peak_flops["bf16"] / 4
     assert full.measured_stream_bw == ((1.0, 12e9 / 7),) and full.optimizer_per_element_s == pytest.approx(7e-9)
     assert full.measured_attention_fp32.fwd[0] == pytest.approx(10e9 / 4)
+    assert full.measured_head_fp32[0] == pytest.approx((2.0**24, 3e10 / 4, 4e10 / 4, 3.5e10 / 4))
     assert full.host_layer_s == pytest.approx((2.5e-3, 5e-3)) and full.node_slowdown == {}
     half = cpu.sharing(2)  # 1 of the 3 other processes busy: a third of each excess
     assert half.measured_matmul_fp32 == ((1e6, 1e10 / 2),) and half.measured_stream_bw == ((1.0, 12e9 / 3),)

@@ -28,6 +28,7 @@ import torch
 
 from pentatron.plan.bench_cpu import ATTN_HEAD_DIM, ATTN_SEQ, measure_cpu_kernels, reference_kernels, step_compute
 from pentatron.plan.bench_dp import measure_dp_step
+from pentatron.plan.bench_pp import measure_pp_step
 from pentatron.plan.bench_tp import HEAD_DIM as TP_HEAD_DIM
 from pentatron.plan.bench_tp import measure_tp_step, tiny_attention_shape
 from pentatron.plan.hardware import GB, GiB, detect_gpu
@@ -53,13 +54,15 @@ class BenchResult:
     matmul_curve: list[tuple[int, float]] = field(default_factory=list)  # [(FLOPs per call, FLOP/s)] fp32
     host_overhead: tuple[float, ...] = ()  # (layer fwd, layer bwd, ends fwd, ends bwd) seconds per micro-batch
     host_optimizer_per_tensor: float = 0.0  # seconds per parameter tensor of an optimizer step
-    # CPU kernels inside a step (bench_cpu): "stream_curve", "matmul_curve", "attention_grid",
+    # CPU kernels inside a step (bench_cpu): "stream_curve", "matmul_curve", "head_curve", "attention_grid",
     # "optimizer_per_element", "reference" (alone) and "node_slowdown" (every process at once)
     cpu_kernels: dict[str, Any] = field(default_factory=dict)
-    # CPU, >= 2 processes: the tensor-parallel step over all of them (bench_tp.TPStep.to_profile) and the
-    # data-parallel step's synchronisations (bench_dp.DPStep.to_profile)
+    # CPU, >= 2 processes: the tensor-parallel step over all of them (bench_tp.TPStep.to_profile), the
+    # data-parallel step's synchronisations (bench_dp.DPStep.to_profile) and, with an even count, the
+    # pipeline's hop between stages (bench_pp.PPStep.to_profile)
     tp_step: dict[str, float | int] = field(default_factory=dict)
     dp_step: dict[str, Any] = field(default_factory=dict)
+    pp_step: dict[str, Any] = field(default_factory=dict)
     torch_version: str = torch.__version__
     host: str = field(default_factory=platform.node)
     when: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -346,9 +349,11 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
                     t = timed(lambda full=full: _exchange(comm, full, rank))
                     results.setdefault("exchange", []).append((payload, payload / t))
             comm.ledger.begin_step()  # the ledger is per step: do not let it grow across sizes
-        tp_step, dp_step = {}, {}
+        tp_step, dp_step, pp_step = {}, {}, {}
         if device_type == "cpu":  # the data-parallel step's synchronisations (bench_dp)
             dp_step = measure_dp_step(comm, "dp", step_compute(device)).to_profile()
+        if device_type == "cpu" and world % 2 == 0:  # the pipeline's hop between stages (bench_pp)
+            pp_step = measure_pp_step(comm, "dp", step_compute(device)).to_profile()
         if device_type == "cpu":  # the real tensor-parallel layer over every process (bench_tp)
             heads, kv, tokens = tiny_attention_shape()
             attn = _tiny_attention(device, seconds / 3, heads, kv, tokens, TP_HEAD_DIM)
@@ -357,7 +362,7 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
             tp_step = measure_tp_step(tp_ctx, attn).to_profile()
         if rank == 0:
             Path(out_path).write_text(json.dumps({"busbw": results, "concurrent": concurrent, "tp_step": tp_step,
-                                                  "dp_step": dp_step}))
+                                                  "dp_step": dp_step, "pp_step": pp_step}))
         finished = True
     finally:
         # As training leaves: the groups let go (`ParallelContext.release`), a barrier when all went
@@ -409,6 +414,7 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
             result.busbw = {op: [tuple(x) for x in pts] for op, pts in got["busbw"].items()}
             result.tp_step = got.get("tp_step") or {}
             result.dp_step = got.get("dp_step") or {}
+            result.pp_step = got.get("pp_step") or {}
             if got["concurrent"] and result.cpu_kernels:
                 solo = result.cpu_kernels["reference"]
                 # n processes fairly sharing the node's compute are at most n times slower; more is other
@@ -449,8 +455,15 @@ def profile_dict(r: BenchResult) -> dict[str, Any]:
         gpu["tp_step"] = dict(r.tp_step)
     if r.dp_step:
         gpu["dp_step"] = dict(r.dp_step)
+    if r.pp_step:
+        gpu["pp_step"] = dict(r.pp_step)
     if r.matmul_curve:
         gpu["matmul_fp32"] = {"flops": [f for f, _ in r.matmul_curve], "gflop_s": [v / 1e9 for _, v in r.matmul_curve]}
+    head = r.cpu_kernels.get("head_curve")
+    if head:
+        gpu["lm_head_fp32"] = {"flops": [row[0] for row in head],
+                               **{f"{k}_gflop_s": [round(row[i] / 1e9, 3) for row in head]
+                                  for i, k in enumerate(("fwd", "dx", "dw"), start=1)}}
     ck = r.cpu_kernels
     if ck:
         gpu["optimizer_ns_per_element"] = round(ck["optimizer_per_element"] * 1e9, 4)

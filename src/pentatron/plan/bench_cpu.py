@@ -8,6 +8,7 @@ buffers measures the caches instead (on the 2-core VM of BENCHMARKS.md a 128 KiB
 
 * `measure_stream_curve`: an out-of-place add by operand size (elementwise ops, the loss, the optimizer);
 * `measure_matmul_curve`: fp32 GEMM FLOP/s by FLOPs per call (activation cached, weights not);
+* `measure_head_curve`: the same for an LM head's three GEMMs (a wide output off a narrow input);
 * `measure_attention_grid`: causal SDPA forward and backward by (sequence length, head dim);
 * `measure_optimizer_per_element`: the optimizer step's cost per parameter element.
 """
@@ -103,6 +104,43 @@ def measure_matmul_curve(device: torch.device, seconds: float) -> list[tuple[int
     return out
 
 
+HEAD_TOKENS = (16, 64, 256, 1024)  # rows per call: micro-batch x sequence of a CPU run
+HEAD_HIDDEN, HEAD_VOCAB = 128, 4096  # an LM head: the vocabulary 32x the hidden size (Llama 3 8B: 128256/4096)
+
+
+def measure_head_curve(device: torch.device, seconds: float) -> list[tuple[int, float, float, float]]:
+    """[(FLOPs of one call, forward, input-gradient, weight-gradient FLOP/s)] of an LM head's three GEMMs
+    on [t, HEAD_HIDDEN] rows and a [HEAD_VOCAB, HEAD_HIDDEN] weight, as a step runs them: y = x·Wᵀ and
+    dX = dY·W read the weight from the pool, dW = dYᵀ·X reads the saved input from it; dY is in the cache
+    (the loss has just written it); outputs are new memory kept alive. A wide output off a narrow input
+    runs below the square GEMMs of `measure_matmul_curve` at the same FLOPs (on the 2-vCPU VM of
+    BENCHMARKS.md the forward and weight-gradient GEMMs of 64 rows took 1.6x the square curve's time,
+    the input gradient 1.1x); the decoder layers' GEMMs, near square, keep that curve."""
+    h, v = HEAD_HIDDEN, HEAD_VOCAB
+    out = []
+    for t in HEAD_TOKENS:
+        weights = _Pool([(v, h)], t * v, device)
+        inputs = _Pool([(t, h)], v * h, device)
+        x = torch.empty(t, h, device=device).uniform_(-1, 1)
+        dy = torch.empty(t, v, device=device).uniform_(-1, 1)
+
+        def fwd(i: int, weights: _Pool = weights, x: torch.Tensor = x) -> None:
+            (w,) = weights.take(i)
+            weights.keep(i, torch.mm(x, w.t()))
+
+        def dx(i: int, weights: _Pool = weights, dy: torch.Tensor = dy) -> None:
+            (w,) = weights.take(i)
+            weights.keep(i, torch.mm(dy, w))
+
+        def dw(i: int, inputs: _Pool = inputs, dy: torch.Tensor = dy) -> None:
+            (xs,) = inputs.take(i)
+            inputs.keep(i, torch.mm(dy.t(), xs))
+
+        flops = 2 * t * h * v
+        out.append((flops, *(flops / _windows(call, seconds, min_iters=3) for call in (fwd, dx, dw))))
+    return out
+
+
 def attention_flops(heads: int, seq: int, head_dim: int, batch: int = 1) -> float:
     """Causal attention forward FLOPs: QKᵀ and PV over the s(s+1)/2 query-key pairs kept by the mask."""
     return 4 * batch * heads * head_dim * seq * (seq + 1) / 2
@@ -174,6 +212,24 @@ def step_compute(device: torch.device) -> Callable[[], None]:
     return run
 
 
+def agreed_compute(comm: Any, dim: str, compute: Callable[[], None], seconds: float) -> Callable[[], None]:
+    """`compute` repeated to take about `seconds`, the same count on every rank of `dim` (a collective
+    call: the largest count any rank needs), so that ranks meeting after it ran the same work."""
+    t0 = time.perf_counter()
+    for _ in range(4):
+        compute()
+    per = max((time.perf_counter() - t0) / 4, 1e-6)
+    reps = torch.tensor([float(max(1, round(seconds / per)))], dtype=torch.float64)
+    comm.all_reduce(reps, dim, op="max")
+    n = int(reps.item())
+
+    def run() -> None:
+        for _ in range(n):
+            compute()
+
+    return run
+
+
 def reference_kernels(device: torch.device, seconds: float) -> dict[str, float]:
     """Seconds per call of three reference loads, run alone and then in every process of the node at
     once (`node_slowdown`): CPU cores of a node may share execution units, caches and memory bandwidth
@@ -197,5 +253,6 @@ def measure_cpu_kernels(device: torch.device, seconds: float, per_tensor_s: floa
     """Everything above, keyed as `BenchResult` stores it."""
     return {"stream_curve": measure_stream_curve(device, seconds),
             "matmul_curve": measure_matmul_curve(device, seconds),
+            "head_curve": measure_head_curve(device, seconds),
             "attention_grid": measure_attention_grid(device, seconds),
             "optimizer_per_element": measure_optimizer_per_element(device, seconds, per_tensor_s)}

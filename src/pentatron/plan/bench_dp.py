@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from pentatron.plan.bench_cpu import agreed_compute
+
 GRAD_BYTES = (256 * 2**10, 2**20, 4 * 2**20)  # gradient buffers (a debug model's is 4.4 MiB in fp32)
 COMPUTE_S = 0.01  # the compute before each all-reduce: a CPU debug-model backward is 10-25 ms
 WARMUP, ITERS = 2, 16  # per size; every rank runs the same count (the collectives pair them)
@@ -51,13 +53,7 @@ def measure_dp_step(comm: Any, dim: str, compute: Any) -> DPStep:
     """Run on every rank of the group `dim` (a collective call). `compute()`: about 0.5 ms of in-step
     work (bench_cpu.step_compute), repeated to make COMPUTE_S. Medians over iterations, then the mean
     over the ranks."""
-    t0 = time.perf_counter()
-    for _ in range(4):
-        compute()
-    per = max((time.perf_counter() - t0) / 4, 1e-6)
-    reps = torch.tensor([float(max(1, round(COMPUTE_S / per)))], dtype=torch.float64)
-    comm.all_reduce(reps, dim, op="max")  # the same work on every rank
-    n = int(reps.item())
+    block = agreed_compute(comm, dim, compute, COMPUTE_S)
     scalar = torch.zeros(1)
     out: list[float] = []
     scalars: list[float] = []
@@ -69,8 +65,7 @@ def measure_dp_step(comm: Any, dim: str, compute: Any) -> DPStep:
         for i in range(WARMUP + ITERS):
             comm.barrier(dim)
             t0 = time.perf_counter()
-            for _ in range(n):
-                compute()
+            block()
             grads.add_(1.0)  # the backward has just written the gradients
             t1 = time.perf_counter()
             comm.all_reduce(grads, dim)

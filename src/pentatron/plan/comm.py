@@ -323,10 +323,23 @@ def loss_all_reduces(tokens: float, cross_entropy: str = "eager") -> tuple[float
 
 
 def pp_hop_time(w: Workload, lay: Layout, gpu: GPUSpec) -> float:
+    """Seconds from a stage's send to the dependent action on the neighbour being able to start."""
     if lay.pp == 1:
         return 0.0
-    return (p2p_time(gpu, pp_message_bytes(w, lay), group_of(lay, "pp", gpu).crosses_nodes)
-            + pp_regather_time(w, lay, gpu))
+    nbytes = pp_message_bytes(w, lay)
+    inter = group_of(lay, "pp", gpu).crosses_nodes
+    return (pp_in_step_hop(gpu, nbytes) if gpu.pp_hop and not inter else p2p_time(gpu, nbytes, inter)) \
+        + pp_regather_time(w, lay, gpu)
+
+
+def pp_in_step_hop(gpu: GPUSpec, nbytes: float) -> float:
+    """A pipeline hop inside the node as a step meets it (CPU bench profiles, bench_pp.py): the measured
+    swap after a micro-batch's compute, log-linear between its sizes and the smallest's below them;
+    beyond the largest, that plus what the ping-pong curve adds from there."""
+    top_bytes, top = gpu.pp_hop[-1]
+    if nbytes <= top_bytes:
+        return interp_log(gpu.pp_hop, nbytes)
+    return top + max(0.0, p2p_time(gpu, nbytes, False) - p2p_time(gpu, top_bytes, False))
 
 
 def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float, expert_params: float,

@@ -76,6 +76,9 @@ class GPUSpec:
     # Optional measured fp32 matmul FLOP/s by the FLOPs of one call (bench, CPU): small GEMMs run far
     # below the large-matrix rate; the per-call cost is included
     measured_matmul_fp32: tuple[tuple[float, float], ...] = ()
+    # Optional (bench, CPU; bench_cpu.measure_head_curve): an LM head's GEMMs, whose wide output off a
+    # narrow input runs below the square curve: (FLOPs of one call, forward, dX, dW FLOP/s) by FLOPs
+    measured_head_fp32: tuple[tuple[float, float, float, float], ...] = ()
     # Optional measured host seconds per micro-batch outside the arithmetic (bench, CPU: eager op
     # dispatch and autograd, serial with compute there): per decoder layer and for embedding + head +
     # loss, forward and backward; 0 on GPUs, where launches overlap the kernels (KERNEL_OVERHEAD)
@@ -109,6 +112,10 @@ class GPUSpec:
     # measured.
     dp_collective: tuple[tuple[float, float], ...] = ()  # ((bytes, seconds), ...) by bytes
     scalar_collective_s: float = 0.0
+    # Optional (bench, CPU, an even number >= 2 of processes; bench_pp.py): the pipeline's hop between
+    # two stages as a step meets it, both neighbours computing, then swapping a message: by message
+    # bytes, replacing the ping-pong curve for pipeline sends (comm.pp_hop_time). Empty: not measured.
+    pp_hop: tuple[tuple[float, float], ...] = ()  # ((bytes, seconds), ...) by bytes
     source: str = ""
 
     def flops(self, dtype: str) -> float:
@@ -166,6 +173,7 @@ class GPUSpec:
         return replace(
             self, peak_flops={k: v / mm for k, v in self.peak_flops.items()},
             measured_matmul_fp32=tuple((f, r / mm) for f, r in self.measured_matmul_fp32),
+            measured_head_fp32=tuple((f, *(r / mm for r in rates)) for f, *rates in self.measured_head_fp32),
             measured_attention_fp32=att, hbm_bandwidth=self.hbm_bandwidth / st,
             measured_copy_bw=tuple((n, b / st) for n, b in self.measured_copy_bw),
             measured_stream_bw=tuple((n, b / st) for n, b in self.measured_stream_bw),
@@ -400,6 +408,16 @@ def hardware_from_dict(d: dict[str, Any], where: str = "hardware") -> GPUSpec:
         if isinstance(mm, dict) and "flops" in mm and "gflop_s" in mm:
             mm = {"bytes": mm["flops"], "gb_s": mm["gflop_s"]}  # same shape as a bandwidth curve
         kw["measured_matmul_fp32"] = _parse_busbw({"matmul_fp32": mm}, where, problems).get("matmul_fp32", ())
+    head = d.pop("lm_head_fp32", None)
+    if head is not None:  # {flops = [...], fwd_gflop_s = [...], dx_gflop_s = [...], dw_gflop_s = [...]}
+        try:
+            rows = sorted(zip(head["flops"], head["fwd_gflop_s"], head["dx_gflop_s"], head["dw_gflop_s"], strict=True))
+            kw["measured_head_fp32"] = tuple((float(f), *(float(r) * GB for r in rates)) for f, *rates in rows)
+            if not rows or any(x <= 0 for row in kw["measured_head_fp32"] for x in row):
+                raise ValueError
+        except (TypeError, KeyError, ValueError):
+            problems.append(f"{where}: lm_head_fp32 needs equally long, non-empty lists of positive flops, "
+                            "fwd_gflop_s, dx_gflop_s, dw_gflop_s")
     stream = d.pop("stream_bw", None)
     if stream is not None:
         kw["measured_stream_bw"] = _parse_busbw({"stream_bw": stream}, where, problems).get("stream_bw", ())
@@ -429,6 +447,12 @@ def hardware_from_dict(d: dict[str, Any], where: str = "hardware") -> GPUSpec:
         except (TypeError, KeyError, ValueError):
             problems.append(f"{where}: dp_step needs a positive number scalar_us and equally long lists of "
                             "positive collective_bytes, collective_us")
+    pp_step = d.pop("pp_step", None)
+    if pp_step is not None:
+        try:
+            kw["pp_hop"] = _in_step_points(pp_step, "hop")
+        except (TypeError, KeyError, ValueError):
+            problems.append(f"{where}: pp_step needs equally long lists of positive hop_bytes, hop_us")
     if "attention_fp32" in d:
         kw["measured_attention_fp32"] = parse_attention_grid(d.pop("attention_fp32"), where, problems)
     for key, (attr, scale) in _TOML_SCALARS.items():
@@ -472,12 +496,12 @@ def interp_log(table: tuple[tuple[float, float], ...], nbytes: float) -> float:
     return b0 + f * (b1 - b0)
 
 
-def _in_step_points(tbl: Any) -> tuple[tuple[float, float], ...]:
-    """A bench step table's in-step collective times, ((bytes, seconds), ...) by bytes, from its lists
-    `collective_bytes` and `collective_us`; ValueError/KeyError/TypeError unless equally long, non-empty
-    and positive."""
+def _in_step_points(tbl: Any, name: str = "collective") -> tuple[tuple[float, float], ...]:
+    """A bench step table's in-step times, ((bytes, seconds), ...) by bytes, from its lists
+    `<name>_bytes` and `<name>_us`; ValueError/KeyError/TypeError unless equally long, non-empty and
+    positive."""
     pts = tuple(sorted((float(b), float(t) * US) for b, t in
-                       zip(tbl["collective_bytes"], tbl["collective_us"], strict=True)))
+                       zip(tbl[f"{name}_bytes"], tbl[f"{name}_us"], strict=True)))
     if not pts or any(b <= 0 or t <= 0 for b, t in pts):
         raise ValueError
     return pts

@@ -125,6 +125,16 @@ def _linear(gpu: GPUSpec, tokens: float, n_out: float, n_in: float, peak: float,
     return bf16.scale(t / bf16.total)
 
 
+def _head_linear(gpu: GPUSpec, tokens: float, vocab: float, hidden: float, peak: float, a: int) -> Phase:
+    """The LM head's three GEMMs: at the rates bench measured for an LM head's shape when the profile has
+    them (fp32, CPU: a wide output off a narrow input runs below the square curve), else as any linear."""
+    if a != 4 or not gpu.measured_head_fp32:
+        return _linear(gpu, tokens, vocab, hidden, peak, a)
+    flops = 2 * tokens * vocab * hidden
+    rows = gpu.measured_head_fp32
+    return Phase(*(flops / interp_log(tuple((r[0], r[i]) for r in rows), flops) for i in (1, 2, 3)))
+
+
 def fp8_of(lay: Layout) -> str:
     """`_linear`'s fp8 argument for this layout: its scaling under precision fp8, else ""."""
     return lay.fp8_scaling if lay.precision == "fp8" else ""
@@ -301,7 +311,7 @@ def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -
     peak = gpu.flops(compute_dtype(lay.precision))
     tokens = lay.micro_batch * w.seq_len / lay.cp
     v = cfg.vocab_size / lay.tp
-    ph = _linear(gpu, tokens, v, cfg.hidden_size, peak, a)
+    ph = _head_linear(gpu, tokens, v, cfg.hidden_size, peak, a)
     # logits: bf16 write, fp32 copy, log-softmax write; backward reads them back and writes grads
     per_logit = (a + 4 + 4 + 4) if kernels == "eager" else (a + 4)
     bw = gpu.op_bandwidth(tokens * v * 4, 2 * tokens * v * 4, efficiency=False)  # fp32 logits in and out
