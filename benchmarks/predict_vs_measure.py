@@ -4,7 +4,8 @@ tp2, pp2), then
 `pentatron train` runs them and the two are printed side by side. The "(alone)" column is the same
 prediction without `node_slowdown` (as if each rank had its cores to itself); the "(hot)" column is
 also without the in-step CPU terms (elementwise ops at the hot copy curve, attention at the
-default efficiency, the optimizer as memory traffic): what the profile predicted before those were
+default efficiency, the optimizer as memory traffic, the LM head's GEMMs at the square curve, the
+pipeline hop at the ping-pong): what the profile predicted before those were
 measured; "(no TP step)", "(no DP step)" and "(no PP step)" leave out bench_tp's tensor-parallel step,
 bench_dp's in-step gradient and scalar collectives (with the tied gradients' measured exchange) and
 bench_pp's in-step pipeline hop (the ping-pong curve prices it instead). Under the table,
@@ -123,7 +124,8 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
           f"copy {gpu.hbm_bandwidth / 1e9:.1f} GB/s")
     print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} CPUs)")
     hot = dataclasses.replace(gpu, measured_stream_bw=(), measured_attention_fp32=None,
-                              optimizer_per_element_s=0.0, node_slowdown={}, tp_collective=(), pp_hop=())
+                              optimizer_per_element_s=0.0, node_slowdown={}, tp_collective=(), pp_hop=(),
+                              measured_head_fp32=())
     alone = dataclasses.replace(gpu, node_slowdown={})
     no_tp_step = dataclasses.replace(gpu, tp_collective=())
     no_dp_step = dataclasses.replace(gpu, dp_collective=(), scalar_collective_s=0.0,
