@@ -115,16 +115,22 @@ def in_step_time(pts: tuple[tuple[float, float], ...], gpu: GPUSpec, op: str, pa
     read for `op` at the same bytes on the wire (an all-gather or reduce-scatter of P sends what an
     all-reduce of P/2 does), log-linear between its sizes and the smallest's below them; beyond the
     largest, that plus what the measured curve adds from there."""
-    size = payload if op == "all_reduce" else payload / 2
-    top_bytes, top = pts[-1]
-    if size <= top_bytes:
-        return interp_log(pts, size)
-    top_payload = top_bytes if op == "all_reduce" else 2 * top_bytes
+    per_size = 1 if op == "all_reduce" else 2  # payload per all-reduce byte sending the same
 
-    def curve(p: float) -> float:
+    def curve(size: float) -> float:
+        p = size * per_size
         return wire_bytes(op, p, g.size) / bus_bandwidth(gpu, op, p, g)
 
-    return top + max(0.0, curve(payload) - curve(top_payload))
+    return measured_then_curve(pts, payload / per_size, curve)
+
+
+def measured_then_curve(pts: tuple[tuple[float, float], ...], x: float, curve: Callable[[float], float]) -> float:
+    """Seconds at `x` from measured (x, seconds) points: log-linear between them and the smallest's below
+    them; beyond the largest, its seconds plus what the model `curve` adds from there."""
+    top_x, top = pts[-1]
+    if x <= top_x:
+        return interp_log(pts, x)
+    return top + max(0.0, curve(x) - curve(top_x))
 
 
 def scalar_time(gpu: GPUSpec, op: str, nbytes: float, g: Group) -> float:
@@ -336,10 +342,7 @@ def pp_in_step_hop(gpu: GPUSpec, nbytes: float) -> float:
     """A pipeline hop inside the node as a step meets it (CPU bench profiles, bench_pp.py): the measured
     swap after a micro-batch's compute, log-linear between its sizes and the smallest's below them;
     beyond the largest, that plus what the ping-pong curve adds from there."""
-    top_bytes, top = gpu.pp_hop[-1]
-    if nbytes <= top_bytes:
-        return interp_log(gpu.pp_hop, nbytes)
-    return top + max(0.0, p2p_time(gpu, nbytes, False) - p2p_time(gpu, top_bytes, False))
+    return measured_then_curve(gpu.pp_hop, nbytes, lambda b: p2p_time(gpu, b, False))
 
 
 def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float, expert_params: float,

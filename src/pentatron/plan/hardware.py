@@ -412,9 +412,10 @@ def hardware_from_dict(d: dict[str, Any], where: str = "hardware") -> GPUSpec:
     if head is not None:  # {flops = [...], fwd_gflop_s = [...], dx_gflop_s = [...], dw_gflop_s = [...]}
         try:
             rows = sorted(zip(head["flops"], head["fwd_gflop_s"], head["dx_gflop_s"], head["dw_gflop_s"], strict=True))
-            kw["measured_head_fp32"] = tuple((float(f), *(float(r) * GB for r in rates)) for f, *rates in rows)
-            if not rows or any(x <= 0 for row in kw["measured_head_fp32"] for x in row):
+            table = tuple((float(f), *(float(r) * GB for r in rates)) for f, *rates in rows)
+            if not table or any(x <= 0 for row in table for x in row):
                 raise ValueError
+            kw["measured_head_fp32"] = table
         except (TypeError, KeyError, ValueError):
             problems.append(f"{where}: lm_head_fp32 needs equally long, non-empty lists of positive flops, "
                             "fwd_gflop_s, dx_gflop_s, dw_gflop_s")
