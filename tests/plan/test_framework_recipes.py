@@ -109,6 +109,41 @@ def test_pipeline_engine_holds_inputs_and_outputs_of_micro_batches_in_flight():
     assert pipeline_boundary_bytes(w, Layout(dp=4), 0, 1) == 0.0
 
 
+def test_torch_pipelining_keeps_a_receive_buffer_per_micro_batch():
+    """torch.distributed.pipelining allocates an activation buffer per micro-batch on every non-first
+    stage and a gradient buffer per micro-batch on every non-last stage, and keeps them
+    (benchmarks/torch_pp_memory.py measures it); ours holds the next activation and gradient only."""
+    from pentatron.plan.memory import pipeline_receive_bytes
+
+    w = Workload(CFG, 2048, 64)
+    one = 2048 * 1024 * 2  # [1 x 2048 tokens x h=1024] bf16
+    ours = Layout(dp=1, pp=4, micro_batch=1)
+    torch_pp = ours.with_(pp_buffers="per_microbatch")
+    assert pipeline_receive_bytes(w, ours, 2, 2, 4) == 2 * one
+    # 1F1B, m=4: stage 0 receives no activations, 4 gradient buffers
+    assert pipeline_receive_bytes(w, torch_pp, 0, 4, 4) == 4 * one
+    # stage 2: 4 activation buffers, 2 of them the in-flight inputs counted with the layers; 4 gradient
+    assert pipeline_receive_bytes(w, torch_pp, 2, 2, 4) == (4 - 2 + 4) * one
+    # the last stage: activations only
+    assert pipeline_receive_bytes(w, torch_pp, 3, 1, 4) == (4 - 1) * one
+    # interleaved v=2: rank 0 holds stages 0 and 4 (4 receives activations; both send gradients back),
+    # 8 chunk-micro-batches in flight, half of them on stage 4
+    inter = torch_pp.with_(pp_schedule="interleaved", pp_virtual=2)
+    assert pipeline_receive_bytes(w, inter, 0, 8, 4) == (4 - 8 / 2 + 2 * 4) * one
+    # rank 3 holds stages 3 and 7 (both receive; 7 is the last): 5 in flight
+    assert pipeline_receive_bytes(w, inter, 3, 5, 4) == (2 * 4 - 5 + 4) * one
+    # sequence-parallel boundaries are 1/tp of the hidden state; no pipeline, no buffers
+    assert pipeline_receive_bytes(w, torch_pp.with_(tp=2, sp=True), 3, 1, 4) == (4 - 1) * one / 2
+    assert pipeline_receive_bytes(w, Layout(dp=4, pp_buffers="per_microbatch"), 0, 1, 1) == 0.0
+    # the planner evaluates it; training cannot run it
+    assert problems(w, torch_pp, H100, 4) == []
+    assert any("pp_buffers" in x for x in problems(w, ours.with_(pp_buffers="per_stage"), H100, 4))
+    assert any("pp_buffers='per_microbatch'" in x for x in trainable_problems(w, torch_pp, 4))
+    w4 = Workload(CFG, 2048, 4)  # 4 micro-batches: stage 2 of 1F1B holds 2 in flight
+    assert (memory_for_rank(w4, torch_pp, H100, 2).comm_buffers
+            - memory_for_rank(w4, ours, H100, 2).comm_buffers == (6 - 2) * one)
+
+
 def test_tp_overlap_hides_each_sp_collective_behind_its_gemm_but_one_chunk():
     w = Workload(CFG, 2048, 64)
     lay = Layout(dp=2, tp=4, sp=True, micro_batch=1)

@@ -91,6 +91,11 @@ class Layout:
     # the stage output of each in-flight micro-batch until its backward: "kept" (our engine's
     # state.output, DeepSpeed's pipe buffers) or "freed" once sent (Megatron's deallocate_pipeline_outputs)
     pp_outputs: str = "kept"
+    # Pipeline receive buffers: "per_message" (ours, Megatron: one allocated per receive, held while it is
+    # needed) or "per_microbatch" (torch.distributed.pipelining, torchtitan: an activation buffer per
+    # micro-batch on every non-first stage and a gradient buffer per micro-batch on every non-last stage,
+    # allocated at the first step and kept; measured: benchmarks/torch_pp_memory.py)
+    pp_buffers: str = "per_message"
     # Under SP, each all-gather pipelined with the column-parallel GEMM it feeds and each reduce-scatter
     # with the row-parallel GEMM it follows, forward and backward (Transformer Engine's userbuffers:
     # Megatron-Core --tp-comm-overlap): only what exceeds its GEMM, and one of its tp chunks, is exposed
@@ -210,6 +215,8 @@ def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
         out.append(f"param_shard must be 'both' or 'fp32', got {lay.param_shard!r}")
     if lay.pp_outputs not in ("kept", "freed"):
         out.append(f"pp_outputs must be 'kept' or 'freed', got {lay.pp_outputs!r}")
+    if lay.pp_buffers not in ("per_message", "per_microbatch"):
+        out.append(f"pp_buffers must be 'per_message' or 'per_microbatch', got {lay.pp_buffers!r}")
     if lay.cross_entropy not in CROSS_ENTROPY:
         out.append(f"cross_entropy must be one of {', '.join(CROSS_ENTROPY)}, got {lay.cross_entropy!r}")
     elif lay.cross_entropy == "loss_parallel" and lay.tp == 1:
@@ -322,6 +329,9 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
     if lay.pp_outputs != "kept":
         out.append("training's pipeline engine keeps each in-flight stage output (pp_outputs='freed' is not "
                    "available)")
+    if lay.pp_buffers != "per_message" and lay.pp > 1:
+        out.append("training's pipeline engine allocates a buffer per receive (pp_buffers='per_microbatch' is "
+                   "torch.distributed.pipelining's, not available)")
     if w.moe_spec is not None and w.cfg.moe is None:
         out.append("an MoE shape given by --experts/--top-k is no model config training can build (use an MoE "
                    "registry model, or set the [moe] fields of the training config)")

@@ -241,6 +241,12 @@ def rope_shared_bytes(cfg: ModelConfig, seq_len: int, precision: str, recompute:
     return 2 * seq_len * cfg.head_dim * 4 if (act_bytes(precision) == 4 or recompute == "full") else 0.0
 
 
+def stage_boundary_tensor_bytes(w: Workload, lay: Layout) -> float:
+    """One micro-batch's hidden state as it crosses a pipeline boundary (sequence-sharded under SP)."""
+    tokens = lay.micro_batch * w.seq_len // lay.cp
+    return tokens * w.cfg.hidden_size * act_bytes(lay.precision) / (lay.tp if lay.sp else 1)
+
+
 def pipeline_boundary_bytes(w: Workload, lay: Layout, rank: int, in_flight: int, norm: str = "eager") -> float:
     """What the pipeline engine holds per in-flight micro-batch besides the layers' saved tensors: the
     received input (the autograd leaf whose gradient is sent back: not on stage 0, where it is token
@@ -250,12 +256,31 @@ def pipeline_boundary_bytes(w: Workload, lay: Layout, rank: int, in_flight: int,
     Megatron's deallocate_pipeline_outputs). Interleaved chunks are counted like stages of rank `rank`."""
     if lay.pp <= 1:
         return 0.0
-    one = lay.micro_batch * w.seq_len // lay.cp * w.cfg.hidden_size * act_bytes(lay.precision)
-    one /= lay.tp if lay.sp else 1
+    one = stage_boundary_tensor_bytes(w, lay)
     v = lay.pp_virtual
     inputs = in_flight if (rank > 0 or v > 1) and lay.recompute != "full" and norm == "eager" else 0
     outputs = in_flight if lay.pp_outputs == "kept" and (rank < lay.pp - 1 or v > 1) else 0
     return (inputs + outputs) * one
+
+
+def pipeline_receive_bytes(w: Workload, lay: Layout, rank: int, in_flight: int, m: int) -> float:
+    """Receive buffers of pipeline rank `rank` beyond the in-flight inputs counted with the layers.
+    pp_buffers="per_message": the activation arriving for the next micro-batch and the gradient arriving
+    for the next backward. "per_microbatch" (torch.distributed.pipelining): an activation buffer for each
+    of the m micro-batches of every chunk that is not stage 0 (those of the in-flight ones are the layer
+    inputs already counted; in-flight chunks taken as spread evenly over the rank's chunks) and a gradient
+    buffer for each of the m micro-batches of every chunk that is not the last stage."""
+    if lay.pp <= 1:
+        return 0.0
+    one = stage_boundary_tensor_bytes(w, lay)
+    if lay.pp_buffers == "per_message":
+        return 2 * one
+    v = lay.pp_virtual
+    stages = [c * lay.pp + rank for c in range(v)]
+    receiving = sum(s > 0 for s in stages)
+    sending_back = sum(s < lay.pp * v - 1 for s in stages)
+    activations = max(0.0, m * receiving - in_flight * receiving / v)
+    return (activations + m * sending_back) * one
 
 
 # ---------------------------------------------------------------- per-GPU breakdown
@@ -432,9 +457,7 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     logits_loss = extra_saved * loss_sets + extra_transient
     working = layer_act.working
 
-    comm = 0.0
-    if lay.pp > 1:
-        comm += 2 * tokens * cfg.hidden_size * a / (lay.tp if lay.sp else 1)  # recv activation + gradient
+    comm = pipeline_receive_bytes(w, lay, rank, in_flight, m)
     if lay.tp > 1 and lay.sp:
         comm += tokens * cfg.hidden_size * a  # all-gathered layer input
     if dpcp > 1 and lay.zero == 2:  # transient gradient buckets, two in flight, none bigger than the gradients
