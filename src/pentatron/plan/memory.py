@@ -339,7 +339,8 @@ DP_BUCKET = 25 * MiB  # gradient bucket (ParallelConfig.bucket_mb): ZeRO-2 keeps
 class RankParams:
     dense: float  # sharded over tp only (replicated over dp*cp)
     expert: float  # sharded over tp*ep (replicated over dp*cp/ep)
-    largest_layer: float  # full (dp-unsharded) parameters of the biggest layer, for ZeRO-3 gathers
+    largest_layer: float  # full (dp-unsharded) parameters of the biggest ZeRO-3 unit: a layer, or the
+    # embedding (with a tied LM head) or the LM head, which zero3_units makes units of their own
 
 
 @lru_cache(maxsize=64)
@@ -380,6 +381,8 @@ def _rank_params(cfg: ModelConfig, moe: MoESpec | None, tp: int, ep: int, pp: in
             expert += e
             largest = max(largest, d + e)
     emb = cfg.vocab_size * cfg.hidden_size / tp
+    if rank == 0 or rank == pp - 1:  # the embedding's or the LM head's unit, gathered for the loss
+        largest = max(largest, emb)
     if rank == 0:
         dense += emb
     if rank == pp - 1:
@@ -460,10 +463,15 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     comm = pipeline_receive_bytes(w, lay, rank, in_flight, m)
     if lay.tp > 1 and lay.sp:
         comm += tokens * cfg.hidden_size * a  # all-gathered layer input
+    buckets = 0.0
     if dpcp > 1 and lay.zero == 2:  # transient gradient buckets, two in flight, none bigger than the gradients
-        comm += 2 * min(DP_BUCKET, (rp.dense + rp.expert) * prec.grad)
+        buckets = 2 * min(DP_BUCKET, (rp.dense + rp.expert) * prec.grad)
     elif dpcp > 1 and lay.zero == 3:  # two in flight, none bigger than the unit (layer) whose gradients it holds
-        comm += 2 * min(DP_BUCKET, rp.largest_layer * prec.grad)
+        buckets = 2 * min(DP_BUCKET, rp.largest_layer * prec.grad)
+    # they fill from the first parameter gradient on, after the loss's backward has made and dropped its
+    # transient peak (measured: predict_vs_measure.py --memory-layouts, zero2 on the debug model): only
+    # what exceeds that peak adds to it
+    comm += max(0.0, buckets - extra_transient)
     # ZeRO-0/1: each bucket is a slice of the persistent gradient buffer, reduced where it lies (ours,
     # Megatron's contiguous buffer; measured: benchmarks/predict_vs_measure.py, dp2): nothing more
     if lay.zero == 3 and dpcp > 1 and lay.pp > 1 and lay.zero3_gather == "step":
