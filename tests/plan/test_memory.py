@@ -154,5 +154,5 @@ def test_data_parallel_buckets_cost_memory_only_where_they_are_transient():
     # peak); besides them the current and the prefetched unit are gathered (4 bytes each in fp32)
     z3 = memory_for_rank(w, Layout(dp=2, zero=3, micro_batch=4, precision="fp32"), H100, 0).comm_buffers
     # the largest unit is the embedding with its tied LM head (zero3_units), 4096 x 128, gathered for the loss
-    assert rp.largest_layer == 4096 * 128
-    assert 2 * rp.largest_layer * 4 < loss_peak and z3 == pytest.approx(2 * rp.largest_layer * 4)
+    assert rp.largest_unit == 4096 * 128
+    assert 2 * rp.largest_unit * 4 < loss_peak and z3 == pytest.approx(2 * rp.largest_unit * 4)

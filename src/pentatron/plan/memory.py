@@ -339,7 +339,7 @@ DP_BUCKET = 25 * MiB  # gradient bucket (ParallelConfig.bucket_mb): ZeRO-2 keeps
 class RankParams:
     dense: float  # sharded over tp only (replicated over dp*cp)
     expert: float  # sharded over tp*ep (replicated over dp*cp/ep)
-    largest_layer: float  # full (dp-unsharded) parameters of the biggest ZeRO-3 unit: a layer, or the
+    largest_unit: float  # full (dp-unsharded) parameters of the biggest ZeRO-3 unit: a layer, or the
     # embedding (with a tied LM head) or the LM head, which zero3_units makes units of their own
 
 
@@ -466,8 +466,8 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     buckets = 0.0
     if dpcp > 1 and lay.zero == 2:  # transient gradient buckets, two in flight, none bigger than the gradients
         buckets = 2 * min(DP_BUCKET, (rp.dense + rp.expert) * prec.grad)
-    elif dpcp > 1 and lay.zero == 3:  # two in flight, none bigger than the unit (layer) whose gradients it holds
-        buckets = 2 * min(DP_BUCKET, rp.largest_layer * prec.grad)
+    elif dpcp > 1 and lay.zero == 3:  # two in flight, none bigger than the unit whose gradients it holds
+        buckets = 2 * min(DP_BUCKET, rp.largest_unit * prec.grad)
     # they fill from the first parameter gradient on, after the loss's backward has made and dropped its
     # transient peak (measured: predict_vs_measure.py --memory-layouts, zero2 on the debug model): only
     # what exceeds that peak adds to it
@@ -477,7 +477,7 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     if lay.zero == 3 and dpcp > 1 and lay.pp > 1 and lay.zero3_gather == "step":
         comm += (rp.dense + rp.expert) * a * (1 - 1 / dpcp)  # the whole stage stays gathered for the step
     elif lay.zero == 3 and dpcp > 1:
-        comm += 2 * rp.largest_layer * a  # current + prefetched gathered layer
+        comm += 2 * rp.largest_unit * a  # current + prefetched gathered unit
     if lay.ep > 1 and moe is not None:
         comm += 2 * tokens * moe.top_k * cfg.hidden_size * a  # all-to-all send/recv buffers
     if lay.cp > 1:  # ring blocks in hand and arriving (or all of them, gathered); Ulysses receive buffers
