@@ -5,7 +5,7 @@ over FSDP2 with fp32 gradient reduction, parameters kept gathered through the st
 checkpointed. This builds that stack at toy size on gloo (dp x pp processes): each stage a run of our
 Llama decoder blocks, each block in torch's checkpoint_wrapper and `fully_shard`-ed (bf16 parameters,
 fp32 reduce, reshard_after_forward=False), Schedule1F1B or ScheduleInterleaved1F1B with as many
-micro-batches as stages per rank... as torchtitan defaults to (m = pp), AdamW. It trains three steps
+micro-batches as pipeline ranks (torchtitan's default, m = pp), AdamW. It trains three steps
 and follows every storage the process's ops create (benchmarks/live_tensors.py); each rank's peak is
 its parameter shards (there before the first step) plus the most that was live at once.
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -116,8 +115,8 @@ def predicted(schedule_name: str, pp: int, receive: str) -> list[float]:
     v = 2 if schedule_name == "interleaved" else 1
     w = Workload(cfg=CFG, seq_len=SEQ, global_batch=MICRO_BATCH * pp * DP)
     lay = Layout(dp=DP, pp=pp, zero=1, pp_schedule=schedule_name, pp_virtual=v, micro_batch=MICRO_BATCH,
-                 recompute="full", precision="bf16", grad_precision="fp32", pp_all_warmup=False)
-    lay = replace(lay, pp_buffers=receive)
+                 recompute="full", precision="bf16", grad_precision="fp32", pp_all_warmup=False,
+                 pp_buffers=receive)
     gpu = get_gpu("h100")  # memory does not depend on it
     out = []
     for r in range(pp):
