@@ -12,9 +12,11 @@ its parameter shards (there before the first step) plus the most that was live a
 The planner evaluates the same workload as it evaluates those rows (zero 1: gathered bf16 parameters,
 unsharded fp32 gradients, sharded fp32 master and Adam state; pp_all_warmup False), with its pipeline
 receive buffers counted per message (ours) and per micro-batch (torch's), and prints the ratio of its
-live tensors (no CUDA context, no fragmentation margin) to the measured peak.
+live tensors (no CUDA context, no fragmentation margin) to the measured peak. A fifth layout has no
+pipeline: torchtitan's FSDP recipe of its 8B rows (each block but the last resharded after its forward,
+the root too; gradients set to None after each step), against the planner's zero 3 with an fp32 shard.
 
-    python benchmarks/torch_pp_memory.py            # four layouts, about 2 minutes on 2 cores
+    python benchmarks/torch_pp_memory.py            # five layouts, about 2 minutes on 2 cores
     python benchmarks/torch_pp_memory.py --detail   # and what was live at the busiest rank's peak
 """
 
@@ -42,7 +44,8 @@ from pentatron.plan.memory import memory_for_rank  # noqa: E402
 CFG = ModelConfig(vocab_size=512, hidden_size=256, n_layers=16, n_heads=8, n_kv_heads=2, ffn_hidden_size=832,
                   max_seq_len=512)
 SEQ, MICRO_BATCH, DP, STEPS = 256, 4, 2, 3
-LAYOUTS = (("1f1b", 2), ("1f1b", 4), ("interleaved", 2), ("interleaved", 4))
+FSDP_RANKS = 4  # the layout without a pipeline shards over this many ranks
+LAYOUTS = (("1f1b", 2), ("1f1b", 4), ("interleaved", 2), ("interleaved", 4), ("fsdp", 1))
 
 
 class Stage(nn.Module):
@@ -72,6 +75,8 @@ def measure_rank(rank: int, world: int, schedule_name: str, pp: int) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     torch.set_num_threads(1)
+    if schedule_name == "fsdp":
+        return _measure_fsdp(world)
     mesh = init_device_mesh("cpu", (pp, world // pp), mesh_dim_names=("pp", "dp"))
     pp_rank = mesh["pp"].get_local_rank()
     v = 2 if schedule_name == "interleaved" else 1
@@ -111,12 +116,48 @@ def measure_rank(rank: int, world: int, schedule_name: str, pp: int) -> dict:
     return {"pp_rank": pp_rank, "peak": before + live.peak, "at_peak": live.at_peak.most_common(12)}
 
 
+def _measure_fsdp(world: int) -> dict:
+    """torchtitan's recipe without a pipeline: every block resharded after its forward but the last, the
+    root (embedding, norm, LM head) too; one micro-batch per step; gradients set to None after the step."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(0)
+    model = Stage(0, CFG.n_layers, True, True)
+    model.rotary.reset_parameters()
+    names = list(model.layers.keys())
+    for i, name in enumerate(names):
+        model.layers[name] = checkpoint_wrapper(model.layers[name], preserve_rng_state=False)
+        fully_shard(model.layers[name], mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(names) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-4, foreach=True)
+    tokens = torch.randint(0, CFG.vocab_size, (MICRO_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    existing = [*model.parameters(), *model.buffers()]
+    before = sum(getattr(t, "_local_tensor", t).nbytes for t in existing)
+    live = LiveTensors(already_counted=existing)
+    with live:
+        for step in range(STEPS):
+            live.step = step
+            loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return {"pp_rank": 0, "peak": before + live.peak, "at_peak": live.at_peak.most_common(12)}
+
+
 def predicted(schedule_name: str, pp: int, receive: str) -> list[float]:
     v = 2 if schedule_name == "interleaved" else 1
-    w = Workload(cfg=CFG, seq_len=SEQ, global_batch=MICRO_BATCH * pp * DP)
-    lay = Layout(dp=DP, pp=pp, zero=1, pp_schedule=schedule_name, pp_virtual=v, micro_batch=MICRO_BATCH,
-                 recompute="full", precision="bf16", grad_precision="fp32", pp_all_warmup=False,
-                 pp_buffers=receive)
+    if schedule_name == "fsdp":  # as the planner evaluates torchtitan's FSDP rows
+        w = Workload(cfg=CFG, seq_len=SEQ, global_batch=MICRO_BATCH * FSDP_RANKS)
+        lay = Layout(dp=FSDP_RANKS, zero=3, param_shard="fp32", micro_batch=MICRO_BATCH, recompute="full",
+                     precision="bf16")
+    else:
+        w = Workload(cfg=CFG, seq_len=SEQ, global_batch=MICRO_BATCH * pp * DP)
+        lay = Layout(dp=DP, pp=pp, zero=1, pp_schedule=schedule_name, pp_virtual=v, micro_batch=MICRO_BATCH,
+                     recompute="full", precision="bf16", grad_precision="fp32", pp_all_warmup=False,
+                     pp_buffers=receive)
     gpu = get_gpu("h100")  # memory does not depend on it
     out = []
     for r in range(pp):
@@ -137,13 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     print("peak tensor memory per pipeline rank, KiB: measured (torch's stack, rank of dp 0) | planner "
           "live tensors with receive buffers per message / per micro-batch, and its ratio to measured")
     for schedule_name, pp in LAYOUTS:
-        results = run_on_ranks(measure_rank, pp * DP, (schedule_name, pp), f"{schedule_name} pp{pp}")
+        world = FSDP_RANKS if schedule_name == "fsdp" else pp * DP
+        results = run_on_ranks(measure_rank, world, (schedule_name, pp), f"{schedule_name} pp{pp}")
         measured = {}
         for r in results:
             measured[r["pp_rank"]] = max(measured.get(r["pp_rank"], 0), r["peak"])
         per_message, per_micro = predicted(schedule_name, pp, "per_message"), predicted(schedule_name, pp,
                                                                                          "per_microbatch")
-        print(f"\n{schedule_name} pp{pp} dp{DP}, {pp} micro-batches of {MICRO_BATCH} x {SEQ}")
+        if schedule_name == "fsdp":
+            print(f"\nFSDP over {world} ranks, no pipeline, 1 micro-batch of {MICRO_BATCH} x {SEQ} (receive "
+                  "buffers do not apply: both planner columns are the same)")
+        else:
+            print(f"\n{schedule_name} pp{pp} dp{DP}, {pp} micro-batches of {MICRO_BATCH} x {SEQ}")
         for r in range(pp):
             print(_row(f"rank {r}", measured[r], per_message[r], per_micro[r]))
         print(_row("busiest", max(measured.values()), max(per_message), max(per_micro)))
