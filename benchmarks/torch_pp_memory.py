@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,83 +70,73 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))  # torchtitan's loss
 
 
-def measure_rank(rank: int, world: int, schedule_name: str, pp: int) -> dict:
+def _stage(lo: int, hi: int, first: bool, last: bool, mesh: Any, pipelined: bool) -> Stage:
+    """A stage with torchtitan's FSDP (apply_fsdp at 9dec370): every block in checkpoint_wrapper and
+    `fully_shard`-ed, bf16 parameters, fp32 reduce; kept gathered under PP, else each block but the last
+    resharded after its forward, the root too."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-    torch.set_num_threads(1)
-    if schedule_name == "fsdp":
-        return _measure_fsdp(world)
-    mesh = init_device_mesh("cpu", (pp, world // pp), mesh_dim_names=("pp", "dp"))
-    pp_rank = mesh["pp"].get_local_rank()
-    v = 2 if schedule_name == "interleaved" else 1
-    n_stages, n_micro = pp * v, pp
-    per_stage = CFG.n_layers // n_stages
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    torch.manual_seed(0)
-    modules, stages = [], []
-    for chunk in range(v):
-        s = chunk * pp + pp_rank
-        m = Stage(s * per_stage, (s + 1) * per_stage, s == 0, s == n_stages - 1)
-        m.rotary.reset_parameters()
-        for name, block in list(m.layers.items()):
-            m.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
-            fully_shard(m.layers[name], mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False)
-        fully_shard(m, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False)
-        modules.append(m)
-        stages.append(PipelineStage(m, s, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
-    schedule = (Schedule1F1B(stages[0], n_microbatches=n_micro, loss_fn=loss_fn) if v == 1
-                else ScheduleInterleaved1F1B(stages, n_microbatches=n_micro, loss_fn=loss_fn))
-    params = [p for m in modules for p in m.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, CFG.vocab_size, (MICRO_BATCH * n_micro, SEQ + 1), generator=generator)
-    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    m = Stage(lo, hi, first, last)
+    m.rotary.reset_parameters()
+    names = list(m.layers.keys())
+    for i, name in enumerate(names):
+        m.layers[name] = checkpoint_wrapper(m.layers[name], preserve_rng_state=False)
+        fully_shard(m.layers[name], mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=not pipelined and i < len(names) - 1)
+    fully_shard(m, mesh=mesh, mp_policy=policy, reshard_after_forward=not pipelined)
+    return m
 
+
+def _train_tracked(modules: list[Stage], forward_backward: Callable[[], None], pp_rank: int) -> dict:
+    """STEPS steps of forward_backward + AdamW (gradients set to None after each), every storage followed:
+    the peak is the parameter shards (there before the first step) plus the most live at once."""
+    optimizer = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-4, foreach=True)
     existing = [t for m in modules for t in [*m.parameters(), *m.buffers()]]
     before = sum(getattr(t, "_local_tensor", t).nbytes for t in existing)
     live = LiveTensors(already_counted=existing)
     with live:
         for step in range(STEPS):
             live.step = step
-            schedule.step(tokens[:, :-1] if first else None, target=tokens[:, 1:] if last else None,
-                          losses=[] if last else None)
+            forward_backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return {"pp_rank": pp_rank, "peak": before + live.peak, "at_peak": live.at_peak.most_common(12)}
 
 
-def _measure_fsdp(world: int) -> dict:
-    """torchtitan's recipe without a pipeline: every block resharded after its forward but the last, the
-    root (embedding, norm, LM head) too; one micro-batch per step; gradients set to None after the step."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+def measure_rank(rank: int, world: int, schedule_name: str, pp: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-    mesh = init_device_mesh("cpu", (world,))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = Stage(0, CFG.n_layers, True, True)
-    model.rotary.reset_parameters()
-    names = list(model.layers.keys())
-    for i, name in enumerate(names):
-        model.layers[name] = checkpoint_wrapper(model.layers[name], preserve_rng_state=False)
-        fully_shard(model.layers[name], mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(names) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
-    optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-4, foreach=True)
-    tokens = torch.randint(0, CFG.vocab_size, (MICRO_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    existing = [*model.parameters(), *model.buffers()]
-    before = sum(getattr(t, "_local_tensor", t).nbytes for t in existing)
-    live = LiveTensors(already_counted=existing)
-    with live:
-        for step in range(STEPS):
-            live.step = step
-            loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    return {"pp_rank": 0, "peak": before + live.peak, "at_peak": live.at_peak.most_common(12)}
+    generator = torch.Generator().manual_seed(1)
+    if schedule_name == "fsdp":  # torchtitan's recipe without a pipeline: one micro-batch per step
+        model = _stage(0, CFG.n_layers, True, True, init_device_mesh("cpu", (world,)), pipelined=False)
+        tokens = torch.randint(0, CFG.vocab_size, (MICRO_BATCH, SEQ + 1), generator=generator)
+        return _train_tracked([model], lambda: loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward(), 0)
+    mesh = init_device_mesh("cpu", (pp, world // pp), mesh_dim_names=("pp", "dp"))
+    pp_rank = mesh["pp"].get_local_rank()
+    v = 2 if schedule_name == "interleaved" else 1
+    n_stages, n_micro = pp * v, pp
+    per_stage = CFG.n_layers // n_stages
+    modules, stages = [], []
+    for chunk in range(v):
+        s = chunk * pp + pp_rank
+        m = _stage(s * per_stage, (s + 1) * per_stage, s == 0, s == n_stages - 1, mesh["dp"], pipelined=True)
+        modules.append(m)
+        stages.append(PipelineStage(m, s, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
+    schedule = (Schedule1F1B(stages[0], n_microbatches=n_micro, loss_fn=loss_fn) if v == 1
+                else ScheduleInterleaved1F1B(stages, n_microbatches=n_micro, loss_fn=loss_fn))
+    tokens = torch.randint(0, CFG.vocab_size, (MICRO_BATCH * n_micro, SEQ + 1), generator=generator)
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+
+    def forward_backward() -> None:
+        schedule.step(tokens[:, :-1] if first else None, target=tokens[:, 1:] if last else None,
+                      losses=[] if last else None)
+
+    return _train_tracked(modules, forward_backward, pp_rank)
 
 
 def predicted(schedule_name: str, pp: int, receive: str) -> list[float]:
