@@ -28,6 +28,7 @@ from pentatron.plan.batch import layout_from_toml
 from pentatron.plan.flops import model_flops_per_token
 from pentatron.plan.hardware import GiB, GPUSpec, get_gpu, hardware_from_dict
 from pentatron.plan.layout import Layout, Workload, compute_dtype, problems
+from pentatron.plan.memory import MemoryBreakdown, memory_for_rank
 from pentatron.plan.search import Prediction, predict
 
 DEFAULT_FILE = Path(__file__).with_name("published_runs.toml")
@@ -47,6 +48,9 @@ class Row:
     inferred: tuple[str, ...]
     kernels: str = "fused"
     norm: str | None = None
+    # which GPU's peak the source publishes: None, the fullest (torchtitan: the maximum over all GPUs), or
+    # that pipeline rank's (nanotron logs world rank 0, which holds pipeline stage 0)
+    memory_rank: int | None = None
 
 
 def build_model(name: str, spec: dict[str, Any]) -> ModelConfig:
@@ -98,7 +102,7 @@ def load_rows(path: Path = DEFAULT_FILE) -> list[Row]:
         mem = r.get("memory_gib")
         rows.append(Row(r["id"], r["source"], r.get("confirmed", True), w, lay, gpu, tps,
                         mem * GiB if mem is not None else None, tuple(r.get("inferred", ())),
-                        r.get("kernels", "fused"), r.get("norm")))
+                        r.get("kernels", "fused"), r.get("norm"), r.get("memory_rank")))
     return rows
 
 
@@ -108,6 +112,7 @@ class Result:
     pred: Prediction
     refused: tuple[str, ...]  # what `problems` says (the row is evaluated anyway)
     baseline_tps: float
+    memory: MemoryBreakdown  # the predicted peak of the GPU the source measured
 
     @property
     def error(self) -> float:
@@ -121,7 +126,7 @@ class Result:
     def memory_error(self) -> float | None:
         if self.row.published_memory is None:
             return None
-        return self.pred.memory.total / self.row.published_memory - 1
+        return self.memory.total / self.row.published_memory - 1
 
 
 def _predict(row: Row) -> Prediction:
@@ -145,7 +150,9 @@ def evaluate(rows: list[Row], baseline_mfu: float = 0.40) -> list[Result]:
         pred = _predict(row)
         peak = row.gpu.flops(compute_dtype(row.layout.precision))
         base = baseline_mfu * peak / model_flops_per_token(row.workload.cfg, row.workload.seq_len)
-        out.append(Result(row, pred, tuple(probs), base))
+        mem = pred.memory if row.memory_rank is None else memory_for_rank(
+            row.workload, pred.layout, row.gpu, row.memory_rank, row.kernels, row.norm)
+        out.append(Result(row, pred, tuple(probs), base, mem))
     return out
 
 
@@ -182,7 +189,7 @@ def format_table(results: list[Result]) -> str:
     for r in results:
         mem = ""
         if r.memory_error is not None:
-            mem = (f"{r.pred.memory.total / GiB:.1f}/{r.row.published_memory / GiB:.0f} GiB "
+            mem = (f"{r.memory.total / GiB:.1f}/{r.row.published_memory / GiB:.0f} GiB "
                    f"({100 * r.memory_error:+.0f}%)")
         flag = "" if r.row.confirmed else " *"
         lines.append(f"{r.row.id + flag:<34} {r.pred.layout.short()[:46]:<46} {r.row.published_tps:>9.0f} "

@@ -85,3 +85,38 @@ def test_layer_times_match_korthikanti_table_4(recompute, sp, forward_ms, backwa
     layers = row.workload.cfg.n_layers
     assert phase.f / layers == pytest.approx(forward_ms / 1e3, rel=0.10)
     assert (phase.b + phase.w) / layers == pytest.approx(backward_ms / 1e3, rel=0.10)
+
+
+def test_pipeline_splits_hold_the_parameters_rank_0_recorded():
+    """Where a source records rank 0's parameter count (the playbook's benchmark CSV, 'Local Params', three
+    significant figures), the row's pipeline split puts exactly that much on rank 0: nanotron fills stage 0
+    by cumulative compute cost, not evenly (e.g. the 1B model at pp 2: 10 layers + the embedding, 940M)."""
+    from pentatron.plan.memory import rank_params
+
+    acc = _load("planner_accuracy")
+    import tomllib
+
+    runs = tomllib.loads((BENCHMARKS / "published_runs.toml").read_text())["run"]
+    recorded = {r["id"]: r["rank0_params"] for r in runs if "rank0_params" in r}
+    rows = {r.id: r for r in acc.load_rows()}
+    assert len(recorded) >= 20
+    for rid, params in recorded.items():
+        row = rows[rid]
+        assert rank_params(row.workload, row.layout, 0).dense == pytest.approx(params, rel=0.006), rid
+
+
+def test_memory_is_compared_on_the_rank_the_source_measured():
+    """memory_rank = 0 (nanotron logs world rank 0): the comparison uses pipeline rank 0's breakdown, not the
+    fullest rank's; without it, the fullest rank's (torchtitan's maximum over all GPUs)."""
+    from pentatron.plan.memory import memory_for_rank
+
+    acc = _load("planner_accuracy")
+    rows = {r.id: r for r in acc.load_rows()}
+    first, fullest = rows["playbook-1b-64n"], rows["torchtitan-h100-t5-405b-1f1b"]
+    assert first.memory_rank == 0 and fullest.memory_rank is None
+    (r0,) = acc.evaluate([first])
+    rank0 = memory_for_rank(first.workload, first.layout, first.gpu, 0, first.kernels, first.norm)
+    assert r0.memory == rank0 and r0.pred.memory.rank == 1  # here the LM head's rank is the fuller one
+    assert r0.memory_error == pytest.approx(rank0.total / first.published_memory - 1)
+    (rf,) = acc.evaluate([fullest])
+    assert rf.memory == rf.pred.memory
