@@ -76,34 +76,36 @@ def megatron2021_flops_per_token(cfg: ModelConfig, seq: int) -> float:
 def load_rows(path: Path = DEFAULT_FILE) -> list[Row]:
     data = tomllib.loads(path.read_text())
     models = {k: build_model(k, v) for k, v in data["models"].items()}
-    rows = []
-    for r in data["run"]:
-        r = {**data["sources"][r["source"]].get("defaults", {}), **r}
-        cfg = models[r["model"]]
-        w = Workload(cfg, r["seq"], r["global_batch"])
-        lay = layout_from_toml({k: r[k] for k in LAYOUT_FIELDS if k in r}, r["id"])
-        gpu = get_gpu(r["gpu"])
-        if "hw" in r:
-            gpu = hardware_from_dict({"base": gpu.name, **r["hw"]}, where=r["id"])
-        if lay.world != r["gpus"]:
-            raise ValueError(f"{r['id']}: dp*tp*pp*cp = {lay.world} != gpus {r['gpus']}")
-        if r["metric"] == "tokens_per_s_per_gpu":
-            tps = float(r["value"])
-        elif r["metric"] == "iteration_s":  # seconds per step of the whole global batch
-            tps = r["global_batch"] * r["seq"] / (r["value"] * r["gpus"])
-        elif r["metric"] in ("tflops_per_gpu", "mfu"):
-            fpt = (megatron2021_flops_per_token(cfg, r["seq"]) if r["flops"] == "megatron2021"
-                   else model_flops_per_token(cfg, r["seq"]))
-            flops = (r["value"] * 1e12 if r["metric"] == "tflops_per_gpu"
-                     else r["value"] / 100 * gpu.flops(compute_dtype(lay.precision)))
-            tps = flops / fpt
-        else:
-            raise ValueError(f"{r['id']}: unknown metric {r['metric']!r}")
-        mem = r.get("memory_gib")
-        rows.append(Row(r["id"], r["source"], r.get("confirmed", True), w, lay, gpu, tps,
-                        mem * GiB if mem is not None else None, tuple(r.get("inferred", ())),
-                        r.get("kernels", "fused"), r.get("norm"), r.get("memory_rank")))
-    return rows
+    return [row_from_dict(r, models, data["sources"]) for r in data["run"]]
+
+
+def row_from_dict(r: dict[str, Any], models: dict[str, ModelConfig], sources: dict[str, Any]) -> Row:
+    """One [[run]] table (its source's defaults under it) as a Row."""
+    r = {**sources[r["source"]].get("defaults", {}), **r}
+    cfg = models[r["model"]]
+    w = Workload(cfg, r["seq"], r["global_batch"])
+    lay = layout_from_toml({k: r[k] for k in LAYOUT_FIELDS if k in r}, r["id"])
+    gpu = get_gpu(r["gpu"])
+    if "hw" in r:
+        gpu = hardware_from_dict({"base": gpu.name, **r["hw"]}, where=r["id"])
+    if lay.world != r["gpus"]:
+        raise ValueError(f"{r['id']}: dp*tp*pp*cp = {lay.world} != gpus {r['gpus']}")
+    if r["metric"] == "tokens_per_s_per_gpu":
+        tps = float(r["value"])
+    elif r["metric"] == "iteration_s":  # seconds per step of the whole global batch
+        tps = r["global_batch"] * r["seq"] / (r["value"] * r["gpus"])
+    elif r["metric"] in ("tflops_per_gpu", "mfu"):
+        fpt = (megatron2021_flops_per_token(cfg, r["seq"]) if r["flops"] == "megatron2021"
+               else model_flops_per_token(cfg, r["seq"]))
+        flops = (r["value"] * 1e12 if r["metric"] == "tflops_per_gpu"
+                 else r["value"] / 100 * gpu.flops(compute_dtype(lay.precision)))
+        tps = flops / fpt
+    else:
+        raise ValueError(f"{r['id']}: unknown metric {r['metric']!r}")
+    mem = r.get("memory_gib")
+    return Row(r["id"], r["source"], r.get("confirmed", True), w, lay, gpu, tps,
+               mem * GiB if mem is not None else None, tuple(r.get("inferred", ())),
+               r.get("kernels", "fused"), r.get("norm"), r.get("memory_rank"))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,76 @@
+"""benchmarks/playbook_sweep.py: nanotron's pipeline split as its build_model places blocks (hand-counted
+against the rank-0 parameters its jobs recorded), and the sweep's data loading and evaluation on a few
+of its own rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    sys.path.insert(0, str(BENCHMARKS))  # playbook_sweep imports planner_accuracy as a sibling
+    try:
+        spec = importlib.util.spec_from_file_location("playbook_sweep", BENCHMARKS / "playbook_sweep.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["playbook_sweep"] = module
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def _llama(layers: int, h: int, f: int, vocab: int = 131072):
+    from pentatron.models.config import ModelConfig
+
+    return ModelConfig(name="t", n_layers=layers, hidden_size=h, n_heads=32, n_kv_heads=32, ffn_hidden_size=f,
+                       vocab_size=vocab)
+
+
+def test_nanotron_split_by_cumulative_cost(sweep):
+    # 3B: a layer costs 4 h^2 + 3 h f = 113.2M, the head V h = 402.7M (3.56 layers): 31.56 layers in all,
+    # 15.78 per stage at pp 2; stage 0 takes layers until it reaches that, the 16th included
+    assert sweep.nanotron_split(_llama(28, 3072, 8192), 2) == (16, 12)
+    # 8B at pp 4: 243.3M per layer, the head 537M (2.21 layers): a quarter is 8.55 layers' cost, so the
+    # stages end where the cumulative count reaches 8.55, 17.1 and 25.7: after layers 9, 18 and 26
+    assert sweep.nanotron_split(_llama(32, 4096, 14336), 4) == (9, 9, 8, 6)
+    # 1B: the head is exactly 4 layers, half of 20 is 10: a tie, which the jobs resolve to 10 layers (940M
+    # parameters recorded) and the `>` as written to 11; `stage0` pins what a job recorded
+    one_b = _llama(16, 2048, 8192)
+    assert sweep.nanotron_split(one_b, 2) == (10, 6)
+    assert sweep.nanotron_split(one_b, 2, stage0=11) == (11, 5)
+    assert sweep._stage0_layers(one_b, "940000000", 1) == 10  # 131072 x 2048 + 10 x 67.1M
+    assert sweep._stage0_layers(one_b, "470000000", 2) == 10  # the same under tp 2
+
+
+def test_sweep_rows_load_evaluate_and_pick(sweep, tmp_path):
+    lines = (BENCHMARKS / "playbook_sweep.csv").read_text().splitlines()
+    header = lines[0]
+    ids = {"14113488", "13436292", "14098541"}  # 1B on one node: dp8 mb2, dp8 mb1, dp4 pp2 mb4
+    picked = [ln for ln in lines[1:] if ln.split(",")[0] in ids]
+    oom = next(ln for ln in lines[1:] if ",OOM," in ln and ln.split(",")[1] == "1.34G")
+    (tmp_path / "few.csv").write_text("\n".join([header, *picked, oom]) + "\n")
+    jobs, skipped = sweep.load_jobs(tmp_path / "few.csv")
+    assert skipped == 0 and len(jobs) == 4
+    ran = [j for j in jobs if j.status == "Success"]
+    assert len(ran) == 3 and all(j.result.memory_error is not None for j in ran)
+    pp2 = next(j for j in ran if j.result.row.layout.pp == 2)
+    assert pp2.result.row.layout.pp_layers == (10, 6)
+    cell = sweep.cells(jobs)[("1.34G", 1)]
+    assert len(cell) == 3 and sweep.planners_pick(cell) in cell
+    assert "ran out of memory: 1 jobs" in sweep.report(jobs)
+
+
+def test_published_playbook_rows_carry_nanotrons_split(sweep):
+    import planner_accuracy
+
+    rows = [r for r in planner_accuracy.load_rows() if r.source == "playbook" and r.layout.pp > 1]
+    assert len(rows) >= 10
+    for r in rows:
+        assert r.layout.pp_layers == sweep.nanotron_split(r.workload.cfg, r.layout.pp), r.id
