@@ -87,6 +87,27 @@ def test_ring_latency_and_bandwidth_reproduce_a_measured_sweep():
     assert ib < (511 / 512 * 256e6 / 11e9) / 5
 
 
+def test_a_measured_fabric_caps_cross_node_all_reduce():
+    """allreduce_busbw_by_nodes (the playbook cluster's all-reduce over every GPU of 2..64 nodes) is a ceiling
+    on any all-reduce spanning that many nodes, read log-linearly between node counts: it binds where the
+    link model promises more (a node-full group), not where the link model is already lower, and it leaves
+    all-gathers and groups inside a node alone."""
+    fabric = ((2, 361.7e9), (4, 160.1e9), (64, 32.9e9))
+    efa = dataclasses.replace(H100, inter_node_bandwidth=44.5e9, allreduce_busbw_by_nodes=fabric)
+    full = group_of(Layout(dp=64), "dp", efa)  # 8 nodes, all 8 GPUs of each: 8 x 44.5 x 0.8 = 284.8 GB/s
+    assert full.nodes == 8
+    assert bus_bandwidth(efa, "all_reduce", 1e9, full) == pytest.approx(160.1e9 + (32.9e9 - 160.1e9) / 4)
+    assert bus_bandwidth(efa, "all_gather", 1e9, full) == pytest.approx(8 * 44.5e9 * 0.8)
+    thin = group_of(Layout(dp=4, tp=8), "dp", efa)  # 4 nodes, one GPU of each: the link model's 35.6 GB/s
+    assert bus_bandwidth(efa, "all_reduce", 1e9, thin) == pytest.approx(44.5e9 * 0.8)
+    inside = group_of(Layout(tp=8), "tp", efa)
+    assert bus_bandwidth(efa, "all_reduce", 1e9, inside) == bus_bandwidth(H100, "all_reduce", 1e9, inside)
+    from pentatron.plan.hardware import hardware_from_dict
+
+    toml = hardware_from_dict({"base": "h100", "allreduce_busbw_by_nodes": {"nodes": [2, 64], "gb_s": [361.7, 32.9]}})
+    assert toml.allreduce_busbw_by_nodes == ((2.0, 361.7e9), (64.0, 32.9e9))
+
+
 @pytest.mark.parametrize(("name", "p", "m", "v"), [("1f1b", 4, 200, 1), ("zb", 4, 130, 1), ("afab", 2, 97, 1),
                                                    ("interleaved", 4, 64, 2)])
 def test_extrapolated_makespan_matches_simulation(name, p, m, v):

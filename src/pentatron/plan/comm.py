@@ -81,7 +81,10 @@ def bus_bandwidth(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
         link = min(gpu.intra_node_bandwidth, min(g.per_node, gpu.nics) * nic)
     else:
         link = gpu.intra_node_bandwidth
-    return link * gpu.collective_efficiency
+    busbw = link * gpu.collective_efficiency
+    if op == "all_reduce" and g.crosses_nodes and gpu.allreduce_busbw_by_nodes:
+        busbw = min(busbw, interp_log(gpu.allreduce_busbw_by_nodes, g.nodes))  # what the fabric carried
+    return busbw
 
 
 def collective_time(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:

@@ -70,6 +70,11 @@ class GPUSpec:
     nics_per_node: int = 0  # 0 = one per GPU (rail-optimised DGX/HGX nodes)
     # Optional measured bus-bandwidth curves (from `pentatron bench`), replacing the link model above.
     measured_busbw: BusBwTable = field(default_factory=dict)
+    # Optional, measured on the cluster: ((nodes, bus bandwidth B/s), ...) of an all-reduce over every GPU
+    # of that many nodes. It caps the bus bandwidth of any all-reduce spanning that many nodes: when all
+    # GPUs reduce at once (data parallelism) the fabric carries no more, whichever ranks a group holds.
+    # Empty: the link model alone (a non-blocking fabric).
+    allreduce_busbw_by_nodes: tuple[tuple[float, float], ...] = ()
     # Optional measured copy bandwidth (read + write, B/s) by buffer size (from `pentatron bench`): on a
     # CPU small tensors stay in the caches, so elementwise ops run far above the large-buffer rate
     measured_copy_bw: tuple[tuple[float, float], ...] = ()
@@ -392,6 +397,12 @@ def hardware_from_dict(d: dict[str, Any], where: str = "hardware") -> GPUSpec:
     busbw = d.pop("busbw", None)
     if busbw is not None:
         kw["measured_busbw"] = _parse_busbw(busbw, where, problems)
+    by_nodes = d.pop("allreduce_busbw_by_nodes", None)
+    if by_nodes is not None:  # {nodes = [...], gb_s = [...]}: the same shape as a bandwidth curve
+        if isinstance(by_nodes, dict) and "nodes" in by_nodes:
+            by_nodes = {"bytes": by_nodes["nodes"], "gb_s": by_nodes.get("gb_s")}
+        kw["allreduce_busbw_by_nodes"] = _parse_busbw({"allreduce_busbw_by_nodes": by_nodes}, where,
+                                                      problems).get("allreduce_busbw_by_nodes", ())
     copy_bw = d.pop("copy_bw", None)
     if copy_bw is not None:
         kw["measured_copy_bw"] = _parse_busbw({"copy_bw": copy_bw}, where, problems).get("copy_bw", ())
