@@ -11,7 +11,8 @@ for a node-full group (comm.bus_bandwidth).
 The built-in data is the Ultra-Scale Playbook's own measurement on the cluster its benchmark runs used
 (figure "Communication Bandwidth by Number of Nodes (size=256MB)", plot data
 assets/data/benchmarks/pp_comm_bandwidth.html of the playbook space, median of each node count, 8 H100
-per node). All-reduce is left out: NCCL switches it between ring and tree, so it is not one ring.
+per node). All-reduce is left out: NCCL switches it between ring and tree, so it is not one ring (the same
+figure's all-reduce serves as a ceiling instead: `allreduce_busbw_by_nodes` in published_runs.toml).
 
     python benchmarks/fit_ring_alpha_beta.py
 """
