@@ -48,6 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pentatron.models.llama import RMSNorm
+
 GiB = 2**30
 
 
@@ -85,23 +87,13 @@ SHAPES = {
 GPU_SHAPES = ("405b", "405b-interleaved", "405b-cp1")
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
-
-
 class ShardedBlock(nn.Module):
     """One tensor-parallel rank's share of a Llama block under sequence parallelism."""
 
     def __init__(self, s: Shape) -> None:
         super().__init__()
         self.s = s
-        self.attn_norm, self.mlp_norm = RMSNorm(s.hidden), RMSNorm(s.hidden)
+        self.attn_norm, self.mlp_norm = RMSNorm(s.hidden, 1e-5), RMSNorm(s.hidden, 1e-5)
         self.wq = nn.Linear(s.hidden, s.heads * s.head_dim, bias=False)
         self.wk = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)
         self.wv = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)

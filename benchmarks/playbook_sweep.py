@@ -30,6 +30,7 @@ import tomllib
 from planner_accuracy import DEFAULT_FILE, Result, build_model, evaluate, percentile, row_from_dict
 
 from pentatron.models.config import ModelConfig
+from pentatron.plan.flops import layer_params
 
 DATA = Path(__file__).with_name("playbook_sweep.csv")
 PLAYBOOK_BATCH = 256  # sequences of 4,096 tokens: the playbook's 1M-token global batch
@@ -67,8 +68,8 @@ def _stage0_layers(cfg: ModelConfig, rank0_params: str, tp: int) -> int | None:
     """Stage 0's decoder layers from the job's recorded rank-0 parameters (3 significant figures)."""
     if not rank0_params:
         return None
-    h = cfg.hidden_size
-    per_layer = (2 * h * h + 2 * h * cfg.n_kv_heads * cfg.head_dim + 3 * h * cfg.ffn_hidden_size) / tp
+    lp = layer_params(cfg)
+    per_layer = (lp.attn + lp.mlp_total) / tp
     return round((int(rank0_params) - cfg.vocab_size * cfg.hidden_size / tp) / per_layer)
 
 
