@@ -165,3 +165,44 @@ def test_the_vocab_parallel_loss_peaks_are_the_planners(tp_loss_peaks, cross_ent
     expected = {("eager", "bf16"): 14, ("eager", "fp32"): 12}.get((cross_entropy, precision), 16)
     assert planner == expected
     assert tp_loss_peaks[f"{cross_entropy}/{dtype}"] == pytest.approx(planner, rel=0.02)
+
+
+class _NanotronStyleLoss(torch.autograd.Function):
+    """The tensors nanotron's `_ShardedCrossEntropy` (parallel/tensor_parallel/functional.py L31-107 at
+    67c5ebb6a9) makes, at one TP rank: the max subtracted into a new fp32 tensor that is exponentiated,
+    normalised and kept in place; backward edits the kept softmax in place and returns it."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        shifted = logits - logits.max(dim=-1, keepdim=True).values
+        picked = shifted.gather(-1, targets[:, None]).squeeze(-1)
+        torch.exp(shifted, out=shifted)
+        total = shifted.sum(dim=-1)
+        loss = torch.log(total) - picked
+        shifted.div_(total[:, None])
+        ctx.save_for_backward(shifted, targets)
+        return loss.mean()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        softmax, targets = ctx.saved_tensors
+        softmax[torch.arange(len(targets)), targets] -= 1.0
+        softmax.mul_(grad / len(targets))
+        return softmax, None
+
+
+def test_nanotrons_loss_peak_is_the_planners():
+    """nanotron casts the bf16 logits to fp32 in the model and drops them before its loss (models/llama.py
+    L876): forward holds the fp32 logits and the shifted copy it keeps, 8 bytes per token and entry; the
+    backward works in place and casts the gradient to bf16 (4 + 2). The planner's cross_entropy="nanotron"."""
+    x, w, targets = _loss_inputs(torch.bfloat16, V)
+
+    def step() -> None:
+        logits = (x @ w.t()).float()  # the bf16 logits die here: the model returns the fp32 copy
+        loss = _NanotronStyleLoss.apply(logits, targets)
+        del logits
+        loss.backward()
+
+    for tp in (1, 2):
+        assert _planner_peak_per_entry("bf16", tp=tp, cross_entropy="nanotron") == 8
+    assert _peak_bytes(step) / (N * V) == pytest.approx(8, rel=0.02)

@@ -18,6 +18,7 @@ from pentatron.plan.memory import (
     memory_per_gpu,
     model_state_bytes,
     rank_params,
+    state_precision,
 )
 
 H100 = get_gpu("h100")
@@ -77,6 +78,28 @@ def test_llama_activation_terms_shard_with_tp_and_sp():
     sel = llama_layer_activation_bytes(cfg, s, s, recompute="selective").saved - rope
     assert full - sel == pytest.approx(s * 4 * cfg.n_heads)  # only the logsumexp goes
     assert llama_layer_activation_bytes(cfg, 2 * s, s, recompute="full").saved == 2 * s * 2 * h
+
+
+def test_nanotrons_packed_qkv_keeps_two_more_kv_widths_without_gqa():
+    """nanotron writes q|k|v packed and attention keeps q as a view of it, so the packed k and v stay beside
+    the k|v copy attention reads: 2 * 2 bytes * kv width per token, per tp rank; with GQA it copies q apart."""
+    gqa = get_model_config("llama3-8b")  # 32 heads of 128, 8 KV heads
+    mha = dataclasses.replace(gqa, n_kv_heads=32)  # the playbook's 8B
+    s, tp = 4096, 4
+    kv_width = 32 * 128 // tp  # per tp rank
+    for model, extra in ((mha, s * 2 * 2 * kv_width), (gqa, 0)):
+        separate = llama_layer_activation_bytes(model, s, s, tp=tp, sp=True).saved
+        packed = llama_layer_activation_bytes(model, s, s, tp=tp, sp=True, qkv_saved="packed").saved
+        assert packed - separate == extra
+    assert s * 2 * 2 * kv_width == 16 * 2**20  # 16 MiB a layer at 4,096 tokens and tp 4
+
+
+def test_a_bf16_copy_beside_the_fp32_gradients_adds_two_bytes_a_parameter():
+    """grad_precision="bf16+fp32": DeepSpeed's .grad or torch DDP's bucket beside the fp32 sum (20 bytes a
+    parameter with Adam and fp32 masters, the playbook's figure); the reduction still moves the fp32 sum."""
+    lay = Layout(dp=8, grad_precision="bf16+fp32")
+    assert state_precision(lay).total == 20 and state_precision(Layout(dp=8)).total == 18
+    assert lay.grad_bytes == 4
 
 
 def _w(name: str = "llama3-70b", seq: int = 4096, gb: int = 1024) -> Workload:

@@ -28,8 +28,9 @@ PP_SCHEDULES: tuple[str, ...] = ("afab", "1f1b", "interleaved", "zb")
 SP_INPUTS: tuple[str, ...] = ("gathered", "sharded")
 GRAD_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16+fp32")
 # the loss: "eager" (fp32 PyTorch ops: F.cross_entropy, or under TP our vocab-parallel loss), "fused"
-# (flash-attn's kernel) or "loss_parallel" (torch's DTensor loss_parallel over the tp mesh: torchtitan at tp > 1)
-CROSS_ENTROPY: tuple[str, ...] = ("eager", "fused", "loss_parallel")
+# (flash-attn's kernel), "loss_parallel" (torch's DTensor loss_parallel over the tp mesh: torchtitan at tp > 1)
+# or "nanotron" (its sharded cross-entropy on logits cast to fp32 first, at any tp)
+CROSS_ENTROPY: tuple[str, ...] = ("eager", "fused", "loss_parallel", "nanotron")
 # fp8 scaling: one scale per tensor (Transformer Engine's delayed scaling, torchao's default recipe) or per
 # row (torchao's "rowwise": its own CUTLASS GEMM, costed from a measured table in plan/fp8_rowwise.py)
 FP8_SCALINGS: tuple[str, ...] = ("tensorwise", "rowwise")
@@ -71,8 +72,11 @@ class Layout:
     # default distributed optimizer and FSDP with a bf16 reduce dtype keep bf16 (2 bytes/param less);
     # "fp16": the same 2 bytes in fp16 (Megatron-LM with --fp16 and without
     # --accumulate-allreduce-grads-in-fp32, DeepSpeed's fp16 engine: the .grad itself is reduced);
-    # "bf16+fp32": DeepSpeed's BF16_Optimizer keeps the bf16 .grad (clear_lp_grads=False) beside the
-    # fp32 accumulation it reduces (2 bytes/param more: the playbook's 20 bytes/param recipe)
+    # "bf16+fp32": a bf16 copy of the gradients is kept beside the fp32 accumulation that is reduced
+    # (2 bytes/param more: the playbook's 20 bytes/param recipe): DeepSpeed's BF16_Optimizer keeps the
+    # .grad (clear_lp_grads=False); torch DDP under nanotron's fp32 accumulation keeps its bucket
+    # (gradient_as_bucket_view=False, the default: "the saved memory size will be equal to the total
+    # gradients size" when it is True)
     grad_precision: str = "fp32"
     zero3_gather: str = "micro_batch"  # ZeRO-3 with pp: re-gather per micro-batch, or once per "step"
     # ZeRO-3's parameter shard: "both" (ours, DeepSpeed: a low-precision shard beside the fp32 master shard)
@@ -84,9 +88,15 @@ class Layout:
     # the all-gathered block input) or "sharded" (Megatron-LM/-Core: the sequence shard, all-gathered
     # again in backward, overlapped with the input-gradient GEMM)
     sp_inputs: str = "gathered"
+    # What attention keeps of the q/k/v projection: "separate" (q, k and v: ours, Megatron, torchtitan) or
+    # "packed" (nanotron's Llama without GQA, models/llama.py L471 and L655-657 at 67c5ebb6a9: a packed
+    # q|k|v copy whose q view FlashAttention keeps, so its k and v parts stay beside the contiguous k|v
+    # copy attention reads, 2 kv widths more per token; with GQA nanotron copies q apart: no more)
+    qkv_saved: str = "separate"
     # the loss: "eager" (log-softmax in fp32, as training), "fused" (flash-attn's cross-entropy kernel,
-    # llm-foundry's default: keeps the low-precision logits and a per-token logsumexp only) or
+    # llm-foundry's default: keeps the low-precision logits and a per-token logsumexp only),
     # "loss_parallel" (torch's DTensor loss over the tp mesh, torchtitan's at tp > 1: decomposed fp32 ops)
+    # or "nanotron" (its sharded loss on logits cast to fp32 first, keeping one shifted fp32 copy)
     cross_entropy: str = "eager"
     # the stage output of each in-flight micro-batch until its backward: "kept" (our engine's
     # state.output, DeepSpeed's pipe buffers) or "freed" once sent (Megatron's deallocate_pipeline_outputs)
@@ -136,7 +146,7 @@ class Layout:
     @property
     def grad_bytes(self) -> int:
         """Bytes per element of the gradient buffer that is reduced: 2 for bf16/fp16 buffers, 4 for fp32
-        and for "bf16+fp32" (DeepSpeed reduces its fp32 sum; the bf16 .grad beside it is memory only)."""
+        and for "bf16+fp32" (the fp32 sum is reduced; the bf16 copy beside it is memory only)."""
         return 2 if self.grad_precision in ("bf16", "fp16") else 4
 
     def microbatches(self, w: Workload) -> int:
@@ -211,6 +221,8 @@ def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
         out.append(f"--attention must be one of {', '.join(ATTENTION_KERNELS)}, got {lay.attention!r}")
     if lay.sp_inputs not in SP_INPUTS:
         out.append(f"sp_inputs must be one of {', '.join(SP_INPUTS)}, got {lay.sp_inputs!r}")
+    if lay.qkv_saved not in ("separate", "packed"):
+        out.append(f"qkv_saved must be 'separate' or 'packed', got {lay.qkv_saved!r}")
     if lay.param_shard not in ("both", "fp32"):
         out.append(f"param_shard must be 'both' or 'fp32', got {lay.param_shard!r}")
     if lay.pp_outputs not in ("kept", "freed"):
@@ -303,6 +315,8 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
     if lay.sp_inputs != "gathered" and lay.sp:
         out.append("training's column-parallel layers keep the all-gathered input (sp_inputs='sharded' is "
                    "Megatron's recipe, not available)")
+    if lay.qkv_saved != "separate":
+        out.append("training's attention keeps q, k and v apart (qkv_saved='packed' is nanotron's, not available)")
     if lay.pp_scatter_gather and lay.pp > 1 and lay.tp > 1 and not lay.sp:
         out.append("training's pipeline sends each stage output whole (pp_scatter_gather is not available)")
     if lay.cp > 1 and (lay.cp_rotate != "p2p" or lay.cp_kv_heads != "kv"):

@@ -66,7 +66,7 @@ PLAYBOOK_20 = StatePrecision("playbook-bf16-fp32grads", 2, 6, 4, 8)
 def state_precision(lay: Layout) -> StatePrecision:
     """Bytes per parameter held by this layout's training recipe (2-byte gradients when asked)."""
     prec = STATE_PRECISIONS[lay.precision]
-    if lay.grad_precision == "bf16+fp32":  # DeepSpeed's BF16_Optimizer: bf16 .grad kept beside the fp32 sum
+    if lay.grad_precision == "bf16+fp32":  # a bf16 copy (DeepSpeed's .grad, torch DDP's bucket) beside the fp32 sum
         return replace(prec, grad=prec.grad + 2)
     return replace(prec, grad=lay.grad_bytes)
 
@@ -127,7 +127,8 @@ class LayerActivation:
 def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *, precision: str = "bf16",
                                  tp: int = 1, sp: bool = False, recompute: str = "none", layer: int = 0,
                                  moe: MoESpec | None = None, norm: str = "eager", swiglu: str = "eager",
-                                 sp_inputs: str = "gathered", cp_ulysses_degree: int = 1) -> LayerActivation:
+                                 sp_inputs: str = "gathered", cp_ulysses_degree: int = 1,
+                                 qkv_saved: str = "separate") -> LayerActivation:
     """Saved tensors of one `DecoderBlock` of models/llama.py for `tokens` local tokens (micro_batch *
     seq/cp) of sequences `seq_len/cp` long. Per token, a = activation bytes:
       RMSNorm x2: fp32 copy of the input (4h), rstd (4), normalised a*h, gain product = next matmul's
@@ -145,6 +146,8 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
     sp_inputs="sharded" (Megatron's SP: the column-parallel linears keep the sequence shard of their
     input and all-gather it again in backward): the two block inputs a*h become a*h/tp.
     cp_ulysses_degree u > kv heads per tp rank: K and V are replicated to one head per rank (plan/context.py).
+    qkv_saved="packed" (nanotron without GQA): the packed q|k|v copy stays whole, its k and v parts beside
+    the k|v copy attention reads: 2*a*kv more (nothing with GQA, where the q copy is made apart).
     selective-op (torchtitan op-level SAC): the block input, the odd-numbered matmul outputs (q, v, gate,
     down; q, v, up for a 2-matmul MLP; MoE layers half of them), the attention output and logsumexp.
     full-alternate: every second block fully recomputed, so per layer the mean of none and full."""
@@ -168,6 +171,8 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
     if sp and tp > 1 and sp_inputs == "sharded":
         full_layer -= tokens * 2 * a * h * (1 - 1 / tp)
     full_layer += ulysses_kv_replication_bytes(tokens, kv_heads_per_tp_rank(cfg, tp), hd, cp_ulysses_degree, a)
+    if qkv_saved == "packed" and cfg.n_kv_heads == cfg.n_heads:
+        full_layer += tokens * 2 * a * kv
     if lp.expert_total and moe is not None:
         # Routed tokens: top_k copies of the input plus each expert's MLP internals; router logits and
         # probabilities in fp32. Approximation until the MoE code exists (no capacity padding).
@@ -204,9 +209,15 @@ def loss_transient_per_entry(cross_entropy: str, a: int, tp: int) -> float:
     * ours under TP (parallel/tensor.py `vocab_parallel_cross_entropy`): in forward the low-precision
       logits (none in fp32, where `.float()` copies nothing), the fp32 logits and their shifted copy.
     * torch's `loss_parallel` (torch/distributed/tensor/parallel/loss.py): in backward the zero-filled
-      gradient, the exponential of the saved log-softmax and their sum, 12, whatever the logits' dtype."""
+      gradient, the exponential of the saved log-softmax and their sum, 12, whatever the logits' dtype.
+    * nanotron's `sharded_cross_entropy` (parallel/tensor_parallel/functional.py L31-107 at 67c5ebb6a9): the
+      model casts the logits to fp32 and drops the low-precision ones before the loss (models/llama.py
+      L876), which subtracts the max into the fp32 copy it keeps (exponentiated and normalised in place):
+      in forward the fp32 input beside it, 4; backward works in place on it and casts the gradient, 2."""
     if cross_entropy == "loss_parallel":
         return 12
+    if cross_entropy == "nanotron":
+        return 4
     if tp > 1:
         return 8 + (a if a < 4 else 0)
     return max(a + 4, 8)
@@ -445,7 +456,7 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     layer_act = llama_layer_activation_bytes(cfg, tokens, seq_local, precision=lay.precision, tp=lay.tp,
                                              sp=lay.sp, recompute=lay.recompute, moe=moe, norm=norm_kind,
                                              swiglu="fused" if kernels == "fused" else "eager",
-                                             sp_inputs=lay.sp_inputs,
+                                             sp_inputs=lay.sp_inputs, qkv_saved=lay.qkv_saved,
                                              cp_ulysses_degree=cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)[0])
     first, last = rank == 0, rank == lay.pp - 1
     extra_saved, extra_transient = stage_extras(cfg, tokens, first=first, last=last, precision=lay.precision,
