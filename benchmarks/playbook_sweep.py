@@ -13,7 +13,9 @@ with each model's shape read from the job name the sweep generator wrote (nanotr
 10,000-wide MLP), `Mem Res (GB)` as the memory (what the playbook plots) and `Local Params` as rank 0's parameters.
 Two jobs whose recorded layout contradicts their name are left out. Each run is evaluated as the
 published playbook rows are (`published_runs.toml`'s playbook source: its recipe, network and
-`memory_rank = 0`), with nanotron's pipeline split below. Nothing here feeds back into the planner.
+`memory_rank = 0`), with nanotron's pipeline split below, torch DDP's bf16 bucket at ZeRO-0 with dp > 1,
+and the gathered inputs kept in the first batch of jobs (`FIRST_BATCH_END`). Nothing here feeds back
+into the planner.
 """
 
 from __future__ import annotations
@@ -34,6 +36,15 @@ from pentatron.plan.flops import layer_params
 
 DATA = Path(__file__).with_name("playbook_sweep.csv")
 PLAYBOOK_BATCH = 256  # sequences of 4,096 tokens: the playbook's 1M-token global batch
+# The sweep ran in four batches of SLURM job ids (13.44-13.52M, 13.80-13.85M, 14.02-14.11M, 14.28-14.31M).
+# The first one's TP jobs keep the column-parallel linears' gathered inputs, which the benchmark code
+# (tp_recompute_allgather, on by default) does not: inferred from their memory, which the replay
+# (nanotron_replay.py) reproduces with the gathered inputs kept and not without (its report)
+FIRST_BATCH_END = 13_600_000
+
+
+def first_batch(job_id: str) -> bool:
+    return int(job_id.split("#")[0]) < FIRST_BATCH_END
 
 
 def nanotron_split(cfg: ModelConfig, pp: int, stage0: int | None = None) -> tuple[int, ...]:
@@ -97,6 +108,10 @@ def load_jobs(path: Path = DATA) -> tuple[list[Job], int]:
                 run["memory_gib"] = float(c["mem_reserved_gib"])
             if zero > 0:  # nanotron's ZeRO-1 with fp32 accumulation (the playbook rows' recipe)
                 run |= {"dp_overlap": False, "zero1_reduce": "all_reduce"}
+            elif dp > 1:  # torch DDP's bf16 bucket beside the fp32 accumulation (the source notes)
+                run["grad_precision"] = "bf16+fp32"
+            if tp > 1 and first_batch(c["job_id"]):
+                run["sp_inputs"] = "gathered"
             if pp > 1:
                 cfg = models[key]
                 rule = nanotron_split(cfg, pp)
@@ -112,7 +127,7 @@ def load_jobs(path: Path = DATA) -> tuple[list[Job], int]:
     return jobs, skipped
 
 
-def _stats(errors: list[float]) -> str:
+def error_stats(errors: list[float]) -> str:
     if not errors:
         return "-"
     a = [abs(e) for e in errors]
@@ -152,8 +167,8 @@ def report(jobs: list[Job], worst: int = 0) -> str:
         groups.setdefault("pp 1" if lay.pp == 1 else f"pp > 1, after nanotron's PP fix: {j.after_pp_fix}",
                           []).append(j)
     lines = ["tokens/s/GPU", head,
-             f"  {'within 80 % of its cell best (*)':<38} {_stats([j.result.error for j in near])}"]
-    lines += [f"  {name:<38} {_stats([j.result.error for j in js])}" for name, js in groups.items()]
+             f"  {'within 80 % of its cell best (*)':<38} {error_stats([j.result.error for j in near])}"]
+    lines += [f"  {name:<38} {error_stats([j.result.error for j in js])}" for name, js in groups.items()]
     picks = {cell: planners_pick(js).result.row.published_tps / max(j.result.row.published_tps for j in js)
              for cell, js in by_cell.items()}
     lines.append("(*) the playbook's global batch (256 sequences) only; pipeline jobs logged before nanotron's PP "
@@ -163,7 +178,7 @@ def report(jobs: list[Job], worst: int = 0) -> str:
                  f" of {len(picks)} cells: " + ", ".join(f"{m} x {n} nodes {p:.2f}"
                                                         for (m, n), p in sorted(picks.items()) if p < 0.9))
     lines += ["memory of rank 0 (the caching allocator's reserved peak)", head]
-    lines += [f"  {name:<38} {_stats([j.result.memory_error for j in js])}" for name, js in groups.items()]
+    lines += [f"  {name:<38} {error_stats([j.result.memory_error for j in js])}" for name, js in groups.items()]
     not_fit = [j for j in ran if not j.result.pred.fits]
     lines.append(f"trained but predicted 'does not fit': {len(not_fit)} of {len(ran)}"
                  + "".join(f"\n  {j.id} {j.result.pred.layout.short()} {j.result.pred.memory.required / 2**30:.1f} GiB"

@@ -1,0 +1,109 @@
+"""benchmarks/nanotron_replay.py: the op-by-op allocation sequence of nanotron's step, and the planner's
+per-tensor arithmetic for the same recipe (published_runs.toml's playbook source), are two readings of
+the same code: their live peaks agree. Also: nothing a step allocates outlives it but the model states,
+and the sweep's recipe follows each job's ZeRO stage and batch."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def modules():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield _load("playbook_sweep"), _load("nanotron_replay")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+# 1B tp1 ZeRO-1 dp16; 1B tp4 ZeRO-0 dp32 (the first batch: gathered inputs kept; DDP); 3B tp2 ZeRO-1;
+# 8B tp4 ZeRO-1 mb4; 8B tp4 pp2 stage 0 ZeRO-1
+JOBS = {"14113489", "13502220", "14113499", "14113516", "14098634"}
+
+
+@pytest.fixture(scope="module")
+def jobs(modules, tmp_path_factory):
+    sweep, _ = modules
+    lines = (BENCHMARKS / "playbook_sweep.csv").read_text().splitlines()
+    picked = [ln for ln in lines[1:] if ln.split(",")[0] in JOBS and ",Success," in ln]
+    path = tmp_path_factory.mktemp("sweep") / "few.csv"
+    path.write_text("\n".join([lines[0], *picked]) + "\n")
+    accumulation = {f"{ln.split(',')[0]}#{n}": int(ln.split(",")[15]) for n, ln in enumerate(picked)}
+    loaded, _ = sweep.load_jobs(path)
+    return [(j, accumulation[j.id]) for j in loaded]
+
+
+def test_the_replay_and_the_planner_hold_the_same_live_peak(modules, jobs):
+    _, nr = modules
+    assert len(jobs) == len(JOBS)
+    for job, acc in jobs:
+        alloc = nr.replay(nr.replay_job(job, acc), capacity=1 << 50)
+        tensors = job.result.memory.tensors
+        assert alloc.peak_allocated == pytest.approx(tensors, rel=0.015), job.id
+        assert alloc.peak_reserved >= alloc.peak_allocated
+
+
+def test_a_step_leaves_only_the_model_states_behind(modules, jobs):
+    """After three steps only parameters, fp32 gradients and masters, Adam's moments, DDP's buckets and
+    the all-gather buffers are allocated: every activation and gradient was freed."""
+    _, nr = modules
+    job, acc = next((j, a) for j, a in jobs if j.id.startswith("14113516"))  # 8B tp4 ZeRO-1 dp8 mb4
+    rj = nr.replay_job(job, acc)
+    assert (rj.tp, rj.dp, rj.zero, rj.pp) == (4, 8, 1, 1)
+    alloc = nr.replay(rj, capacity=1 << 50)
+    cfg, h = rj.cfg, rj.cfg.hidden_size
+    hq, f, v = cfg.n_heads * cfg.head_dim // 4, cfg.ffn_hidden_size // 4, cfg.vocab_size // 4
+    per_tensor = ([v * h] + [x for _ in range(cfg.n_layers) for x in (3 * hq * h, h * hq, 2 * f * h, h * f, h, h)]
+                  + [h] + ([] if cfg.tie_embeddings else [v * h]))
+    n = sum(per_tensor)
+
+    def block(nbytes: int) -> int:
+        return -(-nbytes // 512) * 512
+
+    params = sum(block(2 * x) for x in per_tensor)
+    adam = sum(2 * block(4 * -(-x // 8)) for x in per_tensor)  # two fp32 moments of each dp shard
+    gathers = 2 * block(2 * rj.micro_batch * rj.seq * h)  # the forward and backward all-gather buffers
+    states = params + block(4 * n) + block(4 * -(-n // 8)) + adam + gathers
+    # a block keeps a remainder of up to 1 MiB it was not split from (one per tensor at most)
+    assert 0 <= alloc.allocated - states <= (3 * len(per_tensor) + 4) << 20
+    assert nr.replay(rj, iterations=2, capacity=1 << 50).allocated == alloc.allocated  # nothing accumulates
+
+
+def test_the_sweep_recipe_follows_the_zero_stage_and_the_batch(modules, jobs):
+    sweep, _ = modules
+    lay = {j.id.split("#")[0]: j.result.row.layout for j, _ in jobs}
+    assert lay["13502220"].sp_inputs == "gathered" and lay["13502220"].grad_precision == "bf16+fp32"  # ZeRO-0, DDP
+    assert lay["14113516"].sp_inputs == "sharded" and lay["14113516"].grad_precision == "fp32"  # ZeRO-1: no DDP
+    assert sweep.first_batch("13502220#1") and not sweep.first_batch("13803385#9")
+
+
+def test_the_published_rows_follow_the_sweeps_batch_rule(modules):
+    sweep, _ = modules
+    import re
+
+    import tomllib
+
+    runs = [r for r in tomllib.loads((BENCHMARKS / "published_runs.toml").read_text())["run"]
+            if r["source"] == "playbook"]
+    assert len(runs) == 21
+    for r in runs:
+        job = re.search(r"job (\d+)", r["note"]).group(1)
+        gathered = r.get("sp_inputs") == "gathered"
+        assert gathered == (r["tp"] > 1 and sweep.first_batch(job)), r["id"]
+        assert gathered == ("sp_inputs" in r["inferred"]), r["id"]
+        assert (r.get("grad_precision") == "bf16+fp32") == (r["zero"] == 0 and r["dp"] > 1), r["id"]
