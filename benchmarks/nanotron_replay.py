@@ -2,7 +2,7 @@
 read from its code, run through PyTorch's caching allocator (caching_allocator.py), against the peak
 reserved memory the sweep's jobs logged and against the planner.
 
-    python benchmarks/nanotron_replay.py           # about 30 s
+    python benchmarks/nanotron_replay.py           # about 65 s
     python benchmarks/nanotron_replay.py --jobs    # and every job
 
 The planner predicts live tensors plus a margin; a job logs `torch.cuda.max_memory_reserved()`, which also
@@ -34,6 +34,8 @@ The sequence is nanotron's at huggingface/nanotron nouamane/bench2 67c5ebb6a9, t
   until the gradient for it arrives.
 * the optimizer phase: ZeRO-1's all-gather of the updated bf16 shards through flat buffers
   (optim/zero.py `_all_gather_params`, distributed.py `all_gather_coalesced` L153-).
+The sweep's first batch of jobs is replayed with each column-parallel linear keeping a fresh gathered
+input instead (`keep_gathered`; playbook_sweep.FIRST_BATCH_END), and its TP jobs both ways in the report.
 Three iterations are replayed (the CSV row is logged at iteration 3), with up to max(4, pp + 2)
 micro-batches each: the replayed peak does not move with more.
 
