@@ -48,15 +48,13 @@ part of reserved memory).
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from caching_allocator import CachingAllocator
-from playbook_sweep import DATA, Job, error_stats, first_batch, load_jobs
+from playbook_sweep import Job, error_stats, first_batch, load_jobs
 
 from pentatron.models.config import ModelConfig
 
@@ -323,25 +321,25 @@ def replay(job: ReplayJob, iterations: int = 3, capacity: int = DEVICE) -> Cachi
 
 
 # ---------------------------------------------------------------- the sweep
-def replay_job(job: Job, accumulation: int) -> ReplayJob | None:
+def replay_job(job: Job) -> ReplayJob | None:
+    """The sweep job as the replay runs it (None where the replay does not cover it)."""
     row = job.result.row
-    lay, cfg = row.layout, row.workload.cfg
-    if not covered(cfg) or lay.zero > 1 or lay.cp > 1:
+    lay, w = row.layout, row.workload
+    if not covered(w.cfg) or lay.zero > 1 or lay.cp > 1:
         return None
-    return ReplayJob(cfg, lay.tp, lay.dp, lay.zero, lay.micro_batch, row.workload.seq_len, accumulation, lay.pp,
+    return ReplayJob(w.cfg, lay.tp, lay.dp, lay.zero, lay.micro_batch, w.seq_len, lay.microbatches(w), lay.pp,
                      lay.pp_layers[0] if lay.pp > 1 and lay.pp_layers else 0, lay.sp_inputs == "gathered")
-
-
-def accumulation_steps(path: Path = DATA) -> dict[str, int]:
-    with path.open() as fh:
-        return {f"{c['job_id']}#{n}": int(c["acc"]) for n, c in enumerate(csv.DictReader(fh))}
 
 
 @dataclass(frozen=True)
 class Replayed:
     job: Job
+    spec: ReplayJob
     replay: CachingAllocator | None  # None: the replay ran out of memory
-    accumulation: int
+
+    @property
+    def accumulation(self) -> int:
+        return self.spec.accumulation
 
     @property
     def published(self) -> float:
@@ -361,18 +359,15 @@ class Replayed:
 
 
 def replay_sweep(jobs: list[Job]) -> list[Replayed]:
-    acc = accumulation_steps()
     out = []
     for j in jobs:
-        if j.status != "Success":
-            continue
-        rj = replay_job(j, acc[j.id])
+        rj = replay_job(j) if j.status == "Success" else None
         if rj is None:
             continue
         try:
-            out.append(Replayed(j, replay(rj), rj.accumulation))
+            out.append(Replayed(j, rj, replay(rj)))
         except MemoryError:
-            out.append(Replayed(j, None, rj.accumulation))
+            out.append(Replayed(j, rj, None))
     return out
 
 
@@ -381,15 +376,14 @@ def first_batch_both_ways(rs: list[Replayed]) -> list[tuple[int, list[float], li
     and re-gathered in backward: the evidence for `playbook_sweep.FIRST_BATCH_END`."""
     by_tp: dict[int, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
     for r in rs:
-        rj = replay_job(r.job, r.accumulation)
-        if not r.first_batch or rj is None or rj.tp == 1:
+        if not r.first_batch or r.spec.tp == 1:
             continue
         try:
-            other = replay(replace(rj, keep_gathered=False)).peak_reserved / r.published - 1
+            other = replay(replace(r.spec, keep_gathered=False)).peak_reserved / r.published - 1
         except MemoryError:
             continue
-        by_tp[rj.tp][0].append(r.replay_error)
-        by_tp[rj.tp][1].append(other)
+        by_tp[r.spec.tp][0].append(r.replay_error)
+        by_tp[r.spec.tp][1].append(other)
     return [(tp, *by_tp[tp]) for tp in sorted(by_tp)]
 
 
