@@ -32,8 +32,11 @@ The sequence is nanotron's at huggingface/nanotron nouamane/bench2 67c5ebb6a9, t
 * schedules (parallel/pipeline_parallel/engine.py L224-): pp = 1 runs each micro-batch forward then
   backward; stage 0 of pp > 1 runs 1F1B with pp - 1 warm-up forwards, keeping the activation it sent
   until the gradient for it arrives.
-* the optimizer phase: ZeRO-1's all-gather of the updated bf16 shards through flat buffers
-  (optim/zero.py `_all_gather_params`, distributed.py `all_gather_coalesced` L153-).
+* the optimizer phase: ZeRO-1's all-gather of the updated bf16 shards (optim/zero.py `_all_gather_params`):
+  `all_gather_coalesced` (distributed.py L153-) flattens this rank's shards into one input and each dp
+  rank's shards into one output of their own, and torch's `ProcessGroupNCCL::allgather`, given outputs of
+  one size, gathers into a flat output it allocates (`newLikeFlat`) and copies out of: two bf16 copies of
+  the stage's parameters beside the states, the first in dp pieces.
 The sweep's first batch of jobs is replayed with each column-parallel linear keeping a fresh gathered
 input instead (`keep_gathered`; playbook_sweep.FIRST_BATCH_END), and its TP jobs both ways in the report.
 Three iterations are replayed (the CSV row is logged at iteration 3), with up to max(4, pp + 2)
@@ -313,10 +316,14 @@ def replay(job: ReplayJob, iterations: int = 3, capacity: int = DEVICE) -> Cachi
                 shard_n = n if job.zero == 0 else math.ceil(n / job.dp)
                 tr.new(f"adam_m.{name}", 4 * shard_n)
                 tr.new(f"adam_v.{name}", 4 * shard_n)
-        if job.zero == 1:
-            tr.new("allgather_in", a * math.ceil(n_params / job.dp))
-            tr.new("allgather_out", a * n_params)
-            tr.free("allgather_in", "allgather_out")
+        if job.zero == 1 and job.dp > 1:
+            # all_gather_coalesced flattens this rank's shards into one input and each rank's shards into one
+            # output; torch's allgather then gathers into a flat output of its own and copies out of it
+            shard_bytes = a * math.ceil(n_params / job.dp)
+            gathered = [tr.new("allgather_in", shard_bytes)]
+            gathered += [tr.new(f"allgather_out{r}", shard_bytes) for r in range(job.dp)]
+            gathered.append(tr.new("allgather_flat", shard_bytes * job.dp))
+            tr.free(*gathered)
     return alloc
 
 

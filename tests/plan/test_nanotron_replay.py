@@ -106,3 +106,28 @@ def test_the_published_rows_follow_the_sweeps_batch_rule(modules):
         assert gathered == (r["tp"] > 1 and sweep.first_batch(job)), r["id"]
         assert gathered == ("sp_inputs" in r["inferred"]), r["id"]
         assert (r.get("grad_precision") == "bf16+fp32") == (r["zero"] == 0 and r["dp"] > 1), r["id"]
+
+
+def test_zero1_step_gathers_through_two_bf16_copies_of_the_stage(modules):
+    """nanotron's all_gather_coalesced: this rank's shard flattened, then one flattened output per dp
+    rank; torch's allgather gathers into a flat output of its own. With activations far smaller than the
+    parameters, the peak is the optimizer step's: the model states plus (dp + 1) shards and the flat copy."""
+    _, nr = modules
+    from pentatron.models.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=32768, hidden_size=1024, n_layers=2, n_heads=8, n_kv_heads=8,
+                      ffn_hidden_size=4096)
+    dp = 4
+    job = nr.ReplayJob(cfg, tp=1, dp=dp, zero=1, micro_batch=1, seq=64, accumulation=2)
+    alloc = nr.replay(job, capacity=1 << 50)
+    h, f, v = 1024, 4096, 32768
+    n = 2 * v * h + cfg.n_layers * (4 * h * h + 3 * h * f + 2 * h) + h  # untied: embedding and LM head
+    shard = 2 * -(-n // dp)
+    gathers = (dp + 1) * shard + dp * shard
+    states = alloc.allocated  # what three steps leave: parameters, fp32 gradients, master shard, moments
+    # each gather buffer is one block of its size rounded to 512 bytes, or a cached block up to 1 MiB larger
+    assert gathers <= alloc.peak_allocated - states <= gathers + (2 * dp + 2) * (1 << 20)
+    no_gather = nr.replay(nr.ReplayJob(cfg, tp=1, dp=1, zero=1, micro_batch=1, seq=64, accumulation=2),
+                          capacity=1 << 50)
+    # dp = 1: nanotron gathers nothing; the peak is the backward's bf16 gradients and a few small activations
+    assert no_gather.peak_allocated - no_gather.allocated < 2 * n + (16 << 20)
