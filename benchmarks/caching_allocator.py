@@ -13,8 +13,10 @@ The rules are c10/cuda/CUDACachingAllocator.cpp's (torch 2.1 .. 2.6, unchanged i
 * a freed block merges with free neighbours of its segment (`free_block`);
 * when cudaMalloc would exceed the device, every wholly free cached segment is released
   (`release_cached_blocks`) and the allocation retried; after that it is out of memory.
-Not modelled: streams (a block freed while another stream still uses it waits for that stream's event),
-expandable segments and the allocator options; benchmarks/nanotron_replay.py says what that leaves out.
+`reset_peak_stats` is torch.cuda.reset_peak_memory_stats: the peaks restart from the current figures (the
+high-water marks keep the run's highest). Not modelled: streams (a block freed while another stream still
+uses it waits for that stream's event), expandable segments and the allocator options;
+benchmarks/nanotron_replay.py says what that leaves out.
 """
 
 from __future__ import annotations
@@ -59,8 +61,10 @@ class CachingAllocator:
     capacity: int  # bytes the device lets cudaMalloc hand out
     reserved: int = 0
     allocated: int = 0
-    peak_reserved: int = 0
-    peak_allocated: int = 0
+    peak_reserved: int = 0  # since the last reset_peak_stats, as torch.cuda.max_memory_reserved reads
+    peak_allocated: int = 0  # since the last reset_peak_stats, as torch.cuda.max_memory_allocated reads
+    high_water_reserved: int = 0  # the run's highest, never reset
+    high_water_allocated: int = 0
     _free: dict[bool, list[tuple[int, int]]] = field(default_factory=lambda: {True: [], False: []})
     _free_at: dict[int, _Block] = field(default_factory=dict)
     _live: dict[int, _Block] = field(default_factory=dict)
@@ -82,9 +86,14 @@ class CachingAllocator:
         block.allocated = True
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.high_water_allocated = max(self.high_water_allocated, self.allocated)
         self._handles += 1
         self._live[self._handles] = block
         return self._handles
+
+    def reset_peak_stats(self) -> None:
+        """torch.cuda.reset_peak_memory_stats: the peaks restart from what is allocated and reserved now."""
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
 
     def free(self, handle: int) -> None:
         block = self._live.pop(handle)
@@ -131,6 +140,7 @@ class CachingAllocator:
                 raise MemoryError(f"out of memory: {size} bytes more on {self.reserved} reserved of {self.capacity}")
         self.reserved += size
         self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self.high_water_reserved = max(self.high_water_reserved, self.reserved)
         block = _Block(self._next_addr, size, small)
         self._next_addr += size + ROUND_LARGE  # segments never touch: no merging across them
         return block

@@ -1,12 +1,18 @@
 """The Ultra-Scale Playbook's memory, replayed: the allocation sequence of nanotron's Llama training step,
-read from its code, run through PyTorch's caching allocator (caching_allocator.py), against the peak
-reserved memory the sweep's jobs logged and against the planner.
+read from its code, run through PyTorch's caching allocator (caching_allocator.py), against the two
+memory figures the sweep's jobs logged and against the planner.
 
     python benchmarks/nanotron_replay.py           # about 65 s
     python benchmarks/nanotron_replay.py --jobs    # and every job
 
-The planner predicts live tensors plus a margin; a job logs `torch.cuda.max_memory_reserved()`, which also
-holds what the allocator cached and could not reuse. This replays, for world rank 0 (the rank the CSV
+The planner predicts live tensors plus a margin; a job logs `torch.cuda.max_memory_reserved()` (`Mem Res`,
+what the playbook plots), which also holds what the allocator cached and could not reuse, and
+`torch.cuda.max_memory_allocated()` (`Mem Alloc`), both at iteration 3 (helpers.py `create_table_log`).
+Over the first five iterations nanotron's `training_step` calls `log_memory` before and after the
+forward/backward pass (trainer.py L492-513), which resets the peak statistics (logging.py L259): so
+`Mem Alloc` is the optimizer step's live peak (what the states and the step's buffers hold), and `Mem Res`
+what was reserved at or after that step (the run's highest unless the allocator released cached blocks
+on a full device). The replay resets its allocator at the same points. This replays, for world rank 0 (the rank the CSV
 records), every allocation and free of nanotron's step in program order, at the job's exact shapes, so
 the reserved peak comes out of the allocator's own rules instead of a margin. Where the replay meets a
 published figure, the tensors and their order are right; where it does not, something outside program
@@ -302,6 +308,7 @@ def replay(job: ReplayJob, iterations: int = 3, capacity: int = DEVICE) -> Cachi
 
     micro_batches = min(job.accumulation, max(4, job.pp + 2))
     for step in range(iterations):
+        alloc.reset_peak_stats()  # log_memory, before the forward/backward pass and after it
         in_flight: dict[int, list[str]] = {}
         for k in range(micro_batches):
             in_flight[k] = forward(k)
@@ -311,6 +318,7 @@ def replay(job: ReplayJob, iterations: int = 3, capacity: int = DEVICE) -> Cachi
         while in_flight:
             oldest = min(in_flight)
             backward(oldest, in_flight.pop(oldest))
+        alloc.reset_peak_stats()
         if step == 0:
             for name, n in params:
                 shard_n = n if job.zero == 0 else math.ceil(n / job.dp)
@@ -355,6 +363,11 @@ class Replayed:
     @property
     def replay_error(self) -> float:
         return self.replay.peak_reserved / self.published - 1 if self.replay else math.nan
+
+    @property
+    def step_live_error(self) -> float:
+        """The optimizer step's live peak against the CSV's `Mem Alloc`."""
+        return self.replay.peak_allocated / (self.job.mem_alloc_gib * GiB) - 1 if self.replay else math.nan
 
     @property
     def planner_error(self) -> float:
@@ -416,12 +429,19 @@ def report(rs: list[Replayed], every: bool = False) -> str:
                  "(tp_recompute_allgather, as the code at 67c5ebb6a9 reads)")
     for tp, kept, regathered in first_batch_both_ways(ok):
         lines.append(f"  tp {tp:<40} {error_stats(kept)}   |  {error_stats(regathered)}")
+    lines.append("the optimizer step's live peak (the replay's allocated peak after the backward) against Mem Alloc")
+    for z in (0, 1):
+        g = [r.step_live_error for r in ok if r.spec.zero == z]
+        lines.append(f"  ZeRO-{z:<38} {error_stats(g)}")
+    lines.append(f"  {'all':<42} {error_stats([r.step_live_error for r in ok])}")
     if every:
-        lines.append("every job: id, layout, accumulation, published, replay, planner (GiB)")
+        lines.append("every job: id, layout, accumulation, Mem Res published | replay | planner, "
+                     "Mem Alloc published | replay (GiB)")
         for r in sorted(ok, key=lambda r: r.job.id):
             lay = r.job.result.row.layout
             lines.append(f"  {r.job.id:<16} {lay.short()[:52]:<52} acc {r.accumulation:<4} {r.published / GiB:6.1f} "
-                         f"{r.replay.peak_reserved / GiB:6.1f} {r.job.result.memory.total / GiB:6.1f}")
+                         f"{r.replay.peak_reserved / GiB:6.1f} {r.job.result.memory.total / GiB:6.1f}   "
+                         f"{r.job.mem_alloc_gib:6.2f} {r.replay.peak_allocated / GiB:6.2f}")
     return "\n".join(lines)
 
 

@@ -10,7 +10,8 @@ memory, and 1,917 that ran out of memory.
 9a8d0a1 (`validation_scripts/huggingface_data/bench_final2_mod_add.csv`): its successful and OOM jobs,
 with each model's shape read from the job name the sweep generator wrote (nanotron
 `scripts/scaling_benchmarks.py`: KV heads = heads unless the name says `_gqaN`, tied embeddings below a
-10,000-wide MLP), `Mem Res (GB)` as the memory (what the playbook plots) and `Local Params` as rank 0's parameters.
+10,000-wide MLP), `Mem Res (GB)` as the memory (what the playbook plots), `Mem Alloc (GB)` beside it (the
+optimizer step's live peak, which `nanotron_replay.py` checks) and `Local Params` as rank 0's parameters.
 Two jobs whose recorded layout contradicts their name are left out. Each run is evaluated as the
 published playbook rows are (`published_runs.toml`'s playbook source: its recipe, network and
 `memory_rank = 0`), with nanotron's pipeline split below, torch DDP's bf16 bucket at ZeRO-0 with dp > 1,
@@ -33,6 +34,7 @@ from planner_accuracy import DEFAULT_FILE, Result, build_model, evaluate, percen
 
 from pentatron.models.config import ModelConfig
 from pentatron.plan.flops import layer_params
+from pentatron.plan.memory import optimizer_step_bytes, rank_params, state_precision
 
 DATA = Path(__file__).with_name("playbook_sweep.csv")
 PLAYBOOK_BATCH = 256  # sequences of 4,096 tokens: the playbook's 1M-token global batch
@@ -73,6 +75,7 @@ class Job:
     status: str  # "Success" or "OOM"
     after_pp_fix: str  # "True" / "False" / "" (OOM)
     result: Result
+    mem_alloc_gib: float = math.nan  # the CSV's Mem Alloc: the optimizer step's live peak (nanotron_replay.py)
 
 
 def _stage0_layers(cfg: ModelConfig, rank0_params: str, tp: int) -> int | None:
@@ -107,7 +110,7 @@ def load_jobs(path: Path = DATA) -> tuple[list[Job], int]:
             if ok:
                 run["memory_gib"] = float(c["mem_reserved_gib"])
             if zero > 0:  # nanotron's ZeRO-1 with fp32 accumulation (the playbook rows' recipe)
-                run |= {"dp_overlap": False, "zero1_reduce": "all_reduce"}
+                run |= {"dp_overlap": False, "zero1_reduce": "all_reduce", "zero1_gather": "copies"}
             elif dp > 1:  # torch DDP's bf16 bucket beside the fp32 accumulation (the source notes)
                 run["grad_precision"] = "bf16+fp32"
             if tp > 1 and first_batch(c["job_id"]):
@@ -123,8 +126,18 @@ def load_jobs(path: Path = DATA) -> tuple[list[Job], int]:
                     continue
                 run["pp_layers"] = list(split)
             row = row_from_dict(run, models, sources)
-            jobs.append(Job(run["id"], c["status"], c["after_pp_fix"], evaluate([row])[0]))
+            jobs.append(Job(run["id"], c["status"], c["after_pp_fix"], evaluate([row])[0],
+                            float(c["mem_alloc_gib"]) if ok else math.nan))
     return jobs, skipped
+
+
+def step_live_error(j: Job) -> float:
+    """The planner's live peak at the optimizer step (model states and the step's buffers) against the job's
+    `Mem Alloc`, which nanotron logs for the step alone (nanotron_replay.py says why)."""
+    r = j.result
+    lay, w = r.row.layout, r.row.workload
+    step = optimizer_step_bytes(lay, rank_params(w, lay, r.memory.rank), state_precision(lay), lay.dp * lay.cp)
+    return (r.memory.model_state + step) / (j.mem_alloc_gib * 2**30) - 1
 
 
 def error_stats(errors: list[float]) -> str:
@@ -179,6 +192,12 @@ def report(jobs: list[Job], worst: int = 0) -> str:
                                                         for (m, n), p in sorted(picks.items()) if p < 0.9))
     lines += ["memory of rank 0 (the caching allocator's reserved peak)", head]
     lines += [f"  {name:<38} {error_stats([j.result.memory_error for j in js])}" for name, js in groups.items()]
+    lines += ["the optimizer step's live peak (model states and the step's buffers) against Mem Alloc; at tp > 1 "
+              "nanotron also keeps\nits two TP gather buffers (micro-batch x sequence x hidden each) for the run, "
+              "which the planner holds only in the forward/backward pass", head]
+    by_tp = {"all": ran, "tp 1": [j for j in ran if j.result.row.layout.tp == 1],
+             "tp > 1": [j for j in ran if j.result.row.layout.tp > 1]}
+    lines += [f"  {name:<38} {error_stats([step_live_error(j) for j in js])}" for name, js in by_tp.items()]
     not_fit = [j for j in ran if not j.result.pred.fits]
     lines.append(f"trained but predicted 'does not fit': {len(not_fit)} of {len(ran)}"
                  + "".join(f"\n  {j.id} {j.result.pred.layout.short()} {j.result.pred.memory.required / 2**30:.1f} GiB"

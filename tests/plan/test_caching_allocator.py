@@ -84,3 +84,16 @@ def test_a_full_device_releases_wholly_free_segments_then_runs_out(ca):
     assert a.reserved == 32 * MiB and a.peak_reserved == 32 * MiB
     with pytest.raises(MemoryError):
         a.malloc(1 * MiB + 1)
+
+
+def test_reset_peak_stats_restarts_the_peaks_from_now_and_keeps_the_high_water_marks(ca):
+    """torch.cuda.reset_peak_memory_stats: max_memory_allocated/reserved read from the reset on; cached
+    segments stay reserved, so the reserved peak restarts from them."""
+    a = ca.CachingAllocator(capacity=1 << 30)
+    x = a.malloc(100 * MiB)
+    a.free(x)
+    a.reset_peak_stats()
+    assert (a.peak_allocated, a.peak_reserved) == (0, 100 * MiB)
+    a.malloc(40 * MiB)  # served by the cached segment: nothing more reserved
+    assert (a.peak_allocated, a.peak_reserved) == (40 * MiB, 100 * MiB)
+    assert (a.high_water_allocated, a.high_water_reserved) == (100 * MiB, 100 * MiB)

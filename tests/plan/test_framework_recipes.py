@@ -189,6 +189,11 @@ def test_nanotron_zero1_reduces_all_gradients_after_the_backward_and_gathers_blo
     assert st_nano.dp_exposed > st_ours.dp_exposed
     assert any("dp_overlap" in x for x in trainable_problems(w, nano, 8))
     assert any("zero1_reduce='all_reduce'" in x for x in trainable_problems(w, nano, 8))
+    copies = dataclasses.replace(nano, zero1_gather="copies")  # memory only: the same collectives
+    assert step_time(w, copies, H100).step == st_nano.step
+    assert not problems(w, copies, H100, 8)
+    assert any("zero1_gather='copies'" in x for x in trainable_problems(w, copies, 8))
+    assert any("zero1_gather must be" in x for x in problems(w, dataclasses.replace(nano, zero1_gather="x"), H100, 8))
     assert any("dp_overlap=false is modelled for ZeRO 0-2" in x
                for x in problems(w, dataclasses.replace(nano, zero=3), H100, 8))
 

@@ -102,6 +102,26 @@ def test_a_bf16_copy_beside_the_fp32_gradients_adds_two_bytes_a_parameter():
     assert lay.grad_bytes == 4
 
 
+def test_nanotrons_zero1_step_holds_two_and_a_shard_copies_of_the_parameters():
+    """zero1_gather="copies": the optimizer step holds the states plus 2 + 1/dp bf16 copies of the stage's
+    parameters. Where that exceeds the forward/backward peak (a big model, little activation), the excess
+    is the `optimizer_step` component; in place (ours) there is none."""
+    w = Workload(get_model_config("llama3-70b"), 512, 64)
+    lay = Layout(dp=8, tp=8, zero=1, micro_batch=1, recompute="full")
+    copies = dataclasses.replace(lay, zero1_gather="copies")
+    base, step = memory_for_rank(w, lay, H100, 0), memory_for_rank(w, copies, H100, 0)
+    params = rank_params(w, lay, 0).dense  # per GPU after tp 8
+    live = base.tensors  # the forward/backward peak: states, one layer input per layer, the loss
+    states = base.model_state
+    assert params * 2 == base.parameters  # bf16
+    assert step.optimizer_step == pytest.approx(states + params * 2 * (2 + 1 / 8) - live)
+    assert step.optimizer_step > 0 and base.optimizer_step == 0
+    assert step.tensors == pytest.approx(states + params * 2 * (2 + 1 / 8))  # the step's peak is the peak
+    # a long sequence's activations outweigh the copies: the forward/backward peak stays the peak
+    long = Workload(get_model_config("llama3-70b"), 8192, 64)
+    assert memory_for_rank(long, dataclasses.replace(copies, recompute="none"), H100, 0).optimizer_step == 0
+
+
 def _w(name: str = "llama3-70b", seq: int = 4096, gb: int = 1024) -> Workload:
     return Workload(get_model_config(name), seq, gb)
 

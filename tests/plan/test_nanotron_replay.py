@@ -53,8 +53,8 @@ def test_the_replay_and_the_planner_hold_the_same_live_peak(modules, jobs):
     for job in jobs:
         alloc = nr.replay(nr.replay_job(job), capacity=1 << 50)
         tensors = job.result.memory.tensors
-        assert alloc.peak_allocated == pytest.approx(tensors, rel=0.015), job.id
-        assert alloc.peak_reserved >= alloc.peak_allocated
+        assert alloc.high_water_allocated == pytest.approx(tensors, rel=0.015), job.id
+        assert alloc.high_water_reserved >= alloc.high_water_allocated
 
 
 def test_a_step_leaves_only_the_model_states_behind(modules, jobs):
@@ -125,9 +125,30 @@ def test_zero1_step_gathers_through_two_bf16_copies_of_the_stage(modules):
     shard = 2 * -(-n // dp)
     gathers = (dp + 1) * shard + dp * shard
     states = alloc.allocated  # what three steps leave: parameters, fp32 gradients, master shard, moments
+    # the peaks were reset after the last backward, as nanotron's log_memory does: what follows is the step's
     # each gather buffer is one block of its size rounded to 512 bytes, or a cached block up to 1 MiB larger
     assert gathers <= alloc.peak_allocated - states <= gathers + (2 * dp + 2) * (1 << 20)
     no_gather = nr.replay(nr.ReplayJob(cfg, tp=1, dp=1, zero=1, micro_batch=1, seq=64, accumulation=2),
                           capacity=1 << 50)
-    # dp = 1: nanotron gathers nothing; the peak is the backward's bf16 gradients and a few small activations
-    assert no_gather.peak_allocated - no_gather.allocated < 2 * n + (16 << 20)
+    # dp = 1: nanotron gathers nothing; what it logs after the step is the states alone
+    assert no_gather.peak_allocated == no_gather.allocated
+
+
+def test_the_replayed_step_meets_the_logged_step_peak(modules, jobs):
+    """nanotron logs `Mem Alloc` at iteration 3 after log_memory reset the peaks behind the backward: the
+    optimizer step's live peak. The replay, reset at the same points, meets it on the pinned jobs."""
+    _, nr = modules
+    for job in jobs:
+        alloc = nr.replay(nr.replay_job(job), capacity=1 << 50)
+        assert alloc.peak_allocated == pytest.approx(job.mem_alloc_gib * (1 << 30), rel=0.02), job.id
+        assert alloc.peak_allocated < alloc.high_water_allocated  # the backward's peak lies before the reset
+
+
+def test_the_planners_states_and_step_copies_meet_the_logged_step_peak_at_tp_1(modules, jobs):
+    """With no TP buffers in the way, the planner's model states plus zero1_gather="copies" are what
+    nanotron's optimizer step holds: within 1 % of `Mem Alloc` (the whole sweep's tp-1 jobs: a median 0.4 %)."""
+    sweep, _ = modules
+    tp1 = [j for j in jobs if j.result.row.layout.tp == 1]
+    assert {j.result.row.layout.zero for j in tp1} == {1}
+    for job in tp1:
+        assert abs(sweep.step_live_error(job)) < 0.01, job.id

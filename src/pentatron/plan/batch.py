@@ -2,11 +2,12 @@
 
 FILE is TOML with one `[[layout]]` table per layout, holding any `Layout` field (dp, tp, pp, cp, ep,
 zero, sp, pp_schedule, pp_virtual, micro_batch, recompute, precision, fp8_scaling, attention, grad_precision,
-zero3_gather, param_shard, cp_mode, cp_ulysses, sp_inputs, qkv_saved, cross_entropy, pp_outputs, pp_buffers, tp_overlap,
-dp_overlap, zero1_reduce, pp_p2p, pp_scatter_gather, pp_all_warmup, cp_rotate, cp_kv_heads, and pp_layers: a list of
-decoder layers per pipeline chunk); the model, sequence, batch and hardware come from the command line.
-Each layout is evaluated as given (`problems` refuse only what cannot exist; warnings and "training cannot
-run this yet" are notes), so a sweep costs one import plus the arithmetic per layout.
+zero3_gather, param_shard, cp_mode, cp_ulysses, sp_inputs, qkv_saved, cross_entropy, pp_outputs, pp_buffers,
+tp_overlap, dp_overlap, zero1_reduce, zero1_gather, pp_p2p, pp_scatter_gather, pp_all_warmup, cp_rotate,
+cp_kv_heads, and pp_layers: a list of decoder layers per pipeline chunk); the model, sequence, batch and
+hardware come from the command line. Each layout is evaluated as given (`problems` refuse only what cannot
+exist; warnings and "training cannot run this yet" are notes), so a sweep costs one import plus the
+arithmetic per layout.
 """
 
 from __future__ import annotations

@@ -117,6 +117,11 @@ class Layout:
     # ZeRO-1's gradient collective: "reduce_scatter" (each rank receives its shard) or "all_reduce" (every
     # rank receives all of it and keeps its shard: nanotron, which avoids a second buffer)
     zero1_reduce: str = "reduce_scatter"
+    # ZeRO-1's gather of the updated parameters after the optimizer: "in_place" (ours, Megatron: straight
+    # into the persistent parameter buffer) or "copies" (nanotron: all_gather_coalesced flattens the local
+    # shard and each rank's shard into buffers of their own, and torch's allgather gathers into a flat
+    # output of its own: 2 + 1/dp transient copies of the parameters at the optimizer step)
+    zero1_gather: str = "in_place"
     # pipeline sends and receives: "async" (ours, Megatron, torch.distributed.pipelining: isend/irecv, the
     # sender goes on computing) or "blocking" (DeepSpeed's pipeline engine, nanotron: the sender waits for
     # the transfer)
@@ -251,6 +256,8 @@ def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
         out.append(f"pp_p2p must be 'async' or 'blocking', got {lay.pp_p2p!r}")
     if lay.zero1_reduce not in ("reduce_scatter", "all_reduce"):
         out.append(f"zero1_reduce must be 'reduce_scatter' or 'all_reduce', got {lay.zero1_reduce!r}")
+    if lay.zero1_gather not in ("in_place", "copies"):
+        out.append(f"zero1_gather must be 'in_place' or 'copies', got {lay.zero1_gather!r}")
     if lay.ep > 1 and moe is None:
         out.append(f"ep={lay.ep} needs a mixture-of-experts model")
     if moe is not None and moe.num_experts % lay.ep:
@@ -328,6 +335,9 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
         out.append("training reduces gradients during the backward (dp_overlap=false is not available)")
     if lay.zero1_reduce != "reduce_scatter" and lay.zero == 1:
         out.append("training's ZeRO-1 reduce-scatters the gradients (zero1_reduce='all_reduce' is not available)")
+    if lay.zero1_gather != "in_place" and lay.zero == 1:
+        out.append("training's ZeRO-1 gathers the parameters in place (zero1_gather='copies' is nanotron's, "
+                   "not available)")
     if lay.tp_overlap:
         out.append("training runs each tensor-parallel collective before or after its GEMM (tp_overlap is "
                    "Transformer Engine's recipe, not available)")

@@ -306,13 +306,14 @@ class MemoryBreakdown:
     logits_loss: float
     recompute_working: float
     comm_buffers: float
+    optimizer_step: float  # what the optimizer step's transient buffers hold beyond the forward/backward peak
     reserved: float  # CUDA context, cuBLAS workspace, NCCL, allocator fragmentation
     in_flight: int  # micro-batches (chunks for interleaved) holding activations at the peak
 
     @property
     def total(self) -> float:
         return (self.model_state + self.activations + self.logits_loss + self.recompute_working
-                + self.comm_buffers + self.reserved)
+                + self.comm_buffers + self.optimizer_step + self.reserved)
 
     @property
     def model_state(self) -> float:
@@ -339,7 +340,7 @@ class MemoryBreakdown:
 
 
 COMPONENTS = ("parameters", "gradients", "master_weights", "optimizer", "activations", "logits_loss",
-              "recompute_working", "comm_buffers", "reserved")
+              "recompute_working", "comm_buffers", "optimizer_step", "reserved")
 
 RUNTIME_RESERVED = 1 * GiB  # CUDA context + cuBLAS workspace + NCCL channels (typical, nvidia-smi)
 FRAGMENTATION = 0.05  # caching-allocator slack on top of live tensors
@@ -433,6 +434,19 @@ def _states(rp: RankParams, prec: StatePrecision, zero: int, dpcp: int, ep: int)
             model_state_bytes(rp.expert, prec, zero, max(1, dpcp // ep)))
 
 
+def optimizer_step_bytes(lay: Layout, rp: RankParams, prec: StatePrecision, dpcp: int) -> float:
+    """Transient buffers of the optimizer step beside the model states. ZeRO-1 with zero1_gather="copies"
+    (nanotron, optim/zero.py `_all_gather_params` at 67c5ebb6a9): `all_gather_coalesced` flattens this
+    rank's shard into one input and each rank's shards into an output of their own, and torch's
+    ProcessGroupNCCL::allgather gathers same-sized outputs into a flat buffer it allocates and copies out
+    of: 2 + 1/dp copies of the parameters. Checked against the step's logged live peak by
+    benchmarks/nanotron_replay.py. In place (ours, Megatron): nothing."""
+    if lay.zero != 1 or lay.zero1_gather != "copies" or dpcp == 1:
+        return 0.0
+    expert_dp = max(1, dpcp // lay.ep)
+    return prec.param * (rp.dense * (2 + 1 / dpcp) + rp.expert * (2 + 1 / expert_dp))
+
+
 def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: str = "eager",
                     norm: str | None = None) -> MemoryBreakdown:
     """`norm` ("eager" | "fused"): how the norms keep their inputs; by default as `kernels` says."""
@@ -496,11 +510,12 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
                                      cfg.head_dim, lay.cp, lay.cp_mode, lay.cp_ulysses, a, lay.cp_rotate,
                                      lay.cp_kv_heads)
     live = (dense.total + expert.total + acts + logits_loss + working + comm)
+    step = max(0.0, optimizer_step_bytes(lay, rp, prec, dpcp) + dense.total + expert.total - live)
     return MemoryBreakdown(
         rank=rank, parameters=dense.parameters + expert.parameters, gradients=dense.gradients + expert.gradients,
         master_weights=dense.master_weights + expert.master_weights, optimizer=dense.optimizer + expert.optimizer,
         activations=acts, logits_loss=logits_loss, recompute_working=working, comm_buffers=comm,
-        reserved=RUNTIME_RESERVED + FRAGMENTATION * live, in_flight=in_flight)
+        optimizer_step=step, reserved=RUNTIME_RESERVED + FRAGMENTATION * (live + step), in_flight=in_flight)
 
 
 def memory_per_gpu(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "eager",
