@@ -12,8 +12,8 @@ Over the first five iterations nanotron's `training_step` calls `log_memory` bef
 forward/backward pass (trainer.py L492-513), which resets the peak statistics (logging.py L259): so
 `Mem Alloc` is the optimizer step's live peak (what the states and the step's buffers hold), and `Mem Res`
 what was reserved at or after that step (the run's highest unless the allocator released cached blocks
-on a full device). The replay resets its allocator at the same points. This replays, for world rank 0 (the rank the CSV
-records), every allocation and free of nanotron's step in program order, at the job's exact shapes, so
+on a full device). The replay resets its allocator at the same points. It replays, for world rank 0 (the
+rank the CSV records), every allocation and free of nanotron's step in program order, at the job's shapes, so
 the reserved peak comes out of the allocator's own rules instead of a margin. Where the replay meets a
 published figure, the tensors and their order are right; where it does not, something outside program
 order is at work (streams, run-to-run differences), which no per-tensor model can reproduce either.
