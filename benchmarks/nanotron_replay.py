@@ -2,8 +2,9 @@
 read from its code, run through PyTorch's caching allocator (caching_allocator.py), against the two
 memory figures the sweep's jobs logged and against the planner.
 
-    python benchmarks/nanotron_replay.py           # about 65 s
-    python benchmarks/nanotron_replay.py --jobs    # and every job
+    python benchmarks/nanotron_replay.py                 # about 70 s
+    python benchmarks/nanotron_replay.py --jobs          # and every job
+    python benchmarks/nanotron_replay.py --capacity 74   # on a device that lets the allocator have 74 GiB
 
 The planner predicts live tensors plus a margin; a job logs `torch.cuda.max_memory_reserved()` (`Mem Res`,
 what the playbook plots), which also holds what the allocator cached and could not reuse, and
@@ -48,6 +49,10 @@ input instead (`keep_gathered`; playbook_sweep.FIRST_BATCH_END), and its TP jobs
 Three iterations are replayed (the CSV row is logged at iteration 3), with up to max(4, pp + 2)
 micro-batches each: the replayed peak does not move with more.
 
+The device is taken as 79 GiB for the allocator (`--capacity` changes it): where a request does not fit
+beside what is reserved, the allocator releases its wholly free segments and retries, as PyTorch's does.
+The report ends with the published playbook rows' own jobs.
+
 Covered: the sweep's models without GQA (1B, 3B, 8B and the 80B at 64 KV heads), pipeline stage 0 or
 pp = 1, ZeRO-0 and ZeRO-1. Not modelled: streams (a block the NCCL stream still uses is reused only after
 the collective ends), small-pool traffic below 1 MiB other than what is listed, the CUDA context (not
@@ -63,6 +68,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from caching_allocator import CachingAllocator
+from planner_accuracy import Row, load_rows
 from playbook_sweep import Job, error_stats, first_batch, load_jobs
 
 from pentatron.models.config import ModelConfig
@@ -378,14 +384,14 @@ class Replayed:
         return first_batch(self.job.id)
 
 
-def replay_sweep(jobs: list[Job]) -> list[Replayed]:
+def replay_sweep(jobs: list[Job], capacity: int = DEVICE) -> list[Replayed]:
     out = []
     for j in jobs:
         rj = replay_job(j) if j.status == "Success" else None
         if rj is None:
             continue
         try:
-            out.append(Replayed(j, rj, replay(rj)))
+            out.append(Replayed(j, rj, replay(rj, capacity=capacity)))
         except MemoryError:
             out.append(Replayed(j, rj, None))
     return out
@@ -405,6 +411,23 @@ def first_batch_both_ways(rs: list[Replayed]) -> list[tuple[int, list[float], li
         by_tp[r.spec.tp][0].append(r.replay_error)
         by_tp[r.spec.tp][1].append(other)
     return [(tp, *by_tp[tp]) for tp in sorted(by_tp)]
+
+
+def published_jobs(rs: list[Replayed], rows: list[Row]) -> list[tuple[Row, Replayed]]:
+    """Each published playbook row (published_runs.toml) beside the sweep job it reports: the same model
+    shape, layout and `Mem Res`."""
+
+    def key(r: Row) -> tuple[int, ...]:
+        cfg, lay = r.workload.cfg, r.layout
+        return cfg.hidden_size, cfg.n_layers, lay.dp, lay.tp, lay.pp, lay.zero, lay.micro_batch
+
+    out = []
+    for row in rows:
+        if row.source != "playbook" or row.published_memory is None:
+            continue
+        out += [(row, r) for r in rs if key(r.job.result.row) == key(row)
+                and abs(r.published - row.published_memory) < 0.01 * GiB][:1]
+    return out
 
 
 def report(rs: list[Replayed], every: bool = False) -> str:
@@ -434,6 +457,13 @@ def report(rs: list[Replayed], every: bool = False) -> str:
         g = [r.step_live_error for r in ok if r.spec.zero == z]
         lines.append(f"  ZeRO-{z:<38} {error_stats(g)}")
     lines.append(f"  {'all':<42} {error_stats([r.step_live_error for r in ok])}")
+    pub = published_jobs(ok, load_rows())
+    lines.append(f"the published playbook rows' jobs ({len(pub)}): Mem Res published, replay, planner (GiB)")
+    lines.append(f"  {'all':<42} {error_stats([r.replay_error for _, r in pub])}   |  "
+                 f"{error_stats([r.planner_error for _, r in pub])}")
+    lines += [f"  {row.id:<18} {r.job.id:<16} {r.published / GiB:6.2f} {r.replay.peak_reserved / GiB:6.2f} "
+              f"({100 * r.replay_error:+5.1f} %) {r.job.result.memory.total / GiB:6.2f} "
+              f"({100 * r.planner_error:+5.1f} %)" for row, r in pub]
     if every:
         lines.append("every job: id, layout, accumulation, Mem Res published | replay | planner, "
                      "Mem Alloc published | replay (GiB)")
@@ -448,9 +478,12 @@ def report(rs: list[Replayed], every: bool = False) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", action="store_true", help="also list every replayed job")
+    ap.add_argument("--capacity", type=float, default=DEVICE / GiB,
+                    help="GiB the device lets the allocator reserve (default: %(default)s); a full device makes "
+                         "the allocator release its cached blocks, which lowers the reserved peak")
     args = ap.parse_args(argv)
     jobs, _ = load_jobs()
-    print(report(replay_sweep(jobs), args.jobs))
+    print(report(replay_sweep(jobs, int(args.capacity * GiB)), args.jobs))
     return 0
 
 

@@ -35,6 +35,7 @@ from planner_accuracy import DEFAULT_FILE, Result, build_model, evaluate, percen
 from pentatron.models.config import ModelConfig
 from pentatron.plan.flops import layer_params
 from pentatron.plan.memory import optimizer_step_bytes, rank_params, state_precision
+from pentatron.plan.search import memory_budget
 
 DATA = Path(__file__).with_name("playbook_sweep.csv")
 PLAYBOOK_BATCH = 256  # sequences of 4,096 tokens: the playbook's 1M-token global batch
@@ -148,6 +149,30 @@ def error_stats(errors: list[float]) -> str:
             f"{100 * statistics.median(errors):>+7.1f}% {sum(x <= 0.10 for x in a):>6}")
 
 
+PEAK_BANDS = (0.75, 0.85, 0.90, 0.95, 1.00)  # upper edges, as a fraction of the device's memory
+
+
+def outcome_by_predicted_peak(jobs: list[Job]) -> list[tuple[str, int, int]]:
+    """(band, jobs that trained, jobs that ran out of memory) by the planner's `required` (live tensors and
+    the CUDA context, what its "fits" verdict compares) over the device's memory, on the fullest rank: how
+    far below the device a "fits" is safe for these runs."""
+    counts = {b: [0, 0] for b in (*PEAK_BANDS, math.inf)}
+    for j in jobs:
+        share = j.result.pred.memory.required / memory_budget(j.result.row.gpu)
+        counts[next(b for b in counts if share <= b)][j.status != "Success"] += 1
+    out, low = [], None
+    for b, (ran, oom) in counts.items():
+        if low is None:
+            label = f"<= {100 * b:.0f} %"
+        elif b == math.inf:
+            label = f"> {100 * low:.0f} %"
+        else:
+            label = f"{100 * low:.0f}-{100 * b:.0f} %"
+        out.append((label, ran, oom))
+        low = b
+    return out
+
+
 def cells(jobs: list[Job]) -> dict[tuple[str, int], list[Job]]:
     """The jobs that trained, by the playbook's plot cells: (model, nodes of 8 GPUs), at its global batch of
     256 sequences (11 jobs ran others); pipeline jobs logged before nanotron's PP fix (the CSV's
@@ -206,6 +231,8 @@ def report(jobs: list[Job], worst: int = 0) -> str:
     tight = sum(j.result.pred.tight for j in ooms)
     lines.append(f"ran out of memory: {len(ooms)} jobs; predicted 'does not fit' {len(ooms) - fit - tight}, "
                  f"'tight' {tight}, 'fits' {fit}")
+    lines.append("trained | ran out of memory, by the planner's required memory (fullest rank) over the device's")
+    lines += [f"  {label:<14} {ran:>5} | {oom:>5}" for label, ran, oom in outcome_by_predicted_peak(jobs)]
     for attr in ("error", "memory_error") if worst else ():
         lines.append(f"furthest off ({attr}):")
         for j in sorted(ran, key=lambda j: -abs(getattr(j.result, attr)))[:worst]:

@@ -36,15 +36,18 @@ def modules():
 JOBS = {"14113489", "13502220", "14113499", "14113516", "14098634"}
 
 
+def _sweep_jobs(sweep, directory: Path, ids: set[str]):
+    """The sweep's jobs that trained with these SLURM ids, loaded as playbook_sweep loads them all."""
+    lines = (BENCHMARKS / "playbook_sweep.csv").read_text().splitlines()
+    picked = [ln for ln in lines[1:] if ln.split(",")[0] in ids and ",Success," in ln]
+    path = directory / "few.csv"
+    path.write_text("\n".join([lines[0], *picked]) + "\n")
+    return sweep.load_jobs(path)[0]
+
+
 @pytest.fixture(scope="module")
 def jobs(modules, tmp_path_factory):
-    sweep, _ = modules
-    lines = (BENCHMARKS / "playbook_sweep.csv").read_text().splitlines()
-    picked = [ln for ln in lines[1:] if ln.split(",")[0] in JOBS and ",Success," in ln]
-    path = tmp_path_factory.mktemp("sweep") / "few.csv"
-    path.write_text("\n".join([lines[0], *picked]) + "\n")
-    loaded, _ = sweep.load_jobs(path)
-    return loaded
+    return _sweep_jobs(modules[0], tmp_path_factory.mktemp("sweep"), JOBS)
 
 
 def test_the_replay_and_the_planner_hold_the_same_live_peak(modules, jobs):
@@ -152,3 +155,31 @@ def test_the_planners_states_and_step_copies_meet_the_logged_step_peak_at_tp_1(m
     assert {j.result.row.layout.zero for j in tp1} == {1}
     for job in tp1:
         assert abs(sweep.step_live_error(job)) < 0.01, job.id
+
+
+def test_a_device_too_small_for_the_steps_copies_releases_the_backwards_cache(modules, tmp_path):
+    """8B, tp 1, pp 2 stage 0, ZeRO-1 dp 16 (the playbook's 8b-4n job): the optimizer step's copies (2 + 1/16
+    of the stage's 9.2 GiB of bf16 parameters) cannot reuse the activations' cached blocks, so on a roomy
+    device they take new segments. On a device that cannot hold those as well, cudaMalloc fails, the
+    allocator releases its wholly free segments and retries: the same tensors, a lower reserved peak."""
+    sweep, nr = modules
+    (job,) = _sweep_jobs(sweep, tmp_path, {"14097157"})
+    rj = nr.replay_job(job)
+    roomy = nr.replay(rj, capacity=1 << 50)
+    small = nr.replay(rj, capacity=74 << 30)
+    assert small.peak_allocated == roomy.peak_allocated  # the step holds the same tensors
+    assert roomy.peak_reserved > 74 << 30 >= small.high_water_reserved >= small.peak_allocated
+    flat_copy = 2 * 4_920_000_000  # torch's flat all-gather output: the stage's parameters (CSV: rank-0 params) in bf16
+    # on the roomy device the copies' segments stay reserved beside the backward's cached blocks
+    assert roomy.peak_reserved - small.peak_reserved > flat_copy
+
+
+def test_published_playbook_rows_are_matched_to_their_sweep_jobs(modules, tmp_path):
+    sweep, nr = modules
+    import planner_accuracy
+
+    jobs = _sweep_jobs(sweep, tmp_path, {"14097157", "14098578", "14113489"})
+    rs = nr.replay_sweep(jobs)
+    pairs = nr.published_jobs(rs, planner_accuracy.load_rows())
+    assert sorted((row.id, r.job.id.split("#")[0]) for row, r in pairs) == [
+        ("playbook-1b-2n", "14098578"), ("playbook-8b-4n", "14097157")]

@@ -74,3 +74,22 @@ def test_published_playbook_rows_carry_nanotrons_split(sweep):
     assert len(rows) >= 10
     for r in rows:
         assert r.layout.pp_layers == sweep.nanotron_split(r.workload.cfg, r.layout.pp), r.id
+
+
+def test_outcome_by_predicted_peak_bands_each_job_by_its_share_of_the_device(sweep):
+    from types import SimpleNamespace
+
+    from pentatron.plan.hardware import get_gpu
+
+    gpu = get_gpu("h100")
+    budget = gpu.hbm_bytes
+
+    def job(share: float, status: str):
+        pred = SimpleNamespace(memory=SimpleNamespace(required=share * budget))
+        return SimpleNamespace(status=status, result=SimpleNamespace(pred=pred, row=SimpleNamespace(gpu=gpu)))
+
+    jobs = [job(0.50, "Success"), job(0.75, "OOM"), job(0.80, "Success"), job(0.80, "OOM"), job(0.88, "OOM"),
+            job(0.93, "Success"), job(0.99, "OOM"), job(1.00, "OOM"), job(1.20, "OOM"), job(1.01, "Success")]
+    assert sweep.outcome_by_predicted_peak(jobs) == [
+        ("<= 75 %", 1, 1), ("75-85 %", 1, 1), ("85-90 %", 0, 1), ("90-95 %", 1, 0), ("95-100 %", 0, 2),
+        ("> 100 %", 1, 1)]
