@@ -63,12 +63,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
+import tomllib
 from caching_allocator import CachingAllocator
-from planner_accuracy import Row, load_rows
+from planner_accuracy import DEFAULT_FILE
 from playbook_sweep import Job, error_stats, first_batch, load_jobs
 
 from pentatron.models.config import ModelConfig
@@ -192,7 +194,7 @@ def replay(job: ReplayJob, iterations: int = 3, capacity: int = DEVICE) -> Cachi
         tr.new(grad_in, a * tokens * cols)
         tr.new(f"grad.{weight}", a * numel)
 
-    def layer_forward(p: str, i: int) -> str:
+    def layer_forward(p: str) -> str:
         tr.new(p + "norm1", a * shard * h)
         tr.new(p + "rstd1", 4 * shard)
         column_forward(p + "qkv", 3 * hq)
@@ -271,7 +273,7 @@ def replay(job: ReplayJob, iterations: int = 3, capacity: int = DEVICE) -> Cachi
         if tp > 1:
             tr.free(m + "emb.full")
         for i in range(layers):
-            xs.append(layer_forward(f"{m}l{i}.", i))
+            xs.append(layer_forward(f"{m}l{i}."))
         if last:
             tr.new(m + "final_norm", a * shard * h)
             tr.new(m + "final_rstd", 4 * shard)
@@ -413,20 +415,14 @@ def first_batch_both_ways(rs: list[Replayed]) -> list[tuple[int, list[float], li
     return [(tp, *by_tp[tp]) for tp in sorted(by_tp)]
 
 
-def published_jobs(rs: list[Replayed], rows: list[Row]) -> list[tuple[Row, Replayed]]:
-    """Each published playbook row (published_runs.toml) beside the sweep job it reports: the same model
-    shape, layout and `Mem Res`."""
-
-    def key(r: Row) -> tuple[int, ...]:
-        cfg, lay = r.workload.cfg, r.layout
-        return cfg.hidden_size, cfg.n_layers, lay.dp, lay.tp, lay.pp, lay.zero, lay.micro_batch
-
+def published_jobs(rs: list[Replayed]) -> list[tuple[str, Replayed]]:
+    """Each published playbook row (published_runs.toml) beside the sweep job its note names ("job N")."""
+    by_job = {r.job.id.split("#")[0]: r for r in rs}
     out = []
-    for row in rows:
-        if row.source != "playbook" or row.published_memory is None:
-            continue
-        out += [(row, r) for r in rs if key(r.job.result.row) == key(row)
-                and abs(r.published - row.published_memory) < 0.01 * GiB][:1]
+    for run in tomllib.loads(DEFAULT_FILE.read_text())["run"]:
+        job = re.search(r"job (\d+)", run["note"]).group(1) if run["source"] == "playbook" else None
+        if job in by_job:
+            out.append((run["id"], by_job[job]))
     return out
 
 
@@ -457,11 +453,11 @@ def report(rs: list[Replayed], every: bool = False) -> str:
         g = [r.step_live_error for r in ok if r.spec.zero == z]
         lines.append(f"  ZeRO-{z:<38} {error_stats(g)}")
     lines.append(f"  {'all':<42} {error_stats([r.step_live_error for r in ok])}")
-    pub = published_jobs(ok, load_rows())
+    pub = published_jobs(ok)
     lines.append(f"the published playbook rows' jobs ({len(pub)}): Mem Res published, replay, planner (GiB)")
     lines.append(f"  {'all':<42} {error_stats([r.replay_error for _, r in pub])}   |  "
                  f"{error_stats([r.planner_error for _, r in pub])}")
-    lines += [f"  {row.id:<18} {r.job.id:<16} {r.published / GiB:6.2f} {r.replay.peak_reserved / GiB:6.2f} "
+    lines += [f"  {row:<18} {r.job.id:<16} {r.published / GiB:6.2f} {r.replay.peak_reserved / GiB:6.2f} "
               f"({100 * r.replay_error:+5.1f} %) {r.job.result.memory.total / GiB:6.2f} "
               f"({100 * r.planner_error:+5.1f} %)" for row, r in pub]
     if every:

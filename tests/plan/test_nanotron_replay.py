@@ -176,10 +176,7 @@ def test_a_device_too_small_for_the_steps_copies_releases_the_backwards_cache(mo
 
 def test_published_playbook_rows_are_matched_to_their_sweep_jobs(modules, tmp_path):
     sweep, nr = modules
-    import planner_accuracy
-
     jobs = _sweep_jobs(sweep, tmp_path, {"14097157", "14098578", "14113489"})
-    rs = nr.replay_sweep(jobs)
-    pairs = nr.published_jobs(rs, planner_accuracy.load_rows())
-    assert sorted((row.id, r.job.id.split("#")[0]) for row, r in pairs) == [
+    pairs = nr.published_jobs(nr.replay_sweep(jobs))
+    assert sorted((row, r.job.id.split("#")[0]) for row, r in pairs) == [
         ("playbook-1b-2n", "14098578"), ("playbook-8b-4n", "14097157")]
