@@ -74,9 +74,11 @@ from planner_accuracy import DEFAULT_FILE
 from playbook_sweep import Job, error_stats, first_batch, load_jobs
 
 from pentatron.models.config import ModelConfig
+from pentatron.plan.hardware import get_gpu
+from pentatron.plan.memory import RUNTIME_RESERVED
 
 GiB = 1 << 30
-DEVICE = 79 * GiB  # an 80 GiB H100 less the CUDA context (the planner's RUNTIME_RESERVED)
+DEVICE = get_gpu("h100").hbm_bytes - RUNTIME_RESERVED  # the H100 less the CUDA context, as the planner takes it
 
 
 @dataclass(frozen=True)
