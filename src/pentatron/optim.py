@@ -113,10 +113,12 @@ class MixedPrecisionAdamW(AdamW):
         super().__init__(param_slots(params, names or [str(i) for i in range(len(params))], master_dtype), cfg)
 
 
-def grad_norm_squared(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Σ‖g‖² in fp32 (kept squared so that sharded callers can sum partial results before the sqrt)."""
+def grad_norm_squared(grads: list[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
+    """Σ‖g‖² in fp32 (kept squared so that sharded callers can sum partial results before the sqrt), one
+    device computation (no host sync). A rank without gradients returns 0 on `device` (default: the
+    gradients'; pass the run's device): its result goes into collectives, and NCCL has no CPU tensors."""
     if not grads:
-        return torch.zeros(())
+        return torch.zeros((), dtype=torch.float32, device=device)
     return torch.stack([g.float().pow(2).sum() for g in grads]).sum()
 
 

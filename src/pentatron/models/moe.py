@@ -20,6 +20,11 @@ loss's gradient (`loss_scale`, 1/micro-batches, as the main loss is scaled) into
 the way Megatron-Core's MoEAuxLossAutoScaler does. Their values, the tokens routed to each expert and
 the dropped assignments are accumulated per layer for the step's metrics.
 
+Host synchronisations: a forward reads one thing on the host, once — each expert's row count, which
+`Experts.forward` (or the expert-parallel all-to-all) needs as split sizes; everything else (losses,
+loads, drops) stays on the device, and `finish_step` reduces all layers with one collective and reads
+them back with one copy per optimizer step.
+
 The model knows nothing about parallelism: `expert_parallel` (None here) is the hook through which
 `parallel/expert.py` sends each expert's tokens to the rank holding it and brings the outputs back.
 """
@@ -59,8 +64,8 @@ class Routing:
     weights: torch.Tensor  # [T, k] fp32 combine weights (differentiable)
     counts: torch.Tensor  # [E] assignments per expert (before any capacity drop)
     loss: torch.Tensor  # aux_loss_coef·aux + z_loss_coef·z (differentiable; 0 when both are off)
-    aux: float  # the balancing loss's value (before its coefficient; 0 when off)
-    z: float  # the z-loss's value (0 when off)
+    aux: torch.Tensor  # the balancing loss's value (0-dim, detached, before its coefficient; 0 when off)
+    z: torch.Tensor  # the z-loss's value (0-dim, detached; 0 when off)
 
 
 class Router(nn.Module):
@@ -83,9 +88,8 @@ class Router(nn.Module):
         if m.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if m.score == "sigmoid" else 0.0))
         weights = weights * m.route_scale
-        counts = torch.bincount(experts.flatten(), minlength=m.n_experts)
-        loss = logits.new_zeros(())
-        aux = z = 0.0
+        counts = expert_counts(experts.flatten(), m.n_experts)
+        loss = aux = z = logits.new_zeros(())
         if m.aux_loss_coef > 0:
             probs = scores if m.score == "softmax" else scores / scores.sum(-1, keepdim=True)
             if self.count_sequences is None:
@@ -94,22 +98,29 @@ class Router(nn.Module):
                 # E/k · Σᵢ fᵢ·mean_here(Pᵢ), fᵢ from the whole sequences: the cp ranks' terms average (as
                 # their gradients do) to the whole sequences' loss, since they hold equal token counts.
                 whole = self.count_sequences(counts.to(probs.dtype))
-                aux_t = balancing_loss(probs, whole, m.top_k, tokens=float(whole.sum()) / m.top_k)
+                aux_t = balancing_loss(probs, whole, m.top_k, tokens=whole.sum() / m.top_k)
             loss = loss + m.aux_loss_coef * aux_t
-            aux = float(aux_t.detach())
+            aux = aux_t.detach()
         if m.z_loss_coef > 0:
             z_t = torch.logsumexp(logits, dim=-1).pow(2).mean()
             loss = loss + m.z_loss_coef * z_t
-            z = float(z_t.detach())
+            z = z_t.detach()
         return Routing(experts, weights, counts, loss, aux, z)
 
 
-def balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int, tokens: float | None = None
-                   ) -> torch.Tensor:
+def balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int,
+                   tokens: float | torch.Tensor | None = None) -> torch.Tensor:
     """Switch/GShard: E/k · Σᵢ (countsᵢ/T)·mean(probsᵢ); probs [T, E] (rows sum to 1), counts [E] over
-    `tokens` tokens (default: the T rows of probs)."""
+    `tokens` tokens (a number or a 0-dim tensor on the device; default: the T rows of probs)."""
     rows, n_experts = probs.shape
-    return n_experts / top_k * (counts.to(probs.dtype) / (tokens or rows) * probs.mean(0)).sum()
+    return n_experts / top_k * (counts.to(probs.dtype) / (rows if tokens is None else tokens) * probs.mean(0)).sum()
+
+
+def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """[E] int64 assignments per expert: `bincount` without its sync (on CUDA it reads the maximum on the
+    host to size its output; the size is known here)."""
+    return torch.zeros(n_experts, dtype=torch.int64, device=experts.device).scatter_add_(
+        0, experts, torch.ones_like(experts))
 
 
 def bias_update(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
@@ -124,18 +135,28 @@ def capacity(tokens: int, moe: MoEConfig) -> int | None:
     return math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.n_experts)
 
 
-def dispatch_order(experts: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                   cap: int | None) -> torch.Tensor:
-    """Indices into the flattened [T·k] assignments, grouped by expert (ascending), keeping at most
-    `cap` per expert: its highest-weighted ones (ties: earlier tokens), as Megatron's "probs" policy."""
+def sort_assignments(experts: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
+                     cap: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, kept): a permutation of the flattened [T·k] assignments whose first kept.sum() entries are
+    the kept ones grouped by expert (ascending), and kept [E] per expert. Each expert keeps at most `cap`:
+    its highest-weighted ones (ties: earlier tokens), as Megatron's "probs" policy; the dropped ones
+    follow. No host sync: the caller cuts the order at the kept count it reads with the split sizes."""
     flat_e = experts.flatten()
     if cap is None:
-        return torch.argsort(flat_e, stable=True)
+        return torch.argsort(flat_e, stable=True), counts
     by_weight = torch.argsort(-weights.detach().flatten(), stable=True)
     order = by_weight[torch.argsort(flat_e[by_weight], stable=True)]
     start = torch.cumsum(counts, 0) - counts
     rank_in_expert = torch.arange(order.numel(), device=order.device) - start[flat_e[order]]
-    return order[rank_in_expert < cap]
+    dropped = (rank_in_expert >= cap).to(torch.int8)
+    return order[torch.argsort(dropped, stable=True)], counts.clamp(max=cap)
+
+
+def dispatch_order(experts: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
+                   cap: int | None) -> torch.Tensor:
+    """The kept assignments of `sort_assignments`, grouped by expert (reads their number on the host)."""
+    order, kept = sort_assignments(experts, weights, counts, cap)
+    return order if cap is None else order[: int(kept.sum())]
 
 
 class Experts(nn.Module):
@@ -172,27 +193,42 @@ class SharedExperts(nn.Module):
 
 
 class ExpertParallel(Protocol):
-    """How tokens reach experts held elsewhere (`parallel/expert.py`): `x` grouped by global expert,
-    `counts` [E] per expert; returns the experts' outputs in the same order."""
+    """How tokens reach experts held elsewhere (`parallel/expert.py`). `plan(counts)`, counts [E] per
+    global expert on the device: exchanges them and reads every split size the layer needs on the host in
+    one transfer; its `rows` is the number of rows this rank sends. `__call__(x, plan, experts)`: `x` (those
+    rows, grouped by global expert) through the experts; returns their outputs in the same order."""
 
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor: ...
+    def plan(self, counts: torch.Tensor) -> Any: ...
+
+    def __call__(self, x: torch.Tensor, plan: Any, experts: Experts) -> torch.Tensor: ...
 
 
-@dataclass
 class LoadStats:
-    """What one layer saw since the last `finish_step`: summed over forwards (micro-batches)."""
+    """What one layer saw since the last `finish_step`, summed over forwards (micro-batches), on the
+    device: one float64 vector [assignments per expert chosen by the router (E, before drops) | dropped,
+    tokens, aux, z, forwards] (aux, z: sums of the per-forward loss values), so that all layers are
+    reduced with one collective and read back with one copy per step."""
 
-    counts: torch.Tensor  # [E] float64 assignments chosen by the router (before drops)
-    dropped: float = 0.0  # assignments over capacity
-    tokens: float = 0.0
-    aux: float = 0.0  # sums of the per-forward loss values
-    z: float = 0.0
-    forwards: float = 0.0
+    TOTALS = ("dropped", "tokens", "aux", "z", "forwards")
 
-    def vector(self) -> torch.Tensor:
-        """One float64 vector (so a data-parallel run sums it with one all-reduce)."""
-        extra = torch.tensor([self.dropped, self.tokens, self.aux, self.z, self.forwards], dtype=torch.float64)
-        return torch.cat([self.counts, extra])
+    def __init__(self, n_experts: int, device: torch.device) -> None:
+        self.n_experts = n_experts
+        self.vector = torch.zeros(n_experts + len(self.TOTALS), dtype=torch.float64, device=device)
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self.vector[: self.n_experts]
+
+    @torch.no_grad()
+    def add(self, counts: torch.Tensor, dropped: torch.Tensor, tokens: int, aux: torch.Tensor,
+            z: torch.Tensor) -> None:
+        v, n = self.vector, self.n_experts
+        v[:n] += counts
+        v[n] += dropped
+        v[n + 1] += tokens
+        v[n + 2] += aux
+        v[n + 3] += z
+        v[n + 4] += 1
 
 
 class MoE(nn.Module):
@@ -206,45 +242,43 @@ class MoE(nn.Module):
             if m.n_shared_experts else None
         self.loss_scale = 1.0  # d(step loss)/d(this forward's loss): 1/micro-batches (set by the runner)
         self.expert_parallel: ExpertParallel | None = None
-        self.stats = LoadStats(torch.zeros(m.n_experts, dtype=torch.float64, device="cpu"))  # not meta
+        self.stats: LoadStats | None = None  # created on the device of the first forward (not on meta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         tokens, k = x.shape[0], self.cfg.top_k
         r = self.router(x)
-        order = dispatch_order(r.experts, r.weights, r.counts, capacity(tokens, self.cfg))
-        flat_e = r.experts.flatten()[order]
-        token = order // k
-        kept = torch.bincount(flat_e, minlength=self.cfg.n_experts)
-        xs = x[token]
+        cap = capacity(tokens, self.cfg)
+        order, kept = sort_assignments(r.experts, r.weights, r.counts, cap)
+        # The layer's one device→host transfer: the split sizes (here each expert's rows; under expert
+        # parallelism also what every rank sends and receives), which also say how many rows are kept.
         if self.expert_parallel is None:
-            ys = self.experts(xs, kept.tolist())
+            splits = kept.tolist()
+            rows = sum(splits)
         else:
-            ys = self.expert_parallel(xs, kept, self.experts)
+            splits = self.expert_parallel.plan(kept)
+            rows = splits.rows
+        if cap is not None:
+            order = order[:rows]
+        token = order // k
+        xs = x[token]
+        ys = self.experts(xs, splits) if self.expert_parallel is None else self.expert_parallel(xs, splits, self.experts)
         w = r.weights.flatten()[order].unsqueeze(-1).to(ys.dtype)
         out = torch.zeros_like(x).index_add_(0, token, ys * w)
         if self.shared is not None:
             out = out + self.shared(x)
         if torch.is_grad_enabled() and r.loss.requires_grad:
             out = AuxLossAutoScaler.apply(out, r.loss, self.loss_scale)
-        self._record(r, tokens, tokens * k - order.numel())
+        if self.stats is None:
+            self.stats = LoadStats(self.cfg.n_experts, r.counts.device)
+        self.stats.add(r.counts, (r.counts - kept).sum(), tokens, r.aux, r.z)
         return out.view(shape)
 
-    @torch.no_grad()
-    def _record(self, r: Routing, tokens: int, dropped: int) -> None:
-        s = self.stats
-        s.counts += r.counts.to(device="cpu", dtype=torch.float64)
-        s.dropped += dropped
-        s.tokens += tokens
-        s.aux += r.aux
-        s.z += r.z
-        s.forwards += 1
-
-    def take_stats(self) -> LoadStats:
-        s = self.stats
-        self.stats = LoadStats(torch.zeros_like(s.counts))
-        return s
+    def take_stats(self) -> torch.Tensor:
+        """The `LoadStats` vector since the last call (zeros when no forward ran), and a fresh start."""
+        s, self.stats = self.stats, None
+        return s.vector if s is not None else LoadStats(self.cfg.n_experts, self.router.weight.device).vector
 
 
 # ---------------------------------------------------------------------------------------- the model's MoE layers
@@ -261,23 +295,33 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
 @torch.no_grad()
 def finish_step(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
                 ) -> dict[str, dict[str, Any]]:
-    """After the optimizer step: sum each layer's load over the data-parallel replicas (`reduce`: the
-    sum of a float64 CPU vector over them, None in one process), move the aux-free biases, reset the
-    counters; returns the step's metrics per MoE layer (name → tokens per expert, max/mean imbalance, dropped fraction,
-    aux and z losses averaged over forwards and replicas)."""
-    out = {}
-    for name, m in moe_layers(model).items():
-        vec = m.take_stats().vector()
-        if reduce is not None:
-            vec = reduce(vec)
+    """After the optimizer step: sum every layer's load over the data-parallel replicas (`reduce`: the
+    sum of a float64 device vector over them, one collective for all layers; None in one process), move
+    the aux-free biases (on the device), reset the counters; returns the step's metrics per MoE layer
+    (name → tokens per expert, max/mean imbalance, dropped fraction, aux and z losses averaged over
+    forwards and replicas), read with one device→host copy."""
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    vectors = [m.take_stats() for m in layers.values()]
+    stacked = torch.cat(vectors)
+    if reduce is not None:
+        stacked = reduce(stacked)
+    pieces = stacked.split([v.numel() for v in vectors])
+    for m, vec in zip(layers.values(), pieces, strict=True):
+        if m.cfg.bias_update_rate > 0:
+            n, bias = m.cfg.n_experts, m.router.expert_bias
+            moved = bias_update(bias, vec[:n].to(bias.device, torch.float32), m.cfg.bias_update_rate)
+            bias.copy_(torch.where(vec[n + 4] > 0, moved, bias))  # only after forwards (no host branch)
+    host = stacked.tolist()  # the step's one copy of all layers' statistics
+    out, at = {}, 0
+    for (name, m), vec in zip(layers.items(), vectors, strict=True):
         n = m.cfg.n_experts
-        counts, (dropped, tokens, aux, z, forwards) = vec[:n], vec[n:].tolist()
-        if m.cfg.bias_update_rate > 0 and forwards > 0:
-            bias = m.router.expert_bias
-            bias.copy_(bias_update(bias, counts.to(bias.device, torch.float32), m.cfg.bias_update_rate))
-        mean = float(counts.mean())
-        out[name] = {"tokens_per_expert": [int(c) for c in counts.tolist()],
-                     "imbalance": float(counts.max()) / mean if mean > 0 else 0.0,
+        counts, (dropped, tokens, aux, z, forwards) = host[at: at + n], host[at + n: at + vec.numel()]
+        at += vec.numel()
+        mean = sum(counts) / n
+        out[name] = {"tokens_per_expert": [int(c) for c in counts],
+                     "imbalance": max(counts) / mean if mean > 0 else 0.0,
                      "dropped_frac": dropped / (tokens * m.cfg.top_k) if tokens else 0.0,
                      "aux_loss": aux / forwards if forwards else 0.0,
                      "z_loss": z / forwards if forwards else 0.0}

@@ -151,7 +151,7 @@ class DataParallelBase:
         and pp)."""
         weights = self.norm_weights
         if all(w == 1.0 for w in weights.values()):
-            sq = grad_norm_squared(self.owned_grads())
+            sq = grad_norm_squared(self.owned_grads(), self.ctx.device)
         else:
             # Every element of the full model once: a tensor held identically by k tp ranks (replicated
             # norms, replicated kv heads) counts 1/k on each, then sum over tp; a tied embedding held by

@@ -3,11 +3,14 @@
 Each ep rank keeps E/ep consecutive experts (a slice of dim 0 of the stacked expert weights) and sets
 the layer's `expert_parallel` hook. Per MoE forward, with the tokens already grouped by global expert:
 
-    1. counts: every rank tells every other how many tokens it sends to each of that rank's experts
-       (an all-to-all of E integers) — the real, uneven per-expert counts, so no padding and no drops;
+    1. counts (`plan`): every rank tells every other how many tokens it sends to each of that rank's
+       experts (an all-to-all of E integers, on the device) — the real, uneven per-expert counts, so no
+       padding and no drops; then the counts sent and received are read on the host in ONE transfer
+       (the layer's only host sync: the uneven all-to-all needs its split sizes there);
     2. dispatch: one all-to-all of the token rows with those uneven splits;
-    3. the received rows, grouped by (source rank, local expert), are regrouped by local expert and
-       each expert runs one matmul chain on its rows (`Experts.forward`);
+    3. the received rows, grouped by (source rank, local expert), are regrouped by local expert (indices
+       computed on the device) and each expert runs one matmul chain on its rows (`Experts.forward`,
+       whose split sizes come from the same host copy);
     4. combine: the outputs go back in the reverse all-to-all, in the order the tokens left.
 
 The backward of each all-to-all is the reverse all-to-all (`distributed/functional.all_to_all`), so a
@@ -19,6 +22,8 @@ experts and everything else stay replicated over dp×cp as before.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -33,33 +38,64 @@ EP = "ep"
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
 
+@dataclass
+class Splits:
+    """One forward's split sizes on the host, from one device→host copy: `send[d][e]` rows to rank d's
+    local expert e, `recv[s][e]` rows from rank s for my local expert e; `recv_counts` the same [ep, L]
+    counts on the device (for the regrouping indices)."""
+
+    send: list[list[int]]
+    recv: list[list[int]]
+    recv_counts: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        """Rows this rank sends (its kept assignments)."""
+        return sum(map(sum, self.send))
+
+    @property
+    def in_splits(self) -> list[int]:
+        return [sum(r) for r in self.send]
+
+    @property
+    def out_splits(self) -> list[int]:
+        return [sum(r) for r in self.recv]
+
+    @property
+    def per_local_expert(self) -> list[int]:
+        return [sum(col) for col in zip(*self.recv, strict=True)]
+
+
 class AllToAllExperts:
     """An MoE layer's `expert_parallel` hook on one ep rank (holding experts [r·L, (r+1)·L))."""
 
     def __init__(self, comm: Comm, n_experts: int, ep: int) -> None:
         self.comm, self.ep, self.local = comm, ep, n_experts // ep
 
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+    def plan(self, counts: torch.Tensor) -> Splits:
         ep, local = self.ep, self.local
         send = counts.view(ep, local)  # [destination rank, its local expert]
         recv = torch.empty_like(send)  # [source rank, my local expert]
         self.comm.all_to_all(recv.view(-1), send.reshape(-1).contiguous(), EP)
-        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        both = torch.stack([send, recv]).tolist()  # the layer's one device→host transfer
+        return Splits(both[0], both[1], recv)
+
+    def __call__(self, x: torch.Tensor, s: Splits, experts: Experts) -> torch.Tensor:
+        in_splits, out_splits = s.in_splits, s.out_splits
         rows = all_to_all(x, out_splits, in_splits, self.comm, EP)
-        by_expert = _regroup(recv).to(x.device)
-        out = experts(rows[by_expert], recv.sum(0).tolist())
+        by_expert = _regroup(s.recv_counts, sum(out_splits))
+        out = experts(rows[by_expert], s.per_local_expert)
         out = out[torch.argsort(by_expert)]  # back to (source rank, expert) order
         return all_to_all(out, in_splits, out_splits, self.comm, EP)
 
 
-def _regroup(recv: torch.Tensor) -> torch.Tensor:
-    """Row indices that reorder rows grouped by (source, expert) — `recv[s, e]` rows each — into rows
-    grouped by (expert, source)."""
-    counts = recv.cpu()
-    start = (torch.cumsum(counts.flatten(), 0) - counts.flatten()).view_as(counts)
-    pieces = [torch.arange(int(start[s, e]), int(start[s, e] + counts[s, e]))
-              for e in range(counts.shape[1]) for s in range(counts.shape[0])]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+def _regroup(recv: torch.Tensor, total: int) -> torch.Tensor:
+    """Row indices that reorder `total` rows grouped by (source, expert) — `recv[s, e]` rows each — into
+    rows grouped by (expert, source), keeping each group's order; on the device, without a host sync."""
+    ep, local = recv.shape
+    ends = torch.cumsum(recv.reshape(-1), 0)
+    group = torch.searchsorted(ends, torch.arange(total, device=recv.device), right=True)  # s·L + e per row
+    return torch.argsort(group % local * ep + group // local, stable=True)
 
 
 @torch.no_grad()

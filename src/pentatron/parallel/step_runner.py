@@ -8,7 +8,12 @@ branch on any parallel dimension:
 
     loss = runner.forward_backward(micro_batches)   # gradients reduced; loss averaged over the replicas
     norm = runner.clip_grads(max_norm)
+    loss, norm = host_scalars(loss, norm)            # the step's one device→host copy of the two
     runner.step(lr)
+
+Loss and norm stay on the device until the trainer reads them; the only other host syncs of a step are
+one per MoE layer per micro-batch (its split sizes, models/moe.py) and one copy of the MoE statistics
+after the step (`finish_step`), counted by tests/parallel/test_host_syncs.py.
 """
 
 from __future__ import annotations
@@ -36,6 +41,12 @@ from pentatron.schedules import make_schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def host_scalars(*scalars: torch.Tensor) -> list[float]:
+    """0-dim device tensors (the loss, the norm) as Python floats with ONE device→host copy (through
+    float64, which holds any of their dtypes' values exactly: the same numbers as `float(t)` each)."""
+    return torch.stack([t.detach().double().reshape(()) for t in scalars]).tolist()
 
 
 class StepRunner:
@@ -133,9 +144,8 @@ class StepRunner:
         return self.engine.memory(self.optimizer)
 
     def _sum_over_replicas(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.to(self.device)
-        self.comm.all_reduce(t, self.engine.reduce_dim)  # the dense gradients' replicas
-        return t.cpu()
+        self.comm.all_reduce(t, self.engine.reduce_dim)  # the dense gradients' replicas (t on the device)
+        return t
 
     def step_stats(self) -> dict[str, Any]:
         """Per-step figures: of the pipeline (a collective over pp: measured bubble, peak in flight), and

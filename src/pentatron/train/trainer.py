@@ -18,6 +18,7 @@ from pentatron.observe.metrics import COMM_LEGEND, MetricsLogger
 from pentatron.observe.run_observer import RunObserver
 from pentatron.observe.system import peak_flops, peak_memory_bytes
 from pentatron.parallel.pipeline.trace import write_rank_trace
+from pentatron.parallel.step_runner import host_scalars
 from pentatron.plan.flops import model_flops_per_token
 from pentatron.train.lr_schedule import lr_at
 from pentatron.train.model_state import ModelState
@@ -93,8 +94,9 @@ class Trainer:
         self.observer.after_backward()
         norm = self.runner.clip_grads(self.cfg.train.clip)
         lr = lr_at(self.step, self.cfg.train)
-        # Loss and norm are the same on every rank: every rank takes the same decision.
-        problem = self.guard.check(self.step + 1, float(loss), float(norm))
+        # Loss and norm are the same on every rank: every rank takes the same decision. One host copy.
+        loss_value, norm_value = host_scalars(loss, norm)
+        problem = self.guard.check(self.step + 1, loss_value, norm_value)
         if problem is None:
             self.runner.step(lr)
         self.observer.after_optimizer()
@@ -102,7 +104,7 @@ class Trainer:
         extra = self.runner.step_stats()
         self._write_pp_trace()
         self.last_comm = comm = self.comm.ledger.end_step()
-        return {"step": self.step, "loss": float(loss), "grad_norm": float(norm), "lr": lr,
+        return {"step": self.step, "loss": loss_value, "grad_norm": norm_value, "lr": lr,
                 "comm_bytes": comm.bytes_map(), "comm_calls": comm.calls_map(), **extra,
                 "skipped_steps": self.guard.skipped, **({"nonfinite": problem} if problem else {})}
 
