@@ -47,8 +47,9 @@ def _count_steps(rank: int, world: int, dataset_dir: Path, log_dir: str) -> dict
     out = {}
     for label, extra in LAYOUTS.items():
         cfg = load_config(None, [f"train.steps={STEPS}", f"train.seq_len={SEQ}", f"train.micro_batch={MICRO}",
-                                 f"train.global_batch={GLOBAL}", "train.warmup=1", "train.clip=1.0", "parallel.bucket_mb=0.25",
-                                 "log.progress=false", "log.tensorboard=false", f"log.dir={log_dir!r}",
+                                 f"train.global_batch={GLOBAL}", "train.warmup=1", "train.clip=1.0",
+                                 "parallel.bucket_mb=0.25", "log.progress=false", "log.tensorboard=false",
+                                 f"log.dir={log_dir!r}",
                                  *extra], world_size=world)
         trainer = Trainer(cfg, dataset_dir=dataset_dir)
         runner = trainer.runner

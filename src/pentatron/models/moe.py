@@ -253,17 +253,13 @@ class MoE(nn.Module):
         order, kept = sort_assignments(r.experts, r.weights, r.counts, cap)
         # The layer's one device→host transfer: the split sizes (here each expert's rows; under expert
         # parallelism also what every rank sends and receives), which also say how many rows are kept.
-        if self.expert_parallel is None:
-            splits = kept.tolist()
-            rows = sum(splits)
-        else:
-            splits = self.expert_parallel.plan(kept)
-            rows = splits.rows
+        ep = self.expert_parallel
+        splits = kept.tolist() if ep is None else ep.plan(kept)
         if cap is not None:
-            order = order[:rows]
+            order = order[: sum(splits) if ep is None else splits.rows]
         token = order // k
         xs = x[token]
-        ys = self.experts(xs, splits) if self.expert_parallel is None else self.expert_parallel(xs, splits, self.experts)
+        ys = self.experts(xs, splits) if ep is None else ep(xs, splits, self.experts)
         w = r.weights.flatten()[order].unsqueeze(-1).to(ys.dtype)
         out = torch.zeros_like(x).index_add_(0, token, ys * w)
         if self.shared is not None:
