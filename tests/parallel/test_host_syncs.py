@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pentatron.config import load_config
 from tests.multiprocess import run_ranks
@@ -114,3 +115,26 @@ if __name__ == "__main__":  # the BENCHMARKS.md table: python -m tests.parallel.
     print(table(results))
     if "--sites" in sys.argv:
         print(json.dumps({label: results[0][label]["steps"][-1]["sites"] for label in LAYOUTS}, indent=1))
+
+
+def test_the_counter_sees_our_syncs_and_not_torchs() -> None:
+    """The proxy itself: a sync in Pentatron's code counts once, with its site; torch's own and the
+    test's do not; `host_scalars` reads two numbers with one copy; the patches are undone."""
+    from pentatron.models.moe import dispatch_order
+    from pentatron.parallel.step_runner import host_scalars
+
+    experts = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])
+    weights = torch.tensor([[0.6, 0.4], [0.9, 0.1], [0.5, 0.5], [0.7, 0.3]])
+    counts = torch.bincount(experts.flatten(), minlength=4)
+    with SyncCounter() as c:
+        dispatch_order(experts, weights, counts, cap=2)  # reads the kept count on the host: int(t)
+        float(torch.ones(()))  # the test's own: not counted
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))])
+        opt.param_groups[0]["params"][0].grad = torch.ones(3)
+        opt.step()  # torch reads its step counter with .item(): not ours
+    assert c.total == 1 and [k.split()[-1] for k in c.sites] == ["__int__"], c.sites
+    assert next(iter(c.sites)).startswith("models/moe.py:")
+    with SyncCounter() as c:
+        assert host_scalars(torch.tensor(2.5), torch.tensor(0.5, dtype=torch.float64)) == [2.5, 0.5]
+    assert c.total == 1
+    assert "__getitem__" not in vars(torch.Tensor) and torch.Tensor.tolist is torch._C.TensorBase.tolist
