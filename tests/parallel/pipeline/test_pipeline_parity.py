@@ -1,6 +1,7 @@
 """Parity: 10 training steps on real gloo pipeline ranks equal the 1-process run (fp32, ≤ 1e-5 relative),
 for pp ∈ {2, 4} × AFAB, 1F1B, interleaved 1F1B (v=2) and ZB-H1, and explicit unequal splits at pp=2; plus
-the engine's memory claims.
+the engine's memory claims. The ranks run in strict comm mode (conftest.py): every p2p batch is waited
+before the next operation, as NCCL's ordering would force.
 
 One `run_ranks` call per world size runs every schedule (process start-up is most of the cost)."""
 
@@ -51,6 +52,7 @@ def test_parity_with_one_process(pipelined, references):
     for i, case in enumerate(cases):
         ref = references[_ref_key(case)]
         results = [r[i] for r in per_rank]
+        assert all(res["strict"] for res in results)  # NCCL's p2p ordering (conftest.py)
         # The loss is known on the rank holding the last stage: rank p-1 for every schedule here.
         losses = results[p - 1]["losses"]
         assert len(losses) == case.steps

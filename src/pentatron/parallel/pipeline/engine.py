@@ -52,7 +52,7 @@ class PipelineStepResult:
     """What one step of the engine produced on this rank."""
 
     loss: torch.Tensor | None  # mean loss over the micro-batches (on the rank holding the last stage)
-    slots: list[Slot]  # every executed action, with absolute time.perf_counter() start/end
+    slots: list[Slot]  # every executed action, absolute time.perf_counter() start/end (CUDA events on CUDA)
     peak_in_flight: int  # most (chunk, micro-batch) activation sets held at once
     losses: list[torch.Tensor] = field(default_factory=list)  # per micro-batch, unscaled
 
