@@ -130,7 +130,7 @@ class PipelineEngine:
         self._local: dict[MsgKey, torch.Tensor] = {}  # hand-offs between two stages of this rank
         self._saved: dict[tuple[int, int], _Saved] = {}
         self._losses: list[torch.Tensor] = []
-        self._timer: StepTimer = step_timer(self._device)
+        self._timer: StepTimer = step_timer(self._device)  # marks each action's start and end
         timer = self._timer
         marks: list[tuple[Action, object, object]] = []
         in_flight = peak = 0
