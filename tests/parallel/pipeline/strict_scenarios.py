@@ -22,13 +22,14 @@ from tests.parallel.pipeline.legacy_plan import lazy_receive_plan
 def new_then_legacy_order(rank: int, world: int, run_dir: str, timeout_s: float, schedule: str, m: int) -> None:
     ctx = ParallelContext.from_degrees(Degrees(pp=world), "cpu")
     ctx.comm.strict = True
-    dog = attach_flight_recorder(ctx, Path(run_dir) / "flight", timeout_s, check=False)
     cfg = model_config(Case(schedule, n_layers=2))
     s = make_schedule(schedule, world, m)
     stages = build_stages(build_model(cfg, seed=0), world, rank, stage_layers(cfg, world, 1, SEQ))
     torch.manual_seed(0)
     mbs = [(torch.randint(0, cfg.vocab_size, (1, SEQ)), torch.randint(0, cfg.vocab_size, (1, SEQ)))
            for _ in range(m)]
+    # attached once every rank is built (its barriers line them up), so a slow start is not a "hang"
+    dog = attach_flight_recorder(ctx, Path(run_dir) / "flight", timeout_s, check=False)
     note_step(ctx.comm, 1)
     PipelineEngine(stages, s, ctx.comm, rank, loss_fn).step(mbs)
     print(f"rank {rank}: step 1 (p2p_plan) done", flush=True)
