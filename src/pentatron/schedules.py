@@ -9,18 +9,22 @@ Conventions
 * Kinds: F forward; BW full backward; B backward w.r.t. inputs only; W backward w.r.t. weights only.
   Per (stage, micro-batch) a schedule has exactly one F and either one BW or one B and one W.
 * Communication is implied by the dependencies (no explicit send/recv actions): an action whose input
-  comes from another rank waits for it; sends are asynchronous (the engine uses batched isend/irecv),
-  receives block in list order. Under these semantics a schedule either runs or deadlocks regardless of
-  the action costs, and `validate` decides which by executing it.
+  comes from another rank waits for it. `simulate` executes the compute order alone (a schedule either
+  runs or deadlocks regardless of the action costs). How the messages are grouped into point-to-point
+  batches is `p2p_plan` (the engine issues exactly that plan), and `check_p2p` replays a plan under
+  NCCL's rules: per rank, batches complete in issue order, and a batch completes only once every peer
+  has each matching operation in the batch it is executing. `validate` runs both.
 * Bubble fraction = (p * makespan - total busy time) / total busy time: idle time over ideal compute
   time, the Ultra-Scale Playbook's definition, which makes AFAB/1F1B come out at (p-1)/m.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Literal
 
 
 class ScheduleError(ValueError):
@@ -341,9 +345,156 @@ def simulate(s: Schedule, cost_f: float | Sequence[float] = 1.0, cost_b: float |
     return Timeline(p, slots, max(free) if p else 0.0, busy, s.name)
 
 
-def validate(s: Schedule) -> None:
-    """Raise ScheduleError unless every dependency is respected and the schedule runs to completion."""
+def validate(s: Schedule, plan: Sequence[Sequence[P2PBatch]] | None = None) -> None:
+    """Raise ScheduleError unless every dependency is respected, the schedule runs to completion, and its
+    point-to-point plan (`plan`, default `p2p_plan(s)`: what the engine issues) cannot deadlock under
+    NCCL's ordering rules (`check_p2p`)."""
     simulate(s, 1.0, 1.0, 1.0, 0.0)
+    check_p2p(s, p2p_plan(s) if plan is None else plan)
+
+
+# ---------------------------------------------------------------- point-to-point plan and its NCCL model
+# A message between stages: ("act", receiving stage, micro-batch) or ("grad", receiving stage, micro-batch).
+MsgKey = tuple[str, int, int]
+
+
+@dataclass(frozen=True)
+class P2POp:
+    op: Literal["send", "recv"]
+    peer: int  # pipeline rank
+    msg: MsgKey
+
+    def __str__(self) -> str:
+        kind, st, i = self.msg
+        return f"{self.op} {kind}(stage {st}, mb {i}) {'to' if self.op == 'send' else 'from'} rank {self.peer}"
+
+
+@dataclass(frozen=True)
+class P2PBatch:
+    """Operations issued together (one `batch_p2p`) just before the rank's action number `before`
+    (`before == len(actions)`: after its last action)."""
+
+    before: int
+    ops: tuple[P2POp, ...]
+
+
+def action_messages(s: Schedule, rank: int, a: Action) -> tuple[list[P2POp], list[P2POp]]:
+    """(receives it needs, sends it produces) of one action; hand-offs within the rank are not messages."""
+    st, i, last = s.stage(rank, a.chunk), a.microbatch, s.n_stages - 1
+    recv: list[P2POp] = []
+    send: list[P2POp] = []
+    if a.kind == F:
+        if st > 0 and s.rank_of(st - 1) != rank:
+            recv.append(P2POp("recv", s.rank_of(st - 1), ("act", st, i)))
+        if st < last and s.rank_of(st + 1) != rank:
+            send.append(P2POp("send", s.rank_of(st + 1), ("act", st + 1, i)))
+    elif a.kind in (B, BW):
+        if st < last and s.rank_of(st + 1) != rank:
+            recv.append(P2POp("recv", s.rank_of(st + 1), ("grad", st, i)))
+        if st > 0 and s.rank_of(st - 1) != rank:
+            send.append(P2POp("send", s.rank_of(st - 1), ("grad", st - 1, i)))
+    return recv, send
+
+
+def p2p_plan(s: Schedule) -> list[list[P2PBatch]]:
+    """Per rank, the point-to-point batches the engine issues, in issue order: one batch per time slot of
+    the schedule's unit-cost timeline (F = B = W = 1, BW = 2, so every action starts and ends on an
+    integer slot). A message belongs to the slot in which its producer finishes; in that slot's batch
+    the sender posts its send and the receiver its receive, beside every other message of the slot. On
+    each rank the batch of slot t comes after every action started before t (so after the producer of
+    its sends, and before the consumer of its receives, which starts at t or later).
+
+    Deadlock-free under NCCL's rules by construction: every rank issues its batches in slot order and
+    both ends of a message sit in batches of the same slot, so the lowest unfinished slot's batches are
+    all at the head of their ranks and complete together. (Pairing each action's sends with the next
+    action's receives, enough for 1F1B, deadlocks interleaved schedules with m > p: `check_p2p` says so.)
+    Within a batch ops are sorted by message, so a pair's messages match in the same order on both sides."""
+    tl = simulate(s, 1.0, 1.0, 1.0, 0.0)
+    plans: list[list[P2PBatch]] = []
+    produced: dict[MsgKey, float] = {}  # message -> slot in which its producer ends
+    for r in range(s.p):
+        for slot in tl.slots[r]:
+            for op in action_messages(s, r, slot.action)[1]:
+                produced[op.msg] = slot.end
+    for r in range(s.p):
+        starts = [slot.start for slot in tl.slots[r]]
+        by_slot: dict[float, list[P2POp]] = defaultdict(list)
+        for a in s.actions[r]:
+            recv, send = action_messages(s, r, a)
+            for op in recv + send:
+                by_slot[produced[op.msg]].append(op)
+        plans.append([P2PBatch(sum(st < t for st in starts), tuple(sorted(ops, key=lambda o: (o.msg, o.op))))
+                      for t, ops in sorted(by_slot.items())])
+    return plans
+
+
+def check_p2p(s: Schedule, plan: Sequence[Sequence[P2PBatch]]) -> None:
+    """Replay per-rank batches under NCCL's rules and raise ScheduleError on a mismatch or a deadlock.
+
+    Messages between a pair of ranks match in issue order (the k-th send r→q with q's k-th receive from
+    r), and must then carry the same message. A rank executes its batches one at a time, in order; an
+    operation completes once its partner is in the batch its rank is executing; a batch completes once
+    all of its operations have. A deadlock is reported as the cycle of ranks waiting on each other."""
+    if len(plan) != s.p:
+        raise ScheduleError(f"{s.name}: a p2p plan for {len(plan)} ranks, the schedule has {s.p}")
+    where: dict[tuple[int, int, str, int], tuple[int, int, P2POp]] = {}  # (src, dst, op, k) -> (rank, batch, op)
+    count: dict[tuple[int, int, str], int] = defaultdict(int)
+    for r, batches in enumerate(plan):
+        for bi, b in enumerate(batches):
+            for op in b.ops:
+                src, dst = (r, op.peer) if op.op == "send" else (op.peer, r)
+                k = count[(src, dst, op.op)]
+                count[(src, dst, op.op)] += 1
+                where[(src, dst, op.op, k)] = (r, bi, op)
+    partner: dict[tuple[int, int, P2POp], tuple[int, int]] = {}
+    for (src, dst, kind, k), (r, bi, op) in where.items():
+        other = where.get((src, dst, "recv" if kind == "send" else "send", k))
+        if other is None:
+            raise ScheduleError(f"{s.name}: rank {r} batch {bi}: {op} (#{k} from {src} to {dst}) has no "
+                                f"matching {'receive' if kind == 'send' else 'send'}")
+        if other[2].msg != op.msg:
+            raise ScheduleError(f"{s.name}: messages {src}→{dst} #{k} do not match: rank {r} {op}, "
+                                f"rank {other[0]} {other[2]}")
+        partner[(r, bi, op)] = other[:2]
+    head = [0] * s.p
+    done: set[tuple[int, int, P2POp]] = set()
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(s.p):
+            if head[r] < len(plan[r]):
+                for op in plan[r][head[r]].ops:
+                    q, qb = partner[(r, head[r], op)]
+                    if head[q] == qb:
+                        done.add((r, head[r], op))
+        for r in range(s.p):
+            while head[r] < len(plan[r]) and all((r, head[r], op) in done for op in plan[r][head[r]].ops):
+                head[r] += 1
+                progressed = True
+    stuck = [r for r in range(s.p) if head[r] < len(plan[r])]
+    if not stuck:
+        return
+
+    def waits_on(r: int) -> tuple[int, P2POp, int]:
+        """The first peer whose partner batch `r`'s head batch waits for: (peer, op, peer's batch)."""
+        for op in plan[r][head[r]].ops:
+            q, qb = partner[(r, head[r], op)]
+            if (r, head[r], op) not in done:
+                return q, op, qb
+        raise AssertionError("a stuck batch has an unfinished op")
+
+    r, seen = stuck[0], []
+    while r not in seen:
+        seen.append(r)
+        r = waits_on(r)[0]
+    cycle = seen[seen.index(r):]
+    lines = []
+    for r in cycle:
+        q, op, qb = waits_on(r)
+        lines.append(f"rank {r} in batch {head[r]} (before action {plan[r][head[r]].before}) waits to "
+                     f"{op}, which rank {q} posts only in its batch {qb} (it is in batch {head[q]})")
+    raise ScheduleError(f"{s.name}: p2p deadlock under NCCL ordering, cycle of ranks "
+                        f"{' → '.join(map(str, [*cycle, cycle[0]]))}: " + "; ".join(lines))
 
 
 def peak_in_flight(s: Schedule) -> list[int]:

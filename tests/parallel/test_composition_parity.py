@@ -24,6 +24,9 @@ import pytest
 from pentatron.config import Config, load_config
 from tests.multiprocess import run_ranks
 from tests.reference_loop import relative_error
+from tests.strict_comm import strict_comm_fixture
+
+strict_comm = strict_comm_fixture("module")  # NCCL's p2p ordering and device rules on gloo
 
 STEPS, SEQ, MICRO, GLOBAL, LR, EPS, WARMUP = 10, 32, 2, 8, 1e-3, 1e-4, 2
 TOL = 1e-5

@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.multiprocess import run_ranks
+from tests.strict_comm import strict_comm_fixture
+
+strict_comm = strict_comm_fixture("module")  # NCCL's p2p ordering and device rules on gloo
 
 B, D = 2, 8
 # (mode, cp, ulysses, seq, heads, kv heads)

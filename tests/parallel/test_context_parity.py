@@ -18,6 +18,9 @@ import pytest
 from tests.multiprocess import run_ranks
 from tests.parallel.test_composition_parity import STEPS, TOL, _config, _merged, _train
 from tests.reference_loop import relative_error
+from tests.strict_comm import strict_comm_fixture
+
+strict_comm = strict_comm_fixture("module")  # NCCL's p2p ordering and device rules on gloo
 
 RING2, ULY2 = ["parallel.cp=2"], ["parallel.cp=2", "parallel.cp_mode='ulysses'"]
 CASES: dict[int, dict[str, list[str]]] = {

@@ -23,6 +23,9 @@ import torch
 from pentatron.config import load_config
 from pentatron.distributed.comm import ring_bytes
 from tests.multiprocess import run_ranks
+from tests.strict_comm import strict_comm_fixture
+
+strict_comm = strict_comm_fixture("module")  # NCCL's p2p ordering and device rules on gloo
 
 M = 4  # micro-batches per step: global 8 / (dp 2 · micro 1)
 CASES = {"zero3 micro_batch": ["parallel.zero=3", "parallel.zero3_gather='micro_batch'"],

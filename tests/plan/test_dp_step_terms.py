@@ -40,7 +40,8 @@ def test_the_trainers_scalars_per_layout():
     assert _scalars(Layout(dp=1, cp=2, micro_batch=4)) == [("dp_cp", "all_reduce", 4, 1)]
     assert _scalars(Layout(dp=1, tp=2, micro_batch=4)) == [("tp", "all_reduce", 4, 1)]  # the norm over tp
     # pp: the loss broadcast from the last stage, the norm over the stages, the bubble's 3 float64 figures
-    assert _scalars(Layout(dp=1, pp=2, micro_batch=1)) == [("pp", "all_reduce", 4, 1), ("pp", "all_reduce", 8, 3),
+    # of every stage in one all-gather
+    assert _scalars(Layout(dp=1, pp=2, micro_batch=1)) == [("pp", "all_gather", 48, 1), ("pp", "all_reduce", 4, 1),
                                                            ("pp", "broadcast", 4, 1)]
 
 
@@ -65,7 +66,7 @@ def test_the_moe_layers_add_their_loads_and_the_expert_norm():
 def test_scalars_cost_the_measured_in_step_latency_each():
     lay = Layout(dp=1, pp=2, micro_batch=1, precision="fp32")
     st = step_time(W, lay, DPS)
-    assert st.scalars == pytest.approx(5 * 2.5e-4)  # 1 + 3 + 1 calls at 0.25 ms
+    assert st.scalars == pytest.approx(3 * 2.5e-4)  # 1 + 1 + 1 calls at 0.25 ms
     assert st.step == pytest.approx(st.pipeline + st.dp_exposed + st.optimizer + st.contention + st.tied_grads
                                     + st.scalars)
     # without the measurement: the collective's latency model (GPU: microseconds)
@@ -73,7 +74,7 @@ def test_scalars_cost_the_measured_in_step_latency_each():
     pp = Group("pp", 2, 2, 1)
     assert h.scalars == pytest.approx(collective_time(H100, "broadcast", 4, pp)
                                       + collective_time(H100, "all_reduce", 4, pp)
-                                      + 3 * collective_time(H100, "all_reduce", 8, pp))
+                                      + collective_time(H100, "all_gather", 48, pp))
     assert h.scalars < 1e-4
 
 

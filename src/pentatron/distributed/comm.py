@@ -18,10 +18,22 @@ What "bytes" means (per rank, per call), for a tensor of S bytes and a group of 
 A group of size 1 (or a 1-process run) moves nothing: the op degenerates to a local copy and
 nothing is recorded. On gloo (CPU), torch ≥ 2.11 implements `reduce_scatter_tensor` and
 `all_gather_into_tensor` natively, so the same calls run on CPU and GPU.
+
+Strict mode (`Comm.strict`, on when the environment has PENTATRON_STRICT_COMM=1, so that spawned
+ranks and trainer subprocesses inherit it; the tests' mode) holds gloo runs to NCCL's rules:
+- ordering: `batch_p2p` waits for every operation of the batch before it returns, so no later
+  operation (point-to-point or collective) is issued while a batch is in flight. A send on gloo
+  completes only once the peer has posted its receive, so a program whose p2p order would deadlock
+  under NCCL (a send blocking until the matching receive runs) hangs here too, instead of passing
+  thanks to gloo's asynchronous sends;
+- device discipline: every tensor handed to a collective or p2p must be on the run's device
+  (`ctx.device`: same device type, and the same index when the context names one), else
+  `CommDeviceError` names the op, the dimension and both devices (an NCCL group has no CPU backend).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -37,6 +49,13 @@ Op = Literal["all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+STRICT_ENV = "PENTATRON_STRICT_COMM"
+
+
+class CommDeviceError(RuntimeError):
+    """A tensor handed to a collective or p2p is not on the run's device (strict mode)."""
 
 
 @dataclass(frozen=True)
@@ -181,10 +200,22 @@ class Comm:
     """The comm layer bound to one ParallelContext. `dim` names a mesh dimension ("dp", "tp", …,
     "dp_cp") or "world"."""
 
-    def __init__(self, ctx: MeshGroups, ledger: CommLedger) -> None:
+    def __init__(self, ctx: MeshGroups, ledger: CommLedger, strict: bool | None = None) -> None:
         self.ctx = ctx
         self.ledger = ledger
         self.recorder: CommRecorder | None = None  # set by observe.watchdog.attach_flight_recorder
+        # Strict mode (see the module docstring); None: from the environment.
+        self.strict = os.environ.get(STRICT_ENV, "") == "1" if strict is None else strict
+
+    def _check_device(self, op: str, dim: str, *tensors: torch.Tensor) -> None:
+        if not self.strict:
+            return
+        want = self.ctx.device
+        for t in tensors:
+            got = t.device
+            if got.type != want.type or (want.index is not None and got.index != want.index):
+                raise CommDeviceError(f"{op} over {dim!r}: a {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} "
+                                      f"tensor on {got}, but the run's device is {want} (build it there)")
 
     def _group(self, dim: str) -> tuple[dist.ProcessGroup | None, int]:
         if dim == "world":
@@ -210,6 +241,7 @@ class Comm:
         group, n = self._group(dim)
         if group is None or n == 1:
             return self._done(None, async_op)
+        self._check_device("all_reduce", dim, tensor)
         rec = self._enter("all_reduce", dim, tensor, _nbytes(tensor), n)
         return self._done(dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op), async_op, rec)
 
@@ -224,6 +256,7 @@ class Comm:
         if group is None or n == 1:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
+        self._check_device("reduce_scatter", dim, output, input)
         rec = self._enter("reduce_scatter", dim, input, _nbytes(input), n)
         work = _reduce_scatter(output, input, op=_REDUCE_OPS[op], group=group, async_op=async_op)
         return self._done(work, async_op, rec)
@@ -238,6 +271,7 @@ class Comm:
         if group is None or n == 1:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
+        self._check_device("all_gather", dim, output, input)
         rec = self._enter("all_gather", dim, input, _nbytes(output), n)
         return self._done(_all_gather(output, input, group=group, async_op=async_op), async_op, rec)
 
@@ -250,6 +284,7 @@ class Comm:
         if group is None or n == 1:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
+        self._check_device("all_to_all", dim, output, input)
         row = _nbytes(input) // max(1, input.shape[0])
         own = (input_splits[self.ctx.local_rank(dim)] if input_splits is not None
                else input.shape[0] // n) * row
@@ -262,6 +297,7 @@ class Comm:
         group, n = self._group(dim)
         if group is None or n == 1:
             return self._done(None, async_op)
+        self._check_device("broadcast", dim, tensor)
         rec = self._enter("broadcast", dim, tensor, _nbytes(tensor), n)
         work = dist.broadcast(tensor, src=self._global(dim, src), group=group, async_op=async_op)
         return self._done(work, async_op, rec)
@@ -282,12 +318,22 @@ class Comm:
         self.batch_p2p([P2P("recv", tensor, src)], dim)[0].wait()
 
     def batch_p2p(self, ops: list[P2P], dim: str) -> list[Work]:
-        """Issue several sends/receives together (deadlock-free for exchanges); returns their handles."""
+        """Issue several sends/receives together (deadlock-free for exchanges); returns their handles.
+        In strict mode they are all done when it returns (NCCL's ordering: see the module docstring)."""
+        works = self._batch_p2p(ops, dim)
+        if self.strict:
+            for w in works:
+                w.wait()
+        return works
+
+    def _batch_p2p(self, ops: list[P2P], dim: str) -> list[Work]:
         group, n = self._group(dim)
         if not ops:
             return []
         if group is None or n == 1:
             raise ValueError(f"point-to-point along {dim!r} needs a group of more than one rank")
+        for o in ops:
+            self._check_device(o.op, dim, o.tensor)
         p2p = []
         for o in ops:
             self.ledger.record(o.op, dim, o.tensor.dtype, _nbytes(o.tensor), n)

@@ -16,6 +16,14 @@ K/V around the ring again, with each block's dK/dV accumulator (fp32) travelling
 steps every accumulator is back home. Per rank and layer: forward (r−1) K/V sends, backward (r−1) K/V
 plus r dK/dV sends. K/V travel with their own (un-expanded) kv heads; GQA is expanded only locally.
 
+Point-to-point under NCCL's rules (per rank, batches complete in issue order; a send may wait for its
+receive): every transfer is one batch holding this rank's send to the next rank *and* its receive from
+the previous one, so no send waits on a receive issued later. Every rank issues the same sequence of
+batches (forward: K/V per step; backward: K/V of the next step, then the dK/dV of this one), so the k-th
+batch of each rank pairs with its neighbours' k-th; each batch is waited before the block that needs
+it. Strict comm mode waits every batch when it is issued (no overlap, same order), and the context
+parity tests run in it.
+
 Tensors are [b, heads, s, d]; the block attention itself is a `BlockKernel`.
 """
 

@@ -433,7 +433,8 @@ def step_scalars(lay: Layout, gpu: GPUSpec, moe_layers: int = 0, n_experts: int 
     """The trainer's one-number collectives of a step, each on the critical path (its result is needed
     at once): the loss's mean over dp x cp (parallel/step_runner.py); the squared gradient norm's sum
     over the ZeRO shards, over tp and over the pipeline stages (parallel/data.py); under pp the loss's
-    broadcast from the last stage and the measured bubble's three statistics (pipeline/engine.py).
+    broadcast from the last stage and the measured bubble's three statistics per stage, gathered in one
+    all-gather (pipeline/engine.py).
     With MoE (`moe_layers` on this rank, of `n_experts`): each layer's loads summed over the dense
     replicas, one float64 vector of the expert counts and 5 totals (models/moe.py `finish_step`), and
     under ep the expert gradients' squared norm over their ZeRO shards (edp) and over ep, whose ranks
@@ -456,7 +457,7 @@ def step_scalars(lay: Layout, gpu: GPUSpec, moe_layers: int = 0, n_experts: int 
     if lay.pp > 1:
         add("pp", "broadcast", 4, 1)
         add("pp", "all_reduce", 4, 1)
-        add("pp", "all_reduce", 8, 3)  # busy time, first start, last end (float64)
+        add("pp", "all_gather", 24 * lay.pp, 1)  # every stage's busy time, first start, last end (float64)
     return out
 
 

@@ -128,7 +128,7 @@ def pipeline_worker(rank: int, world_size: int, cases: list[Case], dataset_dir: 
             if out.loss is not None:
                 losses.append(float(out.loss))
         results.append({"case": case, "losses": losses, "grads": grads, "peaks": peaks, "slots": slots,
-                        "comm": comm, "bubble": bubble,
+                        "comm": comm, "bubble": bubble, "strict": ctx.comm.strict,
                         "params": {n: prm.detach().numpy().copy() for n, prm in params.items()},
                         "layers": [st.layer_ids for st in stages]})
     return results

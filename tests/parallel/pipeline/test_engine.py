@@ -16,7 +16,7 @@ from pentatron.distributed.context import ParallelContext
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
 from pentatron.parallel.pipeline import engine as engine_mod
-from pentatron.parallel.pipeline.engine import PipelineEngine, outgoing
+from pentatron.parallel.pipeline.engine import PipelineEngine
 from pentatron.parallel.pipeline.stages import build_stages, partition
 from pentatron.parallel.pipeline.trace import read_chrome_trace, recorded_timeline, write_chrome_trace, write_rank_trace
 from pentatron.schedules import (
@@ -28,6 +28,7 @@ from pentatron.schedules import (
     afab,
     interleaved_1f1b,
     make_schedule,
+    p2p_plan,
     peak_in_flight,
     zero_bubble_h1,
 )
@@ -124,17 +125,25 @@ def test_bad_inputs_are_rejected():
         eng.step(mbs)
 
 
-def test_send_plan_follows_the_schedule():
+def test_p2p_plan_follows_the_schedule():
     """Messages per neighbour, in the order the sender issues them: activations downstream, gradients up,
-    and for interleaving the wrap-around from the last rank to rank 0's next chunk."""
+    and for interleaving the wrap-around from the last rank to rank 0's next chunk; 1F1B's steady state
+    pairs each send with the opposite-direction message of the same slot in one batch."""
     s = interleaved_1f1b(2, 2, 2)
-    plan = outgoing(s, 1)
-    assert set(plan) == {0}
-    acts = [k for k in plan[0] if k[0] == "act"]
-    grads = [k for k in plan[0] if k[0] == "grad"]
-    assert acts == [("act", 2, 0), ("act", 2, 1)]  # stage 1 -> stage 2 (rank 0, chunk 1)
-    assert sorted(grads) == [("grad", 0, 0), ("grad", 0, 1), ("grad", 2, 0), ("grad", 2, 1)]
-    assert outgoing(make_schedule("1f1b", 2, 3), 0) == {1: [("act", 1, i) for i in range(3)]}
+    plan = p2p_plan(s)
+    sends = [op.msg for b in plan[1] for op in b.ops if op.op == "send"]
+    assert {op.peer for b in plan[1] for op in b.ops} == {0}
+    assert [k for k in sends if k[0] == "act"] == [("act", 2, 0), ("act", 2, 1)]  # stage 1 -> stage 2
+    assert sorted(k for k in sends if k[0] == "grad") == [("grad", 0, 0), ("grad", 0, 1), ("grad", 2, 0),
+                                                          ("grad", 2, 1)]
+    # what rank 1 receives from rank 0 is what rank 0 sends it, in the same order
+    recvd = [op.msg for b in plan[1] for op in b.ops if op.op == "recv"]
+    assert recvd == [op.msg for b in plan[0] for op in b.ops if op.op == "send"]
+    one = p2p_plan(make_schedule("1f1b", 2, 3))
+    assert [op.msg for b in one[0] for op in b.ops if op.op == "send"] == [("act", 1, i) for i in range(3)]
+    mixed = [b for b in one[1] if {op.op for op in b.ops} == {"send", "recv"}]
+    assert [str(op) for op in mixed[0].ops] == ["recv act(stage 1, mb 2) from rank 0",
+                                                 "send grad(stage 0, mb 1) to rank 0"]
 
 
 def test_recorded_timeline_and_chrome_trace_round_trip(tmp_path):

@@ -1,6 +1,7 @@
 """Parity: 10 training steps on real gloo pipeline ranks equal the 1-process run (fp32, ≤ 1e-5 relative),
 for pp ∈ {2, 4} × AFAB, 1F1B, interleaved 1F1B (v=2) and ZB-H1, and explicit unequal splits at pp=2; plus
-the engine's memory claims.
+the engine's memory claims. The ranks run in strict comm mode (conftest.py): every p2p batch is waited
+before the next operation, as NCCL's ordering would force.
 
 One `run_ranks` call per world size runs every schedule (process start-up is most of the cost)."""
 
@@ -51,6 +52,7 @@ def test_parity_with_one_process(pipelined, references):
     for i, case in enumerate(cases):
         ref = references[_ref_key(case)]
         results = [r[i] for r in per_rank]
+        assert all(res["strict"] for res in results)  # NCCL's p2p ordering (conftest.py)
         # The loss is known on the rank holding the last stage: rank p-1 for every schedule here.
         losses = results[p - 1]["losses"]
         assert len(losses) == case.steps
@@ -148,6 +150,8 @@ def test_recorded_step_merges_across_ranks(pipelined):
         assert all(s.start >= 0 and s.end <= tl.makespan + 1e-9 for slots in tl.slots for s in slots)
         firsts = [slots[0].start for slots in tl.slots]
         assert firsts == sorted(firsts), f"{case.label}: rank r+1 started before rank r: {firsts}"
-        assert 0 < tl.bubble_fraction < 10
+        # A sanity bound only (clocks not shared would give ~1e5): in strict mode every p2p batch is a
+        # rendezvous, and with 4 ranks on a loaded 2-core CI box the waits reach ~14× the compute.
+        assert 0 < tl.bubble_fraction < 100
         # The engine's collective version (what the trainer logs) agrees with the merged timeline.
         assert all(abs(res[i]["bubble"] - tl.bubble_fraction) < 1e-9 for res in per_rank)

@@ -2,24 +2,27 @@
 
 The schedule says *what* to run and in which order (F, BW, or split B and W, per micro-batch and
 chunk); communication follows from it. An action whose input lives on another rank receives it; a
-forward sends its output downstream, a backward sends its input gradient upstream. Because every
-rank knows the whole schedule, every rank knows in advance the exact sequence of messages each
-neighbour will send it, and their shapes ([micro_batch, seq, hidden] activations and gradients).
-So receives are posted *in the sender's order* (with pre-allocated buffers, batched into one
-`batch_p2p` call whenever several are due): point-to-point messages between two ranks match in
-order, and this makes the match right for any schedule, including the interleaved ones where
-activations and gradients cross the same pair of ranks in both directions. Sends are asynchronous;
-receives block in list order, exactly the semantics `schedules.validate` checks, so a schedule
-that validates cannot deadlock here.
+forward sends its output downstream, a backward sends its input gradient upstream. Every rank knows
+the whole schedule, so every rank derives the same point-to-point plan, `schedules.p2p_plan`: per
+rank, an ordered list of batches, each a set of sends and receives issued together (one
+`batch_p2p`) at a fixed place between two actions. Both ends of a message sit in batches of the same
+time slot of the schedule's unit-cost timeline, and every rank issues its batches in slot order: so
+the program is deadlock-free under NCCL's rules (per rank, p2p batches complete in issue order; a
+send may block until the peer's matching receive runs), which `schedules.validate` checks by replaying
+the plan (`check_p2p`). Receive buffers are pre-allocated ([micro_batch, seq, hidden] activations
+and gradients) when their batch is issued; an action waits only for the receives it consumes. On
+gloo the same plan runs; `Comm` strict mode (PENTATRON_STRICT_COMM=1) waits every batch before the
+next operation, which is how the tests hold the engine to NCCL's ordering.
 
 Memory: a (chunk, micro-batch)'s saved activations are dropped as soon as its last backward action
 (BW, or W when split) is done; the engine counts the in-flight ones and reports the peak. Every
-action is timestamped (after its inputs have arrived, so waiting shows up as bubble).
+action is timed from after its inputs have arrived (so waiting shows up as bubble) to its end: with
+CUDA events on a CUDA device (recorded per action, read once at the end of the step), else with
+`time.perf_counter()`.
 """
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +33,8 @@ import torch
 from pentatron.distributed.comm import P2P, Comm, Work
 from pentatron.parallel.pipeline.split_backward import SplitBackward
 from pentatron.parallel.pipeline.stages import PipelineStage
-from pentatron.schedules import Action, Kind, Schedule, Slot, validate
+from pentatron.parallel.pipeline.timer import StepTimer, step_timer
+from pentatron.schedules import Action, Kind, MsgKey, P2PBatch, Schedule, Slot, p2p_plan, validate
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -41,8 +45,6 @@ class BackwardListener(Protocol):
     def before_backward(self, chunk: int, last: bool, weights_only: bool = False) -> None: ...
 
     def after_backward(self, chunk: int) -> None: ...
-# A message between stages: ("act", receiving stage, micro-batch) or ("grad", receiving stage, micro-batch).
-MsgKey = tuple[str, int, int]
 
 
 @dataclass
@@ -50,22 +52,9 @@ class PipelineStepResult:
     """What one step of the engine produced on this rank."""
 
     loss: torch.Tensor | None  # mean loss over the micro-batches (on the rank holding the last stage)
-    slots: list[Slot]  # every executed action, with absolute time.perf_counter() start/end
+    slots: list[Slot]  # every executed action, absolute time.perf_counter() start/end (CUDA events on CUDA)
     peak_in_flight: int  # most (chunk, micro-batch) activation sets held at once
     losses: list[torch.Tensor] = field(default_factory=list)  # per micro-batch, unscaled
-
-
-def outgoing(schedule: Schedule, rank: int) -> dict[int, list[MsgKey]]:
-    """The messages `rank` sends while running its actions, per destination rank, in sending order."""
-    out: dict[int, list[MsgKey]] = defaultdict(list)
-    last = schedule.n_stages - 1
-    for a in schedule.actions[rank]:
-        st = schedule.stage(rank, a.chunk)
-        if a.kind == Kind.F and st < last and schedule.rank_of(st + 1) != rank:
-            out[schedule.rank_of(st + 1)].append(("act", st + 1, a.microbatch))
-        elif a.kind in (Kind.BW, Kind.B) and st > 0 and schedule.rank_of(st - 1) != rank:
-            out[schedule.rank_of(st - 1)].append(("grad", st - 1, a.microbatch))
-    return out
 
 
 @dataclass
@@ -74,7 +63,7 @@ class _Saved:
 
     input: torch.Tensor | None  # the received activation (a leaf requiring grad); None on stage 0
     output: torch.Tensor  # the stage output, or the scaled loss on the last stage
-    sent: Work | None = None  # the send of `output` downstream (done once the grad came back)
+    sent: MsgKey | None = None  # the message carrying `output` downstream (its send is done once the grad came back)
     split: SplitBackward | None = None
 
 
@@ -86,12 +75,17 @@ class PipelineEngine:
     dimension whose group ranks are the pipeline ranks. `listener` is told before and after every
     backward action which chunk it is for and whether it is that chunk's last one producing weight
     gradients in this step (so that gradient reduction can start while other chunks still compute).
+    `plan`: the point-to-point batches of every rank (default `schedules.p2p_plan(schedule)`, which
+    `validate` proves deadlock-free under NCCL's rules); another plan runs as given, unchecked (a test
+    runs the pre-issue-35 order to show that strict mode catches it).
     """
 
     def __init__(self, stages: Sequence[PipelineStage], schedule: Schedule, comm: Comm, rank: int,
                  loss_fn: LossFn, *, dim: str = "pp", act_shape: Callable[[torch.Tensor], torch.Size] | None = None,
-                 act_dtype: torch.dtype | None = None, listener: BackwardListener | None = None) -> None:
-        validate(schedule)
+                 act_dtype: torch.dtype | None = None, listener: BackwardListener | None = None,
+                 plan: Sequence[Sequence[P2PBatch]] | None = None) -> None:
+        validate(schedule)  # the schedule, and its own p2p plan under NCCL's rules
+        plan = p2p_plan(schedule) if plan is None else plan
         if len(stages) != schedule.v:
             raise ValueError(f"rank {rank} holds {len(stages)} stage(s) but the schedule has v={schedule.v} per rank")
         for c, st in enumerate(stages):
@@ -109,9 +103,10 @@ class PipelineEngine:
         for i, a in enumerate(schedule.actions[rank]):
             if a.kind in (Kind.BW, Kind.W):
                 self._last_weight_action[a.chunk] = i
-        # What each neighbour will send us, in its order: the receive plan (the schedule is data).
-        self._expected = {src: msgs for src in range(schedule.p) if src != rank
-                          for dst, msgs in outgoing(schedule, src).items() if dst == rank}
+        # This rank's batches by the action they precede (in issue order).
+        self._batches: dict[int, list[P2PBatch]] = defaultdict(list)
+        for batch in plan[rank]:
+            self._batches[batch.before].append(batch)
 
     # ------------------------------------------------------------------ one step
     def step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -128,23 +123,27 @@ class PipelineEngine:
         seq = micro_batches[0][0].shape[1]
         self._positions = positions if positions is not None else torch.arange(seq, device=self._device)
         self._shape = self.act_shape(micro_batches[0][0])
-        self._buffers: dict[MsgKey, torch.Tensor] = {}
+        self._buffers: dict[MsgKey, torch.Tensor] = {}  # posted receives' buffers, until consumed
         self._recv_work: dict[MsgKey, Work] = {}
-        self._posted = dict.fromkeys(self._expected, 0)
+        self._outbox: dict[MsgKey, torch.Tensor] = {}  # produced, its send batch not issued yet
+        self._send_work: dict[MsgKey, tuple[Work, torch.Tensor]] = {}
         self._local: dict[MsgKey, torch.Tensor] = {}  # hand-offs between two stages of this rank
-        self._grad_sends: list[tuple[Work, torch.Tensor]] = []
         self._saved: dict[tuple[int, int], _Saved] = {}
         self._losses: list[torch.Tensor] = []
-        slots: list[Slot] = []
+        self._timer: StepTimer = step_timer(self._device)  # marks each action's start and end
+        timer = self._timer
+        marks: list[tuple[Action, object, object]] = []
         in_flight = peak = 0
+        actions = s.actions[self.rank]
         try:
-            for i, a in enumerate(s.actions[self.rank]):
+            for i, a in enumerate(actions):
+                self._issue(i)
                 # Each kind runs in its own method so that no tensor outlives it in a local variable.
                 if a.kind == Kind.F:
                     t0 = self._forward(a)
                     in_flight += 1
                     peak = max(peak, in_flight)
-                    slots.append(Slot(self.rank, a, t0, time.perf_counter()))
+                    marks.append((a, t0, timer.mark()))
                     continue
                 if self.listener is not None:
                     self.listener.before_backward(a.chunk, i == self._last_weight_action.get(a.chunk),
@@ -157,24 +156,28 @@ class PipelineEngine:
                     in_flight -= 1
                 if self.listener is not None:
                     self.listener.after_backward(a.chunk)
-                slots.append(Slot(self.rank, a, t0, time.perf_counter()))
-            for w, _ in self._grad_sends:
+                marks.append((a, t0, timer.mark()))
+            self._issue(len(actions))
+            for w, _ in self._send_work.values():
                 w.wait()
-            assert not self._saved and not self._buffers, "every activation is freed by the end of the step"
+            assert not self._saved and not self._buffers and not self._outbox, \
+                "every activation and message is consumed by the end of the step"
             losses = self._losses
         finally:
-            self._grad_sends, self._saved, self._buffers, self._mbs = [], {}, {}, []
+            self._send_work, self._saved, self._buffers, self._mbs, self._outbox = {}, {}, {}, [], {}
             self._losses, self._local, self._recv_work, self._positions = [], {}, {}, None
+        times = timer.seconds([m for _, t0, t1 in marks for m in (t0, t1)])
+        slots = [Slot(self.rank, a, times[2 * k], times[2 * k + 1]) for k, (a, _, _) in enumerate(marks)]
         loss = torch.stack(losses).mean() if losses else None
         return PipelineStepResult(loss, slots, peak, losses)
 
-    def _forward(self, a: Action) -> float:
+    def _forward(self, a: Action) -> object:
         st, stage = self.schedule.stage(self.rank, a.chunk), self.stages[a.chunk]
         if stage.is_first:
             x = self._mbs[a.microbatch][0].to(self._device)
         else:
             x = self._receive(("act", st, a.microbatch)).requires_grad_()
-        t0 = time.perf_counter()
+        t0 = self._timer.mark()
         out = stage(x, self._positions)
         sent = None
         if stage.is_last:
@@ -182,17 +185,18 @@ class PipelineEngine:
             self._losses.append(loss.detach())
             out = loss / self.schedule.m  # the same scaling as gradient accumulation without a pipeline
         else:
-            sent = self._send(("act", st + 1, a.microbatch), out.detach())
+            sent = ("act", st + 1, a.microbatch)
+            self._produce(sent, out.detach())
         self._saved[(a.chunk, a.microbatch)] = _Saved(None if stage.is_first else x, out, sent)
         return t0
 
-    def _backward(self, a: Action) -> float:
+    def _backward(self, a: Action) -> object:
         """BW (full backward), or B (input gradients only; W follows later)."""
         st, stage = self.schedule.stage(self.rank, a.chunk), self.stages[a.chunk]
         key = (a.chunk, a.microbatch)
         state = self._saved[key]
         grad = None if stage.is_last else self._receive(("grad", st, a.microbatch))
-        t0 = time.perf_counter()
+        t0 = self._timer.mark()
         if a.kind == Kind.BW:
             torch.autograd.backward([state.output], [grad] if grad is not None else None)
             dx = state.input.grad if state.input is not None else None
@@ -203,15 +207,13 @@ class PipelineEngine:
         if st > 0:
             if dx is None:
                 raise RuntimeError(f"stage {st}: its input got no gradient (is the input used?)")
-            work = self._send(("grad", st - 1, a.microbatch), dx)
-            if work is not None:
-                self._grad_sends.append((work, dx))
+            self._produce(("grad", st - 1, a.microbatch), dx)
         if a.kind == Kind.BW:
             self._free(key)
         return t0
 
-    def _weight(self, a: Action) -> float:
-        t0 = time.perf_counter()
+    def _weight(self, a: Action) -> object:
+        t0 = self._timer.mark()
         key = (a.chunk, a.microbatch)
         split = self._saved[key].split
         assert split is not None, "validate() guarantees B before W"
@@ -220,28 +222,42 @@ class PipelineEngine:
         return t0
 
     # ------------------------------------------------------------------ communication
-    def _send(self, msg: MsgKey, tensor: torch.Tensor) -> Work | None:
+    def _produce(self, msg: MsgKey, tensor: torch.Tensor) -> None:
+        """An action's output for another stage: handed over locally, or sent in its planned batch."""
         dst = self.schedule.rank_of(msg[1])
         if dst == self.rank:
             self._local[msg] = tensor
-            return None
-        return self.comm.batch_p2p([P2P("send", tensor, dst)], self.dim)[0]
+        else:
+            self._outbox[msg] = tensor
+
+    def _issue(self, before: int) -> None:
+        """Issue the plan's batches due before action `before`, each as one `batch_p2p`."""
+        for batch in self._batches.get(before, ()):
+            ops = []
+            for op in batch.ops:
+                if op.op == "send":
+                    if op.msg not in self._outbox:
+                        raise RuntimeError(f"pipeline rank {self.rank}: the p2p plan sends {op.msg} before "
+                                           "the action producing it ran")
+                    ops.append(P2P("send", self._outbox.pop(op.msg), op.peer))
+                else:
+                    self._buffers[op.msg] = torch.empty(self._shape, dtype=self.act_dtype, device=self._device)
+                    ops.append(P2P("recv", self._buffers[op.msg], op.peer))
+            works = self.comm.batch_p2p(ops, self.dim)
+            for op, p2p, w in zip(batch.ops, ops, works, strict=True):
+                if op.op == "send":
+                    self._send_work[op.msg] = (w, p2p.tensor)  # the handle keeps the tensor until done
+                else:
+                    self._recv_work[op.msg] = w
 
     def _receive(self, msg: MsgKey) -> torch.Tensor:
-        """The tensor for `msg`, posting (in one batch) every receive the sender issues up to it."""
+        """The tensor for `msg`: a local hand-off, or a posted receive, waited for now."""
         src = self.schedule.rank_of(msg[1] - 1 if msg[0] == "act" else msg[1] + 1)
         if src == self.rank:
             return self._local.pop(msg)
         if msg not in self._recv_work:
-            plan = self._expected[src]
-            upto = plan.index(msg, self._posted[src]) + 1
-            ops = []
-            for k in plan[self._posted[src]:upto]:
-                self._buffers[k] = torch.empty(self._shape, dtype=self.act_dtype, device=self._device)
-                ops.append((k, P2P("recv", self._buffers[k], src)))
-            for (k, _), w in zip(ops, self.comm.batch_p2p([op for _, op in ops], self.dim), strict=True):
-                self._recv_work[k] = w
-            self._posted[src] = upto
+            raise RuntimeError(f"pipeline rank {self.rank}: the p2p plan posts no receive of {msg} before "
+                               "the action consuming it")
         self._recv_work.pop(msg).wait()
         return self._buffers.pop(msg)
 
@@ -249,21 +265,24 @@ class PipelineEngine:
         state = self._saved.pop(key)
         # The gradient for our output has arrived, so the downstream stage has received the output:
         # this wait returns at once, and releasing the handle lets the activation memory go.
-        if state.sent is not None:
-            state.sent.wait()
+        sent = self._send_work.pop(state.sent, None) if state.sent is not None else None
+        if sent is not None:
+            sent[0].wait()
 
 
 def measured_bubble(result: PipelineStepResult, comm: Comm, dim: str = "pp") -> float:
-    """The step's bubble fraction over all pipeline ranks, from each rank's own timestamps: three scalar
-    collectives over `dim` (every pipeline rank must call it). Same definition as
+    """The step's bubble fraction over all pipeline ranks, from each rank's own timestamps: one all-gather
+    of (busy, first start, last end) over `dim`, on the run's device (an NCCL group has no CPU backend),
+    and one device-to-host copy (every pipeline rank must call it). Same definition as
     `schedules.Timeline.bubble_fraction`: (p · makespan − Σ busy) / Σ busy."""
     slots = result.slots
-    busy = torch.tensor([sum(s.end - s.start for s in slots)], dtype=torch.float64)
-    first = torch.tensor([min((s.start for s in slots), default=float("inf"))], dtype=torch.float64)
-    last = torch.tensor([max((s.end for s in slots), default=float("-inf"))], dtype=torch.float64)
-    comm.all_reduce(busy, dim)
-    comm.all_reduce(first, dim, op="min")
-    comm.all_reduce(last, dim, op="max")
+    mine = torch.tensor([sum(s.end - s.start for s in slots), min((s.start for s in slots), default=float("inf")),
+                         max((s.end for s in slots), default=float("-inf"))], dtype=torch.float64,
+                        device=comm.ctx.device)
     p = comm.ctx.size(dim)
-    total = float(busy)
-    return (p * float(last - first) - total) / total if total > 0 else 0.0
+    every = torch.empty(p * 3, dtype=torch.float64, device=comm.ctx.device)
+    comm.all_gather(every, mine, dim)
+    rows = every.view(p, 3).tolist()
+    total = sum(r[0] for r in rows)
+    makespan = max(r[2] for r in rows) - min(r[1] for r in rows)
+    return (p * makespan - total) / total if total > 0 else 0.0
