@@ -50,18 +50,19 @@ def load_model(path: Path) -> tuple[torch.nn.Module, ModelConfig, Path]:
     """The trained model (fp32, CPU, eval mode), its config and the step directory it came from."""
     import torch.distributed.checkpoint as dcp
 
+    from pentatron.checkpoint.safe_metadata import SafeReader, read_metadata
     from pentatron.models.llama import build_model
 
     step_dir = checkpoint_step_dir(path)
     meta = json.loads((step_dir / "meta.json").read_text())
     model_cfg = ModelConfig.from_dict(meta["model"])
     model = build_model(model_cfg, device="cpu", dtype=torch.float32)
-    stored = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    stored = read_metadata(step_dir).state_dict_metadata
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items()
              if k.startswith("model.") and hasattr(m, "size")}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+        dcp.load(state, storage_reader=SafeReader(step_dir), no_dist=True)
     full = assemble({k.removeprefix("model."): v for k, v in state.items()},
                     {n: p.shape for n, p in model.named_parameters()})
     missing = sorted(set(dict(model.named_parameters())) - set(full))

@@ -154,3 +154,90 @@ def test_two_ranks_divide_the_verification_and_rank_0_names_the_damaged_file(pri
     errors = [line for line in out.output.splitlines() if line.startswith("pentatron: error:")]
     assert len(errors) == 1 and name in errors[0] and "checksum" in errors[0], out.output
     assert "Traceback" not in out.output
+
+
+class _Payload:
+    """What an attacker pickles into `.metadata`: unpickling it writes `marker` (any code could run)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+def _craft_reduce(step: Path, marker: Path) -> None:
+    import pickle
+
+    (step / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+
+
+def _craft_bytes_entry(step: Path, marker: Path) -> None:
+    """A genuine DCP index whose first tensor is declared a "bytes" entry: DCP would hand that file to
+    `torch.load(weights_only=False)`, which unpickles the payload."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    md = pickle.loads((step / ".metadata").read_bytes())  # our own, untampered file
+    fqn = next(iter(md.state_dict_metadata))
+    md.state_dict_metadata[fqn] = BytesStorageMetadata()
+    blob = pickle.dumps(_Payload(marker))
+    (step / "__evil.distcp").write_bytes(blob)
+    md.storage_data = {MetadataIndex(fqn): _StorageInfo("__evil.distcp", 0, len(blob)),
+                       **{k: v for k, v in md.storage_data.items() if k.fqn != fqn}}
+    (step / ".metadata").write_bytes(pickle.dumps(md))
+
+
+@pytest.fixture(scope="module")
+def crafted(pristine, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """Per kind of crafted index: (checkpoint dir, marker file the payload would create), with the manifest
+    recomputed over the crafted files, as an attacker would."""
+    from pentatron.checkpoint import manifest
+
+    out = {}
+    for kind, craft in {"reduce": _craft_reduce, "bytes entry": _craft_bytes_entry}.items():
+        root = tmp_path_factory.mktemp("crafted")
+        ck, marker = root / "ck", root / "payload-ran"
+        shutil.copytree(pristine, ck)
+        craft(ck / "step_00000002", marker)
+        manifest.write(ck / "step_00000002")
+        out[kind] = ck, marker
+    return out
+
+
+def _readers(ck: Path, tmp: Path, dataset: Path) -> dict[str, list[str]]:
+    return {"train (resume)": ["train", *_flags(tmp, dataset, ck, "--set=train.steps=3")],
+            "generate": ["generate", str(ck), "--prompt", "def ", "--max-new-tokens", "4"],
+            "export-hf": ["checkpoint", "export-hf", str(ck), str(tmp / "hf")],
+            "convert": ["checkpoint", "convert", str(ck), str(tmp / "converted"), CONFIG,
+                        f"--set=data.path={json.dumps(str(dataset))}",
+                        f"--set=log.dir={json.dumps(str(tmp / 'runs'))}"]}
+
+
+@pytest.mark.parametrize("kind", ["reduce", "bytes entry"])
+def test_a_crafted_index_is_refused_by_every_reader_and_its_payload_never_runs(crafted, tmp_path, default_dataset,
+                                                                               capsys, kind):
+    ck, marker = crafted[kind]
+    for reader, argv in _readers(ck, tmp_path, default_dataset).items():
+        assert main(argv) == 2, reader
+        err = capsys.readouterr().err.strip()
+        assert not marker.exists(), f"{reader} ran the checkpoint's code"
+        assert "Traceback" not in err and len(err.splitlines()) == 1, (reader, err)
+        assert ".metadata" in err and "refused" in err, (reader, err)
+
+
+def test_the_checked_index_reads_what_dcp_writes(tmp_path):
+    """Every dtype and shape a run saves passes the check unchanged (0-d step counters, bf16, int64)."""
+    from pentatron.checkpoint.safe_metadata import read_metadata
+
+    store = CheckpointStore(tmp_path)
+    state = {"model": {"w": torch.randn(3, 4), "b": torch.ones(2, dtype=torch.bfloat16)},
+             "optim": {"step": torch.tensor(7), "ids": torch.arange(5)}}
+    path = store.save(1, state, {"step": 1})
+    assert set(read_metadata(path).state_dict_metadata) == {"model.w", "model.b", "optim.step", "optim.ids"}
+    back = {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(2, dtype=torch.bfloat16)},
+            "optim": {"step": torch.tensor(0), "ids": torch.zeros(5, dtype=torch.int64)}}
+    store.load(path, back)
+    assert all(torch.equal(back[p][k], state[p][k]) for p in state for k in state[p])

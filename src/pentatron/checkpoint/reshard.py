@@ -37,6 +37,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from pentatron.checkpoint.errors import CheckpointError
+from pentatron.checkpoint.safe_metadata import SafeReader
 from pentatron.parallel.placement import Placement
 
 PIECES_DIR = "pieces"
@@ -120,10 +121,11 @@ def _read(directory: Path, pieces: list[dict[str, Any]]) -> list[torch.Tensor]:
     state: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
     for d in pieces:
         state[d["part"]][d["key"]] = torch.empty(d["shape"], dtype=getattr(torch, d["dtype"]))
+    reader = SafeReader(directory)  # a refused index is its own one-line error
     try:
         with warnings.catch_warnings():  # reading alone is intended: DCP's notice about it is muted
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.load(dict(state), checkpoint_id=directory, no_dist=True)
+            dcp.load(dict(state), storage_reader=reader, no_dist=True)
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise

@@ -27,6 +27,7 @@ from pentatron.checkpoint import manifest
 from pentatron.checkpoint.errors import CheckpointError
 from pentatron.checkpoint.lineage import continued_run_id, new_run_id, prune, remove_stale_partials
 from pentatron.checkpoint.reshard import write_pieces
+from pentatron.checkpoint.safe_metadata import SafeReader
 
 
 def _rank() -> int:
@@ -130,9 +131,10 @@ class CheckpointStore:
 
     def load(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
         """Load tensors in place into `state` (same keys as saved); return the saved metadata."""
+        reader = SafeReader(path)  # a refused index is its own one-line error
         with _dcp_mode() as single:
             try:
-                dcp.load(state, checkpoint_id=path, no_dist=single)
+                dcp.load(state, storage_reader=reader, no_dist=single)
             except (CheckpointException, OSError, RuntimeError, ValueError) as e:
                 raise CheckpointError(f"{path}: cannot be loaded ({_first_failure(e)})") from None
         return self.meta(path)
