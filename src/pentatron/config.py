@@ -135,6 +135,7 @@ class CheckpointConfig:
     async_save: bool = False  # stage to CPU and write in the background (at most one save in flight)
     fallback: bool = False  # latest damaged: resume from the newest older checkpoint that verifies
     force_new: bool = False  # with resume=false: start a new run beside a directory's existing checkpoints
+    resume_from: str = ""  # a step directory of dir to resume ("step_00000100" or "100"); empty: what `latest` names
     # SIGTERM (a scheduler's preemption notice, or to the launcher): finish the current step, save, exit 143.
     # Off: the ranks stop at once and the run resumes from the last periodic checkpoint.
     save_on_sigterm: bool = False
@@ -380,6 +381,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"checkpoint.keep must be ≥ 1, got {cfg.checkpoint.keep}")
     if cfg.checkpoint.save_on_sigterm and not cfg.checkpoint.dir:
         p.append("checkpoint.save_on_sigterm=true needs checkpoint.dir (where to save)")
+    if cfg.checkpoint.resume_from and not cfg.checkpoint.resume:
+        p.append("checkpoint.resume_from names a checkpoint to resume: it needs checkpoint.resume=true")
     if cfg.checkpoint.force_new and cfg.checkpoint.resume:
         p.append("checkpoint.force_new=true starts a new run: set checkpoint.resume=false too (--force-new sets both)")
     if cfg.log.every < 1:

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-from pentatron.checkpoint.lineage import fresh_run_problem
+from pentatron.checkpoint.errors import CheckpointError
+from pentatron.checkpoint.lineage import fresh_run_problem, resume_options
+from pentatron.checkpoint.resume import candidates, model_mismatch
 from pentatron.config import Config, resolved_dp
 from pentatron.data.errors import DataError
 
@@ -91,17 +93,26 @@ def checkpoint_problems(cfg: Config, world_size: int) -> list[str]:
     if root.exists() and not root.is_dir():
         return [f"checkpoint.dir {ck.dir!r} is a file, not a directory"]
     space = storage_problems(cfg, root)
+    pointer = root / "latest"
+    if not ck.resume and (pointer.exists() or pointer.is_symlink()) and not pointer.is_file():
+        return space + [f"{pointer}: is not the `latest` pointer file (a directory or a dangling link?), so no "
+                        "save could be published; move it away"]
     if not ck.resume:
         found = None if ck.force_new else fresh_run_problem(root)
         return space + ([found] if found else [])
-    pointer = root / "latest"
-    if not pointer.is_file():
+    try:  # the same choice the ranks make (resume.candidates): never a guess
+        paths = candidates(root, ck.resume_from, ck.fallback)
+    except CheckpointError as e:
+        return space + [str(e)]
+    if not paths:
         return space
-    target = root / pointer.read_text().strip()
+    target = paths[0]
     meta_path = target / "meta.json"
-    fix = f"remove {pointer} to start fresh, start a new run beside it with --force-new, or use another checkpoint.dir"
+    fix = "start a new run beside it with --force-new, or use another checkpoint.dir"
     if not meta_path.is_file():
-        return [f"{pointer} names {target}, which is not a complete checkpoint; {fix}"]
+        if ck.fallback:
+            return space  # the ranks skip it and resume the newest older checkpoint that verifies
+        return [f"{root / 'latest'} names {target}, which is not a complete checkpoint; {resume_options(root)}"]
     try:
         meta = json.loads(meta_path.read_text())
         saved = meta.get("layout", {"zero": 0})
@@ -120,11 +131,9 @@ def checkpoint_problems(cfg: Config, world_size: int) -> list[str]:
             problems.append(f"checkpoint {target} was written with parallel.{key}={saved[key]}, this run has "
                             f"parallel.{key}={mine}, and it was saved before checkpoints described their pieces, so it "
                             f"cannot be re-sharded: set parallel.{key}={saved[key]}, or {fix}")
-    current = json.loads(json.dumps(cfg.model_config().to_dict()))  # tuples → lists, as saved
-    changed = sorted(k for k in model if k in current and model[k] != current[k])
-    if changed:
-        problems.append(f"checkpoint {target} holds a model with a different shape "
-                        f"({', '.join(f'{k}={model[k]!r} vs {current[k]!r}' for k in changed)}); {fix}")
+    mismatch = model_mismatch(target, {"model": model}, cfg.model_config().to_dict())  # shapes, not names
+    if mismatch:
+        problems.append(mismatch)
     return problems
 
 

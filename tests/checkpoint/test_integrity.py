@@ -241,3 +241,67 @@ def test_the_checked_index_reads_what_dcp_writes(tmp_path):
             "optim": {"step": torch.tensor(0), "ids": torch.zeros(5, dtype=torch.int64)}}
     store.load(path, back)
     assert all(torch.equal(back[p][k], state[p][k]) for p in state for k in state[p])
+
+
+def _no_latest(ck: Path) -> None:
+    (ck / "latest").unlink()
+
+
+def _latest_is_a_directory(ck: Path) -> None:
+    (ck / "latest").unlink()
+    (ck / "latest").mkdir()
+
+
+def _latest_is_garbage(ck: Path) -> None:
+    (ck / "latest").write_bytes(bytes(range(190, 256)))  # 66 bytes, not UTF-8
+
+
+POINTERS = {"missing": (_no_latest, "no `latest` pointer"), "a directory": (_latest_is_a_directory, "is not the"),
+            "garbage": (_latest_is_garbage, "unreadable")}
+
+
+@pytest.mark.parametrize("kind", list(POINTERS))
+def test_latest_is_never_guessed(pristine, tmp_path, default_dataset, capsys, kind):
+    """Step checkpoints without a usable `latest`: one line before any step, naming the newest complete
+    checkpoint and the three ways on; nothing on disk changes (a fresh run would have repointed `latest`)."""
+    ck = tmp_path / "ck"
+    shutil.copytree(pristine, ck)
+    damage, words = POINTERS[kind]
+    damage(ck)
+    before = sorted(p.name for p in ck.iterdir())
+    assert main(["train", *_flags(tmp_path, default_dataset, ck, "--set=train.steps=3")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert words in err and "step_00000002" in err and "--resume-from" in err, err
+    assert "checkpoint.fallback=true" in err and "--force-new" in err, err
+    assert sorted(p.name for p in ck.iterdir()) == before and not (tmp_path / "runs").exists()
+
+
+def test_resume_from_and_fallback_choose_a_checkpoint_without_latest(pristine, tmp_path, default_dataset, capsys):
+    ck = tmp_path / "ck"
+    shutil.copytree(pristine, ck)
+    _no_latest(ck)
+    flags = _flags(tmp_path, default_dataset, ck, "--set=train.steps=3", "--set=checkpoint.keep=5")
+    assert main(["train", *flags, "--resume-from", "1"]) == 0
+    assert "resumed from" in (out := capsys.readouterr().out) and "step_00000001 at step 1" in out, out
+    (ck / "latest").unlink()
+    assert main(["train", *flags, "--set=checkpoint.fallback=true"]) == 0
+    assert "step_00000003 at step 3" in (out := capsys.readouterr().out), out  # the newest complete one
+    assert main(["train", *flags, "--resume-from", "step_00000009"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "step_00000009 is not a complete checkpoint" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_checkpoint_of_the_same_shape_under_another_name_resumes(pristine, tmp_path, default_dataset, capsys):
+    """`checkpoint import-hf` writes model.name="custom": the shape decides, in preflight as on resume."""
+    from pentatron.checkpoint import manifest
+
+    ck = tmp_path / "ck"
+    shutil.copytree(pristine, ck)
+    step = ck / "step_00000002"
+    meta = json.loads((step / "meta.json").read_text())
+    meta["model"]["name"] = "custom"
+    (step / "meta.json").write_text(json.dumps(meta))
+    manifest.write(step)
+    assert main(["train", *_flags(tmp_path, default_dataset, ck, "--set=train.steps=3")]) == 0
+    assert "resumed from" in capsys.readouterr().out

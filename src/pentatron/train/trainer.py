@@ -211,8 +211,9 @@ class Trainer:
 
     def _resume(self) -> None:
         assert self.store is not None
-        latest = resume_target(self.store.root, self.model_cfg.to_dict(), self.cfg.checkpoint.fallback, self.comm,
-                               self.rank, self.device)
+        ck = self.cfg.checkpoint
+        latest = resume_target(self.store.root, self.model_cfg.to_dict(), ck.fallback, self.comm, self.rank,
+                               self.device, ck.resume_from)
         if latest is None:
             return
         meta = self.state.load(latest, self.store)
