@@ -33,17 +33,10 @@ class CheckpointError(ValueError):
 
 
 def checkpoint_step_dir(path: Path) -> Path:
-    """A step directory, or a checkpoint directory whose `latest` names one."""
-    if (path / "meta.json").is_file():
-        return path
-    pointer = path / "latest"
-    if pointer.is_file():
-        step = path / pointer.read_text().strip()
-        if (step / "meta.json").is_file():
-            return step
-    raise CheckpointError(f"{path} is not a checkpoint: expected a step directory with meta.json, or a "
-                          "checkpoint.dir holding a `latest` pointer (written by `pentatron train` with "
-                          "checkpoint.dir set)")
+    """A step directory, or a checkpoint directory whose `latest` names one (not verified)."""
+    from pentatron.checkpoint.verified import step_dir_of
+
+    return step_dir_of(path)
 
 
 def load_model(path: Path) -> tuple[torch.nn.Module, ModelConfig, Path]:
@@ -79,11 +72,14 @@ def load_any_model(path: Path) -> tuple[torch.nn.Module, ModelConfig, Path]:
     them (any layout, ZeRO with tensor parallelism included)."""
     from pentatron.checkpoint.export import model_from_pieces
     from pentatron.checkpoint.reshard import has_pieces
+    from pentatron.checkpoint.verified import refuse_nonfinite, verified_step_dir
 
-    step_dir = checkpoint_step_dir(path)
-    if not has_pieces(step_dir):
-        return load_model(path)
-    model, model_cfg = model_from_pieces(step_dir)
+    step_dir = verified_step_dir(path)  # every file against the manifest, meta.json checked
+    if has_pieces(step_dir):
+        model, model_cfg = model_from_pieces(step_dir)
+    else:
+        model, model_cfg, _ = load_model(step_dir)
+    refuse_nonfinite(step_dir, model.named_parameters(), "nothing is generated or exported from it")
     return model, model_cfg, step_dir
 
 

@@ -305,3 +305,56 @@ def test_a_checkpoint_of_the_same_shape_under_another_name_resumes(pristine, tmp
     manifest.write(step)
     assert main(["train", *_flags(tmp_path, default_dataset, ck, "--set=train.steps=3")]) == 0
     assert "resumed from" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def nan_weights(pristine, tmp_path_factory) -> Path:
+    """step 2 rewritten with one weight NaN, its manifest recomputed: a checkpoint that verifies by files."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from pentatron.checkpoint import manifest
+    from pentatron.checkpoint.safe_metadata import read_metadata
+
+    ck = tmp_path_factory.mktemp("nan") / "ck"
+    shutil.copytree(pristine, ck)
+    step = ck / "step_00000002"
+    entries = read_metadata(step).state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in entries.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning)
+        dcp.load(state, checkpoint_id=step, no_dist=True)
+        key = next(k for k in state if k.startswith("model.") and state[k].ndim == 2)
+        state[key][0, 0] = float("nan")
+        for f in step.glob("*.distcp"):
+            f.unlink()
+        dcp.save(state, checkpoint_id=step, no_dist=True)
+    manifest.write(step)
+    return ck
+
+
+def test_non_finite_weights_are_refused_by_every_reader_and_never_written_on(nan_weights, tmp_path, default_dataset,
+                                                                             capsys):
+    for reader, argv in _readers(nan_weights, tmp_path, default_dataset).items():
+        assert main(argv) == 2, reader
+        err = capsys.readouterr().err.strip()
+        assert "Traceback" not in err and len(err.splitlines()) == 1, (reader, err)
+        assert "NaN or infinite" in err and "step_00000002" in err, (reader, err)
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "converted" / "latest").exists()
+    assert (nan_weights / "latest").read_text() == "step_00000002"  # the resume saved nothing
+
+
+def test_a_meta_json_without_a_model_is_one_line(pristine, tmp_path, capsys):
+    from pentatron.checkpoint import manifest
+
+    ck = tmp_path / "ck"
+    shutil.copytree(pristine, ck)
+    step = ck / "step_00000002"
+    meta = json.loads((step / "meta.json").read_text())
+    del meta["model"]
+    (step / "meta.json").write_text(json.dumps(meta))
+    manifest.write(step)
+    assert main(["generate", str(ck), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds no model config" in err and len(err.splitlines()) == 1, err
