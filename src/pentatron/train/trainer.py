@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from pentatron.checkpoint.async_save import AsyncCheckpointer
+from pentatron.checkpoint.errors import CheckpointWriteError
 from pentatron.checkpoint.resume import resume_target
 from pentatron.checkpoint.store import CheckpointStore
 from pentatron.config import Config
@@ -179,6 +180,8 @@ class Trainer:
             if logger is not None:
                 logger.close()
             self.observer.close(records)
+        if self.async_saver is not None and self.async_saver.last_failed:  # a run never ends on a lost save
+            raise CheckpointWriteError(f"the run's last {self.async_saver.failed[-1]}")
         return records
 
     # ------------------------------------------------------------------ checkpoints
