@@ -42,7 +42,7 @@ def _add_train_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from pentatron.config import ConfigError, load_config
-    from pentatron.distributed.launch import launched_world_size
+    from pentatron.distributed.launch import launched_world_size, rank_env_problem
     from pentatron.runner import launch, nproc_problem, stop_all_ranks, train_in_this_process
 
     overrides = list(args.overrides) + list(args.dotted)
@@ -52,6 +52,8 @@ def run_train(args: argparse.Namespace) -> int:
         overrides.append(f"checkpoint.resume_from={json.dumps(args.resume_from)}")
     if args.peak_tflops is not None:
         overrides.append(f"train.peak_tflops={args.peak_tflops}")
+    if rank_env_problem():
+        return _input_error(rank_env_problem())
     outer = launched_world_size()
     problem = nproc_problem(args.nproc, outer, args.nnodes)
     if problem:

@@ -183,8 +183,23 @@ def storage_problems(cfg: Config, root: Path) -> list[str]:
     return directory_problems(root, cfg.checkpoint.keep, size, slots)
 
 
+LOG_SPACE_BYTES = 64 << 20  # a run's metrics, TensorBoard events, flight dumps and profiles
+
+
 def log_problems(cfg: Config) -> list[str]:
+    """log.dir a directory (or creatable), writable, with room for a run's logs."""
+    import shutil
+
+    from pentatron.checkpoint.space import existing_ancestor, writable_problem
+
     path = Path(cfg.log.dir)
     if path.exists() and not path.is_dir():
         return [f"log.dir {cfg.log.dir!r} is a file, not a directory"]
+    problem = writable_problem(path, "log.dir")
+    if problem:
+        return [problem]
+    free = shutil.disk_usage(path if path.is_dir() else existing_ancestor(path)).free
+    if free < LOG_SPACE_BYTES:
+        return [f"log.dir {cfg.log.dir!r} has {free / 2**20:.1f} MiB free, a run's logs need ≈ "
+                f"{LOG_SPACE_BYTES >> 20} MiB; free space or choose another log.dir"]
     return []

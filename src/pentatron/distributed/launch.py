@@ -47,6 +47,25 @@ def adopt_slurm_env() -> None:
         env.setdefault("MASTER_PORT", "29500")
 
 
+def rank_env_problem() -> str | None:
+    """What is wrong with the rank variables an outer launcher set (None: absent or sane): integers, and
+    each rank inside its world — a RANK ≥ WORLD_SIZE would wait for ranks that can never come."""
+    env = os.environ
+    values: dict[str, int] = {}
+    for name, least in (("WORLD_SIZE", 1), ("RANK", 0), ("LOCAL_WORLD_SIZE", 1), ("LOCAL_RANK", 0)):
+        raw = env.get(name)
+        if raw is None:
+            continue
+        if not raw.strip().isdigit() or int(raw) < least:
+            return f"{name}={raw!r} must be an integer ≥ {least} (set by torchrun/srun; unset it to run one process)"
+        values[name] = int(raw)
+    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if rank in values and size in values and values[rank] >= values[size]:
+            return (f"{rank}={values[rank]} is outside {size}={values[size]} (ranks are 0 … {values[size] - 1}); "
+                    "the job would wait forever for the missing ranks")
+    return None
+
+
 def launched_world_size() -> int | None:
     """The world size set by an outer launcher (torchrun, srun), or None for a plain process."""
     adopt_slurm_env()
