@@ -117,6 +117,7 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     peak_tflops: float | None = None  # per device, for MFU; default from the hardware table
     nonfinite: Literal["skip", "stop"] = "stop"  # a NaN/inf loss or grad norm: skip the update, or stop (exit 3)
+    allow_overcommit: bool = False  # start even when the planner predicts the run does not fit in memory
 
 
 @dataclass

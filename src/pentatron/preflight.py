@@ -23,10 +23,16 @@ from pentatron.config import Config, resolved_dp
 from pentatron.data.errors import DataError
 
 
-def preflight_problems(cfg: Config, *, world_size: int, build_default_data: bool) -> list[str]:
+def preflight_problems(cfg: Config, *, world_size: int, build_default_data: bool,
+                       local_ranks: int | None = None) -> list[str]:
     """Every user-fixable problem found on this host (empty: go). `build_default_data` tokenizes the
-    built-in corpus if it is not cached yet (the launcher or rank 0 does it, once)."""
+    built-in corpus if it is not cached yet (the launcher or rank 0 does it, once). `local_ranks`: the
+    ranks on this host (default: LOCAL_WORLD_SIZE, else all)."""
+    from pentatron.preflight_memory import local_rank_count, memory_problems
+
     problems = device_problems(cfg) + environment_problems()
+    if not problems:
+        problems += memory_problems(cfg, world_size, local_ranks or local_rank_count(world_size))
     problems += data_problems(cfg, build_default_data)
     problems += checkpoint_problems(cfg, world_size)
     problems += log_problems(cfg)

@@ -33,7 +33,7 @@ def launch(cfg: Config, argv: list[str], nproc: int, nnodes: int = 1, node_rank:
     from pentatron.observe.rundir import resolve_run_dir
     from pentatron.preflight import preflight_problems
 
-    problems = preflight_problems(cfg, world_size=nproc * nnodes, build_default_data=True)
+    problems = preflight_problems(cfg, world_size=nproc * nnodes, build_default_data=True, local_ranks=nproc)
     if cfg.checkpoint.dir and node_rank == 0:
         from pentatron.checkpoint.lock import probe
 
