@@ -124,10 +124,22 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
 
     store = None
     if world > 1:
-        store, rank, world = rendezvous()
+        from pentatron.distributed.launch import StartupTimeout
+        from pentatron.observe.watchdog import process_group_timeout
+
+        bound = cfg.distributed.timeout_s
+        try:
+            store, rank, world = rendezvous(process_group_timeout(bound))
+        except StartupTimeout as e:
+            print(f"pentatron: error: {e}", file=sys.stderr, flush=True)
+            return 1
         if local_rank == 0 and not problems and measure_peak:
             refresh_cpu_peak(cfg)  # the host's other ranks wait for the verdict meanwhile
-        verdict = agree_on_preflight(store, rank, world, problems, leader, report=problems_error)
+        verdict = agree_on_preflight(store, rank, world, problems, leader, report=problems_error, timeout_s=bound)
+        if "startup_error" in verdict:
+            if lock is not None:
+                lock.release()
+            return 1
     else:
         if not problems and measure_peak:
             refresh_cpu_peak(cfg)
