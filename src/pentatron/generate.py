@@ -163,7 +163,11 @@ def _tokenizer_for(step_dir: Path, override: Path | None) -> tuple[Any, int | No
             eos = None
     if not path.is_file():
         raise CheckpointError(f"tokenizer {path} does not exist; pass --tokenizer DATASET_DIR")
-    return Tokenizer.from_file(str(path)), eos
+    try:
+        return Tokenizer.from_file(str(path)), eos
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own untyped exception
+        raise CheckpointError(f"tokenizer {path} is not a tokenizer.json `pentatron tokenize` wrote "
+                              f"({str(e).splitlines()[0][:120]}); pass --tokenizer DATASET_DIR") from None
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:

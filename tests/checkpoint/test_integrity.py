@@ -358,3 +358,11 @@ def test_a_meta_json_without_a_model_is_one_line(pristine, tmp_path, capsys):
     assert main(["generate", str(ck), "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert "holds no model config" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_garbage_tokenizer_is_one_line(pristine, tmp_path, capsys):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_bytes(bytes(range(256)) * 4)
+    assert main(["generate", str(pristine), "--tokenizer", str(bad), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is not a tokenizer.json" in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
