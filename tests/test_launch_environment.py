@@ -42,3 +42,18 @@ def test_an_unwritable_log_dir_is_found_before_the_run(default_dataset, tmp_path
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "log.dir" in err and "not writable" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_dataset_shorter_than_one_sample_is_found_before_the_ranks_start(tmp_path):
+    import numpy as np
+
+    from tests.data.test_loader import write_dataset
+    from tests.launchers import pentatron_nproc
+
+    tiny = write_dataset(tmp_path / "tiny", np.arange(1, 21), shard_tokens=100, vocab_size=4096)
+    args = [CONFIG, f"--set=data.path={json.dumps(str(tiny))}", "--set=log.progress=false",
+            f"--set=log.dir={json.dumps(str(tmp_path / 'runs'))}"]
+    out = pentatron_nproc(args, 2, tmp_path / "cwd", timeout=120)
+    assert out.codes == [2], out.output[-2000:]
+    assert out.output.count("fewer than seq_len+1") == 1 and "Traceback" not in out.output, out.output[-2000:]
+    assert not (tmp_path / "runs").exists()

@@ -71,7 +71,7 @@ def environment_problems() -> list[str]:
 
 
 def data_problems(cfg: Config, build_default_data: bool) -> list[str]:
-    from pentatron.data.loader import TokenDataset
+    from pentatron.data.loader import TokenDataset, too_short_problem
     from pentatron.train.trainer import resolve_dataset
 
     if not cfg.data.path and not build_default_data:
@@ -82,6 +82,9 @@ def data_problems(cfg: Config, build_default_data: bool) -> list[str]:
         dataset.check_vocab(vocab)
     except DataError as e:
         return [str(e)]
+    short = too_short_problem(dataset, cfg.train.seq_len)
+    if short:
+        return [short]
     if build_default_data:  # the launcher or rank 0 reads every token id once (data/vocab_check.py)
         from pentatron.data.vocab_check import scan_problem
 

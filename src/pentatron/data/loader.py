@@ -83,6 +83,14 @@ class TokenDataset:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
+def too_short_problem(dataset: TokenDataset, seq_len: int) -> str | None:
+    """A dataset that holds not even one sample of seq_len + 1 tokens (also asked by preflight)."""
+    if len(dataset) - 1 >= seq_len:
+        return None
+    return (f"dataset {dataset.path} has {len(dataset)} tokens, fewer than seq_len+1 = {seq_len + 1} needed for "
+            "one sample; use a shorter train.seq_len or more data")
+
+
 class TokenLoader:
     """Yields, per optimizer step, this DP rank's micro-batches of (inputs, targets) int64 tensors."""
 
@@ -113,9 +121,9 @@ class TokenLoader:
         self.seed = seed
         self.consumed_samples = consumed_samples
         self.num_samples = (len(dataset) - 1) // seq_len
-        if self.num_samples <= 0:
-            raise DataError(f"dataset {dataset.path} has {len(dataset)} tokens, fewer than seq_len+1 = "
-                            f"{seq_len + 1} needed for one sample; use a shorter train.seq_len or more data")
+        short = too_short_problem(dataset, seq_len)
+        if short:
+            raise DataError(short)
         self._orders: dict[int, np.ndarray] = {}
 
     @property
