@@ -102,10 +102,11 @@ def launch_local_ranks(nproc: int, argv: list[str], nnodes: int = 1, node_rank: 
         elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
-        if any(c == 2 for c in codes.values()) and all(c == 2 or c < 0 for c in codes.values()):
-            return 2  # a user error: rank 0 has printed it, once
-        if any(c == 3 for c in codes.values()) and all(c == 3 or c < 0 for c in codes.values()):
-            return 3  # stopped on a non-finite loss/norm/state: rank 0 has said so
+        # 2: a user error, 3: stopped on a non-finite loss/norm/state, 143: stopped after a step by SIGTERM
+        # (checkpoint.save_on_sigterm) — every rank agreed and rank 0 has said it; the agent stopped the rest
+        for agreed in (2, 3, 143):
+            if any(c == agreed for c in codes.values()) and all(c == agreed or c < 0 for c in codes.values()):
+                return agreed
         for rank, code in sorted(codes.items()):
             print(f"pentatron: rank {rank} exited with code {code}" +
                   (" (killed by a signal)" if code < 0 else ""), file=sys.stderr)
