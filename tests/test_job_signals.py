@@ -86,6 +86,12 @@ def _start_training(tmp: Path, dataset: Path, *extra: str) -> tuple[subprocess.P
     raise AssertionError(f"the job did not start training: {launcher.communicate()[0][-3000:]}")
 
 
+def _rank_pid(pids: list[int], rank: int) -> int:
+    """The one of `pids` whose environment says RANK=`rank`."""
+    (pid,) = [p for p in pids if f"RANK={rank}".encode() in Path(f"/proc/{p}/environ").read_bytes().split(b"\0")]
+    return pid
+
+
 def _wait_gone(pids: list[int], seconds: float) -> list[int]:
     deadline = time.monotonic() + seconds
     while _alive(pids) and time.monotonic() < deadline:
@@ -107,11 +113,13 @@ def test_sigterm_stops_every_rank_and_a_second_job_is_refused_meanwhile(tmp_path
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux-only")
-def test_sigterm_with_save_on_sigterm_saves_the_last_step_then_exits_143(tmp_path, default_dataset):
+@pytest.mark.parametrize("target", ["launcher", "rank 0"])
+def test_sigterm_with_save_on_sigterm_saves_the_last_step_then_exits_143(tmp_path, default_dataset, target):
+    """To the launcher (a scheduler's notice) or to one rank alone (a node's): the job saves and exits 143."""
     from pentatron.checkpoint import manifest
 
     with _training(tmp_path / "a", default_dataset, "--set=checkpoint.save_on_sigterm=true") as (launcher, ranks):
-        launcher.send_signal(signal.SIGTERM)
+        os.kill(launcher.pid if target == "launcher" else _rank_pid(ranks, int(target[-1])), signal.SIGTERM)
         out, _ = launcher.communicate(timeout=60)
         assert launcher.returncode == 143, out[-2000:]
         assert _wait_gone(ranks, 10) == []

@@ -55,7 +55,7 @@ def add_checkpoint_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_convert(args: argparse.Namespace) -> int:
     from pentatron.config import ConfigError, load_config
-    from pentatron.distributed.launch import launch_local_ranks, launched_world_size
+    from pentatron.distributed.launch import launch_local_ranks, launched_world_size, rank_env_problem
     from pentatron.preflight import convert_problems
     from pentatron.runner import input_error, nproc_problem, problems_error, run_in_this_process, stop_all_ranks
     from pentatron.train.convert import convert_checkpoint
@@ -69,6 +69,8 @@ def run_convert(args: argparse.Namespace) -> int:
     # DST is a new checkpoint directory of the converted run (never resumed into, never beside another run).
     overrides += [f"checkpoint.dir={json.dumps(str(args.dst))}", "checkpoint.resume=false",
                   "checkpoint.force_new=false"]
+    if rank_env_problem():
+        return input_error(rank_env_problem())
     outer = launched_world_size()
     problem = nproc_problem(args.nproc, outer)
     if problem:

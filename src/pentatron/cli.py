@@ -8,6 +8,7 @@ traceback); 1 any other failure, with a message naming the rank.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 
@@ -24,6 +25,8 @@ def _add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--force-new", action="store_true",
                    help="start a new run in a checkpoint.dir that holds another run's checkpoints (kept)")
+    p.add_argument("--resume-from", metavar="STEP", default=None,
+                   help="resume this step directory of checkpoint.dir (step_00000100 or 100) instead of `latest`")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense TFLOP/s per device for MFU (default: hardware table / measured)")
     multi = p.add_argument_group("several machines (run the same command on each, with its --node-rank)")
@@ -39,14 +42,18 @@ def _add_train_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from pentatron.config import ConfigError, load_config
-    from pentatron.distributed.launch import launched_world_size
+    from pentatron.distributed.launch import launched_world_size, rank_env_problem
     from pentatron.runner import launch, nproc_problem, stop_all_ranks, train_in_this_process
 
     overrides = list(args.overrides) + list(args.dotted)
     if args.force_new:
         overrides += ["checkpoint.resume=false", "checkpoint.force_new=true"]
+    if args.resume_from is not None:
+        overrides.append(f"checkpoint.resume_from={json.dumps(args.resume_from)}")
     if args.peak_tflops is not None:
         overrides.append(f"train.peak_tflops={args.peak_tflops}")
+    if rank_env_problem():
+        return _input_error(rank_env_problem())
     outer = launched_world_size()
     problem = nproc_problem(args.nproc, outer, args.nnodes)
     if problem:

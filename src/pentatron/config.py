@@ -117,6 +117,7 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     peak_tflops: float | None = None  # per device, for MFU; default from the hardware table
     nonfinite: Literal["skip", "stop"] = "stop"  # a NaN/inf loss or grad norm: skip the update, or stop (exit 3)
+    allow_overcommit: bool = False  # start even when the planner predicts the run does not fit in memory
 
 
 @dataclass
@@ -135,6 +136,7 @@ class CheckpointConfig:
     async_save: bool = False  # stage to CPU and write in the background (at most one save in flight)
     fallback: bool = False  # latest damaged: resume from the newest older checkpoint that verifies
     force_new: bool = False  # with resume=false: start a new run beside a directory's existing checkpoints
+    resume_from: str = ""  # a step directory of dir to resume ("step_00000100" or "100"); empty: what `latest` names
     # SIGTERM (a scheduler's preemption notice, or to the launcher): finish the current step, save, exit 143.
     # Off: the ranks stop at once and the run resumes from the last periodic checkpoint.
     save_on_sigterm: bool = False
@@ -380,6 +382,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"checkpoint.keep must be ≥ 1, got {cfg.checkpoint.keep}")
     if cfg.checkpoint.save_on_sigterm and not cfg.checkpoint.dir:
         p.append("checkpoint.save_on_sigterm=true needs checkpoint.dir (where to save)")
+    if cfg.checkpoint.resume_from and not cfg.checkpoint.resume:
+        p.append("checkpoint.resume_from names a checkpoint to resume: it needs checkpoint.resume=true")
     if cfg.checkpoint.force_new and cfg.checkpoint.resume:
         p.append("checkpoint.force_new=true starts a new run: set checkpoint.resume=false too (--force-new sets both)")
     if cfg.log.every < 1:

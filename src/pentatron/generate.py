@@ -33,35 +33,29 @@ class CheckpointError(ValueError):
 
 
 def checkpoint_step_dir(path: Path) -> Path:
-    """A step directory, or a checkpoint directory whose `latest` names one."""
-    if (path / "meta.json").is_file():
-        return path
-    pointer = path / "latest"
-    if pointer.is_file():
-        step = path / pointer.read_text().strip()
-        if (step / "meta.json").is_file():
-            return step
-    raise CheckpointError(f"{path} is not a checkpoint: expected a step directory with meta.json, or a "
-                          "checkpoint.dir holding a `latest` pointer (written by `pentatron train` with "
-                          "checkpoint.dir set)")
+    """A step directory, or a checkpoint directory whose `latest` names one (not verified)."""
+    from pentatron.checkpoint.verified import step_dir_of
+
+    return step_dir_of(path)
 
 
 def load_model(path: Path) -> tuple[torch.nn.Module, ModelConfig, Path]:
     """The trained model (fp32, CPU, eval mode), its config and the step directory it came from."""
     import torch.distributed.checkpoint as dcp
 
+    from pentatron.checkpoint.safe_metadata import SafeReader, read_metadata
     from pentatron.models.llama import build_model
 
     step_dir = checkpoint_step_dir(path)
     meta = json.loads((step_dir / "meta.json").read_text())
     model_cfg = ModelConfig.from_dict(meta["model"])
     model = build_model(model_cfg, device="cpu", dtype=torch.float32)
-    stored = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    stored = read_metadata(step_dir).state_dict_metadata
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items()
              if k.startswith("model.") and hasattr(m, "size")}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+        dcp.load(state, storage_reader=SafeReader(step_dir), no_dist=True)
     full = assemble({k.removeprefix("model."): v for k, v in state.items()},
                     {n: p.shape for n, p in model.named_parameters()})
     missing = sorted(set(dict(model.named_parameters())) - set(full))
@@ -78,11 +72,14 @@ def load_any_model(path: Path) -> tuple[torch.nn.Module, ModelConfig, Path]:
     them (any layout, ZeRO with tensor parallelism included)."""
     from pentatron.checkpoint.export import model_from_pieces
     from pentatron.checkpoint.reshard import has_pieces
+    from pentatron.checkpoint.verified import refuse_nonfinite, verified_step_dir
 
-    step_dir = checkpoint_step_dir(path)
-    if not has_pieces(step_dir):
-        return load_model(path)
-    model, model_cfg = model_from_pieces(step_dir)
+    step_dir = verified_step_dir(path)  # every file against the manifest, meta.json checked
+    if has_pieces(step_dir):
+        model, model_cfg = model_from_pieces(step_dir)
+    else:
+        model, model_cfg, _ = load_model(step_dir)
+    refuse_nonfinite(step_dir, model.named_parameters(), "nothing is generated or exported from it")
     return model, model_cfg, step_dir
 
 
@@ -166,7 +163,11 @@ def _tokenizer_for(step_dir: Path, override: Path | None) -> tuple[Any, int | No
             eos = None
     if not path.is_file():
         raise CheckpointError(f"tokenizer {path} does not exist; pass --tokenizer DATASET_DIR")
-    return Tokenizer.from_file(str(path)), eos
+    try:
+        return Tokenizer.from_file(str(path)), eos
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own untyped exception
+        raise CheckpointError(f"tokenizer {path} is not a tokenizer.json `pentatron tokenize` wrote "
+                              f"({str(e).splitlines()[0][:120]}); pass --tokenizer DATASET_DIR") from None
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:

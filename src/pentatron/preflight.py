@@ -16,15 +16,23 @@ from pathlib import Path
 
 import torch
 
-from pentatron.checkpoint.lineage import fresh_run_problem
+from pentatron.checkpoint.errors import CheckpointError
+from pentatron.checkpoint.lineage import fresh_run_problem, resume_options
+from pentatron.checkpoint.resume import candidates, model_mismatch
 from pentatron.config import Config, resolved_dp
 from pentatron.data.errors import DataError
 
 
-def preflight_problems(cfg: Config, *, world_size: int, build_default_data: bool) -> list[str]:
+def preflight_problems(cfg: Config, *, world_size: int, build_default_data: bool,
+                       local_ranks: int | None = None) -> list[str]:
     """Every user-fixable problem found on this host (empty: go). `build_default_data` tokenizes the
-    built-in corpus if it is not cached yet (the launcher or rank 0 does it, once)."""
+    built-in corpus if it is not cached yet (the launcher or rank 0 does it, once). `local_ranks`: the
+    ranks on this host (default: LOCAL_WORLD_SIZE, else all)."""
+    from pentatron.preflight_memory import local_rank_count, memory_problems
+
     problems = device_problems(cfg) + environment_problems()
+    if not problems:
+        problems += memory_problems(cfg, world_size, local_ranks or local_rank_count(world_size))
     problems += data_problems(cfg, build_default_data)
     problems += checkpoint_problems(cfg, world_size)
     problems += log_problems(cfg)
@@ -63,7 +71,7 @@ def environment_problems() -> list[str]:
 
 
 def data_problems(cfg: Config, build_default_data: bool) -> list[str]:
-    from pentatron.data.loader import TokenDataset
+    from pentatron.data.loader import TokenDataset, too_short_problem
     from pentatron.train.trainer import resolve_dataset
 
     if not cfg.data.path and not build_default_data:
@@ -74,6 +82,9 @@ def data_problems(cfg: Config, build_default_data: bool) -> list[str]:
         dataset.check_vocab(vocab)
     except DataError as e:
         return [str(e)]
+    short = too_short_problem(dataset, cfg.train.seq_len)
+    if short:
+        return [short]
     if build_default_data:  # the launcher or rank 0 reads every token id once (data/vocab_check.py)
         from pentatron.data.vocab_check import scan_problem
 
@@ -91,17 +102,26 @@ def checkpoint_problems(cfg: Config, world_size: int) -> list[str]:
     if root.exists() and not root.is_dir():
         return [f"checkpoint.dir {ck.dir!r} is a file, not a directory"]
     space = storage_problems(cfg, root)
+    pointer = root / "latest"
+    if not ck.resume and (pointer.exists() or pointer.is_symlink()) and not pointer.is_file():
+        return space + [f"{pointer}: is not the `latest` pointer file (a directory or a dangling link?), so no "
+                        "save could be published; move it away"]
     if not ck.resume:
         found = None if ck.force_new else fresh_run_problem(root)
         return space + ([found] if found else [])
-    pointer = root / "latest"
-    if not pointer.is_file():
+    try:  # the same choice the ranks make (resume.candidates): never a guess
+        paths = candidates(root, ck.resume_from, ck.fallback)
+    except CheckpointError as e:
+        return space + [str(e)]
+    if not paths:
         return space
-    target = root / pointer.read_text().strip()
+    target = paths[0]
     meta_path = target / "meta.json"
-    fix = f"remove {pointer} to start fresh, start a new run beside it with --force-new, or use another checkpoint.dir"
+    fix = "start a new run beside it with --force-new, or use another checkpoint.dir"
     if not meta_path.is_file():
-        return [f"{pointer} names {target}, which is not a complete checkpoint; {fix}"]
+        if ck.fallback:
+            return space  # the ranks skip it and resume the newest older checkpoint that verifies
+        return [f"{root / 'latest'} names {target}, which is not a complete checkpoint; {resume_options(root)}"]
     try:
         meta = json.loads(meta_path.read_text())
         saved = meta.get("layout", {"zero": 0})
@@ -120,11 +140,9 @@ def checkpoint_problems(cfg: Config, world_size: int) -> list[str]:
             problems.append(f"checkpoint {target} was written with parallel.{key}={saved[key]}, this run has "
                             f"parallel.{key}={mine}, and it was saved before checkpoints described their pieces, so it "
                             f"cannot be re-sharded: set parallel.{key}={saved[key]}, or {fix}")
-    current = json.loads(json.dumps(cfg.model_config().to_dict()))  # tuples → lists, as saved
-    changed = sorted(k for k in model if k in current and model[k] != current[k])
-    if changed:
-        problems.append(f"checkpoint {target} holds a model with a different shape "
-                        f"({', '.join(f'{k}={model[k]!r} vs {current[k]!r}' for k in changed)}); {fix}")
+    mismatch = model_mismatch(target, {"model": model}, cfg.model_config().to_dict())  # shapes, not names
+    if mismatch:
+        problems.append(mismatch)
     return problems
 
 
@@ -174,8 +192,23 @@ def storage_problems(cfg: Config, root: Path) -> list[str]:
     return directory_problems(root, cfg.checkpoint.keep, size, slots)
 
 
+LOG_SPACE_BYTES = 64 << 20  # a run's metrics, TensorBoard events, flight dumps and profiles
+
+
 def log_problems(cfg: Config) -> list[str]:
+    """log.dir a directory (or creatable), writable, with room for a run's logs."""
+    import shutil
+
+    from pentatron.checkpoint.space import existing_ancestor, writable_problem
+
     path = Path(cfg.log.dir)
     if path.exists() and not path.is_dir():
         return [f"log.dir {cfg.log.dir!r} is a file, not a directory"]
+    problem = writable_problem(path, "log.dir")
+    if problem:
+        return [problem]
+    free = shutil.disk_usage(path if path.is_dir() else existing_ancestor(path)).free
+    if free < LOG_SPACE_BYTES:
+        return [f"log.dir {cfg.log.dir!r} has {free / 2**20:.1f} MiB free, a run's logs need ≈ "
+                f"{LOG_SPACE_BYTES >> 20} MiB; free space or choose another log.dir"]
     return []

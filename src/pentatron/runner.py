@@ -33,7 +33,7 @@ def launch(cfg: Config, argv: list[str], nproc: int, nnodes: int = 1, node_rank:
     from pentatron.observe.rundir import resolve_run_dir
     from pentatron.preflight import preflight_problems
 
-    problems = preflight_problems(cfg, world_size=nproc * nnodes, build_default_data=True)
+    problems = preflight_problems(cfg, world_size=nproc * nnodes, build_default_data=True, local_ranks=nproc)
     if cfg.checkpoint.dir and node_rank == 0:
         from pentatron.checkpoint.lock import probe
 
@@ -95,7 +95,9 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
     """One rank of a job (`train`, `checkpoint convert`): its checks (`problems_of(rank, world)`) agreed
     with the other ranks, the checkpoint directory locked, then `job(rank, verdict)` — `verdict` is what
     rank 0's `leader()` chose for everyone — and a clean exit with the job's exit code."""
-    from pentatron.checkpoint.errors import CheckpointError
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from pentatron.checkpoint.errors import CheckpointError, CheckpointWriteError
     from pentatron.data.errors import DataError
     from pentatron.distributed.launch import (
         agree_on_preflight,
@@ -122,10 +124,22 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
 
     store = None
     if world > 1:
-        store, rank, world = rendezvous()
+        from pentatron.distributed.launch import StartupTimeout
+        from pentatron.observe.watchdog import process_group_timeout
+
+        bound = cfg.distributed.timeout_s
+        try:
+            store, rank, world = rendezvous(process_group_timeout(bound))
+        except StartupTimeout as e:
+            print(f"pentatron: error: {e}", file=sys.stderr, flush=True)
+            return 1
         if local_rank == 0 and not problems and measure_peak:
             refresh_cpu_peak(cfg)  # the host's other ranks wait for the verdict meanwhile
-        verdict = agree_on_preflight(store, rank, world, problems, leader, report=problems_error)
+        verdict = agree_on_preflight(store, rank, world, problems, leader, report=problems_error, timeout_s=bound)
+        if "startup_error" in verdict:
+            if lock is not None:
+                lock.release()
+            return 1
     else:
         if not problems and measure_peak:
             refresh_cpu_peak(cfg)
@@ -146,6 +160,10 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
         finished = True
     except CheckpointError as e:  # every rank raises it; rank 0's names the file
         return input_error(str(e)) if rank == 0 else 2
+    except (CheckpointWriteError, CheckpointException) as e:  # DCP's is a BaseException: named here
+        if rank == 0 or not isinstance(e, CheckpointWriteError):
+            print(f"pentatron: error: {e}".splitlines()[0], file=sys.stderr, flush=True)
+        return 1
     except DataError as e:
         return input_error(f"rank {rank}: {e}")
     except NonFiniteStop as e:

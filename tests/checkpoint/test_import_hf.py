@@ -50,3 +50,19 @@ def test_an_imported_hugging_face_model_is_where_training_starts(default_dataset
     assert [r["step"] for r in records] == [1, 2] and all(np.isfinite(r["loss"]) for r in records)
     assert main(["checkpoint", "import-hf", str(tmp_path / "hf"), str(ck)]) == 2
     assert "is not empty" in capsys.readouterr().err
+
+
+def test_non_finite_hugging_face_weights_are_not_imported(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    _hf_debug_model(tmp_path / "hf")
+    f = next((tmp_path / "hf").glob("*.safetensors"))
+    tensors = load_file(f)
+    name = next(n for n in tensors if n.endswith("down_proj.weight"))
+    tensors[name][0, 0] = float("inf")
+    save_file(tensors, f, metadata={"format": "pt"})
+    capsys.readouterr()  # transformers' progress bars
+    assert main(["checkpoint", "import-hf", str(tmp_path / "hf"), str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "NaN or infinite" in err and "down_proj" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "ck" / "latest").exists()

@@ -264,3 +264,21 @@ def test_tokenized_text_loads_back(tmp_path):
     assert int((stream == ds.eos_id).sum()) == 2 and stream[-1] == ds.eos_id
     for x, y in loader.next_step():
         assert torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) <= ds.max_token_id
+
+
+def test_a_shard_truncated_while_training_is_named_not_a_sigbus(tmp_path):
+    """Reading a memory-mapped shard past its new end is a SIGBUS that kills the process silently (exit 135);
+    the dataset notices the shrunken file first. Run in a child process, so that a regression is a failed
+    assertion, not a dead test runner."""
+    import subprocess
+    import sys
+
+    tokens = np.random.default_rng(0).integers(0, 1000, size=40_000)
+    path = write_dataset(tmp_path / "ds", tokens, shard_tokens=20_000)  # 40 KB a shard: pages past the cut
+    script = (f"from pentatron.data.loader import TokenDataset\nfrom pentatron.data.errors import DataError\n"
+              f"ds = TokenDataset({str(path)!r})\nds.read(35_000, 35_100)\n"
+              f"open({str(path / 'shard_00001.bin')!r}, 'r+b').truncate(100)\n"
+              "try:\n    ds.read(35_000, 35_100).sum()\nexcept DataError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "shard_00001.bin shrank to 100 bytes while training" in done.stdout, done.stdout

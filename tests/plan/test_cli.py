@@ -108,7 +108,10 @@ def test_verify_flag(capsys):
 @pytest.mark.parametrize(("argv", "needle"), [
     (["--model", "llama9", "--gpus", "8"], "unknown model 'llama9'"),
     (["--model", "debug", "--gpus", "8", "--gpu", "v100"], "unknown GPU 'v100'"),
-    (["--model", "debug", "--gpus", "0"], "--gpus must be >= 1"),
+    (["--model", "debug", "--gpus", "0"], "--gpus must be within 1 … 1,048,576"),
+    (["--model", "debug", "--gpus", "1000000000"], "--gpus must be within 1 … 1,048,576"),
+    (["--model", "debug", "--seq", "256", "--global-batch-tokens", "nan", "--gpus", "2"], "'nan' must be a positive"),
+    (["--model", "debug", "--seq", "256", "--global-batch-tokens", "inf", "--gpus", "2"], "'inf' must be a positive"),
     (["--model", "debug", "--seq", "256", "--global-batch-tokens", "1000"], "not a multiple of --seq 256"),
     (["--model", "debug", "--seq", "256", "--global-batch-tokens", "lots", "--gpus", "2"], "cannot read 'lots'"),
     (["--model", "llama3-70b", "--gpus", "256", "--tp", "3"], "parallel.tp=3 does not divide model.n_heads=64"),

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from pentatron.checkpoint.store import CheckpointStore, _dcp_mode, _first_failure, _rank
+from pentatron.checkpoint.errors import write_failure
+from pentatron.checkpoint.store import CheckpointStore, _dcp_mode, _rank
 
 
 class _CpuCopy:
@@ -51,6 +52,7 @@ class _InFlight:
     step: int
     tmp: Path
     future: Future
+    nbytes: int  # this rank's bytes of the state (for the message of a failed write)
     publisher: threading.Thread | None = None
     outcome: list[str] = field(default_factory=list)  # what happened, written by the publisher thread
 
@@ -64,6 +66,7 @@ class AsyncCheckpointer:
         self._pending: _InFlight | None = None
         self.published: list[Path] = []
         self.failed: list[str] = []
+        self.last_failed = False  # the newest save that finished did not become a checkpoint
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], pieces: dict[str, Any] | None) -> float:
         """Start saving `state` (every rank); returns the seconds training was blocked."""
@@ -73,7 +76,9 @@ class AsyncCheckpointer:
         with _dcp_mode() as single:
             future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group, no_dist=single,
                                     async_stager=_CpuCopy())
-        pending = _InFlight(step, tmp, future)
+        nbytes = sum(t.numel() * t.element_size() for part in state.values() for t in part.values()
+                     if isinstance(t, torch.Tensor))
+        pending = _InFlight(step, tmp, future, nbytes)
         if _rank() == 0:
             pending.publisher = threading.Thread(target=self._publish, args=(pending, meta), daemon=True,
                                                  name=f"pentatron-publish-step{step}")
@@ -89,7 +94,7 @@ class AsyncCheckpointer:
             pending.outcome.append(f"ok:{final}")
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             shutil.rmtree(pending.tmp, ignore_errors=True)
-            pending.outcome.append(f"failed:{_first_failure(e)}")
+            pending.outcome.append(f"failed:{write_failure(pending.tmp, pending.step, e, pending.nbytes)}")
 
     def wait(self) -> None:
         """Finish the save in flight (every rank; rank 0 publishes); a failed one is reported."""
@@ -97,18 +102,18 @@ class AsyncCheckpointer:
         if pending is None:
             return
         if pending.publisher is None:  # ranks > 0: their part of the write
+            self.last_failed = False
             try:
                 pending.future.result()
             except BaseException as e:  # noqa: BLE001
-                self.failed.append(f"step {pending.step}: {_first_failure(e)}")
+                self.failed.append(write_failure(pending.tmp, pending.step, e, pending.nbytes))
+                self.last_failed = True
             return
         pending.publisher.join()
         kind, _, text = (pending.outcome or ["failed:publisher thread ended without an outcome"])[0].partition(":")
+        self.last_failed = kind != "ok"
         if kind == "ok":
             self.published.append(Path(text))
             return
-        self.failed.append(f"step {pending.step}: {text}")
-        latest = self.store.root / "latest"
-        where = latest.read_text().strip() if latest.is_file() else "none"
-        print(f"pentatron: checkpoint of step {pending.step} failed in the background and was not published "
-              f"({text}); latest stays {where}", file=sys.stderr, flush=True)
+        self.failed.append(text)
+        print(f"pentatron: background save failed: {text}", file=sys.stderr, flush=True)

@@ -14,6 +14,7 @@ from pentatron.checkpoint.errors import CheckpointError
 from pentatron.checkpoint.layout import layout_record
 from pentatron.checkpoint.reshard import describe_state
 from pentatron.checkpoint.store import CheckpointStore
+from pentatron.checkpoint.verified import refuse_nonfinite
 
 
 def import_hf_checkpoint(hf_dir: Path, ckpt_dir: Path) -> Path:
@@ -29,6 +30,7 @@ def import_hf_checkpoint(hf_dir: Path, ckpt_dir: Path) -> Path:
     if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
         raise CheckpointError(f"{ckpt_dir} is not empty: import into a new checkpoint directory")
     model = import_hf(hf_dir, dtype=torch.float32)
+    refuse_nonfinite(hf_dir, model.named_parameters(), "nothing was imported (a checkpoint never holds them)")
     cfg = Config()  # one process, ZeRO-0, fp32: the simplest layout; a resume re-shards it
     cfg.train.precision, cfg.train.seq_len = "fp32", min(cfg.train.seq_len, model.cfg.max_seq_len)
     runner = parallelize(model, ParallelContext.single(), cfg, resolve_precision("fp32", torch.device("cpu")))

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pentatron.checkpoint.errors import CheckpointError
+
 _NAME = re.compile(r"^step_(\d+)(?:-r(\d+))?$")
 
 
@@ -60,11 +62,39 @@ def complete_checkpoints(root: Path) -> list[SavedCheckpoint]:
 
 
 def latest_name(root: Path) -> str | None:
+    """What `latest` names, or None when it names nothing readable (`read_latest` is the strict reading)."""
     pointer = root / "latest"
     try:
         return pointer.read_text().strip() if pointer.is_file() else None
-    except OSError:
+    except (OSError, ValueError):  # ValueError: not UTF-8
         return None
+
+
+def read_latest(root: Path) -> str | None:
+    """The step directory `root/latest` names (None: there is no pointer); a pointer that is not a small
+    text file naming a step directory is a `CheckpointError` (never guessed around)."""
+    pointer = root / "latest"
+    if not pointer.exists() and not pointer.is_symlink():
+        return None
+    if not pointer.is_file():
+        raise CheckpointError(f"{pointer}: is not the `latest` pointer file (a directory or a dangling link?); "
+                              f"{resume_options(root)}")
+    try:
+        name = pointer.read_bytes()[:4096].decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{pointer}: unreadable ({type(e).__name__}); {resume_options(root)}") from None
+    if _NAME.match(name) is None:
+        raise CheckpointError(f"{pointer}: names {name[:40]!r}, not a step directory; {resume_options(root)}")
+    return name
+
+
+def resume_options(root: Path) -> str:
+    """What a user can do when `root`'s `latest` is missing or unusable."""
+    found = complete_checkpoints(root) if root.is_dir() else []
+    newest = f" (the newest complete one is {found[-1].path.name})" if found else ""
+    step = found[-1].path.name if found else "STEP"
+    return (f"resume a step directory with --resume-from {step}{newest}, set checkpoint.fallback=true to resume "
+            "the newest one that verifies, or start a new run beside them with --force-new")
 
 
 def continued_run_id(root: Path, resumed: Path, saved_meta: dict[str, Any]) -> tuple[str, str | None]:

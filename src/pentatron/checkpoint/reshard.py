@@ -37,6 +37,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from pentatron.checkpoint.errors import CheckpointError
+from pentatron.checkpoint.safe_metadata import SafeReader
 from pentatron.parallel.placement import Placement
 
 PIECES_DIR = "pieces"
@@ -107,6 +108,9 @@ def read_pieces(directory: Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
             raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from None
     by_name: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for d in merged.values():
+        problem = _piece_problem(d)
+        if problem:
+            raise CheckpointError(f"{directory / PIECES_DIR}: {problem} (edited or not written by pentatron train)")
         if d.get("undescribed"):
             raise CheckpointError(f"{directory}: {d['part']}/{d['key']} was saved without a description of its "
                                   "place in the full tensor, so it cannot be re-sharded: resume in the layout "
@@ -115,15 +119,41 @@ def read_pieces(directory: Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
     return by_name
 
 
+_INT_FIELDS = ("tp_index", "tp_parts", "ep_index", "ep_parts", "lo", "hi")
+_SHAPE_FIELDS = ("full_shape", "local_shape", "shape")
+
+
+def _piece_problem(d: Any) -> str | None:
+    """Why a pieces record is not one `describe_state` writes (None: it is): typed fields, a real dtype."""
+    if not isinstance(d, dict) or not all(isinstance(d.get(k), str) for k in ("part", "key")):
+        return "a record without part/key"
+    if d.get("undescribed"):
+        return None
+    if not all(isinstance(d.get(k), str) for k in ("name", "field", "dtype")):
+        return f"{d['part']}/{d['key']}: name, field or dtype missing"
+    if not isinstance(getattr(torch, d["dtype"], None), torch.dtype):
+        return f"{d['part']}/{d['key']}: {d['dtype']!r} is not a dtype"
+    for k in _SHAPE_FIELDS:
+        if not (isinstance(d.get(k), list) and all(isinstance(v, int) and v >= 0 for v in d[k])):
+            return f"{d['part']}/{d['key']}: {k} is not a shape"
+    for k in _INT_FIELDS:
+        if not (isinstance(d.get(k), int) and d[k] >= 0):
+            return f"{d['part']}/{d['key']}: {k} is not a non-negative integer"
+    if d.get("tp_dim") is not None and not isinstance(d["tp_dim"], int):
+        return f"{d['part']}/{d['key']}: tp_dim is not an integer"
+    return None
+
+
 def _read(directory: Path, pieces: list[dict[str, Any]]) -> list[torch.Tensor]:
     """The saved tensors of `pieces`, read by this rank alone, in one DCP load."""
     state: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
     for d in pieces:
         state[d["part"]][d["key"]] = torch.empty(d["shape"], dtype=getattr(torch, d["dtype"]))
+    reader = SafeReader(directory)  # a refused index is its own one-line error
     try:
         with warnings.catch_warnings():  # reading alone is intended: DCP's notice about it is muted
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.load(dict(state), checkpoint_id=directory, no_dist=True)
+            dcp.load(dict(state), storage_reader=reader, no_dist=True)
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise

@@ -20,7 +20,7 @@ import torch
 
 from pentatron.checkpoint import manifest
 from pentatron.checkpoint.errors import CheckpointError
-from pentatron.checkpoint.lineage import complete_checkpoints, latest_name
+from pentatron.checkpoint.lineage import complete_checkpoints, read_latest, resume_options
 
 _NAME_PREFIX = "step_"
 
@@ -61,20 +61,45 @@ def model_mismatch(path: Path, meta: dict[str, Any], model: dict[str, Any]) -> s
             "use the checkpoint's model settings, or another checkpoint.dir")
 
 
-def candidates(root: Path) -> list[Path]:
-    """Rank 0: what `latest` names, then the older complete checkpoints, newest first ([]: nothing)."""
-    name = latest_name(root)
-    if name is None:
-        return []
-    return [root / name, *[c.path for c in reversed(complete_checkpoints(root)) if c.path.name != name]]
+def step_name(resume_from: str) -> str:
+    """`checkpoint.resume_from` as a step directory's name ("120" → step_00000120)."""
+    return f"{_NAME_PREFIX}{int(resume_from):08d}" if resume_from.isdigit() else resume_from
+
+
+def candidates(root: Path, resume_from: str = "", fallback: bool = False) -> list[Path]:
+    """Rank 0: the checkpoint to resume — `resume_from`, else what `latest` names — then the older complete
+    ones, newest first ([]: the directory holds none). Never a guess: step checkpoints without a usable
+    `latest` are a `CheckpointError` naming the newest and the options (fallback=true takes the newest)."""
+    complete = complete_checkpoints(root) if root.is_dir() else []
+    if resume_from:
+        name = step_name(resume_from)
+        if not (root / name / "meta.json").is_file():
+            raise CheckpointError(f"checkpoint.resume_from={resume_from!r}: {root / name} is not a complete "
+                                  f"checkpoint; {resume_options(root)}")
+    else:
+        name = read_latest(root) if root.is_dir() else None
+        if name is None:
+            if complete and not fallback:
+                raise CheckpointError(f"{root} holds step checkpoints but no `latest` pointer, so which one to "
+                                      f"resume is not known; {resume_options(root)}")
+            return [c.path for c in reversed(complete)]
+    return [root / name, *[c.path for c in reversed(complete) if c.path.name != name]]
 
 
 def resume_target(root: Path, model: dict[str, Any], fallback: bool, comm: Any, rank: int,
-                  device: torch.device) -> Path | None:
+                  device: torch.device, resume_from: str = "") -> Path | None:
     """Every rank: the checkpoint of `root` to resume (None: start fresh), verified by all. A rejected
     checkpoint raises `CheckpointError` on every rank (rank 0's message names the file)."""
-    listing = share_text(comm, rank, device, json.dumps([str(p) for p in candidates(root)]) if rank == 0 else "")
-    return agreed_checkpoint([Path(p) for p in json.loads(listing)], model, fallback, comm, rank, device)
+    listing = ""
+    if rank == 0:
+        try:
+            listing = json.dumps([str(p) for p in candidates(root, resume_from, fallback)])
+        except CheckpointError as e:
+            listing = json.dumps({"error": str(e)})
+    found = json.loads(share_text(comm, rank, device, listing))
+    if isinstance(found, dict):
+        raise CheckpointError(found["error"])
+    return agreed_checkpoint([Path(p) for p in found], model, fallback, comm, rank, device)
 
 
 def agreed_checkpoint(paths: list[Path], model: dict[str, Any], fallback: bool | None, comm: Any, rank: int,

@@ -25,24 +25,24 @@ def predicted_checkpoint_bytes(num_params: int, param_dtype: torch.dtype) -> int
     return int(num_params * per_param * _MARGIN)
 
 
-def _existing_ancestor(path: Path) -> Path:
+def existing_ancestor(path: Path) -> Path:
     path = path.absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
 
 
-def writable_problem(root: Path) -> str | None:
+def writable_problem(root: Path, what: str = "checkpoint.dir") -> str | None:
     """Try what a save does (create a directory and a file in it); root ignores permission bits, so
-    `os.access` is not enough."""
-    base = root if root.is_dir() else _existing_ancestor(root)
+    `os.access` is not enough. `what`: the setting named in the message."""
+    base = root if root.is_dir() else existing_ancestor(root)
     probe = base / f".pentatron-write-probe-{uuid.uuid4().hex[:8]}"
     try:
         probe.mkdir()
         (probe / "f").write_bytes(b"x")
     except OSError as e:
-        return (f"checkpoint.dir {str(root)!r} is not writable ({e.strerror} at {base}); fix its permissions or "
-                "choose another checkpoint.dir")
+        return (f"{what} {str(root)!r} is not writable ({e.strerror} at {base}); fix its permissions or "
+                f"choose another {what}")
     finally:
         shutil.rmtree(probe, ignore_errors=True)
     return None
@@ -51,7 +51,7 @@ def writable_problem(root: Path) -> str | None:
 def space_problem(root: Path, keep: int, checkpoint_bytes: int, slots: int | None = None) -> str | None:
     """(keep + 1) checkpoints must fit: `keep` kept plus the one being written before the oldest goes;
     `slots`: how many of those still need room (fewer when a resumed run's checkpoints are there)."""
-    base = root if root.is_dir() else _existing_ancestor(root)
+    base = root if root.is_dir() else existing_ancestor(root)
     free = shutil.disk_usage(base).free
     need = (keep + 1 if slots is None else max(slots, 1)) * checkpoint_bytes
     if free >= need:

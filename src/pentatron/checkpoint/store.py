@@ -24,9 +24,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from pentatron.checkpoint import manifest
-from pentatron.checkpoint.errors import CheckpointError
+from pentatron.checkpoint.errors import CheckpointError, CheckpointWriteError, write_failure
 from pentatron.checkpoint.lineage import continued_run_id, new_run_id, prune, remove_stale_partials
 from pentatron.checkpoint.reshard import write_pieces
+from pentatron.checkpoint.safe_metadata import SafeReader
 
 
 def _rank() -> int:
@@ -83,15 +84,34 @@ class CheckpointStore:
         ones, for re-sharding: `reshard.py`) and `meta`, then publish it; returns the directory as named on
         rank 0, which alone renames and prunes."""
         tmp = self.prepare(step, pieces)
-        with _dcp_mode() as single:
-            dcp.save(state, checkpoint_id=tmp, no_dist=single)
-        # DCP's save returns once every rank's files and its metadata are written: the ranks checksum them
-        # together, rank 0 merges the shares into the manifest
-        manifest.write_share(tmp, _rank(), dist.get_world_size() if dist.is_initialized() else 1)
+        try:
+            with _dcp_mode() as single:
+                dcp.save(state, checkpoint_id=tmp, no_dist=single)
+            # DCP's save returns once every rank's files and its metadata are written: the ranks checksum
+            # them together, rank 0 merges the shares into the manifest
+            manifest.write_share(tmp, _rank(), dist.get_world_size() if dist.is_initialized() else 1)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            raise self._failed(step, tmp, e, state) from None
         self._barrier()
-        final = self.publish(step, tmp, meta) if _rank() == 0 else self._dir(step)
+        failure = None
+        try:
+            final = self.publish(step, tmp, meta) if _rank() == 0 else self._dir(step)
+        except OSError as e:  # rank 0 alone: the others pass the barrier and the launcher stops them
+            failure = self._failed(step, tmp, e, state)
         self._barrier()
+        if failure is not None:
+            raise failure
         return final
+
+    def _failed(self, step: int, tmp: Path, e: BaseException, state: dict[str, Any]) -> BaseException:
+        """The one-line error of a save that could not be written (its `.tmp` removed; `latest` untouched)."""
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            return e
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        nbytes = sum(t.numel() * t.element_size() for part in state.values() for t in part.values()
+                     if hasattr(t, "element_size"))
+        return CheckpointWriteError(write_failure(tmp, step, e, nbytes))
 
     def prepare(self, step: int, pieces: dict[str, Any] | None) -> Path:
         """Every rank: the empty `.tmp` directory of a save (rank 0 creates it), with this rank's pieces."""
@@ -130,9 +150,10 @@ class CheckpointStore:
 
     def load(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
         """Load tensors in place into `state` (same keys as saved); return the saved metadata."""
+        reader = SafeReader(path)  # a refused index is its own one-line error
         with _dcp_mode() as single:
             try:
-                dcp.load(state, checkpoint_id=path, no_dist=single)
+                dcp.load(state, storage_reader=reader, no_dist=single)
             except (CheckpointException, OSError, RuntimeError, ValueError) as e:
                 raise CheckpointError(f"{path}: cannot be loaded ({_first_failure(e)})") from None
         return self.meta(path)

@@ -14,6 +14,7 @@ the dp=1 run, and the only resume state is `consumed_samples` (independent of dp
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,10 @@ class TokenDataset:
         self.index: DatasetIndex = read_index(self.path)
         check_shards(self.path, self.index)
         # Empty shards cannot be memory-mapped (and hold nothing), so they are left out.
+        kept = [s for s in self.index.shards if s.tokens]
         self._shards = [np.memmap(self.path / s.file, dtype=self.index.dtype, mode="r", shape=(s.tokens,))
-                        for s in self.index.shards if s.tokens]
+                        for s in kept]
+        self._files = [self.path / s.file for s in kept]
         self._starts = np.cumsum([0] + [len(m) for m in self._shards])
         self.vocab_limit: int | None = None  # set by check_vocab: every sample read is checked against it
 
@@ -73,6 +76,7 @@ class TokenDataset:
         parts = []
         while start < stop:
             shard = self._shards[i]
+            self._check_intact(i)
             off = start - int(self._starts[i])
             n = min(stop - start, len(shard) - off)
             parts.append(shard[off:off + n])
@@ -81,6 +85,28 @@ class TokenDataset:
         if not parts:
             return np.empty(0, dtype=self.index.dtype)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _check_intact(self, i: int) -> None:
+        """A memory-mapped shard that shrank on disk (truncated or replaced while training) would kill the
+        process with SIGBUS at the first read past its new end: name it instead (one stat per read)."""
+        shard, f = self._shards[i], self._files[i]
+        try:
+            size = os.stat(f).st_size
+        except OSError as e:
+            raise DataError(f"dataset shard {f} vanished while training ({e.strerror}); restore the dataset "
+                            "(the run resumes from its last checkpoint)") from None
+        if size < shard.nbytes:
+            raise DataError(f"dataset shard {f} shrank to {size:,} bytes while training (it holds {shard.nbytes:,}): "
+                            "it was truncated or replaced; restore the dataset (the run resumes from its last "
+                            "checkpoint)")
+
+
+def too_short_problem(dataset: TokenDataset, seq_len: int) -> str | None:
+    """A dataset that holds not even one sample of seq_len + 1 tokens (also asked by preflight)."""
+    if len(dataset) - 1 >= seq_len:
+        return None
+    return (f"dataset {dataset.path} has {len(dataset)} tokens, fewer than seq_len+1 = {seq_len + 1} needed for "
+            "one sample; use a shorter train.seq_len or more data")
 
 
 class TokenLoader:
@@ -113,9 +139,9 @@ class TokenLoader:
         self.seed = seed
         self.consumed_samples = consumed_samples
         self.num_samples = (len(dataset) - 1) // seq_len
-        if self.num_samples <= 0:
-            raise DataError(f"dataset {dataset.path} has {len(dataset)} tokens, fewer than seq_len+1 = "
-                            f"{seq_len + 1} needed for one sample; use a shorter train.seq_len or more data")
+        short = too_short_problem(dataset, seq_len)
+        if short:
+            raise DataError(short)
         self._orders: dict[int, np.ndarray] = {}
 
     @property

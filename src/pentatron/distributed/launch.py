@@ -47,6 +47,25 @@ def adopt_slurm_env() -> None:
         env.setdefault("MASTER_PORT", "29500")
 
 
+def rank_env_problem() -> str | None:
+    """What is wrong with the rank variables an outer launcher set (None: absent or sane): integers, and
+    each rank inside its world — a RANK ≥ WORLD_SIZE would wait for ranks that can never come."""
+    env = os.environ
+    values: dict[str, int] = {}
+    for name, least in (("WORLD_SIZE", 1), ("RANK", 0), ("LOCAL_WORLD_SIZE", 1), ("LOCAL_RANK", 0)):
+        raw = env.get(name)
+        if raw is None:
+            continue
+        if not raw.strip().isdigit() or int(raw) < least:
+            return f"{name}={raw!r} must be an integer ≥ {least} (set by torchrun/srun; unset it to run one process)"
+        values[name] = int(raw)
+    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if rank in values and size in values and values[rank] >= values[size]:
+            return (f"{rank}={values[rank]} is outside {size}={values[size]} (ranks are 0 … {values[size] - 1}); "
+                    "the job would wait forever for the missing ranks")
+    return None
+
+
 def launched_world_size() -> int | None:
     """The world size set by an outer launcher (torchrun, srun), or None for a plain process."""
     adopt_slurm_env()
@@ -83,10 +102,11 @@ def launch_local_ranks(nproc: int, argv: list[str], nnodes: int = 1, node_rank: 
         elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
-        if any(c == 2 for c in codes.values()) and all(c == 2 or c < 0 for c in codes.values()):
-            return 2  # a user error: rank 0 has printed it, once
-        if any(c == 3 for c in codes.values()) and all(c == 3 or c < 0 for c in codes.values()):
-            return 3  # stopped on a non-finite loss/norm/state: rank 0 has said so
+        # 2: a user error, 3: stopped on a non-finite loss/norm/state, 143: stopped after a step by SIGTERM
+        # (checkpoint.save_on_sigterm) — every rank agreed and rank 0 has said it; the agent stopped the rest
+        for agreed in (2, 3, 143):
+            if any(c == agreed for c in codes.values()) and all(c == agreed or c < 0 for c in codes.values()):
+                return agreed
         for rank, code in sorted(codes.items()):
             print(f"pentatron: rank {rank} exited with code {code}" +
                   (" (killed by a signal)" if code < 0 else ""), file=sys.stderr)
@@ -109,37 +129,82 @@ def _quiet_torchelastic() -> None:
 # ---------------------------------------------------------------------------- joining a launched world
 
 
+class StartupTimeout(RuntimeError):
+    """Ranks that did not meet at start-up within the bound: one line naming them (exit 1)."""
+
+
 def rendezvous(timeout_s: float = 600.0) -> tuple[dist.Store, int, int]:
     """The store, rank and world size from the launcher's environment (env://: torchrun's agent store,
-    or under srun a store hosted by rank 0). The same store then starts the process group."""
-    store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+    or under srun a store hosted by rank 0, which waits for every rank to connect). The same store then
+    starts the process group. Ranks that do not connect within `timeout_s`: `StartupTimeout`."""
+    try:
+        store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+    except (RuntimeError, ValueError) as e:  # DistStoreError: "… 1/2 clients joined"
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise StartupTimeout(f"rank {os.environ.get('RANK')}: the ranks did not all meet at {where} within "
+                             f"{timeout_s:.0f} s ({str(e).splitlines()[0][:200]}); start every rank, or check "
+                             "MASTER_ADDR/MASTER_PORT") from None
     store.set_timeout(timedelta(seconds=timeout_s))
     return store, rank, world
 
 
+def _missing(store: dist.Store, keys: list[str], timeout_s: float) -> list[str]:
+    """Wait up to `timeout_s` for every key; the ones still missing then ([]: all there)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [k for k in keys if not store.check([k])]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.05)
+
+
 def agree_on_preflight(store: dist.Store, rank: int, world: int, problems: list[str],
                        leader: Callable[[], dict[str, Any]],
-                       report: Callable[[list[str]], object] = lambda problems: None) -> dict[str, Any]:
+                       report: Callable[[list[str]], object] = lambda problems: None,
+                       timeout_s: float = 180.0, verdict_timeout_s: float | None = None) -> dict[str, Any]:
     """Pool every rank's preflight problems; returns {"problems": [...], **leader()} on every rank
     (`leader` runs on rank 0, only when nothing is wrong). When something is wrong rank 0 `report`s
     it before any rank returns, so no launcher stops rank 0 before it has spoken. Nothing here needs
-    a process group."""
+    a process group. Rank 0 waits `timeout_s` for the others' checks (they build nothing); the others
+    wait twice that + 60 s for the verdict (rank 0 may tokenize the default corpus first). A rank that
+    does not arrive is named: the verdict then holds "startup_error" (rank 0 says it; rank 1 when rank 0
+    is the one missing)."""
     pre = dist.PrefixStore("pentatron/preflight", store)
     pre.set(f"rank{rank}", json.dumps(problems))
+    arriving = world
     if rank == 0:
-        found = [json.loads(pre.get(f"rank{r}")) for r in range(world)]
-        merged = merge_problems(found)
-        verdict = {"problems": merged, **({} if merged else leader())}
-        if merged:
-            report(merged)
+        missing = _missing(pre, [f"rank{r}" for r in range(world)], timeout_s)
+        if missing:
+            ranks = ", ".join(k.removeprefix("rank") for k in missing)
+            error = (f"rank(s) {ranks} of {world} did not reach the start-up check within {timeout_s:g} s "
+                     "(stopped, crashed or still starting: see their output; distributed.timeout_s bounds this)")
+            print(f"pentatron: error: {error}", file=sys.stderr, flush=True)
+            verdict: dict[str, Any] = {"problems": [], "startup_error": error}
+            arriving -= len(missing)
+        else:
+            merged = merge_problems([json.loads(pre.get(f"rank{r}")) for r in range(world)])
+            verdict = {"problems": merged, **({} if merged else leader())}
+            if merged:
+                report(merged)
         pre.set("verdict", json.dumps(verdict))
     else:
+        wait = 2 * timeout_s + 60.0 if verdict_timeout_s is None else verdict_timeout_s
+        try:
+            late = _missing(pre, ["verdict"], wait)
+        except RuntimeError:  # the store went away with rank 0 (srun: it hosts it)
+            late = ["verdict"]
+        if late:
+            error = f"rank 0 did not finish the start-up check within {wait:g} s (stopped or crashed?)"
+            if rank == 1:
+                print(f"pentatron: error: {error}", file=sys.stderr, flush=True)
+            return {"problems": [], "startup_error": error}
         verdict = json.loads(pre.get("verdict"))
     pre.add("read", 1)
-    if rank == 0 and verdict["problems"] and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        # Under srun rank 0 hosts the store: stay until every rank has the verdict, then all exit 2.
+    stopping = verdict["problems"] or "startup_error" in verdict
+    if rank == 0 and stopping and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        # Under srun rank 0 hosts the store: stay until every arriving rank has the verdict, then all exit.
         deadline = time.monotonic() + 60
-        while pre.add("read", 0) < world and time.monotonic() < deadline:
+        while pre.add("read", 0) < arriving and time.monotonic() < deadline:
             time.sleep(0.05)
     return verdict
 

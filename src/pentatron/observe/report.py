@@ -86,9 +86,14 @@ def profiled_tensor_peak(run_dir: Path) -> dict[str, int]:
 def layout_and_workload(cfg: dict[str, Any], world_size: int, device: str) -> tuple[Any, Any]:
     """The planner's Layout and Workload for a run's config (as saved in run.json)."""
     from pentatron.config import config_from_dict
+
+    return planner_layout(config_from_dict(cfg), world_size, device)
+
+
+def planner_layout(c: Any, world_size: int, device: str) -> tuple[Any, Any]:
+    """The planner's Layout and Workload for a `Config` on `world_size` ranks of `device` ("cuda"/"cpu")."""
     from pentatron.plan.layout import Layout, Workload
 
-    c = config_from_dict(cfg)
     par, tr = c.parallel, c.train
     precision = tr.precision if tr.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
     dp = par.dp or max(1, world_size // (par.tp * par.pp * par.cp))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from dataclasses import replace
@@ -43,6 +44,9 @@ _SUFFIX = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _SUFFIX_DEC = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9, "t": 10**12}
 
 
+MAX_GPUS = 1 << 20  # beyond any cluster; the search's candidate count grows with the GPU count's divisors
+
+
 def parse_count(text: str, flag: str, *, binary: bool = True) -> int:
     """'4M' -> 4*2^20 for batch sizes (binary, as token batches are powers of two in practice), or
     4*10^6 with binary=False (training-token totals like '15T'); plain integers and 4e6 are literal."""
@@ -56,7 +60,7 @@ def parse_count(text: str, flag: str, *, binary: bool = True) -> int:
             val = float(s)
     except (ValueError, KeyError):
         raise InputError(f"{flag}: cannot read {text!r} as a count (e.g. 4M, 1048576, 4e6)") from None
-    if val <= 0 or val != int(val):
+    if not math.isfinite(val) or val <= 0 or val != int(val):
         raise InputError(f"{flag}: {text!r} must be a positive whole number")
     return int(val)
 
@@ -326,8 +330,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         return max(rc, _batch(args, w, gpu))
     if args.gpus is None:
         raise InputError("--gpus is required (the number of GPUs to plan for)")
-    if args.gpus < 1:
-        raise InputError(f"--gpus must be >= 1, got {args.gpus}")
+    if not 1 <= args.gpus <= MAX_GPUS:
+        raise InputError(f"--gpus must be within 1 … {MAX_GPUS:,} (the largest cluster the search covers), "
+                         f"got {args.gpus:,}")
     return max(rc, _plan(args, w, gpu, fixed, train_tokens, verify_rows))
 
 

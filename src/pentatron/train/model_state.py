@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pentatron.checkpoint.errors import CheckpointError
 from pentatron.checkpoint.layout import check_resumable, layout_differences, layout_record
 from pentatron.checkpoint.reshard import describe_state, has_pieces, load_resharded
 from pentatron.checkpoint.store import CheckpointStore
@@ -96,12 +97,17 @@ class ModelState:
 
     def _check_finite(self, state: dict[str, Any], step: int) -> None:
         """Never save a non-finite state: every rank counts its non-finite tensors, summed over the world."""
+        bad = self._nonfinite(state)
+        if bad:
+            raise NonFiniteStop(f"the state at step {step} holds {bad} non-finite tensor(s); "
+                                "it was not saved and the last checkpoint is the last clean state")
+
+    def _nonfinite(self, state: dict[str, Any]) -> int:
+        """The non-finite tensors of `state` on all ranks together (one all-reduce)."""
         tensors = [t for part in state.values() for t in part.values()]
         bad = torch.tensor([float(local_nonfinite_count(tensors))], device=self.device)
         self.ctx.comm.all_reduce(bad, "world")
-        if bad.item():
-            raise NonFiniteStop(f"the state at step {step} holds {int(bad.item())} non-finite tensor(s); "
-                                "it was not saved and the last checkpoint is the last clean state")
+        return int(bad.item())
 
     def load(self, path: Path, store: CheckpointStore) -> dict[str, Any]:
         """Load the checkpoint at `path` (verified by `resume.resume_target`) into this rank's state — as
@@ -116,5 +122,9 @@ class ModelState:
         else:
             check_resumable(path, saved, self.layout_meta())  # the same layout, or an old checkpoint
             meta = store.load(path, state)
+        bad = self._nonfinite(state)  # a checkpoint whose manifest was rewritten around NaN weights
+        if bad:
+            raise CheckpointError(f"{path}: {bad} of its tensors hold NaN or infinite values; it cannot be resumed "
+                                  "(set checkpoint.fallback=true for an older one, or --resume-from STEP)")
         self.runner.after_load()
         return meta

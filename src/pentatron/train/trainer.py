@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from pentatron.checkpoint.async_save import AsyncCheckpointer
+from pentatron.checkpoint.errors import CheckpointWriteError
 from pentatron.checkpoint.resume import resume_target
 from pentatron.checkpoint.store import CheckpointStore
 from pentatron.config import Config
@@ -181,6 +182,8 @@ class Trainer:
             if logger is not None:
                 logger.close()
             self.observer.close(records)
+        if self.async_saver is not None and self.async_saver.last_failed:  # a run never ends on a lost save
+            raise CheckpointWriteError(f"the run's last {self.async_saver.failed[-1]}")
         return records
 
     # ------------------------------------------------------------------ checkpoints
@@ -213,8 +216,9 @@ class Trainer:
 
     def _resume(self) -> None:
         assert self.store is not None
-        latest = resume_target(self.store.root, self.model_cfg.to_dict(), self.cfg.checkpoint.fallback, self.comm,
-                               self.rank, self.device)
+        ck = self.cfg.checkpoint
+        latest = resume_target(self.store.root, self.model_cfg.to_dict(), ck.fallback, self.comm, self.rank,
+                               self.device, ck.resume_from)
         if latest is None:
             return
         meta = self.state.load(latest, self.store)
