@@ -24,6 +24,7 @@ analogue would say "skipped: no CUDA" (today every part has one).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -347,6 +348,7 @@ def run(toy: bool, work: Path) -> dict[str, Any]:
         finally:
             trainer.close()
             del trainer
+            gc.collect()  # the 1B model, its gradients and optimizer state: gone before the 70B stage
             if cuda:
                 torch.cuda.empty_cache()
     parts["ring_kernel"] = part(ring_kernel_part, size, device)

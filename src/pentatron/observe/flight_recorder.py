@@ -107,7 +107,7 @@ class FlightRecorder:
         self.timer: Any | None = None  # observe.profiler.CommTimer while profiling
         self.completion_event = completion_event
         self._in_flight: deque[tuple[Any, list[FlightRecord]]] = deque()  # (event, records), issue order
-        # `done` and the counters run on the main thread and, for device completions, on the watchdog's.
+        # With device completions the watchdog's thread marks records done too: the counters take a lock.
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ recording (hot path)
@@ -126,13 +126,16 @@ class FlightRecorder:
                            time.time())
         if self.check is not None and peer is None:
             self.check.verify_collective(comm, rec)
-        if self._in_flight:
-            self.poll()
         self.entered[key] = seq
         self.records.append(rec)
-        with self._lock:
+        if self.completion_event is None:  # only this thread counts: no lock on the CPU path
             self.pending += 1
             self.last_progress = time.monotonic()
+        else:
+            self.poll()
+            with self._lock:
+                self.pending += 1
+                self.last_progress = time.monotonic()
         if self.timer is not None:
             self.timer.open(rec)
         return rec
@@ -162,12 +165,17 @@ class FlightRecorder:
 
     def poll(self) -> None:
         """Mark done the records whose completion event has completed (oldest first; non-blocking)."""
+        if not self._in_flight:
+            return
         with self._lock:
             while self._in_flight and self._in_flight[0][0].query():
                 for r in self._in_flight.popleft()[1]:
                     self._done(r)
 
     def done(self, rec: FlightRecord) -> None:
+        if self.completion_event is None:
+            self._done(rec)
+            return
         with self._lock:
             self._done(rec)
 

@@ -69,6 +69,7 @@ class RunObserver:
             self.profiler = StepProfiler(steps, Path(cfg.log.dir) / "profile", ctx.rank, ctx.device,
                                          ctx.comm.recorder, model, model_state)
         self.memory: PeakMemory | None = None  # created by the first step: training begins
+        self._setup_reported = False
         self.step = 0
         self._consumed = 0
         self._extra: dict[str, Any] = {}
@@ -112,10 +113,15 @@ class RunObserver:
             self._extra.update(self.numerics.updates())
 
     def peak_memory(self) -> dict[str, int | None]:
-        """This rank's peak memory since training began (see observe/memory.py), for the step record."""
+        """This rank's peak memory since training began (see observe/memory.py), for the step record;
+        the first record also carries the set-up's peak (`setup_peak_mem_bytes`: launch to training)."""
         if self.memory is None:
             self.memory = PeakMemory(self.ctx.device)
-        return self.memory.read()
+        out = self.memory.read()
+        if not self._setup_reported:
+            self._setup_reported = True
+            out["setup_peak_mem_bytes"] = self.memory.setup_peak_bytes
+        return out
 
     def end_step(self, record: dict[str, Any]) -> dict[str, Any]:
         """Fields to add to the step's record: `numerics` on due steps, `loss_spike` when one happened."""
