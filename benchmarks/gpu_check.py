@@ -36,7 +36,7 @@ import traceback
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -276,7 +276,7 @@ def ring_kernel_part(size: Sizes, device: torch.device) -> dict[str, Any]:
 def stage_startup_part(size: Sizes, device: torch.device) -> dict[str, Any]:
     from pentatron.models import llama
     from pentatron.models.registry import get_model_config
-    from pentatron.observe.memory import process_peak_rss, reset_process_peak_rss
+    from pentatron.observe.profiler import peak_allocation_growth
     from pentatron.parallel.pipeline.stages import PipelineStage, stage_layers
 
     cfg = get_model_config(size.stage_model)
@@ -294,16 +294,18 @@ def stage_startup_part(size: Sizes, device: torch.device) -> dict[str, Any]:
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-    else:
-        reset_process_peak_rss()
-        base = _current_rss()
+    # On CPU no allocator keeps a peak (and RSS reuses pages freed by the parts before): the profiler's
+    # allocation events give the same figure, the most tensor bytes live at once.
+    watch = nullcontext() if cuda else torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                              profile_memory=True)
     start = time.perf_counter()
-    stage.to_empty(device=device)
-    llama.init_weights(stage, 0)  # the model's own init, by parameter name: the stage keeps the full names
-    if cuda:
-        torch.cuda.synchronize(device)
+    with watch as prof:
+        stage.to_empty(device=device)
+        llama.init_weights(stage, 0)  # the model's own init, by parameter name: the stage keeps the full names
+        if cuda:
+            torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    peak = (torch.cuda.max_memory_allocated(device) if cuda else process_peak_rss()) - base
+    peak = torch.cuda.max_memory_allocated(device) - base if cuda else peak_allocation_growth(prof, device)
     finite = all(bool(torch.isfinite(p).all()) for p in stage.parameters())
     del stage
     return {"model": size.stage_model, "pp": size.stage_pp, "stage": index, "layers": [ranges[index].start,
@@ -311,15 +313,8 @@ def stage_startup_part(size: Sizes, device: torch.device) -> dict[str, Any]:
             "full_model_fp32_gib": _gib(4 * sum(counts)), "startup_s": round(seconds, 3),
             "peak_gib": _gib(peak), "peak_over_stage_params": round(peak / param_bytes, 3),
             "measured": "CUDA max_memory_allocated above the baseline" if cuda
-            else "process peak resident set above the baseline (VmHWM after a reset)",
+            else "CPU: the profiler's allocation events, most tensor bytes live at once",
             "weights_finite": finite}
-
-
-def _current_rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 # ---------------------------------------------------------------------------- the run
@@ -373,8 +368,10 @@ def table(result: dict[str, Any]) -> str:
 
     add("(a) training", "train", lambda r: (
         f"{r['model_parameters'] / 1e6:,.1f}M params {r['layout']}: {r['tokens_per_s']:,.0f} tokens/s, MFU "
-        f"{100 * r['mfu']:.1f} %, peak {r['peak_allocated_gib']} GiB allocated / {r['peak_reserved_gib']} GiB "
-        f"reserved; planner {r['planner']['tensors_gib']} GiB tensors / {r['planner']['total_gib']} GiB total"))
+        f"{100 * r['mfu']:.1f} %, peak "
+        + (f"{r['peak_allocated_gib']} GiB resident set (CPU)" if r["peak_reserved_gib"] is None
+           else f"{r['peak_allocated_gib']} GiB allocated / {r['peak_reserved_gib']} GiB reserved")
+        + f"; planner {r['planner']['tensors_gib']} GiB tensors / {r['planner']['total_gib']} GiB total"))
     add("(b) SDPA backend", "sdpa_backend", lambda r: f"{r['backend']} ({r['from']}: "
         f"{', '.join(r['attention_names'][:3]) or '-'})")
     add("(c) ring block kernel", "ring_kernel", lambda r: (
