@@ -17,7 +17,10 @@ MIN_DRIVER=560
 driver="${1:-}"
 if [[ -z "$driver" ]]; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    driver="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '[:space:]')" || driver=""
+    # The first GPU's line (no `head` in a pipe: under pipefail its early exit could fail nvidia-smi).
+    out="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null)" || out=""
+    driver="${out%%$'\n'*}"
+    driver="${driver//[[:space:]]/}"
   fi
   if [[ -z "$driver" ]]; then
     echo "pentatron: no NVIDIA driver found (nvidia-smi): installing the CPU build $CPU_SPEC" >&2
