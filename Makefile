@@ -1,6 +1,8 @@
 # The two commands that work on a fresh machine: `make demo` and `make test`.
-# Both create .venv if missing and install the project with what it needs. Without a CUDA GPU the
-# CPU build torch==2.13.0 is installed (a plain `torch` requirement would pull a multi-GB CUDA build).
+# Both create .venv if missing and install the project with what it needs. Which torch: see
+# scripts/torch_build.sh — without an NVIDIA driver the CPU build torch==2.13.0 (a plain `torch`
+# requirement would pull a multi-GB CUDA build); with one, the CUDA build (cu126/cu128/cu130) of
+# torch 2.11-2.14 that the driver supports, from the PyTorch index, and it says which.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,11 +16,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if ! $(PY) -c "import torch" 2>/dev/null; then \
-	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	    $(PY) -m pip install 'torch>=2.11,<2.15'; \
-	  else \
-	    $(PY) -m pip install torch==2.13.0; \
-	  fi; \
+	  spec="$$(bash scripts/torch_build.sh)" && $(PY) -m pip install $$spec; \
 	fi
 	$(PY) -m pip install -e '.[test]'
 	@touch $(STAMP)

@@ -155,7 +155,8 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
 
         # The watchdog names a stuck rank after distributed.timeout_s; the process group's own timeout
         # is only the fallback behind it.
-        init_distributed(local_device(cfg.train.device), store, process_group_timeout(cfg.distributed.timeout_s))
+        init_distributed(local_device(cfg.train.device), store, process_group_timeout(cfg.distributed.timeout_s),
+                         flight_dir=Path(verdict.get("run_dir") or cfg.log.dir) / "flight")
         job(rank, verdict)
         finished = True
     except CheckpointError as e:  # every rank raises it; rank 0's names the file

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 from pathlib import Path
+
+import torch
 
 from pentatron.lab.hang_scenarios import loop_until_stopped, skip_allreduce
 from pentatron.lab.ranks import RankGroup
@@ -41,6 +44,13 @@ def test_skipped_allreduce_is_caught_by_the_watchdog(tmp_path: Path):
     assert diagnosis.rstrip().endswith("stuck rank: 1")
     assert "stuck rank(s): 1" in group.log(0) and "stuck rank(s): 1" in group.log(1)
     assert "loss sums per step" in group.log(1)
+    # PyTorch's own flight recorder, dumped by every rank before it exits (NCCL's timeout comes later).
+    prefix = tmp_path / "flight" / "torch_trace_rank_"
+    assert f"PyTorch flight recorder (gloo) dumps: {prefix}<rank>" in diagnosis, diagnosis
+    if hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
+        assert "(written: ranks 0, 1)" in diagnosis, diagnosis
+        trace = pickle.loads(Path(f"{prefix}0").read_bytes())
+        assert any("all_reduce" in e["profiling_name"] for e in trace["entries"])
     assert elapsed < 60  # the watchdog, not the 300 s process-group timeout, ended the run
 
 

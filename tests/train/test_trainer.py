@@ -29,6 +29,9 @@ def test_loss_falls_from_ln_vocab_and_metrics_are_logged(tmp_path, default_datas
     lines = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 40 and set(lines[0]) >= REQUIRED
     assert all(r["tokens_per_s"] > 0 and r["mfu"] > 0 and r["peak_mem_bytes"] > 0 for r in lines)
+    # Peaks since training began; CPU has no reserved figure; step 1 also carries the set-up's peak.
+    assert all(r["peak_mem_reserved_bytes"] is None for r in lines)
+    assert lines[0]["setup_peak_mem_bytes"] > 0 and all("setup_peak_mem_bytes" not in r for r in lines[1:])
     assert any((tmp_path / "log" / "tensorboard").iterdir())
 
 

@@ -8,6 +8,9 @@
 - Before the process group exists, the ranks pool their preflight findings through the rendezvous
   store (`agree_on_preflight`): rank 0 prints them once and every rank exits 2, or rank 0 hands out
   what must be decided once (the run directory) and the group starts on that same store.
+- `torch_flight_recorder_env`: before an NCCL process group is created, PyTorch's own (c10d) flight
+  recorder is switched on with a dump on timeout into the run's `flight/` directory, unless the user
+  set those variables.
 - `shutdown_distributed`: a barrier, then the process group's destruction, so that no rank tears its
   connections down while another still uses them (the cause of rare 'terminate called without an
   active exception' aborts of finished runs).
@@ -21,8 +24,9 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -223,12 +227,48 @@ def merge_problems(per_rank: list[list[str]]) -> list[str]:
     return [p if len(seen[p]) == world else f"rank {', '.join(map(str, seen[p]))}: {p}" for p in order]
 
 
-def init_distributed(device: torch.device, store: dist.Store | None = None, timeout_s: float = 600.0) -> None:
+# PyTorch's c10d flight recorder. Each setting has an older TORCH_NCCL_* name (read by torch 2.11–2.13
+# alike) and, in newer releases, a TORCH_FR_* alias; the user's value under either name is kept.
+TRACE_BUFFER_ENV = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE")
+DUMP_FILE_ENV = ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE")
+DUMP_ON_TIMEOUT_ENV = ("TORCH_NCCL_DUMP_ON_TIMEOUT",)
+TRACE_BUFFER_ENTRIES = 20000  # ops kept per process (torch's default is 2000; an entry is a few hundred bytes)
+TORCH_TRACE_PREFIX = "torch_trace_rank_"  # + global rank: the dump file of each rank
+DEFAULT_DUMP_PREFIX = "/tmp/nccl_trace_rank_"  # torch's own default
+
+
+def torch_flight_recorder_env(flight_dir: Path, env: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set the variables that make PyTorch's flight recorder trace every collective and dump it on a
+    timeout into `flight_dir` (`<flight_dir>/torch_trace_rank_<r>`), each only where the user set it
+    under neither of its names. Must run before the process group is created. Returns what it set."""
+    env = os.environ if env is None else env
+    wanted = {TRACE_BUFFER_ENV: str(TRACE_BUFFER_ENTRIES), DUMP_ON_TIMEOUT_ENV: "1",
+              DUMP_FILE_ENV: str(Path(flight_dir) / TORCH_TRACE_PREFIX)}
+    set_now = {}
+    for names, value in wanted.items():
+        if not any(n in env for n in names):
+            env[names[0]] = set_now[names[0]] = value
+    if DUMP_FILE_ENV[0] in set_now:
+        Path(flight_dir).mkdir(parents=True, exist_ok=True)  # the dump is written by torch's watchdog thread
+    return set_now
+
+
+def torch_trace_dump_prefix(env: MutableMapping[str, str] | None = None) -> str:
+    """Where PyTorch's flight recorder writes its per-rank dumps (the prefix; the rank is appended)."""
+    env = os.environ if env is None else env
+    return next((env[n] for n in DUMP_FILE_ENV if env.get(n)), DEFAULT_DUMP_PREFIX)
+
+
+def init_distributed(device: torch.device, store: dist.Store | None = None, timeout_s: float = 600.0,
+                     flight_dir: Path | None = None) -> None:
     """Join the default process group when launched with more than one process (NCCL on GPU, gloo on
-    CPU), on `store` when the ranks already met through `rendezvous`."""
+    CPU), on `store` when the ranks already met through `rendezvous`. On NCCL, `flight_dir` (the run's
+    `flight/`) receives PyTorch's flight-recorder dumps (`torch_flight_recorder_env`)."""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and flight_dir is not None:
+        torch_flight_recorder_env(flight_dir)
     # Its functions take the default group as a default argument, captured at import (torch.distributed
     # .checkpoint imports it): imported after this, they would keep that group and its worker threads
     # alive past `destroy_process_group`, into interpreter exit (see `ParallelContext.release`).

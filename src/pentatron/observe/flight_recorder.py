@@ -1,10 +1,17 @@
 """Flight recorder: the last N collectives and point-to-point calls of this rank, numbered per group.
 
 `Comm` calls `enter()` just before it issues an op and the op's `Work` marks the record done when it
-is waited on. Each record carries a per-group sequence number (collectives: per mesh dimension, so
-the k-th dp all-reduce of rank 0 and of rank 1 are the same op; point to point: per (dimension,
-direction, peer), so rank 0's send #k to rank 1 is rank 1's recv #k from rank 0), the op, shape,
-dtype, training step, micro-batch and the first call site outside the comm layer.
+is waited on. On CUDA that is not when the op finished: under NCCL `wait()` only makes the current
+stream wait for the collective's stream, and returns at once. There the recorder records a CUDA event
+on the current stream after the wait (it completes once the collective and everything queued before
+it have run) and marks the records done when the event's `query()` says so, polled by the watchdog
+thread and at each new op; a collective that hangs on the GPU then stays pending, so the watchdog
+sees it, instead of a hang that surfaces later in `float(loss)` with nothing pending.
+
+Each record carries a per-group sequence number (collectives: per mesh dimension, so the k-th dp
+all-reduce of rank 0 and of rank 1 are the same op; point to point: per (dimension, direction, peer),
+so rank 0's send #k to rank 1 is rank 1's recv #k from rank 0), the op, shape, dtype, training step,
+micro-batch and the first call site outside the comm layer.
 
 Those numbers are what the hang watchdog (`observe/watchdog.py`) compares across ranks, and what
 check mode (`observe/collective_check.py`) exchanges before each op. Recording is a few attribute
@@ -15,8 +22,10 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -79,9 +88,12 @@ class FlightRecorder:
     """Ring buffer of this rank's last `capacity` ops plus per-group counters (entered / completed).
 
     `step` and `micro` are set by the trainer (`note_step`, `note_micro`) and stamped on each record.
-    `check` is the check-mode verifier (None: off)."""
+    `check` is the check-mode verifier (None: off). `completion_event` makes a marker with `record()`
+    and `query()` (on CUDA `torch.cuda.Event`, see `completion_event_for`); None: an op is done when
+    its wait returns (gloo, CPU)."""
 
-    def __init__(self, rank: int, capacity: int = DEFAULT_CAPACITY, check: Any | None = None) -> None:
+    def __init__(self, rank: int, capacity: int = DEFAULT_CAPACITY, check: Any | None = None,
+                 completion_event: Callable[[], Any] | None = None) -> None:
         self.rank = rank
         self.records: deque[FlightRecord] = deque(maxlen=capacity)
         self.entered: dict[str, int] = {}
@@ -93,6 +105,10 @@ class FlightRecorder:
         self.pending = 0  # records entered and not yet waited on
         self._ranks: dict[str, tuple[int, ...]] = {}
         self.timer: Any | None = None  # observe.profiler.CommTimer while profiling
+        self.completion_event = completion_event
+        self._in_flight: deque[tuple[Any, list[FlightRecord]]] = deque()  # (event, records), issue order
+        # With device completions the watchdog's thread marks records done too: the counters take a lock.
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ recording (hot path)
     def enter(self, comm: Comm, op: str, dim: str, tensor: torch.Tensor | None,
@@ -112,8 +128,14 @@ class FlightRecorder:
             self.check.verify_collective(comm, rec)
         self.entered[key] = seq
         self.records.append(rec)
-        self.pending += 1
-        self.last_progress = time.monotonic()
+        if self.completion_event is None:  # only this thread counts: no lock on the CPU path
+            self.pending += 1
+            self.last_progress = time.monotonic()
+        else:
+            self.poll()
+            with self._lock:
+                self.pending += 1
+                self.last_progress = time.monotonic()
         if self.timer is not None:
             self.timer.open(rec)
         return rec
@@ -130,7 +152,34 @@ class FlightRecorder:
         see CollectiveChecker)."""
         return [self.enter(comm, op, dim, t, peer) for op, t, peer in ops]
 
+    def waited(self, recs: list[FlightRecord]) -> None:
+        """The caller's wait on these records returned: done now, or on CUDA once an event recorded
+        now on the current stream (ordered after the op by the wait) has completed."""
+        if self.completion_event is None:
+            for r in recs:
+                self.done(r)
+            return
+        event = self.completion_event()
+        event.record()
+        self._in_flight.append((event, recs))
+
+    def poll(self) -> None:
+        """Mark done the records whose completion event has completed (oldest first; non-blocking)."""
+        if not self._in_flight:
+            return
+        with self._lock:
+            while self._in_flight and self._in_flight[0][0].query():
+                for r in self._in_flight.popleft()[1]:
+                    self._done(r)
+
     def done(self, rec: FlightRecord) -> None:
+        if self.completion_event is None:
+            self._done(rec)
+            return
+        with self._lock:
+            self._done(rec)
+
+    def _done(self, rec: FlightRecord) -> None:
         if not rec.done:
             rec.done = True
             self.pending -= 1
@@ -141,6 +190,8 @@ class FlightRecorder:
 
     def stalled_for(self) -> float:
         """Seconds since the last progress while some op is still pending (0 when nothing is pending)."""
+        if self._in_flight:
+            self.poll()
         if self.pending <= 0:
             return 0.0
         return time.monotonic() - self.last_progress
@@ -172,10 +223,17 @@ class _WaitHooks:
 
     def after_wait(self) -> None:
         timer = self.recorder.timer
-        for r in reversed(self.recs):
-            if timer is not None:
+        if timer is not None:
+            for r in reversed(self.recs):
                 timer.close(r)
-            self.recorder.done(r)
+        self.recorder.waited(self.recs)
+
+
+def completion_event_for(device: Any) -> Callable[[], Any] | None:
+    """What tells the recorder an op finished on `device`: a CUDA event there, nothing on CPU."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.Event
+    return None
 
 
 def note_step(comm: Comm, step: int) -> None:

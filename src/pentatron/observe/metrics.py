@@ -17,10 +17,11 @@ COMM_LEGEND = ("(payload = bytes of the tensors this rank hands to the op; wire 
 
 
 class MetricsLogger:
-    COLUMNS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_bytes")
+    COLUMNS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_bytes", "peak_mem_reserved_bytes")
     LEGEND = ("pentatron: columns: loss = mean over the global batch; tokens/s = whole job (all ranks "
-              "together); MFU = model FLOP/s ÷ (peak per device × devices); peak mem = rank 0's peak "
-              "(CUDA: allocated tensors; CPU: process resident set)")
+              "together); MFU = model FLOP/s ÷ (peak per device × devices); peak mem / reserved = rank 0's "
+              "peak since training began, set-up excluded (CUDA: allocated tensors / reserved by the caching "
+              "allocator; CPU: process resident set, no reserved figure)")
 
     def __init__(self, log_dir: Path, total_steps: int, tensorboard: bool, progress: bool,
                  start_step: int = 0) -> None:
@@ -57,19 +58,22 @@ class MetricsLogger:
         if console or not self._header_done:  # the first step is always shown
             if not self._header_done:
                 self._bar.write(self.LEGEND)
-                self._bar.write(self._row(("step", "loss", "grad_norm", "lr", "tokens/s all", "MFU", "peak mem r0")))
+                self._bar.write(self._row(("step", "loss", "grad_norm", "lr", "tokens/s all", "MFU", "peak mem r0",
+                                           "reserved r0")))
                 self._header_done = True
             self._bar.write(self._row(self._cells(record)))
 
     @staticmethod
     def _cells(r: dict[str, Any]) -> tuple[str, ...]:
         mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.2f}%"
+        reserved = r.get("peak_mem_reserved_bytes")
         return (str(r["step"]), f"{r['loss']:.4f}", f"{r['grad_norm']:.3f}", f"{r['lr']:.2e}",
-                f"{r['tokens_per_s']:,.0f}", mfu, f"{r['peak_mem_bytes'] / 2**20:,.0f} MiB")
+                f"{r['tokens_per_s']:,.0f}", mfu, f"{r['peak_mem_bytes'] / 2**20:,.0f} MiB",
+                "-" if reserved is None else f"{reserved / 2**20:,.0f} MiB")
 
     @staticmethod
     def _row(cells: tuple[str, ...]) -> str:
-        widths = (6, 9, 10, 10, 12, 8, 12)
+        widths = (6, 9, 10, 10, 12, 8, 12, 12)
         return " ".join(c.rjust(w) for c, w in zip(cells, widths))
 
     def close(self) -> None:

@@ -14,8 +14,10 @@ into forward, backward, optimizer, communication by dimension, and other (data, 
 between the phases). Communication is the time this rank was *blocked* in the comm layer: a
 transfer hidden behind compute costs nothing there, and waiting for a slower peer (a pipeline
 bubble, a straggler) counts as communication of that dimension, since that is where the rank
-idled. Times are host-side wall clock; on CUDA, each step is synchronised first so that they
-include the device's work, and the trace's device lanes show the kernels.
+idled. Times are the device's (`observe.timer.DeviceClock`): on CUDA, events recorded on the current
+stream at each phase boundary and read once at the end of the step, so a phase is the GPU time its
+work took rather than the host time it took to queue it; a blocking comm op (or wait) is the time
+the stream waited for the collective. On CPU, wall clock. The trace's device lanes show the kernels.
 
 Memory (`tensor_memory_growth_bytes`): the most bytes of tensors allocated on this rank's device
 during the profiled steps and live at once, from the profiler's allocator events. Tensors that were
@@ -27,7 +29,6 @@ of tensor memory over those steps.
 from __future__ import annotations
 
 import json
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -38,19 +39,20 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from pentatron.observe.flight_recorder import FlightRecord
+from pentatron.observe.timer import DeviceClock
 
 
 class CommTimer:
     """Opens a range per comm op (or its wait) and adds its blocking time to its dimension."""
 
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
+    def __init__(self, clock: DeviceClock) -> None:
+        self.clock = clock
         self.calls: dict[str, int] = defaultdict(int)
 
     def open(self, rec: FlightRecord, wait: bool = False) -> None:
         rf = record_function(f"comm/{rec.dim}/{rec.op}{'/wait' if wait else ''}")
         rf.__enter__()
-        rec.range = (rf, time.perf_counter())
+        rec.range = (rf, self.clock.mark())
 
     def close(self, rec: FlightRecord) -> None:
         if rec.range is None:
@@ -58,21 +60,22 @@ class CommTimer:
         rf, t0 = rec.range
         rec.range = None
         rf.__exit__(None, None, None)
-        self.seconds[rec.dim] += time.perf_counter() - t0
+        self.clock.span(f"comm/{rec.dim}", t0)
         self.calls[rec.dim] += 1
 
 
 class _Phase:
-    """One open record_function range with its start time."""
+    """One open record_function range with its start on the device's clock."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, clock: DeviceClock) -> None:
         self.rf = record_function(name)
         self.rf.__enter__()
-        self.t0 = time.perf_counter()
+        self.clock = clock
+        self.t0 = clock.mark()
 
-    def close(self) -> float:
+    def close(self, category: str) -> None:
         self.rf.__exit__(None, None, None)
-        return time.perf_counter() - self.t0
+        self.clock.span(category, self.t0)
 
 
 class StepProfiler:
@@ -93,7 +96,9 @@ class StepProfiler:
         self._bwd: _Phase | None = None
         self._opt: _Phase | None = None
         self.time: dict[str, float] = defaultdict(float)
-        self.timer = CommTimer()
+        self.comm_s: dict[str, float] = defaultdict(float)
+        self.clock = DeviceClock(device)
+        self.timer = CommTimer(self.clock)
         self.steps_done = 0
 
     # ------------------------------------------------------------------ trainer hooks (via RunObserver)
@@ -109,41 +114,44 @@ class StepProfiler:
                                                              m.register_forward_hook(self._fwd_end))]
             self.active = True
         if self.active:
-            self._step = _Phase(f"pentatron/step {step}")
+            self._step = _Phase(f"pentatron/step {step}", self.clock)
 
     def _fwd_begin(self, *_: Any) -> None:
         self._end_backward()
-        self._fwd = _Phase("pentatron/forward")
+        self._fwd = _Phase("pentatron/forward", self.clock)
 
     def _fwd_end(self, *_: Any) -> None:
         if self._fwd is not None:
-            self.time["forward"] += self._fwd.close()
+            self._fwd.close("forward")
             self._fwd = None
-        self._bwd = _Phase("pentatron/backward")
+        self._bwd = _Phase("pentatron/backward", self.clock)
 
     def _end_backward(self) -> None:
         if self._bwd is not None:
-            self.time["backward"] += self._bwd.close()
+            self._bwd.close("backward")
             self._bwd = None
 
     def after_backward(self) -> None:
         if self.active:
             self._end_backward()
-            self._opt = _Phase("pentatron/optimizer")
+            self._opt = _Phase("pentatron/optimizer", self.clock)
 
     def after_optimizer(self) -> None:
         if self.active and self._opt is not None:
-            self.time["optimizer"] += self._opt.close()
+            self._opt.close("optimizer")
             self._opt = None
 
     def end_step(self, step: int) -> None:
         if not self.active or self._step is None:
             return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         self._end_backward()
-        self.time["wall"] += self._step.close()
+        self._step.close("wall")
         self._step = None
+        for name, seconds in self.clock.collect().items():  # the step's one wait for the device
+            if name.startswith("comm/"):
+                self.comm_s[name.removeprefix("comm/")] += seconds
+            else:
+                self.time[name] += seconds
         self.steps_done += 1
         if step >= self.last:
             self.finish()
@@ -169,7 +177,7 @@ class StepProfiler:
     def summary(self) -> dict[str, Any]:
         """Seconds per category over the profiled steps. Communication inside forward/backward/optimizer
         is taken out of those, so the categories add up to the wall time."""
-        comm = dict(self.timer.seconds)
+        comm = dict(self.comm_s)
         # Which phase each comm second fell in is not tracked; forward+backward+optimizer contain all
         # of it except what ran between phases (the loss all-reduce, logging), so subtract it there,
         # proportionally to the phases' lengths.

@@ -2,10 +2,12 @@
 the flight recorder and hang watchdog, numerics and loss spikes, the profiler, and the run report.
 
     obs = RunObserver(cfg, ctx, model, engine, loader)     # after the model is parallelized
-    obs.begin_step(step)          # before the step's first op (step counts from 1)
+    obs.begin_step(step)          # before the step's first op (step counts from 1); the first resets
+                                  # the peak-memory counters (set-up excluded)
     obs.micro(i)                  # before each micro-batch (non-pipeline runs)
     obs.after_backward()          # gradients synchronised, before clipping
     obs.after_optimizer()         # after the optimizer step
+    record.update(obs.peak_memory())      # peak_mem_bytes, peak_mem_reserved_bytes since training began
     record.update(obs.end_step(record))   # the step's record, before it is logged
     obs.close(records)            # end of fit (also on failure)
 
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from pentatron.observe.flight_recorder import note_micro, note_step
+from pentatron.observe.memory import PeakMemory
 from pentatron.observe.moe_heatmap import write_expert_heatmap
 from pentatron.observe.numerics import LayerNumerics, SpikeDetector
 from pentatron.observe.profiler import StepProfiler
@@ -65,6 +68,8 @@ class RunObserver:
             assert steps is not None  # validated with the config
             self.profiler = StepProfiler(steps, Path(cfg.log.dir) / "profile", ctx.rank, ctx.device,
                                          ctx.comm.recorder, model, model_state)
+        self.memory: PeakMemory | None = None  # created by the first step: training begins
+        self._setup_reported = False
         self.step = 0
         self._consumed = 0
         self._extra: dict[str, Any] = {}
@@ -79,6 +84,8 @@ class RunObserver:
     # ------------------------------------------------------------------ hooks
     def begin_step(self, step: int) -> None:
         self.step = step
+        if self.memory is None:  # model built, checkpoint loaded, data ready: from here on it is training
+            self.memory = PeakMemory(self.ctx.device)
         self._consumed = self.loader.consumed_samples
         self._extra = {}
         note_step(self.ctx.comm, step)
@@ -104,6 +111,17 @@ class RunObserver:
             self.profiler.after_optimizer()
         if self.numerics is not None and self.numerics.active:
             self._extra.update(self.numerics.updates())
+
+    def peak_memory(self) -> dict[str, int | None]:
+        """This rank's peak memory since training began (see observe/memory.py), for the step record;
+        the first record also carries the set-up's peak (`setup_peak_mem_bytes`: launch to training)."""
+        if self.memory is None:
+            self.memory = PeakMemory(self.ctx.device)
+        out = self.memory.read()
+        if not self._setup_reported:
+            self._setup_reported = True
+            out["setup_peak_mem_bytes"] = self.memory.setup_peak_bytes
+        return out
 
     def end_step(self, record: dict[str, Any]) -> dict[str, Any]:
         """Fields to add to the step's record: `numerics` on due steps, `loss_spike` when one happened."""

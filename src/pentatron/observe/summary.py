@@ -10,13 +10,19 @@ from typing import Any
 
 import torch
 
+from pentatron.observe.memory import memory_kind
+
 SUMMARY_FILE = "summary.json"
 
 
 def finish_run(trainer: Any, records: list[dict[str, Any]], wall_s: float) -> dict[str, Any] | None:
     """Collective (every rank calls it): the peak memory over ranks; rank 0 then writes and prints the
     summary, which it returns (None elsewhere, or when no step ran)."""
-    peak = torch.tensor([max((r["peak_mem_bytes"] for r in records), default=0)], dtype=torch.int64,
+    # Peaks since training began (allocated or resident, reserved) and of the set-up before it.
+    memory = trainer.observer.memory
+    peak = torch.tensor([max((r["peak_mem_bytes"] for r in records), default=0),
+                         max((r.get("peak_mem_reserved_bytes") or 0 for r in records), default=0),
+                         memory.setup_peak_bytes if memory is not None else 0], dtype=torch.int64,
                         device=trainer.device)
     trainer.comm.all_reduce(peak, "world", op="max")
     if trainer.rank != 0:
@@ -25,7 +31,8 @@ def finish_run(trainer: Any, records: list[dict[str, Any]], wall_s: float) -> di
         print(f"pentatron: nothing to train: the checkpoint is at step {trainer.step} = train.steps; raise "
               "train.steps to continue, or start over with --force-new (or another checkpoint.dir)", flush=True)
         return None
-    summary = build_summary(trainer, records, wall_s, int(peak.item()))
+    allocated, reserved, setup = peak.tolist()
+    summary = build_summary(trainer, records, wall_s, allocated, reserved or None, setup or None)
     path = Path(trainer.cfg.log.dir) / SUMMARY_FILE
     summary["paths"]["summary"] = str(path)
     path.write_text(json.dumps(summary, indent=1))
@@ -33,8 +40,8 @@ def finish_run(trainer: Any, records: list[dict[str, Any]], wall_s: float) -> di
     return summary
 
 
-def build_summary(trainer: Any, records: list[dict[str, Any]], wall_s: float, peak_mem_bytes: int
-                  ) -> dict[str, Any]:
+def build_summary(trainer: Any, records: list[dict[str, Any]], wall_s: float, peak_mem_bytes: int,
+                  peak_reserved_bytes: int | None = None, setup_peak_bytes: int | None = None) -> dict[str, Any]:
     cfg, par = trainer.cfg, trainer.cfg.parallel
     losses = [(r["loss"], r["step"]) for r in records]
     # The first step of a process pays for warm-up (allocations, thread pools): averaged without it.
@@ -43,6 +50,7 @@ def build_summary(trainer: Any, records: list[dict[str, Any]], wall_s: float, pe
     mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
     run_dir = Path(cfg.log.dir)
     latest = trainer.store.latest() if trainer.store is not None else None
+    memory = trainer.observer.memory
     return {
         "model": {"name": trainer.model_cfg.name, "parameters": trainer.n_params},
         "layout": {"world": trainer.world_size, "dp": trainer.dp, "tp": par.tp, "pp": par.pp, "zero": par.zero,
@@ -57,8 +65,9 @@ def build_summary(trainer: Any, records: list[dict[str, Any]], wall_s: float, pe
         "mfu": {"mean": sum(mfus) / len(mfus) if mfus else None, "max": max(mfus) if mfus else None,
                 "peak_flops_per_device": trainer.peak_flops, "peak_source": trainer.peak_source},
         "memory": {"peak_bytes_max_over_ranks": peak_mem_bytes,
-                   "kind": "CUDA allocator peak (tensors)" if trainer.device.type == "cuda"
-                   else "CPU process peak resident set (whole process: Python, torch, data)",
+                   "peak_reserved_bytes_max_over_ranks": peak_reserved_bytes,
+                   "setup_peak_bytes_max_over_ranks": setup_peak_bytes,
+                   "kind": memory.kind if memory is not None else memory_kind(trainer.device.type, False),
                    "model_state_per_rank": trainer.memory.describe()},
         "time": {"wall_s": wall_s, "train_steps_s": sum(r["step_time_s"] for r in records)},
         "paths": {"run_dir": str(run_dir), "metrics": str(run_dir / "metrics.jsonl"),
@@ -90,7 +99,7 @@ def format_summary(s: dict[str, Any]) -> str:
         rows.append(("MFU", f"{100 * mfu['mean']:.1f} % mean, {100 * mfu['max']:.1f} % best step, against "
                             f"{mfu['peak_flops_per_device'] / 1e12:.4g} TFLOP/s per rank ({mfu['peak_source']})"))
     rows += [
-        ("peak memory", f"{mem['peak_bytes_max_over_ranks'] / 2**20:,.0f} MiB on the busiest rank ({mem['kind']})"),
+        ("peak memory", _peak_text(mem)),
         ("model state", mem["model_state_per_rank"]),
         ("time", f"{t['wall_s']:.1f} s wall clock, of which {t['train_steps_s']:.1f} s in training steps"),
         ("metrics", paths["metrics"]),
@@ -105,3 +114,15 @@ def format_summary(s: dict[str, Any]) -> str:
     rows.append(("summary", paths.get("summary", "")))
     width = max(len(k) for k, _ in rows)
     return "pentatron: run summary\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _peak_text(mem: dict[str, Any]) -> str:
+    mib = 2**20
+    reserved = mem.get("peak_reserved_bytes_max_over_ranks")
+    text = f"{mem['peak_bytes_max_over_ranks'] / mib:,.0f} MiB"
+    if reserved is not None:
+        text += f" allocated / {reserved / mib:,.0f} MiB reserved"
+    text += f" on the busiest rank ({mem['kind']})"
+    if mem.get("setup_peak_bytes_max_over_ranks") is not None:
+        text += f"; set-up before training peaked at {mem['setup_peak_bytes_max_over_ranks'] / mib:,.0f} MiB"
+    return text

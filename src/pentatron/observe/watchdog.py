@@ -15,6 +15,11 @@ can read (`<log.dir>/flight/`), not through the process group (which is what han
    writes `diagnosis.txt`, prints it to stderr, and every rank exits with `HANG_EXIT_CODE`, the
    stuck ranks named in their last line.
 
+Besides its own dump each rank also writes PyTorch's flight-recorder trace (`torch_trace_rank<r>`
+files, the ones NCCL itself writes on its timeout: see `distributed.launch.torch_flight_recorder_env`):
+the watchdog ends the ranks before the process group's timeout, so NCCL would never get to dump.
+`diagnosis.txt` names those files.
+
 The process group's own timeout is set longer (`process_group_timeout`), so the watchdog speaks first.
 On several nodes, `log.dir` must be on a shared filesystem (checked at start: a warning otherwise).
 """
@@ -30,8 +35,12 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+
+from pentatron.distributed.launch import DUMP_FILE_ENV, TORCH_TRACE_PREFIX
 from pentatron.observe.collective_check import CollectiveChecker
-from pentatron.observe.flight_recorder import FlightRecorder, format_site
+from pentatron.observe.flight_recorder import FlightRecorder, completion_event_for, format_site
 from pentatron.observe.hang_diagnosis import diagnose
 
 if TYPE_CHECKING:
@@ -148,8 +157,14 @@ class Watchdog:
         d["main_stack"] = main_thread_stack()
         return d
 
+    def torch_trace_prefix(self) -> str:
+        """The per-rank file prefix of PyTorch's flight-recorder dumps: the user's, or in this directory."""
+        return next((os.environ[n] for n in DUMP_FILE_ENV if os.environ.get(n)), str(self.dir / TORCH_TRACE_PREFIX))
+
     def _conclude(self, requested_by_me: bool) -> None:
         """Dump, wait for the others' dumps, diagnose (one rank) and exit (every rank)."""
+        # PyTorch's trace first: a rank's dump then tells the diagnosing rank that both are written.
+        dump_torch_trace(Path(self.torch_trace_prefix() + str(self.rank)), timeout_s=self.grace_s / 2)
         _write_json(self.dir / f"rank{self.rank}.json", self._dump("timeout" if requested_by_me else "requested"))
         deadline = time.monotonic() + self.grace_s
         while time.monotonic() < deadline and len(self._dumps()) < self.world_size:
@@ -159,7 +174,8 @@ class Watchdog:
         if _create_exclusive(self.dir / LOCK, str(self.rank)):
             result = diagnose(self._dumps(), self._heartbeats(), self.world_size, self.timeout_s, self.rank,
                               str(self.dir))
-            text = result.text
+            *body, verdict = result.text.splitlines()  # the verdict ("stuck rank: …") stays the last line
+            text = "\n".join([*body, torch_trace_note(self.torch_trace_prefix(), self.world_size), verdict])
             if not self.shared_dir:
                 text += (f"\nnote: {self.dir} is not shared by all ranks: ranks on other nodes could not "
                          "answer and are shown as silent")
@@ -194,12 +210,51 @@ class Watchdog:
         return self._per_rank(".heartbeat.json")
 
 
+def dump_torch_trace(path: Path, timeout_s: float) -> bool:
+    """Write PyTorch's flight-recorder trace of this process (a pickle, what `torchfrtrace` reads) to
+    `path`; on NCCL with the communicators' state. First without stack traces (instant), then with
+    them (the first such dump of a process resolves symbols: seconds), all within `timeout_s` (NCCL's
+    dump queries CUDA, which a wedged device could block). False when nothing was written."""
+    c10d = torch._C._distributed_c10d
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    fn = (getattr(c10d, "_dump_nccl_trace", None) if nccl else None) or getattr(c10d, "_dump_fr_trace", None)
+    if fn is None:
+        return False
+
+    def write() -> None:
+        for stacks in (False, True):
+            try:
+                data = fn(includeStackTraces=stacks)
+                tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
+            except Exception:  # noqa: BLE001 - our own dump and diagnosis matter more than torch's
+                return
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    worker = threading.Thread(target=write, name="pentatron-torch-trace", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return path.exists()
+
+
+def torch_trace_note(prefix: str, world_size: int) -> str:
+    """The diagnosis's line about PyTorch's flight-recorder dumps: where, and which ranks wrote one."""
+    found = [r for r in range(world_size) if Path(f"{prefix}{r}").exists()]
+    have = f"ranks {', '.join(map(str, found))}" if found else "none yet"
+    folder, name = os.path.split(prefix)
+    backend = dist.get_backend() if dist.is_initialized() else "c10d"
+    return (f"PyTorch flight recorder ({backend}) dumps: {prefix}<rank> (written: {have}); read them with "
+            f"`torchfrtrace {folder or '.'} --prefix {name}`")
+
+
 def attach_flight_recorder(ctx: ParallelContext, dump_dir: Path, timeout_s: float, check: bool,
                            watchdog: bool = True, start: bool = True) -> Watchdog | None:
     """Give `ctx.comm` a flight recorder (and the check-mode verifier), and on more than one process
     create the hang watchdog (started now, or by the caller with `start=False`). Collective over the
     world: every rank must call it."""
-    recorder = FlightRecorder(ctx.rank, check=CollectiveChecker() if check else None)
+    recorder = FlightRecorder(ctx.rank, check=CollectiveChecker() if check else None,
+                              completion_event=completion_event_for(ctx.device))
     ctx.comm.recorder = recorder
     if ctx.world_size == 1 or not watchdog:
         return None

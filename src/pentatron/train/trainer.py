@@ -17,7 +17,7 @@ from pentatron.data.loader import TokenDataset, TokenLoader
 from pentatron.data.tokenize import ensure_default_dataset
 from pentatron.observe.metrics import COMM_LEGEND, MetricsLogger
 from pentatron.observe.run_observer import RunObserver
-from pentatron.observe.system import peak_flops, peak_memory_bytes
+from pentatron.observe.system import peak_flops
 from pentatron.parallel.pipeline.trace import write_rank_trace
 from pentatron.parallel.step_runner import host_scalars
 from pentatron.plan.flops import model_flops_per_token
@@ -151,8 +151,8 @@ class Trainer:
                 record.update(
                     tokens_per_s=tokens_per_s,
                     mfu=tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size),
-                    peak_mem_bytes=peak_memory_bytes(self.device),
                     step_time_s=elapsed,
+                    **self.observer.peak_memory(),  # since training began (set-up excluded)
                 )
                 if not records:  # the first record of a run carries the per-rank memory accounting
                     record["memory"] = self.runner.memory().to_dict()

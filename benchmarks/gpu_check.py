@@ -1,0 +1,408 @@
+"""The prepared device check (issue 35): one command, about 5 minutes on one H200, a JSON file and a table.
+
+    python benchmarks/gpu_check.py --out gpu_check.json      # on a CUDA host: the real sizes
+    python benchmarks/gpu_check.py --toy                     # every part at toy size on CPU (make test runs it)
+
+Parts (each one reports on its own; a failing part does not stop the others):
+  train         1-GPU bf16 training of a ~1B Llama (16 layers, h 2048, ffn 5632, vocab 32000, seq 4096) for
+                30 steps through the Trainer: tokens/s, MFU, peak allocated / reserved since training began,
+                beside the planner's prediction for the same layout (`observe.report.predicted`'s inputs)
+  sdpa_backend  the attention kernel SDPA actually ran in one training step (profiler kernel names: flash,
+                mem-efficient, cuDNN or math); on CPU the ATen op it dispatched to
+  ring_kernel   ring attention's fused block kernel against the math reference in fp64: outputs,
+                log-sum-exp and dQ/dK/dV, causal and not, fp32 and bf16
+  stage_startup start-up of one pipeline rank's share of Llama-3.1-70B (pp 8, the stage with the most
+                parameters): built on meta, only that stage materialised on the device and initialised;
+                the measured peak beside the stage's parameter bytes
+  syncs         device→host synchronisations per training step, from torch.cuda.set_sync_debug_mode("warn");
+                on CPU the calls that would sync on CUDA (item, tolist, float(t), cpu(), ...), counted
+
+With --toy, or when no CUDA device is present, every part runs at toy size on CPU; parts without a CPU
+analogue would say "skipped: no CUDA" (today every part has one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+MIB, GIB = 2**20, 2**30
+
+
+@dataclass(frozen=True)
+class Sizes:
+    model: dict[str, Any]  # [model] overrides of `base`
+    base: str
+    seq_len: int
+    micro_batch: int
+    global_batch: int
+    steps: int
+    profile_steps: int  # extra steps: the SDPA profile (1) and the sync count (the rest)
+    ring: tuple[int, int, int, int]  # b, heads, s, d of the block kernel check
+    stage_model: str
+    stage_pp: int
+
+
+GPU = Sizes(model=dict(vocab_size=32000, hidden_size=2048, n_layers=16, n_heads=16, n_kv_heads=8,
+                       ffn_hidden_size=5632, max_seq_len=4096, tie_embeddings=False),
+            base="llama3-8b", seq_len=4096, micro_batch=4, global_batch=8, steps=30, profile_steps=4,
+            ring=(1, 8, 2048, 128), stage_model="llama3.1-70b", stage_pp=8)
+TOY = Sizes(model=dict(vocab_size=512, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_size=128,
+                       max_seq_len=64, tie_embeddings=False),
+            base="debug", seq_len=32, micro_batch=2, global_batch=4, steps=3, profile_steps=2,
+            ring=(1, 2, 64, 16), stage_model="debug", stage_pp=2)
+
+
+# ---------------------------------------------------------------------------- helpers
+def synthetic_dataset(path: Path, vocab: int, tokens: int, seed: int = 0) -> Path:
+    """A tokenized dataset directory of uniform random ids (no tokenizer, no corpus: seconds to write)."""
+    from pentatron.data.index import INDEX_FILE, INDEX_VERSION, token_dtype
+
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(vocab)
+    ids = np.random.default_rng(seed).integers(1, vocab, size=tokens, dtype=np.int64).astype(dtype)
+    ids.tofile(path / "shard_00000.bin")
+    index = {"version": INDEX_VERSION, "dtype": str(np.dtype(dtype)), "vocab_size": vocab, "eos_id": 0,
+             "eos_token": "<eos>", "shards": [{"file": "shard_00000.bin", "tokens": tokens}],
+             "total_tokens": tokens, "num_documents": 1, "max_token_id": int(ids.max()),
+             "fingerprint": f"gpu-check-random-{vocab}-{tokens}-{seed}"}
+    (path / INDEX_FILE).write_text(json.dumps(index))
+    return path
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return json.dumps(value) if isinstance(value, str) else str(value)
+
+
+def part(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """Run one part; its exception becomes its status, so that the other parts still run."""
+    start = time.perf_counter()
+    try:
+        out = fn(*args)
+        out.setdefault("status", "ok")
+    except Exception as e:  # noqa: BLE001 - the check reports every part
+        out = {"status": f"failed: {type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
+    out["seconds"] = round(time.perf_counter() - start, 3)
+    return out
+
+
+def _gib(n: float | None) -> float | None:
+    return None if n is None else round(n / GIB, 3)
+
+
+# ---------------------------------------------------------------------------- (a) training, (b) SDPA, (e) syncs
+def make_trainer(size: Sizes, device: torch.device, work: Path) -> Any:
+    from pentatron.config import load_config
+    from pentatron.train.trainer import Trainer
+
+    steps = size.steps + size.profile_steps
+    sets = [f"model.name={_toml(size.base)}", *(f"model.{k}={_toml(v)}" for k, v in size.model.items()),
+            f"train.seq_len={size.seq_len}", f"train.micro_batch={size.micro_batch}",
+            f"train.global_batch={size.global_batch}", f"train.steps={size.steps}", "train.warmup=2",
+            "train.precision='bf16'", f"train.device={_toml(device.type)}", "log.progress=false",
+            "log.tensorboard=false", f"log.every={max(1, size.steps // 6)}", f"log.dir={_toml(str(work / 'run'))}"]
+    if device.type == "cpu":
+        sets.append("train.peak_tflops=1.0")  # no CPU peak measurement in the toy run (seconds)
+    cfg = load_config(None, sets, world_size=1)
+    tokens = (steps + 2) * size.global_batch * (size.seq_len + 1)
+    data = synthetic_dataset(work / "data", size.model["vocab_size"], tokens)
+    return Trainer(cfg, dataset_dir=data)
+
+
+def train_part(trainer: Any) -> dict[str, Any]:
+    from pentatron.observe.report import REFERENCE_GPU, layout_and_workload
+    from pentatron.plan.hardware import detect_gpu, get_gpu
+    from pentatron.plan.memory import memory_for_rank
+    from pentatron.plan.search import predict
+
+    records = trainer.fit()
+    steady = records[min(3, len(records) - 1):]  # the first steps pay for allocator and kernel warm-up
+    device = trainer.device
+    gpu = detect_gpu(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    lay, w = layout_and_workload(trainer.cfg.to_dict(), 1, device.type)
+    pred = predict(w, lay, gpu or get_gpu(REFERENCE_GPU), kernels="eager")
+    mem = memory_for_rank(w, lay, gpu or get_gpu(REFERENCE_GPU), 0, "eager")
+    reserved = [r["peak_mem_reserved_bytes"] for r in records if r.get("peak_mem_reserved_bytes") is not None]
+    return {
+        "model_parameters": trainer.n_params, "layout": lay.short(), "steps": len(records),
+        "tokens_per_step": trainer.tokens_per_step,
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+        "mfu": statistics.median(r["mfu"] for r in steady), "peak_source": trainer.peak_source,
+        "step_time_s": statistics.median(r["step_time_s"] for r in steady),
+        "final_loss": records[-1]["loss"],
+        "peak_allocated_gib": _gib(max(r["peak_mem_bytes"] for r in records)),
+        "peak_reserved_gib": _gib(max(reserved)) if reserved else None,
+        "memory_kind": trainer.observer.memory.kind,
+        "setup_peak_gib": _gib(trainer.observer.memory.setup_peak_bytes),
+        "planner": {"hardware": gpu.name if gpu else f"{REFERENCE_GPU} (reference: not this device)",
+                    "tensors_gib": _gib(mem.tensors), "total_gib": _gib(mem.total),
+                    "step_time_s": pred.step.step,
+                    "note": "tensors ≈ max_memory_allocated; total adds the CUDA context (1 GiB) and 5 % "
+                            "fragmentation ≈ max_memory_reserved + context"},
+    }
+
+
+def attention_backend(names: list[str]) -> str:
+    """Which SDPA implementation these kernel (CUDA) or op (CPU) names show."""
+    low = [n.lower() for n in names]
+    if any("cudnn" in n for n in low):  # before flash: cuDNN's SDPA kernels have "flash" in their names
+        return "cudnn"
+    if any("flash" in n for n in low):
+        return "flash"
+    if any("efficient" in n or "fmha" in n for n in low):
+        return "mem_efficient"
+    return "math"
+
+
+def sdpa_part(trainer: Any) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = trainer.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        trainer.train_step()
+        if cuda:
+            torch.cuda.synchronize(trainer.device)
+    events = prof.key_averages()
+    kernels = [e.key for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    ops = [e.key for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    attn = [n for n in (kernels if cuda else ops)
+            if any(s in n.lower() for s in ("flash", "attention", "fmha", "sdpa", "mha"))]
+    return {"backend": attention_backend(attn), "from": "CUDA kernels" if cuda else "ATen ops (CPU)",
+            "attention_names": sorted(set(attn))[:12],
+            "sdpa_ops": sorted({n for n in ops if "scaled_dot_product" in n})}
+
+
+SYNCING_METHODS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
+
+
+@contextmanager
+def count_host_reads(counts: Counter[str]) -> Iterator[None]:
+    """CPU stand-in for the sync debug mode: count the Tensor calls that read a value to the host."""
+    originals = {m: getattr(torch.Tensor, m) for m in SYNCING_METHODS}
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(self: torch.Tensor, *a: Any, **k: Any) -> Any:
+            counts[name] += 1
+            return fn(self, *a, **k)
+        return counted
+
+    for name, fn in originals.items():
+        setattr(torch.Tensor, name, wrap(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def syncs_part(trainer: Any, steps: int) -> dict[str, Any]:
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize(trainer.device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    trainer.train_step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+        sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+        return {"syncs_per_step": len(syncs) / steps, "steps": steps, "how": "torch.cuda.set_sync_debug_mode('warn')",
+                "top_sites": dict(sites.most_common(10))}
+    counts: Counter[str] = Counter()
+    with count_host_reads(counts):
+        for _ in range(steps):
+            trainer.train_step()
+    return {"syncs_per_step": sum(counts.values()) / steps, "steps": steps,
+            "how": "CPU: Tensor calls that would sync on CUDA (" + ", ".join(SYNCING_METHODS) + ")",
+            "by_call": dict(counts)}
+
+
+# ---------------------------------------------------------------------------- (c) ring attention's block kernel
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def ring_kernel_part(size: Sizes, device: torch.device) -> dict[str, Any]:
+    from pentatron.parallel.attention_kernels import block_kernel
+
+    fused, math_ = block_kernel("fused"), block_kernel("math")
+    b, h, s, d = size.ring
+    scale = d ** -0.5
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+    cases, ok = [], True
+    for dtype in (torch.float32, torch.bfloat16):
+        for causal in (False, True):
+            g = torch.Generator(device="cpu").manual_seed(1234 + causal)
+            q, k, v, dout = (torch.randn(b, h, s, d, generator=g).to(device, dtype) for _ in range(4))
+            out, lse = fused.forward(q, k, v, causal, scale)
+            grads = fused.backward(dout, q, k, v, out, lse, causal, scale)
+            q64, k64, v64, do64 = (t.double() for t in (q, k, v, dout))
+            ref_out, ref_lse = math_.forward(q64, k64, v64, causal, scale)
+            ref_grads = math_.backward(do64, q64, k64, v64, ref_out, ref_lse, causal, scale)
+            errs = {"out": _rel(out, ref_out), "lse": _rel(lse, ref_lse),
+                    **{n: _rel(gr, rg) for n, gr, rg in zip(("dq", "dk", "dv"), grads, ref_grads)}}
+            good = all(e <= tolerance[dtype] for e in errs.values())
+            ok &= good
+            cases.append({"dtype": str(dtype).removeprefix("torch."), "causal": causal, "max_rel_err": errs,
+                          "tolerance": tolerance[dtype], "ok": good})
+    return {"shape_bhsd": [b, h, s, d], "device": str(device), "reference": "math kernel in fp64",
+            "all_ok": ok, "cases": cases}
+
+
+# ---------------------------------------------------------------------------- (d) one pipeline stage of 70B
+def stage_startup_part(size: Sizes, device: torch.device) -> dict[str, Any]:
+    from pentatron.models import llama
+    from pentatron.models.registry import get_model_config
+    from pentatron.observe.profiler import peak_allocation_growth
+    from pentatron.parallel.pipeline.stages import PipelineStage, stage_layers
+
+    cfg = get_model_config(size.stage_model)
+    with torch.device("meta"):
+        full = llama.Llama(cfg)
+    ranges = stage_layers(cfg, size.stage_pp, 1, size.seq_len)
+    stages = [PipelineStage(full, i, size.stage_pp, ranges[i]) for i in range(size.stage_pp)]
+    counts = [sum(p.numel() for p in st.parameters()) for st in stages]
+    index = counts.index(max(counts))
+    stage = stages[index]
+    del full, stages  # only this stage's modules stay referenced (all still on meta)
+    param_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    # On CPU no allocator keeps a peak (and RSS reuses pages freed by the parts before): the profiler's
+    # allocation events give the same figure, the most tensor bytes live at once.
+    watch = nullcontext() if cuda else torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                              profile_memory=True)
+    start = time.perf_counter()
+    with watch as prof:
+        stage.to_empty(device=device)
+        llama.init_weights(stage, 0)  # the model's own init, by parameter name: the stage keeps the full names
+        if cuda:
+            torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) - base if cuda else peak_allocation_growth(prof, device)
+    finite = all(bool(torch.isfinite(p).all()) for p in stage.parameters())
+    del stage
+    return {"model": size.stage_model, "pp": size.stage_pp, "stage": index, "layers": [ranges[index].start,
+            ranges[index].stop], "stage_parameters": max(counts), "stage_param_gib": _gib(param_bytes),
+            "full_model_fp32_gib": _gib(4 * sum(counts)), "startup_s": round(seconds, 3),
+            "peak_gib": _gib(peak), "peak_over_stage_params": round(peak / param_bytes, 3),
+            "measured": "CUDA max_memory_allocated above the baseline" if cuda
+            else "CPU: the profiler's allocation events, most tensor bytes live at once",
+            "weights_finite": finite}
+
+
+# ---------------------------------------------------------------------------- the run
+def run(toy: bool, work: Path) -> dict[str, Any]:
+    cuda = torch.cuda.is_available() and not toy
+    size = GPU if cuda else TOY
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    started = time.perf_counter()
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if cuda else f"CPU ({platform.processor() or platform.machine()})",
+        "torch": torch.__version__, "cuda": torch.version.cuda, "toy": not cuda, "parts": {}}
+    parts = result["parts"]
+    try:
+        trainer = make_trainer(size, device, work)
+    except Exception as e:  # noqa: BLE001
+        trainer = None
+        failed = {"status": f"failed: {type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
+        parts.update(train=failed, sdpa_backend=failed, syncs=failed)
+    if trainer is not None:
+        try:
+            parts["train"] = part(train_part, trainer)
+            parts["sdpa_backend"] = part(sdpa_part, trainer)
+            parts["syncs"] = part(syncs_part, trainer, size.profile_steps - 1)
+        finally:
+            trainer.close()
+            del trainer
+            gc.collect()  # the 1B model, its gradients and optimizer state: gone before the 70B stage
+            if cuda:
+                torch.cuda.empty_cache()
+    parts["ring_kernel"] = part(ring_kernel_part, size, device)
+    parts["stage_startup"] = part(stage_startup_part, size, device)
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    p = result["parts"]
+    rows: list[tuple[str, str, str]] = []
+
+    def add(name: str, key: str, text: Callable[[dict[str, Any]], str]) -> None:
+        r = p.get(key, {})
+        if r.get("status") != "ok":
+            rows.append((name, key, r.get("status", "missing")))
+            return
+        try:
+            rows.append((name, key, text(r)))
+        except (KeyError, TypeError, ValueError) as e:
+            rows.append((name, key, f"(unreadable: {e})"))
+
+    add("(a) training", "train", lambda r: (
+        f"{r['model_parameters'] / 1e6:,.1f}M params {r['layout']}: {r['tokens_per_s']:,.0f} tokens/s, MFU "
+        f"{100 * r['mfu']:.1f} %, peak "
+        + (f"{r['peak_allocated_gib']} GiB resident set (CPU)" if r["peak_reserved_gib"] is None
+           else f"{r['peak_allocated_gib']} GiB allocated / {r['peak_reserved_gib']} GiB reserved")
+        + f"; planner {r['planner']['tensors_gib']} GiB tensors / {r['planner']['total_gib']} GiB total"))
+    add("(b) SDPA backend", "sdpa_backend", lambda r: f"{r['backend']} ({r['from']}: "
+        f"{', '.join(r['attention_names'][:3]) or '-'})")
+    add("(c) ring block kernel", "ring_kernel", lambda r: (
+        f"{'ok' if r['all_ok'] else 'MISMATCH'}; worst rel err " + ", ".join(
+            f"{c['dtype']}{' causal' if c['causal'] else ''} {max(c['max_rel_err'].values()):.1e}"
+            for c in r["cases"])))
+    add("(d) stage start-up", "stage_startup", lambda r: (
+        f"{r['model']} pp{r['pp']} stage {r['stage']} (layers {r['layers'][0]}-{r['layers'][1] - 1}, "
+        f"{r['stage_param_gib']} GiB fp32): {r['startup_s']} s, peak {r['peak_gib']} GiB = "
+        f"{r['peak_over_stage_params']} × its parameters (whole model fp32: {r['full_model_fp32_gib']} GiB)"))
+    add("(e) syncs per step", "syncs", lambda r: f"{r['syncs_per_step']:g} ({r['how']})")
+    width = max(len(r[0]) for r in rows)
+    head = f"pentatron gpu_check on {result['device']}, torch {result['torch']}" + \
+           (" (toy sizes)" if result["toy"] else "") + f", {result['wall_s']} s"
+    return "\n".join([head] + [f"  {name:<{width}}  {text}" for name, _, text in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--toy", action="store_true", help="toy sizes on CPU (automatic without CUDA)")
+    ap.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="where the JSON goes")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="pentatron-gpu-check-") as tmp:
+        result = run(args.toy, Path(tmp))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(table(result))
+    print(f"gpu_check: JSON in {args.out}")
+    return 0 if all(r.get("status") == "ok" for r in result["parts"].values()) else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    sys.exit(main())

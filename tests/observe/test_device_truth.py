@@ -1,0 +1,134 @@
+"""What makes the observer's numbers true on GPU, tested on CPU where it can be: the device clock's CPU
+path, the peak-memory reset after set-up, the flight recorder's device-event completion (with a stand-in
+event), and the PyTorch flight-recorder environment."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pentatron.distributed.launch import (
+    TORCH_TRACE_PREFIX,
+    torch_flight_recorder_env,
+    torch_trace_dump_prefix,
+)
+from pentatron.observe.flight_recorder import FlightRecorder, completion_event_for
+from pentatron.observe.memory import PeakMemory, memory_kind, process_peak_rss, reset_process_peak_rss
+from pentatron.observe.timer import DeviceClock
+from pentatron.observe.watchdog import torch_trace_note
+
+
+def test_device_clock_sums_spans_per_name_on_cpu():
+    clock = DeviceClock(torch.device("cpu"))
+    assert not clock.cuda and clock.collect() == {}
+    t0 = clock.mark()
+    time.sleep(0.02)
+    clock.span("forward", t0)
+    t1 = clock.mark()
+    time.sleep(0.01)
+    clock.span("forward", t1)
+    clock.span("optimizer", t1, t1 + 0.5)
+    got = clock.collect()
+    assert got["forward"] >= 0.03 and got["optimizer"] == pytest.approx(0.5)
+    assert clock.collect() == {}  # collected once
+
+
+def test_peak_memory_excludes_the_set_up_peak_on_cpu():
+    blob = torch.ones(256 * 2**20 // 4)  # 256 MiB touched during "set-up"
+    del blob
+    before = process_peak_rss()
+    mem = PeakMemory(torch.device("cpu"))
+    assert mem.setup_peak_bytes >= before - 2**20
+    got = mem.read()
+    assert got["peak_mem_reserved_bytes"] is None
+    if mem.since_training:  # Linux lets a process reset its peak: the set-up's 256 MiB are gone
+        assert got["peak_mem_bytes"] <= mem.setup_peak_bytes - 200 * 2**20, (got, mem.setup_peak_bytes)
+        assert "since training began" in mem.kind
+        big = torch.ones(128 * 2**20 // 4)
+        assert mem.read()["peak_mem_bytes"] >= got["peak_mem_bytes"] + 100 * 2**20
+        del big
+    else:
+        assert "since the process started" in mem.kind
+    assert reset_process_peak_rss() == mem.since_training
+    assert "reserved" in memory_kind("cuda", True) and "set-up included" in memory_kind("cpu", False)
+
+
+class FakeEvent:
+    """Stands in for torch.cuda.Event: completes when the test says the device got there."""
+
+    device_done = 0
+    count = 0
+
+    def __init__(self) -> None:
+        FakeEvent.count += 1
+        self.n = FakeEvent.count
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.n <= FakeEvent.device_done
+
+
+class _Ctx:
+    world_size = 2
+
+    def group_ranks(self, dim: str) -> list[int]:
+        return [0, 1]
+
+
+class _Comm:
+    ctx = _Ctx()
+
+
+def test_a_waited_collective_counts_as_done_only_when_its_device_event_completes():
+    rec = FlightRecorder(0, completion_event=FakeEvent)
+    comm = _Comm()
+    a = rec.enter(comm, "all_reduce", "dp", torch.ones(4))
+    rec.issued([a], async_op=False).after_wait()  # NCCL's wait returned: the stream is ordered, no more
+    assert not a.done and rec.pending == 1
+    time.sleep(0.05)
+    assert rec.stalled_for() >= 0.05  # what the watchdog sees while the GPU is stuck in it
+    FakeEvent.device_done = FakeEvent.count  # the GPU got past the event
+    assert rec.stalled_for() == 0.0 and a.done and rec.completed["dp"] == 1
+    b = rec.enter(comm, "all_reduce", "dp", torch.ones(4))
+    c = rec.enter(comm, "all_reduce", "dp", torch.ones(4))
+    rec.issued([b], async_op=True).after_wait()
+    rec.issued([c], async_op=True).after_wait()
+    FakeEvent.device_done = FakeEvent.count - 1  # b finished on the device, c not yet
+    rec.poll()
+    assert b.done and not c.done and rec.snapshot("t")["completed"] == {"dp": 2}
+
+
+def test_on_cpu_a_collective_is_done_when_its_wait_returns():
+    assert completion_event_for(torch.device("cpu")) is None
+    rec = FlightRecorder(0)
+    a = rec.enter(_Comm(), "all_reduce", "dp", torch.ones(4))
+    rec.issued([a], async_op=False).after_wait()
+    assert a.done and rec.pending == 0 and rec.stalled_for() == 0.0
+
+
+def test_torch_flight_recorder_env_is_set_unless_the_user_set_it(tmp_path: Path):
+    env: dict[str, str] = {}
+    set_now = torch_flight_recorder_env(tmp_path / "flight", env)
+    assert env == set_now == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                              "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "flight" / TORCH_TRACE_PREFIX)}
+    assert (tmp_path / "flight").is_dir()  # torch writes there from its own thread: it must exist
+    assert torch_trace_dump_prefix(env) == str(tmp_path / "flight" / TORCH_TRACE_PREFIX)
+    # The user's choices win, under the old or the new name.
+    user = {"TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_FR_DUMP_TEMP_FILE": "/x/t_"}
+    assert torch_flight_recorder_env(tmp_path / "other", user) == {}
+    assert user == {"TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_FR_DUMP_TEMP_FILE": "/x/t_"}
+    assert torch_trace_dump_prefix(user) == "/x/t_" and not (tmp_path / "other").exists()
+    assert torch_trace_dump_prefix({}) == "/tmp/nccl_trace_rank_"
+
+
+def test_the_diagnosis_line_names_the_torch_dumps(tmp_path: Path):
+    prefix = str(tmp_path / TORCH_TRACE_PREFIX)
+    (tmp_path / f"{TORCH_TRACE_PREFIX}1").write_bytes(b"x")
+    note = torch_trace_note(prefix, 3)
+    assert f"dumps: {prefix}<rank> (written: ranks 1)" in note
+    assert f"torchfrtrace {tmp_path} --prefix {TORCH_TRACE_PREFIX}" in note

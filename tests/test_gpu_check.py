@@ -1,0 +1,57 @@
+"""benchmarks/gpu_check.py, the prepared device check, at toy size on CPU: every part runs and reports
+real numbers, so the command a GPU host will run cannot rot unseen."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location(
+    "gpu_check", Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py")
+assert _spec is not None and _spec.loader is not None
+gpu_check = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_check"] = gpu_check
+_spec.loader.exec_module(gpu_check)
+
+PARTS = {"train", "sdpa_backend", "ring_kernel", "stage_startup", "syncs"}
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def test_every_part_runs_at_toy_size_with_real_numbers(tmp_path: Path, capsys):
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--toy", "--out", str(out)]) == 0, capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["toy"] is True and set(r["parts"]) == PARTS
+    assert all(p["status"] == "ok" for p in r["parts"].values()), {k: p["status"] for k, p in r["parts"].items()}
+    p = r["parts"]
+    t = p["train"]
+    assert t["steps"] == gpu_check.TOY.steps and all(_number(t[k]) and t[k] > 0 for k in (
+        "tokens_per_s", "mfu", "step_time_s", "peak_allocated_gib", "setup_peak_gib", "model_parameters"))
+    assert "since training began" in t["memory_kind"] and t["peak_reserved_gib"] is None  # CPU: no reserved
+    assert _number(t["planner"]["tensors_gib"]) and t["planner"]["total_gib"] > t["planner"]["tensors_gib"]
+    assert p["sdpa_backend"]["backend"] == "flash" and p["sdpa_backend"]["sdpa_ops"]
+    ring = p["ring_kernel"]
+    assert ring["all_ok"] and len(ring["cases"]) == 4
+    assert all(_number(e) and e < c["tolerance"] for c in ring["cases"] for e in c["max_rel_err"].values())
+    st = p["stage_startup"]
+    assert st["weights_finite"] and _number(st["startup_s"]) and st["stage_parameters"] > 0
+    # Only the stage is materialised: its peak is about its own parameters, far from the whole model's.
+    assert 0.5 < st["peak_over_stage_params"] < 3 and st["stage_param_gib"] < st["full_model_fp32_gib"]
+    assert _number(p["syncs"]["syncs_per_step"]) and p["syncs"]["syncs_per_step"] > 0
+    printed = capsys.readouterr().out
+    for label in ("(a) training", "(b) SDPA backend", "(c) ring block kernel", "(d) stage start-up",
+                  "(e) syncs per step", "toy sizes"):
+        assert label in printed, label
+
+
+def test_the_backend_is_read_from_kernel_names():
+    assert gpu_check.attention_backend(["void pytorch_flash::flash_fwd_kernel<...>"]) == "flash"
+    assert gpu_check.attention_backend(["fmha_cutlassF_bf16_aligned_64x64_rf_sm80"]) == "mem_efficient"
+    assert gpu_check.attention_backend(["cudnn_generated_fort_native_sdpa_sm90_flash_fprop"]) == "cudnn"
+    assert gpu_check.attention_backend(["aten::bmm", "aten::softmax"]) == "math"
