@@ -78,6 +78,10 @@ def test_summary_on_console_and_in_summary_json(tmp_path, default_dataset, capsy
     assert 0 < s["mfu"]["mean"] <= s["mfu"]["max"] <= 1
     assert s["memory"]["peak_bytes_max_over_ranks"] > 0 and s["time"]["wall_s"] > 0
     assert s["paths"]["dataset"] == str(default_dataset) and (run / "config.json").is_file()
+    assert {k: s["layout"][k] for k in ("dp", "tp", "pp", "cp", "ep")} == dict(dp=1, tp=1, pp=1, cp=1, ep=1)
+    assert "tp=1 pp=1 cp=1 ep=1 zero=0" in out  # the banner and the summary name all five degrees
+    # the report takes the run's directory or log.dir (its newest run)
+    assert main(["report", str(tmp_path / "runs")]) == 0 and (run / "report.md").is_file()
 
 
 def test_cpu_peak_is_the_best_ever_measured_on_the_machine(tmp_path):

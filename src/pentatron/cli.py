@@ -86,7 +86,9 @@ def _input_error(message: str) -> int:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     from pentatron.plan.cli import add_bench_parser, add_plan_parser
 
-    parser = argparse.ArgumentParser(prog="pentatron", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="pentatron", description="Train language models with 5D parallelism (data + ZeRO, tensor + sequence, "
+                                      "pipeline, context, expert) and plan the layout before spending GPU hours.")
     sub = parser.add_subparsers(dest="command", required=True)
     if command in ("plan", "bench"):  # the other registrars import torch; a plan must not pay for it
         add_plan_parser(sub)

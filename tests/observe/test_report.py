@@ -92,3 +92,15 @@ def test_report_matches_the_ledger(tmp_path: Path, default_dataset, world: int, 
 def test_report_of_a_missing_run_is_an_input_error(tmp_path: Path, capsys):
     assert main(["report", str(tmp_path / "nothing")]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_a_moe_run_with_dp_left_to_the_world_size_is_evaluated():
+    """run.json keeps dp unset (the world size decides): the planner's layout is built with the run's world
+    size, so ep=2 borrows from dp=2 as in training (it was refused: "ep=2 must divide dp×cp = 1×1")."""
+    from pentatron.observe.report import layout_and_workload
+
+    cfg = load_config(None, ["model.name='debug-moe'", "parallel.ep=2", "train.micro_batch=2",
+                             "train.global_batch=8"], world_size=2).to_dict()
+    assert cfg["parallel"]["dp"] is None
+    lay, w = layout_and_workload(cfg, 2, "cpu")
+    assert (lay.dp, lay.ep) == (2, 2) and w.moe_spec is not None

@@ -468,8 +468,10 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `pentatron convert {hf-roundtrip, verify}` (sets `func=run_convert`)."""
     p = subparsers.add_parser(
         "convert", help="Hugging Face checkpoint import/export and validation",
-        description="Hugging Face Llama interop. (Converting to/from Pentatron's own checkpoints will be "
-                    "added with the checkpoint format.)")
+        description="Check the Hugging Face Llama interop on a directory: `verify` compares logits with "
+                    "transformers, `hf-roundtrip` imports and exports it again. Training checkpoints to and from "
+                    "Hugging Face: `pentatron checkpoint export-hf | import-hf`; another layout: "
+                    "`pentatron checkpoint convert`.")
     sub = p.add_subparsers(dest="convert_command", required=True)
     rt = sub.add_parser("hf-roundtrip", help="import a HF Llama directory and export it again",
                         description="Import IN_DIR into Pentatron and export it to OUT_DIR (validates the "

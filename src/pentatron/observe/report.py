@@ -87,7 +87,7 @@ def layout_and_workload(cfg: dict[str, Any], world_size: int, device: str) -> tu
     """The planner's Layout and Workload for a run's config (as saved in run.json)."""
     from pentatron.config import config_from_dict
 
-    return planner_layout(config_from_dict(cfg), world_size, device)
+    return planner_layout(config_from_dict(cfg, world_size), world_size, device)
 
 
 def planner_layout(c: Any, world_size: int, device: str) -> tuple[Any, Any]:
@@ -237,6 +237,7 @@ def write_report(run_dir: Path, hardware_profile: Path | None = None) -> Path:
         par = info["config"]["parallel"]
         lines.append(f"{info['world_size']} process(es) on {info['device_name']}; model "
                      f"{info['config']['model']['name']}; dp={par['dp'] or 'auto'} tp={par['tp']} pp={par['pp']} "
+                     f"cp={par.get('cp', 1)} ep={par.get('ep', 1)} "
                      f"zero={par['zero']}; {meas['steps']} steps, final loss {meas['final_loss']:.4f}; median "
                      f"step {meas['step_time_s']:.4f} s, {meas['tokens_per_s']:,.0f} tokens/s.")
         lines.append("")
@@ -263,7 +264,8 @@ def add_report_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("report", help="write report.md (+ PNGs) for a finished run directory",
                               description="Predicted vs measured for a run: reads RUN_DIR/metrics.jsonl and "
                                           "run.json, writes report.md, report.json and report.png there.")
-    p.add_argument("run_dir", help="the run's log.dir")
+    p.add_argument("run_dir", help="a run's directory (<log.dir>/<YYYYmmdd-HHMMSS>), or log.dir itself for its newest "
+                                   "run (the `latest` link)")
     p.add_argument("--hardware-profile", default=None,
                    help="a `pentatron bench` profile of the machine the run used (for the time prediction)")
     p.set_defaults(func=run_report)
@@ -272,8 +274,11 @@ def add_report_parser(subparsers: Any) -> None:
 def run_report(args: Any) -> int:
     import sys
 
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "metrics.jsonl").is_file() and (run_dir / "latest" / "metrics.jsonl").is_file():
+        run_dir = (run_dir / "latest").resolve()  # log.dir given: its newest run
     try:
-        path = write_report(Path(args.run_dir), Path(args.hardware_profile) if args.hardware_profile else None)
+        path = write_report(run_dir, Path(args.hardware_profile) if args.hardware_profile else None)
     except ReportError as e:
         print(f"pentatron: error: {e}", file=sys.stderr)
         return 2

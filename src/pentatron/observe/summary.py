@@ -55,7 +55,7 @@ def build_summary(trainer: Any, records: list[dict[str, Any]], wall_s: float, pe
         "model": {"name": trainer.model_cfg.name, "parameters": trainer.n_params},
         "layout": {"world": trainer.world_size, "dp": trainer.dp, "tp": par.tp, "pp": par.pp, "zero": par.zero,
                    "sp": par.sp, "pp_schedule": par.pp_schedule if par.pp > 1 else None,
-                   "cp": par.cp, "cp_mode": par.cp_mode if par.cp > 1 else None,
+                   "cp": par.cp, "cp_mode": par.cp_mode if par.cp > 1 else None, "ep": par.ep,
                    "device": str(trainer.device), "precision": trainer.policy.name},
         "steps": {"first": records[0]["step"], "last": records[-1]["step"],
                   "resumed_from": records[0]["step"] - 1 if records[0]["step"] > 1 else None},
@@ -86,9 +86,9 @@ def format_summary(s: dict[str, Any]) -> str:
     a, b = tps["steps_averaged"]
     rows = [
         ("model", f"{s['model']['name']}, {s['model']['parameters'] / 1e6:.2f}M parameters, world={lay['world']} "
-                  f"(dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}"
-                  + (f" cp={lay['cp']} {lay['cp_mode']}" if lay.get("cp", 1) > 1 else "")
-                  + f" zero={lay['zero']}) on {lay['device']}"),
+                  f"(dp={lay['dp']} tp={lay['tp']}{'+sp' if lay.get('sp') else ''} pp={lay['pp']} cp={lay.get('cp', 1)}"
+                  + (f" {lay['cp_mode']}" if lay.get("cp", 1) > 1 else "")
+                  + f" ep={lay.get('ep', 1)} zero={lay['zero']}) on {lay['device']}"),
         ("steps", f"{steps['first']} … {steps['last']}{resumed}"),
         ("loss", f"final {loss['final']:.4f}, min {loss['min']:.4f} at step {loss['min_step']} "
                  f"(first logged {loss['first']:.4f})"),

@@ -131,8 +131,8 @@ class Trainer:
             print(f"pentatron: {self.model_cfg.name} ({self.n_params / 1e6:.2f}M parameters), "
                   f"world={self.world_size} dp={self.dp} tp={cfg.parallel.tp}{' +sp' if cfg.parallel.sp else ''} "
                   f"pp={self.pp}{f' ({cfg.parallel.pp_schedule})' if self.pp > 1 else ''} "
-                  + (f"cp={cfg.parallel.cp} ({cfg.parallel.cp_mode}) " if cfg.parallel.cp > 1 else "")
-                  + f"zero={cfg.parallel.zero}, device={self.device}, "
+                  + f"cp={cfg.parallel.cp}{f' ({cfg.parallel.cp_mode})' if cfg.parallel.cp > 1 else ''} "
+                  f"ep={cfg.parallel.ep} zero={cfg.parallel.zero}, device={self.device}, "
                   f"precision={self.policy.name}, recompute={cfg.train.recompute}, "
                   f"{len(self.dataset):,} tokens in dataset, "
                   f"peak {self.peak_flops / 1e12:.2f} TFLOP/s ({self.peak_source})", flush=True)
@@ -163,10 +163,11 @@ class Trainer:
                     logger.log(record, console=console)
                     # The comm table: on the first step, and again whenever the pattern changes.
                     table = self.last_comm.table()
-                    if console and table != last_table:
+                    # (the pattern of ops and calls: an uneven all-to-all's bytes differ every step)
+                    if console and self.last_comm.calls_map() != last_table:
                         print(f"pentatron: communication per rank, step {self.step} {COMM_LEGEND}:\n{table}",
                               flush=True)
-                        last_table = table
+                        last_table = self.last_comm.calls_map()
                 if "nonfinite" in record and self.guard.action == "stop":  # after logging: the record shows it
                     raise NonFiniteStop(self.guard.stop_message(record["nonfinite"]))
                 stop = self.sigterm is not None and self.sigterm.agreed(self.comm, self.world_size, self.device)
