@@ -106,38 +106,53 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     return Schedule(p, m, 1, acts, "1f1b")
 
 
-def interleaved_1f1b(p: int, m: int, v: int, all_warmup: bool = True) -> Schedule:
-    """Megatron-LM interleaved 1F1B with v chunks per rank (rank r holds stages r, r+p, ...).
+def interleaved_groups(p: int, m: int) -> list[int]:
+    """How an interleaved schedule groups its m ≥ p micro-batches: m // p groups, as equal as possible and
+    larger first, so each holds at least p (the chunks' round trip) — all p when p divides m."""
+    rounds = m // p
+    base, extra = divmod(m, rounds)
+    return [base + 1] * extra + [base] * (rounds - extra)
 
-    Rule (as Megatron-LM's schedules.py): m must be a multiple of p (so m >= p). Micro-batches advance in
-    groups of p through chunk 0, then chunk 1, ...; warm-up is 2(p-1-r) + (v-1)p forwards (all of them
-    when m == p). Bubble (p-1)/(v m). v == 1 is plain 1F1B. all_warmup=False keeps the counted warm-up
-    when m == p too, as torch.distributed.pipelining's ScheduleInterleaved1F1B does (torch 2.5-2.6
-    `_calculate_single_rank_operations`: min((v-1)p + 2(p-1-r), m v), no m == p case).
+
+def interleaved_1f1b(p: int, m: int, v: int, all_warmup: bool = True) -> Schedule:
+    """Megatron-LM interleaved 1F1B with v chunks per rank (rank r holds stages r, r+p, ...), for any m ≥ p.
+
+    Micro-batches advance in groups through chunk 0, then chunk 1, …; the backwards follow the same order
+    with the chunks reversed. Groups (`interleaved_groups`): p micro-batches each when p divides m (Megatron-
+    LM's rule, which asked for that); otherwise m // p groups as equal as possible, larger first — every
+    group holds at least p, so a micro-batch's next chunk never waits for a forward queued behind a
+    backward (a smaller last group, as in Megatron-Core's table, deadlocks e.g. p=4, m=5, v=3; one group
+    of all m for m < 2p is torch.distributed.pipelining's rule). Warm-up is 2(p-1-r) + (v-1)·g forwards
+    (g: the first, largest group), all of them when m == p. Bubble (p-1)/(v m) when p divides m. v == 1 is
+    plain 1F1B. all_warmup=False keeps the counted warm-up when m == p too, as torch.distributed.
+    pipelining's ScheduleInterleaved1F1B does (torch 2.5-2.6 `_calculate_single_rank_operations`:
+    min((v-1)p + 2(p-1-r), m v), no m == p case).
     """
     _check_pm(p, m, "interleaved")
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ScheduleError(f"interleaved: v (virtual chunks per rank) must be a positive integer, got {v!r}")
     if v == 1:
         return one_f_one_b(p, m)
-    if m % p:
-        raise ScheduleError(f"interleaved: micro-batches m={m} must be a multiple of pipeline ranks p={p} "
-                            f"(and so m >= p); try m={max(p, (m // p + 1) * p)}")
+    if m < p:
+        raise ScheduleError(f"interleaved: micro-batches m={m} must be at least the pipeline ranks p={p} (each "
+                            f"micro-batch goes round the {p} ranks once per chunk); try m={p}, or pp_virtual=1")
     total = m * v
-
-    def mb_chunk(k: int, forward: bool) -> tuple[int, int]:
-        group, within = divmod(k, p * v)
-        c = within // p
-        return group * p + within % p, (c if forward else v - 1 - c)
+    groups = interleaved_groups(p, m)
+    fwd: list[tuple[int, int]] = []
+    start = 0
+    for g in groups:
+        fwd += [(i, c) for c in range(v) for i in range(start, start + g)]
+        start += g
+    bwd = [(i, v - 1 - c) for i, c in fwd]
 
     acts = []
     for r in range(p):
-        nw = total if m == p and all_warmup else min(2 * (p - 1 - r) + (v - 1) * p, total)
-        a = [Action(F, *mb_chunk(k, True)) for k in range(nw)]
+        nw = total if m == p and all_warmup else min(2 * (p - 1 - r) + (v - 1) * groups[0], total)
+        a = [Action(F, *fwd[k]) for k in range(nw)]
         for k in range(total - nw):
-            a.append(Action(F, *mb_chunk(nw + k, True)))
-            a.append(Action(BW, *mb_chunk(k, False)))
-        a += [Action(BW, *mb_chunk(k, False)) for k in range(total - nw, total)]
+            a.append(Action(F, *fwd[nw + k]))
+            a.append(Action(BW, *bwd[k]))
+        a += [Action(BW, *bwd[k]) for k in range(total - nw, total)]
         acts.append(a)
     return Schedule(p, m, v, acts, "interleaved")
 
@@ -534,8 +549,9 @@ def peak_awaiting_backward(s: Schedule, rank: int, chunk: int) -> int:
 
 def peak_in_flight_closed(name: str, p: int, m: int, v: int = 1, all_warmup: bool = True) -> list[int]:
     """`peak_in_flight` of a generated schedule without generating it (the planner's search asks for
-    thousands): AFAB m; 1F1B min(p - r, m); ZB-H1 min(p, m); interleaved min(2(p-1-r) + (v-1)p + 1, mv)
-    (every forward first when m == p). Tests check these against the schedules themselves."""
+    thousands): AFAB m; 1F1B min(p - r, m); ZB-H1 min(p, m); interleaved min(2(p-1-r) + (v-1)g + 1, mv)
+    with g the first micro-batch group (p when p divides m; every forward first when m == p). Tests check
+    these against the schedules themselves."""
     key = name.lower().replace("_", "-")
     if key in ("afab", "gpipe"):
         return [m] * p
@@ -546,17 +562,22 @@ def peak_in_flight_closed(name: str, p: int, m: int, v: int = 1, all_warmup: boo
     if key in ("interleaved", "interleaved-1f1b"):
         if m == p and all_warmup:
             return [m * v] * p
-        return [min(2 * (p - 1 - r) + (v - 1) * p + 1, m * v) for r in range(p)]
+        g = interleaved_groups(p, m)[0] if m >= p else p
+        return [min(2 * (p - 1 - r) + (v - 1) * g + 1, m * v) for r in range(p)]
     raise ScheduleError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
 
 
 def last_stage_awaiting_backward_closed(name: str, p: int, m: int, v: int = 1, all_warmup: bool = True) -> int:
     """`peak_awaiting_backward` of the last stage (rank p-1, chunk v-1), which holds the loss: AFAB m;
-    1F1B and ZB-H1 1 (B follows F at once); interleaved 1, or m when m == p (all forwards first)."""
+    1F1B and ZB-H1 1 (B follows F at once); interleaved 1, or m when m == p (all forwards first), read off
+    the schedule when p does not divide m."""
     key = name.lower().replace("_", "-")
     if key in ("afab", "gpipe") or (key in ("interleaved", "interleaved-1f1b") and v > 1 and m == p
                                     and all_warmup):
         return m
+    if key in ("interleaved", "interleaved-1f1b") and v > 1 and m > p and m % p:
+        # unequal micro-batch groups: no closed form (1 or more), the schedule itself says
+        return peak_awaiting_backward(interleaved_1f1b(p, m, v, all_warmup), p - 1, v - 1)
     if key in ("1f1b", "one-f-one-b", "zb", "zb-h1", "zero-bubble", "interleaved", "interleaved-1f1b"):
         return 1
     raise ScheduleError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")

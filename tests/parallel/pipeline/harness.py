@@ -43,7 +43,8 @@ class Case:
     @property
     def label(self) -> str:
         split = "-layers" + ",".join(map(str, self.layers)) if self.layers else ""
-        return f"{self.schedule}{'-v' + str(self.v) if self.v > 1 else ''}{'' if self.tied else '-untied'}{split}"
+        return (f"{self.schedule}{'-v' + str(self.v) if self.v > 1 else ''}{'' if self.tied else '-untied'}{split}"
+                f"-m{self.m}")
 
 
 def model_config(case: Case) -> ModelConfig:

@@ -27,8 +27,8 @@ def _every_schedule() -> list[Schedule]:
     for p in (2, 3, 4, 8):
         for m in (1, 2, 3, 4, 5, 8, 16):
             out += [make_schedule(n, p, m) for n in ("afab", "1f1b", "zb")]
-            out += [make_schedule("interleaved", p, m, v) for v in (2, 3) if m % p == 0]
-            out += [interleaved_1f1b(p, m, 2, all_warmup=False)] if m % p == 0 else []
+            out += [make_schedule("interleaved", p, m, v) for v in (2, 3) if m >= p]
+            out += [interleaved_1f1b(p, m, 2, all_warmup=False)] if m >= p else []
     return out
 
 

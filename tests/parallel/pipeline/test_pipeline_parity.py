@@ -13,8 +13,8 @@ from pentatron.schedules import make_schedule, peak_in_flight
 from tests.multiprocess import run_ranks
 from tests.parallel.pipeline.harness import Case, assert_close, pipeline_worker, reference_name, reference_run
 
-# m > p everywhere, so AFAB's peak (m) and 1F1B's (≤ p) differ; interleaving needs m % p == 0 and
-# p·v chunks of whole layers.
+# m > p everywhere, so AFAB's peak (m) and 1F1B's (≤ p) differ; interleaving needs m ≥ p and p·v chunks of
+# whole layers, and runs m that p does not divide too (m = 3, 5 at p = 2; m = 6 at p = 4).
 SIZES = {2: {"m": 4, "n_layers": 4}, 4: {"m": 8, "n_layers": 8}}  # (pp=2 also splits 6 layers unevenly)
 
 
@@ -26,6 +26,7 @@ def cases_for(p: int) -> list[Case]:
         # explicit, unequal splits (parallel.pp_layers): a light first stage; interleaved chunks of 1, 2, 2, 1
         cases.append(Case("1f1b", layers=(1, 3), **kw))
         cases.append(Case("interleaved", v=2, m=kw["m"], n_layers=6, layers=(1, 2, 2, 1)))
+    cases += [Case("interleaved", v=2, m=m, n_layers=kw["n_layers"]) for m in {2: (3, 5), 4: (6,)}[p]]
     return cases
 
 

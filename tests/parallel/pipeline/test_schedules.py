@@ -167,8 +167,7 @@ def test_validator_catches_broken_schedules(actions, match):
 
 
 @pytest.mark.parametrize(("call", "match"), [
-    (lambda: interleaved_1f1b(4, 6, 2), "multiple of pipeline ranks"),
-    (lambda: interleaved_1f1b(4, 2, 2), "multiple of pipeline ranks"),
+    (lambda: interleaved_1f1b(4, 2, 2), "must be at least the pipeline ranks p=4"),
     (lambda: interleaved_1f1b(4, 8, 0), "v .* must be a positive integer"),
     (lambda: one_f_one_b(0, 4), "p must be a positive integer"),
     (lambda: afab(2, 0), "m must be a positive integer"),
@@ -197,3 +196,24 @@ def test_weighted_in_flight_walks_the_order_of_unequal_chunks():
     # micro-batches 0..15 and chunk 0 of 16..29, so with chunk 0 empty it holds 16 x 7 layers
     llama = interleaved_1f1b(16, 32, 8)
     assert peak_in_flight_weighted(llama, 0, (0,) + (1,) * 7) == 16 * 7
+
+
+def test_interleaving_runs_any_m_of_at_least_p():
+    """Every m ≥ p (not only multiples of p): the schedule validates — dependencies and NCCL's p2p ordering —
+    and the planner's closed forms (micro-batches in flight, the loss stage's backlog) match it; for p | m
+    it is the classic schedule of groups of p."""
+    from pentatron.schedules import interleaved_groups
+
+    for p in (2, 3, 4, 8):
+        for v in (2, 3, 4):
+            for m in range(p, 3 * p + 2):
+                for all_warmup in (True, False):
+                    s = interleaved_1f1b(p, m, v, all_warmup)
+                    validate(s)
+                    assert peak_in_flight(s) == peak_in_flight_closed("interleaved", p, m, v, all_warmup)
+                    assert (peak_awaiting_backward(s, p - 1, v - 1)
+                            == last_stage_awaiting_backward_closed("interleaved", p, m, v, all_warmup))
+    assert interleaved_groups(2, 5) == [3, 2] and interleaved_groups(4, 8) == [4, 4] and interleaved_groups(4, 6) == [6]
+    # p | m: micro-batches 0..p-1 go through chunk 0, then chunk 1 (the classic order)
+    first = [a for a in interleaved_1f1b(2, 4, 2).actions[0] if a.kind == F][:4]
+    assert [(a.microbatch, a.chunk) for a in first] == [(0, 0), (1, 0), (0, 1), (1, 1)]

@@ -77,8 +77,8 @@ def pipeline_problems(cfg, *, pp, schedule, virtual, microbatches):
 
 def test_config_problems_are_all_reported_before_launch():
     cfg = _cfg(6)
-    probs = pipeline_problems(cfg, pp=4, schedule="interleaved", virtual=2, microbatches=6)
-    assert any("multiple of pipeline ranks p=4" in p for p in probs)  # m < p / not a multiple
+    probs = pipeline_problems(cfg, pp=4, schedule="interleaved", virtual=2, microbatches=3)
+    assert any("must be at least the pipeline ranks p=4" in p for p in probs)  # m < p
     assert any("not divisible by pp × pp_virtual = 4 × 2 = 8" in p for p in probs)
     assert any("pp_virtual=4 does not divide model.n_layers=6" in p
                for p in pipeline_problems(cfg, pp=2, schedule="interleaved", virtual=4, microbatches=4))

@@ -146,7 +146,7 @@ def test_pp_with_dp_zero1_and_tp_sp_through_the_trainer_equals_one_process(refer
 @pytest.mark.parametrize(("overrides", "message"), [
     # debug.toml: global 8 / (dp 2 · micro 4) = 1 micro-batch < p = 2 (1F1B/AFAB/ZB accept any m ≥ 1)
     (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2"],
-     "must be a multiple of pipeline ranks p=2"),
+     "must be at least the pipeline ranks p=2"),
     (["parallel.pp=4", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "train.micro_batch=1"],
      "not divisible by pp × pp_virtual"),
     (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=3", "train.micro_batch=1"],
