@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(PY) -m pentatron.cli demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
