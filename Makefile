@@ -8,6 +8,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pentatron-installed
+# Where the CPU build of torch comes from (empty: pip's default index, which holds it here). Elsewhere PyPI's
+# torch is the CUDA build: `make test TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu`.
+TORCH_CPU_INDEX ?=
 
 .PHONY: install demo test lint clean
 
@@ -16,7 +19,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if ! $(PY) -c "import torch" 2>/dev/null; then \
-	  spec="$$(bash scripts/torch_build.sh)" && $(PY) -m pip install $$spec; \
+	  spec="$$(TORCH_CPU_INDEX='$(TORCH_CPU_INDEX)' bash scripts/torch_build.sh)" && $(PY) -m pip install $$spec; \
 	fi
 	$(PY) -m pip install -e '.[test]'
 	@touch $(STAMP)

@@ -7,6 +7,8 @@
 #   driver >= 580 -> cu130 (torch 2.11-2.14)    driver >= 570 -> cu128 (only torch 2.11 ships it)
 #   driver >= 560 -> cu126 (torch 2.11-2.14)    older         -> an error naming the minimum
 # pip takes the newest torch in the range that the chosen index has.
+# TORCH_CPU_INDEX (make TORCH_CPU_INDEX=…): the index the CPU build comes from, for hosts whose default index
+# serves torch's CUDA build (PyPI does: ≈ 2.7 GB with its NVIDIA packages), e.g. $INDEX/cpu.
 set -euo pipefail
 
 CPU_SPEC="torch==2.13.0"
@@ -23,8 +25,9 @@ if [[ -z "$driver" ]]; then
     driver="${driver//[[:space:]]/}"
   fi
   if [[ -z "$driver" ]]; then
-    echo "pentatron: no NVIDIA driver found (nvidia-smi): installing the CPU build $CPU_SPEC" >&2
-    echo "$CPU_SPEC"
+    from="${TORCH_CPU_INDEX:+ from $TORCH_CPU_INDEX}"
+    echo "pentatron: no NVIDIA driver found (nvidia-smi): installing the CPU build $CPU_SPEC$from" >&2
+    echo "$CPU_SPEC${TORCH_CPU_INDEX:+ --index-url $TORCH_CPU_INDEX}"
     exit 0
   fi
 fi

@@ -61,3 +61,10 @@ def test_without_nvidia_smi_the_cpu_build_is_installed(tmp_path: Path):
     out = _run([], path=_bin(tmp_path, None))
     assert out.returncode == 0 and out.stdout.strip() == "torch==2.13.0"
     assert "no NVIDIA driver" in out.stderr
+
+
+def test_the_cpu_build_comes_from_the_index_the_user_names(tmp_path: Path):
+    env = {"PATH": _bin(tmp_path, None), "TORCH_CPU_INDEX": "https://download.pytorch.org/whl/cpu"}
+    out = subprocess.run([BASH, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
