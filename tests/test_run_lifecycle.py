@@ -84,13 +84,27 @@ def test_summary_on_console_and_in_summary_json(tmp_path, default_dataset, capsy
     assert main(["report", str(tmp_path / "runs")]) == 0 and (run / "report.md").is_file()
 
 
-def test_cpu_peak_is_the_best_ever_measured_on_the_machine(tmp_path):
+def test_the_cpu_peak_is_a_fixed_calibration_remeasured_only_after_a_busy_one(tmp_path, monkeypatch):
+    """Two runs' MFU compare: a calibration taken on a quiet machine is never re-measured; one taken on a
+    busy machine (it undershoots) yields to a quieter one, keeping the higher value; an old float entry
+    counts as of unknown load."""
     import torch
 
-    cache = tmp_path / "peak.json"
-    measured = cpu_peak_flops(torch.float32, refresh=True, path=cache)
-    assert measured > 0 and json.loads(cache.read_text())[machine_key(torch.float32)] == measured
-    # A later, slower measurement (a busy machine) never lowers it; a cached value is used as is.
-    cache.write_text(json.dumps({machine_key(torch.float32): measured * 100}))
-    assert cpu_peak_flops(torch.float32, refresh=True, path=cache) == measured * 100
-    assert cpu_peak_flops(torch.float32, refresh=False, path=cache) == measured * 100
+    from pentatron.observe import peak
+
+    dtype, cache = torch.float32, tmp_path / "peak.json"
+    measures = iter([1e12, 3e12, 2e12])
+    monkeypatch.setattr(peak, "measure_cpu_peak", lambda dtype: next(measures))
+    monkeypatch.setattr(peak, "current_load", lambda: 0.9)  # busy
+    first = peak.cpu_calibration(dtype, refresh=True, path=cache)
+    assert (first.flops, first.load) == (1e12, 0.9) and "busy" in first.describe()
+    assert json.loads(cache.read_text())[machine_key(dtype)]["flops"] == 1e12
+    assert peak.cpu_calibration(dtype, refresh=True, path=cache).flops == 1e12  # not quieter: kept
+    monkeypatch.setattr(peak, "current_load", lambda: 0.1)  # quiet now: re-measured
+    second = peak.cpu_calibration(dtype, refresh=True, path=cache)
+    assert (second.flops, second.load) == (3e12, 0.1) and "busy" not in second.describe()
+    assert peak.cpu_calibration(dtype, refresh=True, path=cache) == second  # quiet: never again
+    assert cpu_peak_flops(dtype, refresh=False, path=cache) == 3e12
+    cache.write_text(json.dumps({machine_key(dtype): 5e12}))  # the format before calibrations
+    assert peak.cpu_calibration(dtype, refresh=True, path=cache).flops == 5e12  # kept: 2e12 < 5e12
+    assert next(measures, None) is None

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from pentatron.observe.peak import cpu_peak_flops
+from pentatron.observe.peak import cpu_calibration
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -53,7 +53,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float 
     # The CPU is shared by this host's ranks: each one's share of the machine's measured peak, so
     # MFU = job FLOP/s ÷ (machine peak × hosts) can never exceed 1.
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    machine = cpu_peak_flops(dtype, refresh=False)
+    cal = cpu_calibration(dtype, refresh=False)
     share = f", ÷ {local_ranks} ranks on this host" if local_ranks > 1 else ""
-    return machine / local_ranks, (f"measured CPU peak {machine / 1e12:.3f} TFLOP/s, all {os.cpu_count()} "
-                                   f"threads, best over sizes and repeats{share}")
+    return cal.flops / local_ranks, (f"measured CPU peak {cal.flops / 1e12:.3f} TFLOP/s, all {os.cpu_count()} "
+                                     f"threads, best over sizes and repeats, {cal.describe()}{share}")
