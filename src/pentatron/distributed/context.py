@@ -92,6 +92,17 @@ class ParallelContext:
         return cls(Degrees(), 0, torch.device(device), {d: None for d in (*MESH_DIMS, *DERIVED_DIMS)})
 
     @classmethod
+    def from_layout(cls, layout: ParallelLayout, device: torch.device | str) -> ParallelContext:
+        """The context of `layout`'s mesh (a collective call when a process group runs), after checking
+        its degrees against the live world by the layout's own rules."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        problems = layout.problems(world_size=world)
+        if problems:
+            raise ValueError("invalid parallel degrees: " + "; ".join(problems))
+        return cls.from_degrees(Degrees(pp=layout.pp, dp=layout.dp, cp=layout.cp, tp=layout.tp, ep=layout.ep,
+                                        cp_ulysses=layout.cp_ulysses_degree), device)
+
+    @classmethod
     def from_degrees(cls, degrees: Degrees, device: torch.device | str) -> ParallelContext:
         """Build the mesh and groups from the initialised default process group (a collective call:
         every rank must make it). Falls back to `single` when no process group is running."""
