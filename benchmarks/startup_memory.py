@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -128,6 +129,7 @@ def main() -> None:
     ap.add_argument("--src", default="", help="another source tree to run (train phase only)")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--out", default="")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoints and the HF directory")
     args = ap.parse_args()
     work = Path(args.out or tempfile.mkdtemp(prefix="pentatron-startup-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -163,7 +165,12 @@ def main() -> None:
         results["import_hf"] = run_measured([py, "-m", "pentatron.cli", "checkpoint", "import-hf", str(hf),
                                              str(ckpt2)], env, work / "import.log")
         print(f"export-hf: {results['export_hf']}\nimport-hf: {results['import_hf']}", flush=True)
+        if not args.keep:
+            shutil.rmtree(ckpt)  # the disk: a 1B fp32 training checkpoint is 13.6 GB
         results["imported"] = train("imported", args.layers, SHAPE, 1, ckpt2)
+    if not args.keep:
+        for d in (ckpt, work / "hf", work / "ckpt_imported"):
+            shutil.rmtree(d, ignore_errors=True)
     state = model_state_bytes(args.layers, SHAPE, args.seq)
     n_full = 4 * (2 * SHAPE["vocab_size"] * SHAPE["hidden_size"] + args.layers * (
         2 * SHAPE["hidden_size"] ** 2 + 2 * SHAPE["hidden_size"] * SHAPE["hidden_size"] // 4
