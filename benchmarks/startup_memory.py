@@ -142,6 +142,7 @@ def main() -> None:
     ap.add_argument("--baseline-bytes", type=int, default=0, help="with --no-baseline: the baseline to use")
     ap.add_argument("--out", default="")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints and the HF directory")
+    ap.add_argument("--hf", default="", help="import phase: an existing HF directory (no export-hf)")
     args = ap.parse_args()
     work = Path(args.out or tempfile.mkdtemp(prefix="pentatron-startup-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -171,17 +172,19 @@ def main() -> None:
     if "resume" in phases:
         results["resume"] = train("resume", args.layers, SHAPE, 2, ckpt)
     if "import" in phases:
-        hf, ckpt2 = work / "hf", work / "ckpt_imported"
-        results["export_hf"] = run_measured([py, "-m", "pentatron.cli", "checkpoint", "export-hf", str(ckpt),
-                                             str(hf), "--overwrite"], env, work / "export.log")
+        hf, ckpt2 = (Path(args.hf) if args.hf else work / "hf"), work / "ckpt_imported"
+        shutil.rmtree(ckpt2, ignore_errors=True)
+        if not args.hf:
+            results["export_hf"] = run_measured([py, "-m", "pentatron.cli", "checkpoint", "export-hf", str(ckpt),
+                                                 str(hf), "--overwrite"], env, work / "export.log")
         results["import_hf"] = run_measured([py, "-m", "pentatron.cli", "checkpoint", "import-hf", str(hf),
                                              str(ckpt2)], env, work / "import.log")
-        print(f"export-hf: {results['export_hf']}\nimport-hf: {results['import_hf']}", flush=True)
-        if not args.keep:
+        print(f"export-hf: {results.get('export_hf')}\nimport-hf: {results['import_hf']}", flush=True)
+        if not args.keep and ckpt.exists():
             shutil.rmtree(ckpt)  # the disk: a 1B fp32 training checkpoint is 13.6 GB
         results["imported"] = train("imported", args.layers, SHAPE, 1, ckpt2)
     if not args.keep:
-        for d in (ckpt, work / "hf", work / "ckpt_imported"):
+        for d in (ckpt, work / "ckpt_imported", *([] if args.hf else [work / "hf"])):
             shutil.rmtree(d, ignore_errors=True)
     state, act = model_state_bytes(args.layers, SHAPE, args.seq)
     n_full = 4 * (2 * SHAPE["vocab_size"] * SHAPE["hidden_size"] + args.layers * (

@@ -121,7 +121,8 @@ def checkpoint_problems(cfg: Config, world_size: int) -> list[str]:
                             f"parallel.{key}={mine}, and it was saved before checkpoints described their pieces, so it "
                             f"cannot be re-sharded: set parallel.{key}={saved[key]}, or {fix}")
     current = json.loads(json.dumps(cfg.model_config().to_dict()))  # tuples → lists, as saved
-    changed = sorted(k for k in model if k in current and model[k] != current[k])
+    # the shape decides; the name is a label (an imported Hugging Face model has none), as resume.py judges
+    changed = sorted(k for k in model if k != "name" and k in current and model[k] != current[k])
     if changed:
         problems.append(f"checkpoint {target} holds a model with a different shape "
                         f"({', '.join(f'{k}={model[k]!r} vs {current[k]!r}' for k in changed)}); {fix}")
