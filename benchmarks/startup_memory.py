@@ -16,7 +16,8 @@ cannot afford on a 24 GiB machine):
 
 Each worker's VmHWM (/proc/<pid>/status: the kernel's peak resident set) is polled every 0.2 s until it
 exits. The bound compared against: 1.3 × (the rank's model state — parameters, gradients and AdamW
-state of its stage's layers / tp / dp, counted from the model's shapes — plus its activations (the
+state of its stage's layers / tp / dp, counted from the model's shapes, plus ZeRO-3's working set, the
+gathered units and gradient buckets in flight, as rank 0's engine measured it — plus its activations (the
 planner's per-layer formula, one micro-batch in flight, the last stage's logits) plus the process baseline, the
 peak of the same 8-rank run of a 2-layer, h 64, 4096-vocab model, which holds the interpreter, torch, gloo and the
 data loader). `--src DIR` runs another source tree (e.g. the
@@ -103,6 +104,16 @@ def run_measured(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, An
     return {"peaks": dict(sorted(peaks.items())), "own": own, "seconds": round(time.perf_counter() - start, 1)}
 
 
+def _zero3_transient(log: Path) -> int:
+    """Rank 0's ZeRO-3 working set as its engine measured it (gathered units + gradient buckets in flight:
+    `memory.transient_peak` of the run's metrics), from the metrics file the run's summary names."""
+    for line in log.read_text().splitlines():
+        if line.strip().startswith("metrics "):
+            records = [json.loads(r) for r in Path(line.split(None, 1)[1]).read_text().splitlines() if r.strip()]
+            return max((r["memory"]["transient_peak"] for r in records if "memory" in r), default=0)
+    return 0
+
+
 def model_state_bytes(layers: int, shape: dict[str, int], seq: int) -> tuple[dict[int, int], dict[int, int]]:
     """Per rank: fp32 parameters + gradients + AdamW (exp_avg, exp_avg_sq) of its pipeline stage, split over
     tp (every matrix; the norms replicated) and ZeRO-3 over dp — 16 B per element it owns; and its
@@ -158,6 +169,7 @@ def main() -> None:
             sets.append(f"checkpoint.dir='{ckpt}'")
         cmd = [py, "-m", "pentatron.cli", "train", "--nproc", "8", *(f"--set={s}" for s in sets)]
         res = run_measured(cmd, env, work / f"{tag}.log")
+        res["zero3_transient"] = _zero3_transient(work / f"{tag}.log")
         print(f"{tag}: {res}", flush=True)
         return res
 
@@ -197,15 +209,16 @@ def main() -> None:
     print(f"\nfull fp32 model: {n_full / gib:.2f} GiB; process baseline (peak of a tiny run): {base / gib:.2f} GiB")
     if not base and args.baseline_bytes:
         base = args.baseline_bytes
-    print(f"{'phase':<10} {'rank':>4} {'peak RSS GiB':>13} {'state GiB':>10} {'act GiB':>8} {'bound GiB':>10} "
-          f"{'peak/bound':>10}")
+    print(f"{'phase':<10} {'rank':>4} {'peak RSS GiB':>13} {'state GiB':>10} {'zero3 GiB':>8} {'act GiB':>8} "
+          f"{'bound GiB':>10} {'peak/bound':>10}")
     for phase in ("train", "resume", "imported"):
         if phase not in results:
             continue
+        z3 = results[phase].get("zero3_transient", 0)
         for rank, peak in results[phase]["peaks"].items():
-            bound = 1.3 * (state[rank] + act[rank] + base)
-            print(f"{phase:<10} {rank:>4} {peak / gib:>13.2f} {state[rank] / gib:>10.2f} {act[rank] / gib:>8.2f} "
-                  f"{bound / gib:>10.2f} {peak / bound:>10.2f}")
+            bound = 1.3 * (state[rank] + z3 + act[rank] + base)
+            print(f"{phase:<10} {rank:>4} {peak / gib:>13.2f} {state[rank] / gib:>10.2f} {z3 / gib:>8.2f} "
+                  f"{act[rank] / gib:>8.2f} {bound / gib:>10.2f} {peak / bound:>10.2f}")
     (work / "startup_memory.json").write_text(json.dumps(results, indent=2, default=str))
     print(f"\nresults: {work / 'startup_memory.json'}")
 

@@ -21,7 +21,8 @@ def import_hf_checkpoint(hf_dir: Path, ckpt_dir: Path) -> Path:
     """Write the step-0 checkpoint; returns its directory.
 
     Memory: the model once (read tensor by tensor from the safetensors files, `models/hf.import_hf`) plus
-    one tensor. The state is what a 1-process ZeRO-0 fp32 runner saves (`StepRunner.state_dict`: the
+    one tensor (written one file per tensor: DCP holds a file's tensors until the file is done). The state
+    is what a 1-process ZeRO-0 fp32 runner saves (`StepRunner.state_dict`: the
     parameters by name, AdamW's step and zero moments per parameter, the MoE selection biases), but without
     building that runner, whose gradient buffer and fresh moments would be three more copies of the model:
     the zero moments are views of one zero tensor of the largest parameter's size (DCP copies a view
@@ -42,7 +43,7 @@ def import_hf_checkpoint(hf_dir: Path, ckpt_dir: Path) -> Path:
             "layout": layout_record(layout, {"zero": 0, "dp": 1}, cfg.parallel.bucket_mb),
             "parallel_layout": dataclasses.asdict(layout)}
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    return CheckpointStore(ckpt_dir).save(0, state, meta, describe_state(state, placements))
+    return CheckpointStore(ckpt_dir).save(0, state, meta, describe_state(state, placements), file_per_tensor=True)
 
 
 def step0_state(model: Any) -> tuple[dict[str, dict[str, Any]], list[Any]]:
