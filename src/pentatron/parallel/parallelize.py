@@ -125,9 +125,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
     apply_recompute(module, cfg.train.recompute)
     for part in stages or [model]:
         materialize_buffers(part, ctx.device)
-    if cfg.parallel.zero == 0:
+    if layout.zero == 0:  # ZeRO engines initialise their own flat (ZeRO-3: sharded) storage instead
         materialize_params(module, placements, init)
-    engine = data_parallel(module, ctx, cfg, policy, placements, stages, init)  # ZeRO: fills its own storage
+    engine = data_parallel(module, ctx, cfg, policy, placements, stages, init)
     left = meta_parameters(module)
     if left:
         raise RuntimeError(f"parallelize: parameters left on the meta device: {left[:5]}")
