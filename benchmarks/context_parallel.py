@@ -53,13 +53,13 @@ def _blocks(args: argparse.Namespace, seq: int, layers: int) -> Any:
 
 def _setup(world: int, mode: str, u: int, args: argparse.Namespace, seq: int, layers: int) -> Any:
     """This rank's blocks with context-parallel attention (cp = world), and its token positions."""
-    from pentatron.distributed.context import Degrees, ParallelContext
+    from pentatron.distributed.context import ParallelContext
     from pentatron.layout import ParallelLayout
     from pentatron.parallel.context import ContextParallelAttention, ContextShard
 
     torch.set_num_threads(args.threads)
-    ctx = ParallelContext.from_degrees(Degrees(cp=world, cp_ulysses=world if mode == "ulysses" else u), "cpu")
     layout = ParallelLayout(cp=world, cp_mode=mode, cp_ulysses=u if mode == "hybrid" else 1, seq_len=seq)
+    ctx = ParallelContext.from_layout(layout, "cpu")
     blocks, rotary, full = _blocks(args, seq, layers)
     positions = torch.arange(seq)
     if world > 1:

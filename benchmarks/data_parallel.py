@@ -48,7 +48,8 @@ def _batches(rank: int, args: argparse.Namespace, vocab: int) -> list[torch.Tens
 
 def _run(impl: str, rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     from pentatron.config import load_config
-    from pentatron.distributed.context import Degrees, ParallelContext
+    from pentatron.distributed.context import ParallelContext
+    from pentatron.layout import ParallelLayout
     from pentatron.models.llama import build_model
     from pentatron.parallel.parallelize import parallelize
     from pentatron.precision import resolve_precision
@@ -67,7 +68,7 @@ def _run(impl: str, rank: int, world: int, args: argparse.Namespace) -> dict[str
         return F.cross_entropy(m(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
 
     if impl.startswith("ours"):
-        ctx = ParallelContext.from_degrees(Degrees(dp=world), "cpu")
+        ctx = ParallelContext.from_layout(ParallelLayout(dp=world), "cpu")
         runner = parallelize(model, ctx, cfg, resolve_precision("fp32", torch.device("cpu")))
 
         def step(tokens: torch.Tensor) -> None:

@@ -120,11 +120,12 @@ def layer(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------------------------- ep
 def _ep_rank(rank: int, world: int, tokens: int, hidden: int, experts: int, ffn: int, repeats: int) -> dict:
-    from pentatron.distributed.context import Degrees, ParallelContext
+    from pentatron.distributed.context import ParallelContext
+    from pentatron.layout import ParallelLayout
     from pentatron.parallel.expert import apply_expert_parallel
 
     torch.set_num_threads(1)
-    ctx = ParallelContext.from_degrees(Degrees(dp=world, ep=world), "cpu")
+    ctx = ParallelContext.from_layout(ParallelLayout(dp=world, ep=world), "cpu")
     torch.manual_seed(0)
     base = ModelConfig(vocab_size=64, hidden_size=hidden, n_layers=1, n_heads=8, n_kv_heads=8, ffn_hidden_size=ffn,
                        moe=MoEConfig(n_experts=experts, top_k=2, expert_ffn_size=ffn))

@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from pentatron.distributed.context import Degrees, ParallelContext
+from pentatron.distributed.context import ParallelContext
+from pentatron.layout import ParallelLayout
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
 from pentatron.parallel.pipeline.engine import PipelineEngine
@@ -56,7 +57,7 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, queue: Any) -> N
     p = args.pp
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=p)
     try:
-        ctx = ParallelContext.from_degrees(Degrees(pp=p), "cpu")
+        ctx = ParallelContext.from_layout(ParallelLayout(pp=p), "cpu")
         cfg = dataclasses.replace(get_model_config("debug-untied"), n_layers=args.layers, hidden_size=args.hidden,
                                   n_heads=args.hidden // 64, n_kv_heads=max(1, args.hidden // 128),
                                   ffn_hidden_size=4 * args.hidden)

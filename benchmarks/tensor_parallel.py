@@ -78,14 +78,15 @@ class _CountCollectives(TorchDispatchMode):
 
 
 def _run(impl: str, rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
-    from pentatron.distributed.context import Degrees, ParallelContext
+    from pentatron.distributed.context import ParallelContext
+    from pentatron.layout import ParallelLayout
     from pentatron.models.llama import build_model
     from pentatron.parallel.tensor import apply_tensor_parallel
 
     torch.set_num_threads(args.threads)
     cfg = _model_cfg(args)
     sp = impl.endswith("-sp")
-    ctx = ParallelContext.from_degrees(Degrees(tp=world), "cpu")
+    ctx = ParallelContext.from_layout(ParallelLayout(tp=world), "cpu")
     s, b, h = args.seq_len, args.micro_batch, cfg.hidden_size
     local = slice(rank * s // world, (rank + 1) * s // world) if sp else slice(None)
     g = torch.Generator().manual_seed(0)

@@ -49,7 +49,7 @@ def load_model(path: Path) -> tuple[torch.nn.Module, ModelConfig, Path]:
     step_dir = checkpoint_step_dir(path)
     meta = json.loads((step_dir / "meta.json").read_text())
     model_cfg = ModelConfig.from_dict(meta["model"])
-    model = build_model(model_cfg, device="cpu", dtype=torch.float32)
+    model = build_model(model_cfg, device="cpu", dtype=torch.float32, init=False)  # every tensor is loaded
     stored = read_metadata(step_dir).state_dict_metadata
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items()
              if k.startswith("model.") and hasattr(m, "size")}

@@ -15,7 +15,7 @@ divide model.n_heads=8`), in training and in the planner alike.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from pentatron.models.config import ModelConfig
@@ -28,7 +28,9 @@ CP_MODES: tuple[str, ...] = ("ring", "ulysses", "hybrid")
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Degrees, sharding knobs and batch geometry of one run (dp already resolved).
+    """Degrees, sharding knobs and batch geometry of one run (dp already resolved). The one holder of
+    the degrees: the `ParallelContext` is built from it (`from_layout`) and it is handed down to
+    `parallelize`; the config only says how to make one (`Config.layout`).
 
     `micro_batch` and `global_batch` are sequences; `global_batch` is per optimizer step over all
     data-parallel ranks. `zero3_gather` (ZeRO-3 with pp > 1): "micro_batch" re-gathers each stage's
@@ -136,6 +138,13 @@ class ParallelLayout:
             p += expert_parallel_problems(model, self.ep)
             p += self.pipeline_problems(model)
         return p
+
+    def degree_problems(self, world_size: int | None = None) -> list[str]:
+        """What `problems` says about the degrees alone (a mesh to build, before any batch or model is
+        known): the batch and sequence replaced by ones that trivially divide."""
+        if any(isinstance(getattr(self, n), int) and getattr(self, n) < 1 for n in ("dp", "cp")):
+            return self.problems(world_size=world_size)
+        return replace(self, micro_batch=1, global_batch=self.dp, seq_len=2 * self.cp).problems(world_size=world_size)
 
     def context_problems(self, model: ModelConfig | None) -> list[str]:
         """The context-parallel mode, its degrees, and the sequence / heads they split."""

@@ -66,3 +66,30 @@ def test_non_finite_hugging_face_weights_are_not_imported(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "NaN or infinite" in err and "down_proj" in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "ck" / "latest").exists()
+
+
+@pytest.mark.parametrize("name", ["debug", "debug-moe"])
+def test_the_step0_state_is_what_a_one_process_runner_saves(name):
+    """import-hf writes the state without building the runner (its gradient buffer and fresh moments would
+    be three more copies of the model): the same keys, shapes, values and piece descriptions as the runner."""
+    from pentatron.checkpoint.import_hf import step0_state
+    from pentatron.checkpoint.reshard import describe_state
+    from pentatron.config import Config
+    from pentatron.distributed.context import ParallelContext
+    from pentatron.models.llama import build_model
+    from pentatron.models.registry import get_model_config
+    from pentatron.parallel.parallelize import parallelize
+    from pentatron.precision import resolve_precision
+
+    model = build_model(get_model_config(name), seed=1)
+    state, placements = step0_state(model)
+    cfg = Config()
+    cfg.train.precision = "fp32"
+    runner = parallelize(model, ParallelContext.single(), cfg, resolve_precision("fp32", torch.device("cpu")))
+    want = runner.state_dict()
+    assert state.keys() == want.keys()
+    for part in want:
+        assert state[part].keys() == want[part].keys(), part
+        for key, t in want[part].items():
+            assert torch.equal(state[part][key], t), f"{part}/{key}"
+    assert describe_state(state, placements) == describe_state(want, list(runner.engine.place.values()))

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from pentatron.distributed import comm as comm_mod
 from pentatron.distributed.comm import P2P, STRICT_ENV, Comm, CommDeviceError, CommLedger, ring_bytes
-from pentatron.distributed.context import Degrees, ParallelContext
+from pentatron.distributed.context import ParallelContext
+from pentatron.layout import ParallelLayout
 from pentatron.parallel.pipeline.engine import PipelineStepResult, measured_bubble
 from pentatron.schedules import Action, Kind, Slot
 from tests.multiprocess import run_ranks
@@ -44,7 +45,7 @@ def test_single_process_ops_are_local_and_record_nothing():
 
 
 def _ops(rank: int, world: int) -> dict:
-    ctx = ParallelContext.from_degrees(Degrees(dp=4), "cpu")
+    ctx = ParallelContext.from_layout(ParallelLayout(dp=4), "cpu")
     comm, ledger = ctx.comm, ctx.comm.ledger
     out: dict = {}
     ledger.begin_step()
@@ -78,7 +79,7 @@ def _ops(rank: int, world: int) -> dict:
     out["table"] = summary.table()
     out["bytes_map"] = summary.bytes_map()
     # A 2×2 (dp, tp) grid: point-to-point along tp goes to the tp partner.
-    grid = ParallelContext.from_degrees(Degrees(dp=2, tp=2), "cpu")
+    grid = ParallelContext.from_layout(ParallelLayout(dp=2, tp=2), "cpu")
     x = torch.tensor([float(rank)])
     y = torch.empty(1)
     partner = 1 - grid.local_rank("tp")

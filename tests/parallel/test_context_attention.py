@@ -32,15 +32,15 @@ CASES: dict[int, list[tuple[str, int, int, int, int, int]]] = {
 
 
 def _rank(rank: int, world: int, cases: list[tuple[str, int, int, int, int, int]]) -> list[dict[str, Any]]:
-    from pentatron.distributed.context import Degrees, ParallelContext
+    from pentatron.distributed.context import ParallelContext
     from pentatron.layout import ParallelLayout
     from pentatron.parallel.attention_kernels import block_kernel
     from pentatron.parallel.context import ContextParallelAttention, ContextShard
 
     out = []
     for mode, cp, u, seq, heads, kv in cases:
-        ctx = ParallelContext.from_degrees(Degrees(cp=cp, cp_ulysses=u), "cpu")
         layout = ParallelLayout(cp=cp, cp_mode=mode, cp_ulysses=u if mode == "hybrid" else 1, seq_len=seq)
+        ctx = ParallelContext.from_layout(layout, "cpu")
         g = torch.Generator().manual_seed(seq * 100 + heads)
         q, dout = (torch.randn(B, seq, heads, D, generator=g, dtype=torch.float64) for _ in range(2))
         k, v = (torch.randn(B, seq, kv, D, generator=g, dtype=torch.float64) for _ in range(2))
@@ -71,7 +71,7 @@ MEM_SEQ, MEM_MODES = 48, {2: [("ring", 1), ("ulysses", 1)], 4: [("ring", 1), ("h
 
 def _block_memory(world: int) -> dict[str, tuple[int, int]]:
     """Bytes one decoder block saves for backward: (this rank with cp = world, one process with it all)."""
-    from pentatron.distributed.context import Degrees, ParallelContext
+    from pentatron.distributed.context import ParallelContext
     from pentatron.layout import ParallelLayout
     from pentatron.models.llama import DecoderBlock, Rotary
     from pentatron.models.registry import get_model_config
@@ -83,8 +83,8 @@ def _block_memory(world: int) -> dict[str, tuple[int, int]]:
     rotary.reset_parameters()
     out = {}
     for mode, u in MEM_MODES[world]:
-        ctx = ParallelContext.from_degrees(Degrees(cp=world, cp_ulysses=world if mode == "ulysses" else u), "cpu")
         layout = ParallelLayout(cp=world, cp_mode=mode, cp_ulysses=u, seq_len=MEM_SEQ)
+        ctx = ParallelContext.from_layout(layout, "cpu")
         torch.manual_seed(0)
         block = DecoderBlock(cfg)
         x = torch.randn(B, MEM_SEQ, cfg.hidden_size, requires_grad=True)

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pentatron.distributed.context import Degrees, ParallelContext
+from pentatron.distributed.context import ParallelContext
+from pentatron.layout import ParallelLayout
 from pentatron.models.llama import build_model
 from pentatron.models.moe import moe_layers
 from pentatron.models.registry import get_model_config
@@ -24,7 +25,7 @@ from tests.multiprocess import run_ranks
 
 def test_expert_groups_are_carved_from_dp_cp():
     # dp×cp = 4 ranks q = 0..3 per (pp, tp); ep blocks of consecutive q, edp strides
-    ctx = ParallelContext(Degrees(pp=1, dp=2, cp=2, tp=2, ep=2), rank=6, device=torch.device("cpu"), groups={})
+    ctx = ParallelContext(ParallelLayout(pp=1, dp=2, cp=2, tp=2, ep=2), rank=6, device=torch.device("cpu"), groups={})
     assert ctx.local_rank("dp_cp") == 3
     assert ctx.group_ranks("ep") == [4, 6] and ctx.local_rank("ep") == 1
     assert ctx.group_ranks("edp") == [2, 6] and ctx.local_rank("edp") == 1
@@ -33,7 +34,7 @@ def test_expert_groups_are_carved_from_dp_cp():
 
 def _a2a_bytes(rank: int, world: int) -> dict:
     cfg = get_model_config("debug-moe")
-    ctx = ParallelContext.from_degrees(Degrees(dp=world, ep=world), "cpu")
+    ctx = ParallelContext.from_layout(ParallelLayout(dp=world, ep=world), "cpu")
     model = build_model(cfg, seed=0)
     shards = apply_expert_parallel(model, ctx)
     tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(rank))

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from pentatron.config import ConfigError, load_config
-from pentatron.distributed.context import Degrees, ParallelContext
+from pentatron.distributed.context import ParallelContext
 from pentatron.distributed.functional import copy_to_parallel, gather_sequence, reduce_from_parallel, scatter_sequence
-from pentatron.layout import tensor_parallel_problems, tensor_parallel_warnings
+from pentatron.layout import ParallelLayout, tensor_parallel_problems, tensor_parallel_warnings
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
 from pentatron.parallel.activation_memory import SavedTensorMeter, layer_activation_bytes
@@ -189,7 +189,7 @@ def _measure_layer(model: torch.nn.Module, cfg: Any, local_s: int, dtype: torch.
 
 
 def _tp2_suite(rank: int, world_size: int) -> dict[str, Any]:
-    ctx = ParallelContext.from_degrees(Degrees(tp=world_size), "cpu")
+    ctx = ParallelContext.from_layout(ParallelLayout(tp=world_size), "cpu")
     errors = {**_layer_checks(ctx, sp=False), **_layer_checks(ctx, sp=True), **_operator_checks(ctx)}
     comm = {sp: _block_comm(ctx, sp) for sp in (False, True)}
     memory = {sp: _activation_bytes(ctx, sp) for sp in (False, True)}
@@ -327,13 +327,16 @@ def test_config_reports_tp_problems_before_any_process_group(tmp_path):
     assert ok.parallel.tp == 2 and ok.parallel.sp
 
 
+_NO_GROUPS = {d: None for d in ("pp", "dp", "cp", "tp", "dp_cp")}
+
+
 def test_apply_rejects_a_bad_split_and_warns_beyond_a_node():
-    ctx = ParallelContext(Degrees(tp=3), 0, torch.device("cpu"), {d: None for d in ("pp", "dp", "cp", "tp", "dp_cp")})
+    ctx = ParallelContext(ParallelLayout(tp=3), 0, torch.device("cpu"), _NO_GROUPS)
     with pytest.raises(ValueError, match="tp=3 does not divide model.n_heads=4"):
         apply_tensor_parallel(build_model(get_model_config("debug"), seed=0), ctx)
     assert tensor_parallel_warnings(8, 8) == []
     assert "larger than the node size (4 devices)" in tensor_parallel_warnings(8, 4)[0]
-    ctx2 = ParallelContext(Degrees(tp=2), 0, torch.device("cpu"), {d: None for d in ("pp", "dp", "cp", "tp", "dp_cp")})
+    ctx2 = ParallelContext(ParallelLayout(tp=2), 0, torch.device("cpu"), _NO_GROUPS)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         apply_tensor_parallel(build_model(get_model_config("debug"), seed=0), ctx2, node_size=1)
@@ -345,7 +348,7 @@ def test_sharding_keeps_names_tie_and_slices():
     slices of the full model, names unchanged, the embedding/LM-head tie intact."""
     cfg = get_model_config("debug")
     full = dict(build_model(cfg, seed=0).named_parameters())
-    ctx = ParallelContext(Degrees(tp=2), 1, torch.device("cpu"), {d: None for d in ("pp", "dp", "cp", "tp", "dp_cp")})
+    ctx = ParallelContext(ParallelLayout(tp=2), 1, torch.device("cpu"), _NO_GROUPS)
     model = apply_tensor_parallel(build_model(cfg, seed=0), ctx)
     local = dict(model.named_parameters())
     assert local.keys() == full.keys()

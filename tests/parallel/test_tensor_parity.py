@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from pentatron.data.loader import TokenDataset, TokenLoader
-from pentatron.distributed.context import Degrees, ParallelContext
+from pentatron.distributed.context import ParallelContext
+from pentatron.layout import ParallelLayout
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
 from pentatron.parallel.tensor import (
@@ -81,7 +82,7 @@ def _tp_norm_squared(model: torch.nn.Module, grads: list[torch.Tensor], ctx: Par
 
 
 def _tp_runs(rank: int, world_size: int, dataset_dir: Path) -> dict[bool, dict[str, Any]]:
-    ctx = ParallelContext.from_degrees(Degrees(tp=world_size), "cpu")
+    ctx = ParallelContext.from_layout(ParallelLayout(tp=world_size), "cpu")
     results = {}
     for sp in (False, True):
         model = apply_tensor_parallel(build_model(get_model_config("debug"), seed=0), ctx, sp=sp)

@@ -17,7 +17,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import ProfilerActivity, profile
 
 from pentatron.distributed.comm import Comm
-from pentatron.distributed.context import Degrees, ParallelContext
+from pentatron.distributed.context import ParallelContext
+from pentatron.layout import ParallelLayout
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
 from pentatron.observe.profiler import peak_allocation_growth
@@ -42,7 +43,7 @@ def _rank(rank: int, world: int) -> dict[bool, int]:
     cfg = get_model_config("debug")
     out = {}
     for sp in ((False, True) if world > 1 else (False,)):
-        ctx = ParallelContext.from_degrees(Degrees(tp=world), "cpu")
+        ctx = ParallelContext.from_layout(ParallelLayout(tp=world), "cpu")
         model = apply_tensor_parallel(build_model(cfg, seed=0), ctx, sp=sp)
         out[sp] = _traced(model, S // world if sp else S, cfg.hidden_size)
     return out
@@ -134,7 +135,7 @@ def _tp_loss_peaks(rank: int, world: int) -> dict[str, float]:
     """Per dtype, the peak bytes per token and local vocabulary entry of ours (`vocab_parallel_cross_entropy`)
     and of torch's `loss_parallel`, each run as torchtitan's step does: logits.float(), the loss, the
     logits dropped, backward."""
-    ctx = ParallelContext.from_degrees(Degrees(tp=world), "cpu")
+    ctx = ParallelContext.from_layout(ParallelLayout(tp=world), "cpu")
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     for dtype in (torch.bfloat16, torch.float32):

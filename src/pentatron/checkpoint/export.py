@@ -20,7 +20,7 @@ def model_from_pieces(step_dir: Path) -> tuple[torch.nn.Module, ModelConfig]:
     from pentatron.models.llama import build_model
 
     model_cfg = ModelConfig.from_dict(CheckpointStore.meta(step_dir)["model"])
-    model = build_model(model_cfg, device="cpu", dtype=torch.float32)
+    model = build_model(model_cfg, device="cpu", dtype=torch.float32, init=False)  # every tensor is loaded
     saved = read_pieces(step_dir)
     params = dict(model.named_parameters())
     sources = []

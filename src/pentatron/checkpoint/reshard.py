@@ -13,8 +13,10 @@ Loading (`load_resharded`): for each tensor this rank's new layout wants, the ra
 reader, on its own (`no_dist`), only the keys it needs — every saved piece of that parameter and field,
 assembles the full tensor (pieces into their shards' flat ranges, tp shards concatenated along the tp
 dim, expert slices along dim 0), checks that every element was covered, and cuts its own piece out: the
-expert slice, the tp slice, then the flattened range. One parameter at a time, so the memory is one full
-tensor per field. A tied embedding's two pipeline copies (`embed.weight`, `lm_head.weight`) hold
+expert slice, the tp slice, then the flattened range. Pieces are read in batches of `READ_BATCH_BYTES`
+(or one tensor, when larger), so beyond the rank's own state the memory is one batch plus the full
+tensor being cut — a full parameter, not a full model (a saved piece cannot be read in part: DCP reads
+a plain tensor whole). A tied embedding's two pipeline copies (`embed.weight`, `lm_head.weight`) hold
 identical values and state, so either may stand for the other.
 
 Why our own reader rather than DCP's resharding planner: DCP reshards rectangular chunks of one global
@@ -45,7 +47,7 @@ PIECES_DIR = "pieces"
 # selection biases (`StepRunner.state_dict`).
 REPLICATED_PARTS = ("moe_bias",)
 _TIED = {"embed.weight": "lm_head.weight", "lm_head.weight": "embed.weight"}
-READ_BATCH_BYTES = 256 << 20
+READ_BATCH_BYTES = 64 << 20  # what a re-sharding load reads at once (beyond one tensor larger than this)
 
 
 def _geometry(placements: list[Placement]) -> dict[str, tuple[Placement, int, int]]:
@@ -194,6 +196,9 @@ def _join(directory: Path, pieces: list[dict[str, Any]], tensors: list[torch.Ten
     if first["field"] == "step":
         return torch.stack([t.reshape(()) for t in tensors]).max()
     n_local = math.prod(first["local_shape"])
+    if len(pieces) == 1 and (first["lo"], first["hi"]) == (0, n_local) and first["tp_dim"] is None \
+            and first.get("ep_parts", 1) == 1:
+        return tensors[0].view(first["local_shape"])  # saved whole (a 1-process checkpoint): no copy
     flats: dict[tuple[int, int], torch.Tensor] = {}  # by (ep index, tp index)
     covered: dict[tuple[int, int], torch.Tensor] = {}
     for d, t in zip(pieces, tensors, strict=True):

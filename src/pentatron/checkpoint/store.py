@@ -79,14 +79,17 @@ class CheckpointStore:
         return path
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any],
-             pieces: dict[str, Any] | None = None) -> Path:
+             pieces: dict[str, Any] | None = None, file_per_tensor: bool = False) -> Path:
         """Write `state` (DCP, every rank its part), each rank's `pieces` (where its tensors sit in the full
         ones, for re-sharding: `reshard.py`) and `meta`, then publish it; returns the directory as named on
-        rank 0, which alone renames and prunes."""
+        rank 0, which alone renames and prunes. `file_per_tensor`: one file per tensor instead of one per
+        rank — DCP's writer keeps every tensor of a file (and the copy it makes of a view) until the file
+        is complete, so a whole model written by one process would be held twice."""
         tmp = self.prepare(step, pieces)
+        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=False) if file_per_tensor else None
         try:
             with _dcp_mode() as single:
-                dcp.save(state, checkpoint_id=tmp, no_dist=single)
+                dcp.save(state, checkpoint_id=tmp, storage_writer=writer, no_dist=single)
             # DCP's save returns once every rank's files and its metadata are written: the ranks checksum
             # them together, rank 0 merges the shares into the manifest
             manifest.write_share(tmp, _rank(), dist.get_world_size() if dist.is_initialized() else 1)

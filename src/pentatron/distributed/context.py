@@ -16,54 +16,21 @@ blocks around a ring. In "ring" or "ulysses" mode one of them is the whole cp gr
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pentatron.distributed.comm import Comm, CommLedger
-from pentatron.layout import ParallelLayout, resolve_dp
+from pentatron.layout import ParallelLayout
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 DERIVED_DIMS: tuple[str, ...] = ("dp_cp", "cp_ring", "cp_ulysses", "ep", "edp")  # groups made of mesh dimensions
 
 
-@dataclass(frozen=True)
-class Degrees:
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-    cp_ulysses: int = 1  # of the cp ranks, how many share attention heads by all-to-all (1: ring only)
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
-
-    def shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, d) for d in MESH_DIMS)
-
-
-def resolve_degrees(world_size: int, *, dp: int | None, tp: int = 1, pp: int = 1, cp: int = 1,
-                    ep: int = 1, cp_ulysses: int = 1) -> Degrees:
-    """Degrees for a live world, validated by the same rules as the config (`ParallelLayout`)."""
-    problems = [f"parallel.{n} must be ≥ 1, got {v}" for n, v in
-                (("dp", 1 if dp is None else dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)) if v < 1]
-    if not problems:
-        dp, problems = resolve_dp(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
-    if not problems:
-        assert dp is not None
-        # Degrees only: a batch and a sequence that trivially divide, no model shape.
-        problems = ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=dp,
-                                  seq_len=2 * cp).problems(world_size=world_size)
-    if problems:
-        raise ValueError("invalid parallel degrees: " + "; ".join(problems))
-    assert dp is not None
-    if cp % cp_ulysses:
-        raise ValueError(f"invalid parallel degrees: cp_ulysses={cp_ulysses} does not divide cp={cp}")
-    return Degrees(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, cp_ulysses=cp_ulysses)
+def mesh_shape(layout: ParallelLayout) -> tuple[int, ...]:
+    """The mesh's sizes in MESH_DIMS order."""
+    return tuple(getattr(layout, d) for d in MESH_DIMS)
 
 
 class ParallelContext:
@@ -72,12 +39,12 @@ class ParallelContext:
     `group(dim)` is None for a dimension of size 1 or in a single-process run: the comm layer then
     short-circuits (nothing moves, nothing is recorded)."""
 
-    def __init__(self, degrees: Degrees, rank: int, device: torch.device,
+    def __init__(self, layout: ParallelLayout, rank: int, device: torch.device,
                  groups: Mapping[str, dist.ProcessGroup | None], mesh: DeviceMesh | None = None,
                  ledger: CommLedger | None = None) -> None:
-        self.degrees = degrees
+        self.layout = layout  # the one holder of the degrees (only they matter here)
         self.rank = rank
-        self.world_size = degrees.world_size
+        self.world_size = layout.world
         self.device = device
         self.mesh = mesh
         self._groups = dict(groups)
@@ -89,41 +56,40 @@ class ParallelContext:
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelContext:
         """A 1-process context (no process group needed)."""
-        return cls(Degrees(), 0, torch.device(device), {d: None for d in (*MESH_DIMS, *DERIVED_DIMS)})
+        return cls(ParallelLayout(), 0, torch.device(device), {d: None for d in (*MESH_DIMS, *DERIVED_DIMS)})
 
     @classmethod
-    def from_degrees(cls, degrees: Degrees, device: torch.device | str) -> ParallelContext:
-        """Build the mesh and groups from the initialised default process group (a collective call:
-        every rank must make it). Falls back to `single` when no process group is running."""
+    def from_layout(cls, layout: ParallelLayout, device: torch.device | str) -> ParallelContext:
+        """Build the mesh and groups of `layout`'s degrees from the initialised default process group (a
+        collective call: every rank must make it), after checking them against the live world by the
+        layout's own rules. Falls back to `single` when no process group is running."""
         device = torch.device(device)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        problems = layout.degree_problems(world)
+        if problems:
+            raise ValueError("invalid parallel degrees: " + "; ".join(problems))
         if not dist.is_initialized():
-            if degrees.world_size != 1:
-                raise RuntimeError(f"degrees {degrees} need {degrees.world_size} processes, but no process "
-                                   "group is initialised")
-            return cls.single(device)
-        world = dist.get_world_size()
-        if degrees.world_size != world:
-            raise ValueError(f"degrees {degrees} multiply to {degrees.world_size}, but the world size is {world}")
-        mesh = init_device_mesh(device.type, degrees.shape(), mesh_dim_names=MESH_DIMS)
+            return cls(layout, 0, device, {d: None for d in (*MESH_DIMS, *DERIVED_DIMS)})
+        mesh = init_device_mesh(device.type, mesh_shape(layout), mesh_dim_names=MESH_DIMS)
         groups: dict[str, dist.ProcessGroup | None] = {
-            d: mesh.get_group(d) if getattr(degrees, d) > 1 else None for d in MESH_DIMS}
-        groups["dp_cp"] = groups["dp"] if degrees.cp == 1 else (
-            groups["cp"] if degrees.dp == 1 else _flat_group(degrees, dist.get_rank()))
-        u = degrees.cp_ulysses
-        if u in (1, degrees.cp):  # one kind of context parallelism: its group is the cp group
+            d: mesh.get_group(d) if getattr(layout, d) > 1 else None for d in MESH_DIMS}
+        groups["dp_cp"] = groups["dp"] if layout.cp == 1 else (
+            groups["cp"] if layout.dp == 1 else _flat_group(layout, dist.get_rank()))
+        u = layout.cp_ulysses_degree
+        if u in (1, layout.cp):  # one kind of context parallelism: its group is the cp group
             groups["cp_ring"] = groups["cp"] if u == 1 else None
             groups["cp_ulysses"] = groups["cp"] if u > 1 else None
         else:
-            groups["cp_ring"], groups["cp_ulysses"] = _cp_sub_groups(degrees, dist.get_rank())
-        groups["ep"], groups["edp"] = (None, groups["dp_cp"]) if degrees.ep == 1 else \
-            _expert_groups(degrees, dist.get_rank())
-        return cls(degrees, dist.get_rank(), device, groups, mesh)
+            groups["cp_ring"], groups["cp_ulysses"] = _cp_sub_groups(layout, dist.get_rank())
+        groups["ep"], groups["edp"] = (None, groups["dp_cp"]) if layout.ep == 1 else \
+            _expert_groups(layout, dist.get_rank())
+        return cls(layout, dist.get_rank(), device, groups, mesh)
 
     # ------------------------------------------------------------------ coordinates
     def coords_of(self, rank: int) -> dict[str, int]:
         out, rest = {}, rank
         for d in reversed(MESH_DIMS):
-            size = getattr(self.degrees, d)
+            size = getattr(self.layout, d)
             out[d] = rest % size
             rest //= size
         return {d: out[d] for d in MESH_DIMS}
@@ -136,21 +102,21 @@ class ParallelContext:
         rank = 0
         for d in MESH_DIMS:
             c = coords.get(d, self.coords[d])
-            rank = rank * getattr(self.degrees, d) + c
+            rank = rank * getattr(self.layout, d) + c
         return rank
 
     def group_ranks(self, dim: str) -> list[int]:
         """Global ranks of this rank's group along `dim`, in group-rank order."""
-        u, c = self.degrees.cp_ulysses, self.coords["cp"]
+        u, c = self.layout.cp_ulysses_degree, self.coords["cp"]
         if dim == "cp_ring":
             return [self.rank_of(cp=i * u + c % u) for i in range(self.size(dim))]
         if dim == "cp_ulysses":
             return [self.rank_of(cp=(c // u) * u + i) for i in range(self.size(dim))]
         if dim == "dp_cp":  # group rank dp · cp + cp, as `local_rank` numbers it
-            return [self.rank_of(dp=i // self.degrees.cp, cp=i % self.degrees.cp) for i in range(self.size(dim))]
+            return [self.rank_of(dp=i // self.layout.cp, cp=i % self.layout.cp) for i in range(self.size(dim))]
         if dim in ("ep", "edp"):  # carved from dp_cp: ep blocks of consecutive group ranks, edp strides
             flat = self.group_ranks("dp_cp")
-            q, ep = self.local_rank("dp_cp"), self.degrees.ep
+            q, ep = self.local_rank("dp_cp"), self.layout.ep
             return flat[q - q % ep: q - q % ep + ep] if dim == "ep" else flat[q % ep:: ep]
         return [self.rank_of(**{dim: i}) for i in range(self.size(dim))]
 
@@ -176,25 +142,25 @@ class ParallelContext:
 
     def size(self, dim: str) -> int:
         if dim == "dp_cp":
-            return self.degrees.dp * self.degrees.cp
+            return self.layout.dp * self.layout.cp
         if dim == "cp_ring":
-            return self.degrees.cp // self.degrees.cp_ulysses
+            return self.layout.cp // self.layout.cp_ulysses_degree
         if dim == "cp_ulysses":
-            return self.degrees.cp_ulysses
+            return self.layout.cp_ulysses_degree
         if dim == "edp":
-            return self.degrees.dp * self.degrees.cp // self.degrees.ep
-        return getattr(self.degrees, dim)
+            return self.layout.dp * self.layout.cp // self.layout.ep
+        return getattr(self.layout, dim)
 
     def local_rank(self, dim: str) -> int:
         if dim == "dp_cp":
-            return self.coords["dp"] * self.degrees.cp + self.coords["cp"]
+            return self.coords["dp"] * self.layout.cp + self.coords["cp"]
         if dim == "cp_ring":
-            return self.coords["cp"] // self.degrees.cp_ulysses
+            return self.coords["cp"] // self.layout.cp_ulysses_degree
         if dim == "cp_ulysses":
-            return self.coords["cp"] % self.degrees.cp_ulysses
+            return self.coords["cp"] % self.layout.cp_ulysses_degree
         if dim in ("ep", "edp"):
             q = self.local_rank("dp_cp")
-            return q % self.degrees.ep if dim == "ep" else q // self.degrees.ep
+            return q % self.layout.ep if dim == "ep" else q // self.layout.ep
         return self.coords[dim]
 
     @property
@@ -203,20 +169,20 @@ class ParallelContext:
 
     @property
     def dp_size(self) -> int:
-        return self.degrees.dp
+        return self.layout.dp
 
     def __repr__(self) -> str:
-        deg = " ".join(f"{d}={getattr(self.degrees, d)}" for d in (*MESH_DIMS, "ep"))
+        deg = " ".join(f"{d}={getattr(self.layout, d)}" for d in (*MESH_DIMS, "ep"))
         return f"ParallelContext(rank={self.rank}/{self.world_size}, {deg}, coords={self.coords})"
 
 
-def _flat_group(degrees: Degrees, rank: int) -> dist.ProcessGroup:
+def _flat_group(layout: ParallelLayout, rank: int) -> dist.ProcessGroup:
     """The dp×cp group of `rank` (for expert parallelism later). `new_group` is collective over the
     whole world, so every rank creates every such group, in the same order."""
     mine = None
-    grid = torch.arange(degrees.world_size).view(degrees.shape())  # [pp, dp, cp, tp]
-    for pp in range(degrees.pp):
-        for tp in range(degrees.tp):
+    grid = torch.arange(layout.world).view(mesh_shape(layout))  # [pp, dp, cp, tp]
+    for pp in range(layout.pp):
+        for tp in range(layout.tp):
             ranks = grid[pp, :, :, tp].flatten().tolist()
             g = dist.new_group(ranks)
             if rank in ranks:
@@ -225,15 +191,15 @@ def _flat_group(degrees: Degrees, rank: int) -> dist.ProcessGroup:
     return mine
 
 
-def _cp_sub_groups(degrees: Degrees, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def _cp_sub_groups(layout: ParallelLayout, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This rank's (ring, Ulysses) groups of a hybrid cp group: cp coordinate = ring index · u + Ulysses
     index. Every rank creates every group, in the same order (`new_group` is collective)."""
-    u, r = degrees.cp_ulysses, degrees.cp // degrees.cp_ulysses
-    grid = torch.arange(degrees.world_size).view(degrees.shape())  # [pp, dp, cp, tp]
+    u, r = layout.cp_ulysses_degree, layout.cp // layout.cp_ulysses_degree
+    grid = torch.arange(layout.world).view(mesh_shape(layout))  # [pp, dp, cp, tp]
     ring = uly = None
-    for pp in range(degrees.pp):
-        for dp in range(degrees.dp):
-            for tp in range(degrees.tp):
+    for pp in range(layout.pp):
+        for dp in range(layout.dp):
+            for tp in range(layout.tp):
                 cps = grid[pp, dp, :, tp].tolist()
                 for j in range(u):
                     ranks = [cps[i * u + j] for i in range(r)]
@@ -247,14 +213,14 @@ def _cp_sub_groups(degrees: Degrees, rank: int) -> tuple[dist.ProcessGroup, dist
     return ring, uly
 
 
-def _expert_groups(degrees: Degrees, rank: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+def _expert_groups(layout: ParallelLayout, rank: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """This rank's ep and edp groups (None for a group of one). Every rank creates every group (new_group
     is collective over the world), in the same order: per (pp, tp), the ep blocks, then the edp strides."""
-    ep, edp = degrees.ep, degrees.dp * degrees.cp // degrees.ep
-    grid = torch.arange(degrees.world_size).view(degrees.shape())  # [pp, dp, cp, tp]
+    ep, edp = layout.ep, layout.dp * layout.cp // layout.ep
+    grid = torch.arange(layout.world).view(mesh_shape(layout))  # [pp, dp, cp, tp]
     mine: dict[str, dist.ProcessGroup | None] = {"ep": None, "edp": None}
-    for pp in range(degrees.pp):
-        for tp in range(degrees.tp):
+    for pp in range(layout.pp):
+        for tp in range(layout.tp):
             flat = grid[pp, :, :, tp].flatten().tolist()
             blocks = {"ep": [flat[i: i + ep] for i in range(0, len(flat), ep)] if ep > 1 else [],
                       "edp": [flat[j::ep] for j in range(ep)] if edp > 1 else []}

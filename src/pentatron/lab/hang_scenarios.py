@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from pentatron.distributed.context import Degrees, ParallelContext
+from pentatron.distributed.context import ParallelContext
+from pentatron.layout import ParallelLayout
 from pentatron.observe.flight_recorder import note_step
 from pentatron.observe.watchdog import attach_flight_recorder
 
@@ -25,7 +26,7 @@ def skip_allreduce(rank: int, world: int, run_dir: str, timeout_s: float, check:
     """`skip_rank` skips its gradient all-reduce at `skip_step`. Its later all-reduces silently pair
     with the other ranks' earlier ones (every sum is wrong from then on); at the end the others wait
     in one all-reduce more than it ever enters, while it does something else."""
-    ctx = ParallelContext.from_degrees(Degrees(dp=world), "cpu")
+    ctx = ParallelContext.from_layout(ParallelLayout(dp=world), "cpu")
     dog = attach_flight_recorder(ctx, Path(run_dir) / "flight", timeout_s, check)
     sums = []
     for step in range(1, STEPS + 1):
@@ -46,7 +47,7 @@ def skip_allreduce(rank: int, world: int, run_dir: str, timeout_s: float, check:
 
 def loop_until_stopped(rank: int, world: int, run_dir: str, timeout_s: float, steps: int) -> None:
     """All-reduces in a loop; after step 3 each rank writes `rank<r>.step3` (the test then SIGSTOPs one)."""
-    ctx = ParallelContext.from_degrees(Degrees(dp=world), "cpu")
+    ctx = ParallelContext.from_layout(ParallelLayout(dp=world), "cpu")
     dog = attach_flight_recorder(ctx, Path(run_dir) / "flight", timeout_s, check=False)
     for step in range(1, steps + 1):
         note_step(ctx.comm, step)

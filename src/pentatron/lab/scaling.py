@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pentatron.distributed.context import Degrees, ParallelContext
+from pentatron.distributed.context import ParallelContext
 from pentatron.lab.common import MarkovCorpus, Verdict, debug_model, grad_vector, lm_loss, save_plot
 from pentatron.lab.ranks import RankGroup
+from pentatron.layout import ParallelLayout
 
 
 def _accumulated_norm(m: int, divide: bool) -> float:
@@ -22,7 +23,7 @@ def _accumulated_norm(m: int, divide: bool) -> float:
 
 
 def _dp_worker(rank: int, world: int, out: str) -> None:
-    ctx = ParallelContext.from_degrees(Degrees(dp=world), "cpu")
+    ctx = ParallelContext.from_layout(ParallelLayout(dp=world), "cpu")
     model = debug_model()
     lm_loss(model, *MarkovCorpus(seed=rank).batch(2, 32)).backward()  # each rank its own data
     local = grad_vector(model).float()

@@ -278,6 +278,41 @@ def _open(file: Path) -> Any:
         raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
 
 
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def safetensors_header(file: Path) -> tuple[dict[str, Any], int]:
+    """(header, offset of the data section) of a safetensors file: 8 bytes of header length, the JSON."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n)), 8 + n
+
+
+def read_tensor(file: Path, name: str, rows: tuple[int, int] | None = None,
+                header: tuple[dict[str, Any], int] | None = None) -> torch.Tensor:
+    """Tensor `name` of a safetensors file — or only rows [a, b) of its dim 0, a contiguous byte range of the
+    row-major data — read with plain reads into a fresh tensor. Unlike safe_open's memory map, nothing but
+    the bytes asked for becomes resident (a mapped file's touched pages count as the process's memory)."""
+    head, base = header or safetensors_header(file)
+    info = head[name]
+    shape, (start, end) = list(info["shape"]), info["data_offsets"]
+    lo, hi = rows if rows is not None else (0, shape[0] if shape else 1)
+    row_bytes = (end - start) // max(1, shape[0]) if shape else end - start
+    out = torch.empty([hi - lo, *shape[1:]] if shape else [], dtype=_ST_DTYPES[info["dtype"]])
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    with open(file, "rb") as f:
+        f.seek(base + start + lo * row_bytes)
+        done = 0
+        while done < len(view):
+            got = f.readinto(view[done:])
+            if not got:
+                raise ValueError(f"{file}: tensor {name!r} is cut short")
+            done += got
+    return out
+
+
 def _by_file(names: dict[str, Path]) -> dict[Path, list[str]]:
     groups: dict[Path, list[str]] = {}
     for name, file in names.items():
@@ -290,8 +325,9 @@ def load_hf_state_dict(path: Path, cfg: ModelConfig | None = None, *, device: to
     """The tensors of a Hugging Face Llama checkpoint directory, under their HF names.
 
     Names and shapes are validated against `cfg` (default: the directory's config.json) from the
-    safetensors headers before any tensor data is read. Tensors are read one at a time and moved/cast
-    to `device`/`dtype` (default: stored dtype), so peak memory is the result plus one tensor."""
+    safetensors headers before any tensor data is read. Tensors are read one at a time, by plain reads
+    (`read_tensor`, no memory map), and moved/cast to `device`/`dtype` (default: stored dtype), so peak
+    memory is the result plus one tensor."""
     path = Path(path)
     cfg = read_hf_config(path) if cfg is None else cfg
     expected = hf_param_shapes(cfg)
@@ -321,9 +357,9 @@ def load_hf_state_dict(path: Path, cfg: ModelConfig | None = None, *, device: to
                                      f"{list(expected[n])} from config.json")
     out: dict[str, torch.Tensor] = {}
     for file, names in _by_file(wanted).items():
-        with _open(file) as f:
-            for n in names:
-                out[n] = f.get_tensor(n).to(device=device, dtype=dtype)
+        header = safetensors_header(file)
+        for n in names:
+            out[n] = read_tensor(file, n, header=header).to(device=device, dtype=dtype)
     return {n: out[n] for n in expected}  # transformers' canonical order
 
 

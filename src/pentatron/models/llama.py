@@ -9,7 +9,6 @@ from the projection widths at run time, so parallel code can shard the linears w
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Iterable
 
 import torch
@@ -18,6 +17,7 @@ from torch import nn
 
 from pentatron.models.config import ModelConfig, RopeScaling
 from pentatron.models.moe import MoE, Router
+from pentatron.models.param_init import ParamInit, fill_slice, param_seed
 
 
 class RMSNorm(nn.Module):
@@ -197,26 +197,45 @@ def decoder_forward(x: torch.Tensor, positions: torch.Tensor | None, rotary: Rot
     return x
 
 
-def _param_seed(seed: int, name: str) -> int:
-    # A stable per-parameter seed (crc32, not Python's salted hash): a parameter's initial value
-    # depends only on (seed, name), whatever else is built, sharded or skipped on this process.
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+def param_init(cfg: ModelConfig, seed: int, name: str, ndim: int) -> ParamInit:
+    """How parameter `name` (its init name, see `init_names`) starts. Linear/embedding weights ~ N(0, std);
+    output projections scaled by 1/sqrt(2·layers) (GPT-2 style) so the residual stream stays O(1)."""
+    if ndim == 1:
+        return ParamInit(ones=True)  # RMSNorm gains
+    std = cfg.init_std / math.sqrt(2 * cfg.n_layers) \
+        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")) else cfg.init_std
+    return ParamInit(ones=False, std=std, seed=param_seed(seed, name))
+
+
+def init_names(model: nn.Module) -> dict[str, str]:
+    """Every parameter name of the full model → the name its init is drawn from: itself, or for a tied
+    weight the first name it is registered under (a last pipeline stage's "lm_head.weight" starts as
+    "embed.weight" does)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
+@torch.no_grad()
+def materialize_buffers(model: nn.Module, device: torch.device | str) -> None:
+    """Give the meta buffers (RoPE tables, MoE selection biases; all non-persistent) storage on `device`
+    and compute them."""
+    for m in model.modules():
+        for name, b in list(m.named_buffers(recurse=False)):
+            if b is not None and b.is_meta:
+                setattr(m, name, torch.empty(b.shape, dtype=b.dtype, device=device))
+        if isinstance(m, Rotary):
+            m.reset_parameters()
+    reset_router_biases(model)
 
 
 @torch.no_grad()
 def init_weights(model: Llama, seed: int) -> None:
-    """Deterministic init of a materialised model. Linear/embedding weights ~ N(0, std); output
-    projections scaled by 1/sqrt(2·layers) (GPT-2 style) so the residual stream stays O(1)."""
-    cfg = model.cfg
-    out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    """Deterministic init of a materialised model (`param_init`), each parameter drawn in bounded chunks."""
     for name, p in model.named_parameters():
-        if p.ndim == 1:
-            p.fill_(1.0)  # RMSNorm gains
-            continue
-        std = out_std if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")) \
-            else cfg.init_std
-        g = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
-        p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(std).to(p.dtype))
+        fill_slice(p.data, param_init(model.cfg, seed, name, p.ndim), p.shape)
     model.rotary.reset_parameters()
     reset_router_biases(model)
 
@@ -229,15 +248,26 @@ def reset_router_biases(model: nn.Module) -> None:
             m.expert_bias.zero_()
 
 
-def build_model(cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32) -> Llama:
-    """Build on the meta device (no memory), then materialise on `device` with a deterministic init."""
+def build_meta_model(cfg: ModelConfig) -> Llama:
+    """The model on the meta device: shapes and structure, no storage. The parallel runtime cuts it into
+    this rank's pieces and materialises only those (`parallel/materialize.py`)."""
     with torch.device("meta"):
-        model = Llama(cfg)
-    model.to_empty(device=device)
-    model.tie_weights()
-    init_weights(model, seed)
-    # Cast parameters only: the RoPE tables stay fp32 whatever the compute dtype.
-    for p in model.parameters():
-        p.data = p.data.to(dtype)
+        return Llama(cfg)
+
+
+def build_model(cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32, init: bool = True) -> Llama:
+    """The whole model on `device`: built on meta, then each parameter given storage in `dtype` and
+    initialised (`init=False`: left uninitialised, to be loaded). The RoPE tables stay fp32."""
+    model = build_meta_model(cfg)
+    new: dict[int, nn.Parameter] = {}  # meta parameter → its storage (a tied weight gets one)
+    for m in model.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[name] = new.setdefault(id(p), nn.Parameter(
+                    torch.empty(p.shape, dtype=dtype, device=device), requires_grad=p.requires_grad))
+    if init:
+        for name, p in model.named_parameters():
+            fill_slice(p.data, param_init(cfg, seed, name, p.ndim), p.shape)
+    materialize_buffers(model, device)
     return model

@@ -94,7 +94,8 @@ class DataParallelBase:
         # Replicas are built identically (init from (seed, name)); broadcasting from dp rank 0 makes
         # that a guarantee, as torch's DDP does. Outside any step, so the ledger does not count it.
         for p in self.params:
-            self.comm.broadcast(p.data, self.reduce_dim, src=0)
+            if not p.is_meta:  # a meta parameter is initialised (and broadcast) by its ZeRO engine
+                self.comm.broadcast(p.data, self.reduce_dim, src=0)
 
     # ------------------------------------------------------------------ micro-steps and buckets
     def before_backward(self, chunk: int, last: bool, weights_only: bool = False) -> None:

@@ -102,8 +102,9 @@ def _regroup(recv: torch.Tensor, total: int) -> torch.Tensor:
 def apply_expert_parallel(module: nn.Module, ctx: ParallelContext) -> dict[str, tuple[int, int]]:
     """Keep this ep rank's experts in every MoE layer of `module` and route tokens to the others by
     all-to-all. Returns {parameter name: (ep rank, ep size)} for the sharded expert weights (names
-    unchanged), for their placements. Every rank built the full model from the same seed, so its slice
-    is exactly the unsharded model's."""
+    unchanged), for their placements. On a meta model the slice stays meta (no storage) and is later
+    materialised with exactly the unsharded model's values (`parallel/materialize.py`); a materialised
+    model's slice is cut from it."""
     ep, rank = ctx.size(EP), ctx.local_rank(EP)
     shards: dict[str, tuple[int, int]] = {}
     if ep == 1:

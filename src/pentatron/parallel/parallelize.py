@@ -1,7 +1,10 @@
 """The one function that turns a plain model into a parallel one, in a fixed and visible order.
 
     split into pipeline stages → tensor/sequence parallel → context parallel → expert parallel
-    → activation checkpointing → compile → data parallel / ZeRO → step runner
+    → activation checkpointing → materialise this rank's pieces → data parallel / ZeRO → step runner
+
+On a meta model (torchtitan's order: meta → parallelize → materialise local → init) nothing before the
+materialisation allocates parameter storage, and ZeRO engines initialise their shards directly.
 
 `ParallelLayout.problems`/`unsupported` refuse what cannot run before any process group starts, and
 again here. Each step records what it did to every parameter in that parameter's `Placement` (by
@@ -19,15 +22,17 @@ from torch import nn
 from pentatron.config import Config
 from pentatron.distributed.context import ParallelContext
 from pentatron.layout import ParallelLayout
+from pentatron.models.llama import init_names, materialize_buffers
 from pentatron.parallel.context import apply_context_parallel
 from pentatron.parallel.data import DataParallel, DataParallelBase
 from pentatron.parallel.expert import apply_expert_parallel
 from pentatron.parallel.grouped import GroupedDataParallel
+from pentatron.parallel.materialize import LocalInit, materialize_params, meta_parameters
 from pentatron.parallel.pipeline.stages import PipelineStage, build_stages, stage_layers, tied_parameter
 from pentatron.parallel.placement import Placement, TPShard
 from pentatron.parallel.recompute import apply_recompute
 from pentatron.parallel.step_runner import StepRunner
-from pentatron.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from pentatron.parallel.tensor import apply_tensor_parallel, register_grad_hooks, vocab_parallel_cross_entropy
 from pentatron.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
 from pentatron.precision import PrecisionPolicy
 
@@ -88,14 +93,22 @@ def _placements(module: nn.Module, stages: list[PipelineStage] | None, tp_shards
     return out
 
 
-def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: PrecisionPolicy) -> StepRunner:
-    """Apply every parallelism the config asks for to `model` and return the step runner, which owns
-    the forward/backward of a step (plain loop or pipeline), the loss, gradient synchronisation and the
-    optimizer. With pp > 1 only this rank's stages are kept; otherwise `model` is changed in place."""
-    layout = cfg.layout(ctx.world_size)
+def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: PrecisionPolicy,
+                layout: ParallelLayout | None = None) -> StepRunner:
+    """Apply every parallelism of `layout` (default: the config's for this world) to `model` and return
+    the step runner, which owns the forward/backward of a step (plain loop or pipeline), the loss, gradient
+    synchronisation and the optimizer. With pp > 1 only this rank's stages are kept; otherwise `model` is
+    changed in place.
+
+    `model` may be on the meta device (`build_meta_model`, the runtime's way): every step then acts on
+    meta parameters and only this rank's pieces are materialised on ctx.device, initialised from
+    (train.seed, name) to the 1-process model's values (`parallel/materialize.py`) — the local tensors
+    here, or under ZeRO the engine's own (ZeRO-3: sharded) storage. A materialised model is cut up as is."""
+    layout = layout or cfg.layout(ctx.world_size)
     problems = layout.problems(model.cfg, ctx.world_size) + layout.unsupported(model.cfg)
     if problems:
         raise ValueError("cannot parallelize: " + "; ".join(problems))
+    init = LocalInit(model.cfg, cfg.train.seed, init_names(model), policy.param_dtype, ctx.device)
     stages = split_pipeline(model, ctx, layout)
     tp_shards: dict[str, TPShard] = {}
     if layout.tp > 1:
@@ -110,7 +123,16 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
     for name, shard in ep_shards.items():  # expert weights: a slice of the experts, reduced over edp
         placements[name].expert, placements[name].grad_dims = shard, ("edp",)
     apply_recompute(module, cfg.train.recompute)
-    engine = data_parallel(module, ctx, cfg, policy, placements, stages)
+    for part in stages or [model]:
+        materialize_buffers(part, ctx.device)
+    if layout.zero == 0:  # ZeRO engines initialise their own flat (ZeRO-3: sharded) storage instead
+        materialize_params(module, placements, init)
+    engine = data_parallel(module, ctx, cfg, policy, placements, stages, init)
+    left = meta_parameters(module)
+    if left:
+        raise RuntimeError(f"parallelize: parameters left on the meta device: {left[:5]}")
+    for part in stages or [model]:
+        register_grad_hooks(part)
     return StepRunner(module, engine, ctx, layout, _loss_fn(ctx), stages, model.cfg.hidden_size, cfg.train)
 
 
@@ -123,29 +145,30 @@ def _loss_fn(ctx: ParallelContext):  # noqa: ANN202 - returns the loss function
 
 
 def data_parallel(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: PrecisionPolicy,
-                  placements: dict[str, Placement] | None = None,
-                  stages: list[PipelineStage] | None = None) -> DataParallelBase | GroupedDataParallel:
+                  placements: dict[str, Placement] | None = None, stages: list[PipelineStage] | None = None,
+                  init: LocalInit | None = None) -> DataParallelBase | GroupedDataParallel:
     """The configured ZeRO stage's engine; one per gradient group (`GroupedDataParallel`) when parameters
     reduce over different groups (expert parallelism)."""
     groups: dict[tuple[str, ...], list[str]] = {}
     for name, pl in (placements or {}).items():
         groups.setdefault(pl.grad_dims, []).append(name)
     if len(groups) <= 1:
-        return _engine(model, ctx, cfg, policy, placements, stages, None)
-    return GroupedDataParallel([_engine(model, ctx, cfg, policy, placements, stages, names)
+        return _engine(model, ctx, cfg, policy, placements, stages, None, init)
+    return GroupedDataParallel([_engine(model, ctx, cfg, policy, placements, stages, names, init)
                                 for _, names in sorted(groups.items(), key=lambda g: g[0] == ("edp",))])
 
 
 def _engine(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: PrecisionPolicy,
             placements: dict[str, Placement] | None, stages: list[PipelineStage] | None,
-            only: list[str] | None) -> DataParallelBase:
+            only: list[str] | None, init: LocalInit | None = None) -> DataParallelBase:
     par = cfg.parallel
     if par.zero == 0:
         return DataParallel(model, ctx, policy, par.bucket_mb, placements, only=only)
     if par.zero in (1, 2):
-        return ZeroDataParallel(model, ctx, policy, par.bucket_mb, stage=par.zero, placements=placements, only=only)
+        return ZeroDataParallel(model, ctx, policy, par.bucket_mb, stage=par.zero, placements=placements, only=only,
+                                 init=init)
     if par.zero == 3:
         return FullyShardedDataParallel(model, ctx, policy, par.bucket_mb, placements,
                                         chunks=list(stages) if stages else None, gather=par.zero3_gather,
-                                        only=only)
+                                        only=only, init=init)
     raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {par.zero}")

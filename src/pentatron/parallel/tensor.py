@@ -27,10 +27,12 @@ returned records, per parameter name, a `TPShard` saying how the local tensor re
 one; `parallelize` copies it into each parameter's `Placement`.
 
 The model code needs no change: attention derives its local head count from the projection widths.
-Initialisation: every rank builds the full model from the same seed and keeps its slice, so a TP run
-starts from exactly the unsharded model. The model has no dropout; if one is added, dropout inside a
-region (local heads/ffn columns) needs a per-tp-rank seed and dropout on the SP residual stream a
-per-tp-rank seed too, while the non-SP residual stream needs the same seed on every tp rank.
+Initialisation: on a meta model (the runtime's way) the shards stay meta and `parallel/materialize.py`
+later fills each rank's shard with its slice of the 1-process model's initial values; on a materialised
+model the shard is cut from it. Either way a TP run starts from exactly the unsharded model.
+The model has no dropout; if one is added, dropout inside a region (local heads/ffn columns) needs a
+per-tp-rank seed and dropout on the SP residual stream a per-tp-rank seed too, while the non-SP
+residual stream needs the same seed on every tp rank.
 """
 
 from __future__ import annotations
@@ -244,6 +246,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, comm: Comm | N
         return model
 
     handles: list[Any] = []
+    grad_hooks: list[tuple[nn.Parameter, Any]] = []  # registered once the parameters have storage
     made: _Made = {}
     new_of: dict[nn.Parameter, nn.Parameter] = {}  # full parameter → this rank's shard (ties follow)
     kv_replicas = 1
@@ -255,7 +258,8 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, comm: Comm | N
             handles.append(module.register_forward_pre_hook(_region_entry(comm, sp)))
             continue
         if style == "sequence_norm":
-            _replicate(module.weight, comm if sp else None, handles)
+            if sp:  # under SP each rank's grad covers its sequence slice only: the full grad is their sum
+                grad_hooks.append((module.weight, lambda g: _sum_grad(g, comm)))
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -266,7 +270,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, comm: Comm | N
             kv_replicas = max(kv_replicas, replicas)
             shard = _shard_param(full, 0, rank // replicas, tp // replicas, tp, made)
             if replicas > 1:
-                handles.append(shard.register_hook(_sum_over_replicas(comm, tp, rank, replicas)))
+                grad_hooks.append((shard, _sum_over_replicas(comm, tp, rank, replicas)))
             new = ColumnParallelLinear(shard, comm, sequence_parallel=sp, communicate_input=False)
         elif style == "colwise":
             shard = _shard_param(full, 0, rank, tp, tp, made)
@@ -286,7 +290,22 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, comm: Comm | N
     shards = {n: made.get(p, TPShard(None, 0, 1, tp)) for n, p in model.named_parameters()}
     model.tensor_parallel = TensorParallelPlan(tp, rank, sp, kv_replicas, comm, shards)
     model._tensor_parallel_hooks = handles
+    model._tensor_parallel_grad_hooks = grad_hooks
+    if not any(p.is_meta for p, _ in grad_hooks):
+        register_grad_hooks(model)
     return model
+
+
+def register_grad_hooks(model: nn.Module) -> None:
+    """Register the gradient hooks `apply_tensor_parallel` left pending. On a meta model they wait until
+    the parameters have storage (`parallel/materialize.py`: giving a meta parameter storage drops its
+    hooks); idempotent."""
+    pending = getattr(model, "_tensor_parallel_grad_hooks", [])
+    if any(p.is_meta for p, _ in pending):
+        raise RuntimeError("register_grad_hooks: parameters are still on the meta device")
+    for p, hook in pending:
+        model._tensor_parallel_hooks.append(p.register_hook(hook))
+    model._tensor_parallel_grad_hooks = []
 
 
 def _region_entry(comm: Comm, sp: bool) -> Any:
@@ -294,12 +313,6 @@ def _region_entry(comm: Comm, sp: bool) -> Any:
         return (_enter(args[0], comm, sp), *args[1:])
 
     return hook
-
-
-def _replicate(p: nn.Parameter, comm: Comm | None, handles: list[Any]) -> None:
-    if comm is not None:
-        # Under SP each rank's grad covers its sequence slice only: the full grad is their sum.
-        handles.append(p.register_hook(lambda g: _sum_grad(g, comm)))
 
 
 def _sum_grad(g: torch.Tensor, comm: Comm) -> torch.Tensor:

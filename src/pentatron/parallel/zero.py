@@ -43,11 +43,18 @@ from pentatron.distributed.context import ParallelContext
 from pentatron.optim import AdamW, Slot
 from pentatron.parallel.data import DataParallelBase
 from pentatron.parallel.grad_buffer import Bucket, FlatLayout, GradBuffer, Piece
+from pentatron.parallel.materialize import LocalInit, give_storage
 from pentatron.parallel.memory import MemoryReport
 from pentatron.parallel.placement import Placement, ZeroPiece
 from pentatron.precision import PrecisionPolicy
 
 _MAX_IN_FLIGHT = 2  # reduce-scatters in flight before the oldest is waited on (bounds transient memory)
+
+
+def _needs(init: LocalInit | None) -> LocalInit:
+    if init is None:
+        raise ValueError("a meta parameter needs a LocalInit to be materialised (parallel/materialize.py)")
+    return init
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -103,21 +110,29 @@ class ZeroDataParallel(_ShardedBase):
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, policy: PrecisionPolicy,
                  bucket_mb: float, stage: int, placements: dict[str, Placement] | None = None,
-                 only: Collection[str] | None = None) -> None:
+                 only: Collection[str] | None = None, init: LocalInit | None = None) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements ZeRO-1 and ZeRO-2, got stage {stage}")
         super().__init__(model, ctx, policy, bucket_mb, placements, only)
         self.stage = stage
         self.layout = FlatLayout.by_size(list(reversed(self.params)), self.bucket_numel, shards=self.dp,
                                          isolate=self.isolated)
-        # Parameters become views of one flat buffer, so each bucket is all-gathered in place.
+        # Parameters become views of one flat buffer, so each bucket is all-gathered in place. A meta
+        # parameter (sharded init) is initialised straight into its view: the flat buffer is its only copy.
         self.param_flat = torch.zeros(self.layout.total, dtype=policy.param_dtype, device=ctx.device)
+        any_meta = False
         with torch.no_grad():
             for p in self.params:
                 off = self.layout.offset(p)
                 view = self.param_flat[off: off + p.numel()].view(p.shape)
-                view.copy_(p)
-                p.data = view
+                if p.is_meta:
+                    _needs(init).fill(self.place[p], view)
+                    any_meta = True
+                else:
+                    view.copy_(p)
+                give_storage(p, view)
+            if any_meta:  # replicas are identical by construction; the broadcast makes it a guarantee
+                self.comm.broadcast(self.param_flat, self.reduce_dim, src=0)
         self.grads = GradBuffer(self.params, policy.grad_dtype, self._grad_ready, self.layout,
                                 persistent=stage == 1)
         self.grad_shard = None if stage == 1 else torch.zeros(self.layout.shard_numel, dtype=policy.grad_dtype,
@@ -285,7 +300,7 @@ class FullyShardedDataParallel(_ShardedBase):
     def __init__(self, model: nn.Module, ctx: ParallelContext, policy: PrecisionPolicy,
                  bucket_mb: float, placements: dict[str, Placement] | None = None,
                  chunks: list[nn.Module] | None = None, gather: str = "micro_batch",
-                 only: Collection[str] | None = None) -> None:
+                 only: Collection[str] | None = None, init: LocalInit | None = None) -> None:
         super().__init__(model, ctx, policy, bucket_mb, placements, only)
         if gather not in ("micro_batch", "step"):
             raise ValueError(f"gather must be 'micro_batch' or 'step', got {gather!r}")
@@ -296,14 +311,19 @@ class FullyShardedDataParallel(_ShardedBase):
         self.unit_of = {b.index: u for b, u in zip(self.layout.buckets, self.units)}
         self.pipelined = chunks is not None
         self.keep_gathered = self.pipelined and gather == "step"
-        # This rank's parameter shard is the only persistent copy of the weights.
+        # This rank's parameter shard is the only persistent copy of the weights. A meta parameter
+        # (sharded init) has only this rank's pieces initialised, straight into the shard.
         self.param_shard = torch.zeros(self.layout.shard_numel, dtype=policy.param_dtype, device=ctx.device)
         with torch.no_grad():
             for pc in self.layout.pieces(self.dp_rank):
-                self.param_shard[pc.local: pc.local + pc.numel].copy_(pc.param.detach().flatten()[pc.lo: pc.hi])
+                dst = self.param_shard[pc.local: pc.local + pc.numel]
+                if pc.param.is_meta:
+                    _needs(init).fill(self.place[pc.param], dst, pc.lo, pc.hi)
+                else:
+                    dst.copy_(pc.param.detach().flatten()[pc.lo: pc.hi])
         self._empty = torch.empty(0, dtype=policy.param_dtype, device=ctx.device)
         for p in self.params:
-            p.data = self._empty
+            give_storage(p, self._empty)
         self.grads = GradBuffer(self.params, policy.grad_dtype, self._grad_ready, self.layout, persistent=False)
         self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=policy.grad_dtype, device=ctx.device)
         self._build_slots(self.param_shard, False, lambda pc: self.grad_shard[pc.local: pc.local + pc.numel])

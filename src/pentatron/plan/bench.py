@@ -292,8 +292,9 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
     """One process of the collective benchmark; rank 0 writes the result file."""
     import torch.distributed as dist
 
-    from pentatron.distributed.context import Degrees, ParallelContext
+    from pentatron.distributed.context import ParallelContext
     from pentatron.distributed.launch import shutdown_distributed
+    from pentatron.layout import ParallelLayout
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
@@ -307,7 +308,7 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
     finished = False
     contexts: list[ParallelContext] = []
     try:
-        ctx = ParallelContext.from_degrees(Degrees(dp=world), device)
+        ctx = ParallelContext.from_layout(ParallelLayout(dp=world), device)
         contexts.append(ctx)
         comm = ctx.comm
         concurrent = {}
@@ -357,7 +358,7 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
         if device_type == "cpu":  # the real tensor-parallel layer over every process (bench_tp)
             heads, kv, tokens = tiny_attention_shape()
             attn = _tiny_attention(device, seconds / 3, heads, kv, tokens, TP_HEAD_DIM)
-            tp_ctx = ParallelContext.from_degrees(Degrees(tp=world), device)
+            tp_ctx = ParallelContext.from_layout(ParallelLayout(tp=world), device)
             contexts.append(tp_ctx)
             tp_step = measure_tp_step(tp_ctx, attn).to_profile()
         if rank == 0:

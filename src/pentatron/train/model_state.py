@@ -19,10 +19,10 @@ from pentatron.checkpoint.errors import CheckpointError
 from pentatron.checkpoint.layout import check_resumable, layout_differences, layout_record
 from pentatron.checkpoint.reshard import describe_state, has_pieces, load_resharded
 from pentatron.checkpoint.store import CheckpointStore
-from pentatron.config import Config, resolved_dp
-from pentatron.distributed.context import ParallelContext, resolve_degrees
+from pentatron.config import Config
+from pentatron.distributed.context import ParallelContext
 from pentatron.distributed.launch import local_device
-from pentatron.models.llama import build_model
+from pentatron.models.llama import build_meta_model
 from pentatron.observe.run_observer import start_flight_recorder
 from pentatron.observe.watchdog import Watchdog
 from pentatron.parallel.parallelize import parallelize
@@ -36,24 +36,26 @@ class ModelState:
 
     def __init__(self, cfg: Config, flight_recorder: bool = True) -> None:
         self.cfg = cfg
-        tr, par = cfg.train, cfg.parallel
+        tr = cfg.train
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.device = local_device(tr.device)
-        degrees = resolve_degrees(world_size, dp=resolved_dp(cfg, world_size), tp=par.tp, pp=par.pp,
-                                  cp=par.cp, ep=par.ep, cp_ulysses=cfg.layout(world_size).cp_ulysses_degree)
-        self.ctx = ParallelContext.from_degrees(degrees, self.device)
+        # The one holder of the degrees: the context is built from it and it is handed down to parallelize.
+        self.layout = cfg.layout(world_size)
+        self.ctx = ParallelContext.from_layout(self.layout, self.device)
         self.watchdog: Watchdog | None = None
         with self.closed_on_error():
             self.watchdog = start_flight_recorder(cfg, self.ctx) if flight_recorder else None
             self.policy = resolve_precision(tr.precision, self.device)
             torch.manual_seed(tr.seed)
             self.model_cfg = cfg.model_config()
-            model = build_model(self.model_cfg, seed=tr.seed, device=self.device, dtype=self.policy.param_dtype)
+            # Built on meta: no rank ever holds more than its own pieces (parallelize materialises them,
+            # initialised to the 1-process model's values).
+            model = build_meta_model(self.model_cfg)
             self.n_params = sum(p.numel() for p in model.parameters())
             # Pipeline stages, TP, recompute, then data parallel / ZeRO: the step runner owns a step's
             # forward/backward, the loss, gradient sync and the optimizer. With pp > 1 only this rank's
             # stages remain (`runner.model` is a LocalStages).
-            self.runner = parallelize(model, self.ctx, cfg, self.policy)
+            self.runner = parallelize(model, self.ctx, cfg, self.policy, self.layout)
             self.engine = self.runner.engine
 
     def close(self) -> None:

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from pentatron.data.loader import TokenDataset, TokenLoader
-from pentatron.distributed.context import Degrees, ParallelContext
+from pentatron.distributed.context import ParallelContext
+from pentatron.layout import ParallelLayout
 from pentatron.models.config import ModelConfig
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
@@ -100,7 +101,7 @@ def _reference_run(case: Case, dataset_dir: Path) -> dict[str, Any]:
 
 def pipeline_worker(rank: int, world_size: int, cases: list[Case], dataset_dir: str) -> list[dict[str, Any]]:
     """On each of `world_size` pipeline ranks, train every case; return what this rank holds."""
-    ctx = ParallelContext.from_degrees(Degrees(pp=world_size), "cpu")
+    ctx = ParallelContext.from_layout(ParallelLayout(pp=world_size), "cpu")
     pp_rank, p = ctx.coords["pp"], world_size
     results = []
     for case in cases:

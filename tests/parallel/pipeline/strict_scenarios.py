@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from pentatron.distributed.context import Degrees, ParallelContext
+from pentatron.distributed.context import ParallelContext
+from pentatron.layout import ParallelLayout
 from pentatron.models.llama import build_model
 from pentatron.observe.flight_recorder import note_step
 from pentatron.observe.watchdog import attach_flight_recorder
@@ -20,7 +21,7 @@ from tests.parallel.pipeline.legacy_plan import lazy_receive_plan
 
 
 def new_then_legacy_order(rank: int, world: int, run_dir: str, timeout_s: float, schedule: str, m: int) -> None:
-    ctx = ParallelContext.from_degrees(Degrees(pp=world), "cpu")
+    ctx = ParallelContext.from_layout(ParallelLayout(pp=world), "cpu")
     ctx.comm.strict = True
     cfg = model_config(Case(schedule, n_layers=2))
     s = make_schedule(schedule, world, m)

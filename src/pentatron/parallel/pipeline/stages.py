@@ -10,9 +10,10 @@ the embedding and the LM head + loss count like layers do (for a small model the
 several layers' FLOPs, so an even split would leave the last stage the bottleneck). Interleaved
 schedules use equal chunks (their bubble formula assumes it), so there the layers must divide evenly.
 
-Every rank builds the full model (each parameter's init depends only on (seed, name)) and keeps only
-its own stages; parameter names are the full model's ("layers.5.mlp.up_proj.weight"), so checkpoints
-and parity tests line up with the 1-process model.
+Every rank builds the full model on the meta device (no storage) and keeps only its own stages, which
+alone are then materialised (`parallel/materialize.py`; each parameter's init depends only on (seed,
+name)); parameter names are the full model's ("layers.5.mlp.up_proj.weight"), so checkpoints and parity
+tests line up with the 1-process model.
 """
 
 from __future__ import annotations
