@@ -75,6 +75,6 @@ def test_demo_trains_3d_checks_parity_and_generates(tmp_path, default_dataset):
     done = subprocess.run(argv, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
-    assert "world=8 (dp=2 tp=2 pp=2" in out and "run summary" in out
+    assert "world=8 (dp=2 tp=2+sp pp=2 cp=1 ep=1" in out and "run summary" in out
     assert "parity check — PASS" in out
     assert "tokens from runs/demo/checkpoint" in out

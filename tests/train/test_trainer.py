@@ -80,7 +80,9 @@ def test_crash_during_save_keeps_last_good_checkpoint(tmp_path, default_dataset,
         raise OSError("disk full")
 
     monkeypatch.setattr(store.dcp, "save", crash)
-    with pytest.raises(OSError, match="disk full"):
+    from pentatron.checkpoint.errors import CheckpointWriteError
+
+    with pytest.raises(CheckpointWriteError, match="disk full"):
         _fit(tmp_path, default_dataset, "train.steps=4", ckpt, "checkpoint.every=1")
     monkeypatch.undo()
     assert (tmp_path / "ckpt" / "latest").read_text() == "step_00000002"

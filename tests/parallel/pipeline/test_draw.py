@@ -55,7 +55,7 @@ def test_cli_planned_and_recorded(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--schedule", "interleaved", "--pp", "4", "--microbatches", "6", "--virtual", "2"], "multiple of"),
+    (["--schedule", "interleaved", "--pp", "4", "--microbatches", "3", "--virtual", "2"], "at least the pipeline"),
     (["--schedule", "nope"], "unknown pipeline schedule"),
     (["--schedule", "1f1b", "--virtual", "2"], "only 'interleaved' uses v"),
 ])
