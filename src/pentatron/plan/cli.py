@@ -340,7 +340,7 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
           verify_rows: list[dict[str, Any]] | None) -> int:
     from pentatron.plan import report
     from pentatron.plan.layout import problems
-    from pentatron.plan.search import predict, search, suggest_fixes
+    from pentatron.plan.search import CP_MARGIN, predict, search, suggest_fixes
 
     evaluate = any(k in fixed for k in KNOB_FLAGS)
     for name in ("dp", "tp", "pp", "cp", "ep", "pp_virtual", "micro_batch", "cp_ulysses"):
@@ -394,6 +394,7 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
     print(f"searched {res.enumerated:,} layouts, {res.valid:,} valid, {res.fitting:,} fit in memory "
           f"({res.seconds:.2f} s)")
     print(report.ranked_table(w, preds))
+    print(report.table_notes(CP_MARGIN))
     print("\nwhy the best layout:")
     for r in res.reasons:
         print(f"  {r}")
