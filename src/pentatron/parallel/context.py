@@ -1,6 +1,7 @@
 """Context parallelism: the sequence of every sample is split over the cp ranks, and attention — the one
 operation that mixes tokens — is done together; everything else (embeddings, norms, MLP, loss) is
-per token and runs on the local slice unchanged.
+per token and runs on the local slice unchanged — but for MoE's choices over the whole sequences or
+micro-batch: the balancing loss's counts (summed over cp) and the capacity drops (`moe_capacity.py`).
 
 Which tokens a rank holds (`cp_token_index`). A cp group is `ring × ulysses` ranks, Ulysses innermost.
 The sequence is cut into 2·ring chunks and ring rank i takes chunks i and 2·ring−1−i (the zigzag that
