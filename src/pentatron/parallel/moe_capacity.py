@@ -63,9 +63,9 @@ class MicroBatchCapacity:
         mine[:, 0] = -float("inf")
         mine[flat_e[order] * (cap + 1) + place] = torch.stack([w[order], at[order]], dim=1)
         mine = mine.view(n, cap + 1, 2)[:, :cap].contiguous()
-        every = torch.empty((self.cp, n, cap, 2), dtype=torch.float64, device=w.device)
+        every = torch.empty((self.cp * n, cap, 2), dtype=torch.float64, device=w.device)
         self.comm.all_gather(every, mine, CP)
-        cand = every.transpose(0, 1).reshape(n, self.cp * cap, 2)
+        cand = every.view(self.cp, n, cap, 2).transpose(0, 1).reshape(n, self.cp * cap, 2)
         cand = cand.take_along_dim(torch.argsort(cand[..., 1], dim=1, stable=True).unsqueeze(-1), dim=1)
         cand = cand.take_along_dim(torch.argsort(-cand[..., 0], dim=1, stable=True).unsqueeze(-1), dim=1)
         bar_w, bar_at = cand[:, cap - 1, 0][flat_e], cand[:, cap - 1, 1][flat_e]  # each expert's cap-th best
