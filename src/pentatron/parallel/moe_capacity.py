@@ -30,14 +30,17 @@ CP = "cp"
 
 
 class MicroBatchCapacity:
-    """An MoE layer's `capacity_scope` on one cp rank. `positions` [s/cp]: the positions (0..seq_len−1) of
-    the tokens this rank holds of every sequence, in its local order (`ContextShard.positions`)."""
+    """An MoE layer's `capacity_scope` on one rank of `dim` (cp; its `parts` ranks hold disjoint equal
+    slices of every sequence). `positions` [seq_len/parts]: the positions (0..seq_len−1) of the tokens
+    this rank holds of every sequence, in its local order (`ContextShard.positions`)."""
 
-    def __init__(self, comm: Comm, positions: torch.Tensor, seq_len: int, cp: int, n_experts: int) -> None:
-        self.comm, self.positions, self.seq_len, self.cp, self.n_experts = comm, positions, seq_len, cp, n_experts
+    def __init__(self, comm: Comm, positions: torch.Tensor, seq_len: int, parts: int, n_experts: int,
+                 dim: str = CP) -> None:
+        self.comm, self.positions, self.seq_len = comm, positions, seq_len
+        self.parts, self.n_experts, self.dim = parts, n_experts, dim
 
     def tokens(self, local: int) -> int:
-        return local * self.cp
+        return local * self.parts
 
     def token_index(self, local: int) -> torch.Tensor:
         """[local] each local token's index in the micro-batch (b·seq_len + position), on the device."""
@@ -63,9 +66,9 @@ class MicroBatchCapacity:
         mine[:, 0] = -float("inf")
         mine[flat_e[order] * (cap + 1) + place] = torch.stack([w[order], at[order]], dim=1)
         mine = mine.view(n, cap + 1, 2)[:, :cap].contiguous()
-        every = torch.empty((self.cp * n, cap, 2), dtype=torch.float64, device=w.device)
-        self.comm.all_gather(every, mine, CP)
-        cand = every.view(self.cp, n, cap, 2).transpose(0, 1).reshape(n, self.cp * cap, 2)
+        every = torch.empty((self.parts * n, cap, 2), dtype=torch.float64, device=w.device)
+        self.comm.all_gather(every, mine, self.dim)
+        cand = every.view(self.parts, n, cap, 2).transpose(0, 1).reshape(n, self.parts * cap, 2)
         cand = cand.take_along_dim(torch.argsort(cand[..., 1], dim=1, stable=True).unsqueeze(-1), dim=1)
         cand = cand.take_along_dim(torch.argsort(-cand[..., 0], dim=1, stable=True).unsqueeze(-1), dim=1)
         bar_w, bar_at = cand[:, cap - 1, 0][flat_e], cand[:, cap - 1, 1][flat_e]  # each expert's cap-th best
