@@ -25,6 +25,9 @@ from pentatron.models.moe import moe_layers
 from tests.multiprocess import run_ranks
 from tests.parallel.moe_reference import moe_reference_run
 from tests.reference_loop import relative_error
+from tests.strict_comm import strict_comm_fixture
+
+strict_comm = strict_comm_fixture("module")  # NCCL's ordering and device rules on gloo
 
 STEPS, SEQ, MICRO, GLOBAL, LR, EPS, WARMUP = 10, 32, 2, 8, 1e-3, 1e-4, 2
 TOL = 1e-5
