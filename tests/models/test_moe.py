@@ -21,6 +21,7 @@ from pentatron.models.moe import (
     dispatch_order,
     finish_step,
     set_aux_loss_scale,
+    sort_assignments,
 )
 from pentatron.models.registry import MODELS
 
@@ -102,6 +103,21 @@ def test_capacity_drops_lowest_weights() -> None:
     assert flat_w.tolist() == pytest.approx([0.9, 0.6, 0.5, 0.4, 0.1, 0.7])  # by weight within an expert
     assert capacity(24, MoEConfig(n_experts=4, top_k=2, expert_ffn_size=8, capacity_factor=1.0)) == 12
     assert capacity(24, MoEConfig(n_experts=4, top_k=2, expert_ffn_size=8)) is None
+
+
+def test_a_given_keep_mask_decides_the_drops() -> None:
+    """Under cp the kept assignments are chosen over the micro-batch (parallel/moe_capacity.py) and handed
+    in as a mask: the order starts with exactly those, grouped by expert, and kept counts them."""
+    experts = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])
+    weights = torch.tensor([[0.6, 0.4], [0.9, 0.1], [0.5, 0.5], [0.7, 0.3]])
+    counts = torch.bincount(experts.flatten(), minlength=4)
+    keep = torch.tensor([True, False, False, True, True, True, True, False])
+    order, kept = sort_assignments(experts, weights, counts, 2, keep)
+    assert kept.tolist() == [2, 1, 1, 1]
+    n = int(kept.sum())
+    assert sorted(order[:n].tolist()) == keep.nonzero().flatten().tolist()
+    assert experts.flatten()[order[:n]].tolist() == [0, 0, 1, 2, 3]
+    assert sorted(order.tolist()) == list(range(8))
 
 
 def test_dropped_counts_in_metrics() -> None:

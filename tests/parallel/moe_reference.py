@@ -8,6 +8,7 @@ runtime; only the model, its MoE helpers and the data loader are Pentatron's.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +24,20 @@ from tests.reference_loop import _clip_grad_norm, adamw, cosine_lr
 
 def moe_reference_run(dataset_dir: Path, *, model: str, steps: int, seq_len: int, global_batch: int,
                       micro_batch: int, lr: float, eps: float, warmup: int, clip: float = 1.0,
-                      weight_decay: float = 0.1, min_ratio: float = 0.1, seed: int = 0) -> dict[str, Any]:
+                      weight_decay: float = 0.1, min_ratio: float = 0.1, seed: int = 0,
+                      capacity_factor: float | None = None) -> dict[str, Any]:
     torch.manual_seed(seed)
-    net = build_model(get_model_config(model), seed=seed)
+    cfg = get_model_config(model)
+    if capacity_factor is not None:
+        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=capacity_factor))
+    net = build_model(cfg, seed=seed)
     named = list(net.named_parameters())
     opt = adamw(named, lr=lr, eps=eps, weight_decay=weight_decay)
     loader = TokenLoader(TokenDataset(dataset_dir), seq_len=seq_len, micro_batch=micro_batch,
                          global_batch=global_batch, seed=seed)
     chunks = global_batch // micro_batch
     set_aux_loss_scale(net, 1 / chunks)
-    out: dict[str, Any] = {"losses": [], "norms": [], "grads": {}, "loads": []}
+    out: dict[str, Any] = {"losses": [], "norms": [], "grads": {}, "loads": [], "dropped": []}
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         total = 0.0
@@ -46,7 +51,9 @@ def moe_reference_run(dataset_dir: Path, *, model: str, steps: int, seq_len: int
         for g in opt.param_groups:
             g["lr"] = cosine_lr(step, lr=lr, warmup=warmup, steps=steps, min_ratio=min_ratio)
         opt.step()
-        out["loads"].append({n: m["tokens_per_expert"] for n, m in finish_step(net).items()})
+        metrics = finish_step(net)
+        out["loads"].append({n: m["tokens_per_expert"] for n, m in metrics.items()})
+        out["dropped"].append({n: m["dropped_frac"] for n, m in metrics.items()})
         out["losses"].append(total / chunks)
         out["norms"].append(float(norm))
     out["params"] = {n: p.detach().numpy().copy() for n, p in named}

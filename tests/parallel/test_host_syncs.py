@@ -34,6 +34,8 @@ LAYOUTS: dict[str, list[str]] = {
     "moe pp2": ["model.name='debug-moe'", "parallel.pp=2"],
     "moe tp2": ["model.name='debug-moe'", "parallel.tp=2"],
     "moe cp2 aux-free": ["model.name='debug-moe-auxfree'", "parallel.dp=1", "parallel.cp=2"],
+    "moe cp2 ulysses capacity": ["model.name='debug-moe'", "parallel.dp=1", "parallel.cp=2",
+                                 "parallel.cp_mode='ulysses'", "moe.capacity_factor=1.0"],
 }
 
 

@@ -6,6 +6,10 @@ must match the reference in the loss and gradient norm of every step (≤ 1e-5 r
 parameter's step-1 gradient and final value (‖Δ‖/‖ref‖ ≤ 1e-5) — so the balancing losses' gradient is
 included — the tokens routed to every expert at every step (exactly) and the final selection biases.
 Every replica of a tensor must be bitwise identical on all ranks holding it.
+
+With `moe.capacity_factor=1.0` (3 steps) the layouts must also drop exactly the assignments one process
+drops — capacity is over the whole micro-batch, so under cp (ring, Ulysses, hybrid) the kept ones are
+chosen across the cp ranks — checked by the same parity and by every layer's dropped fraction per step.
 """
 
 from __future__ import annotations
@@ -21,9 +25,14 @@ from pentatron.models.moe import moe_layers
 from tests.multiprocess import run_ranks
 from tests.parallel.moe_reference import moe_reference_run
 from tests.reference_loop import relative_error
+from tests.strict_comm import strict_comm_fixture
+
+strict_comm = strict_comm_fixture("module")  # NCCL's ordering and device rules on gloo
 
 STEPS, SEQ, MICRO, GLOBAL, LR, EPS, WARMUP = 10, 32, 2, 8, 1e-3, 1e-4, 2
 TOL = 1e-5
+CAP_STEPS = 3
+CAPACITY = ["moe.capacity_factor=1.0", f"train.steps={CAP_STEPS}"]  # drops ~15 % of a layer's assignments
 
 CASES: dict[int, dict[str, list[str]]] = {
     2: {
@@ -37,18 +46,26 @@ CASES: dict[int, dict[str, list[str]]] = {
         # whole sequences (summed over cp), so it equals the single-process loss
         "cp2×ep2 aux-free": ["parallel.dp=1", "parallel.cp=2", "parallel.ep=2", "model.name='debug-moe-auxfree'"],
         "cp2 aux-loss": ["parallel.dp=1", "parallel.cp=2"],
+        # capacity over the micro-batch: the cp ranks choose the kept assignments together
+        "cp2 ring capacity 1.0": ["parallel.dp=1", "parallel.cp=2", *CAPACITY],
+        "cp2 ulysses capacity 1.0": ["parallel.dp=1", "parallel.cp=2", "parallel.cp_mode='ulysses'", *CAPACITY],
     },
     4: {
         "ep4 zero1 aux-loss": ["parallel.dp=4", "parallel.ep=4", "parallel.zero=1"],
         "ep2×dp2 zero3 aux-loss": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=3"],
         "ep2×tp2 aux-loss": ["parallel.dp=2", "parallel.tp=2", "parallel.ep=2"],
         "ep2×pp2 aux-free": ["parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "model.name='debug-moe-auxfree'"],
+        "cp4 hybrid (ulysses 2 × ring 2) × ep2 capacity 1.0": ["parallel.dp=1", "parallel.cp=4", "parallel.ep=2",
+                                                              "parallel.cp_mode='hybrid'", "parallel.cp_ulysses=2",
+                                                              *CAPACITY],
     },
 }
 
 
 def _model(extra: list[str]) -> str:
-    return "debug-moe-auxfree" if any("auxfree" in e for e in extra) else "debug-moe"
+    """The reference a case is compared with: its model, with " capacity" when it sets a capacity factor."""
+    model = "debug-moe-auxfree" if any("auxfree" in e for e in extra) else "debug-moe"
+    return model + (" capacity" if CAPACITY[0] in extra else "")
 
 
 def _config(world: int, extra: list[str], log_dir: str) -> Config:
@@ -64,12 +81,13 @@ def _train(cfg: Config, dataset_dir: Path) -> dict[str, Any]:
     from pentatron.train.trainer import Trainer
 
     trainer = Trainer(cfg, dataset_dir=dataset_dir)
-    out: dict[str, Any] = {"losses": [], "norms": [], "loads": []}
-    for step in range(STEPS):
+    out: dict[str, Any] = {"losses": [], "norms": [], "loads": [], "dropped": []}
+    for step in range(cfg.train.steps):
         record = trainer.train_step()
         out["losses"].append(record["loss"])
         out["norms"].append(record["grad_norm"])
         out["loads"].append({n: m["tokens_per_expert"] for n, m in record.get("moe", {}).items()})
+        out["dropped"].append({n: m["dropped_frac"] for n, m in record.get("moe", {}).items()})
         if step == 0:
             out["grads"] = {n: g.numpy() for n, g in trainer.runner.full_gradients().items()}
     out["params"] = {n: t.numpy() for n, t in trainer.runner.full_parameters().items()}
@@ -96,8 +114,12 @@ def _merged(runs: list[dict[str, Any]], label: str, key: str) -> dict[str, np.nd
 
 @pytest.fixture(scope="module")
 def references(default_dataset) -> dict[str, dict[str, Any]]:
-    common = dict(steps=STEPS, seq_len=SEQ, global_batch=GLOBAL, micro_batch=MICRO, lr=LR, eps=EPS, warmup=WARMUP)
-    return {m: moe_reference_run(default_dataset, model=m, **common) for m in ("debug-moe", "debug-moe-auxfree")}
+    common = dict(seq_len=SEQ, global_batch=GLOBAL, micro_batch=MICRO, lr=LR, eps=EPS, warmup=WARMUP)
+    refs = {m: moe_reference_run(default_dataset, model=m, steps=STEPS, **common)
+            for m in ("debug-moe", "debug-moe-auxfree")}
+    refs["debug-moe capacity"] = moe_reference_run(default_dataset, model="debug-moe", steps=CAP_STEPS,
+                                                   capacity_factor=1.0, **common)
+    return refs
 
 
 def check_parity(runs: list[dict[str, Any]], label: str, ref: dict[str, Any]) -> None:
@@ -112,15 +134,19 @@ def check_parity(runs: list[dict[str, Any]], label: str, ref: dict[str, Any]) ->
             assert err <= TOL, f"{label}: {key} of {name} off by {err:.2e}"
     for name, bias in _merged(runs, label, "biases").items():
         np.testing.assert_array_equal(bias, ref["biases"][name], err_msg=f"{label}: bias of {name}")
-    for step in range(STEPS):
+    for step in range(len(ref["losses"])):
         loads = {n: c for res in runs for n, c in res[label]["loads"][step].items()}
         assert loads == ref["loads"][step], f"{label}: expert loads at step {step + 1}"
+        dropped = {n: d for res in runs for n, d in res[label]["dropped"][step].items()}
+        assert dropped == ref["dropped"][step], f"{label}: dropped fractions at step {step + 1}"
 
 
 def test_reference_balancing_terms_are_live(references) -> None:
     """The parity below would be weaker if the balancing terms did nothing in 10 steps."""
     assert any(b.any() for b in references["debug-moe-auxfree"]["biases"].values())
     assert all(not b.any() for b in references["debug-moe"]["biases"].values())
+    assert all(d == 0 for step in references["debug-moe"]["dropped"] for d in step.values())  # dropless
+    assert all(d > 0.05 for step in references["debug-moe capacity"]["dropped"] for d in step.values())
 
 
 @pytest.mark.parametrize("world", sorted(CASES))

@@ -25,8 +25,17 @@ Host synchronisations: a forward reads one thing on the host, once — each expe
 loads, drops) stays on the device, and `finish_step` reduces all layers with one collective and reads
 them back with one copy per optimizer step.
 
+Capacity (`moe.capacity_factor` = c; unset: dropless) is defined over what one process's forward sees,
+the whole micro-batch (b sequences × their full length, T = b·s tokens): each expert takes at most
+cap = ceil(c·T·k/E) assignments of the micro-batch, its highest-weighted ones, equal weights going to
+the earlier token (index b·s + position). So dropping does not depend on the layout: under dp, tp, ep
+and pp a rank's forward sees whole micro-batches anyway; under context parallelism (a rank holds a
+slice of every sequence) the `capacity_scope` hook (`parallel/moe_capacity.py`) gives the micro-batch's
+T and keeps exactly the local assignments that rank among their expert's cap best of the micro-batch.
+
 The model knows nothing about parallelism: `expert_parallel` (None here) is the hook through which
-`parallel/expert.py` sends each expert's tokens to the rank holding it and brings the outputs back.
+`parallel/expert.py` sends each expert's tokens to the rank holding it and brings the outputs back;
+`capacity_scope` (None here: the layer sees the whole micro-batch) the one above.
 """
 
 from __future__ import annotations
@@ -129,27 +138,39 @@ def bias_update(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Te
 
 
 def capacity(tokens: int, moe: MoEConfig) -> int | None:
-    """Assignments an expert may take from a batch of `tokens` (None: dropless)."""
+    """Assignments an expert may take from a micro-batch of `tokens` (None: dropless)."""
     if moe.capacity_factor is None:
         return None
     return math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.n_experts)
 
 
+def rank_in_expert(experts: torch.Tensor, order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """For assignments `order` (indices into the flat `experts`, grouped by expert ascending), each one's
+    place within its expert's group (0, 1, …); counts [E] the group sizes."""
+    start = torch.cumsum(counts, 0) - counts
+    return torch.arange(order.numel(), device=order.device) - start[experts[order]]
+
+
 def sort_assignments(experts: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                     cap: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     cap: int | None, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, kept): a permutation of the flattened [T·k] assignments whose first kept.sum() entries are
     the kept ones grouped by expert (ascending), and kept [E] per expert. Each expert keeps at most `cap`:
     its highest-weighted ones (ties: earlier tokens), as Megatron's "probs" policy; the dropped ones
-    follow. No host sync: the caller cuts the order at the kept count it reads with the split sizes."""
+    follow. `keep` [T·k] bool, when given (context parallelism: chosen over the whole micro-batch by the
+    `capacity_scope`), says which ones are kept instead. No host sync: the caller cuts the order at the
+    kept count it reads with the split sizes."""
     flat_e = experts.flatten()
     if cap is None:
         return torch.argsort(flat_e, stable=True), counts
     by_weight = torch.argsort(-weights.detach().flatten(), stable=True)
     order = by_weight[torch.argsort(flat_e[by_weight], stable=True)]
-    start = torch.cumsum(counts, 0) - counts
-    rank_in_expert = torch.arange(order.numel(), device=order.device) - start[flat_e[order]]
-    dropped = (rank_in_expert >= cap).to(torch.int8)
-    return order[torch.argsort(dropped, stable=True)], counts.clamp(max=cap)
+    if keep is None:
+        dropped = (rank_in_expert(flat_e, order, counts) >= cap).to(torch.int8)
+        kept = counts.clamp(max=cap)
+    else:
+        dropped = (~keep[order]).to(torch.int8)
+        kept = torch.zeros_like(counts).scatter_add_(0, flat_e, keep.to(counts.dtype))
+    return order[torch.argsort(dropped, stable=True)], kept
 
 
 def dispatch_order(experts: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
@@ -203,6 +224,18 @@ class ExpertParallel(Protocol):
     def __call__(self, x: torch.Tensor, plan: Any, experts: Experts) -> torch.Tensor: ...
 
 
+class CapacityScope(Protocol):
+    """The capacity rule over a micro-batch of which this rank holds a slice of every sequence (context
+    parallelism, `parallel/moe_capacity.py`). `tokens(local)`: the micro-batch's token count when this
+    rank holds `local`; `keep(experts, weights, cap)`: [T·k] bool on the device, which of this rank's
+    assignments are among their expert's `cap` best of the whole micro-batch (by weight, then earlier
+    token), decided without a host sync and without gradient."""
+
+    def tokens(self, local: int) -> int: ...
+
+    def keep(self, experts: torch.Tensor, weights: torch.Tensor, cap: int) -> torch.Tensor: ...
+
+
 class LoadStats:
     """What one layer saw since the last `finish_step`, summed over forwards (micro-batches), on the
     device: one float64 vector [assignments per expert chosen by the router (E, before drops) | dropped,
@@ -242,6 +275,7 @@ class MoE(nn.Module):
             if m.n_shared_experts else None
         self.loss_scale = 1.0  # d(step loss)/d(this forward's loss): 1/micro-batches (set by the runner)
         self.expert_parallel: ExpertParallel | None = None
+        self.capacity_scope: CapacityScope | None = None  # None: this forward sees the whole micro-batch
         self.stats: LoadStats | None = None  # created on the device of the first forward (not on meta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -249,8 +283,10 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         tokens, k = x.shape[0], self.cfg.top_k
         r = self.router(x)
-        cap = capacity(tokens, self.cfg)
-        order, kept = sort_assignments(r.experts, r.weights, r.counts, cap)
+        scope = self.capacity_scope
+        cap = capacity(tokens if scope is None else scope.tokens(tokens), self.cfg)
+        keep = None if cap is None or scope is None else scope.keep(r.experts, r.weights, cap)
+        order, kept = sort_assignments(r.experts, r.weights, r.counts, cap, keep)
         # The layer's one device→host transfer: the split sizes (here each expert's rows; under expert
         # parallelism also what every rank sends and receives), which also say how many rows are kept.
         ep = self.expert_parallel
