@@ -20,8 +20,9 @@ class MoEConfig:
     Balancing: the Switch/GShard auxiliary loss (`aux_loss_coef`, 1.0 at a uniform load), the router
     z-loss (`z_loss_coef`), and DeepSeek-V3's auxiliary-loss-free bias (`bias_update_rate` γ: after each
     optimizer step an expert's selection bias moves by γ towards the mean load; 0 = off).
-    `capacity_factor`: each expert takes at most ceil(factor·tokens·top_k/n_experts) tokens of a batch,
-    the lowest-weighted assignments beyond it are dropped (None: dropless). The first
+    `capacity_factor`: each expert takes at most ceil(factor·tokens·top_k/n_experts) assignments of a
+    micro-batch (tokens: all of it, b × the full sequence, whatever the layout), the lowest-weighted ones
+    beyond it are dropped (None: dropless). The first
     `first_dense_layers` layers keep the dense MLP (DeepSeek-V3: 3)."""
 
     n_experts: int
