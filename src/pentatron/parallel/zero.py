@@ -22,10 +22,9 @@ parts that run per micro-step).
 Checkpoints: optimizer state (and ZeRO-3's parameters) are saved per piece, keyed
 "<param key>[lo:hi]" (a range of the flattened local parameter; just "<param key>" when a rank holds all
 of it; the key is the name, or "<name>|tp<i>/<n>" for a tensor-parallel shard), so each rank writes only
-what it owns and a resume in the same layout reads it back. Re-sharding into another dp/stage/bucket size
-needs only these keys: for each piece the new layout wants, read the overlapping saved ranges of the same
-parameter (the DCP metadata lists them) — not implemented yet; the trainer refuses such a resume with a
-clear message.
+what it owns and a resume in the same layout reads it back. Each rank also describes where its pieces sit
+in the full tensors (`checkpoint/reshard.py`), so a resume into another dp, ZeRO stage, stage split or
+bucket size (any layout) assembles the pieces it wants from the overlapping saved ones.
 """
 
 from __future__ import annotations
