@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pentatron.device_clock import DeviceClock
 from pentatron.distributed.launch import (
     TORCH_TRACE_PREFIX,
     torch_flight_recorder_env,
@@ -17,7 +18,6 @@ from pentatron.distributed.launch import (
 )
 from pentatron.observe.flight_recorder import FlightRecorder, completion_event_for
 from pentatron.observe.memory import PeakMemory, memory_kind, process_peak_rss, reset_process_peak_rss
-from pentatron.observe.timer import DeviceClock
 from pentatron.observe.watchdog import torch_trace_note
 
 

@@ -14,7 +14,7 @@ into forward, backward, optimizer, communication by dimension, and other (data, 
 between the phases). Communication is the time this rank was *blocked* in the comm layer: a
 transfer hidden behind compute costs nothing there, and waiting for a slower peer (a pipeline
 bubble, a straggler) counts as communication of that dimension, since that is where the rank
-idled. Times are the device's (`observe.timer.DeviceClock`): on CUDA, events recorded on the current
+idled. Times are the device's (`device_clock.DeviceClock`): on CUDA, events recorded on the current
 stream at each phase boundary and read once at the end of the step, so a phase is the GPU time its
 work took rather than the host time it took to queue it; a blocking comm op (or wait) is the time
 the stream waited for the collective. On CPU, wall clock. The trace's device lanes show the kernels.
@@ -38,8 +38,8 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from pentatron.device_clock import DeviceClock
 from pentatron.observe.flight_recorder import FlightRecord
-from pentatron.observe.timer import DeviceClock
 
 
 class CommTimer:

@@ -30,10 +30,10 @@ from typing import Protocol
 
 import torch
 
+from pentatron.device_clock import DeviceClock
 from pentatron.distributed.comm import P2P, Comm, Work
 from pentatron.parallel.pipeline.split_backward import SplitBackward
 from pentatron.parallel.pipeline.stages import PipelineStage
-from pentatron.parallel.pipeline.timer import StepTimer, step_timer
 from pentatron.schedules import Action, Kind, MsgKey, P2PBatch, Schedule, Slot, p2p_plan, validate
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -130,7 +130,7 @@ class PipelineEngine:
         self._local: dict[MsgKey, torch.Tensor] = {}  # hand-offs between two stages of this rank
         self._saved: dict[tuple[int, int], _Saved] = {}
         self._losses: list[torch.Tensor] = []
-        self._timer: StepTimer = step_timer(self._device)  # marks each action's start and end
+        self._timer = DeviceClock(self._device)  # marks each action's start and end (a clock per step)
         timer = self._timer
         marks: list[tuple[Action, object, object]] = []
         in_flight = peak = 0

@@ -1,5 +1,6 @@
-"""The engine's action timer: host clock on CPU; on CUDA, events read once per step. The CUDA branch runs
-here against a stand-in `torch.cuda.Event` (host-clocked, counting synchronisations)."""
+"""DeviceClock's absolute times (the pipeline engine's action slots): host clock on CPU; on CUDA, events read
+once per step. The CUDA branch runs here against a stand-in `torch.cuda.Event` (host-clocked, counting
+synchronisations). Its per-name spans: tests/observe/test_device_truth.py."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import time
 import pytest
 import torch
 
-from pentatron.parallel.pipeline import timer as timer_mod
-from pentatron.parallel.pipeline.timer import CudaEventTimer, HostTimer, step_timer
+from pentatron import device_clock as clock_mod
+from pentatron.device_clock import DeviceClock
 
 
 class _Event:
@@ -31,17 +32,17 @@ class _Event:
 
 
 def test_cpu_uses_the_host_clock():
-    t = step_timer(torch.device("cpu"))
-    assert isinstance(t, HostTimer)
+    t = DeviceClock(torch.device("cpu"))
+    assert not t.cuda
     a, b = t.mark(), t.mark()
     assert t.seconds([a, b]) == [a, b] and a <= b
 
 
 def test_cuda_events_are_read_once_at_the_end(monkeypatch):
-    monkeypatch.setattr(timer_mod.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(clock_mod.torch.cuda, "Event", _Event)
     _Event.syncs = 0
-    t = step_timer(torch.device("cuda", 0))
-    assert isinstance(t, CudaEventTimer)
+    t = DeviceClock(torch.device("cuda", 0))
+    assert t.cuda
     before = time.perf_counter()
     marks = [t.mark() for _ in range(6)]
     after = time.perf_counter()

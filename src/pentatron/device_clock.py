@@ -1,10 +1,17 @@
-"""Intervals measured on the clock of the device that does the work.
+"""Times on the clock of the device that does the work, with no host sync per measurement.
 
-On CUDA the host runs ahead of the GPU, so a host timestamp taken "after the forward" only says when
-the forward was *queued*. `DeviceClock` marks points in the stream instead: on CUDA a timing event
-recorded on the current stream (no synchronisation), on CPU `time.perf_counter()`. Spans are summed
-once per step by `collect()`, which on CUDA waits for the stream a single time and then reads every
-event's elapsed time; nothing is synchronised per phase.
+On CUDA the host runs ahead of the GPU, so a host timestamp taken "after the forward" only says when the
+forward was *queued*. `DeviceClock.mark()` notes a point in the stream of work instead: on CUDA a timing
+event recorded on the current stream, on CPU `time.perf_counter()`. Marks are resolved once, at the end of
+a step, in one of two ways:
+
+- `seconds(marks)`: each mark as an absolute host-clock second (the pipeline's action slots, compared
+  across ranks by `measured_bubble`). On CUDA it waits for the last mark (one sync) and places every
+  event at the host time the clock was made plus its elapsed time since then; that anchor assumes the
+  queue was empty when the clock was made (a clock per step, made after the previous step's loss was
+  read);
+- `span(name, start)` … `collect()`: seconds summed per name (the profiler's phases); on CUDA one wait
+  for the stream, then every event's elapsed time.
 
     clock = DeviceClock(device)
     t0 = clock.mark(); ...; clock.span("forward", t0)      # as often as needed
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,6 +32,8 @@ class DeviceClock:
     def __init__(self, device: torch.device) -> None:
         self.cuda = torch.device(device).type == "cuda"
         self._spans: list[tuple[str, Any, Any]] = []
+        self._origin_host = time.perf_counter()
+        self._origin = self.mark() if self.cuda else None
 
     def mark(self) -> Any:
         """A point in the device's timeline: a recorded CUDA event, or a host timestamp on CPU."""
@@ -32,6 +42,15 @@ class DeviceClock:
             event.record()
             return event
         return time.perf_counter()
+
+    def seconds(self, marks: Sequence[Any]) -> list[float]:
+        """`marks` as host-clock seconds (one wait for the device on CUDA: for the last mark)."""
+        if not self.cuda:
+            return [float(m) for m in marks]
+        if not marks:
+            return []
+        marks[-1].synchronize()  # events complete in stream order: the last one implies the rest
+        return [self._origin_host + self._origin.elapsed_time(ev) / 1e3 for ev in marks]
 
     def span(self, name: str, start: Any, end: Any | None = None) -> None:
         """Count the interval `start` → `end` (now, when None) under `name`; resolved by `collect`."""
