@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from pentatron.checkpoint.errors import write_failure
+from pentatron.checkpoint.space import state_bytes, write_failure
 from pentatron.checkpoint.store import CheckpointStore, _dcp_mode, _rank
 
 
@@ -76,9 +76,7 @@ class AsyncCheckpointer:
         with _dcp_mode() as single:
             future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group, no_dist=single,
                                     async_stager=_CpuCopy())
-        nbytes = sum(t.numel() * t.element_size() for part in state.values() for t in part.values()
-                     if isinstance(t, torch.Tensor))
-        pending = _InFlight(step, tmp, future, nbytes)
+        pending = _InFlight(step, tmp, future, state_bytes(state))
         if _rank() == 0:
             pending.publisher = threading.Thread(target=self._publish, args=(pending, meta), daemon=True,
                                                  name=f"pentatron-publish-step{step}")

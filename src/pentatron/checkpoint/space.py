@@ -1,5 +1,6 @@
 """Will the checkpoints fit? The predicted size of one checkpoint, and the checkpoint directory's
-writability and free space, checked before any step (preflight) instead of at the first save.
+writability and free space, checked before any step (preflight) instead of at the first save; and when a
+save did not fit after all, its one-line message (`write_failure`).
 
 A checkpoint holds, per parameter, the model's copy (fp32, or bf16 with an fp32 master beside it) and
 AdamW's two fp32 moments; each rank writes its part, so the total does not depend on the layout (a
@@ -9,11 +10,16 @@ meta.json and the manifest are small.
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from pentatron.checkpoint.lineage import latest_name
 
 _MARGIN = 1.05  # metadata, a duplicated tied embedding, file-system blocks
 
@@ -71,3 +77,45 @@ def directory_problems(root: Path, keep: int, checkpoint_bytes: int, slots: int 
         problem = space_problem(root, keep, checkpoint_bytes, slots)
     return [problem] if problem else []
 
+
+def state_bytes(state: dict[str, Any]) -> int:
+    """This rank's bytes of a save's tensors (`state`: part → key → tensor)."""
+    return sum(t.numel() * t.element_size() for part in state.values() for t in part.values()
+               if isinstance(t, torch.Tensor))
+
+
+def write_failure(directory: Path, step: int, e: BaseException, rank_bytes: int) -> str:
+    """One line for a failed save of `step` into `directory`: the root cause found in DCP's per-rank
+    failures and exception chains, with the free space when the disk is (or looks) full."""
+    cause = _root_cause(e)
+    stays = latest_name(directory.parent) or ("unreadable" if (directory.parent / "latest").exists() else "none")
+    try:
+        free = shutil.disk_usage(directory if directory.exists() else directory.parent).free
+    except OSError:
+        free = None
+    err = getattr(cause, "errno", None)
+    if err == errno.ENOSPC or err == errno.EDQUOT or (free is not None and free < rank_bytes):
+        what = "quota exceeded" if err == errno.EDQUOT else "no space left"
+        have = f"{free / 2**20:,.0f} MiB free" if free is not None else "free space unknown"
+        why = f"{what}: {have}, this rank's part of the checkpoint needs ≈ {rank_bytes / 2**20:,.1f} MiB"
+    elif err in (errno.EACCES, errno.EPERM, errno.EROFS):
+        why = f"{os.strerror(err).lower()} (fix the directory's permissions or choose another checkpoint.dir)"
+    else:
+        why = f"{type(cause).__name__}: {cause}".splitlines()[0]
+    return f"checkpoint of step {step} not saved in {directory.parent} ({why}); latest stays {stays}"
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+    if isinstance(failures, dict) and failures:
+        e = sorted(failures.items())[0][1][0]
+    seen = set()
+    while id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        nxt = e.__cause__ or e.__context__
+        if nxt is None:
+            break
+        e = nxt
+    return e

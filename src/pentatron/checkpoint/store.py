@@ -24,10 +24,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from pentatron.checkpoint import manifest
-from pentatron.checkpoint.errors import CheckpointError, CheckpointWriteError, write_failure
+from pentatron.checkpoint.errors import CheckpointError, CheckpointWriteError
 from pentatron.checkpoint.lineage import continued_run_id, new_run_id, prune, remove_stale_partials
 from pentatron.checkpoint.reshard import write_pieces
 from pentatron.checkpoint.safe_metadata import SafeReader
+from pentatron.checkpoint.space import state_bytes, write_failure
 
 
 def _rank() -> int:
@@ -112,9 +113,7 @@ class CheckpointStore:
             return e
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        nbytes = sum(t.numel() * t.element_size() for part in state.values() for t in part.values()
-                     if hasattr(t, "element_size"))
-        return CheckpointWriteError(write_failure(tmp, step, e, nbytes))
+        return CheckpointWriteError(write_failure(tmp, step, e, state_bytes(state)))
 
     def prepare(self, step: int, pieces: dict[str, Any] | None) -> Path:
         """Every rank: the empty `.tmp` directory of a save (rank 0 creates it), with this rank's pieces."""
