@@ -32,21 +32,15 @@ class CheckpointError(ValueError):
     """A checkpoint or tokenizer that cannot be used (exit code 2)."""
 
 
-def checkpoint_step_dir(path: Path) -> Path:
-    """A step directory, or a checkpoint directory whose `latest` names one (not verified)."""
-    from pentatron.checkpoint.verified import step_dir_of
-
-    return step_dir_of(path)
-
-
 def load_model(path: Path) -> tuple[torch.nn.Module, ModelConfig, Path]:
     """The trained model (fp32, CPU, eval mode), its config and the step directory it came from."""
     import torch.distributed.checkpoint as dcp
 
     from pentatron.checkpoint.safe_metadata import SafeReader, read_metadata
+    from pentatron.checkpoint.verified import step_dir_of
     from pentatron.models.llama import build_model
 
-    step_dir = checkpoint_step_dir(path)
+    step_dir = step_dir_of(path)
     meta = json.loads((step_dir / "meta.json").read_text())
     model_cfg = ModelConfig.from_dict(meta["model"])
     model = build_model(model_cfg, device="cpu", dtype=torch.float32, init=False)  # every tensor is loaded
