@@ -28,10 +28,10 @@ demo: $(STAMP)
 	$(PY) -m pentatron.cli demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests research/tests
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks research
 
 clean:
 	rm -rf runs .cache

@@ -112,7 +112,7 @@ def test_pipeline_engine_holds_inputs_and_outputs_of_micro_batches_in_flight():
 def test_torch_pipelining_keeps_a_receive_buffer_per_micro_batch():
     """torch.distributed.pipelining allocates an activation buffer per micro-batch on every non-first
     stage and a gradient buffer per micro-batch on every non-last stage, and keeps them
-    (benchmarks/torch_pp_memory.py measures it); ours holds the next activation and gradient only."""
+    (research/torch_pp_memory.py measures it); ours holds the next activation and gradient only."""
     from pentatron.plan.memory import pipeline_receive_bytes
 
     w = Workload(CFG, 2048, 64)

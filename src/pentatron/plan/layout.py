@@ -104,7 +104,7 @@ class Layout:
     # Pipeline receive buffers: "per_message" (ours, Megatron: one allocated per receive, held while it is
     # needed) or "per_microbatch" (torch.distributed.pipelining, torchtitan: an activation buffer per
     # micro-batch on every non-first stage and a gradient buffer per micro-batch on every non-last stage,
-    # allocated at the first step and kept; measured: benchmarks/torch_pp_memory.py)
+    # allocated at the first step and kept; measured: research/torch_pp_memory.py)
     pp_buffers: str = "per_message"
     # Under SP, each all-gather pipelined with the column-parallel GEMM it feeds and each reduce-scatter
     # with the row-parallel GEMM it follows, forward and backward (Transformer Engine's userbuffers:

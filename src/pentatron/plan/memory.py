@@ -440,7 +440,7 @@ def optimizer_step_bytes(lay: Layout, rp: RankParams, prec: StatePrecision, dpcp
     rank's shard into one input and each rank's shards into an output of their own, and torch's
     ProcessGroupNCCL::allgather gathers same-sized outputs into a flat buffer it allocates and copies out
     of: 2 + 1/dp copies of the parameters. Checked against the step's logged live peak by
-    benchmarks/nanotron_replay.py. In place (ours, Megatron): nothing."""
+    research/nanotron_replay.py. In place (ours, Megatron): nothing."""
     if lay.zero != 1 or lay.zero1_gather != "copies" or dpcp == 1:
         return 0.0
     expert_dp = max(1, dpcp // lay.ep)

@@ -3,8 +3,8 @@ each cell: 1,763 nanotron runs that trained (1B to 405B models on 1 to 64 nodes 
 TP x PP x ZeRO x micro-batch the sweep tried), each with its tokens/s/GPU and rank 0's peak reserved
 memory, and 1,917 that ran out of memory.
 
-    python benchmarks/playbook_sweep.py            # about 10 s
-    python benchmarks/playbook_sweep.py --worst 15 # and the rows furthest off
+    python research/playbook_sweep.py            # about 10 s
+    python research/playbook_sweep.py --worst 15 # and the rows furthest off
 
 `playbook_sweep.csv` is derived from nanotron's benchmark CSV as published in eyao600/Rapid-LLM at
 9a8d0a1 (`validation_scripts/huggingface_data/bench_final2_mod_add.csv`): its successful and OOM jobs,
@@ -30,12 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tomllib
-from planner_accuracy import DEFAULT_FILE, Result, build_model, evaluate, percentile, row_from_dict
 
-from pentatron.models.config import ModelConfig
-from pentatron.plan.flops import layer_params
-from pentatron.plan.memory import optimizer_step_bytes, rank_params, state_precision
-from pentatron.plan.search import memory_budget
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the product's planner_accuracy
+from planner_accuracy import DEFAULT_FILE, Result, build_model, evaluate, percentile, row_from_dict  # noqa: E402
+
+from pentatron.models.config import ModelConfig  # noqa: E402
+from pentatron.plan.flops import layer_params  # noqa: E402
+from pentatron.plan.memory import optimizer_step_bytes, rank_params, state_precision  # noqa: E402
+from pentatron.plan.search import memory_budget  # noqa: E402
 
 DATA = Path(__file__).with_name("playbook_sweep.csv")
 PLAYBOOK_BATCH = 256  # sequences of 4,096 tokens: the playbook's 1M-token global batch

@@ -1,24 +1,16 @@
-"""benchmarks/caching_allocator.py against PyTorch's caching-allocator rules, case by case by hand."""
+"""research/caching_allocator.py against PyTorch's caching-allocator rules, case by case by hand."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
+import caching_allocator
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def ca():
-    spec = importlib.util.spec_from_file_location("caching_allocator", BENCHMARKS / "caching_allocator.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["caching_allocator"] = module
-    spec.loader.exec_module(module)
-    return module
+    return caching_allocator
 
 
 def test_rounding_and_segment_sizes(ca):

@@ -8,7 +8,7 @@ planner is furthest from or has to tell apart:
 * `405b`: Table 5's 1F1B row (82.5 GiB; planner -15.6 %), stage 0: 15 layers, 8 micro-batches of 4 x 8,192.
 * `405b-interleaved`: Table 5's interleaved row (72.7 GiB), rank 0's stages 0 (7 layers) and 8 (8 layers).
   The planner counts both chunks' fp32 gradients at the activation peak; FSDP2 makes a chunk's at its first
-  backward (measured at toy size by benchmarks/torch_pp_memory.py), so the allocated peak may lie ~8 GiB
+  backward (measured at toy size by research/torch_pp_memory.py), so the allocated peak may lie ~8 GiB
   lower, and the reserved one anywhere between.
 * `405b-cp1`: Table 6's CP 1 row (75.3 GiB), stage 0 with 8 micro-batches of 1 x 32,768: the same tensor
   bytes as `405b`, published 7.2 GiB lower. Does the allocator alone tell the two shapes apart?
@@ -28,9 +28,9 @@ torch.compile, the real TP collectives, and the optimizer (Adam's and the master
 allocations the planner counts exactly; at FSDP 1 here the fp32 parameters are the whole stage, reported
 apart).
 
-    python benchmarks/gpu_stage_memory.py                 # on a GPU: the three 405B patterns, both allocator modes
-    PYTHONPATH=src python3 benchmarks/gpu_stage_memory.py # the same where the project is not installed
-    python benchmarks/gpu_stage_memory.py --shape toy     # anywhere (CPU: no allocator statistics)
+    python research/gpu_stage_memory.py                 # on a GPU: the three 405B patterns, both allocator modes
+    PYTHONPATH=src python3 research/gpu_stage_memory.py # the same where the project is not installed
+    python research/gpu_stage_memory.py --shape toy     # anywhere (CPU: no allocator statistics)
 """
 
 from __future__ import annotations

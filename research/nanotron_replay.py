@@ -2,9 +2,9 @@
 read from its code, run through PyTorch's caching allocator (caching_allocator.py), against the two
 memory figures the sweep's jobs logged and against the planner.
 
-    python benchmarks/nanotron_replay.py                 # about 70 s
-    python benchmarks/nanotron_replay.py --jobs          # and every job
-    python benchmarks/nanotron_replay.py --capacity 74   # on a device that lets the allocator have 74 GiB
+    python research/nanotron_replay.py                 # about 70 s
+    python research/nanotron_replay.py --jobs          # and every job
+    python research/nanotron_replay.py --capacity 74   # on a device that lets the allocator have 74 GiB
 
 The planner predicts live tensors plus a margin; a job logs `torch.cuda.max_memory_reserved()` (`Mem Res`,
 what the playbook plots), which also holds what the allocator cached and could not reuse, and
@@ -67,15 +67,18 @@ import re
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import tomllib
 from caching_allocator import CachingAllocator
-from planner_accuracy import DEFAULT_FILE
-from playbook_sweep import Job, error_stats, first_batch, load_jobs
 
-from pentatron.models.config import ModelConfig
-from pentatron.plan.hardware import get_gpu
-from pentatron.plan.memory import RUNTIME_RESERVED
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the product's planner_accuracy
+from planner_accuracy import DEFAULT_FILE  # noqa: E402
+from playbook_sweep import Job, error_stats, first_batch, load_jobs  # noqa: E402
+
+from pentatron.models.config import ModelConfig  # noqa: E402
+from pentatron.plan.hardware import get_gpu  # noqa: E402
+from pentatron.plan.memory import RUNTIME_RESERVED  # noqa: E402
 
 GiB = 1 << 30
 DEVICE = get_gpu("h100").hbm_bytes - RUNTIME_RESERVED  # the H100 less the CUDA context, as the planner takes it

@@ -16,7 +16,7 @@ The rules are c10/cuda/CUDACachingAllocator.cpp's (torch 2.1 .. 2.6, unchanged i
 `reset_peak_stats` is torch.cuda.reset_peak_memory_stats: the peaks restart from the current figures (the
 high-water marks keep the run's highest). Not modelled: streams (a block freed while another stream still
 uses it waits for that stream's event), expandable segments and the allocator options;
-benchmarks/nanotron_replay.py says what that leaves out.
+nanotron_replay.py says what that leaves out.
 """
 
 from __future__ import annotations

@@ -1,34 +1,23 @@
-"""benchmarks/nanotron_replay.py: the op-by-op allocation sequence of nanotron's step, and the planner's
+"""research/nanotron_replay.py: the op-by-op allocation sequence of nanotron's step, and the planner's
 per-tensor arithmetic for the same recipe (published_runs.toml's playbook source), are two readings of
 the same code: their live peaks agree. Also: nothing a step allocates outlives it but the model states,
 and the sweep's recipe follows each job's ZeRO stage and batch."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
+import nanotron_replay
+import playbook_sweep
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+RESEARCH = Path(__file__).resolve().parents[1]
+BENCHMARKS = RESEARCH.parent / "benchmarks"  # published_runs.toml: the product's accuracy data
 
 
 @pytest.fixture(scope="module")
 def modules():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield _load("playbook_sweep"), _load("nanotron_replay")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return playbook_sweep, nanotron_replay
 
 
 # 1B tp1 ZeRO-1 dp16; 1B tp4 ZeRO-0 dp32 (the first batch: gathered inputs kept; DDP); 3B tp2 ZeRO-1;
@@ -38,7 +27,7 @@ JOBS = {"14113489", "13502220", "14113499", "14113516", "14098634"}
 
 def _sweep_jobs(sweep, directory: Path, ids: set[str]):
     """The sweep's jobs that trained with these SLURM ids, loaded as playbook_sweep loads them all."""
-    lines = (BENCHMARKS / "playbook_sweep.csv").read_text().splitlines()
+    lines = (RESEARCH / "playbook_sweep.csv").read_text().splitlines()
     picked = [ln for ln in lines[1:] if ln.split(",")[0] in ids and ",Success," in ln]
     path = directory / "few.csv"
     path.write_text("\n".join([lines[0], *picked]) + "\n")

@@ -6,7 +6,7 @@ checkpointed. This builds that stack at toy size on gloo (dp x pp processes): ea
 Llama decoder blocks, each block in torch's checkpoint_wrapper and `fully_shard`-ed (bf16 parameters,
 fp32 reduce, reshard_after_forward=False), Schedule1F1B or ScheduleInterleaved1F1B with as many
 micro-batches as pipeline ranks (torchtitan's default, m = pp), AdamW. It trains three steps
-and follows every storage the process's ops create (benchmarks/live_tensors.py); each rank's peak is
+and follows every storage the process's ops create (live_tensors.py); each rank's peak is
 its parameter shards (there before the first step) plus the most that was live at once.
 
 The planner evaluates the same workload as it evaluates those rows (zero 1: gathered bf16 parameters,
@@ -16,8 +16,8 @@ live tensors (no CUDA context, no fragmentation margin) to the measured peak. A 
 pipeline: torchtitan's FSDP recipe of its 8B rows (each block but the last resharded after its forward,
 the root too; gradients set to None after each step), against the planner's zero 3 with an fp32 shard.
 
-    python benchmarks/torch_pp_memory.py            # five layouts, about 2 minutes on 2 cores
-    python benchmarks/torch_pp_memory.py --detail   # and what was live at the busiest rank's peak
+    python research/torch_pp_memory.py            # five layouts, about 2 minutes on 2 cores
+    python research/torch_pp_memory.py --detail   # and what was live at the busiest rank's peak
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the product's ranks.py
 from live_tensors import LiveTensors  # noqa: E402
 from ranks import run_on_ranks  # noqa: E402
 

@@ -1,21 +1,11 @@
-"""benchmarks/live_tensors.py, which measures torch's pipeline stack for the planner (torch_pp_memory.py):
+"""research/live_tensors.py, which measures torch's pipeline stack for the planner (torch_pp_memory.py):
 it counts the storages ops create until they are garbage, follows FSDP2's in-place resize_, and records
 what was live at the peak. Hand-counted bytes."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
+import live_tensors
 import torch
-
-_spec = importlib.util.spec_from_file_location(
-    "live_tensors", Path(__file__).resolve().parents[2] / "benchmarks" / "live_tensors.py")
-assert _spec is not None and _spec.loader is not None
-live_tensors = importlib.util.module_from_spec(_spec)
-sys.modules["live_tensors"] = live_tensors
-_spec.loader.exec_module(live_tensors)
 
 
 def test_peak_counts_what_was_live_at_once_and_frees_what_is_gone():

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_stage_memory.py, the prepared GPU check of the 405B pipeline rows' memory, runs end to
+"""research/gpu_stage_memory.py, the prepared GPU check of the 405B pipeline rows' memory, runs end to
 end at toy size on a CPU (real FSDP2 on a 1-rank gloo mesh, rank 0's schedule for 1F1B and for
 interleaved stages), so that a session lent a GPU only has to run it; and its planner side accounts for
 the run's own state."""
@@ -10,9 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gpu_stage_memory as g
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_stage_memory.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "gpu_stage_memory.py"
 
 
 @pytest.mark.parametrize("shape", ["toy", "toy-interleaved"])
@@ -27,11 +28,6 @@ def test_toy_rank_trains_and_reports_its_parameters(shape):
 
 
 def _planner(name: str, fp32_params: int) -> dict:
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import gpu_stage_memory as g
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
     return g.planner_live_bytes(g.SHAPES[name], fp32_params)
 
 

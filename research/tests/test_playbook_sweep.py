@@ -1,29 +1,20 @@
-"""benchmarks/playbook_sweep.py: nanotron's pipeline split as its build_model places blocks (hand-counted
+"""research/playbook_sweep.py: nanotron's pipeline split as its build_model places blocks (hand-counted
 against the rank-0 parameters its jobs recorded), and the sweep's data loading and evaluation on a few
 of its own rows."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
+import playbook_sweep
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+RESEARCH = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def sweep():
-    sys.path.insert(0, str(BENCHMARKS))  # playbook_sweep imports planner_accuracy as a sibling
-    try:
-        spec = importlib.util.spec_from_file_location("playbook_sweep", BENCHMARKS / "playbook_sweep.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["playbook_sweep"] = module
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return playbook_sweep
 
 
 def _llama(layers: int, h: int, f: int, vocab: int = 131072):
@@ -50,7 +41,7 @@ def test_nanotron_split_by_cumulative_cost(sweep):
 
 
 def test_sweep_rows_load_evaluate_and_pick(sweep, tmp_path):
-    lines = (BENCHMARKS / "playbook_sweep.csv").read_text().splitlines()
+    lines = (RESEARCH / "playbook_sweep.csv").read_text().splitlines()
     header = lines[0]
     ids = {"14113488", "13436292", "14098541"}  # 1B on one node: dp8 mb2, dp8 mb1, dp4 pp2 mb4
     picked = [ln for ln in lines[1:] if ln.split(",")[0] in ids]

@@ -14,7 +14,7 @@ assets/data/benchmarks/pp_comm_bandwidth.html of the playbook space, median of e
 per node). All-reduce is left out: NCCL switches it between ring and tree, so it is not one ring (the same
 figure's all-reduce serves as a ceiling instead: `allreduce_busbw_by_nodes` in published_runs.toml).
 
-    python benchmarks/fit_ring_alpha_beta.py
+    python research/fit_ring_alpha_beta.py
 """
 
 from __future__ import annotations
