@@ -18,7 +18,7 @@ Parts (each one reports on its own; a failing part does not stop the others):
                 on CPU the calls that would sync on CUDA (item, tolist, float(t), cpu(), ...), counted
 
 With --toy, or when no CUDA device is present, every part runs at toy size on CPU; parts without a CPU
-analogue would say "skipped: no CUDA" (today every part has one).
+analogue would say "skipped: no CUDA" (every part has one at present).
 """
 
 from __future__ import annotations

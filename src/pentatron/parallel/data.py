@@ -62,8 +62,8 @@ class DataParallelBase:
             placements.setdefault(n, Placement(n, tuple(p.shape)))
         self.placements = placements
         self.place: dict[nn.Parameter, Placement] = {p: placements[n] for p, n in self.names.items()}
-        # The group gradients are averaged over (and ZeRO shards over) comes from the placements: "dp"
-        # today, the flattened "dp_cp" group once context parallelism shares the reduction.
+        # The group gradients are averaged over (and ZeRO shards over) comes from the placements: "dp",
+        # or the flattened "dp_cp" group when context parallelism shares the reduction.
         groups = {pl.grad_dims for pl in self.place.values()} or {("dp",)}
         if len(groups) > 1:
             raise NotImplementedError(f"one data-parallel engine reduces over one group; got {sorted(groups)}")

@@ -1,7 +1,7 @@
 """The data-parallel step's synchronisations as its ranks meet them, for `pentatron bench` on a CPU
 (`dp_step` in the profile).
 
-Timed inside the trainer on this 2-vCPU machine (dp2 debug model, 40 steps, quiet, BENCHMARKS.md): the
+Timed inside the trainer on a 2-vCPU VM (dp2 debug model, 40 steps, quiet; docs/benchmark-history.md): the
 gradient all-reduce of 4.4 MiB that ends the backward took 4.9-6.4 ms (median over steps; the wait
 for the other rank included), where the profile's curve, timed after 0.5 ms of compute and the
 fastest of three windows, read 2.9 ms at that size. A standalone pair of gloo ranks gave 3.7-4.5 ms
@@ -14,7 +14,7 @@ issues it:
   not the fastest: a step pays one of these, the typical one;
 * `scalar_s`: the median seconds of a one-number all-reduce issued right after it, when the ranks are
   already together: what each of the trainer's per-step scalars costs (the loss's mean over data
-  parallelism, the gradient norm's sum, the pipeline's statistics), ~0.2-0.4 ms on this machine
+  parallelism, the gradient norm's sum, the pipeline's statistics), ~0.2-0.4 ms on that VM
   where the curve's in-step point reads ~0.8 ms (that one includes arriving apart).
 
 All ranks compute at once, so the figures already include the ranks sharing the node's cores.

@@ -1,6 +1,6 @@
 """The tensor-parallel step as its ranks run it, for `pentatron bench` on a CPU (`tp_step` in the profile).
 
-Measured on a 2-rank tp2 debug-model step (BENCHMARKS.md): its 42 gloo all-reduces averaged 1.3-1.4 ms
+Measured on a 2-rank tp2 debug-model step (docs/benchmark-history.md): its 42 gloo all-reduces averaged 1.3-1.4 ms
 per call (median 0.7: the ranks arrive at each one apart), while a collective timed in a loop, even
 after a block of compute, read 0.4-1.2 ms at the same size; and the rest of a micro-batch took about
 what the 1-process one takes although TP halves the arithmetic: the TP wrappers (the f/g autograd
