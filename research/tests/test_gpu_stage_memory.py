@@ -16,11 +16,23 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "gpu_stage_memory.py"
 
 
-@pytest.mark.parametrize("shape", ["toy", "toy-interleaved"])
-def test_toy_rank_trains_and_reports_its_parameters(shape):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--shape", shape, "--one"], capture_output=True,
-                          text=True, timeout=300, check=True)
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+TOY = ("toy", "toy-interleaved")
+
+
+@pytest.fixture(scope="module")
+def toy_runs() -> dict[str, dict]:
+    """Both toy patterns in one fresh process, as `--one` runs each (one interpreter and torch start-up for
+    the two; each measure() opens and destroys its own 1-rank gloo group)."""
+    code = ("import json, sys, torch; sys.path.insert(0, sys.argv[1]); import gpu_stage_memory as g; "
+            "print(json.dumps({s: g.measure(g.SHAPES[s], torch.device('cpu')) for s in sys.argv[2:]}))")
+    done = subprocess.run([sys.executable, "-c", code, str(SCRIPT.parent), *TOY], capture_output=True, text=True,
+                          timeout=300, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("shape", TOY)
+def test_toy_rank_trains_and_reports_its_parameters(toy_runs, shape):
+    out = toy_runs[shape]
     # per layer: 2 norms (2 x 256) + wq 256x64 + wk, wv 256x16 + wo 64x256 + w1, w3 256x128 + w2 128x256
     per_layer = 512 + 16384 + 2 * 4096 + 16384 + 3 * 32768
     assert out["fp32_params_bytes"] == 4 * (3 * per_layer + 64 * 256)  # + the embedding's 64 rows
