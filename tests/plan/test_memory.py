@@ -6,13 +6,12 @@ import pytest
 
 from pentatron.models.registry import get_model_config
 from pentatron.plan.flops import total_params
-from pentatron.plan.hardware import GiB, get_gpu
+from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.memory import (
     PLAYBOOK_16,
     PLAYBOOK_20,
     STATE_PRECISIONS,
-    korthikanti_layer_activation_bytes,
     llama_layer_activation_bytes,
     memory_for_rank,
     memory_per_gpu,
@@ -41,24 +40,6 @@ def test_zero_stage_formulas(nd):
               2: 2 * psi + (2 * psi + k * psi) / nd, 3: (2 * psi + 2 * psi + k * psi) / nd}
     for stage, v in expect.items():
         assert model_state_bytes(psi, PLAYBOOK_16, stage, nd).total == pytest.approx(v)
-
-
-def test_playbook_activation_figures():
-    # 8B-like: L=32, h=4096, a=32, s=1024, b=1 -> 9.25 / 4.25 / 0.25 GiB (mixed precision, GPT layer)
-    per = {rc: 32 * korthikanti_layer_activation_bytes(1024, 1, 4096, 32, recompute=rc) / GiB
-           for rc in ("none", "selective", "full")}
-    assert per == {"none": 9.25, "selective": 4.25, "full": 0.25}
-
-
-@pytest.mark.parametrize("t", [2, 4, 8])
-def test_tp_and_sp_activation_formulas(t):
-    s, b, h, a = 4096, 1, 8192, 64
-    sbh = s * b * h
-    assert korthikanti_layer_activation_bytes(s, b, h, a, tp=t) == pytest.approx(
-        sbh * (10 + 24 / t + 5 * a * s / (h * t)))
-    assert korthikanti_layer_activation_bytes(s, b, h, a, tp=t, sp=True) == pytest.approx(
-        sbh / t * (34 + 5 * a * s / h))
-    assert korthikanti_layer_activation_bytes(s, b, h, a, tp=t, sp=True, recompute="full") == 2 * sbh / t
 
 
 def test_llama_activation_terms_shard_with_tp_and_sp():

@@ -1,12 +1,10 @@
 """Memory per GPU: model states (parameters, gradients, master weights, optimizer) under ZeRO, and
 activations under TP/SP/CP/PP/recompute, with the in-flight micro-batch count taken from the schedule.
 
-Two activation models:
-* `llama_layer_activation_bytes`: what *our* `models/llama.py` keeps for backward, tensor by tensor
-  (checked exactly against the real model on the meta device by `plan --verify`).
-* `korthikanti_layer_activation_bytes`: the GPT-style formula of Korthikanti et al. 2022 that the
-  Ultra-Scale Playbook uses (34 sbh + 5 a s^2 b, 16-bit activations, dropout, 4h GELU MLP, attention
-  scores materialised). Kept as the reference that reproduces the playbook's published figures.
+Activations: `llama_layer_activation_bytes`, what *our* `models/llama.py` keeps for backward, tensor by
+tensor (checked exactly against the real model on the meta device by `plan --verify`). The GPT-style
+formula of Korthikanti et al. 2022 that the Ultra-Scale Playbook uses is a reference study in
+research/korthikanti_activation.py.
 """
 
 from __future__ import annotations
@@ -96,21 +94,6 @@ def model_state_bytes(n_params: float, prec: StatePrecision, zero: int = 0, dp: 
 
 
 # ---------------------------------------------------------------- activations
-def korthikanti_layer_activation_bytes(s: int, b: int, h: int, a: int, *, tp: int = 1, sp: bool = False,
-                                       recompute: str = "none") -> float:
-    """Activation bytes of one GPT layer (Korthikanti et al. 2022, eqs. 1-4; playbook "activation
-    memory"): no TP  sbh(34 + 5as/h); TP  sbh(10 + 24/t + 5as/(ht)); TP+SP  sbh/t (34 + 5as/h).
-    selective recompute drops the 5as/h attention-score term; full keeps only the layer input (2sbh,
-    /t with SP)."""
-    sbh = s * b * h
-    if recompute == "full":
-        return 2 * sbh / (tp if sp else 1)
-    score = 0.0 if recompute == "selective" else 5 * a * s / h
-    if tp == 1 or sp:
-        return sbh * (34 + score) / tp
-    return sbh * (10 + 24 / tp + score / tp)
-
-
 def act_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
