@@ -6,9 +6,9 @@ prediction without `node_slowdown` (as if each rank had its cores to itself); th
 also without the in-step CPU terms (elementwise ops at the hot copy curve, attention at the
 default efficiency, the optimizer as memory traffic, the LM head's GEMMs at the square curve, the
 pipeline hop at the ping-pong): what the profile predicted before those were
-measured; "(no TP step)", "(no DP step)" and "(no PP step)" leave out bench_tp's tensor-parallel step,
-bench_dp's in-step gradient and scalar collectives (with the tied gradients' measured exchange) and
-bench_pp's in-step pipeline hop (the ping-pong curve prices it instead). Under the table,
+measured; "(no TP step)", "(no DP step)" and "(no PP step)" leave out tp_step's tensor-parallel step,
+dp_step's in-step gradient and scalar collectives (with the tied gradients' measured exchange) and
+pp_step's in-step pipeline hop (the ping-pong curve prices it instead). Under the table,
 each prediction's parts: per micro-batch forward / backward (+ weight
 gradients) on the busiest stage, exposed data-parallel communication, optimizer, overlapped
 communication charged as contention (all of it on a CPU: the cores that compute also communicate).
@@ -116,8 +116,8 @@ def _bench(out: str) -> None:
 def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[float, ...]]:
     """One profile, the four runs; prints the table; returns run -> (predicted, median, fastest,
     predicted without the TP step) s, predicted / measured peak tensor memory, and the predictions
-    without the DP step (bench_dp's in-step gradient and scalar collectives, the measured exchange) and
-    without the PP step (bench_pp's in-step hop)."""
+    without the DP step (dp_step's in-step gradient and scalar collectives, the measured exchange) and
+    without the PP step (pp_step's in-step hop)."""
     gpu = load_hardware_toml(profile)
     w = Workload(get_model_config("debug"), SEQ, GLOBAL)
     print(f"profile: {gpu.name} ({gpu.source}); fp32 matmul {gpu.flops('fp32') / 1e9:.1f} GFLOP/s, "
@@ -172,13 +172,13 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
                      f"{1e3 * st.scalars:.2f} ms")
     print(f"load after: {os.getloadavg()[0]:.2f}")
     if gpu.tp_collective:
-        print(f"tp step (bench_tp): host per TP layer fwd {1e6 * gpu.host_tp_layer_s[0]:.0f} / bwd "
+        print(f"tp step (tp_step): host per TP layer fwd {1e6 * gpu.host_tp_layer_s[0]:.0f} / bwd "
               f"{1e6 * gpu.host_tp_layer_s[1]:.0f} us (plain layer {1e6 * gpu.host_layer_s[0]:.0f} / "
               f"{1e6 * gpu.host_layer_s[1]:.0f}), ends {1e6 * gpu.host_tp_ends_s[0]:.0f} / "
               f"{1e6 * gpu.host_tp_ends_s[1]:.0f} us, tp all-reduce in step "
               + ", ".join(f"{1e6 * t:.0f} us at {b / 1024:g} KiB" for b, t in gpu.tp_collective))
     if gpu.dp_collective:
-        print("dp step (bench_dp): gradient all-reduce in step "
+        print("dp step (dp_step): gradient all-reduce in step "
               + ", ".join(f"{1e3 * t:.2f} ms at {b / 2**20:g} MiB" for b, t in gpu.dp_collective)
               + f"; a scalar all-reduce {1e3 * gpu.scalar_collective_s:.2f} ms; tied-gradient exchange "
               + ("measured" if "exchange" in gpu.measured_busbw else "not measured"))

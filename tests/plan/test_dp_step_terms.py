@@ -1,4 +1,4 @@
-"""The data-parallel step's synchronisations (plan/bench_dp.py, issue 10 item 5): the per-step gradient
+"""The data-parallel step's synchronisations (calibrate/dp_step.py, issue 10 item 5): the per-step gradient
 collectives at the in-step time bench measured after a backward's compute, the trainer's one-number
 collectives per step (which training's ledger records byte for byte, tests/observe/test_report.py), and
 the tied embedding's gradient swapped both ways at once. Hand-computed on the debug model (1,115,264

@@ -117,7 +117,7 @@ def test_gemm_small_k_efficiency(dtype, a, k0, sweep):
 def test_gpu_bench_profile_reproduces_its_own_gemm():
     """A GPU bench profile keeps the datasheet peak and sets matmul_efficiency so that the planner's GEMM
     at bench's shape runs at the measured rate (the shape's waves and small-k loss are not charged twice)."""
-    from pentatron.plan.bench import GPU_GEMM_N, BenchResult, profile_dict
+    from pentatron.calibrate.bench import GPU_GEMM_N, BenchResult, profile_dict
     from pentatron.plan.hardware import hardware_from_dict
     from pentatron.plan.timing import KERNEL_OVERHEAD, gemm_time
     measured = 700e12

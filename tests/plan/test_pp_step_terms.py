@@ -1,4 +1,4 @@
-"""The pipeline's hop between stages as a step meets it (plan/bench_pp.py, issue 10 item 5): on a CPU
+"""The pipeline's hop between stages as a step meets it (calibrate/pp_step.py, issue 10 item 5): on a CPU
 profile that measured it, a pipeline send inside the node costs bench's in-step swap time by message
 bytes instead of the ping-pong curve's one-way time. Hand-computed on the debug model (hidden 128, fp32:
 a micro-batch of 64 tokens sends 32,768 B)."""

@@ -1,4 +1,4 @@
-"""The tensor-parallel step terms of a `pentatron bench` CPU profile (plan/bench_tp.py, issue 10 item 5):
+"""The tensor-parallel step terms of a `pentatron bench` CPU profile (calibrate/tp_step.py, issue 10 item 5):
 host work per TP layer and per vocab-parallel ends, and each tp collective at the in-step all-reduce
 time bench measured by size (log-linear between sizes, the curve's increment beyond the largest).
 Hand-computed on the debug model at seq 64, micro-batch 4, fp32: one activation is 256 tokens x 128 x

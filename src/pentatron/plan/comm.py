@@ -106,15 +106,15 @@ def collective_time(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
 
 def dp_in_step_time(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
     """A per-step gradient collective (or the parameters' all-gather after the optimizer) as the step
-    meets it, after a backward's compute (CPU bench profiles, bench_dp.py); elsewhere the curve."""
+    meets it, after a backward's compute (CPU bench profiles, calibrate/dp_step.py); elsewhere the curve."""
     if not gpu.dp_collective or g.crosses_nodes or g.size <= 1 or payload <= 0:
         return collective_time(gpu, op, payload, g)
     return in_step_time(gpu.dp_collective, gpu, op, payload, g)
 
 
 def in_step_time(pts: tuple[tuple[float, float], ...], gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
-    """A collective as a step experiences it (CPU bench profiles: tp collectives from bench_tp.py, the
-    per-step gradient collectives from bench_dp.py): bench's in-step all-reduce seconds `pts` (by bytes)
+    """A collective as a step experiences it (CPU bench profiles: tp collectives from calibrate/tp_step.py, the
+    per-step gradient collectives from calibrate/dp_step.py): bench's in-step all-reduce seconds `pts` (by bytes)
     read for `op` at the same bytes on the wire (an all-gather or reduce-scatter of P sends what an
     all-reduce of P/2 does), log-linear between its sizes and the smallest's below them; beyond the
     largest, that plus what the measured curve adds from there."""
@@ -342,7 +342,7 @@ def pp_hop_time(w: Workload, lay: Layout, gpu: GPUSpec) -> float:
 
 
 def pp_in_step_hop(gpu: GPUSpec, nbytes: float) -> float:
-    """A pipeline hop inside the node as a step meets it (CPU bench profiles, bench_pp.py): the measured
+    """A pipeline hop inside the node as a step meets it (CPU bench profiles, calibrate/pp_step.py): the measured
     swap after a micro-batch's compute, log-linear between its sizes and the smallest's below them;
     beyond the largest, that plus what the ping-pong curve adds from there."""
     return measured_then_curve(gpu.pp_hop, nbytes, lambda b: p2p_time(gpu, b, False))

@@ -81,7 +81,7 @@ class GPUSpec:
     # Optional measured fp32 matmul FLOP/s by the FLOPs of one call (bench, CPU): small GEMMs run far
     # below the large-matrix rate; the per-call cost is included
     measured_matmul_fp32: tuple[tuple[float, float], ...] = ()
-    # Optional (bench, CPU; bench_cpu.measure_head_curve): an LM head's GEMMs, whose wide output off a
+    # Optional (bench, CPU; cpu_kernels.measure_head_curve): an LM head's GEMMs, whose wide output off a
     # narrow input runs below the square curve: (FLOPs of one call, forward, dX, dW FLOP/s) by FLOPs
     measured_head_fp32: tuple[tuple[float, float, float, float], ...] = ()
     # Optional measured host seconds per micro-batch outside the arithmetic (bench, CPU: eager op
@@ -90,7 +90,7 @@ class GPUSpec:
     host_layer_s: tuple[float, float] = (0.0, 0.0)
     host_ends_s: tuple[float, float] = (0.0, 0.0)
     host_optimizer_per_tensor_s: float = 0.0  # optimizer step (norm, clip, AdamW) per parameter tensor
-    # Optional CPU kernels measured as a step runs them (bench_cpu.py: operands out of the L2, outputs
+    # Optional CPU kernels measured as a step runs them (calibrate/cpu_kernels.py: operands out of the L2, outputs
     # kept alive): an out-of-place elementwise op's bytes/s by operand size (reads + write), causal
     # attention FLOP/s by (seq, head dim), and the optimizer step's seconds per parameter element.
     # Absent on GPUs: the paths above apply there.
@@ -101,7 +101,7 @@ class GPUSpec:
     # computes at once (cores sharing execution units, caches, memory bandwidth), by kind of work:
     # {"matmul", "stream", "host"} -> factor >= 1. GPUs compute independently: empty.
     node_slowdown: dict[str, float] = field(default_factory=dict)
-    # Optional (bench, CPU, >= 2 processes; bench_tp.py): the tensor-parallel step as its ranks run it,
+    # Optional (bench, CPU, >= 2 processes; calibrate/tp_step.py): the tensor-parallel step as its ranks run it,
     # measured with every process busy (so `sharing` leaves it alone): host seconds per TP decoder layer
     # and for the vocab-parallel ends (embedding, head, loss) outside the collectives, forward and
     # backward, replacing host_layer_s / host_ends_s when tp > 1; and the seconds of one tp all-reduce as
@@ -110,14 +110,14 @@ class GPUSpec:
     host_tp_layer_s: tuple[float, float] = (0.0, 0.0)
     host_tp_ends_s: tuple[float, float] = (0.0, 0.0)
     tp_collective: tuple[tuple[float, float], ...] = ()  # ((bytes, seconds), ...) by bytes
-    # Optional (bench, CPU, >= 2 processes; bench_dp.py): the data-parallel step's synchronisations as its
+    # Optional (bench, CPU, >= 2 processes; calibrate/dp_step.py): the data-parallel step's synchronisations as its
     # ranks meet them: the gradient all-reduce after a backward's compute by bytes (replacing the
     # measured curve for the per-step gradient collectives, comm.dp_in_step_time), and one scalar
     # all-reduce right after it (each of the trainer's per-step scalars, comm.scalar_time). Empty: not
     # measured.
     dp_collective: tuple[tuple[float, float], ...] = ()  # ((bytes, seconds), ...) by bytes
     scalar_collective_s: float = 0.0
-    # Optional (bench, CPU, an even number >= 2 of processes; bench_pp.py): the pipeline's hop between
+    # Optional (bench, CPU, an even number >= 2 of processes; calibrate/pp_step.py): the pipeline's hop between
     # two stages as a step meets it, both neighbours computing, then swapping a message: by message
     # bytes, replacing the ping-pong curve for pipeline sends (comm.pp_hop_time). Empty: not measured.
     pp_hop: tuple[tuple[float, float], ...] = ()  # ((bytes, seconds), ...) by bytes

@@ -7,7 +7,7 @@ on GPU), through the project's comm layer. Bus bandwidth follows nccl-tests: alg
 (payload / time) times 2(n-1)/n for all-reduce and (n-1)/n for all-gather and reduce-scatter, so it
 is comparable across group sizes and with link speeds. Only one machine is measured: inter-node
 figures stay those of the catalogue entry (or equal the intra-node ones on an unknown device).
-On a CPU the kernels are also measured as a training step runs them (`bench_cpu.py`), the collectives
+On a CPU the kernels are also measured as a training step runs them (`cpu_kernels.py`), the collectives
 after a block of compute, and how much the node's processes slow each other when all compute.
 """
 
@@ -26,11 +26,17 @@ from typing import Any
 
 import torch
 
-from pentatron.plan.bench_cpu import ATTN_HEAD_DIM, ATTN_SEQ, measure_cpu_kernels, reference_kernels, step_compute
-from pentatron.plan.bench_dp import measure_dp_step
-from pentatron.plan.bench_pp import measure_pp_step
-from pentatron.plan.bench_tp import HEAD_DIM as TP_HEAD_DIM
-from pentatron.plan.bench_tp import measure_tp_step, tiny_attention_shape
+from pentatron.calibrate.cpu_kernels import (
+    ATTN_HEAD_DIM,
+    ATTN_SEQ,
+    measure_cpu_kernels,
+    reference_kernels,
+    step_compute,
+)
+from pentatron.calibrate.dp_step import measure_dp_step
+from pentatron.calibrate.pp_step import measure_pp_step
+from pentatron.calibrate.tp_step import HEAD_DIM as TP_HEAD_DIM
+from pentatron.calibrate.tp_step import measure_tp_step, tiny_attention_shape
 from pentatron.plan.hardware import GB, GiB, detect_gpu
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -54,12 +60,12 @@ class BenchResult:
     matmul_curve: list[tuple[int, float]] = field(default_factory=list)  # [(FLOPs per call, FLOP/s)] fp32
     host_overhead: tuple[float, ...] = ()  # (layer fwd, layer bwd, ends fwd, ends bwd) seconds per micro-batch
     host_optimizer_per_tensor: float = 0.0  # seconds per parameter tensor of an optimizer step
-    # CPU kernels inside a step (bench_cpu): "stream_curve", "matmul_curve", "head_curve", "attention_grid",
+    # CPU kernels inside a step (cpu_kernels): "stream_curve", "matmul_curve", "head_curve", "attention_grid",
     # "optimizer_per_element", "reference" (alone) and "node_slowdown" (every process at once)
     cpu_kernels: dict[str, Any] = field(default_factory=dict)
-    # CPU, >= 2 processes: the tensor-parallel step over all of them (bench_tp.TPStep.to_profile), the
-    # data-parallel step's synchronisations (bench_dp.DPStep.to_profile) and, with an even count, the
-    # pipeline's hop between stages (bench_pp.PPStep.to_profile)
+    # CPU, >= 2 processes: the tensor-parallel step over all of them (tp_step.TPStep.to_profile), the
+    # data-parallel step's synchronisations (dp_step.DPStep.to_profile) and, with an even count, the
+    # pipeline's hop between stages (pp_step.PPStep.to_profile)
     tp_step: dict[str, float | int] = field(default_factory=dict)
     dp_step: dict[str, Any] = field(default_factory=dict)
     pp_step: dict[str, Any] = field(default_factory=dict)
@@ -165,7 +171,7 @@ def measure_host_overhead(device: torch.device, seconds: float) -> tuple[float, 
 
     (f2, b2), (f6, b6) = run(2), run(6)
     # the layer's attention kernel at this tiny shape is not host work: the planner charges attention
-    # at the run's shape from the attention grid (bench_cpu), so its tiny-shape cost comes off here
+    # at the run's shape from the attention grid (cpu_kernels), so its tiny-shape cost comes off here
     af, ab = _tiny_attention(device, seconds)
     lf, lb = max(0.0, (f6 - f2) / 4 - af), max(0.0, (b6 - b2) / 4 - ab)
     return lf, lb, max(0.0, f2 - 2 * (lf + af)), max(0.0, b2 - 2 * (lb + ab))
@@ -351,11 +357,11 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
                     results.setdefault("exchange", []).append((payload, payload / t))
             comm.ledger.begin_step()  # the ledger is per step: do not let it grow across sizes
         tp_step, dp_step, pp_step = {}, {}, {}
-        if device_type == "cpu":  # the data-parallel step's synchronisations (bench_dp)
+        if device_type == "cpu":  # the data-parallel step's synchronisations (dp_step)
             dp_step = measure_dp_step(comm, "dp", step_compute(device)).to_profile()
-        if device_type == "cpu" and world % 2 == 0:  # the pipeline's hop between stages (bench_pp)
+        if device_type == "cpu" and world % 2 == 0:  # the pipeline's hop between stages (pp_step)
             pp_step = measure_pp_step(comm, "dp", step_compute(device)).to_profile()
-        if device_type == "cpu":  # the real tensor-parallel layer over every process (bench_tp)
+        if device_type == "cpu":  # the real tensor-parallel layer over every process (tp_step)
             heads, kv, tokens = tiny_attention_shape()
             attn = _tiny_attention(device, seconds / 3, heads, kv, tokens, TP_HEAD_DIM)
             tp_ctx = ParallelContext.from_layout(ParallelLayout(tp=world), device)
