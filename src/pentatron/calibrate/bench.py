@@ -38,6 +38,7 @@ from pentatron.calibrate.pp_step import measure_pp_step
 from pentatron.calibrate.tp_step import HEAD_DIM as TP_HEAD_DIM
 from pentatron.calibrate.tp_step import measure_tp_step, tiny_attention_shape
 from pentatron.plan.hardware import GB, GiB, detect_gpu
+from pentatron.plan.profile import PROFILE_SCHEMA
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -432,64 +433,78 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
 
 
 def profile_dict(r: BenchResult) -> dict[str, Any]:
-    """The profile in `load_hardware_toml`'s layout (human units)."""
+    """The profile file's content (schema `plan.profile.PROFILE_SCHEMA`, human units): the datasheet part
+    under "hardware", the measured curves under "profile", where and when under "measured"."""
+    return {"schema": PROFILE_SCHEMA, "hardware": _hardware_table(r), "profile": _profile_table(r),
+            "measured": {"host": r.host, "when": r.when, "torch": r.torch_version, "device": r.device_name,
+                         "nproc": r.nproc, "backend": r.backend}}
+
+
+def _hardware_table(r: BenchResult) -> dict[str, Any]:
+    """The device as measured, in the keys of a `--hardware` file (plan/hardware.py)."""
     known = detect_gpu(r.device_name) if r.device == "cuda" else None
-    gpu: dict[str, Any] = {"name": f"bench-{known.name if known else r.device}",
-                           "source": f"pentatron bench on {r.host} ({r.device_name}), {r.when}"}
+    hw: dict[str, Any] = {"name": f"bench-{known.name if known else r.device}",
+                          "source": f"pentatron bench on {r.host} ({r.device_name}), {r.when}"}
     best_bus = max((b for pts in r.busbw.values() for _, b in pts), default=r.copy_bandwidth)
     if known is not None:
         # keep the datasheet peak (the MFU denominator); the measurement sets the achievable fraction, less
         # what the planner charges that square GEMM's shape itself (waves, small k), so that it predicts
         # the measured rate at that shape instead of charging the shape twice
-        gpu["base"] = known.name
+        hw["base"] = known.name
         shape = known.gemm_shape_efficiency(GPU_GEMM_N, GPU_GEMM_N, GPU_GEMM_N, 2)
-        gpu["matmul_efficiency"] = round(min(1.0, r.matmul_flops["bf16"] / (known.peak_flops["bf16"] * shape)), 4)
+        hw["matmul_efficiency"] = round(min(1.0, r.matmul_flops["bf16"] / (known.peak_flops["bf16"] * shape)), 4)
     else:
-        gpu["peak_tflops"] = {k: v / 1e12 for k, v in r.matmul_flops.items()}
-        gpu["matmul_efficiency"] = 1.0
-        gpu["sm_count"] = 1 if r.device == "cpu" else 132
-        gpu["inter_node_bandwidth_gb_s"] = best_bus / GB  # not measurable on one machine
-        gpu["collective_efficiency"] = 1.0
-    gpu["hbm_gib"] = r.memory_bytes / GiB
-    gpu["hbm_bandwidth_gb_s"] = r.copy_bandwidth / GB
-    gpu["gpus_per_node"] = max(1, r.nproc)
-    gpu["intra_node_bandwidth_gb_s"] = best_bus / GB
+        hw["peak_tflops"] = {k: v / 1e12 for k, v in r.matmul_flops.items()}
+        hw["matmul_efficiency"] = 1.0
+        hw["sm_count"] = 1 if r.device == "cpu" else 132
+        hw["inter_node_bandwidth_gb_s"] = best_bus / GB  # not measurable on one machine
+        hw["collective_efficiency"] = 1.0
+    hw["hbm_gib"] = r.memory_bytes / GiB
+    hw["hbm_bandwidth_gb_s"] = r.copy_bandwidth / GB
+    hw["gpus_per_node"] = max(1, r.nproc)
+    hw["intra_node_bandwidth_gb_s"] = best_bus / GB
+    return hw
+
+
+def _profile_table(r: BenchResult) -> dict[str, Any]:
+    """The measured curves, in the keys `plan.profile.profile_from_dict` reads."""
+    prof: dict[str, Any] = {}
     if r.host_overhead:
-        gpu["host_us"] = {k: round(v * 1e6, 2) for k, v in zip(("layer_fwd", "layer_bwd", "ends_fwd", "ends_bwd"),
-                                                                r.host_overhead, strict=True)}
-        gpu["host_us"]["optimizer_per_tensor"] = round(r.host_optimizer_per_tensor * 1e6, 2)
+        prof["host_us"] = {k: round(v * 1e6, 2) for k, v in zip(("layer_fwd", "layer_bwd", "ends_fwd", "ends_bwd"),
+                                                                 r.host_overhead, strict=True)}
+        prof["host_us"]["optimizer_per_tensor"] = round(r.host_optimizer_per_tensor * 1e6, 2)
     if r.tp_step:
-        gpu["tp_step"] = dict(r.tp_step)
+        prof["tp_step"] = dict(r.tp_step)
     if r.dp_step:
-        gpu["dp_step"] = dict(r.dp_step)
+        prof["dp_step"] = dict(r.dp_step)
     if r.pp_step:
-        gpu["pp_step"] = dict(r.pp_step)
+        prof["pp_step"] = dict(r.pp_step)
     if r.matmul_curve:
-        gpu["matmul_fp32"] = {"flops": [f for f, _ in r.matmul_curve], "gflop_s": [v / 1e9 for _, v in r.matmul_curve]}
+        prof["matmul_fp32"] = {"flops": [f for f, _ in r.matmul_curve],
+                               "gflop_s": [v / 1e9 for _, v in r.matmul_curve]}
     head = r.cpu_kernels.get("head_curve")
     if head:
-        gpu["lm_head_fp32"] = {"flops": [row[0] for row in head],
-                               **{f"{k}_gflop_s": [round(row[i] / 1e9, 3) for row in head]
-                                  for i, k in enumerate(("fwd", "dx", "dw"), start=1)}}
+        prof["lm_head_fp32"] = {"flops": [row[0] for row in head],
+                                **{f"{k}_gflop_s": [round(row[i] / 1e9, 3) for row in head]
+                                   for i, k in enumerate(("fwd", "dx", "dw"), start=1)}}
     ck = r.cpu_kernels
     if ck:
-        gpu["optimizer_ns_per_element"] = round(ck["optimizer_per_element"] * 1e9, 4)
+        prof["optimizer_ns_per_element"] = round(ck["optimizer_per_element"] * 1e9, 4)
         stream = ck["stream_curve"]
-        gpu["stream_bw"] = {"bytes": [n for n, _ in stream], "gb_s": [b / GB for _, b in stream]}
+        prof["stream_bw"] = {"bytes": [n for n, _ in stream], "gb_s": [b / GB for _, b in stream]}
         if ck.get("node_slowdown"):
-            gpu["node_slowdown"] = {k: round(v, 3) for k, v in ck["node_slowdown"].items()}
+            prof["node_slowdown"] = {k: round(v, 3) for k, v in ck["node_slowdown"].items()}
         att = {(s, d): (f, b) for s, d, f, b in ck["attention_grid"]}
-        gpu["attention_fp32"] = {"seq": list(ATTN_SEQ), "head_dim": list(ATTN_HEAD_DIM),
-                                 "fwd_gflop_s": [round(att[s, d][0] / 1e9, 3) for s in ATTN_SEQ for d in ATTN_HEAD_DIM],
-                                 "bwd_gflop_s": [round(att[s, d][1] / 1e9, 3) for s in ATTN_SEQ for d in ATTN_HEAD_DIM]}
+        prof["attention_fp32"] = {
+            "seq": list(ATTN_SEQ), "head_dim": list(ATTN_HEAD_DIM),
+            "fwd_gflop_s": [round(att[s, d][0] / 1e9, 3) for s in ATTN_SEQ for d in ATTN_HEAD_DIM],
+            "bwd_gflop_s": [round(att[s, d][1] / 1e9, 3) for s in ATTN_SEQ for d in ATTN_HEAD_DIM]}
     if r.copy_curve:
-        gpu["copy_bw"] = {"bytes": [n for n, _ in r.copy_curve], "gb_s": [b / GB for _, b in r.copy_curve]}
+        prof["copy_bw"] = {"bytes": [n for n, _ in r.copy_curve], "gb_s": [b / GB for _, b in r.copy_curve]}
     if r.busbw:
-        gpu["busbw"] = {op: {"bytes": [s for s, _ in pts], "gb_s": [b / GB for _, b in pts]}
-                        for op, pts in r.busbw.items()}
-    gpu["measured"] = {"host": r.host, "when": r.when, "torch": r.torch_version, "device": r.device_name,
-                       "nproc": r.nproc, "backend": r.backend}
-    return {"gpu": gpu}
+        prof["busbw"] = {op: {"bytes": [s for s, _ in pts], "gb_s": [b / GB for _, b in pts]}
+                         for op, pts in r.busbw.items()}
+    return prof
 
 
 def _toml_value(v: Any) -> str:
@@ -506,7 +521,7 @@ def _toml_value(v: Any) -> str:
     raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
 
-_TABLES = ("busbw", "measured", "gpu", "attention_fp32")  # written as [sections]
+_TABLES = ("hardware", "profile", "busbw", "measured", "attention_fp32")  # written as [sections]
 
 
 def to_toml(d: dict[str, Any]) -> str:

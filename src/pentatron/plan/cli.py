@@ -216,10 +216,7 @@ def _hardware(args: argparse.Namespace) -> Any:
     if args.hardware and args.hardware_profile:
         raise InputError("give --hardware or --hardware-profile, not both")
     try:
-        if path:
-            gpu = _load_profile(path) if path.endswith(".json") else load_hardware_toml(path)
-        else:
-            gpu = get_gpu(args.gpu)
+        gpu = load_hardware_toml(path) if path else get_gpu(args.gpu)  # a bench profile: TOML or JSON
     except KeyError as e:
         raise InputError(f"--gpu: {e.args[0]}") from None
     except ValueError as e:
@@ -229,18 +226,6 @@ def _hardware(args: argparse.Namespace) -> Any:
             raise InputError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
         gpu = with_overrides(gpu, gpus_per_node=args.gpus_per_node)
     return gpu
-
-
-def _load_profile(path: str) -> Any:
-    from pentatron.plan.hardware import hardware_from_dict
-
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ValueError(f"hardware file {path!r} not found") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"hardware file {path!r}: invalid JSON: {e}") from None
-    return hardware_from_dict(data.get("gpu", data), where=path)
 
 
 def _workload(args: argparse.Namespace, cfg: Any, moe: Any) -> Any:
