@@ -18,7 +18,7 @@ Overlap rules (what hides behind what):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from pentatron.plan.comm import (
@@ -41,7 +41,7 @@ from pentatron.plan.flops import hardware_flops_per_token, layer_params, model_f
 from pentatron.plan.fp8_rowwise import LN_SIGMOID_BYTES_PER_ELEMENT, rowwise_seconds
 from pentatron.plan.hardware import GPUSpec
 from pentatron.plan.layout import Layout, Workload, chunk_layers, compute_dtype, kv_heads_per_tp_rank
-from pentatron.plan.memory import DP_BUCKET, STATE_PRECISIONS, act_bytes, rank_layers, rank_params
+from pentatron.plan.memory import DP_BUCKET, STATE_PRECISIONS, RankParams, act_bytes, rank_layers, rank_params
 from pentatron.plan.speeds import KERNEL_OVERHEAD
 from pentatron.schedules import make_schedule, simulate
 
@@ -445,6 +445,8 @@ class StepTime:
 
 
 def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", exact: bool = True) -> StepTime:
+    """One optimizer step on the busiest rank: the pipeline of all micro-batches, then what the data
+    parallel traffic leaves exposed, the optimizer, SM contention, the tied gradient swap and the scalars."""
     gpu = gpu.sharing(lay.world)  # CPU profiles: ranks on one node share its cores (no-op on datasheets)
     m = lay.microbatches(w)
     phases = stage_phases(w, lay, gpu, kernels)
@@ -457,20 +459,61 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
         busy = m * sum(x.total for x in phases) / lay.pp
         bubble = max(0.0, (pipe - busy) / busy)
     # the busiest pipeline rank for DP/optimizer purposes: rank 0 (embedding; finishes last in 1F1B)
-    rp = rank_params(w, lay, 0)
-    ranges = rank_layers(chunk_layers(w, lay), lay.pp, lay.pp_virtual, 0)
-    n_layers = sum(len(r) for r in ranges)
-    moe = w.moe_spec
-    n_moe = sum(1 for r in ranges for i in r if moe and i >= moe.first_dense_layers)
-    colls = step_collectives(w, lay, gpu, rp.dense, rp.expert, n_layers, n_moe, first=True, last=lay.pp == 1)
+    rank = _busiest_rank(w, lay)
+    colls = step_collectives(w, lay, gpu, rank.params.dense, rank.params.expert, rank.layers, rank.moe_layers,
+                             first=True, last=lay.pp == 1)
     scalars = [c for c in colls if c.kind is Traffic.SCALARS]  # the step's one-number collectives
     traffic = [c for c in colls if c.kind is not Traffic.SCALARS]
+    acc = _Exposure()
+    dp_exposed = _dp_exposed(w, lay, traffic, phases, rank, m, acc)
+    optimizer = _optimizer_time(w, lay, gpu, rank)
+    tied = _pipeline_exposed(w, lay, gpu, traffic, rank, m, hop, kernels, acc)
+    contention = acc.hidden * min(1.0, NCCL_CHANNELS / gpu.sm_count)
+    sync = sum(c.time_per_step for c in scalars)
+    for c in scalars:
+        acc.add(report_dim(c.dim), c.time_per_step)
+    step = pipe + dp_exposed + optimizer + contention + tied + sync
+    return StepTime(step, pipe, bubble, dp_exposed, optimizer, contention, tuple(phases), tuple(colls), acc.by_dim,
+                    tied, sync)
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """Pipeline rank 0's share: its parameters and its decoder layers (MoE ones among them)."""
+
+    params: RankParams
+    layers: int
+    moe_layers: int
+
+
+def _busiest_rank(w: Workload, lay: Layout) -> _Rank:
+    ranges = rank_layers(chunk_layers(w, lay), lay.pp, lay.pp_virtual, 0)
+    moe = w.moe_spec
+    n_moe = sum(1 for r in ranges for i in r if moe and i >= moe.first_dense_layers)
+    return _Rank(rank_params(w, lay, 0), sum(len(r) for r in ranges), n_moe)
+
+
+@dataclass
+class _Exposure:
+    """A step's communication as it accumulates: exposed seconds per reported dimension, and the seconds
+    hidden behind compute (which still cost SMs, see NCCL_CHANNELS)."""
+
+    by_dim: dict[str, float] = field(default_factory=dict)
+    hidden: float = 0.0
+
+    def add(self, dim: str, seconds: float) -> None:
+        self.by_dim[dim] = self.by_dim.get(dim, 0.0) + seconds
+
+
+def _dp_exposed(w: Workload, lay: Layout, traffic: list[Collective], phases: list[Phase], rank: _Rank, m: int,
+                acc: _Exposure) -> float:
+    """Seconds of the gradient reductions and ZeRO gathers not hidden behind compute (see the module's
+    overlap rules); what they hide goes to `acc.hidden`."""
+    dense = rank.params.dense
     last_bwd = phases[0].b + phases[0].w  # rank 0's last action: backward of chunk 0
     first_fwd = phases[0].f
-    emb_share = w.cfg.vocab_size * w.cfg.hidden_size / lay.tp / rp.dense if rp.dense else 0.0
+    emb_share = w.cfg.vocab_size * w.cfg.hidden_size / lay.tp / dense if dense else 0.0
     dp_exposed = 0.0
-    exposed: dict[str, float] = {}
-    hidden = 0.0  # communication overlapped with compute (costs SMs, see NCCL_CHANNELS)
     for c in traffic:
         if c.dim not in ("dp_cp", "edp"):
             continue
@@ -494,15 +537,21 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
         else:  # gradient all-reduce / reduce-scatter: all but the last bucket behind the last backward
             e = max(0.0, total - tail - last_bwd) + tail
         dp_exposed += e
-        hidden += max(0.0, total - e)
-        exposed["dp"] = exposed.get("dp", 0.0) + e
-    z3 = zero3_exposed(lay, traffic, phases[0], n_layers, m)
+        acc.hidden += max(0.0, total - e)
+        acc.add("dp", e)
+    z3 = zero3_exposed(lay, traffic, phases[0], rank.layers, m)
     dp_exposed += z3
-    hidden += sum(c.time_per_step for c in traffic if lay.zero == 3 and c.dim in ("dp_cp", "edp")) - z3
+    acc.hidden += sum(c.time_per_step for c in traffic if lay.zero == 3 and c.dim in ("dp_cp", "edp")) - z3
     if z3:
-        exposed["dp"] = exposed.get("dp", 0.0) + z3
+        acc.add("dp", z3)
+    return dp_exposed
+
+
+def _optimizer_time(w: Workload, lay: Layout, gpu: GPUSpec, rank: _Rank) -> float:
+    """The optimizer step over the rank's (ZeRO-sharded) parameters, exposed."""
     prec = STATE_PRECISIONS[lay.precision]
     shard = lay.dp * lay.cp if lay.zero >= 1 else 1
+    rp = rank.params
     local = rp.dense / shard + rp.expert / (max(1, lay.dp * lay.cp // lay.ep) if lay.zero >= 1 else 1)
     per_param = OPTIMIZER_BYTES_PER_PARAM * (prec.param / 2 if lay.precision == "fp32" else 1)
     if lay.precision == "fp16":  # dynamic loss scaling: one more read of the fp32 gradients (inf/nan check)
@@ -511,7 +560,16 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
     # parameter tensors: 9 per decoder layer (q, k, v, o, 3 MLP, 2 norms) and, on rank 0, the embedding
     # (+ the final norm and an untied head when it is also the last stage)
     ends = 1 + ((2 if not w.cfg.tie_embeddings else 1) if lay.pp == 1 else 0)
-    optimizer = gpu.speeds.optimizer(local, per_param, per_param * local / max(1, n_layers), 9 * n_layers + ends)
+    n = rank.layers
+    return gpu.speeds.optimizer(local, per_param, per_param * local / max(1, n), 9 * n + ends)
+
+
+def _pipeline_exposed(w: Workload, lay: Layout, gpu: GPUSpec, traffic: list[Collective], rank: _Rank, m: int,
+                      hop: float, kernels: str, acc: _Exposure) -> float:
+    """Report the exposure of the traffic inside the pipeline (tp, ep, pp, cp; already in the phases) per
+    dimension and add what overlaps compute to `acc.hidden`; returns the tied gradient's swap seconds,
+    which run after the pipeline."""
+    n_layers = rank.layers
     tied = 0.0
     sp_overlaps = lay.sp and lay.tp > 1 and (lay.tp_overlap or lay.sp_inputs == "sharded")
     if sp_overlaps:  # a dense layer's GEMMs and TP collectives: what overlaps what
@@ -519,34 +577,28 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
     tp_hidden = 0.0  # tp_overlap: SP collectives of the dense layers hidden under their GEMMs, per step
     if lay.tp_overlap and sp_overlaps:
         _, (hf, hb) = tp_overlap_split(lc, lay.tp, lin.qkv, lin.o, lin.up, lin.down)
-        tp_hidden = m * (n_layers - n_moe) * (hf * (2 if lay.recompute == "full" else 1) + hb)
-        hidden += tp_hidden
-    for c in traffic:  # exposure inside the pipeline, reported per dimension
+        tp_hidden = m * (n_layers - rank.moe_layers) * (hf * (2 if lay.recompute == "full" else 1) + hb)
+        acc.hidden += tp_hidden
+    for c in traffic:
         if c.kind is Traffic.SP_REGATHER:  # partly hidden under the input-gradient GEMMs
-            exposed["tp"] = exposed.get("tp", 0.0) + m * n_layers * sum(sp_regather_split(lc, lin.qkv, lin.up)[0])
+            acc.add("tp", m * n_layers * sum(sp_regather_split(lc, lin.qkv, lin.up)[0]))
         elif c.dim in ("tp", "ep"):
-            exposed[c.dim] = exposed.get(c.dim, 0.0) + c.time_per_step
+            acc.add(c.dim, c.time_per_step)
             if c.kind is Traffic.SP_LAYERS:  # tp_overlap: the dense layers' share hides under their GEMMs
-                exposed["tp"] -= tp_hidden / 2  # half on the all-gathers, half on the reduce-scatters
-        elif c.dim == "pp" and c.kind is Traffic.TIED:
+                acc.by_dim["tp"] -= tp_hidden / 2  # half on the all-gathers, half on the reduce-scatters
+        elif c.kind is Traffic.TIED:
             tied += c.time_per_step + tied_pack_add(gpu, c.payload, kernels)
-            exposed["pp"] = exposed.get("pp", 0.0) + c.time_per_step
-        elif c.dim == "pp":
-            exposed["pp"] = exposed.get("pp", 0.0) + 2 * (lay.pp - 1) * hop
+            acc.add("pp", c.time_per_step)
+        elif c.kind is Traffic.STAGE:
+            acc.add("pp", 2 * (lay.pp - 1) * hop)
     if sp_overlaps and lay.sp_inputs == "sharded":  # the backward re-gathers under GEMMs
-        hidden += m * n_layers * sp_regather_split(lc, lin.qkv, lin.up)[1]
+        acc.hidden += m * n_layers * sp_regather_split(lc, lin.qkv, lin.up)[1]
     if lay.cp > 1:
         cp = cp_layer_cost(w, lay, gpu, *attention_times(w, lay, gpu))
         fwd_passes = cp_forward_passes(lay.recompute)
-        exposed["cp"] = m * n_layers * (cp.fwd_exposed * fwd_passes + cp.bwd_exposed)
-        hidden += m * n_layers * (cp.fwd_hidden * fwd_passes + cp.bwd_hidden)
-    contention = hidden * min(1.0, NCCL_CHANNELS / gpu.sm_count)
-    sync = sum(c.time_per_step for c in scalars)
-    for c in scalars:
-        exposed[report_dim(c.dim)] = exposed.get(report_dim(c.dim), 0.0) + c.time_per_step
-    step = pipe + dp_exposed + optimizer + contention + tied + sync
-    return StepTime(step, pipe, bubble, dp_exposed, optimizer, contention, tuple(phases), tuple(colls), exposed,
-                    tied, sync)
+        acc.by_dim["cp"] = m * n_layers * (cp.fwd_exposed * fwd_passes + cp.bwd_exposed)
+        acc.hidden += m * n_layers * (cp.fwd_hidden * fwd_passes + cp.bwd_hidden)
+    return tied
 
 
 @dataclass(frozen=True)
