@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from pentatron.distributed.ring import ring_bytes
 from pentatron.plan.kernel_tables import attention_rate
 from pentatron.plan.profile import Curve, Profile, interp_log, measured_then_curve
-
-if TYPE_CHECKING:
-    from pentatron.plan.hardware import GPUSpec
 
 KERNEL_OVERHEAD = 3e-6  # per GEMM launch/tail on the GPU (seconds)
 Seconds3 = tuple[float, float, float]  # forward, input gradient, weight gradient
@@ -44,6 +41,31 @@ def wire_bytes(op: str, payload: float, n: int) -> float:
     return float(ring_bytes(op, int(payload), n))
 
 
+class _Efficiencies(Protocol):
+    matmul: float
+    collective: float
+    hbm: float
+
+
+class Datasheet(Protocol):
+    """What the roofline reads of a device (`hardware.GPUSpec`, which also picks the speeds: this module
+    does not import it)."""
+
+    hbm_bandwidth: float
+    gpus_per_node: int
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    intra_node_latency: float
+    inter_node_latency: float
+    efficiency: _Efficiencies
+    profile: Profile | None
+
+    @property
+    def nics(self) -> int: ...
+    def gemm_shape_efficiency(self, m: float, n: float, k: float, operand_bytes: int) -> float: ...
+    def attention(self, kernel: str) -> tuple[float, float]: ...
+
+
 class Speeds(Protocol):
     """Seconds (or rates) of the kernels and collectives one step runs, on one device."""
 
@@ -68,7 +90,7 @@ class Speeds(Protocol):
 class Roofline:
     """Speeds from the datasheet alone."""
 
-    def __init__(self, gpu: GPUSpec) -> None:
+    def __init__(self, gpu: Datasheet) -> None:
         self.gpu = gpu
 
     # ---- kernels
@@ -174,7 +196,7 @@ class Measured(Roofline):
     """Speeds from a measured profile, each curve replacing the roofline's term where present (inside the
     node for communication: bench measures one machine)."""
 
-    def __init__(self, gpu: GPUSpec, profile: Profile) -> None:
+    def __init__(self, gpu: Datasheet, profile: Profile) -> None:
         super().__init__(gpu)
         self.profile = profile
 
@@ -303,6 +325,6 @@ class Measured(Roofline):
         return measured_then_curve(self.profile.pp_hop, nbytes, lambda b: self.p2p(b, False))
 
 
-def speeds_for(gpu: GPUSpec) -> Speeds:
+def speeds_for(gpu: Datasheet) -> Speeds:
     """The measured speeds when `gpu` carries a profile, else the datasheet roofline."""
     return Roofline(gpu) if gpu.profile is None else Measured(gpu, gpu.profile)
