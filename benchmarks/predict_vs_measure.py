@@ -6,9 +6,9 @@ prediction without `node_slowdown` (as if each rank had its cores to itself); th
 also without the in-step CPU terms (elementwise ops at the hot copy curve, attention at the
 default efficiency, the optimizer as memory traffic, the LM head's GEMMs at the square curve, the
 pipeline hop at the ping-pong): what the profile predicted before those were
-measured; "(no TP step)", "(no DP step)" and "(no PP step)" leave out bench_tp's tensor-parallel step,
-bench_dp's in-step gradient and scalar collectives (with the tied gradients' measured exchange) and
-bench_pp's in-step pipeline hop (the ping-pong curve prices it instead). Under the table,
+measured; "(no TP step)", "(no DP step)" and "(no PP step)" leave out tp_step's tensor-parallel step,
+dp_step's in-step gradient and scalar collectives (with the tied gradients' measured exchange) and
+pp_step's in-step pipeline hop (the ping-pong curve prices it instead). Under the table,
 each prediction's parts: per micro-batch forward / backward (+ weight
 gradients) on the busiest stage, exposed data-parallel communication, optimizer, overlapped
 communication charged as contention (all of it on a CPU: the cores that compute also communicate).
@@ -33,7 +33,6 @@ predicted, one thread per rank (the bench profile should be measured the same wa
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -46,8 +45,9 @@ from pathlib import Path
 
 from pentatron.models.registry import get_model_config
 from pentatron.observe.profiler import summary_tensor_peak
-from pentatron.plan.hardware import load_hardware_toml
+from pentatron.plan.hardware import load_hardware_toml, with_profile
 from pentatron.plan.layout import Layout, Workload
+from pentatron.plan.profile import Profile
 from pentatron.plan.search import predict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,24 +116,24 @@ def _bench(out: str) -> None:
 def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[float, ...]]:
     """One profile, the four runs; prints the table; returns run -> (predicted, median, fastest,
     predicted without the TP step) s, predicted / measured peak tensor memory, and the predictions
-    without the DP step (bench_dp's in-step gradient and scalar collectives, the measured exchange) and
-    without the PP step (bench_pp's in-step hop)."""
+    without the DP step (dp_step's in-step gradient and scalar collectives, the measured exchange) and
+    without the PP step (pp_step's in-step hop)."""
     gpu = load_hardware_toml(profile)
     w = Workload(get_model_config("debug"), SEQ, GLOBAL)
     print(f"profile: {gpu.name} ({gpu.source}); fp32 matmul {gpu.flops('fp32') / 1e9:.1f} GFLOP/s, "
           f"copy {gpu.hbm_bandwidth / 1e9:.1f} GB/s")
     print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} CPUs)")
-    hot = dataclasses.replace(gpu, measured_stream_bw=(), measured_attention_fp32=None,
-                              optimizer_per_element_s=0.0, node_slowdown={}, tp_collective=(), pp_hop=(),
-                              measured_head_fp32=())
-    alone = dataclasses.replace(gpu, node_slowdown={})
-    no_tp_step = dataclasses.replace(gpu, tp_collective=())
-    no_dp_step = dataclasses.replace(gpu, dp_collective=(), scalar_collective_s=0.0,
-                                     measured_busbw={k: v for k, v in gpu.measured_busbw.items() if k != "exchange"})
-    no_pp_step = dataclasses.replace(gpu, pp_hop=())
-    if gpu.node_slowdown:
+    prof = gpu.profile or Profile()
+    hot = with_profile(gpu, stream_bw=(), attention_fp32=None, optimizer_per_element_s=0.0, node_slowdown={},
+                       tp_collective=(), pp_hop=(), head_fp32=())
+    alone = with_profile(gpu, node_slowdown={})
+    no_tp_step = with_profile(gpu, tp_collective=())
+    no_dp_step = with_profile(gpu, dp_collective=(), scalar_collective_s=0.0,
+                              busbw={k: v for k, v in prof.busbw.items() if k != "exchange"})
+    no_pp_step = with_profile(gpu, pp_hop=())
+    if prof.node_slowdown:
         print("node slowdown (every process busy): "
-              + ", ".join(f"{k} {v:.2f}x" for k, v in gpu.node_slowdown.items()))
+              + ", ".join(f"{k} {v:.2f}x" for k, v in prof.node_slowdown.items()))
     head = (f"{'run':<10} {'pred step ms':>12} {'(alone)':>8} {'(hot)':>8} {'(no TP step)':>12} {'(no DP step)':>12} "
             f"{'(no PP step)':>12} {'meas step ms':>12} {'ratio':>6} "
             f"{'best ms':>8} {'ratio':>6}   "
@@ -171,17 +171,17 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
                      f"{1e3 * st.contention:.2f}, tied grads {1e3 * st.tied_grads:.2f}, step scalars "
                      f"{1e3 * st.scalars:.2f} ms")
     print(f"load after: {os.getloadavg()[0]:.2f}")
-    if gpu.tp_collective:
-        print(f"tp step (bench_tp): host per TP layer fwd {1e6 * gpu.host_tp_layer_s[0]:.0f} / bwd "
-              f"{1e6 * gpu.host_tp_layer_s[1]:.0f} us (plain layer {1e6 * gpu.host_layer_s[0]:.0f} / "
-              f"{1e6 * gpu.host_layer_s[1]:.0f}), ends {1e6 * gpu.host_tp_ends_s[0]:.0f} / "
-              f"{1e6 * gpu.host_tp_ends_s[1]:.0f} us, tp all-reduce in step "
-              + ", ".join(f"{1e6 * t:.0f} us at {b / 1024:g} KiB" for b, t in gpu.tp_collective))
-    if gpu.dp_collective:
-        print("dp step (bench_dp): gradient all-reduce in step "
-              + ", ".join(f"{1e3 * t:.2f} ms at {b / 2**20:g} MiB" for b, t in gpu.dp_collective)
-              + f"; a scalar all-reduce {1e3 * gpu.scalar_collective_s:.2f} ms; tied-gradient exchange "
-              + ("measured" if "exchange" in gpu.measured_busbw else "not measured"))
+    if prof.tp_collective:
+        print(f"tp step (tp_step): host per TP layer fwd {1e6 * prof.host_tp_layer_s[0]:.0f} / bwd "
+              f"{1e6 * prof.host_tp_layer_s[1]:.0f} us (plain layer {1e6 * prof.host_layer_s[0]:.0f} / "
+              f"{1e6 * prof.host_layer_s[1]:.0f}), ends {1e6 * prof.host_tp_ends_s[0]:.0f} / "
+              f"{1e6 * prof.host_tp_ends_s[1]:.0f} us, tp all-reduce in step "
+              + ", ".join(f"{1e6 * t:.0f} us at {b / 1024:g} KiB" for b, t in prof.tp_collective))
+    if prof.dp_collective:
+        print("dp step (dp_step): gradient all-reduce in step "
+              + ", ".join(f"{1e3 * t:.2f} ms at {b / 2**20:g} MiB" for b, t in prof.dp_collective)
+              + f"; a scalar all-reduce {1e3 * prof.scalar_collective_s:.2f} ms; tied-gradient exchange "
+              + ("measured" if "exchange" in prof.busbw else "not measured"))
     print("predicted parts (busiest stage, per micro-batch):\n" + "\n".join(parts), flush=True)
     return out
 

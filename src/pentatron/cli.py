@@ -84,7 +84,8 @@ def _input_error(message: str) -> int:
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    from pentatron.plan.cli import add_bench_parser, add_plan_parser
+    from pentatron.calibrate.cli import add_bench_parser
+    from pentatron.plan.cli import add_plan_parser
 
     parser = argparse.ArgumentParser(
         prog="pentatron", description="Train language models with 5D parallelism (data + ZeRO, tensor + sequence, "

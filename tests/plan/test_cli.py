@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from pentatron.plan.cli import add_bench_parser, add_plan_parser, parse_count
+from pentatron.calibrate.cli import add_bench_parser
+from pentatron.plan.cli import add_plan_parser, parse_count
 
 
 def run(argv: list[str]) -> int:
@@ -150,22 +151,23 @@ def test_bench_writes_a_profile_the_planner_reads(capsys, tmp_path):
     from pentatron.plan.hardware import load_hardware_toml
 
     prof = load_hardware_toml(out)
-    assert set(prof.measured_busbw) == {"all_reduce", "all_gather", "reduce_scatter", "p2p", "exchange"}
-    assert all(b > 0 for pts in prof.measured_busbw.values() for _, b in pts)
-    # CPU: the in-step kernels (bench_cpu.py) and the node sharing of 2 processes, capped at 2
-    assert prof.measured_stream_bw and prof.measured_matmul_fp32 and prof.optimizer_per_element_s > 0
-    assert prof.measured_attention_fp32 is not None and min(prof.measured_attention_fp32.bwd) > 0
-    assert len(prof.measured_head_fp32) == 4 and all(x > 0 for row in prof.measured_head_fp32 for x in row)
-    assert set(prof.node_slowdown) == {"matmul", "stream", "host"}
-    assert all(1.0 <= v <= 2.0 for v in prof.node_slowdown.values())
-    # the tp2 step as the ranks ran it (bench_tp.py): activations of 16, 128, 1024 tokens x 64 x 4 B
-    assert [b for b, _ in prof.tp_collective] == [4096, 32768, 262144] and prof.host_tp_layer_s[0] > 0
-    assert all(t > 0 for _, t in prof.tp_collective)
-    # the dp2 step's synchronisations (bench_dp.py): gradient all-reduces after a backward's compute
-    assert [b for b, _ in prof.dp_collective] == [256 * 2**10, 2**20, 4 * 2**20]
-    assert all(t > 0 for _, t in prof.dp_collective) and prof.scalar_collective_s > 0
-    # the pp2 hop (bench_pp.py): both ranks compute, then swap a message of 4 KiB .. 1 MiB
-    assert [b for b, _ in prof.pp_hop] == [4096, 32768, 262144, 2**20] and all(t > 0 for _, t in prof.pp_hop)
+    assert set(prof.profile.busbw) == {"all_reduce", "all_gather", "reduce_scatter", "p2p", "exchange"}
+    assert all(b > 0 for pts in prof.profile.busbw.values() for _, b in pts)
+    # CPU: the in-step kernels (calibrate/cpu_kernels.py) and the node sharing of 2 processes, capped at 2
+    assert prof.profile.stream_bw and prof.profile.matmul_fp32 and prof.profile.optimizer_per_element_s > 0
+    assert prof.profile.attention_fp32 is not None and min(prof.profile.attention_fp32.bwd) > 0
+    assert len(prof.profile.head_fp32) == 4 and all(x > 0 for row in prof.profile.head_fp32 for x in row)
+    assert set(prof.profile.node_slowdown) == {"matmul", "stream", "host"}
+    assert all(1.0 <= v <= 2.0 for v in prof.profile.node_slowdown.values())
+    # the tp2 step as the ranks ran it (calibrate/tp_step.py): activations of 16, 128, 1024 tokens x 64 x 4 B
+    assert [b for b, _ in prof.profile.tp_collective] == [4096, 32768, 262144] and prof.profile.host_tp_layer_s[0] > 0
+    assert all(t > 0 for _, t in prof.profile.tp_collective)
+    # the dp2 step's synchronisations (calibrate/dp_step.py): gradient all-reduces after a backward's compute
+    assert [b for b, _ in prof.profile.dp_collective] == [256 * 2**10, 2**20, 4 * 2**20]
+    assert all(t > 0 for _, t in prof.profile.dp_collective) and prof.profile.scalar_collective_s > 0
+    # the pp2 hop (calibrate/pp_step.py): both ranks compute, then swap a message of 4 KiB .. 1 MiB
+    assert [b for b, _ in prof.profile.pp_hop] == [4096, 32768, 262144, 2**20]
+    assert all(t > 0 for _, t in prof.profile.pp_hop)
     assert run(["plan", "--model", "debug", "--seq", "256", "--global-batch", "8", "--gpus", "2",
                 "--hardware-profile", str(out), "--precision", "fp32"]) == 0
     assert run(["bench", "--out", str(tmp_path / "p.yaml")]) == 2

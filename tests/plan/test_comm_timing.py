@@ -7,7 +7,7 @@ import pytest
 from pentatron.distributed.comm import ring_bytes
 from pentatron.models.registry import get_model_config
 from pentatron.plan.comm import bus_bandwidth, bytes_by_dim, collective_time, group_of, step_collectives, wire_bytes
-from pentatron.plan.hardware import get_gpu
+from pentatron.plan.hardware import get_gpu, with_profile
 from pentatron.plan.layout import Layout, Workload, layers_per_chunk, problems
 from pentatron.plan.timing import Phase, gemm_time, pipeline_makespan, step_time, throughput
 from pentatron.schedules import make_schedule, simulate
@@ -42,7 +42,7 @@ def test_collective_time_alpha_beta():
 
 
 def test_measured_busbw_replaces_link_model():
-    prof = dataclasses.replace(H100, measured_busbw={"all_reduce": ((1e3, 1e9), (1e9, 100e9))})
+    prof = with_profile(H100, busbw={"all_reduce": ((1e3, 1e9), (1e9, 100e9))})
     g = group_of(Layout(tp=8), "tp", H100)
     assert bus_bandwidth(prof, "all_reduce", 1e9, g) == pytest.approx(100e9)
     assert bus_bandwidth(prof, "all_reduce", 1e6, g) == pytest.approx(1e9 + 0.5 * 99e9)  # log-interpolated
@@ -93,7 +93,7 @@ def test_a_measured_fabric_caps_cross_node_all_reduce():
     link model promises more (a node-full group), not where the link model is already lower, and it leaves
     all-gathers and groups inside a node alone."""
     fabric = ((2, 361.7e9), (4, 160.1e9), (64, 32.9e9))
-    efa = dataclasses.replace(H100, inter_node_bandwidth=44.5e9, allreduce_busbw_by_nodes=fabric)
+    efa = with_profile(dataclasses.replace(H100, inter_node_bandwidth=44.5e9), allreduce_busbw_by_nodes=fabric)
     full = group_of(Layout(dp=64), "dp", efa)  # 8 nodes, all 8 GPUs of each: 8 x 44.5 x 0.8 = 284.8 GB/s
     assert full.nodes == 8
     assert bus_bandwidth(efa, "all_reduce", 1e9, full) == pytest.approx(160.1e9 + (32.9e9 - 160.1e9) / 4)
@@ -105,7 +105,7 @@ def test_a_measured_fabric_caps_cross_node_all_reduce():
     from pentatron.plan.hardware import hardware_from_dict
 
     toml = hardware_from_dict({"base": "h100", "allreduce_busbw_by_nodes": {"nodes": [2, 64], "gb_s": [361.7, 32.9]}})
-    assert toml.allreduce_busbw_by_nodes == ((2.0, 361.7e9), (64.0, 32.9e9))
+    assert toml.profile.allreduce_busbw_by_nodes == ((2.0, 361.7e9), (64.0, 32.9e9))
 
 
 @pytest.mark.parametrize(("name", "p", "m", "v"), [("1f1b", 4, 200, 1), ("zb", 4, 130, 1), ("afab", 2, 97, 1),

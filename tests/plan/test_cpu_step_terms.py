@@ -14,7 +14,7 @@ import pytest
 
 from pentatron.models.registry import get_model_config
 from pentatron.plan.comm import p2p_time
-from pentatron.plan.hardware import get_gpu, load_hardware_toml
+from pentatron.plan.hardware import get_gpu, load_hardware_toml, with_profile
 from pentatron.plan.kernel_tables import AttentionGrid, attention_rate
 from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.timing import (
@@ -46,7 +46,7 @@ def test_attention_rate_is_log_linear_between_points_and_clamped_outside():
 
 
 def test_attention_time_reads_the_measured_grid_in_fp32():
-    cpu = dataclasses.replace(H100, measured_attention_fp32=GRID)
+    cpu = with_profile(H100, attention_fp32=GRID)
     flops = 4 * 4 * 32 * 4 * 64 * 65 / 2  # 4 heads x head dim 32 x micro-batch 4 x 64·65/2 causal pairs
     f, b = attention_times(W, FP32, cpu)
     assert f == pytest.approx(flops / 10e9) and b == pytest.approx(flops / 5e9)
@@ -60,15 +60,15 @@ def test_eager_elementwise_ops_run_at_the_in_step_rate():
     # eager fp32 bytes per token of one layer's forward: 2 RMSNorms 2·(28 + 16)·128, RoPE on q and k
     # 10·4·(128 + 64), 2 residual adds 2·3·4·128, SwiGLU 5·4·256 = 27,136; x 256 tokens
     elem = 256 * 27136
-    slow = dataclasses.replace(H100, measured_stream_bw=((1.0, 10e9),))
-    fast = dataclasses.replace(H100, measured_stream_bw=((1.0, 20e9),))
+    slow = with_profile(H100, stream_bw=((1.0, 10e9),))
+    fast = with_profile(H100, stream_bw=((1.0, 20e9),))
     a, b = layer_phase(W, FP32, slow, 0, "eager"), layer_phase(W, FP32, fast, 0, "eager")
     assert a.f - b.f == pytest.approx(elem / 10e9 - elem / 20e9)
     assert a.b - b.b == pytest.approx(2 * (elem / 10e9 - elem / 20e9))  # backward: twice the traffic
 
 
 def test_eager_gradient_accumulation_into_the_fp32_buffer():
-    cpu = dataclasses.replace(H100, measured_stream_bw=((1.0, 10e9),))
+    cpu = with_profile(H100, stream_bw=((1.0, 10e9),))
     # q, o 128x128; k, v 64x128; gate, up, down 128x256; two norms of 128
     assert layer_local_params(W, FP32, 0) == 2 * 16384 + 2 * 8192 + 3 * 32768 + 256 == 147712
     assert layer_local_params(W, dataclasses.replace(FP32, tp=2), 0) == 147456 / 2 + 256
@@ -81,7 +81,7 @@ def test_eager_gradient_accumulation_into_the_fp32_buffer():
 
 
 def test_eager_dense_embedding_gradient():
-    cpu = dataclasses.replace(H100, measured_stream_bw=((1.0, 10e9),))
+    cpu = with_profile(H100, stream_bw=((1.0, 10e9),))
     table = 4096 * 128
     extra = embed_phase(W, FP32, cpu, "eager").w - embed_phase(W, FP32, cpu, "fused").w
     # zero-filled [4096, 128] fp32 gradient (4 B), the tied head's gradient summed in (read 2, write 1:
@@ -93,13 +93,13 @@ def test_eager_dense_embedding_gradient():
 
 
 def test_optimizer_per_parameter_element_when_measured():
-    cpu = dataclasses.replace(H100, optimizer_per_element_s=4e-9, host_optimizer_per_tensor_s=1e-4)
+    cpu = with_profile(H100, optimizer_per_element_s=4e-9, host_optimizer_per_tensor_s=1e-4)
     # every parameter of the debug model on one rank, and 9 tensors per layer + embedding + final norm
     assert step_time(W, FP32, cpu).optimizer == pytest.approx(1_115_264 * 4e-9 + 38 * 1e-4)
 
 
 def test_pipeline_p2p_reads_the_measured_ping_pong():
-    cpu = dataclasses.replace(H100, measured_busbw={"p2p": ((1024.0, 1e8), (1048576.0, 1e9))})
+    cpu = with_profile(H100, busbw={"p2p": ((1024.0, 1e8), (1048576.0, 1e9))})
     assert p2p_time(cpu, 1024, False) == pytest.approx(1024 / 1e8)
     assert p2p_time(cpu, 32768, False) == pytest.approx(32768 / 0.55e9)  # halfway in log(size)
     assert p2p_time(cpu, 1024, True) == p2p_time(H100, 1024, True)  # across nodes: the link model
@@ -113,9 +113,9 @@ def test_cpu_step_terms_round_trip_through_a_profile(tmp_path):
     p.write_text(head + '[gpu.attention_fp32]\nseq = [64, 256]\nhead_dim = [32, 128]\n'
                  'fwd_gflop_s = [10, 40, 20, 80]\nbwd_gflop_s = [5, 20, 10, 40]\n')
     prof = load_hardware_toml(p)
-    assert prof.optimizer_per_element_s == pytest.approx(4.5e-9)
-    assert prof.measured_stream_bw == ((16384.0, 5e9), (131072.0, 15e9))
-    assert prof.measured_attention_fp32 == GRID
+    assert prof.profile.optimizer_per_element_s == pytest.approx(4.5e-9)
+    assert prof.profile.stream_bw == ((16384.0, 5e9), (131072.0, 15e9))
+    assert prof.profile.attention_fp32 == GRID
     p.write_text(head + '[gpu.attention_fp32]\nseq = [64, 256]\nhead_dim = [32, 128]\n'
                  'fwd_gflop_s = [10, 40, 20]\nbwd_gflop_s = [5, 20, 10, 40]\n')
     with pytest.raises(ValueError, match="attention_fp32 needs 4 positive rates"):
@@ -131,8 +131,8 @@ def test_the_lm_head_gemms_read_their_own_measured_curve():
     from pentatron.plan.hardware import hardware_from_dict
     from pentatron.plan.timing import head_phase
 
-    cpu = dataclasses.replace(H100, measured_matmul_fp32=SQUARE)
-    lm = dataclasses.replace(cpu, measured_head_fp32=HEAD)
+    cpu = with_profile(H100, matmul_fp32=SQUARE)
+    lm = with_profile(cpu, head_fp32=HEAD)
     lay = Layout(dp=1, micro_batch=1, precision="fp32")
     # 64 tokens x 4096 x 128 x 2 = 2^26 FLOPs, half way (in log) from 2^24 to 2^28: the rates' midpoints;
     # the rest of the phase (norm, loss, host) is unchanged
@@ -151,28 +151,27 @@ def test_the_lm_head_gemms_read_their_own_measured_curve():
     # the profile's table, in GFLOP/s, sorted by FLOPs; a bad one is named
     g = hardware_from_dict({"name": "x", "base": "h100", "lm_head_fp32": {
         "flops": [2**28, 2**24], "fwd_gflop_s": [60, 30], "dx_gflop_s": [80, 40], "dw_gflop_s": [70, 35]}})
-    assert [row == pytest.approx(want) for row, want in zip(g.measured_head_fp32, HEAD, strict=True)] == [True, True]
+    assert [row == pytest.approx(want) for row, want in zip(g.profile.head_fp32, HEAD, strict=True)] == [True, True]
     with pytest.raises(ValueError, match="lm_head_fp32 needs"):
         hardware_from_dict({"name": "x", "base": "h100", "lm_head_fp32": {
             "flops": [2**24], "fwd_gflop_s": [30], "dx_gflop_s": [40], "dw_gflop_s": [0]}})
 
 
 def test_ranks_sharing_a_cpu_node_compute_slower_by_the_measured_factor():
-    cpu = dataclasses.replace(H100, gpus_per_node=4, measured_matmul_fp32=((1e6, 1e10),),
-                              measured_stream_bw=((1.0, 12e9),), measured_attention_fp32=GRID,
-                              measured_head_fp32=HEAD,
-                              host_layer_s=(1e-3, 2e-3), optimizer_per_element_s=1e-9,
-                              node_slowdown={"matmul": 4.0, "stream": 7.0, "host": 2.5})
+    cpu = with_profile(dataclasses.replace(H100, gpus_per_node=4), matmul_fp32=((1e6, 1e10),),
+                       stream_bw=((1.0, 12e9),), attention_fp32=GRID, head_fp32=HEAD,
+                       host_layer_s=(1e-3, 2e-3), optimizer_per_element_s=1e-9,
+                       node_slowdown={"matmul": 4.0, "stream": 7.0, "host": 2.5})
     assert cpu.sharing(1) is cpu and H100.sharing(8) is H100  # alone, or no measurement: unchanged
     full = cpu.sharing(4)  # every process of the node busy: the measured factors
-    assert full.measured_matmul_fp32 == ((1e6, 1e10 / 4),) and full.peak_flops["bf16"] == H100.peak_flops["bf16"] / 4
-    assert full.measured_stream_bw == ((1.0, 12e9 / 7),) and full.optimizer_per_element_s == pytest.approx(7e-9)
-    assert full.measured_attention_fp32.fwd[0] == pytest.approx(10e9 / 4)
-    assert full.measured_head_fp32[0] == pytest.approx((2.0**24, 3e10 / 4, 4e10 / 4, 3.5e10 / 4))
-    assert full.host_layer_s == pytest.approx((2.5e-3, 5e-3)) and full.node_slowdown == {}
+    assert full.profile.matmul_fp32 == ((1e6, 1e10 / 4),) and full.peak_flops["bf16"] == H100.peak_flops["bf16"] / 4
+    assert full.profile.stream_bw == ((1.0, 12e9 / 7),) and full.profile.optimizer_per_element_s == pytest.approx(7e-9)
+    assert full.profile.attention_fp32.fwd[0] == pytest.approx(10e9 / 4)
+    assert full.profile.head_fp32[0] == pytest.approx((2.0**24, 3e10 / 4, 4e10 / 4, 3.5e10 / 4))
+    assert full.profile.host_layer_s == pytest.approx((2.5e-3, 5e-3)) and full.profile.node_slowdown == {}
     half = cpu.sharing(2)  # 1 of the 3 other processes busy: a third of each excess
-    assert half.measured_matmul_fp32 == ((1e6, 1e10 / 2),) and half.measured_stream_bw == ((1.0, 12e9 / 3),)
-    assert half.host_layer_s == pytest.approx((1.5e-3, 3e-3))
+    assert half.profile.matmul_fp32 == ((1e6, 1e10 / 2),) and half.profile.stream_bw == ((1.0, 12e9 / 3),)
+    assert half.profile.host_layer_s == pytest.approx((1.5e-3, 3e-3))
     lay = Layout(dp=2, micro_batch=4, precision="fp32")  # step_time applies it for the layout's ranks
     assert step_time(W, lay, cpu).optimizer == pytest.approx(step_time(W, lay, half).optimizer)
 
@@ -183,7 +182,7 @@ def test_vocab_parallel_loss_pays_its_two_small_all_reduces_in_forward():
     lay = Layout(dp=1, tp=2, micro_batch=4, precision="fp32")
     assert loss_all_reduces(256) == (1024, 2048)  # per token: the fp32 max, then two fp32 sums
     # measured curves at a constant bus bandwidth B: a 2-rank all-reduce of p bytes takes p / B
-    slow, fast = (dataclasses.replace(H100, measured_busbw={"all_reduce": ((1.0, b),)}) for b in (1e8, 1e9))
+    slow, fast = (with_profile(H100, busbw={"all_reduce": ((1.0, b),)}) for b in (1e8, 1e9))
     # the head's forward communicates nothing else (its f operator all-reduces in backward only)
     fwd = [head_phase(W, lay, g, "eager").f for g in (slow, fast)]
     assert fwd[0] - fwd[1] == pytest.approx(3072 / 1e8 - 3072 / 1e9)
@@ -202,7 +201,7 @@ def test_torch_loss_parallel_pays_three_all_reduces_and_its_passes_over_the_fp32
     assert loss_all_reduces(256, "loss_parallel") == (1024, 1024, 1024)
     assert LOSS_PARALLEL_BYTES == 4 + 4 + 8 + 8 + 4 + 8 == 4 + 8 + 12 + 8 + 4
     # no communication at all (busbw infinite in effect) isolates the loss's memory-bound passes
-    gpu = dataclasses.replace(H100, measured_busbw={"all_reduce": ((1.0, 1e30),)}, measured_stream_bw=((1.0, 1e9),))
+    gpu = with_profile(H100, busbw={"all_reduce": ((1.0, 1e30),)}, stream_bw=((1.0, 1e9),))
     eager, par = (Layout(dp=1, tp=2, micro_batch=4, precision="fp32", cross_entropy=ce)
                   for ce in ("eager", "loss_parallel"))
     he, hp = head_phase(W, eager, gpu, "eager"), head_phase(W, par, gpu, "eager")

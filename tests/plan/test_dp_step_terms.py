@@ -1,4 +1,4 @@
-"""The data-parallel step's synchronisations (plan/bench_dp.py, issue 10 item 5): the per-step gradient
+"""The data-parallel step's synchronisations (calibrate/dp_step.py, issue 10 item 5): the per-step gradient
 collectives at the in-step time bench measured after a backward's compute, the trainer's one-number
 collectives per step (which training's ledger records byte for byte, tests/observe/test_report.py), and
 the tied embedding's gradient swapped both ways at once. Hand-computed on the debug model (1,115,264
@@ -6,23 +6,20 @@ parameters: fp32 gradients of 4,461,056 B)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from pentatron.models.registry import get_model_config
 from pentatron.plan.comm import STEP_SCALARS_WHERE, TIED_WHERE, Group, collective_time, p2p_time
-from pentatron.plan.hardware import get_gpu, hardware_from_dict
+from pentatron.plan.hardware import get_gpu, hardware_from_dict, with_profile
 from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.timing import step_time
 
 H100 = get_gpu("h100")
 W = Workload(get_model_config("debug"), 64, 8)
 FLAT = ((4096.0, 1e9), (4.0 * 2**20, 1e9))  # 1 GB/s bus bandwidth at every size
-BASE = dataclasses.replace(H100, measured_busbw={"all_reduce": FLAT, "all_gather": FLAT, "reduce_scatter": FLAT})
+BASE = with_profile(H100, busbw={"all_reduce": FLAT, "all_gather": FLAT, "reduce_scatter": FLAT})
 # in-step gradient all-reduce: 1 ms at 256 KiB, 2 ms at 1 MiB, 5 ms at 4 MiB; a scalar 0.25 ms
-DPS = dataclasses.replace(BASE, dp_collective=((2.0**18, 1e-3), (2.0**20, 2e-3), (2.0**22, 5e-3)),
-                          scalar_collective_s=2.5e-4)
+DPS = with_profile(BASE, dp_collective=((2.0**18, 1e-3), (2.0**20, 2e-3), (2.0**22, 5e-3)), scalar_collective_s=2.5e-4)
 DP = Group("dp_cp", 2, 2, 1)
 GRADS = 1_115_264 * 4
 
@@ -108,7 +105,7 @@ def test_gradient_collectives_read_the_in_step_measurement():
 
 
 def test_the_tied_gradient_swap_reads_the_measured_exchange():
-    ex = dataclasses.replace(H100, measured_busbw={"p2p": ((1024.0, 2e9), (2.0**22, 2e9)),
+    ex = with_profile(H100, busbw={"p2p": ((1024.0, 2e9), (2.0**22, 2e9)),
                                                    "exchange": ((1024.0, 1e9), (2.0**22, 1e9))})
     assert p2p_time(ex, 2**21, False) == pytest.approx(2**21 / 2e9)
     assert p2p_time(ex, 2**21, False, both_ways=True) == pytest.approx(2**21 / 1e9)
@@ -118,7 +115,7 @@ def test_the_tied_gradient_swap_reads_the_measured_exchange():
     (t,) = [c for c in st.collectives if c.where == TIED_WHERE]
     assert t.payload == 4096 * 128 * 4 and st.tied_grads == pytest.approx(4096 * 128 * 4 / 1e9)
     # our eager swap also packs the 2 MiB piece and adds the peer's back: 5 passes at the in-step rate
-    cpu = dataclasses.replace(ex, measured_stream_bw=((2.0**20, 5e9), (2.0**22, 5e9)))
+    cpu = with_profile(ex, stream_bw=((2.0**20, 5e9), (2.0**22, 5e9)))
     eager = step_time(W, pp2, cpu, kernels="eager")
     assert eager.tied_grads == pytest.approx(2**21 / 1e9 + 5 * 2**21 / 5e9)
 
@@ -128,8 +125,8 @@ def test_profile_table_parses_and_names_what_is_missing():
                                                  "collective_us": [5000, 1000], "scalar_us": 250,
                                                  "compute_us": 10000}}
     g = hardware_from_dict(d)
-    assert [b for b, _ in g.dp_collective] == [262144, 4194304]  # sorted by size
-    assert [t for _, t in g.dp_collective] == pytest.approx([1e-3, 5e-3])
-    assert g.scalar_collective_s == pytest.approx(2.5e-4)
+    assert [b for b, _ in g.profile.dp_collective] == [262144, 4194304]  # sorted by size
+    assert [t for _, t in g.profile.dp_collective] == pytest.approx([1e-3, 5e-3])
+    assert g.profile.scalar_collective_s == pytest.approx(2.5e-4)
     with pytest.raises(ValueError, match="dp_step needs"):
         hardware_from_dict({"name": "x", "base": "h100", "dp_step": {"collective_bytes": [1]}})

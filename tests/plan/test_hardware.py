@@ -2,7 +2,15 @@ from __future__ import annotations
 
 import pytest
 
-from pentatron.plan.hardware import GiB, detect_gpu, get_gpu, gpu_names, hardware_from_dict, load_hardware_toml
+from pentatron.plan.hardware import (
+    GiB,
+    detect_gpu,
+    get_gpu,
+    gpu_names,
+    hardware_from_dict,
+    load_hardware_toml,
+    with_profile,
+)
 
 
 def test_catalogue_entries_are_sane():
@@ -71,16 +79,15 @@ def test_missing_or_invalid_file(tmp_path):
 
 
 def test_stream_bandwidth_reads_the_measured_copy_curve_by_size():
-    import dataclasses
 
     from pentatron.plan.hardware import get_gpu
     h100 = get_gpu("h100")
-    assert h100.stream_bandwidth(1e6) == 3350e9 * 0.90  # no curve: nominal HBM x efficiency
-    assert h100.stream_bandwidth(1e6, efficiency=False) == 3350e9
-    cpu = dataclasses.replace(h100, measured_copy_bw=((2**16, 20e9), (2**20, 10e9), (2**26, 2e9)))
-    assert cpu.stream_bandwidth(2**16) == 20e9 and cpu.stream_bandwidth(2**30) == 2e9  # clamped
-    assert cpu.stream_bandwidth(2**18) == 20e9 - (10e9 * 2 / 4)  # halfway in log(size): 15 GB/s
-    assert cpu.stream_bandwidth(2**18, efficiency=False) == 15e9  # measured: no extra efficiency
+    assert h100.speeds.stream_bandwidth(1e6) == 3350e9 * 0.90  # no curve: nominal HBM x efficiency
+    assert h100.speeds.stream_bandwidth(1e6, efficiency=False) == 3350e9
+    cpu = with_profile(h100, copy_bw=((2**16, 20e9), (2**20, 10e9), (2**26, 2e9)))
+    assert cpu.speeds.stream_bandwidth(2**16) == 20e9 and cpu.speeds.stream_bandwidth(2**30) == 2e9  # clamped
+    assert cpu.speeds.stream_bandwidth(2**18) == 20e9 - (10e9 * 2 / 4)  # halfway in log(size): 15 GB/s
+    assert cpu.speeds.stream_bandwidth(2**18, efficiency=False) == 15e9  # measured: no extra efficiency
 
 
 def test_copy_curve_round_trips_through_a_profile(tmp_path):
@@ -89,7 +96,7 @@ def test_copy_curve_round_trips_through_a_profile(tmp_path):
     p.write_text('[gpu]\nname = "c"\npeak_tflops = { fp32 = 0.1 }\nhbm_gib = 8\nhbm_bandwidth_gb_s = 3\n'
                  'intra_node_bandwidth_gb_s = 1\ninter_node_bandwidth_gb_s = 1\n'
                  '[gpu.copy_bw]\nbytes = [1048576, 16384]\ngb_s = [10, 20]\n')
-    assert load_hardware_toml(p).measured_copy_bw == ((16384.0, 20e9), (1048576.0, 10e9))
+    assert load_hardware_toml(p).profile.copy_bw == ((16384.0, 20e9), (1048576.0, 10e9))
 
 
 @pytest.mark.parametrize(("dtype", "a", "k0", "sweep"), [
@@ -117,12 +124,12 @@ def test_gemm_small_k_efficiency(dtype, a, k0, sweep):
 def test_gpu_bench_profile_reproduces_its_own_gemm():
     """A GPU bench profile keeps the datasheet peak and sets matmul_efficiency so that the planner's GEMM
     at bench's shape runs at the measured rate (the shape's waves and small-k loss are not charged twice)."""
-    from pentatron.plan.bench import GPU_GEMM_N, BenchResult, profile_dict
-    from pentatron.plan.hardware import hardware_from_dict
+    from pentatron.calibrate.bench import GPU_GEMM_N, BenchResult, profile_dict
+    from pentatron.plan.hardware import hardware_from_data
     from pentatron.plan.timing import KERNEL_OVERHEAD, gemm_time
     measured = 700e12
     r = BenchResult("cuda", "NVIDIA H100 80GB HBM3", 8, "nccl", {"bf16": measured, "tf32": 350e12}, 3.0e12, 80 * 2**30)
-    prof = hardware_from_dict(profile_dict(r)["gpu"])
+    prof = hardware_from_data(profile_dict(r), "bench")
     n = GPU_GEMM_N
     t = gemm_time(prof, n, n, n, prof.flops("bf16"), 2) - KERNEL_OVERHEAD
     assert prof.peak_flops["bf16"] == pytest.approx(989.4e12)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from pentatron.models.registry import get_model_config
-from pentatron.plan.hardware import get_gpu
+from pentatron.plan.hardware import get_gpu, with_profile
 from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.memory import FRAGMENTATION, RUNTIME_RESERVED, memory_per_gpu
 from pentatron.plan.search import predict
@@ -15,8 +15,7 @@ from pentatron.plan.timing import layer_phase, stage_phases, step_time
 
 H100 = get_gpu("h100")
 W = Workload(get_model_config("debug"), 64, 8)  # 4 layers, tied embeddings
-HOST = dataclasses.replace(H100, host_layer_s=(1e-3, 2e-3), host_ends_s=(3e-3, 4e-3),
-                           host_optimizer_per_tensor_s=1e-4)
+HOST = with_profile(H100, host_layer_s=(1e-3, 2e-3), host_ends_s=(3e-3, 4e-3), host_optimizer_per_tensor_s=1e-4)
 
 
 def test_host_work_per_layer_and_ends():

@@ -1,4 +1,4 @@
-"""The pipeline's hop between stages as a step meets it (plan/bench_pp.py, issue 10 item 5): on a CPU
+"""The pipeline's hop between stages as a step meets it (calibrate/pp_step.py, issue 10 item 5): on a CPU
 profile that measured it, a pipeline send inside the node costs bench's in-step swap time by message
 bytes instead of the ping-pong curve's one-way time. Hand-computed on the debug model (hidden 128, fp32:
 a micro-batch of 64 tokens sends 32,768 B)."""
@@ -11,16 +11,16 @@ import pytest
 
 from pentatron.models.registry import get_model_config
 from pentatron.plan.comm import p2p_time, pp_hop_time
-from pentatron.plan.hardware import get_gpu, hardware_from_dict
+from pentatron.plan.hardware import get_gpu, hardware_from_dict, with_profile
 from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.timing import pipeline_makespan, step_time
 
 H100 = get_gpu("h100")
 W = Workload(get_model_config("debug"), 64, 8)
 FLAT = ((4096.0, 1e9), (4.0 * 2**20, 1e9))  # the ping-pong: 1 GB/s one way at every size
-BASE = dataclasses.replace(H100, measured_busbw={"p2p": FLAT})
+BASE = with_profile(H100, busbw={"p2p": FLAT})
 # in-step hop: 0.4 ms at 4 KiB, 0.9 ms at 32 KiB, 1.2 ms at 256 KiB, 1.5 ms at 1 MiB
-PPS = dataclasses.replace(BASE, pp_hop=((4096.0, 4e-4), (32768.0, 9e-4), (262144.0, 1.2e-3), (2.0**20, 1.5e-3)))
+PPS = with_profile(BASE, pp_hop=((4096.0, 4e-4), (32768.0, 9e-4), (262144.0, 1.2e-3), (2.0**20, 1.5e-3)))
 PP2 = Layout(dp=1, pp=2, micro_batch=1, precision="fp32")
 
 
@@ -57,8 +57,8 @@ def test_the_pipeline_pays_the_measured_hop_between_its_stages():
 def test_profile_table_parses_and_names_what_is_missing():
     g = hardware_from_dict({"name": "x", "base": "h100",
                             "pp_step": {"hop_bytes": [262144, 4096], "hop_us": [1200, 400], "compute_us": 5000}})
-    assert [b for b, _ in g.pp_hop] == [4096, 262144]  # sorted by size
-    assert [t for _, t in g.pp_hop] == pytest.approx([4e-4, 1.2e-3])
+    assert [b for b, _ in g.profile.pp_hop] == [4096, 262144]  # sorted by size
+    assert [t for _, t in g.profile.pp_hop] == pytest.approx([4e-4, 1.2e-3])
     with pytest.raises(ValueError, match="pp_step needs"):
         hardware_from_dict({"name": "x", "base": "h100", "pp_step": {"hop_bytes": [4096], "hop_us": [0]}})
     with pytest.raises(ValueError, match="pp_step needs"):

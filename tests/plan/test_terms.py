@@ -11,7 +11,7 @@ import pytest
 
 from pentatron.models.config import ModelConfig
 from pentatron.models.registry import get_model_config
-from pentatron.plan.comm import Collective, Group, bus_bandwidth, collective_time, dp_collectives
+from pentatron.plan.comm import Collective, Group, Traffic, bus_bandwidth, collective_time, dp_collectives
 from pentatron.plan.flops import flop_breakdown, recompute_flops_per_token
 from pentatron.plan.fp8_rowwise import rowwise_seconds
 from pentatron.plan.hardware import get_gpu
@@ -113,7 +113,8 @@ def test_zero3_gathers_and_reduces_layer_by_layer():
 
 
 def _coll(op: str, t: float) -> Collective:
-    return Collective("dp_cp", op, 1.0, 1.0, t, "", 1.0)
+    kind = Traffic.ZERO3_PARAMETERS if op == "all_gather" else Traffic.ZERO3_GRADIENTS
+    return Collective("dp_cp", op, 1.0, 1.0, t, kind, 1.0)
 
 
 @pytest.mark.parametrize(("tg", "trs", "expected"), [

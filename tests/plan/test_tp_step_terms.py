@@ -1,4 +1,4 @@
-"""The tensor-parallel step terms of a `pentatron bench` CPU profile (plan/bench_tp.py, issue 10 item 5):
+"""The tensor-parallel step terms of a `pentatron bench` CPU profile (calibrate/tp_step.py, issue 10 item 5):
 host work per TP layer and per vocab-parallel ends, and each tp collective at the in-step all-reduce
 time bench measured by size (log-linear between sizes, the curve's increment beyond the largest).
 Hand-computed on the debug model at seq 64, micro-batch 4, fp32: one activation is 256 tokens x 128 x
@@ -12,18 +12,18 @@ import pytest
 
 from pentatron.models.registry import get_model_config
 from pentatron.plan.comm import Group, collective_time
-from pentatron.plan.hardware import get_gpu, hardware_from_dict
+from pentatron.plan.hardware import get_gpu, hardware_from_dict, with_profile
 from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.timing import layer_phase, stage_phases
 
 W = Workload(get_model_config("debug"), 64, 8)
 TP2 = Layout(dp=1, tp=2, micro_batch=4, precision="fp32")
 FLAT = ((4096.0, 1e9), (4.0 * 2**20, 1e9))  # 1 GB/s bus bandwidth at every size
-BASE = dataclasses.replace(get_gpu("h100"), measured_busbw={"all_reduce": FLAT, "all_gather": FLAT},
-                           host_layer_s=(1e-4, 2e-4), host_ends_s=(3e-4, 4e-4))
+BASE = with_profile(get_gpu("h100"), busbw={"all_reduce": FLAT, "all_gather": FLAT},
+                    host_layer_s=(1e-4, 2e-4), host_ends_s=(3e-4, 4e-4))
 # in-step all-reduce: 1 ms at 4 KiB, 2 ms at 256 KiB (log-linear: 128 KiB is 5/6 of the way, 1.8333 ms)
-TPS = dataclasses.replace(BASE, host_tp_layer_s=(5e-4, 6e-4), host_tp_ends_s=(7e-4, 8e-4),
-                          tp_collective=((4096.0, 1e-3), (262144.0, 2e-3)))
+TPS = with_profile(BASE, host_tp_layer_s=(5e-4, 6e-4), host_tp_ends_s=(7e-4, 8e-4),
+                   tp_collective=((4096.0, 1e-3), (262144.0, 2e-3)))
 AR = 1e-3 + 5 / 6 * 1e-3  # the 131,072 B activation all-reduce in the step
 TP_GROUP, DP_GROUP = Group("tp", 2, 2, 1), Group("dp", 2, 2, 1)
 
@@ -42,9 +42,9 @@ def test_tp_collective_is_the_in_step_time_by_size():
 
 
 def test_host_terms_switch_to_the_tp_measurement_only_under_tp():
-    assert TPS.host_layer(1) == (1e-4, 2e-4) and TPS.host_ends(1) == (3e-4, 4e-4)
-    assert TPS.host_layer(2) == (5e-4, 6e-4) and TPS.host_ends(2) == (7e-4, 8e-4)
-    assert BASE.host_layer(2) == (1e-4, 2e-4)  # not measured: the plain layer's
+    assert TPS.speeds.host_layer(1) == (1e-4, 2e-4) and TPS.speeds.host_ends(1) == (3e-4, 4e-4)
+    assert TPS.speeds.host_layer(2) == (5e-4, 6e-4) and TPS.speeds.host_ends(2) == (7e-4, 8e-4)
+    assert BASE.speeds.host_layer(2) == (1e-4, 2e-4)  # not measured: the plain layer's
 
 
 def test_tp_layer_and_ends_carry_the_measured_terms():
@@ -67,9 +67,9 @@ def test_tp_layer_and_ends_carry_the_measured_terms():
 
 def test_sharing_leaves_the_tp_step_alone():
     # measured with every process busy: the node's sharing is already in it
-    shared = dataclasses.replace(TPS, gpus_per_node=2, node_slowdown={"host": 2.0}).sharing(2)
-    assert shared.host_layer(1) == pytest.approx((2e-4, 4e-4))
-    assert shared.host_layer(2) == (5e-4, 6e-4) and shared.tp_collective == TPS.tp_collective
+    shared = with_profile(dataclasses.replace(TPS, gpus_per_node=2), node_slowdown={"host": 2.0}).sharing(2)
+    assert shared.speeds.host_layer(1) == pytest.approx((2e-4, 4e-4))
+    assert shared.speeds.host_layer(2) == (5e-4, 6e-4) and shared.profile.tp_collective == TPS.profile.tp_collective
 
 
 def test_profile_table_parses_and_names_what_is_missing():
@@ -77,8 +77,9 @@ def test_profile_table_parses_and_names_what_is_missing():
                                                  "ends_bwd_us": 800, "collective_bytes": [262144, 4096],
                                                  "collective_us": [2000, 1000]}}
     g = hardware_from_dict(d)
-    assert g.host_tp_layer_s == pytest.approx((5e-4, 6e-4)) and g.host_tp_ends_s == pytest.approx((7e-4, 8e-4))
-    assert [b for b, _ in g.tp_collective] == [4096, 262144]  # sorted by size
-    assert [t for _, t in g.tp_collective] == pytest.approx([1e-3, 2e-3])
+    assert g.profile.host_tp_layer_s == pytest.approx((5e-4, 6e-4))
+    assert g.profile.host_tp_ends_s == pytest.approx((7e-4, 8e-4))
+    assert [b for b, _ in g.profile.tp_collective] == [4096, 262144]  # sorted by size
+    assert [t for _, t in g.profile.tp_collective] == pytest.approx([1e-3, 2e-3])
     with pytest.raises(ValueError, match="tp_step needs"):
         hardware_from_dict({"name": "x", "base": "h100", "tp_step": {"layer_fwd_us": 1}})

@@ -106,15 +106,12 @@ def planner_layout(c: Any, world_size: int, device: str) -> tuple[Any, Any]:
 
 def _hardware(info: dict[str, Any], profile: Path | None) -> tuple[Any, str, bool]:
     """(GPUSpec, where it came from, whether it describes this run's machine)."""
-    from pentatron.plan.hardware import detect_gpu, get_gpu, hardware_from_dict, load_hardware_toml
+    from pentatron.plan.hardware import detect_gpu, get_gpu, load_hardware_toml
 
     if profile is not None:
         if not profile.is_file():
             raise ReportError(f"hardware profile {profile} does not exist (write one with `pentatron bench`)")
-        if profile.suffix == ".json":
-            data = json.loads(profile.read_text())
-            return hardware_from_dict(data.get("gpu", data), where=str(profile)), f"profile {profile}", True
-        return load_hardware_toml(profile), f"profile {profile}", True
+        return load_hardware_toml(profile), f"profile {profile}", True  # TOML or JSON
     if info.get("device") == "cuda":
         spec = detect_gpu(info.get("device_name", ""))
         if spec is not None:

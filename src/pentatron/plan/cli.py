@@ -1,6 +1,6 @@
-"""`pentatron plan` and `pentatron bench` sub-commands (registered by the top-level `pentatron.cli`).
+"""`pentatron plan` sub-command (registered by the top-level `pentatron.cli`).
 
-Exit codes: 0 a prediction was printed; 1 nothing fits / --verify disagreed beyond 2% / bench failed;
+Exit codes: 0 a prediction was printed; 1 nothing fits / --verify disagreed beyond 2%;
 2 bad input (one line on stderr naming the flag, no traceback).
 """
 
@@ -138,21 +138,6 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_plan)
 
 
-def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "bench", help="measure this machine (matmul, memory, collectives) into a hardware profile",
-        description="Measure matmul FLOP/s, memory-copy bandwidth and all-reduce / all-gather / "
-                    "reduce-scatter bus bandwidth by message size over N local processes (gloo on CPU, "
-                    "NCCL on GPU), and write a profile for `pentatron plan --hardware-profile`.")
-    p.add_argument("--nproc", type=int, default=None, help="local processes (default: 2 on CPU, all GPUs)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--out", default="hardware-profile.toml", help="profile to write (.toml or .json)")
-    p.add_argument("--max-bytes", default=None, help="largest collective message (default 1M CPU, 256M GPU)")
-    p.add_argument("--seconds", type=float, default=0.1, help="time budget per measurement (default 0.1)")
-    p.add_argument("--json", action="store_true", help="also print the measurements as JSON")
-    p.set_defaults(func=run_bench)
-
-
 # ---------------------------------------------------------------- plan
 def _model(args: argparse.Namespace) -> tuple[Any, Any]:
     from pentatron.models.config import ModelConfig
@@ -231,10 +216,7 @@ def _hardware(args: argparse.Namespace) -> Any:
     if args.hardware and args.hardware_profile:
         raise InputError("give --hardware or --hardware-profile, not both")
     try:
-        if path:
-            gpu = _load_profile(path) if path.endswith(".json") else load_hardware_toml(path)
-        else:
-            gpu = get_gpu(args.gpu)
+        gpu = load_hardware_toml(path) if path else get_gpu(args.gpu)  # a bench profile: TOML or JSON
     except KeyError as e:
         raise InputError(f"--gpu: {e.args[0]}") from None
     except ValueError as e:
@@ -244,18 +226,6 @@ def _hardware(args: argparse.Namespace) -> Any:
             raise InputError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
         gpu = with_overrides(gpu, gpus_per_node=args.gpus_per_node)
     return gpu
-
-
-def _load_profile(path: str) -> Any:
-    from pentatron.plan.hardware import hardware_from_dict
-
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ValueError(f"hardware file {path!r} not found") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"hardware file {path!r}: invalid JSON: {e}") from None
-    return hardware_from_dict(data.get("gpu", data), where=path)
 
 
 def _workload(args: argparse.Namespace, cfg: Any, moe: Any) -> Any:
@@ -469,32 +439,3 @@ def _requested_layout(fixed: dict[str, Any], gpus: int, w: Any) -> Any:
                   fp8_scaling=fixed.get("fp8_scaling", "tensorwise"),
                   cross_entropy=fixed.get("cross_entropy", "eager"),
                   cp_mode=fixed.get("cp_mode", "ring"), cp_ulysses=fixed.get("cp_ulysses", 1))
-
-
-# ---------------------------------------------------------------- bench
-def run_bench(args: argparse.Namespace) -> int:
-    from pentatron.plan.bench import BenchError, run_benchmarks, write_profile
-
-    try:
-        max_bytes = parse_count(args.max_bytes, "--max-bytes") if args.max_bytes else None
-        if args.nproc is not None and args.nproc < 1:
-            raise InputError(f"--nproc must be >= 1, got {args.nproc}")
-        if args.seconds <= 0:
-            raise InputError(f"--seconds must be > 0, got {args.seconds}")
-        if not str(args.out).endswith((".toml", ".json")):
-            raise InputError(f"--out {args.out!r} must end in .toml or .json")
-    except InputError as e:
-        return _fail("bench", str(e))
-    try:
-        result = run_benchmarks(device=args.device, nproc=args.nproc, max_bytes=max_bytes, seconds=args.seconds)
-    except BenchError as e:
-        return _fail("bench", str(e))
-    except RuntimeError as e:  # a worker died: a failure, not an input error
-        print(f"pentatron bench: failed: {e}", file=sys.stderr)
-        return 1
-    path = write_profile(result, args.out)
-    print(result.summary())
-    print(f"profile written to {path} (use: pentatron plan --hardware-profile {path})")
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    return 0

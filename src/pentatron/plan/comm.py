@@ -6,16 +6,17 @@ rank sends on the wire under NCCL's bandwidth-optimal ring, all-reduce 2(n-1)/n 
 reduce-scatter (n-1)/n S, all-to-all (n-1)/n S, send S. Time = steps * alpha + wire bytes / bus
 bandwidth, where bus bandwidth is NVLink inside a node or, for a group spread over nodes with k of
 its ranks per node, min(NVLink, k * per-GPU NIC) (rail-optimised nodes: one NIC per GPU), both times
-`collective_efficiency`; a `pentatron bench` profile replaces the link model by measured curves.
+`collective_efficiency`; a `pentatron bench` profile replaces the link model by measured curves. The
+seconds come from the hardware's speeds (`GPUSpec.speeds`, plan/speeds.py); each collective carries a
+typed `Traffic` kind that the time model dispatches on.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from enum import Enum
 
-from pentatron.distributed.ring import ring_bytes
 from pentatron.plan.context import (
     CpLayerCost,
     allgather_exposure,
@@ -26,21 +27,13 @@ from pentatron.plan.context import (
     layer_cost,
 )
 from pentatron.plan.flops import MoESpec
-from pentatron.plan.hardware import GPUSpec, interp_log
+from pentatron.plan.hardware import GPUSpec
 from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, nodes_spanned
 from pentatron.plan.memory import act_bytes
+from pentatron.plan.speeds import Group, wire_bytes
 
-
-@dataclass(frozen=True)
-class Group:
-    dim: str
-    size: int
-    per_node: int  # ranks of this group inside one node
-    nodes: int
-
-    @property
-    def crosses_nodes(self) -> bool:
-        return self.nodes > 1
+__all__ = ["Collective", "Group", "LayerComm", "Traffic", "collective_time", "dp_in_step_time", "group_of",
+           "layer_comm", "p2p_time", "pp_hop_time", "scalar_time", "step_collectives", "wire_bytes"]
 
 
 def group_of(lay: Layout, dim: str, gpu: GPUSpec) -> Group:
@@ -61,116 +54,68 @@ def group_of(lay: Layout, dim: str, gpu: GPUSpec) -> Group:
     return Group(dim, size, per_node, nodes)
 
 
-def wire_bytes(op: str, payload: float, n: int) -> float:
-    if op == "all_to_all":
-        return payload * (n - 1) / n if n > 1 else 0.0
-    return float(ring_bytes(op, int(payload), n))
-
-
-def _interp_busbw(table: tuple[tuple[float, float], ...], nbytes: float) -> float:
-    return interp_log(table, nbytes)
-
-
 def bus_bandwidth(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
     """Achievable bus bandwidth (bytes/s) for `op` on group `g`."""
-    key = "all_reduce" if op == "all_to_all" else op
-    if not g.crosses_nodes and key in gpu.measured_busbw:
-        return _interp_busbw(gpu.measured_busbw[key], payload)
-    if g.crosses_nodes:  # the group's ranks on a node share that node's NICs
-        nic = gpu.inter_node_bandwidth * gpu.gpus_per_node / gpu.nics
-        link = min(gpu.intra_node_bandwidth, min(g.per_node, gpu.nics) * nic)
-    else:
-        link = gpu.intra_node_bandwidth
-    busbw = link * gpu.collective_efficiency
-    if op == "all_reduce" and g.crosses_nodes and gpu.allreduce_busbw_by_nodes:
-        busbw = min(busbw, interp_log(gpu.allreduce_busbw_by_nodes, g.nodes))  # what the fabric carried
-    return busbw
+    return gpu.speeds.bus_bandwidth(op, payload, g)
 
 
 def collective_time(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
     """Seconds for one collective of `payload` bytes (the logical buffer, as in the ledger)."""
-    n = g.size
-    if n <= 1 or payload <= 0:
+    if g.size <= 1 or payload <= 0:
         return 0.0
-    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
-    measured = not g.crosses_nodes and ("all_reduce" if op == "all_to_all" else op) in gpu.measured_busbw
-    alpha = 0.0 if measured else (gpu.inter_node_latency if g.crosses_nodes else gpu.intra_node_latency)
-    beta = wire_bytes(op, payload, n) / bus_bandwidth(gpu, op, payload, g)
-    ring = steps * alpha + beta
-    if g.dim == "tp" and measured and gpu.tp_collective:
-        return in_step_time(gpu.tp_collective, gpu, op, payload, g)
-    if op == "all_reduce" and g.crosses_nodes and not measured:
-        return min(ring, tree_latency(gpu, g) + beta)
-    return ring
+    return gpu.speeds.collective(op, payload, g)
 
 
 def dp_in_step_time(gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
     """A per-step gradient collective (or the parameters' all-gather after the optimizer) as the step
-    meets it, after a backward's compute (CPU bench profiles, bench_dp.py); elsewhere the curve."""
-    if not gpu.dp_collective or g.crosses_nodes or g.size <= 1 or payload <= 0:
-        return collective_time(gpu, op, payload, g)
-    return in_step_time(gpu.dp_collective, gpu, op, payload, g)
-
-
-def in_step_time(pts: tuple[tuple[float, float], ...], gpu: GPUSpec, op: str, payload: float, g: Group) -> float:
-    """A collective as a step experiences it (CPU bench profiles: tp collectives from bench_tp.py, the
-    per-step gradient collectives from bench_dp.py): bench's in-step all-reduce seconds `pts` (by bytes)
-    read for `op` at the same bytes on the wire (an all-gather or reduce-scatter of P sends what an
-    all-reduce of P/2 does), log-linear between its sizes and the smallest's below them; beyond the
-    largest, that plus what the measured curve adds from there."""
-    per_size = 1 if op == "all_reduce" else 2  # payload per all-reduce byte sending the same
-
-    def curve(size: float) -> float:
-        p = size * per_size
-        return wire_bytes(op, p, g.size) / bus_bandwidth(gpu, op, p, g)
-
-    return measured_then_curve(pts, payload / per_size, curve)
-
-
-def measured_then_curve(pts: tuple[tuple[float, float], ...], x: float, curve: Callable[[float], float]) -> float:
-    """Seconds at `x` from measured (x, seconds) points: log-linear between them and the smallest's below
-    them; beyond the largest, its seconds plus what the model `curve` adds from there."""
-    top_x, top = pts[-1]
-    if x <= top_x:
-        return interp_log(pts, x)
-    return top + max(0.0, curve(x) - curve(top_x))
+    meets it, after a backward's compute (measured on CPU profiles, calibrate/dp_step.py)."""
+    if g.size <= 1 or payload <= 0:
+        return 0.0
+    return gpu.speeds.dp_collective(op, payload, g)
 
 
 def scalar_time(gpu: GPUSpec, op: str, nbytes: float, g: Group) -> float:
-    """One of the step's scalar collectives (`step_scalars`): bench's scalar all-reduce inside a step
-    on a CPU profile that measured it, else the collective's latency."""
+    """One of the step's scalar collectives (`step_scalars`): its latency, or the scalar all-reduce a
+    CPU profile measured inside a step."""
     if g.size <= 1:
         return 0.0
-    if gpu.scalar_collective_s and not g.crosses_nodes:
-        return gpu.scalar_collective_s
-    return collective_time(gpu, op, nbytes, g)
-
-
-def tree_latency(gpu: GPUSpec, g: Group) -> float:
-    """NCCL's tree all-reduce (chosen for small messages across nodes): a chain inside each node and a
-    binary tree across nodes, up (reduce) then down (broadcast): 2 (per_node - 1) intra-node hops and
-    2 ceil(log2 nodes) inter-node hops; at large sizes it moves the same bytes per link as the ring."""
-    return (2 * (g.per_node - 1) * gpu.intra_node_latency
-            + 2 * math.ceil(math.log2(g.nodes)) * gpu.inter_node_latency)
+    return gpu.speeds.scalar(op, nbytes, g)
 
 
 def p2p_time(gpu: GPUSpec, nbytes: float, inter_node: bool, both_ways: bool = False) -> float:
-    """One send/recv of `nbytes`: latency + bytes / link bandwidth, or inside a node the one-way time
-    `pentatron bench` measured by ping-pong (busbw "p2p": bytes / one-way seconds) when it did.
-    `both_ways`: two ranks swap `nbytes` at once; GPU links are full duplex (the one-way time), on a CPU
-    both directions share the cores (bench's "exchange" when measured: 1.6-1.9x one way here)."""
+    """One send/recv of `nbytes` (`both_ways`: two ranks swap `nbytes` at once)."""
     if nbytes <= 0:
         return 0.0
-    if both_ways and not inter_node and "exchange" in gpu.measured_busbw:
-        return nbytes / interp_log(gpu.measured_busbw["exchange"], nbytes)
-    if not inter_node and "p2p" in gpu.measured_busbw:
-        return nbytes / interp_log(gpu.measured_busbw["p2p"], nbytes)
-    if inter_node:
-        return gpu.inter_node_latency + nbytes / (gpu.inter_node_bandwidth * gpu.collective_efficiency)
-    return gpu.intra_node_latency + nbytes / (gpu.intra_node_bandwidth * gpu.collective_efficiency)
+    return gpu.speeds.p2p(nbytes, inter_node, both_ways)
 
 
 # ---------------------------------------------------------------- what a layout communicates
+class Traffic(Enum):
+    """What a collective carries, for the time model's overlap rules; the value is the report's text."""
+
+    LAYERS = "layers fwd+bwd"  # TP all-reduces of the f/g operators
+    SP_LAYERS = "layers fwd+bwd (SP)"
+    SP_REGATHER = "block inputs again in bwd (SP, sharded inputs)"
+    SP_NORMS = "norm weight gradients (SP)"
+    LOSS = "vocab-parallel loss"
+    CP_KV_GATHER = "ring attention K/V (all-gather)"
+    CP_KV = "ring attention K/V"
+    CP_DKV = "ring attention dK/dV (fp32)"
+    ULYSSES_Q = "Ulysses q in, output back"
+    ULYSSES_KV = "Ulysses k, v in"
+    MOE = "MoE dispatch/combine"
+    STAGE = "stage boundary"
+    TIED = "tied embedding gradient"
+    GRADIENTS = "gradients"
+    PARAMETERS = "updated parameters"
+    GRADIENTS_PER_MICROBATCH = "gradients per micro-batch"
+    ZERO3_GRADIENTS_PER_STEP = "gradients per layer, once per step"
+    ZERO3_PARAMETERS_PER_STEP = "parameters per layer, once per step"
+    ZERO3_GRADIENTS = "gradients per layer and micro-batch"
+    ZERO3_PARAMETERS = "parameters per layer, fwd+bwd per micro-batch"
+    SCALARS = "step scalars (loss, gradient norm, pipeline statistics)"
+
+
 @dataclass(frozen=True)
 class Collective:
     """One kind of collective issued `count` times per step by one GPU."""
@@ -180,8 +125,13 @@ class Collective:
     payload: float  # bytes per call (the logical buffer, as in the ledger)
     count: float  # calls per step on the busiest rank
     time: float  # seconds per call
-    where: str  # which phase issues it (for the report)
+    kind: Traffic  # what it carries (and which phase issues it)
     wire: float  # bytes this GPU sends per call (ledger convention)
+
+    @property
+    def where(self) -> str:
+        """The report's text for `kind`."""
+        return self.kind.value
 
     @property
     def bytes_per_step(self) -> float:
@@ -192,10 +142,10 @@ class Collective:
         return self.time * self.count
 
 
-def _coll(gpu: GPUSpec, g: Group, op: str, payload: float, count: float, where: str,
+def _coll(gpu: GPUSpec, g: Group, op: str, payload: float, count: float, kind: Traffic,
           timed: Callable[[GPUSpec, str, float, Group], float] | None = None) -> Collective:
     """`timed`: seconds per call (default `collective_time`; the in-step and scalar readings otherwise)."""
-    return Collective(g.dim, op, payload, count, (timed or collective_time)(gpu, op, payload, g), where,
+    return Collective(g.dim, op, payload, count, (timed or collective_time)(gpu, op, payload, g), kind,
                       wire_bytes(op, payload, g.size))
 
 
@@ -318,7 +268,7 @@ def pp_regather_time(w: Workload, lay: Layout, gpu: GPUSpec) -> float:
                            group_of(lay, "tp", gpu))
 
 
-LOSS_WHERE = "vocab-parallel loss"
+LOSS_WHERE = Traffic.LOSS.value
 
 
 def loss_all_reduces(tokens: float, cross_entropy: str = "eager") -> tuple[float, ...]:
@@ -337,15 +287,8 @@ def pp_hop_time(w: Workload, lay: Layout, gpu: GPUSpec) -> float:
         return 0.0
     nbytes = pp_message_bytes(w, lay)
     inter = group_of(lay, "pp", gpu).crosses_nodes
-    return (pp_in_step_hop(gpu, nbytes) if gpu.pp_hop and not inter else p2p_time(gpu, nbytes, inter)) \
-        + pp_regather_time(w, lay, gpu)
-
-
-def pp_in_step_hop(gpu: GPUSpec, nbytes: float) -> float:
-    """A pipeline hop inside the node as a step meets it (CPU bench profiles, bench_pp.py): the measured
-    swap after a micro-batch's compute, log-linear between its sizes and the smallest's below them;
-    beyond the largest, that plus what the ping-pong curve adds from there."""
-    return measured_then_curve(gpu.pp_hop, nbytes, lambda b: p2p_time(gpu, b, False))
+    hop = gpu.speeds.pp_hop(nbytes, inter) if nbytes > 0 else 0.0
+    return hop + pp_regather_time(w, lay, gpu)
 
 
 def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float, expert_params: float,
@@ -366,17 +309,17 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
         # turns each into an all-gather and a reduce-scatter (one forward, the other backward)
         per_mb = (2 + 2 + 2 * recompute_fwd) * layers_on_rank + (1 if first else 0) + (1 if last else 0)
         if lay.sp:
-            out.append(_coll(gpu, g, "all_gather", act, m * per_mb, SP_LAYERS_WHERE))
+            out.append(_coll(gpu, g, "all_gather", act, m * per_mb, Traffic.SP_LAYERS))
             if lay.sp_inputs == "sharded":
-                out.append(_coll(gpu, g, "all_gather", act, m * 2 * layers_on_rank, SP_REGATHER_WHERE))
-            out.append(_coll(gpu, g, "reduce_scatter", act, m * per_mb, SP_LAYERS_WHERE))
+                out.append(_coll(gpu, g, "all_gather", act, m * 2 * layers_on_rank, Traffic.SP_REGATHER))
+            out.append(_coll(gpu, g, "reduce_scatter", act, m * per_mb, Traffic.SP_LAYERS))
             norms = 2 * layers_on_rank + (1 if last else 0)
-            out.append(_coll(gpu, g, "all_reduce", sp_norm_grad_bytes(w, lay), m * norms, SP_NORMS_WHERE))
+            out.append(_coll(gpu, g, "all_reduce", sp_norm_grad_bytes(w, lay), m * norms, Traffic.SP_NORMS))
         else:
-            out.append(_coll(gpu, g, "all_reduce", act, m * per_mb, "layers fwd+bwd"))
+            out.append(_coll(gpu, g, "all_reduce", act, m * per_mb, Traffic.LAYERS))
         if last and lay.cross_entropy != "fused":
             loss = loss_all_reduces(tokens, lay.cross_entropy)
-            out.append(_coll(gpu, g, "all_reduce", sum(loss) / len(loss), m * len(loss), LOSS_WHERE))
+            out.append(_coll(gpu, g, "all_reduce", sum(loss) / len(loss), m * len(loss), Traffic.LOSS))
     if lay.cp > 1:
         u, r = cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)
         fwd = cp_forward_passes(lay.recompute)
@@ -384,33 +327,33 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
             g = group_of(lay, "cp_ring", gpu)
             kv_all, dkv = cp_allgather_payloads(w, lay)
             out.append(replace(_coll(gpu, g, "all_gather", kv_all, m * layers_on_rank * (fwd + 1),
-                                     "ring attention K/V (all-gather)"), dim="cp"))
+                                     Traffic.CP_KV_GATHER), dim="cp"))
             out.append(Collective("cp", "send", dkv, m * layers_on_rank * r, p2p_time(gpu, dkv, g.crosses_nodes),
-                                  "ring attention dK/dV (fp32)", dkv))
+                                  Traffic.CP_DKV, dkv))
         elif r > 1:  # forward r-1 K/V blocks; backward r-1 K/V blocks and r passes of the fp32 dK/dV
             kv, dkv = _ring_block(w, lay), _ring_dkv_block(w, lay)
             g = group_of(lay, "cp_ring", gpu)
             calls = m * layers_on_rank * (r - 1) * (fwd + 1)
-            out.append(Collective("cp", "send", kv, calls, p2p_time(gpu, kv, g.crosses_nodes), "ring attention K/V",
+            out.append(Collective("cp", "send", kv, calls, p2p_time(gpu, kv, g.crosses_nodes), Traffic.CP_KV,
                                   kv))
             out.append(Collective("cp", "send", dkv, m * layers_on_rank * r, p2p_time(gpu, dkv, g.crosses_nodes),
-                                  "ring attention dK/dV (fp32)", dkv))
+                                  Traffic.CP_DKV, dkv))
         if u > 1:  # 4 all-to-alls per layer forward (q, k, v in; out back) and 4 backward
             g = group_of(lay, "cp_ulysses", gpu)
             q, kv = _ulysses_payloads(w, lay)
             per = m * layers_on_rank * (fwd + 1)
-            out.append(replace(_coll(gpu, g, "all_to_all", q, 2 * per, "Ulysses q in, output back"), dim="cp"))
-            out.append(replace(_coll(gpu, g, "all_to_all", kv, 2 * per, "Ulysses k, v in"), dim="cp"))
+            out.append(replace(_coll(gpu, g, "all_to_all", q, 2 * per, Traffic.ULYSSES_Q), dim="cp"))
+            out.append(replace(_coll(gpu, g, "all_to_all", kv, 2 * per, Traffic.ULYSSES_KV), dim="cp"))
     moe = w.moe_spec
     if lay.ep > 1 and moe is not None and moe_layers_on_rank:
         g = group_of(lay, "ep", gpu)
         routed = tokens * moe.top_k * cfg.hidden_size * a
-        out.append(_coll(gpu, g, "all_to_all", routed, m * moe_layers_on_rank * 4, "MoE dispatch/combine"))
+        out.append(_coll(gpu, g, "all_to_all", routed, m * moe_layers_on_rank * 4, Traffic.MOE))
     if lay.pp > 1:
         msg = pp_message_bytes(w, lay)
         g = group_of(lay, "pp", gpu)
         sends = m * lay.pp_virtual * 2 - (m if first else 0) - (m if last else 0)
-        out.append(Collective("pp", "send", msg, sends, p2p_time(gpu, msg, g.crosses_nodes), "stage boundary", msg))
+        out.append(Collective("pp", "send", msg, sends, p2p_time(gpu, msg, g.crosses_nodes), Traffic.STAGE, msg))
     if lay.pp > 1 and cfg.tie_embeddings and (first or last):
         # the first and the last stage hold a copy of the tied embedding: after the DP reduction they
         # swap its (ZeRO-owned piece of the) gradient and add (parallel/data.sync_tied_grads; Megatron
@@ -418,7 +361,7 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
         tied = tied_grad_bytes(cfg.vocab_size * cfg.hidden_size / lay.tp, lay)
         g = group_of(lay, "pp", gpu)
         out.append(Collective("pp", "send", tied, 1, p2p_time(gpu, tied, g.crosses_nodes, both_ways=True),
-                              TIED_WHERE, tied))
+                              Traffic.TIED, tied))
     out += dp_collectives(lay, gpu, dense_params, "dp_cp", m, a, layers_on_rank)
     if expert_params:
         out += dp_collectives(lay, gpu, expert_params, "edp", m, a, max(1, moe_layers_on_rank))
@@ -426,7 +369,7 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
     return out + step_scalars(lay, gpu, moe_layers_on_rank, n_experts)
 
 
-STEP_SCALARS_WHERE = "step scalars (loss, gradient norm, pipeline statistics)"
+STEP_SCALARS_WHERE = Traffic.SCALARS.value
 
 
 def step_scalars(lay: Layout, gpu: GPUSpec, moe_layers: int = 0, n_experts: int = 0) -> list[Collective]:
@@ -444,7 +387,7 @@ def step_scalars(lay: Layout, gpu: GPUSpec, moe_layers: int = 0, n_experts: int 
     def add(dim: str, op: str, nbytes: float, count: int) -> None:
         g = group_of(lay, dim, gpu)
         if g.size > 1:
-            out.append(_coll(gpu, g, op, nbytes, count, STEP_SCALARS_WHERE, scalar_time))
+            out.append(_coll(gpu, g, op, nbytes, count, Traffic.SCALARS, scalar_time))
 
     add("dp_cp", "all_reduce", 4, 2 if lay.zero >= 1 else 1)  # the loss; the norm of the shards
     if moe_layers:
@@ -461,10 +404,11 @@ def step_scalars(lay: Layout, gpu: GPUSpec, moe_layers: int = 0, n_experts: int 
     return out
 
 
-TIED_WHERE = "tied embedding gradient"
-SP_REGATHER_WHERE = "block inputs again in bwd (SP, sharded inputs)"
-SP_LAYERS_WHERE = "layers fwd+bwd (SP)"
-SP_NORMS_WHERE = "norm weight gradients (SP)"
+# the report's texts of some kinds (what tests and readers of `Collective.where` compare against)
+TIED_WHERE = Traffic.TIED.value
+SP_REGATHER_WHERE = Traffic.SP_REGATHER.value
+SP_LAYERS_WHERE = Traffic.SP_LAYERS.value
+SP_NORMS_WHERE = Traffic.SP_NORMS.value
 
 
 def tied_grad_bytes(params: float, lay: Layout) -> float:
@@ -487,24 +431,24 @@ def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a
         return []
     grads, weights = params * lay.grad_bytes, params * a
 
-    def after_compute(op: str, payload: float, count: float, where: str) -> Collective:
+    def after_compute(op: str, payload: float, count: float, kind: Traffic) -> Collective:
         """Issued after a backward (or the optimizer): as the step meets it (`dp_in_step_time`)."""
-        return _coll(gpu, g, op, payload, count, where, dp_in_step_time)
+        return _coll(gpu, g, op, payload, count, kind, dp_in_step_time)
 
     if lay.zero == 0:
-        return [after_compute("all_reduce", grads, 1, "gradients")]
+        return [after_compute("all_reduce", grads, 1, Traffic.GRADIENTS)]
     if lay.zero == 1:
-        return [after_compute(lay.zero1_reduce, grads, 1, "gradients"),
-                after_compute("all_gather", weights, 1, "updated parameters")]
+        return [after_compute(lay.zero1_reduce, grads, 1, Traffic.GRADIENTS),
+                after_compute("all_gather", weights, 1, Traffic.PARAMETERS)]
     if lay.zero == 2:
-        return [after_compute("reduce_scatter", grads, m, "gradients per micro-batch"),
-                after_compute("all_gather", weights, 1, "updated parameters")]
+        return [after_compute("reduce_scatter", grads, m, Traffic.GRADIENTS_PER_MICROBATCH),
+                after_compute("all_gather", weights, 1, Traffic.PARAMETERS)]
     n = max(1, layers)
     if lay.pp > 1 and lay.zero3_gather == "step":  # the stage stays gathered for the whole step
-        return [_coll(gpu, g, "reduce_scatter", grads / n, n, "gradients per layer, once per step"),
-                _coll(gpu, g, "all_gather", weights / n, n, "parameters per layer, once per step")]
-    return [_coll(gpu, g, "reduce_scatter", grads / n, m * n, "gradients per layer and micro-batch"),
-            _coll(gpu, g, "all_gather", weights / n, 2 * m * n, "parameters per layer, fwd+bwd per micro-batch")]
+        return [_coll(gpu, g, "reduce_scatter", grads / n, n, Traffic.ZERO3_GRADIENTS_PER_STEP),
+                _coll(gpu, g, "all_gather", weights / n, n, Traffic.ZERO3_PARAMETERS_PER_STEP)]
+    return [_coll(gpu, g, "reduce_scatter", grads / n, m * n, Traffic.ZERO3_GRADIENTS),
+            _coll(gpu, g, "all_gather", weights / n, 2 * m * n, Traffic.ZERO3_PARAMETERS)]
 
 
 def report_dim(dim: str) -> str:

@@ -1,4 +1,4 @@
-"""Measured attention rates by shape (from `pentatron bench` on a CPU, see `bench_cpu.py`) and how the
+"""Measured attention rates by shape (from `pentatron bench` on a CPU, see `cpu_kernels.py`) and how the
 planner reads them between the measured points: causal attention FLOP/s on a (sequence length, head
 dim) grid, interpolated linearly in log(rate) over log(size) (the rate changes by factors with each
 doubling, not by steps) and clamped to the grid's edges outside it; `log_grid_value` is that reading for

@@ -18,16 +18,13 @@ Overlap rules (what hides behind what):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from pentatron.plan.comm import (
-    SP_LAYERS_WHERE,
-    SP_REGATHER_WHERE,
-    STEP_SCALARS_WHERE,
-    TIED_WHERE,
     Collective,
     LayerComm,
+    Traffic,
     collective_time,
     cp_forward_passes,
     cp_layer_cost,
@@ -42,13 +39,12 @@ from pentatron.plan.comm import (
 from pentatron.plan.context import cp_degrees
 from pentatron.plan.flops import hardware_flops_per_token, layer_params, model_flops_per_token, sac_op_replayed_matmuls
 from pentatron.plan.fp8_rowwise import LN_SIGMOID_BYTES_PER_ELEMENT, rowwise_seconds
-from pentatron.plan.hardware import GPUSpec, interp_log
-from pentatron.plan.kernel_tables import attention_rate
+from pentatron.plan.hardware import GPUSpec
 from pentatron.plan.layout import Layout, Workload, chunk_layers, compute_dtype, kv_heads_per_tp_rank
-from pentatron.plan.memory import DP_BUCKET, STATE_PRECISIONS, act_bytes, rank_layers, rank_params
+from pentatron.plan.memory import DP_BUCKET, STATE_PRECISIONS, RankParams, act_bytes, rank_layers, rank_params
+from pentatron.plan.speeds import KERNEL_OVERHEAD
 from pentatron.schedules import make_schedule, simulate
 
-KERNEL_OVERHEAD = 3e-6  # per GEMM launch/tail on the GPU (seconds)
 OPTIMIZER_BYTES_PER_PARAM = 34  # AdamW step: read grad 4, r/w master 8, r/w moments 16, write param 2, norm 4
 KERNELS = ("fused", "eager")
 # A collective overlapped with compute still occupies SMs: NCCL runs one CTA per channel (16 channels is
@@ -84,17 +80,8 @@ ZERO = Phase(0.0, 0.0, 0.0)
 
 
 def gemm_time(gpu: GPUSpec, m: float, n: float, k: float, peak: float, a: int) -> float:
-    """C[m,n] = A[m,k] B[k,n]: max(compute at peak x matmul_efficiency x the shape's efficiency (wave
-    quantisation, small k: `GPUSpec.gemm_shape_efficiency`), HBM traffic) + the launch/tail."""
-    if m <= 0 or n <= 0 or k <= 0:
-        return 0.0
-    shape = gpu.gemm_shape_efficiency(m, n, k, a)
-    compute = 2 * m * n * k / (peak * gpu.matmul_efficiency * shape)
-    if a == 4 and gpu.measured_matmul_fp32:  # bench's rate for a call of this many FLOPs, its cost included
-        return 2 * m * n * k / interp_log(gpu.measured_matmul_fp32, 2 * m * n * k)
-    traffic = (m * k + k * n + m * n) * a
-    memory = traffic / gpu.stream_bandwidth(traffic, efficiency=False)
-    return max(compute, memory) + KERNEL_OVERHEAD
+    """C[m,n] = A[m,k] B[k,n] with `a`-byte operands at `peak` FLOP/s (`Speeds.gemm`)."""
+    return gpu.speeds.gemm(m, n, k, peak, a)
 
 
 def _linear(gpu: GPUSpec, tokens: float, n_out: float, n_in: float, peak: float, a: int,
@@ -107,32 +94,27 @@ def _linear(gpu: GPUSpec, tokens: float, n_out: float, n_in: float, peak: float,
     W (W once per micro-batch), backward casts dY (and x^T / W^T come from the forward casts).
     rowwise: the bf16 linear scaled by the GPU's measured row-wise speedup for this shape
     (plan/fp8_rowwise.py), each phase alike."""
-    if not fp8:  # dW = dYᵀ X is [n_out, n_in]
-        return Phase(gemm_time(gpu, tokens, n_out, n_in, peak, a), gemm_time(gpu, tokens, n_in, n_out, peak, a),
-                     gemm_time(gpu, n_out, n_in, tokens, peak, a))
-    bw = gpu.hbm_bandwidth * gpu.hbm_efficiency
+    if not fp8:
+        return Phase(*gpu.speeds.linear(tokens, n_out, n_in, peak, a))
+    bw = gpu.hbm_bandwidth * gpu.efficiency.hbm
     cast = FP8_CAST_BYTES_PER_ELEMENT  # read bf16 (2) + amax read (2) + write fp8 and its transpose (1 + 1)
     fwd_cast = (tokens * n_in + n_in * n_out) * cast / bw
     bwd_cast = tokens * n_out * cast / bw
     tensorwise = Phase(gemm_time(gpu, tokens, n_out, n_in, peak, 1) + fwd_cast,
                        gemm_time(gpu, tokens, n_in, n_out, peak, 1) + bwd_cast,
                        gemm_time(gpu, n_out, n_in, tokens, peak, 1))
-    if fp8 != "rowwise" or gpu.fp8_rowwise is None or tensorwise.total <= 0:
+    rowwise = gpu.efficiency.fp8_rowwise
+    if fp8 != "rowwise" or rowwise is None or tensorwise.total <= 0:
         return tensorwise
     bf16 = _linear(gpu, tokens, n_out, n_in, gpu.flops("bf16"), 2)
     ln_sigmoid = LN_SIGMOID_BYTES_PER_ELEMENT * tokens * (n_in + n_out) / bw
-    t = rowwise_seconds(gpu.fp8_rowwise, tokens, n_in, n_out, bf16.total, ln_sigmoid, tensorwise.total)
+    t = rowwise_seconds(rowwise, tokens, n_in, n_out, bf16.total, ln_sigmoid, tensorwise.total)
     return bf16.scale(t / bf16.total)
 
 
 def _head_linear(gpu: GPUSpec, tokens: float, vocab: float, hidden: float, peak: float, a: int) -> Phase:
-    """The LM head's three GEMMs: at the rates bench measured for an LM head's shape when the profile has
-    them (fp32, CPU: a wide output off a narrow input runs below the square curve), else as any linear."""
-    if a != 4 or not gpu.measured_head_fp32:
-        return _linear(gpu, tokens, vocab, hidden, peak, a)
-    flops = 2 * tokens * vocab * hidden
-    rows = gpu.measured_head_fp32
-    return Phase(*(flops / interp_log(tuple((r[0], r[i]) for r in rows), flops) for i in (1, 2, 3)))
+    """The LM head's three GEMMs (`Speeds.head_linear`: a profile may have measured this shape)."""
+    return Phase(*gpu.speeds.head_linear(tokens, vocab, hidden, peak, a))
 
 
 def fp8_of(lay: Layout) -> str:
@@ -170,19 +152,15 @@ def attention_times(w: Workload, lay: Layout, gpu: GPUSpec) -> tuple[float, floa
         qk = batch * gemm_time(gpu, s_q, w.seq_len, cfg.head_dim, peak, a)  # scores [s_q, s]
         pv = batch * gemm_time(gpu, s_q, cfg.head_dim, w.seq_len, peak, a)
         scores = batch * s_q * w.seq_len
-        bw = gpu.hbm_bandwidth * gpu.hbm_efficiency
+        bw = gpu.hbm_bandwidth * gpu.efficiency.hbm
         fwd = qk + pv + scores * a * MATH_SOFTMAX_BYTES[0] / bw
         return fwd, 2 * (qk + pv) + scores * a * MATH_SOFTMAX_BYTES[1] / bw
     flops = 4 * heads * cfg.head_dim * lay.micro_batch * w.seq_len * (w.seq_len + 1) / 2 / lay.cp
-    if gpu.measured_attention_fp32 is not None and prec == "fp32":  # bench CPU profile: SDPA as measured
-        rate_f, rate_b = attention_rate(gpu.measured_attention_fp32, w.seq_len, cfg.head_dim)
-        return flops / rate_f, flops / rate_b
-    eff_f, eff_b = gpu.attention(lay.attention)
     # ring attention calls the kernel per step and per zigzag half-chunk: 2 launches per ring step
     # instead of one call
     _, ring = cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)
     launches = (2 * ring - 1) * KERNEL_OVERHEAD if ring > 1 else 0.0
-    return flops / (peak * eff_f) + launches, 2.5 * flops / (peak * eff_b) + launches  # bwd: dQ, dK, dV, dP, QK^T
+    return gpu.speeds.attention(flops, w.seq_len, cfg.head_dim, prec, lay.attention, peak, launches)
 
 
 def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str = "fused") -> Phase:
@@ -217,7 +195,7 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
     attn_f, attn_b = attention_times(w, lay, gpu)
     # each elementwise op streams about one hidden-sized tensor in and one out
     hs = h / (tp if lay.sp else 1)
-    elem = tokens * _elementwise_bytes(w, lay, kernels) / gpu.op_bandwidth(tokens * hs * a, 2 * tokens * h * a)
+    elem = tokens * _elementwise_bytes(w, lay, kernels) / gpu.speeds.op_bandwidth(tokens * hs * a, 2 * tokens * h * a)
     lc = layer_comm(w, lay, gpu, bool(lp.expert_total))
     cp = cp_layer_cost(w, lay, gpu, attn_f, attn_b)
     tp_f, tp_b = lc.tp_fwd, lc.tp_bwd
@@ -237,7 +215,7 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
         b += f
     elif lay.recompute == "full-alternate":  # every second block
         b += f / 2
-    hf, hb = gpu.host_layer(tp)  # measured host work (CPU profiles), serial with the arithmetic there
+    hf, hb = gpu.speeds.host_layer(tp)  # measured host work (CPU profiles), serial with the arithmetic there
     acc = grad_accumulation(gpu, lay, layer_local_params(w, lay, index), kernels)
     return Phase(f + hf, b + hb + (hf if lay.recompute == "full" else 0.0), ph.w + acc)
 
@@ -255,7 +233,7 @@ def grad_accumulation(gpu: GPUSpec, lay: Layout, params: float, kernels: str) ->
     if kernels != "eager" or params <= 0:
         return 0.0
     per = act_bytes(lay.precision) + 8
-    return params * per / gpu.op_bandwidth(params * 4, params * per)
+    return params * per / gpu.speeds.op_bandwidth(params * 4, params * per)
 
 
 def tied_pack_add(gpu: GPUSpec, nbytes: float, kernels: str) -> float:
@@ -264,7 +242,7 @@ def tied_pack_add(gpu: GPUSpec, nbytes: float, kernels: str) -> float:
     Fused frameworks reduce the gradient in place (Megatron's embedding-group all-reduce): none."""
     if kernels != "eager" or nbytes <= 0:
         return 0.0
-    return 5 * nbytes / gpu.op_bandwidth(nbytes, 3 * nbytes)
+    return 5 * nbytes / gpu.speeds.op_bandwidth(nbytes, 3 * nbytes)
 
 
 def sp_regather_split(lc: LayerComm, qkv: Phase, up: Phase) -> tuple[tuple[float, float], float]:
@@ -314,7 +292,7 @@ def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -
     ph = _head_linear(gpu, tokens, v, cfg.hidden_size, peak, a)
     # logits: bf16 write, fp32 copy, log-softmax write; backward reads them back and writes grads
     per_logit = (a + 4 + 4 + 4) if kernels == "eager" else (a + 4)
-    bw = gpu.op_bandwidth(tokens * v * 4, 2 * tokens * v * 4, efficiency=False)  # fp32 logits in and out
+    bw = gpu.speeds.op_bandwidth(tokens * v * 4, 2 * tokens * v * 4, efficiency=False)  # fp32 logits in and out
     loss = tokens * v * per_logit / bw
     tp_f, tp_b = _head_tp(w, lay, gpu)
     if lay.cross_entropy == "fused":  # flash-attn's kernel: reads the logits; backward reads, writes grads
@@ -354,14 +332,14 @@ def embed_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") 
         tp_f = collective_time(gpu, "reduce_scatter" if lay.sp else "all_reduce", act, g)
         tp_b = collective_time(gpu, "all_gather", act, g) if lay.sp else 0.0
     # gather rows forward; scatter-add fp32 gradient rows backward (memory-bound)
-    bw = gpu.op_bandwidth(act, 2 * act, efficiency=False)
+    bw = gpu.speeds.op_bandwidth(act, 2 * act, efficiency=False)
     wgrad = tokens * w.cfg.hidden_size * 8 / bw
     if kernels == "eager":
         # torch's dense embedding backward zero-fills a [vocab/tp, h] fp32 gradient before the scatter;
         # a tied head on the same rank has its gradient summed with it by autograd (read 2, write 1)
         table = w.cfg.vocab_size * w.cfg.hidden_size / lay.tp
         dense = table * 4 * (1 + (3 if w.cfg.tie_embeddings and lay.pp == 1 else 0))
-        wgrad += dense / gpu.op_bandwidth(table * 4, table * 4) + grad_accumulation(gpu, lay, table, kernels)
+        wgrad += dense / gpu.speeds.op_bandwidth(table * 4, table * 4) + grad_accumulation(gpu, lay, table, kernels)
     return Phase(2 * act / bw + tp_f, tp_b, wgrad)
 
 
@@ -389,7 +367,7 @@ def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused")
             # the final norm's gradient and an untied (or other-stage) head's are accumulated here
             head = cfg.hidden_size + (cfg.vocab_size * cfg.hidden_size / lay.tp
                                       if not cfg.tie_embeddings or lay.pp > 1 else 0)
-            ph = ph + head_phase(w, lay, gpu, kernels) + Phase(*gpu.host_ends(lay.tp), 0.0)
+            ph = ph + head_phase(w, lay, gpu, kernels) + Phase(*gpu.speeds.host_ends(lay.tp), 0.0)
             ph = ph + Phase(0.0, 0.0, grad_accumulation(gpu, lay, head, kernels))
         out.append(ph)
     if lay.pp_p2p == "blocking" and chunks > 1:  # the sender waits for its transfer
@@ -467,7 +445,9 @@ class StepTime:
 
 
 def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", exact: bool = True) -> StepTime:
-    gpu = gpu.sharing(lay.world)  # CPU profiles: ranks on one node share its cores (no-op on GPUs)
+    """One optimizer step on the busiest rank: the pipeline of all micro-batches, then what the data
+    parallel traffic leaves exposed, the optimizer, SM contention, the tied gradient swap and the scalars."""
+    gpu = gpu.sharing(lay.world)  # CPU profiles: ranks on one node share its cores (no-op on datasheets)
     m = lay.microbatches(w)
     phases = stage_phases(w, lay, gpu, kernels)
     hop = pp_hop_time(w, lay, gpu)
@@ -479,20 +459,61 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
         busy = m * sum(x.total for x in phases) / lay.pp
         bubble = max(0.0, (pipe - busy) / busy)
     # the busiest pipeline rank for DP/optimizer purposes: rank 0 (embedding; finishes last in 1F1B)
-    rp = rank_params(w, lay, 0)
+    rank = _busiest_rank(w, lay)
+    colls = step_collectives(w, lay, gpu, rank.params.dense, rank.params.expert, rank.layers, rank.moe_layers,
+                             first=True, last=lay.pp == 1)
+    scalars = [c for c in colls if c.kind is Traffic.SCALARS]  # the step's one-number collectives
+    traffic = [c for c in colls if c.kind is not Traffic.SCALARS]
+    acc = _Exposure()
+    dp_exposed = _dp_exposed(w, lay, traffic, phases, rank, m, acc)
+    optimizer = _optimizer_time(w, lay, gpu, rank)
+    tied = _pipeline_exposed(w, lay, gpu, traffic, rank, m, hop, kernels, acc)
+    contention = acc.hidden * min(1.0, NCCL_CHANNELS / gpu.sm_count)
+    sync = sum(c.time_per_step for c in scalars)
+    for c in scalars:
+        acc.add(report_dim(c.dim), c.time_per_step)
+    step = pipe + dp_exposed + optimizer + contention + tied + sync
+    return StepTime(step, pipe, bubble, dp_exposed, optimizer, contention, tuple(phases), tuple(colls), acc.by_dim,
+                    tied, sync)
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """Pipeline rank 0's share: its parameters and its decoder layers (MoE ones among them)."""
+
+    params: RankParams
+    layers: int
+    moe_layers: int
+
+
+def _busiest_rank(w: Workload, lay: Layout) -> _Rank:
     ranges = rank_layers(chunk_layers(w, lay), lay.pp, lay.pp_virtual, 0)
-    n_layers = sum(len(r) for r in ranges)
     moe = w.moe_spec
     n_moe = sum(1 for r in ranges for i in r if moe and i >= moe.first_dense_layers)
-    colls = step_collectives(w, lay, gpu, rp.dense, rp.expert, n_layers, n_moe, first=True, last=lay.pp == 1)
-    scalars = [c for c in colls if c.where == STEP_SCALARS_WHERE]  # the step's one-number collectives
-    traffic = [c for c in colls if c.where != STEP_SCALARS_WHERE]
+    return _Rank(rank_params(w, lay, 0), sum(len(r) for r in ranges), n_moe)
+
+
+@dataclass
+class _Exposure:
+    """A step's communication as it accumulates: exposed seconds per reported dimension, and the seconds
+    hidden behind compute (which still cost SMs, see NCCL_CHANNELS)."""
+
+    by_dim: dict[str, float] = field(default_factory=dict)
+    hidden: float = 0.0
+
+    def add(self, dim: str, seconds: float) -> None:
+        self.by_dim[dim] = self.by_dim.get(dim, 0.0) + seconds
+
+
+def _dp_exposed(w: Workload, lay: Layout, traffic: list[Collective], phases: list[Phase], rank: _Rank, m: int,
+                acc: _Exposure) -> float:
+    """Seconds of the gradient reductions and ZeRO gathers not hidden behind compute (see the module's
+    overlap rules); what they hide goes to `acc.hidden`."""
+    dense = rank.params.dense
     last_bwd = phases[0].b + phases[0].w  # rank 0's last action: backward of chunk 0
     first_fwd = phases[0].f
-    emb_share = w.cfg.vocab_size * w.cfg.hidden_size / lay.tp / rp.dense if rp.dense else 0.0
+    emb_share = w.cfg.vocab_size * w.cfg.hidden_size / lay.tp / dense if dense else 0.0
     dp_exposed = 0.0
-    exposed: dict[str, float] = {}
-    hidden = 0.0  # communication overlapped with compute (costs SMs, see NCCL_CHANNELS)
     for c in traffic:
         if c.dim not in ("dp_cp", "edp"):
             continue
@@ -516,27 +537,39 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
         else:  # gradient all-reduce / reduce-scatter: all but the last bucket behind the last backward
             e = max(0.0, total - tail - last_bwd) + tail
         dp_exposed += e
-        hidden += max(0.0, total - e)
-        exposed["dp"] = exposed.get("dp", 0.0) + e
-    z3 = zero3_exposed(lay, traffic, phases[0], n_layers, m)
+        acc.hidden += max(0.0, total - e)
+        acc.add("dp", e)
+    z3 = zero3_exposed(lay, traffic, phases[0], rank.layers, m)
     dp_exposed += z3
-    hidden += sum(c.time_per_step for c in traffic if lay.zero == 3 and c.dim in ("dp_cp", "edp")) - z3
+    acc.hidden += sum(c.time_per_step for c in traffic if lay.zero == 3 and c.dim in ("dp_cp", "edp")) - z3
     if z3:
-        exposed["dp"] = exposed.get("dp", 0.0) + z3
+        acc.add("dp", z3)
+    return dp_exposed
+
+
+def _optimizer_time(w: Workload, lay: Layout, gpu: GPUSpec, rank: _Rank) -> float:
+    """The optimizer step over the rank's (ZeRO-sharded) parameters, exposed."""
     prec = STATE_PRECISIONS[lay.precision]
     shard = lay.dp * lay.cp if lay.zero >= 1 else 1
+    rp = rank.params
     local = rp.dense / shard + rp.expert / (max(1, lay.dp * lay.cp // lay.ep) if lay.zero >= 1 else 1)
     per_param = OPTIMIZER_BYTES_PER_PARAM * (prec.param / 2 if lay.precision == "fp32" else 1)
     if lay.precision == "fp16":  # dynamic loss scaling: one more read of the fp32 gradients (inf/nan check)
         per_param += 4
-    # the step runs tensor by tensor: its working set is about one layer's parameters at a time
-    optimizer = local * per_param / gpu.stream_bandwidth(per_param * local / max(1, n_layers))
-    if gpu.optimizer_per_element_s:  # bench CPU profile: the step (norm, clip, AdamW) as measured, fp32
-        optimizer = local * gpu.optimizer_per_element_s
-    # host work per parameter tensor (CPU profiles): 9 per decoder layer (q, k, v, o, 3 MLP, 2 norms) and,
-    # on rank 0, the embedding (+ the final norm and an untied head when it is also the last stage)
+    # the step runs tensor by tensor: its working set is about one layer's parameters at a time; its
+    # parameter tensors: 9 per decoder layer (q, k, v, o, 3 MLP, 2 norms) and, on rank 0, the embedding
+    # (+ the final norm and an untied head when it is also the last stage)
     ends = 1 + ((2 if not w.cfg.tie_embeddings else 1) if lay.pp == 1 else 0)
-    optimizer += gpu.host_optimizer_per_tensor_s * (9 * n_layers + ends)
+    n = rank.layers
+    return gpu.speeds.optimizer(local, per_param, per_param * local / max(1, n), 9 * n + ends)
+
+
+def _pipeline_exposed(w: Workload, lay: Layout, gpu: GPUSpec, traffic: list[Collective], rank: _Rank, m: int,
+                      hop: float, kernels: str, acc: _Exposure) -> float:
+    """Report the exposure of the traffic inside the pipeline (tp, ep, pp, cp; already in the phases) per
+    dimension and add what overlaps compute to `acc.hidden`; returns the tied gradient's swap seconds,
+    which run after the pipeline."""
+    n_layers = rank.layers
     tied = 0.0
     sp_overlaps = lay.sp and lay.tp > 1 and (lay.tp_overlap or lay.sp_inputs == "sharded")
     if sp_overlaps:  # a dense layer's GEMMs and TP collectives: what overlaps what
@@ -544,34 +577,28 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
     tp_hidden = 0.0  # tp_overlap: SP collectives of the dense layers hidden under their GEMMs, per step
     if lay.tp_overlap and sp_overlaps:
         _, (hf, hb) = tp_overlap_split(lc, lay.tp, lin.qkv, lin.o, lin.up, lin.down)
-        tp_hidden = m * (n_layers - n_moe) * (hf * (2 if lay.recompute == "full" else 1) + hb)
-        hidden += tp_hidden
-    for c in traffic:  # exposure inside the pipeline, reported per dimension
-        if c.where == SP_REGATHER_WHERE:  # partly hidden under the input-gradient GEMMs
-            exposed["tp"] = exposed.get("tp", 0.0) + m * n_layers * sum(sp_regather_split(lc, lin.qkv, lin.up)[0])
+        tp_hidden = m * (n_layers - rank.moe_layers) * (hf * (2 if lay.recompute == "full" else 1) + hb)
+        acc.hidden += tp_hidden
+    for c in traffic:
+        if c.kind is Traffic.SP_REGATHER:  # partly hidden under the input-gradient GEMMs
+            acc.add("tp", m * n_layers * sum(sp_regather_split(lc, lin.qkv, lin.up)[0]))
         elif c.dim in ("tp", "ep"):
-            exposed[c.dim] = exposed.get(c.dim, 0.0) + c.time_per_step
-            if c.where == SP_LAYERS_WHERE:  # tp_overlap: the dense layers' share hides under their GEMMs
-                exposed["tp"] -= tp_hidden / 2  # half on the all-gathers, half on the reduce-scatters
-        elif c.dim == "pp" and c.where == TIED_WHERE:
+            acc.add(c.dim, c.time_per_step)
+            if c.kind is Traffic.SP_LAYERS:  # tp_overlap: the dense layers' share hides under their GEMMs
+                acc.by_dim["tp"] -= tp_hidden / 2  # half on the all-gathers, half on the reduce-scatters
+        elif c.kind is Traffic.TIED:
             tied += c.time_per_step + tied_pack_add(gpu, c.payload, kernels)
-            exposed["pp"] = exposed.get("pp", 0.0) + c.time_per_step
-        elif c.dim == "pp":
-            exposed["pp"] = exposed.get("pp", 0.0) + 2 * (lay.pp - 1) * hop
+            acc.add("pp", c.time_per_step)
+        elif c.kind is Traffic.STAGE:
+            acc.add("pp", 2 * (lay.pp - 1) * hop)
     if sp_overlaps and lay.sp_inputs == "sharded":  # the backward re-gathers under GEMMs
-        hidden += m * n_layers * sp_regather_split(lc, lin.qkv, lin.up)[1]
+        acc.hidden += m * n_layers * sp_regather_split(lc, lin.qkv, lin.up)[1]
     if lay.cp > 1:
         cp = cp_layer_cost(w, lay, gpu, *attention_times(w, lay, gpu))
         fwd_passes = cp_forward_passes(lay.recompute)
-        exposed["cp"] = m * n_layers * (cp.fwd_exposed * fwd_passes + cp.bwd_exposed)
-        hidden += m * n_layers * (cp.fwd_hidden * fwd_passes + cp.bwd_hidden)
-    contention = hidden * min(1.0, NCCL_CHANNELS / gpu.sm_count)
-    sync = sum(c.time_per_step for c in scalars)
-    for c in scalars:
-        exposed[report_dim(c.dim)] = exposed.get(report_dim(c.dim), 0.0) + c.time_per_step
-    step = pipe + dp_exposed + optimizer + contention + tied + sync
-    return StepTime(step, pipe, bubble, dp_exposed, optimizer, contention, tuple(phases), tuple(colls), exposed,
-                    tied, sync)
+        acc.by_dim["cp"] = m * n_layers * (cp.fwd_exposed * fwd_passes + cp.bwd_exposed)
+        acc.hidden += m * n_layers * (cp.fwd_hidden * fwd_passes + cp.bwd_hidden)
+    return tied
 
 
 @dataclass(frozen=True)

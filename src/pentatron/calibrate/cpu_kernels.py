@@ -2,8 +2,8 @@
 
 Inside a step autograd keeps every activation for the backward: each op writes memory no other op
 touched recently and reads inputs written long before, beyond the L2 cache. A hot loop over the same
-buffers measures the caches instead (on the 2-core VM of docs/benchmark-history.md a 128 KiB add runs 4 µs hot,
-~35 µs with its operands out of the L2). So every measurement here draws its inputs from a pool of
+buffers measures the caches instead (a 128 KiB add can run ~10x faster hot than with its operands
+out of the L2). So every measurement here draws its inputs from a pool of
 `POOL_BYTES` and keeps its outputs alive in a ring of the same size, as a step does:
 
 * `measure_stream_curve`: an out-of-place add by operand size (elementwise ops, the loss, the optimizer);
@@ -113,9 +113,8 @@ def measure_head_curve(device: torch.device, seconds: float) -> list[tuple[int, 
     on [t, HEAD_HIDDEN] rows and a [HEAD_VOCAB, HEAD_HIDDEN] weight, as a step runs them: y = x·Wᵀ and
     dX = dY·W read the weight from the pool, dW = dYᵀ·X reads the saved input from it; dY is in the cache
     (the loss has just written it); outputs are new memory kept alive. A wide output off a narrow input
-    runs below the square GEMMs of `measure_matmul_curve` at the same FLOPs (on the 2-vCPU VM of
-    docs/benchmark-history.md the forward and weight-gradient GEMMs of 64 rows took 1.6x the square curve's time,
-    the input gradient 1.1x); the decoder layers' GEMMs, near square, keep that curve."""
+    runs below the square GEMMs of `measure_matmul_curve` at the same FLOPs; the decoder layers' GEMMs,
+    near square, keep that curve."""
     h, v = HEAD_HIDDEN, HEAD_VOCAB
     out = []
     for t in HEAD_TOKENS:
@@ -233,7 +232,7 @@ def agreed_compute(comm: Any, dim: str, compute: Callable[[], None], seconds: fl
 def reference_kernels(device: torch.device, seconds: float) -> dict[str, float]:
     """Seconds per call of three reference loads, run alone and then in every process of the node at
     once (`node_slowdown`): CPU cores of a node may share execution units, caches and memory bandwidth
-    (on the 2-vCPU VM of docs/benchmark-history.md two processes each run exactly 2x slower), GPUs do not.
+    (two processes of a 2-core node each run about 2x slower), GPUs do not.
     matmul: a 256² in-step GEMM; stream: a 256 KiB in-step add; host: an add of two 64-element tensors
     (op dispatch)."""
     out = {}

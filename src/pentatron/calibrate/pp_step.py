@@ -3,19 +3,15 @@ profile).
 
 In a balanced 1F1B steady state both neighbours compute a micro-batch's block at once, then each sends
 one message (an activation downstream, a gradient upstream) and waits for the other's: every block is
-followed by such a swap, so the step pays one hop per micro-batch on top of the compute. Timed in the
-trainer on a 2-vCPU VM (2026-12-01, docs/benchmark-history.md; pp2 debug model, 8 micro-batches of 64
-tokens: 32 KiB messages, traced with `log.pp_trace`), the ranks' idle time beside their compute implied
-~0.5-0.8 ms per hop, where the one-way time of bench's ping-pong (after 0.5 ms of compute, the fastest
-of three windows) read 0.24 ms: gloo's threads have slept, the ranks arrive apart, and the wake-up waits
-for a core that computes.
+followed by such a swap, so the step pays one hop per micro-batch on top of the compute. Such a hop
+costs more than a ping-pong's one-way time: gloo's threads have slept, the ranks arrive apart, and the
+wake-up waits for a core that computes.
 
 So bench times that swap as the step issues it: every pair of ranks (0-1, 2-3, ...) runs COMPUTE_S of
 in-step GEMMs, then sends and receives a message of each size in HOP_BYTES in one batch; the seconds
 from the end of its compute to both transfers done (the wait for the neighbour's compute included),
 the mean over ITERS, averaged over the ranks. The mean, not the median or the fastest: a step pays
-one hop per micro-batch and so their sum, and the hops' times are skewed (on that VM, 200 swaps of
-32 KiB after 5 ms of compute: median 0.76 ms, mean 1.5 ms, p90 3.1 ms). All ranks compute at once,
+one hop per micro-batch and so their sum, and the hops' times are skewed. All ranks compute at once,
 so the figures include the ranks sharing the node's cores.
 """
 
@@ -28,8 +24,8 @@ from typing import Any
 
 import torch
 
+from pentatron.calibrate.cpu_kernels import agreed_compute
 from pentatron.distributed.comm import P2P
-from pentatron.plan.bench_cpu import agreed_compute
 
 HOP_BYTES = (4 * 2**10, 32 * 2**10, 256 * 2**10, 2**20)  # stage boundaries: a debug micro-batch's is 32 KiB
 COMPUTE_S = 0.005  # one micro-batch's block on a stage: a CPU debug-model pp2 stage takes 3-8 ms
@@ -49,7 +45,7 @@ class PPStep:
 
 def measure_pp_step(comm: Any, dim: str, compute: Any) -> PPStep:
     """Run on every rank of the group `dim` (a collective call; its size must be even). `compute()`:
-    about 0.5 ms of in-step work (bench_cpu.step_compute), repeated to make COMPUTE_S."""
+    about 0.5 ms of in-step work (cpu_kernels.step_compute), repeated to make COMPUTE_S."""
     size, rank = comm.ctx.size(dim), comm.ctx.local_rank(dim)
     if size < 2 or size % 2:
         raise ValueError(f"the pipeline hop is timed between pairs of ranks: {dim} has {size}")

@@ -1,9 +1,8 @@
 """The tensor-parallel step as its ranks run it, for `pentatron bench` on a CPU (`tp_step` in the profile).
 
-Measured on a 2-rank tp2 debug-model step (docs/benchmark-history.md): its 42 gloo all-reduces averaged 1.3-1.4 ms
-per call (median 0.7: the ranks arrive at each one apart), while a collective timed in a loop, even
-after a block of compute, read 0.4-1.2 ms at the same size; and the rest of a micro-batch took about
-what the 1-process one takes although TP halves the arithmetic: the TP wrappers (the f/g autograd
+Inside a tensor-parallel step a gloo all-reduce costs more than one timed in a loop, even after a block
+of compute (the ranks arrive at each one apart), and the rest of a micro-batch takes about what the
+1-process one takes although TP halves the arithmetic: the TP wrappers (the f/g autograd
 functions, the vocab-parallel embedding and loss, the comm layer's bookkeeping) add op dispatch the
 plain model's host term does not have, and the ranks dispatch on cores they share.
 
@@ -14,9 +13,7 @@ inside the tp collectives apart from the rest:
 
 * `collective`: [(bytes, seconds)], the mean seconds of one activation all-reduce as the step experiences
   it (its latency and the wait for the other ranks), at 16, 128 and 1024 tokens (4 KiB .. 256 KiB at
-  tp2): the tp layer's own collectives, not a loop of them (after a block of compute a loop read
-  0.6-0.9 ms at 4 KiB and 0.4-0.5 ms at 128 KiB in two profiles, the step ~1.1 ms at 128 KiB); the
-  planner interpolates it;
+  tp2): the tp layer's own collectives, not a loop of them; the planner interpolates it;
 * `layer_fwd_s`, `layer_bwd_s`: host seconds per TP decoder layer outside the collectives (from the
   2 -> 6 layer difference), less the tiny model's own attention call (charged at the run's shape);
 * `ends_fwd_s`, `ends_bwd_s`: the same for the vocab-parallel embedding, the head and the loss.

@@ -1,21 +1,16 @@
 """The data-parallel step's synchronisations as its ranks meet them, for `pentatron bench` on a CPU
 (`dp_step` in the profile).
 
-Timed inside the trainer on a 2-vCPU VM (dp2 debug model, 40 steps, quiet; docs/benchmark-history.md): the
-gradient all-reduce of 4.4 MiB that ends the backward took 4.9-6.4 ms (median over steps; the wait
-for the other rank included), where the profile's curve, timed after 0.5 ms of compute and the
-fastest of three windows, read 2.9 ms at that size. A standalone pair of gloo ranks gave 3.7-4.5 ms
-back to back and 5.1-6.9 ms after 5-40 ms of compute: gloo's threads have slept, caches hold the
-backward's data, and the ranks arrive apart. So bench times the gradient all-reduce the way a step
-issues it:
+A gradient all-reduce inside a step costs more than the same all-reduce timed back to back: gloo's
+threads have slept through the backward, the caches hold the backward's data, and the ranks arrive
+apart. So bench times the gradient all-reduce the way a step issues it:
 
 * `collective`: [(bytes, seconds)], the median seconds of an all-reduce of a freshly written gradient
   buffer after a backward's worth of compute (COMPUTE_S of in-step GEMMs), at GRAD_BYTES; the median,
   not the fastest: a step pays one of these, the typical one;
 * `scalar_s`: the median seconds of a one-number all-reduce issued right after it, when the ranks are
   already together: what each of the trainer's per-step scalars costs (the loss's mean over data
-  parallelism, the gradient norm's sum, the pipeline's statistics), ~0.2-0.4 ms on that VM
-  where the curve's in-step point reads ~0.8 ms (that one includes arriving apart).
+  parallelism, the gradient norm's sum, the pipeline's statistics).
 
 All ranks compute at once, so the figures already include the ranks sharing the node's cores.
 """
@@ -29,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pentatron.plan.bench_cpu import agreed_compute
+from pentatron.calibrate.cpu_kernels import agreed_compute
 
 GRAD_BYTES = (256 * 2**10, 2**20, 4 * 2**20)  # gradient buffers (a debug model's is 4.4 MiB in fp32)
 COMPUTE_S = 0.01  # the compute before each all-reduce: a CPU debug-model backward is 10-25 ms
@@ -51,7 +46,7 @@ class DPStep:
 
 def measure_dp_step(comm: Any, dim: str, compute: Any) -> DPStep:
     """Run on every rank of the group `dim` (a collective call). `compute()`: about 0.5 ms of in-step
-    work (bench_cpu.step_compute), repeated to make COMPUTE_S. Medians over iterations, then the mean
+    work (cpu_kernels.step_compute), repeated to make COMPUTE_S. Medians over iterations, then the mean
     over the ranks."""
     block = agreed_compute(comm, dim, compute, COMPUTE_S)
     scalar = torch.zeros(1)

@@ -7,7 +7,7 @@ on GPU), through the project's comm layer. Bus bandwidth follows nccl-tests: alg
 (payload / time) times 2(n-1)/n for all-reduce and (n-1)/n for all-gather and reduce-scatter, so it
 is comparable across group sizes and with link speeds. Only one machine is measured: inter-node
 figures stay those of the catalogue entry (or equal the intra-node ones on an unknown device).
-On a CPU the kernels are also measured as a training step runs them (`bench_cpu.py`), the collectives
+On a CPU the kernels are also measured as a training step runs them (`cpu_kernels.py`), the collectives
 after a block of compute, and how much the node's processes slow each other when all compute.
 """
 
@@ -26,12 +26,19 @@ from typing import Any
 
 import torch
 
-from pentatron.plan.bench_cpu import ATTN_HEAD_DIM, ATTN_SEQ, measure_cpu_kernels, reference_kernels, step_compute
-from pentatron.plan.bench_dp import measure_dp_step
-from pentatron.plan.bench_pp import measure_pp_step
-from pentatron.plan.bench_tp import HEAD_DIM as TP_HEAD_DIM
-from pentatron.plan.bench_tp import measure_tp_step, tiny_attention_shape
+from pentatron.calibrate.cpu_kernels import (
+    ATTN_HEAD_DIM,
+    ATTN_SEQ,
+    measure_cpu_kernels,
+    reference_kernels,
+    step_compute,
+)
+from pentatron.calibrate.dp_step import measure_dp_step
+from pentatron.calibrate.pp_step import measure_pp_step
+from pentatron.calibrate.tp_step import HEAD_DIM as TP_HEAD_DIM
+from pentatron.calibrate.tp_step import measure_tp_step, tiny_attention_shape
 from pentatron.plan.hardware import GB, GiB, detect_gpu
+from pentatron.plan.profile import PROFILE_SCHEMA
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -54,12 +61,12 @@ class BenchResult:
     matmul_curve: list[tuple[int, float]] = field(default_factory=list)  # [(FLOPs per call, FLOP/s)] fp32
     host_overhead: tuple[float, ...] = ()  # (layer fwd, layer bwd, ends fwd, ends bwd) seconds per micro-batch
     host_optimizer_per_tensor: float = 0.0  # seconds per parameter tensor of an optimizer step
-    # CPU kernels inside a step (bench_cpu): "stream_curve", "matmul_curve", "head_curve", "attention_grid",
+    # CPU kernels inside a step (cpu_kernels): "stream_curve", "matmul_curve", "head_curve", "attention_grid",
     # "optimizer_per_element", "reference" (alone) and "node_slowdown" (every process at once)
     cpu_kernels: dict[str, Any] = field(default_factory=dict)
-    # CPU, >= 2 processes: the tensor-parallel step over all of them (bench_tp.TPStep.to_profile), the
-    # data-parallel step's synchronisations (bench_dp.DPStep.to_profile) and, with an even count, the
-    # pipeline's hop between stages (bench_pp.PPStep.to_profile)
+    # CPU, >= 2 processes: the tensor-parallel step over all of them (tp_step.TPStep.to_profile), the
+    # data-parallel step's synchronisations (dp_step.DPStep.to_profile) and, with an even count, the
+    # pipeline's hop between stages (pp_step.PPStep.to_profile)
     tp_step: dict[str, float | int] = field(default_factory=dict)
     dp_step: dict[str, Any] = field(default_factory=dict)
     pp_step: dict[str, Any] = field(default_factory=dict)
@@ -165,7 +172,7 @@ def measure_host_overhead(device: torch.device, seconds: float) -> tuple[float, 
 
     (f2, b2), (f6, b6) = run(2), run(6)
     # the layer's attention kernel at this tiny shape is not host work: the planner charges attention
-    # at the run's shape from the attention grid (bench_cpu), so its tiny-shape cost comes off here
+    # at the run's shape from the attention grid (cpu_kernels), so its tiny-shape cost comes off here
     af, ab = _tiny_attention(device, seconds)
     lf, lb = max(0.0, (f6 - f2) / 4 - af), max(0.0, (b6 - b2) / 4 - ab)
     return lf, lb, max(0.0, f2 - 2 * (lf + af)), max(0.0, b2 - 2 * (lb + ab))
@@ -351,11 +358,11 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
                     results.setdefault("exchange", []).append((payload, payload / t))
             comm.ledger.begin_step()  # the ledger is per step: do not let it grow across sizes
         tp_step, dp_step, pp_step = {}, {}, {}
-        if device_type == "cpu":  # the data-parallel step's synchronisations (bench_dp)
+        if device_type == "cpu":  # the data-parallel step's synchronisations (dp_step)
             dp_step = measure_dp_step(comm, "dp", step_compute(device)).to_profile()
-        if device_type == "cpu" and world % 2 == 0:  # the pipeline's hop between stages (bench_pp)
+        if device_type == "cpu" and world % 2 == 0:  # the pipeline's hop between stages (pp_step)
             pp_step = measure_pp_step(comm, "dp", step_compute(device)).to_profile()
-        if device_type == "cpu":  # the real tensor-parallel layer over every process (bench_tp)
+        if device_type == "cpu":  # the real tensor-parallel layer over every process (tp_step)
             heads, kv, tokens = tiny_attention_shape()
             attn = _tiny_attention(device, seconds / 3, heads, kv, tokens, TP_HEAD_DIM)
             tp_ctx = ParallelContext.from_layout(ParallelLayout(tp=world), device)
@@ -426,64 +433,78 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
 
 
 def profile_dict(r: BenchResult) -> dict[str, Any]:
-    """The profile in `load_hardware_toml`'s layout (human units)."""
+    """The profile file's content (schema `plan.profile.PROFILE_SCHEMA`, human units): the datasheet part
+    under "hardware", the measured curves under "profile", where and when under "measured"."""
+    return {"schema": PROFILE_SCHEMA, "hardware": _hardware_table(r), "profile": _profile_table(r),
+            "measured": {"host": r.host, "when": r.when, "torch": r.torch_version, "device": r.device_name,
+                         "nproc": r.nproc, "backend": r.backend}}
+
+
+def _hardware_table(r: BenchResult) -> dict[str, Any]:
+    """The device as measured, in the keys of a `--hardware` file (plan/hardware.py)."""
     known = detect_gpu(r.device_name) if r.device == "cuda" else None
-    gpu: dict[str, Any] = {"name": f"bench-{known.name if known else r.device}",
-                           "source": f"pentatron bench on {r.host} ({r.device_name}), {r.when}"}
+    hw: dict[str, Any] = {"name": f"bench-{known.name if known else r.device}",
+                          "source": f"pentatron bench on {r.host} ({r.device_name}), {r.when}"}
     best_bus = max((b for pts in r.busbw.values() for _, b in pts), default=r.copy_bandwidth)
     if known is not None:
         # keep the datasheet peak (the MFU denominator); the measurement sets the achievable fraction, less
         # what the planner charges that square GEMM's shape itself (waves, small k), so that it predicts
         # the measured rate at that shape instead of charging the shape twice
-        gpu["base"] = known.name
+        hw["base"] = known.name
         shape = known.gemm_shape_efficiency(GPU_GEMM_N, GPU_GEMM_N, GPU_GEMM_N, 2)
-        gpu["matmul_efficiency"] = round(min(1.0, r.matmul_flops["bf16"] / (known.peak_flops["bf16"] * shape)), 4)
+        hw["matmul_efficiency"] = round(min(1.0, r.matmul_flops["bf16"] / (known.peak_flops["bf16"] * shape)), 4)
     else:
-        gpu["peak_tflops"] = {k: v / 1e12 for k, v in r.matmul_flops.items()}
-        gpu["matmul_efficiency"] = 1.0
-        gpu["sm_count"] = 1 if r.device == "cpu" else 132
-        gpu["inter_node_bandwidth_gb_s"] = best_bus / GB  # not measurable on one machine
-        gpu["collective_efficiency"] = 1.0
-    gpu["hbm_gib"] = r.memory_bytes / GiB
-    gpu["hbm_bandwidth_gb_s"] = r.copy_bandwidth / GB
-    gpu["gpus_per_node"] = max(1, r.nproc)
-    gpu["intra_node_bandwidth_gb_s"] = best_bus / GB
+        hw["peak_tflops"] = {k: v / 1e12 for k, v in r.matmul_flops.items()}
+        hw["matmul_efficiency"] = 1.0
+        hw["sm_count"] = 1 if r.device == "cpu" else 132
+        hw["inter_node_bandwidth_gb_s"] = best_bus / GB  # not measurable on one machine
+        hw["collective_efficiency"] = 1.0
+    hw["hbm_gib"] = r.memory_bytes / GiB
+    hw["hbm_bandwidth_gb_s"] = r.copy_bandwidth / GB
+    hw["gpus_per_node"] = max(1, r.nproc)
+    hw["intra_node_bandwidth_gb_s"] = best_bus / GB
+    return hw
+
+
+def _profile_table(r: BenchResult) -> dict[str, Any]:
+    """The measured curves, in the keys `plan.profile.profile_from_dict` reads."""
+    prof: dict[str, Any] = {}
     if r.host_overhead:
-        gpu["host_us"] = {k: round(v * 1e6, 2) for k, v in zip(("layer_fwd", "layer_bwd", "ends_fwd", "ends_bwd"),
-                                                                r.host_overhead, strict=True)}
-        gpu["host_us"]["optimizer_per_tensor"] = round(r.host_optimizer_per_tensor * 1e6, 2)
+        prof["host_us"] = {k: round(v * 1e6, 2) for k, v in zip(("layer_fwd", "layer_bwd", "ends_fwd", "ends_bwd"),
+                                                                 r.host_overhead, strict=True)}
+        prof["host_us"]["optimizer_per_tensor"] = round(r.host_optimizer_per_tensor * 1e6, 2)
     if r.tp_step:
-        gpu["tp_step"] = dict(r.tp_step)
+        prof["tp_step"] = dict(r.tp_step)
     if r.dp_step:
-        gpu["dp_step"] = dict(r.dp_step)
+        prof["dp_step"] = dict(r.dp_step)
     if r.pp_step:
-        gpu["pp_step"] = dict(r.pp_step)
+        prof["pp_step"] = dict(r.pp_step)
     if r.matmul_curve:
-        gpu["matmul_fp32"] = {"flops": [f for f, _ in r.matmul_curve], "gflop_s": [v / 1e9 for _, v in r.matmul_curve]}
+        prof["matmul_fp32"] = {"flops": [f for f, _ in r.matmul_curve],
+                               "gflop_s": [v / 1e9 for _, v in r.matmul_curve]}
     head = r.cpu_kernels.get("head_curve")
     if head:
-        gpu["lm_head_fp32"] = {"flops": [row[0] for row in head],
-                               **{f"{k}_gflop_s": [round(row[i] / 1e9, 3) for row in head]
-                                  for i, k in enumerate(("fwd", "dx", "dw"), start=1)}}
+        prof["lm_head_fp32"] = {"flops": [row[0] for row in head],
+                                **{f"{k}_gflop_s": [round(row[i] / 1e9, 3) for row in head]
+                                   for i, k in enumerate(("fwd", "dx", "dw"), start=1)}}
     ck = r.cpu_kernels
     if ck:
-        gpu["optimizer_ns_per_element"] = round(ck["optimizer_per_element"] * 1e9, 4)
+        prof["optimizer_ns_per_element"] = round(ck["optimizer_per_element"] * 1e9, 4)
         stream = ck["stream_curve"]
-        gpu["stream_bw"] = {"bytes": [n for n, _ in stream], "gb_s": [b / GB for _, b in stream]}
+        prof["stream_bw"] = {"bytes": [n for n, _ in stream], "gb_s": [b / GB for _, b in stream]}
         if ck.get("node_slowdown"):
-            gpu["node_slowdown"] = {k: round(v, 3) for k, v in ck["node_slowdown"].items()}
+            prof["node_slowdown"] = {k: round(v, 3) for k, v in ck["node_slowdown"].items()}
         att = {(s, d): (f, b) for s, d, f, b in ck["attention_grid"]}
-        gpu["attention_fp32"] = {"seq": list(ATTN_SEQ), "head_dim": list(ATTN_HEAD_DIM),
-                                 "fwd_gflop_s": [round(att[s, d][0] / 1e9, 3) for s in ATTN_SEQ for d in ATTN_HEAD_DIM],
-                                 "bwd_gflop_s": [round(att[s, d][1] / 1e9, 3) for s in ATTN_SEQ for d in ATTN_HEAD_DIM]}
+        prof["attention_fp32"] = {
+            "seq": list(ATTN_SEQ), "head_dim": list(ATTN_HEAD_DIM),
+            "fwd_gflop_s": [round(att[s, d][0] / 1e9, 3) for s in ATTN_SEQ for d in ATTN_HEAD_DIM],
+            "bwd_gflop_s": [round(att[s, d][1] / 1e9, 3) for s in ATTN_SEQ for d in ATTN_HEAD_DIM]}
     if r.copy_curve:
-        gpu["copy_bw"] = {"bytes": [n for n, _ in r.copy_curve], "gb_s": [b / GB for _, b in r.copy_curve]}
+        prof["copy_bw"] = {"bytes": [n for n, _ in r.copy_curve], "gb_s": [b / GB for _, b in r.copy_curve]}
     if r.busbw:
-        gpu["busbw"] = {op: {"bytes": [s for s, _ in pts], "gb_s": [b / GB for _, b in pts]}
-                        for op, pts in r.busbw.items()}
-    gpu["measured"] = {"host": r.host, "when": r.when, "torch": r.torch_version, "device": r.device_name,
-                       "nproc": r.nproc, "backend": r.backend}
-    return {"gpu": gpu}
+        prof["busbw"] = {op: {"bytes": [s for s, _ in pts], "gb_s": [b / GB for _, b in pts]}
+                         for op, pts in r.busbw.items()}
+    return prof
 
 
 def _toml_value(v: Any) -> str:
@@ -500,7 +521,7 @@ def _toml_value(v: Any) -> str:
     raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
 
-_TABLES = ("busbw", "measured", "gpu", "attention_fp32")  # written as [sections]
+_TABLES = ("hardware", "profile", "busbw", "measured", "attention_fp32")  # written as [sections]
 
 
 def to_toml(d: dict[str, Any]) -> str:

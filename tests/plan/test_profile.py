@@ -1,0 +1,113 @@
+"""The datasheet (`GPUSpec`), the measured profile (`Profile`, the file `pentatron bench` writes) and the one
+interface the time model reads both through (`Speeds`): the split keeps every prediction, the profile file
+has its own versioned schema, and collectives carry a typed kind (issue 39, item 2)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from pentatron.calibrate.bench import BenchResult, profile_dict, to_toml
+from pentatron.models.registry import get_model_config
+from pentatron.plan.comm import Traffic, step_collectives
+from pentatron.plan.hardware import GPUSpec, get_gpu, hardware_from_data, load_hardware_toml, with_profile
+from pentatron.plan.layout import Layout, Workload
+from pentatron.plan.profile import PROFILE_SCHEMA, Profile
+from pentatron.plan.speeds import Measured, Roofline
+from pentatron.plan.timing import step_time
+
+H100 = get_gpu("h100")
+SRC = Path(__file__).resolve().parents[2] / "src" / "pentatron"
+
+
+def _cpu_result() -> BenchResult:
+    """What a 2-process CPU bench measures, with round numbers."""
+    return BenchResult(
+        "cpu", "x86_64", 2, "gloo", {"fp32": 2e11, "bf16": 1e11}, 1e10, 16 * 2**30,
+        busbw={"all_reduce": [(1024, 5e7), (2**20, 2e9)], "p2p": [(1024, 1e8), (2**20, 3e9)]},
+        copy_curve=[(16384, 4e10), (2**26, 8e9)], matmul_curve=[(65536, 5e9), (2**31, 1.6e11)],
+        host_overhead=(3e-4, 5e-4, 2e-4, 2.5e-4), host_optimizer_per_tensor=1.2e-5,
+        cpu_kernels={"stream_curve": [(16384, 3e10), (2**24, 6e9)], "optimizer_per_element": 2.5e-9,
+                     "head_curve": [(1e6, 3e10, 2.5e10, 2e10), (1e10, 1.2e11, 1.1e11, 1e11)],
+                     "node_slowdown": {"matmul": 1.8, "stream": 2.2, "host": 1.3},
+                     "attention_grid": [(s, d, 1e10 + s, 6e9 + d) for s in (16, 64, 256, 1024) for d in (32, 64, 128)]},
+        tp_step={"layer_fwd_us": 700.0, "layer_bwd_us": 900.0, "ends_fwd_us": 400.0, "ends_bwd_us": 450.0,
+                 "collective_bytes": [8192, 65536], "collective_us": [90.0, 150.0], "tp": 2},
+        dp_step={"collective_bytes": [262144, 2**20], "collective_us": [400.0, 900.0], "scalar_us": 60.0},
+        pp_step={"hop_bytes": [4096, 2**20], "hop_us": [200.0, 2500.0]})
+
+
+def test_the_datasheet_is_small_and_holds_no_measured_curve():
+    names = {f.name for f in dataclasses.fields(GPUSpec)}
+    assert len(names) <= 15
+    assert not names & {f.name for f in dataclasses.fields(Profile)}
+    assert H100.profile is None and type(H100.speeds) is Roofline
+
+
+def test_a_bench_profile_file_round_trips_in_its_schema(tmp_path):
+    d = profile_dict(_cpu_result())
+    assert d["schema"] == PROFILE_SCHEMA and set(d) == {"schema", "hardware", "profile", "measured"}
+    (tmp_path / "p.toml").write_text(to_toml(d))
+    (tmp_path / "p.json").write_text(json.dumps(d))
+    gpu = load_hardware_toml(tmp_path / "p.toml")
+    assert load_hardware_toml(tmp_path / "p.json") == gpu
+    assert isinstance(gpu.speeds, Measured) and gpu.gpus_per_node == 2 and gpu.flops("fp32") == pytest.approx(2e11)
+    p = gpu.profile
+    assert p.busbw["p2p"] == ((1024.0, 1e8), (2.0**20, 3e9)) and p.copy_bw == ((16384.0, 4e10), (2.0**26, 8e9))
+    assert p.host_layer_s == pytest.approx((3e-4, 5e-4)) and p.host_optimizer_per_tensor_s == pytest.approx(1.2e-5)
+    assert [b for b, _ in p.tp_collective] == [8192, 65536] and p.tp_collective[1][1] == pytest.approx(1.5e-4)
+    assert p.scalar_collective_s == pytest.approx(6e-5) and p.pp_hop[-1] == pytest.approx((2.0**20, 2.5e-3))
+    assert p.optimizer_per_element_s == pytest.approx(2.5e-9) and p.node_slowdown["stream"] == 2.2
+    assert p.attention_fp32 is not None and p.attention_fp32.fwd[0] == pytest.approx(1e10 + 16)
+    # the older layout, every key under one [gpu] table, reads to the same device
+    legacy = {"gpu": {**d["hardware"], **d["profile"], "measured": d["measured"]}}
+    assert hardware_from_data(legacy, "legacy") == gpu
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"schema": "pentatron.profile/0"}, "is not 'pentatron.profile/1'"),
+    ({"curves": {}}, "unknown key"),
+    ({"profile": {"copy_bw": {"bytes": [1, 2], "gb_s": [1]}}}, "copy_bw needs equal-length lists"),
+    ({"profile": {"busbw": {"all_reduce": {"bytes": [1]}}}}, "busbw.all_reduce needs"),
+    ({"profile": {"peak_tflops": {"fp32": 1}}}, "unknown key.*peak_tflops"),
+])
+def test_a_malformed_profile_names_its_problem(change, match):
+    d = {**profile_dict(_cpu_result()), **change}
+    with pytest.raises(ValueError, match=match):
+        hardware_from_data(d, "p.toml")
+
+
+def test_an_empty_profile_predicts_what_the_datasheet_does():
+    """The measured speeds fall back to the roofline term by term: with nothing measured, the same step."""
+    w = Workload(get_model_config("llama3-8b"), 4096, 64)
+    for lay in (Layout(dp=4, tp=2, sp=True, micro_batch=1, zero=1), Layout(dp=2, pp=2, tp=2, micro_batch=1)):
+        assert step_time(w, lay, with_profile(H100), kernels="eager") == step_time(w, lay, H100, kernels="eager")
+
+
+def test_every_collective_has_a_typed_kind():
+    w = Workload(get_model_config("debug"), 64, 16)
+    lay = Layout(dp=2, tp=2, pp=2, sp=True, micro_batch=1, zero=1)
+    colls = step_collectives(w, lay, H100, 1e6, 0.0, 2, 0, first=True, last=True)
+    kinds = {c.kind for c in colls}
+    assert {Traffic.SP_LAYERS, Traffic.SCALARS, Traffic.STAGE, Traffic.TIED, Traffic.GRADIENTS} <= kinds
+    assert all(c.where == c.kind.value for c in colls)
+
+
+def _imports(package: str) -> set[str]:
+    out = set()
+    for f in (SRC / package).glob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                out.add(node.module)
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+    return out
+
+
+def test_the_planner_does_not_import_the_calibration():
+    assert not any(m.startswith("pentatron.calibrate") for m in _imports("plan"))
+    assert {"pentatron.plan.profile", "pentatron.plan.hardware"} <= _imports("calibrate")
