@@ -8,8 +8,10 @@ included — the tokens routed to every expert at every step (exactly) and the f
 Every replica of a tensor must be bitwise identical on all ranks holding it.
 
 With `moe.capacity_factor=1.0` (3 steps) the layouts must also drop exactly the assignments one process
-drops — capacity is over the whole micro-batch, so under cp (ring, Ulysses, hybrid) the kept ones are
-chosen across the cp ranks — checked by the same parity and by every layer's dropped fraction per step.
+drops — capacity is over the whole micro-batch, so under cp (ring, Ulysses, hybrid) and sp the kept ones
+are chosen across the ranks sharing it — checked by the same parity and by every layer's dropped fraction
+per step. Under sp (tp2, × ep2, × cp2) each tp rank routes its sequence shard: the same parity shows the
+counts, the capacity and the MoE gradients summed over tp.
 """
 
 from __future__ import annotations
@@ -105,14 +107,8 @@ def _train(cfg: Config, dataset_dir: Path) -> dict[str, Any]:
     return out
 
 
-def _cases(world: int) -> dict[str, list[str]]:
-    import os
-    only = os.environ.get("MOE_ONLY")
-    return {k: v for k, v in CASES[world].items() if not only or any(o in k for o in only.split(","))}
-
-
 def _ranks(rank: int, world: int, dataset_dir: Path, log_dir: str) -> dict[str, dict[str, Any]]:
-    return {label: _train(_config(world, extra, log_dir), dataset_dir) for label, extra in _cases(world).items()}
+    return {label: _train(_config(world, extra, log_dir), dataset_dir) for label, extra in CASES[world].items()}
 
 
 def _merged(runs: list[dict[str, Any]], label: str, key: str) -> dict[str, np.ndarray]:
@@ -167,5 +163,5 @@ def test_reference_balancing_terms_are_live(references) -> None:
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_moe_parallel_equals_plain_loop(world, references, default_dataset, tmp_path):
     runs = run_ranks(_ranks, world, args=(default_dataset, str(tmp_path)), timeout=900)
-    for label, extra in _cases(world).items():
+    for label, extra in CASES[world].items():
         check_parity(runs, label, references[_model(extra)])
