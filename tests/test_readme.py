@@ -68,13 +68,15 @@ def test_every_readme_tour_command_runs(tmp_path, default_dataset):
             assert "PASS" in done.stdout or "NOT CHECKED" in done.stdout, done.stdout
 
 
-def test_demo_trains_3d_checks_parity_and_generates(tmp_path, default_dataset):
+def test_demo_trains_5d_checks_parity_and_generates(tmp_path, default_dataset):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     argv = [PY, "-m", "pentatron.cli", "demo", "--set=train.steps=4", "--set=train.warmup=1", "--set=log.every=2",
             "--set=log.progress=false", f"--set=data.path={json.dumps(str(default_dataset))}"]
     done = subprocess.run(argv, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
-    assert "world=8 (dp=2 tp=2+sp pp=2 cp=1 ep=1" in out and "run summary" in out
+    # all five dimensions: the banner, the summary
+    assert "world=8 dp=1 tp=2 +sp pp=2 (1f1b) cp=2 (ring) ep=2" in out
+    assert "world=8 (dp=1 tp=2+sp pp=2 cp=2 ring ep=2" in out and "run summary" in out
     assert "parity check — PASS" in out
     assert "tokens from runs/demo/checkpoint" in out

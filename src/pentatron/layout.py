@@ -217,9 +217,6 @@ class ParallelLayout:
 
     def unsupported(self, model: ModelConfig | None = None) -> list[str]:
         """Sound layouts that training cannot run yet (the planner may evaluate, never recommend them)."""
-        if model is not None and model.moe is not None and self.sp:
-            return ["parallel.sp=true with an MoE model is not available yet (the experts would see a sequence "
-                    "slice per tp rank); use parallel.sp=false"]
         return []
 
     def warnings(self, node_size: int | None) -> list[str]:

@@ -11,6 +11,7 @@ import pytest
 
 from pentatron.cli import main
 from pentatron.config import load_config
+from pentatron.observe.report import comm_sent_series, load_records
 from pentatron.train.trainer import Trainer
 from tests.multiprocess import run_ranks
 
@@ -57,6 +58,14 @@ def test_report_matches_the_ledger(tmp_path: Path, default_dataset, world: int, 
     for d in sent:  # what each rank sends, under the planner's dimension names (dp_cp -> dp, cp_ring -> cp)
         assert f"| comm bytes per step, {d} |" in md
     assert (run_dir / "report.png").stat().st_size > 0 and "![report.png](report.png)" in md
+    # a CPU run is predicted on this CPU (its calibration), every row compared, its dp the actual one
+    assert "n/a" not in md and "(cpu)" in md and "built-in CPU calibration" in md, md
+    assert "dp=auto" not in md and pred["same_machine"]
+    assert "| step time |" in md and "| peak resident set, rank 0" in md
+    # the PNG draws what the table counts: rank 0's sends (a pipeline's receives left out)
+    drawn = comm_sent_series(load_records(run_dir))
+    assert {d: ys[-1] for d, ys in drawn.items()} == {
+        d: b for d, b in _sent_by_report_dim(ledgers[0]).items()}
     if world == 1:
         assert per_step == {} and meas["model_state_bytes"] == pytest.approx(pred["model_state_bytes"], rel=0.01)
     if "parallel.pp=2" in extra:
@@ -87,6 +96,15 @@ def test_report_matches_the_ledger(tmp_path: Path, default_dataset, world: int, 
         assert any(str(n).startswith(f"comm/{dim}/") for n in names)
     # and again from the command line
     assert main(["report", str(run_dir)]) == 0
+
+
+def _sent_by_report_dim(ledger: dict[str, dict[str, int]]) -> dict[str, float]:
+    from pentatron.plan.comm import report_dim
+
+    out: dict[str, float] = {}
+    for dim, ops in ledger.items():
+        out[report_dim(dim)] = out.get(report_dim(dim), 0.0) + sum(b for op, b in ops.items() if op != "recv")
+    return out
 
 
 def test_report_of_a_missing_run_is_an_input_error(tmp_path: Path, capsys):

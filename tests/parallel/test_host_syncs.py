@@ -33,6 +33,7 @@ LAYOUTS: dict[str, list[str]] = {
     "moe ep2 capacity": ["model.name='debug-moe'", "parallel.dp=2", "parallel.ep=2", "moe.capacity_factor=1.0"],
     "moe pp2": ["model.name='debug-moe'", "parallel.pp=2"],
     "moe tp2": ["model.name='debug-moe'", "parallel.tp=2"],
+    "moe tp2 sp capacity": ["model.name='debug-moe'", "parallel.tp=2", "parallel.sp=true", "moe.capacity_factor=1.0"],
     "moe cp2 aux-free": ["model.name='debug-moe-auxfree'", "parallel.dp=1", "parallel.cp=2"],
     "moe cp2 ulysses capacity": ["model.name='debug-moe'", "parallel.dp=1", "parallel.cp=2",
                                  "parallel.cp_mode='ulysses'", "moe.capacity_factor=1.0"],

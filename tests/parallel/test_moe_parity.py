@@ -8,8 +8,10 @@ included — the tokens routed to every expert at every step (exactly) and the f
 Every replica of a tensor must be bitwise identical on all ranks holding it.
 
 With `moe.capacity_factor=1.0` (3 steps) the layouts must also drop exactly the assignments one process
-drops — capacity is over the whole micro-batch, so under cp (ring, Ulysses, hybrid) the kept ones are
-chosen across the cp ranks — checked by the same parity and by every layer's dropped fraction per step.
+drops — capacity is over the whole micro-batch, so under cp (ring, Ulysses, hybrid) and sp the kept ones
+are chosen across the ranks sharing it — checked by the same parity and by every layer's dropped fraction
+per step. Under sp (tp2, × ep2, × cp2) each tp rank routes its sequence shard: the same parity shows the
+counts, the capacity and the MoE gradients summed over tp.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ CASES: dict[int, dict[str, list[str]]] = {
         # capacity over the micro-batch: the cp ranks choose the kept assignments together
         "cp2 ring capacity 1.0": ["parallel.dp=1", "parallel.cp=2", *CAPACITY],
         "cp2 ulysses capacity 1.0": ["parallel.dp=1", "parallel.cp=2", "parallel.cp_mode='ulysses'", *CAPACITY],
+        # sp: each tp rank routes its sequence shard; counts and capacity over the micro-batch, the MoE
+        # layer's gradients (and so the balancing losses') summed over tp
+        "tp2 sp aux-loss": ["parallel.tp=2", "parallel.sp=true"],
+        "tp2 sp capacity 1.0": ["parallel.tp=2", "parallel.sp=true", *CAPACITY],
     },
     4: {
         "ep4 zero1 aux-loss": ["parallel.dp=4", "parallel.ep=4", "parallel.zero=1"],
@@ -58,6 +64,11 @@ CASES: dict[int, dict[str, list[str]]] = {
         "cp4 hybrid (ulysses 2 × ring 2) × ep2 capacity 1.0": ["parallel.dp=1", "parallel.cp=4", "parallel.ep=2",
                                                               "parallel.cp_mode='hybrid'", "parallel.cp_ulysses=2",
                                                               *CAPACITY],
+        "ep2 (from dp2)×tp2 sp aux-free": ["parallel.dp=2", "parallel.tp=2", "parallel.sp=true", "parallel.ep=2",
+                                           "model.name='debug-moe-auxfree'"],
+        # capacity chosen over tp, then cp (the micro-batch shared by 4 ranks)
+        "cp2 ring×tp2 sp capacity 1.0": ["parallel.dp=1", "parallel.cp=2", "parallel.tp=2", "parallel.sp=true",
+                                         *CAPACITY],
     },
 }
 

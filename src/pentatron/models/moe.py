@@ -28,10 +28,11 @@ them back with one copy per optimizer step.
 Capacity (`moe.capacity_factor` = c; unset: dropless) is defined over what one process's forward sees,
 the whole micro-batch (b sequences × their full length, T = b·s tokens): each expert takes at most
 cap = ceil(c·T·k/E) assignments of the micro-batch, its highest-weighted ones, equal weights going to
-the earlier token (index b·s + position). So dropping does not depend on the layout: under dp, tp, ep
-and pp a rank's forward sees whole micro-batches anyway; under context parallelism (a rank holds a
-slice of every sequence) the `capacity_scope` hook (`parallel/moe_capacity.py`) gives the micro-batch's
-T and keeps exactly the local assignments that rank among their expert's cap best of the micro-batch.
+the earlier token (index b·s + position). So dropping does not depend on the layout: under dp, tp
+(without sp), ep and pp a rank's forward sees whole micro-batches anyway; under context parallelism (a
+rank holds a slice of every sequence) and sequence parallelism (a tp rank holds a slice of that) the
+`capacity_scope` hook (`parallel/moe_capacity.py`) gives the micro-batch's T and keeps exactly the
+local assignments that rank among their expert's cap best of the micro-batch.
 
 The model knows nothing about parallelism: `expert_parallel` (None here) is the hook through which
 `parallel/expert.py` sends each expert's tokens to the rank holding it and brings the outputs back;
@@ -84,9 +85,13 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(moe.n_experts, hidden))
         # Selection bias (aux-loss-free balancing): updated from observed loads, never by gradient.
         self.register_buffer("expert_bias", torch.zeros(moe.n_experts, dtype=torch.float32), persistent=False)
-        # Context parallelism: each rank routes a slice of every sequence; the balancing loss must see the
-        # whole sequences' assignment counts (the hook sums them over the cp ranks). None: the tokens here.
+        # Context / sequence parallelism: each rank routes a share of the micro-batch's tokens; the balancing
+        # loss must see the whole micro-batch's assignment counts (the hook sums them over the ranks
+        # sharing it, `parallel/moe_tokens.py`). None: the tokens here are the micro-batch.
         self.count_sequences: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # The share of the routing losses' gradient this forward carries: 1/tp under sequence parallelism,
+        # whose tp ranks' router gradients are summed (each saw 1/tp of the tokens), 1 otherwise.
+        self.loss_share = 1.0
 
     def forward(self, x: torch.Tensor) -> Routing:
         m = self.moe
@@ -104,8 +109,8 @@ class Router(nn.Module):
             if self.count_sequences is None:
                 aux_t = balancing_loss(probs, counts, m.top_k)
             else:
-                # E/k · Σᵢ fᵢ·mean_here(Pᵢ), fᵢ from the whole sequences: the cp ranks' terms average (as
-                # their gradients do) to the whole sequences' loss, since they hold equal token counts.
+                # E/k · Σᵢ fᵢ·mean_here(Pᵢ), fᵢ from the whole micro-batch: the sharing ranks' terms average
+                # to the whole micro-batch's loss, since they hold equal token counts.
                 whole = self.count_sequences(counts.to(probs.dtype))
                 aux_t = balancing_loss(probs, whole, m.top_k, tokens=whole.sum() / m.top_k)
             loss = loss + m.aux_loss_coef * aux_t
@@ -114,6 +119,8 @@ class Router(nn.Module):
             z_t = torch.logsumexp(logits, dim=-1).pow(2).mean()
             loss = loss + m.z_loss_coef * z_t
             z = z_t.detach()
+        if self.loss_share != 1.0:
+            loss = loss * self.loss_share
         return Routing(experts, weights, counts, loss, aux, z)
 
 

@@ -5,9 +5,13 @@ written at the end of every run (rank 0) and by `pentatron report RUN_DIR`.
 Measured numbers come from `metrics.jsonl` (rank 0's records): the communication bytes are the
 ledger's own per-step numbers, copied, not recomputed. The prediction is the planner's
 (`plan.search.predict`) for this exact layout and workload, on the hardware of a `pentatron bench`
-profile when one is given (`--hardware-profile`), else the datasheet of the GPU the run used, else
-(CPU runs) a reference GPU: then the time prediction is not about this machine and is labelled so;
-bytes, bubble and model-state memory do not depend on it.
+profile when one is given (`--hardware-profile`), else the datasheet of the GPU the run used, else for
+a CPU run the CPU itself: bench's profile of it when one is where bench writes it (`hardware-profile.toml`
+in the working directory), else the built-in CPU calibration (the measured peak MFU uses,
+`observe/peak.py`, with nominal memory and gloo figures). Only a GPU without a datasheet entry is
+predicted on a reference GPU, labelled so; bytes, bubble and model-state memory do not depend on it.
+On a CPU the measured peak memory is the resident set, so the prediction it is set against is the
+planner's tensors plus what preflight adds per CPU process (RoPE tables, interpreter and torch).
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from typing import Any
 
 RUN_INFO = "run.json"
 REFERENCE_GPU = "h100-sxm"
+BENCH_PROFILE = Path("hardware-profile.toml")  # where `pentatron bench` writes by default
+# The built-in CPU profile's figures beside its measured peak (nominal: `pentatron bench` measures them).
+CPU_MEMORY_GB_S, CPU_GLOO_GB_S, CPU_GLOO_LATENCY_US = 10.0, 2.0, 50.0
 
 
 class ReportError(ValueError):
@@ -49,15 +56,13 @@ def load_records(run_dir: Path) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------- measured
 def measured(records: list[dict[str, Any]]) -> dict[str, Any]:
-    from pentatron.plan.comm import report_dim
-
     steady = records[1:] or records  # step 1 includes warm-up (allocations, first collectives)
     comm: dict[str, float] = defaultdict(float)
-    sent: dict[str, float] = defaultdict(float)  # what the planner predicts: sends, under its dim names
     for r in steady:
         for dim, ops in r.get("comm_bytes", {}).items():
             comm[dim] += sum(ops.values()) / len(steady)
-            sent[report_dim(dim)] += sum(b for op, b in ops.items() if op != "recv") / len(steady)
+    # what the planner predicts: sends, under its dim names (the PNG draws the same series)
+    sent = {d: sum(ys[len(records) - len(steady):]) / len(steady) for d, ys in comm_sent_series(records).items()}
     mem = records[0].get("memory", {})
     out = {"steps": records[-1]["step"], "final_loss": records[-1]["loss"],
            "step_time_s": statistics.median(r["step_time_s"] for r in steady),
@@ -116,8 +121,36 @@ def _hardware(info: dict[str, Any], profile: Path | None) -> tuple[Any, str, boo
         spec = detect_gpu(info.get("device_name", ""))
         if spec is not None:
             return spec, f"datasheet of {spec.name}", True
+    if info.get("device") == "cpu":
+        if BENCH_PROFILE.is_file():
+            spec = load_hardware_toml(BENCH_PROFILE)
+            if spec.name == "bench-cpu":
+                return spec, f"CPU profile {BENCH_PROFILE.resolve()} (`pentatron bench`)", True
+        return builtin_cpu(info)
     return get_gpu(REFERENCE_GPU), (f"reference GPU {REFERENCE_GPU}, not this run's device "
                                     f"({info.get('device_name')}): give --hardware-profile for its times"), False
+
+
+def builtin_cpu(info: dict[str, Any]) -> tuple[Any, str, bool]:
+    """This CPU as the planner's hardware: the calibrated peak MFU divides by (`observe/peak.py`; each of
+    the host's ranks gets its share), nominal memory and gloo bandwidths."""
+    import torch
+
+    from pentatron.observe.peak import cpu_calibration
+    from pentatron.plan.hardware import hardware_from_dict
+
+    ranks = max(1, int(info.get("world_size", 1)))
+    fp32 = cpu_calibration(torch.float32, refresh=False)
+    peak = {"fp32": fp32.flops / ranks / 1e12,
+            "bf16": cpu_calibration(torch.bfloat16, refresh=False).flops / ranks / 1e12}
+    spec = hardware_from_dict({
+        "name": "cpu", "source": "built-in CPU calibration", "peak_tflops": peak, "matmul_efficiency": 1.0,
+        "sm_count": 1, "hbm_gib": 1024, "hbm_bandwidth_gb_s": CPU_MEMORY_GB_S / ranks, "gpus_per_node": ranks,
+        "intra_node_bandwidth_gb_s": CPU_GLOO_GB_S, "inter_node_bandwidth_gb_s": CPU_GLOO_GB_S,
+        "intra_node_latency_us": CPU_GLOO_LATENCY_US, "collective_efficiency": 1.0}, where="built-in CPU")
+    return spec, (f"{info.get('device_name', 'this CPU')}: built-in CPU calibration (peak "
+                  f"{fp32.flops / 1e12:.3f} TFLOP/s fp32 measured, {fp32.describe()}, ÷ {ranks} ranks; memory "
+                  f"and gloo nominal; `pentatron bench` writes a measured profile)"), True
 
 
 def predicted(info: dict[str, Any], profile: Path | None) -> dict[str, Any]:
@@ -134,11 +167,18 @@ def predicted(info: dict[str, Any], profile: Path | None) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - the planner may not model every layout: say so in the report
         return {"error": f"{type(e).__name__}: {e}", "hardware": source}
     mem = p.memory
-    return {"hardware": source, "same_machine": same_machine, "layout": lay.short(),
-            "step_time_s": p.step.step, "bubble": p.step.bubble_fraction, "memory_bytes": mem.total,
-            "model_state_bytes": mem.model_state,
-            "tensor_bytes_rank0": rank0.tensors,
-            "comm_bytes_per_step": bytes_by_dim(list(p.step.collectives))}
+    out = {"hardware": source, "same_machine": same_machine, "layout": lay.short(), "dp": lay.dp,
+           "step_time_s": p.step.step, "bubble": p.step.bubble_fraction, "memory_bytes": mem.total,
+           "model_state_bytes": mem.model_state,
+           "tensor_bytes_rank0": rank0.tensors,
+           "comm_bytes_per_step": bytes_by_dim(list(p.step.collectives))}
+    if info.get("device") == "cpu":  # the measured peak is rank 0's resident set: what preflight adds to it
+        from pentatron.config import config_from_dict
+        from pentatron.preflight_memory import CPU_PROCESS_BYTES, rope_table_bytes
+
+        rope = rope_table_bytes(config_from_dict(info["config"], info.get("world_size", 1)))
+        out["resident_bytes_rank0"] = rank0.tensors + rope + CPU_PROCESS_BYTES
+    return out
 
 
 # ---------------------------------------------------------------- the report
@@ -169,8 +209,13 @@ def comparison_rows(meas: dict[str, Any], pred: dict[str, Any]) -> list[tuple[st
                  _err(pred["step_time_s"], meas["step_time_s"]) if pred["same_machine"] else "n/a"))
     rows.append(("model states per rank (params, grads, master, optimizer)", _size(pred["model_state_bytes"]),
                  _size(meas["model_state_bytes"]), _err(pred["model_state_bytes"], meas["model_state_bytes"] or None)))
-    rows.append(("peak memory per rank", _size(pred["memory_bytes"]), _size(meas["peak_mem_bytes"]),
-                 _err(pred["memory_bytes"], meas["peak_mem_bytes"]) if pred["same_machine"] else "n/a (CPU RSS)"))
+    if "resident_bytes_rank0" in pred:  # CPU: the resident set, against tensors + RoPE + the process itself
+        rows.append(("peak resident set, rank 0 (planner tensors + RoPE + CPU process)",
+                     _size(pred["resident_bytes_rank0"]), _size(meas["peak_mem_bytes"]),
+                     _err(pred["resident_bytes_rank0"], meas["peak_mem_bytes"])))
+    else:
+        rows.append(("peak memory per rank", _size(pred["memory_bytes"]), _size(meas["peak_mem_bytes"]),
+                     _err(pred["memory_bytes"], meas["peak_mem_bytes"]) if pred["same_machine"] else "n/a"))
     if "tensor_peak_bytes_rank0" in meas:
         rows.append(("tensor memory at its peak, rank 0 (profiled steps: model state + allocations)",
                      _size(pred["tensor_bytes_rank0"]), _size(meas["tensor_peak_bytes_rank0"]),
@@ -186,6 +231,19 @@ def comparison_rows(meas: dict[str, Any], pred: dict[str, Any]) -> list[tuple[st
     return rows
 
 
+def comm_sent_series(records: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per step, the bytes rank 0 sent by dimension under the planner's names (receives left out): what the
+    table's measured comm rows average, drawn in the PNG."""
+    from pentatron.plan.comm import report_dim
+
+    dims = sorted({report_dim(d) for r in records for d in r.get("comm_bytes", {})})
+    out: dict[str, list[float]] = {d: [0.0] * len(records) for d in dims}
+    for i, r in enumerate(records):
+        for dim, ops in r.get("comm_bytes", {}).items():
+            out[report_dim(dim)][i] += sum(b for op, b in ops.items() if op != "recv")
+    return out
+
+
 def _plots(run_dir: Path, records: list[dict[str, Any]]) -> list[str]:
     """One PNG, one panel per curve (a single figure: this runs at the end of every training run)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -197,10 +255,10 @@ def _plots(run_dir: Path, records: list[dict[str, Any]]) -> list[str]:
         ("gradient norm (before clipping)", "‖g‖", {"grad norm": [r["grad_norm"] for r in records]}),
         ("throughput", "tokens/s", {"tokens/s": [r["tokens_per_s"] for r in records]}),
         ("peak memory, rank 0", "MiB", {"peak": [r["peak_mem_bytes"] / 2**20 for r in records]})]
-    dims = sorted({d for r in records for d in r.get("comm_bytes", {})})
-    if dims:
-        panels.append(("comm bytes per step (ledger, rank 0)", "MiB",
-                       {d: [sum(r.get("comm_bytes", {}).get(d, {}).values()) / 2**20 for r in records] for d in dims}))
+    series = comm_sent_series(records)
+    if series:
+        panels.append(("comm bytes sent per step (ledger, rank 0)", "MiB",
+                       {d: [b / 2**20 for b in ys] for d, ys in series.items()}))
     fig = Figure(figsize=(4 * len(panels), 3.2))
     FigureCanvasAgg(fig)
     for i, (title, ylabel, series) in enumerate(panels):
@@ -232,8 +290,10 @@ def write_report(run_dir: Path, hardware_profile: Path | None = None) -> Path:
     lines = [f"# Run report: {run_dir}", ""]
     if info:
         par = info["config"]["parallel"]
-        lines.append(f"{info['world_size']} process(es) on {info['device_name']}; model "
-                     f"{info['config']['model']['name']}; dp={par['dp'] or 'auto'} tp={par['tp']} pp={par['pp']} "
+        dp = pred.get("dp") or par["dp"] or info["world_size"] // (par["tp"] * par["pp"] * par.get("cp", 1))
+        lines.append(f"{info['world_size']} process(es) on {info['device_name']} ({info.get('device', '?')}); model "
+                     f"{info['config']['model']['name']}; dp={dp} tp={par['tp']}{'+sp' if par.get('sp') else ''} "
+                     f"pp={par['pp']} "
                      f"cp={par.get('cp', 1)} ep={par.get('ep', 1)} "
                      f"zero={par['zero']}; {meas['steps']} steps, final loss {meas['final_loss']:.4f}; median "
                      f"step {meas['step_time_s']:.4f} s, {meas['tokens_per_s']:,.0f} tokens/s.")

@@ -1,7 +1,7 @@
 """Context parallelism: the sequence of every sample is split over the cp ranks, and attention — the one
 operation that mixes tokens — is done together; everything else (embeddings, norms, MLP, loss) is
 per token and runs on the local slice unchanged — but for MoE's choices over the whole sequences or
-micro-batch: the balancing loss's counts (summed over cp) and the capacity drops (`moe_capacity.py`).
+micro-batch: the balancing loss's counts and the capacity drops (`moe_tokens.py`).
 
 Which tokens a rank holds (`cp_token_index`). A cp group is `ring × ulysses` ranks, Ulysses innermost.
 The sequence is cut into 2·ring chunks and ring rank i takes chunks i and 2·ring−1−i (the zigzag that
@@ -29,9 +29,7 @@ from torch import nn
 from pentatron.distributed.comm import Comm
 from pentatron.distributed.functional import heads_to_seq, seq_to_heads
 from pentatron.layout import ParallelLayout
-from pentatron.models.moe import moe_layers
 from pentatron.parallel.attention_kernels import BlockKernel, block_kernel
-from pentatron.parallel.moe_capacity import MicroBatchCapacity
 from pentatron.parallel.ring_attention import AttentionCount, ring_attention
 
 RING, ULYSSES = "cp_ring", "cp_ulysses"  # the comm layer's names for the two sub-groups of cp
@@ -92,24 +90,10 @@ class ContextParallelAttention(nn.Module):
 
 
 def apply_context_parallel(model: nn.Module, comm: Comm, layout: ParallelLayout, kernel: str = "fused") -> None:
-    """Replace every decoder block's attention core (a pipeline rank's stages keep their layers in a dict),
-    let MoE routers count their balancing loss's assignments over whole sequences, and MoE layers with a
-    capacity choose their kept assignments over the whole micro-batch (`moe_capacity.py`)."""
+    """Replace every decoder block's attention core (a pipeline rank's stages keep their layers in a dict).
+    MoE layers' choices over the whole micro-batch: `moe_tokens.py`."""
     if layout.cp == 1:
         return
     blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     for block in blocks:
         block.attn.core = ContextParallelAttention(comm, layout, block_kernel(kernel))
-    positions = None
-    for layer in moe_layers(model).values():
-        layer.router.count_sequences = lambda counts: _sum_over_cp(counts, comm)
-        if layer.cfg.capacity_factor is not None:
-            positions = ContextShard(comm, layout).positions if positions is None else positions
-            layer.capacity_scope = MicroBatchCapacity(comm, positions, layout.seq_len, layout.cp,
-                                                      layer.cfg.n_experts)
-
-
-def _sum_over_cp(t: torch.Tensor, comm: Comm) -> torch.Tensor:
-    out = t.detach().clone()
-    comm.all_reduce(out, "cp")
-    return out

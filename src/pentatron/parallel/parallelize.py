@@ -1,7 +1,8 @@
 """The one function that turns a plain model into a parallel one, in a fixed and visible order.
 
     split into pipeline stages → tensor/sequence parallel → context parallel → expert parallel
-    → activation checkpointing → materialise this rank's pieces → data parallel / ZeRO → step runner
+    → MoE layers on a share of the micro-batch (cp, sp) → activation checkpointing
+    → materialise this rank's pieces → data parallel / ZeRO → step runner
 
 On a meta model (torchtitan's order: meta → parallelize → materialise local → init) nothing before the
 materialisation allocates parameter storage, and ZeRO engines initialise their shards directly.
@@ -28,6 +29,7 @@ from pentatron.parallel.data import DataParallel, DataParallelBase
 from pentatron.parallel.expert import apply_expert_parallel
 from pentatron.parallel.grouped import GroupedDataParallel
 from pentatron.parallel.materialize import LocalInit, materialize_params, meta_parameters
+from pentatron.parallel.moe_tokens import apply_moe_token_shards
 from pentatron.parallel.pipeline.stages import PipelineStage, build_stages, stage_layers, tied_parameter
 from pentatron.parallel.placement import Placement, TPShard
 from pentatron.parallel.recompute import apply_recompute
@@ -119,6 +121,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
         apply_context_parallel(part, ctx.comm, layout)
     module = LocalStages(stages) if stages else model  # collected after TP replaced embedding and head
     ep_shards = apply_expert_parallel(module, ctx)
+    for part in stages or [model]:  # MoE layers on a share of the micro-batch (cp, sp): after ep's new weights
+        apply_moe_token_shards(part, ctx.comm, layout)
     placements = _placements(module, stages, tp_shards, layout)
     for name, shard in ep_shards.items():  # expert weights: a slice of the experts, reduced over edp
         placements[name].expert, placements[name].grad_dims = shard, ("edp",)

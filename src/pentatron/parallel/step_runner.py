@@ -145,6 +145,8 @@ class StepRunner:
 
     def _sum_over_replicas(self, t: torch.Tensor) -> torch.Tensor:
         self.comm.all_reduce(t, self.engine.reduce_dim)  # the dense gradients' replicas (t on the device)
+        if self.layout.sp and self.layout.tp > 1:  # each tp rank's MoE layers saw its sequence shard
+            self.comm.all_reduce(t, "tp")
         return t
 
     def step_stats(self) -> dict[str, Any]:

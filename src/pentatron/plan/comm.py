@@ -104,6 +104,7 @@ class Traffic(Enum):
     ULYSSES_Q = "Ulysses q in, output back"
     ULYSSES_KV = "Ulysses k, v in"
     MOE = "MoE dispatch/combine"
+    MOE_SP = "MoE under SP: router counts, gradients summed over tp"
     STAGE = "stage boundary"
     TIED = "tied embedding gradient"
     GRADIENTS = "gradients"
@@ -180,7 +181,7 @@ def layer_comm(w: Workload, lay: Layout, gpu: GPUSpec, layer_is_moe: bool) -> La
     moe: MoESpec | None = w.moe_spec
     if layer_is_moe and moe is not None and lay.ep > 1:
         g = group_of(lay, "ep", gpu)
-        routed = tokens * moe.top_k * cfg.hidden_size * a
+        routed = moe_tokens(tokens, lay) * moe.top_k * cfg.hidden_size * a
         ep_fwd = 2 * collective_time(gpu, "all_to_all", routed, g)  # dispatch + combine
         ep_bwd = ep_fwd
     regather = norm_grads = 0.0
@@ -189,6 +190,29 @@ def layer_comm(w: Workload, lay: Layout, gpu: GPUSpec, layer_is_moe: bool) -> La
         if lay.sp_inputs == "sharded":
             regather = collective_time(gpu, "all_gather", act, tp_g)
     return LayerComm(tp_fwd, tp_fwd, ep_fwd, ep_bwd, regather, ag, rs, norm_grads)
+
+
+def moe_tokens(tokens: int, lay: Layout) -> int:
+    """Tokens an MoE layer of a rank routes per micro-batch: under SP its sequence shard (the layer runs
+    outside the tp regions, parallel/moe_tokens.py), else all `tokens` it holds."""
+    return tokens // lay.tp if lay.sp and lay.tp > 1 else tokens
+
+
+def moe_sp_collectives(w: Workload, lay: Layout, gpu: GPUSpec, m: int, moe_layers: int) -> list[Collective]:
+    """Under SP each tp rank's MoE layers route its sequence shard (parallel/moe_tokens.py): per layer and
+    micro-batch the router's E counts are summed over tp (fp32), and after each backward every MoE
+    parameter's gradient (router, this rank's experts, shared experts: replicated over tp) is summed over
+    tp, one all-reduce per parameter."""
+    moe, h, a = w.moe_spec, w.cfg.hidden_size, act_bytes(lay.precision)
+    g = group_of(lay, "tp", gpu)
+    params = {"router": moe.num_experts * h,
+              "experts": 3 * h * moe.expert_ffn_hidden_size * moe.num_experts / lay.ep}
+    if moe.n_shared_experts:
+        params["shared"] = 3 * h * moe.shared_ffn * moe.n_shared_experts
+    tensors = 1 + 3 + (3 if moe.n_shared_experts else 0)
+    per_tensor = sum(params.values()) * a / tensors
+    return [_coll(gpu, g, "all_reduce", 4 * moe.num_experts, m * moe_layers, Traffic.MOE_SP),
+            _coll(gpu, g, "all_reduce", per_tensor, m * moe_layers * tensors, Traffic.MOE_SP)]
 
 
 def sp_norm_grad_bytes(w: Workload, lay: Layout) -> float:
@@ -347,8 +371,10 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
     moe = w.moe_spec
     if lay.ep > 1 and moe is not None and moe_layers_on_rank:
         g = group_of(lay, "ep", gpu)
-        routed = tokens * moe.top_k * cfg.hidden_size * a
+        routed = moe_tokens(tokens, lay) * moe.top_k * cfg.hidden_size * a
         out.append(_coll(gpu, g, "all_to_all", routed, m * moe_layers_on_rank * 4, Traffic.MOE))
+    if lay.tp > 1 and lay.sp and moe is not None and moe_layers_on_rank:
+        out += moe_sp_collectives(w, lay, gpu, m, moe_layers_on_rank)
     if lay.pp > 1:
         msg = pp_message_bytes(w, lay)
         g = group_of(lay, "pp", gpu)
@@ -392,6 +418,8 @@ def step_scalars(lay: Layout, gpu: GPUSpec, moe_layers: int = 0, n_experts: int 
     add("dp_cp", "all_reduce", 4, 2 if lay.zero >= 1 else 1)  # the loss; the norm of the shards
     if moe_layers:
         add("dp_cp", "all_reduce", 8 * (n_experts + 5), moe_layers)  # the MoE layers' loads
+        if lay.sp and lay.tp > 1:  # each tp rank's layers saw its sequence shard: loads summed over tp too
+            add("tp", "all_reduce", 8 * (n_experts + 5), moe_layers)
         if lay.ep > 1:  # the expert engine's norm: its shards, then the other experts
             if lay.zero >= 1:
                 add("edp", "all_reduce", 4, 1)
