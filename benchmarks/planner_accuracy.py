@@ -32,7 +32,7 @@ from pentatron.plan.memory import MemoryBreakdown, memory_for_rank
 from pentatron.plan.search import Prediction, predict
 
 DEFAULT_FILE = Path(__file__).with_name("published_runs.toml")
-LAYOUT_FIELDS = tuple(f.name for f in fields(Layout))  # a row's keys that describe its layout
+from pentatron.plan.batch import _FIELDS as LAYOUT_FIELDS
 
 
 @dataclass(frozen=True)
