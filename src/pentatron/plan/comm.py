@@ -306,7 +306,8 @@ def pp_message_bytes(w: Workload, lay: Layout) -> float:
     """One activation (or gradient) sent between pipeline stages for one micro-batch, by each rank: its
     sequence shard under SP, a 1/tp slice of the replicated tensor with `pp_scatter_gather`."""
     tokens = lay.micro_batch * w.seq_len // lay.cp
-    return tokens * w.cfg.hidden_size * act_bytes(lay.precision) / (lay.tp if lay.sp or lay.recipe.pp_scatter_gather else 1)
+    split = lay.tp if lay.sp or lay.recipe.pp_scatter_gather else 1
+    return tokens * w.cfg.hidden_size * act_bytes(lay.precision) / split
 
 
 def pp_regather_time(w: Workload, lay: Layout, gpu: GPUSpec) -> float:

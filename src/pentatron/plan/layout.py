@@ -133,6 +133,10 @@ class Layout:
     def with_(self, **kw: Any) -> Layout:
         return replace(self, **kw)
 
+    def with_recipe(self, **kw: Any) -> Layout:
+        """This layout under its recipe with some fields changed (`Recipe` field names)."""
+        return replace(self, recipe=replace(self.recipe, **kw))
+
 
 def kv_heads_per_tp_rank(cfg: ModelConfig, tp: int) -> int:
     """KV heads each TP rank holds: n_kv/tp, or 1 (replicated) when tp > n_kv (Megatron's GQA rule)."""

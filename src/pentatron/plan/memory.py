@@ -66,7 +66,7 @@ PLAYBOOK_20 = StatePrecision("playbook-bf16-fp32grads", 2, 6, 4, 8)
 def state_precision(lay: Layout) -> StatePrecision:
     """Bytes per parameter held by this layout's training recipe (2-byte gradients when asked)."""
     prec = STATE_PRECISIONS[lay.precision]
-    if lay.recipe.grad_precision == "bf16+fp32":  # a bf16 copy (DeepSpeed's .grad, torch DDP's bucket) beside the fp32 sum
+    if lay.recipe.grad_precision == "bf16+fp32":  # a bf16 copy (DeepSpeed's .grad, DDP's bucket) beside the fp32 sum
         return replace(prec, grad=prec.grad + 2)
     return replace(prec, grad=lay.grad_bytes)
 

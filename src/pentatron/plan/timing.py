@@ -326,7 +326,8 @@ def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -
     ce_comm = 0.0
     if lay.tp > 1:  # the vocab-parallel loss's small all-reduces (latency-bound), forward only
         g = group_of(lay, "tp", gpu)
-        ce_comm = sum(collective_time(gpu, "all_reduce", x, g) for x in loss_all_reduces(tokens, lay.recipe.cross_entropy))
+        ce_comm = sum(collective_time(gpu, "all_reduce", x, g)
+                      for x in loss_all_reduces(tokens, lay.recipe.cross_entropy))
     return Phase(ph.f + loss + tp_f + ce_comm, ph.b + loss_b + tp_b, ph.w)
 
 
