@@ -36,6 +36,9 @@ DEFAULT_FILE = Path(__file__).with_name("published_runs.toml")
 # a row's keys that are `pentatron plan` layout flags (the value's flag: --name-with-dashes)
 LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep", "zero", "pp_schedule", "pp_virtual", "micro_batch", "cp_mode",
                 "cp_ulysses", "precision", "fp8_scaling", "attention")
+# what a row leaves out (the file's header): given to the CLI explicitly, which would search it otherwise
+ROW_DEFAULTS = {"tp": 1, "pp": 1, "cp": 1, "zero": 0, "pp_schedule": "1f1b", "cp_mode": "ring", "micro_batch": 1,
+                "precision": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -106,9 +109,10 @@ def plan_args(r: dict[str, Any], recipe_name: str) -> list[str]:
     """The `pentatron plan` flags for a row's layout and recipe: its layout flags, `--recipe` and a
     `--recipe-set` for each recipe field whose value differs from the preset (`--kernels` likewise)."""
     out = ["--gpus", str(r["gpus"]), "--recipe", recipe_name]
+    given = {**ROW_DEFAULTS, **r}  # every layout flag pinned: the CLI searches none of them
     for k in LAYOUT_FLAGS:
-        if k in r:
-            out += [f"--{k.replace('_', '-')}", str(r[k])]
+        if k in given:
+            out += [f"--{k.replace('_', '-')}", str(given[k])]
     if "sp" in r:
         out.append("--sp" if r["sp"] else "--no-sp")
     if "pp_layers" in r:
