@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
+from operator import attrgetter
 from typing import Any, Literal
 
 from pentatron.layout import ParallelLayout, tensor_parallel_problems
@@ -49,7 +50,8 @@ _PARALLEL_FIELDS: tuple[str, ...] = ("dp", "tp", "pp", "cp", "ep", "zero", "sp",
 
 
 def _parallel(name: str) -> property:
-    return property(lambda self: getattr(self.par, name), doc=f"`ParallelLayout.{name}` of the held layout")
+    """`lay.<name>` reads `lay.par.<name>` (attrgetter: the search reads these in its inner loop)."""
+    return property(attrgetter(f"par.{name}"), doc=f"`ParallelLayout.{name}` of the held layout")
 
 
 @dataclass(frozen=True, init=False)
@@ -76,12 +78,17 @@ class Layout:
         unknown = sorted(set(parallel) - set(_PARALLEL_FIELDS))
         if unknown:
             raise TypeError(f"Layout: unknown field(s) {', '.join(unknown)} (recipe fields go in recipe=...)")
-        par = par if par is not None else ParallelLayout()
-        if parallel:
+        if par is None:
+            par = ParallelLayout(**parallel)
+        elif parallel:
             par = replace(par, **parallel)
-        for name, value in (("par", par), ("recompute", recompute), ("precision", precision),
-                            ("fp8_scaling", fp8_scaling), ("attention", attention), ("recipe", recipe)):
-            object.__setattr__(self, name, value)
+        setattr_ = object.__setattr__  # frozen
+        setattr_(self, "par", par)
+        setattr_(self, "recompute", recompute)
+        setattr_(self, "precision", precision)
+        setattr_(self, "fp8_scaling", fp8_scaling)
+        setattr_(self, "attention", attention)
+        setattr_(self, "recipe", recipe)
 
     dp = _parallel("dp")
     tp = _parallel("tp")
