@@ -139,7 +139,7 @@ def row_from_dict(r: dict[str, Any], models: dict[str, ModelConfig], sources: di
     if "hw" in r:
         gpu = hardware_from_dict({"base": gpu.name, **r["hw"]}, where=r["id"])
     row = Row(r["id"], r["source"], r.get("confirmed", True), w, gpu, 0.0, None, tuple(r.get("inferred", ())),
-              tuple(plan_args(r, src["recipe"])), r.get("recompute") == "auto", r.get("memory_rank"))
+              tuple(plan_args(r, src.get("recipe", "pentatron"))), r.get("recompute") == "auto", r.get("memory_rank"))
     lay = row.layout
     if lay.world != r["gpus"]:
         raise ValueError(f"{r['id']}: dp*tp*pp*cp = {lay.world} != gpus {r['gpus']}")

@@ -67,9 +67,9 @@ class Layout:
     par: ParallelLayout
     # the planner's recompute mode: ours (train.recompute) or another recipe's (selective-op, full-alternate)
     recompute: Recompute
-    precision: Literal["bf16", "fp32", "fp8", "fp16"]  # PRECISIONS
-    fp8_scaling: Literal["tensorwise", "rowwise"]  # with precision="fp8": FP8_SCALINGS
-    attention: Literal["flash2", "flash3", "cudnn", "math"]  # ATTENTION_KERNELS
+    precision: Literal["bf16", "fp32", "fp8", "fp16"]  # ours: train.precision's bf16 / fp32
+    fp8_scaling: Literal["tensorwise", "rowwise"]  # with precision="fp8"
+    attention: Literal["flash2", "flash3", "cudnn", "math"]  # ours: torch SDPA (flash2)
     recipe: Recipe
 
     def __init__(self, par: ParallelLayout | None = None, recompute: str = "none", precision: str = "bf16",
