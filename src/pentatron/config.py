@@ -261,6 +261,13 @@ def field_problems(section: type, name: str, value: Any, path: str | None = None
     return problems
 
 
+def field_choices(section: type, name: str) -> tuple[Any, ...]:
+    """The values a `Literal`-typed field admits (a command line's choices, the same list the checker uses)."""
+    hint = _type_hints(section)[name]
+    options = get_args(hint) if get_origin(hint) is not Literal else (hint,)
+    return tuple(v for o in options if get_origin(o) is Literal for v in get_args(o))
+
+
 @functools.lru_cache(maxsize=64)
 def _type_hints(cls: type) -> dict[str, Any]:
     return get_type_hints(cls)

@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pentatron.config import ParallelConfig, field_choices
 from pentatron.plan.recipes import PENTATRON, RECIPES, TRAINING_ATTENTION, not_ours, resolve_kernels
 
 RECIPE_NAMES = tuple(RECIPES)
@@ -88,6 +89,15 @@ def plan_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _choices(field: str, recipe: bool = False) -> tuple[str, ...]:
+    """A flag's values: the Literal of the planner layout's (or recipe's) typed field, which
+    `problems` checks with the config's checker, so the two lists cannot differ."""
+    from pentatron.plan.layout import Layout
+    from pentatron.plan.recipes import Recipe
+
+    return field_choices(Recipe if recipe else Layout, field)
+
+
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model (a registry name, a TOML file, or an explicit shape)")
     m.add_argument("--model", help="registry name, e.g. llama3-70b")
@@ -118,15 +128,15 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--recipe-set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override one field of the recipe (repeatable), e.g. pp_p2p=blocking, tp_overlap=true, "
                         "grad_precision=bf16; the fields are plan/recipes.py's Recipe")
-    w.add_argument("--precision", choices=("bf16", "fp32", "fp8", "fp16"), default="bf16",
+    w.add_argument("--precision", choices=_choices("precision"), default="bf16",
                    help="fp8 and fp16 are evaluated, not trained by `pentatron train` (bf16/fp32)")
-    w.add_argument("--fp8-scaling", choices=("tensorwise", "rowwise"), default="tensorwise",
+    w.add_argument("--fp8-scaling", choices=_choices("fp8_scaling"), default="tensorwise",
                    help="with --precision fp8: one scale per tensor (default) or per row (torchao's rowwise "
                         "recipe, costed from its measured H100 table)")
-    w.add_argument("--attention", choices=("flash2", "flash3", "cudnn", "math"), default=None,
+    w.add_argument("--attention", choices=_choices("attention"), default=None,
                    help="attention kernel (default flash2: what torch SDPA runs, as `pentatron train`); "
                         "see docs/planner.md")
-    w.add_argument("--cross-entropy", choices=("eager", "fused", "loss_parallel", "nanotron"), default=None,
+    w.add_argument("--cross-entropy", choices=_choices("cross_entropy", recipe=True), default=None,
                    help="the loss (default: the recipe's; ours is fp32 PyTorch ops, under tp our vocab-parallel "
                         "loss): flash-attn's fused kernel, torch's loss_parallel over the tp ranks (torchtitan) or "
                         "nanotron's sharded loss on fp32-cast logits; same as --recipe-set cross_entropy=...")
@@ -138,16 +148,16 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     for name in ("dp", "tp", "pp", "cp", "ep", "zero"):
         k.add_argument(f"--{name}", type=int)
     k.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None, help="sequence parallelism")
-    k.add_argument("--pp-schedule", choices=("afab", "1f1b", "interleaved", "zb"))
+    k.add_argument("--pp-schedule", choices=field_choices(ParallelConfig, "pp_schedule"))
     k.add_argument("--pp-virtual", type=int, help="chunks per rank for the interleaved schedule")
     k.add_argument("--pp-layers", type=_layer_counts, metavar="N,N,...",
                    help="decoder layers per pipeline stage (per chunk when interleaving), e.g. 15,17,17,15; "
                         "0 = a stage with only the embedding or only the head (evaluated, not trainable)")
     k.add_argument("--micro-batch", type=int, help="sequences per micro-batch")
-    k.add_argument("--recompute", choices=("none", "selective", "full", "selective-op", "full-alternate"),
+    k.add_argument("--recompute", choices=_choices("recompute"),
                    help="selective is the recipe's (torchtitan: op-level SAC = selective-op); selective-op and "
                         "full-alternate (torchtitan's) are evaluated, not trained")
-    k.add_argument("--cp-mode", choices=("ring", "ulysses", "hybrid"),
+    k.add_argument("--cp-mode", choices=field_choices(ParallelConfig, "cp_mode"),
                    help="context parallelism: ring attention, Ulysses all-to-all, or Ulysses inside a node x ring")
     k.add_argument("--cp-ulysses", type=int, help="hybrid: the Ulysses degree (ring degree = cp / cp-ulysses)")
     o = p.add_argument_group("output")
