@@ -264,11 +264,12 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
     pl = parallel_layout(w, lay)
     out = [*_training_rules(pl, w.cfg, gpus), *pl.unsupported(w.cfg)]
     why = not_ours(lay.recipe)
-    if why:
+    if why:  # another framework's run: that is the one reason (its knob values are its own)
         out.append(why)
-    for knob in ("precision", "recompute"):  # the train fields our knobs set
-        out += [f"{p} (`pentatron train` has no {getattr(lay, knob)!r})"
-                for p in field_problems(TrainConfig, knob, getattr(lay, knob), f"train.{knob}")]
+    else:
+        for knob in ("precision", "recompute"):  # the train fields our knobs set
+            out += [f"{p} (`pentatron train` has no {getattr(lay, knob)!r})"
+                    for p in field_problems(TrainConfig, knob, getattr(lay, knob), f"train.{knob}")]
     if w.moe_spec is not None and w.cfg.moe is None:
         out.append("an MoE shape given by --experts/--top-k is no model config training can build (use an MoE "
                    "registry model, or set the [moe] fields of the training config)")
