@@ -16,7 +16,7 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +24,21 @@ import tomllib
 
 from pentatron.models.config import ModelConfig
 from pentatron.models.registry import get_model_config
-from pentatron.plan.batch import layout_from_toml
+from pentatron.plan.cli import fixed_knobs, plan_parser, requested_layout
 from pentatron.plan.flops import model_flops_per_token
 from pentatron.plan.hardware import GiB, GPUSpec, get_gpu, hardware_from_dict
 from pentatron.plan.layout import Layout, Workload, compute_dtype, problems
 from pentatron.plan.memory import MemoryBreakdown, memory_for_rank
+from pentatron.plan.recipes import RECIPE_FIELDS, get_recipe, resolve_kernels
 from pentatron.plan.search import Prediction, predict
 
 DEFAULT_FILE = Path(__file__).with_name("published_runs.toml")
-LAYOUT_FIELDS = tuple(f.name for f in fields(Layout))  # a row's keys that describe its layout
+# a row's keys that are `pentatron plan` layout flags (the value's flag: --name-with-dashes)
+LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep", "zero", "pp_schedule", "pp_virtual", "micro_batch", "cp_mode",
+                "cp_ulysses", "precision", "fp8_scaling", "attention")
+# what a row leaves out (the file's header): given to the CLI explicitly, which would search it otherwise
+ROW_DEFAULTS = {"tp": 1, "pp": 1, "cp": 1, "zero": 0, "pp_schedule": "1f1b", "cp_mode": "ring", "micro_batch": 1,
+                "precision": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -41,16 +47,36 @@ class Row:
     source: str
     confirmed: bool
     workload: Workload
-    layout: Layout
     gpu: GPUSpec
     published_tps: float  # tokens/s/GPU
     published_memory: float | None  # bytes per GPU
     inferred: tuple[str, ...]
-    kernels: str = "fused"
-    norm: str | None = None
+    # the `pentatron plan` arguments of the row's layout and recipe (without --recompute when "auto")
+    args: tuple[str, ...]
+    recompute_auto: bool = False  # recompute not published: the lightest of none/selective/full that fits
     # which GPU's peak the source publishes: None, the fullest (torchtitan: the maximum over all GPUs), or
     # that pipeline rank's (nanotron logs world rank 0, which holds pipeline stage 0)
     memory_rank: int | None = None
+
+    def plan(self, recompute: str | None = None) -> tuple[Layout, str]:
+        """(layout, kernels) as `pentatron plan` builds them from `args` (and `--recompute`)."""
+        extra = ("--recompute", recompute) if recompute else ()
+        args = plan_parser().parse_args([*self.args, *extra])
+        fixed = fixed_knobs(args)
+        return requested_layout(fixed, args.gpus), resolve_kernels(fixed["recipe"], args.kernels)
+
+    @property
+    def layout(self) -> Layout:
+        """The row's layout (recompute "auto": without recompute)."""
+        return self.plan("none" if self.recompute_auto else None)[0]
+
+    @property
+    def kernels(self) -> str:
+        return self.plan("none" if self.recompute_auto else None)[1]
+
+    @property
+    def norm(self) -> str | None:
+        return self.layout.recipe.norm
 
 
 def build_model(name: str, spec: dict[str, Any]) -> ModelConfig:
@@ -79,15 +105,42 @@ def load_rows(path: Path = DEFAULT_FILE) -> list[Row]:
     return [row_from_dict(r, models, data["sources"]) for r in data["run"]]
 
 
+def plan_args(r: dict[str, Any], recipe_name: str) -> list[str]:
+    """The `pentatron plan` flags for a row's layout and recipe: its layout flags, `--recipe` and a
+    `--recipe-set` for each recipe field whose value differs from the preset (`--kernels` likewise)."""
+    out = ["--gpus", str(r["gpus"]), "--recipe", recipe_name]
+    given = {**ROW_DEFAULTS, **r}  # every layout flag pinned: the CLI searches none of them
+    for k in LAYOUT_FLAGS:
+        if k in given:
+            out += [f"--{k.replace('_', '-')}", str(given[k])]
+    if "sp" in r:
+        out.append("--sp" if r["sp"] else "--no-sp")
+    if "pp_layers" in r:
+        out += ["--pp-layers", ",".join(map(str, r["pp_layers"]))]
+    if r.get("recompute", "none") != "auto":
+        out += ["--recompute", r.get("recompute", "none")]
+    preset = get_recipe(recipe_name)
+    for k in RECIPE_FIELDS:
+        if k != "kernels" and k in r and r[k] != getattr(preset, k):
+            v = r[k]
+            out += ["--recipe-set", f"{k}={str(v).lower() if isinstance(v, bool) else v}"]
+    if resolve_kernels(preset, r.get("kernels", "fused")) != resolve_kernels(preset):
+        out += ["--kernels", r.get("kernels", "fused")]
+    return out
+
+
 def row_from_dict(r: dict[str, Any], models: dict[str, ModelConfig], sources: dict[str, Any]) -> Row:
     """One [[run]] table (its source's defaults under it) as a Row."""
-    r = {**sources[r["source"]].get("defaults", {}), **r}
+    src = sources[r["source"]]
+    r = {**src.get("defaults", {}), **r}
     cfg = models[r["model"]]
     w = Workload(cfg, r["seq"], r["global_batch"])
-    lay = layout_from_toml({k: r[k] for k in LAYOUT_FIELDS if k in r}, r["id"])
     gpu = get_gpu(r["gpu"])
     if "hw" in r:
         gpu = hardware_from_dict({"base": gpu.name, **r["hw"]}, where=r["id"])
+    row = Row(r["id"], r["source"], r.get("confirmed", True), w, gpu, 0.0, None, tuple(r.get("inferred", ())),
+              tuple(plan_args(r, src.get("recipe", "pentatron"))), r.get("recompute") == "auto", r.get("memory_rank"))
+    lay = row.layout
     if lay.world != r["gpus"]:
         raise ValueError(f"{r['id']}: dp*tp*pp*cp = {lay.world} != gpus {r['gpus']}")
     if r["metric"] == "tokens_per_s_per_gpu":
@@ -103,9 +156,7 @@ def row_from_dict(r: dict[str, Any], models: dict[str, ModelConfig], sources: di
     else:
         raise ValueError(f"{r['id']}: unknown metric {r['metric']!r}")
     mem = r.get("memory_gib")
-    return Row(r["id"], r["source"], r.get("confirmed", True), w, lay, gpu, tps,
-               mem * GiB if mem is not None else None, tuple(r.get("inferred", ())),
-               r.get("kernels", "fused"), r.get("norm"), r.get("memory_rank"))
+    return replace(row, published_tps=tps, published_memory=mem * GiB if mem is not None else None)
 
 
 @dataclass(frozen=True)
@@ -132,13 +183,11 @@ class Result:
 
 
 def _predict(row: Row) -> Prediction:
-    """The row's layout; recompute "auto" (not published) takes the lightest mode that fits, as the
-    planner's search does."""
-    if row.layout.recompute != "auto":
-        return predict(row.workload, row.layout, row.gpu, kernels=row.kernels, norm=row.norm)
-    for mode in ("none", "selective", "full"):
-        pred = predict(row.workload, replace(row.layout, recompute=mode), row.gpu, kernels=row.kernels,
-                       norm=row.norm)
+    """The row's layout as the CLI builds it; recompute "auto" (not published) takes the lightest mode
+    that fits, as the planner's search does."""
+    for mode in ("none", "selective", "full") if row.recompute_auto else (None,):
+        lay, kernels = row.plan(mode)
+        pred = predict(row.workload, lay, row.gpu, kernels=kernels)
         if pred.fits:
             break
     return pred
@@ -147,13 +196,13 @@ def _predict(row: Row) -> Prediction:
 def evaluate(rows: list[Row], baseline_mfu: float = 0.40) -> list[Result]:
     out = []
     for row in rows:
-        lay = row.layout if row.layout.recompute != "auto" else replace(row.layout, recompute="none")
+        lay, kernels = row.plan("none" if row.recompute_auto else None)
         probs = problems(row.workload, lay, row.gpu, lay.world)
         pred = _predict(row)
-        peak = row.gpu.flops(compute_dtype(row.layout.precision))
+        peak = row.gpu.flops(compute_dtype(lay.precision))
         base = baseline_mfu * peak / model_flops_per_token(row.workload.cfg, row.workload.seq_len)
         mem = pred.memory if row.memory_rank is None else memory_for_rank(
-            row.workload, pred.layout, row.gpu, row.memory_rank, row.kernels, row.norm)
+            row.workload, pred.layout, row.gpu, row.memory_rank, kernels)
         out.append(Result(row, pred, tuple(probs), base, mem))
     return out
 
@@ -237,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     s = summary(results)
     if args.json:
         print(json.dumps({"rows": [{"id": r.row.id, "source": r.row.source, "published": r.row.published_tps,
+                                    "plan_args": " ".join(r.row.args),
                                     "predicted": r.pred.rate.tokens_per_s_per_gpu, "error": r.error,
                                     "fits": r.pred.fits, "memory_error": r.memory_error,
                                     "refused": list(r.refused)} for r in results],

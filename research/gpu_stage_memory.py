@@ -244,13 +244,14 @@ def planner_live_bytes(shape: Shape, fp32_params: int) -> dict:
     from pentatron.plan.hardware import get_gpu
     from pentatron.plan.layout import Layout, Workload
     from pentatron.plan.memory import memory_for_rank
+    from pentatron.plan.recipes import Recipe
 
     cfg = get_model_config("llama3.1-405b")
     w = Workload(cfg, seq_len=shape.seq, global_batch=shape.micro_batch * shape.micro_batches * 8)
     lay = Layout(dp=8, tp=8, pp=shape.micro_batches, zero=1, sp=True, micro_batch=shape.micro_batch,
-                 recompute="full", precision="bf16", param_shard="fp32", pp_schedule=shape.schedule,
-                 pp_virtual=len(shape.chunks), pp_layers=shape.pp_layers, pp_all_warmup=False,
-                 pp_buffers="per_microbatch")
+                 recompute="full", precision="bf16", pp_schedule=shape.schedule, pp_virtual=len(shape.chunks),
+                 pp_layers=shape.pp_layers,
+                 recipe=Recipe(param_shard="fp32", pp_all_warmup=False, pp_buffers="per_microbatch"))
     br = memory_for_rank(w, lay, get_gpu("h100"), 0, kernels="eager")
     live = br.total - br.reserved - br.master_weights - br.optimizer + fp32_params
     return {"live": live, "parameters": br.parameters, "gradients": br.gradients, "activations": br.activations,

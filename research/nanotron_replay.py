@@ -356,7 +356,7 @@ def replay_job(job: Job) -> ReplayJob | None:
     if not covered(w.cfg) or lay.zero > 1 or lay.cp > 1:
         return None
     return ReplayJob(w.cfg, lay.tp, lay.dp, lay.zero, lay.micro_batch, w.seq_len, lay.microbatches(w), lay.pp,
-                     lay.pp_layers[0] if lay.pp > 1 and lay.pp_layers else 0, lay.sp_inputs == "gathered")
+                     lay.pp_layers[0] if lay.pp > 1 and lay.pp_layers else 0, lay.recipe.sp_inputs == "gathered")
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from pentatron.models.llama import DecoderBlock, RMSNorm, Rotary, decoder_forwar
 from pentatron.plan.hardware import get_gpu  # noqa: E402
 from pentatron.plan.layout import Layout, Workload  # noqa: E402
 from pentatron.plan.memory import memory_for_rank  # noqa: E402
+from pentatron.plan.recipes import Recipe
 
 # Layers dominate, as in the 405B (vocabulary 2x hidden here, 7.8x there); 16 layers split evenly.
 CFG = ModelConfig(vocab_size=512, hidden_size=256, n_layers=16, n_heads=8, n_kv_heads=2, ffn_hidden_size=832,
@@ -144,13 +145,13 @@ def predicted(schedule_name: str, pp: int, receive: str) -> list[float]:
     v = 2 if schedule_name == "interleaved" else 1
     if schedule_name == "fsdp":  # as the planner evaluates torchtitan's FSDP rows
         w = Workload(cfg=CFG, seq_len=SEQ, global_batch=MICRO_BATCH * FSDP_RANKS)
-        lay = Layout(dp=FSDP_RANKS, zero=3, param_shard="fp32", micro_batch=MICRO_BATCH, recompute="full",
-                     precision="bf16")
+        lay = Layout(dp=FSDP_RANKS, zero=3, micro_batch=MICRO_BATCH, recompute="full", precision="bf16",
+                     recipe=Recipe(param_shard="fp32"))
     else:
         w = Workload(cfg=CFG, seq_len=SEQ, global_batch=MICRO_BATCH * pp * DP)
         lay = Layout(dp=DP, pp=pp, zero=1, pp_schedule=schedule_name, pp_virtual=v, micro_batch=MICRO_BATCH,
-                     recompute="full", precision="bf16", grad_precision="fp32", pp_all_warmup=False,
-                     pp_buffers=receive)
+                     recompute="full", precision="bf16",
+                     recipe=Recipe(grad_precision="fp32", pp_all_warmup=False, pp_buffers=receive))
     gpu = get_gpu("h100")  # memory does not depend on it
     out = []
     for r in range(pp):

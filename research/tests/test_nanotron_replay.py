@@ -77,9 +77,9 @@ def test_a_step_leaves_only_the_model_states_behind(modules, jobs):
 
 def test_the_sweep_recipe_follows_the_zero_stage_and_the_batch(modules, jobs):
     sweep, _ = modules
-    lay = {j.id.split("#")[0]: j.result.row.layout for j in jobs}
-    assert lay["13502220"].sp_inputs == "gathered" and lay["13502220"].grad_precision == "bf16+fp32"  # ZeRO-0, DDP
-    assert lay["14113516"].sp_inputs == "sharded" and lay["14113516"].grad_precision == "fp32"  # ZeRO-1: no DDP
+    rc = {j.id.split("#")[0]: j.result.row.layout.recipe for j in jobs}
+    assert rc["13502220"].sp_inputs == "gathered" and rc["13502220"].grad_precision == "bf16+fp32"  # ZeRO-0, DDP
+    assert rc["14113516"].sp_inputs == "sharded" and rc["14113516"].grad_precision == "fp32"  # ZeRO-1: no DDP
     assert sweep.first_batch("13502220#1") and not sweep.first_batch("13803385#9")
 
 

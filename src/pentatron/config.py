@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import sys
 import types
 import typing
@@ -113,6 +114,10 @@ class TrainConfig:
     clip: float = 1.0  # global gradient-norm clip; 0 disables
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     recompute: Literal["none", "selective", "full"] = "none"
+    # torch.compile each decoder block (issue 36); the planner's default kernels follow this default
+    # (false: one PyTorch op each, "eager"; true: fused elementwise chains). Placeholder field until the
+    # compile work lands; the lead reconciles it with that branch's definition.
+    compile: bool = False
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     peak_tflops: float | None = None  # per device, for MFU; default from the hardware table
@@ -244,6 +249,28 @@ def _check_value(path: str, value: Any, tp: Any, problems: list[str]) -> Any:
         problems.extend(sub)
         return out
     raise TypeError(f"unsupported config type {tp!r} for {path}")  # a bug in this file, not user input
+
+
+def field_problems(section: type, name: str, value: Any, path: str | None = None) -> list[str]:
+    """What the config loader says about `value` as field `name` of `section` (a config dataclass, or
+    any dataclass with typed fields): the same typed check, reusable where a value is not read from a
+    file (the planner checks its knobs with it). `path` names the field in messages (default
+    "<section>.<name>")."""
+    problems: list[str] = []
+    _check_value(path or f"{section.__name__}.{name}", value, _type_hints(section)[name], problems)
+    return problems
+
+
+def field_choices(section: type, name: str) -> tuple[Any, ...]:
+    """The values a `Literal`-typed field admits (a command line's choices, the same list the checker uses)."""
+    hint = _type_hints(section)[name]
+    options = get_args(hint) if get_origin(hint) is not Literal else (hint,)
+    return tuple(v for o in options if get_origin(o) is Literal for v in get_args(o))
+
+
+@functools.lru_cache(maxsize=64)
+def _type_hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
 
 
 def _build_section(cls: type, name: str, data: Any, problems: list[str]) -> Any:

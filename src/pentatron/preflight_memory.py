@@ -45,6 +45,7 @@ def memory_problems(cfg: Config, world_size: int, local_ranks: int) -> list[str]
     from pentatron.observe.report import REFERENCE_GPU, planner_layout
     from pentatron.plan.hardware import detect_gpu, get_gpu
     from pentatron.plan.memory import memory_per_gpu
+    from pentatron.plan.recipes import kernels_for_compile
 
     if cfg.train.allow_overcommit:
         return []
@@ -53,7 +54,7 @@ def memory_problems(cfg: Config, world_size: int, local_ranks: int) -> list[str]
         lay, w = planner_layout(cfg, world_size, device.type)
         spec = detect_gpu(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         gpu = spec or get_gpu(REFERENCE_GPU)
-        mem = memory_per_gpu(w, lay, gpu, kernels="eager")
+        mem = memory_per_gpu(w, lay, gpu, kernels=kernels_for_compile(cfg.train.compile))
     except Exception:  # noqa: BLE001 - a layout the planner cannot model: it has no opinion, training decides
         return []
     rope = rope_table_bytes(cfg)

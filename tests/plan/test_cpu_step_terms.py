@@ -17,6 +17,7 @@ from pentatron.plan.comm import p2p_time
 from pentatron.plan.hardware import get_gpu, load_hardware_toml, with_profile
 from pentatron.plan.kernel_tables import AttentionGrid, attention_rate
 from pentatron.plan.layout import Layout, Workload
+from pentatron.plan.recipes import Recipe
 from pentatron.plan.timing import (
     attention_times,
     embed_phase,
@@ -202,7 +203,7 @@ def test_torch_loss_parallel_pays_three_all_reduces_and_its_passes_over_the_fp32
     assert LOSS_PARALLEL_BYTES == 4 + 4 + 8 + 8 + 4 + 8 == 4 + 8 + 12 + 8 + 4
     # no communication at all (busbw infinite in effect) isolates the loss's memory-bound passes
     gpu = with_profile(H100, busbw={"all_reduce": ((1.0, 1e30),)}, stream_bw=((1.0, 1e9),))
-    eager, par = (Layout(dp=1, tp=2, micro_batch=4, precision="fp32", cross_entropy=ce)
+    eager, par = (Layout(dp=1, tp=2, micro_batch=4, precision="fp32", recipe=Recipe(cross_entropy=ce))
                   for ce in ("eager", "loss_parallel"))
     he, hp = head_phase(W, eager, gpu, "eager"), head_phase(W, par, gpu, "eager")
     entries = 4 * 64 * W.cfg.vocab_size / 2  # tokens x local vocabulary

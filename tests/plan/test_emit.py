@@ -35,7 +35,7 @@ def test_an_untrainable_layout_is_not_emitted(tmp_path, capsys):
     path = tmp_path / "run.toml"
     rc = run(["plan", "--model", "llama3-8b", "--gpus", "16", "--precision", "fp8", "--emit-config", str(path)])
     err = capsys.readouterr().err
-    assert rc == 2 and "train.precision='fp8' is not available" in err
+    assert rc == 2 and "train.precision must be one of 'auto', 'fp32', 'bf16', got 'fp8'" in err
     assert not path.exists()
 
 

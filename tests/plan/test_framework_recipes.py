@@ -22,6 +22,7 @@ from pentatron.plan.comm import (
 from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload, problems, trainable_problems
 from pentatron.plan.memory import llama_layer_activation_bytes, memory_for_rank, stage_extras
+from pentatron.plan.recipes import Recipe
 from pentatron.plan.timing import dense_linears, layer_phase, stage_phases, step_time, tp_overlap_split
 
 H100 = get_gpu("h100")
@@ -43,7 +44,7 @@ def test_megatron_sp_keeps_the_shard_of_both_block_inputs():
 def test_megatron_sp_regathers_in_backward_under_the_input_gradient_gemms():
     w = Workload(CFG, 2048, 64)
     lay = Layout(dp=2, tp=4, sp=True, micro_batch=1)
-    meg = dataclasses.replace(lay, sp_inputs="sharded")
+    meg = lay.with_recipe(sp_inputs="sharded")
     act = 2048 * 1024 * 2
     lc = layer_comm(w, meg, H100, False)
     ag = collective_time(H100, "all_gather", act, group_of(meg, "tp", H100))
@@ -73,22 +74,22 @@ def test_fused_cross_entropy_keeps_logits_and_logsumexp():
 
 def test_recipes_are_evaluated_but_not_trainable():
     w = Workload(CFG, 2048, 64)
-    meg = Layout(dp=2, tp=4, sp=True, sp_inputs="sharded", cross_entropy="fused")
+    meg = Layout(dp=2, tp=4, sp=True, recipe=Recipe(sp_inputs="sharded", cross_entropy="fused"))
     assert not problems(w, meg, H100, 8)
     why = trainable_problems(w, meg, 8)
     assert any("sp_inputs='sharded'" in x for x in why) and any("cross_entropy='fused'" in x for x in why)
-    assert any("sp_inputs must be" in x for x in problems(w, dataclasses.replace(meg, sp_inputs="x"), H100, 8))
+    assert any("sp_inputs must be" in x for x in problems(w, meg.with_recipe(sp_inputs="x"), H100, 8))
 
 
 def test_deepspeed_bf16_optimizer_keeps_both_gradients():
     from pentatron.plan.memory import PLAYBOOK_20, state_precision
 
-    ds = state_precision(Layout(grad_precision="bf16+fp32"))
+    ds = state_precision(Layout(recipe=Recipe(grad_precision="bf16+fp32")))
     assert (ds.param, ds.grad, ds.master, ds.optimizer) == (2, 6, 4, 8)
     assert ds.total == PLAYBOOK_20.total == 20  # the playbook's bf16 + fp32-gradient recipe
     # it reduces the fp32 accumulation: the same bytes as ours
     from pentatron.plan.comm import dp_collectives
-    assert (dp_collectives(Layout(dp=8, grad_precision="bf16+fp32"), H100, 1e9, "dp", 1, 2)[0].payload
+    assert (dp_collectives(Layout(dp=8, recipe=Recipe(grad_precision="bf16+fp32")), H100, 1e9, "dp", 1, 2)[0].payload
             == dp_collectives(Layout(dp=8), H100, 1e9, "dp", 1, 2)[0].payload == 4e9)
 
 
@@ -102,7 +103,7 @@ def test_pipeline_engine_holds_inputs_and_outputs_of_micro_batches_in_flight():
     assert pipeline_boundary_bytes(w, lay, 0, 4) == 4 * one  # stage 0's inputs are token ids
     assert pipeline_boundary_bytes(w, lay, 3, 1) == 1 * one  # the last stage's output is the loss
     assert pipeline_boundary_bytes(w, lay.with_(recompute="full"), 1, 3) == 3 * one  # input = checkpoint's
-    assert pipeline_boundary_bytes(w, lay.with_(pp_outputs="freed"), 1, 3) == 3 * one  # Megatron
+    assert pipeline_boundary_bytes(w, lay.with_recipe(pp_outputs="freed"), 1, 3) == 3 * one  # Megatron
     # a fused norm saves its input, which is the received tensor itself: counted once, with the layer
     assert pipeline_boundary_bytes(w, lay, 1, 3, norm="fused") == 3 * one
     assert pipeline_boundary_bytes(w, Layout(dp=1, tp=2, sp=True, pp=4), 1, 3) == 6 * one / 2
@@ -118,7 +119,7 @@ def test_torch_pipelining_keeps_a_receive_buffer_per_micro_batch():
     w = Workload(CFG, 2048, 64)
     one = 2048 * 1024 * 2  # [1 x 2048 tokens x h=1024] bf16
     ours = Layout(dp=1, pp=4, micro_batch=1)
-    torch_pp = ours.with_(pp_buffers="per_microbatch")
+    torch_pp = ours.with_recipe(pp_buffers="per_microbatch")
     assert pipeline_receive_bytes(w, ours, 2, 2, 4) == 2 * one
     # 1F1B, m=4: stage 0 receives no activations, 4 gradient buffers
     assert pipeline_receive_bytes(w, torch_pp, 0, 4, 4) == 4 * one
@@ -134,10 +135,10 @@ def test_torch_pipelining_keeps_a_receive_buffer_per_micro_batch():
     assert pipeline_receive_bytes(w, inter, 3, 5, 4) == (2 * 4 - 5 + 4) * one
     # sequence-parallel boundaries are 1/tp of the hidden state; no pipeline, no buffers
     assert pipeline_receive_bytes(w, torch_pp.with_(tp=2, sp=True), 3, 1, 4) == (4 - 1) * one / 2
-    assert pipeline_receive_bytes(w, Layout(dp=4, pp_buffers="per_microbatch"), 0, 1, 1) == 0.0
+    assert pipeline_receive_bytes(w, Layout(dp=4, recipe=Recipe(pp_buffers="per_microbatch")), 0, 1, 1) == 0.0
     # the planner evaluates it; training cannot run it
     assert problems(w, torch_pp, H100, 4) == []
-    assert any("pp_buffers" in x for x in problems(w, ours.with_(pp_buffers="per_stage"), H100, 4))
+    assert any("pp_buffers" in x for x in problems(w, ours.with_recipe(pp_buffers="per_stage"), H100, 4))
     assert any("pp_buffers='per_microbatch'" in x for x in trainable_problems(w, torch_pp, 4))
     w4 = Workload(CFG, 2048, 4)  # 4 micro-batches: stage 2 of 1F1B holds 2 in flight
     assert (memory_for_rank(w4, torch_pp, H100, 2).comm_buffers
@@ -147,7 +148,7 @@ def test_torch_pipelining_keeps_a_receive_buffer_per_micro_batch():
 def test_tp_overlap_hides_each_sp_collective_behind_its_gemm_but_one_chunk():
     w = Workload(CFG, 2048, 64)
     lay = Layout(dp=2, tp=4, sp=True, micro_batch=1)
-    ov = dataclasses.replace(lay, tp_overlap=True)
+    ov = lay.with_recipe(tp_overlap=True)
     lc = layer_comm(w, lay, H100, False)
     g = group_of(lay, "tp", H100)
     act = 2048 * 1024 * 2
@@ -174,7 +175,7 @@ def test_tp_overlap_hides_each_sp_collective_behind_its_gemm_but_one_chunk():
 def test_nanotron_zero1_reduces_all_gradients_after_the_backward_and_gathers_blocking():
     w = Workload(CFG, 2048, 64)
     ours = Layout(dp=8, zero=1)
-    nano = dataclasses.replace(ours, dp_overlap=False, zero1_reduce="all_reduce")
+    nano = ours.with_recipe(dp_overlap=False, zero1_reduce="all_reduce")
     colls = {c.where: c for c in step_collectives(w, nano, H100, 1e8, 0.0, 8, 0, first=True, last=True)}
     grads, params = colls["gradients"], colls["updated parameters"]
     assert grads.op == "all_reduce" and grads.payload == 4e8 and params.op == "all_gather" and params.payload == 2e8
@@ -189,11 +190,11 @@ def test_nanotron_zero1_reduces_all_gradients_after_the_backward_and_gathers_blo
     assert st_nano.dp_exposed > st_ours.dp_exposed
     assert any("dp_overlap" in x for x in trainable_problems(w, nano, 8))
     assert any("zero1_reduce='all_reduce'" in x for x in trainable_problems(w, nano, 8))
-    copies = dataclasses.replace(nano, zero1_gather="copies")  # memory only: the same collectives
+    copies = nano.with_recipe(zero1_gather="copies")  # memory only: the same collectives
     assert step_time(w, copies, H100).step == st_nano.step
     assert not problems(w, copies, H100, 8)
     assert any("zero1_gather='copies'" in x for x in trainable_problems(w, copies, 8))
-    assert any("zero1_gather must be" in x for x in problems(w, dataclasses.replace(nano, zero1_gather="x"), H100, 8))
+    assert any("zero1_gather must be" in x for x in problems(w, nano.with_recipe(zero1_gather="x"), H100, 8))
     assert any("dp_overlap=false is modelled for ZeRO 0-2" in x
                for x in problems(w, dataclasses.replace(nano, zero=3), H100, 8))
 
@@ -201,7 +202,7 @@ def test_nanotron_zero1_reduces_all_gradients_after_the_backward_and_gathers_blo
 def test_blocking_pipeline_sends_hold_the_sender():
     w = Workload(CFG, 2048, 64)
     lay = Layout(dp=2, pp=4, micro_batch=1)
-    ds = dataclasses.replace(lay, pp_p2p="blocking")
+    ds = lay.with_recipe(pp_p2p="blocking")
     hop = pp_hop_time(w, lay, H100)
     assert hop > 0
     ours, theirs = stage_phases(w, lay, H100), stage_phases(w, ds, H100)
@@ -210,13 +211,13 @@ def test_blocking_pipeline_sends_hold_the_sender():
         assert b.f == a.f + (hop if s < 3 else 0.0) and b.b == a.b + (hop if s > 0 else 0.0) and b.w == a.w
     assert step_time(w, ds, H100).step > step_time(w, lay, H100).step
     assert any("pp_p2p='blocking'" in x for x in trainable_problems(w, ds, 8))
-    assert any("pp_p2p must be" in x for x in problems(w, dataclasses.replace(ds, pp_p2p="x"), H100, 8))
+    assert any("pp_p2p must be" in x for x in problems(w, ds.with_recipe(pp_p2p="x"), H100, 8))
 
 
 def test_scatter_gather_sends_a_tp_slice_and_regathers_it_inside_the_node():
     w = Workload(CFG, 2048, 64)
     lay = Layout(dp=2, tp=4, sp=False, pp=2, micro_batch=1)  # 16 ranks: pp neighbours on different nodes
-    meg = dataclasses.replace(lay, pp_scatter_gather=True)
+    meg = lay.with_recipe(pp_scatter_gather=True)
     act = 2048 * 1024 * 2
     assert group_of(lay, "pp", H100).crosses_nodes
     assert pp_hop_time(w, lay, H100) == p2p_time(H100, act, True)
@@ -225,7 +226,7 @@ def test_scatter_gather_sends_a_tp_slice_and_regathers_it_inside_the_node():
     assert pp_hop_time(w, meg, H100) < pp_hop_time(w, lay, H100)
     # under SP the stage output is already a sequence shard: nothing changes
     sp = dataclasses.replace(lay, sp=True)
-    assert pp_hop_time(w, dataclasses.replace(sp, pp_scatter_gather=True), H100) == pp_hop_time(w, sp, H100)
+    assert pp_hop_time(w, sp.with_recipe(pp_scatter_gather=True), H100) == pp_hop_time(w, sp, H100)
     assert any("pp_scatter_gather" in x for x in trainable_problems(w, meg, 16))
 
 
@@ -238,7 +239,7 @@ def test_torch_allgather_ring_attention():
                       ffn_hidden_size=4096, max_seq_len=65536)
     w = Workload(cfg, 65536, 8)
     lay = Layout(dp=2, cp=4, micro_batch=1)
-    tt = dataclasses.replace(lay, cp_rotate="allgather", cp_kv_heads="q")
+    tt = lay.with_recipe(cp_rotate="allgather", cp_kv_heads="q")
     g = group_of(tt, "cp_ring", H100)
     local = 2 * 16384 * 16 * 64  # K and V of the rank's 16384 tokens, expanded to the 16 query heads
     gather = collective_time(H100, "all_gather", local * 4 * 2, g)
@@ -263,7 +264,7 @@ def test_torch_interleaved_warmup_keeps_one_loss_on_the_last_rank():
     forwards and keeps one loss, with 5 chunks in flight."""
     w = Workload(CFG, 2048, 4)
     lay = Layout(dp=1, pp=4, pp_schedule="interleaved", pp_virtual=2, micro_batch=1)
-    counted = dataclasses.replace(lay, pp_all_warmup=False)
+    counted = lay.with_recipe(pp_all_warmup=False)
     mega, torch_ = memory_for_rank(w, lay, H100, 3), memory_for_rank(w, counted, H100, 3)
     assert (mega.in_flight, torch_.in_flight) == (8, 5)
     saved, _ = stage_extras(CFG, 2048, first=False, last=True)
@@ -281,12 +282,12 @@ def test_fsdp2_keeps_only_the_fp32_parameter_shard():
 
     w = Workload(CFG, 2048, 64)
     ours = Layout(dp=8, zero=3, micro_batch=8)
-    fsdp2 = dataclasses.replace(ours, param_shard="fp32")
+    fsdp2 = ours.with_recipe(param_shard="fp32")
     a, b = memory_for_rank(w, ours, H100, 0), memory_for_rank(w, fsdp2, H100, 0)
     assert a.parameters == rank_params(w, ours, 0).dense * 2 / 8 and b.parameters == 0.0
     assert (a.gradients, a.master_weights, a.optimizer) == (b.gradients, b.master_weights, b.optimizer)
     assert any("param_shard" in x for x in trainable_problems(w, fsdp2, 8)) and problems(w, fsdp2, H100, 8) == []
     for other in (dataclasses.replace(ours, zero=1), dataclasses.replace(ours, precision="fp32")):
-        assert (memory_for_rank(w, dataclasses.replace(other, param_shard="fp32"), H100, 0).parameters
+        assert (memory_for_rank(w, other.with_recipe(param_shard="fp32"), H100, 0).parameters
                 == memory_for_rank(w, other, H100, 0).parameters)
-    assert any("param_shard must be" in x for x in problems(w, dataclasses.replace(ours, param_shard="bf16"), H100, 8))
+    assert any("param_shard must be" in x for x in problems(w, ours.with_recipe(param_shard="bf16"), H100, 8))

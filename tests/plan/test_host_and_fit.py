@@ -46,9 +46,9 @@ def test_fits_tight_and_does_not_fit():
     roomy = dataclasses.replace(H100, hbm_bytes=int(mem.total) + 1)
     tight = dataclasses.replace(H100, hbm_bytes=int((mem.required + mem.total) / 2))
     small = dataclasses.replace(H100, hbm_bytes=int(mem.required) - 1)
-    p = predict(w, lay, roomy)
+    p = predict(w, lay, roomy, kernels="fused")
     assert p.fits and not p.tight
-    p = predict(w, lay, tight)
+    p = predict(w, lay, tight, kernels="fused")
     assert p.fits and p.tight and any(n.startswith("tight:") for n in p.notes)
-    p = predict(w, lay, small)
+    p = predict(w, lay, small, kernels="fused")
     assert not p.fits and not p.tight

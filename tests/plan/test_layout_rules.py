@@ -13,10 +13,17 @@ from pentatron.models.registry import get_model_config
 from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload, problems, trainable_problems, warnings
 from pentatron.plan.memory import llama_layer_activation_bytes, memory_for_rank, rank_params
+from pentatron.plan.recipes import RECIPE_FIELDS, TORCHTITAN
 from pentatron.plan.search import predict
 
 H100 = get_gpu("h100")
 W70 = Workload(get_model_config("llama3-70b"), 4096, 1024)
+
+
+def _lay(**kw: object) -> Layout:
+    """A Layout whose recipe fields (given among the layout's) change the pentatron recipe."""
+    over = {k: kw.pop(k) for k in RECIPE_FIELDS if k in kw}
+    return Layout(**kw).with_recipe(**over)
 
 
 @pytest.mark.parametrize(("kw", "match"), [
@@ -27,13 +34,15 @@ W70 = Workload(get_model_config("llama3-70b"), 4096, 1024)
     ({"cp": 3, "dp": 1}, "load-balanced ring|does not equal"),
     ({"precision": "fp4"}, "--precision must be one of"),
     ({"attention": "flash9"}, "--attention must be one of"),
-    ({"precision": "fp8", "fp8_scaling": "blockwise"}, "--fp8-scaling must be one of tensorwise, rowwise"),
+    ({"precision": "fp8", "fp8_scaling": "blockwise"}, "--fp8-scaling must be one of 'tensorwise', 'rowwise'"),
     ({"fp8_scaling": "rowwise"}, "--fp8-scaling rowwise applies to --precision fp8, not bf16"),
-    ({"cross_entropy": "loss_parallel"}, "cross_entropy='loss_parallel' splits the loss over the tp ranks"),
-    ({"cross_entropy": "flash"}, "cross_entropy must be one of eager, fused, loss_parallel"),
+    ({"cross_entropy": "loss_parallel"}, "recipe.cross_entropy='loss_parallel' splits the loss over the tp ranks"),
+    ({"cross_entropy": "flash"}, "recipe.cross_entropy must be one of 'eager', 'fused', 'loss_parallel'"),
+    ({"pp_p2p": "sync"}, "recipe.pp_p2p must be one of 'async', 'blocking', got 'sync'"),
 ])
 def test_impossible_layouts_are_refused(kw, match):
-    msgs = problems(W70, Layout(**{"dp": 256, **kw}), H100, 256)
+    """Knob and recipe values are checked by the config loader's typed checker (its words)."""
+    msgs = problems(W70, _lay(**{"dp": 256, **kw}), H100, 256)
     assert any(re.search(match, m) for m in msgs), msgs
 
 
@@ -51,13 +60,15 @@ def test_rowwise_fp8_needs_a_measured_gpu():
      "does not divide model.n_layers=80"),  # 80 layers over 24 chunks, as Llama 3 405B's 126 on pp16
     ({"zero": 3, "pp": 2, "dp": 128}, "re-gathers each stage", None),  # trainable since ZeRO-3 x pp landed
     ({"cp": 8, "dp": 32}, None, None),  # trainable since context parallelism landed
-    ({"precision": "fp8"}, None, "train.precision='fp8' is not available"),
-    ({"recompute": "selective-op"}, None, "recompute 'selective-op' is not available"),
+    ({"precision": "fp8"}, None, "train.precision must be one of 'auto', 'fp32', 'bf16', got 'fp8'"),
+    ({"recompute": "selective-op"}, None, "train.recompute must be one of 'none', 'selective', 'full', got "
+                                          "'selective-op'"),
     ({"tp": 8, "dp": 32, "sp": True, "cross_entropy": "loss_parallel"}, None,
-     "cross_entropy='loss_parallel' is not available; use 'eager'"),
+     "the pentatron recipe with cross_entropy='loss_parallel' changed is evaluated"),
+    ({"recipe": TORCHTITAN, "zero": 3}, None, "recipe 'torchtitan' predicts a torchtitan run"),
 ])
 def test_layouts_real_runs_used_are_evaluated_with_a_warning(kw, warning, untrainable):
-    lay = Layout(**{"dp": 256, **kw})
+    lay = _lay(**{"dp": 256, **kw})
     assert problems(W70, lay, H100, 256) == []
     pred = predict(W70, lay, H100)
     assert pred.rate.tokens_per_s_per_gpu > 0

@@ -19,6 +19,7 @@ from pentatron.plan.memory import (
     rank_params,
     state_precision,
 )
+from pentatron.plan.recipes import Recipe
 
 H100 = get_gpu("h100")
 
@@ -78,7 +79,7 @@ def test_nanotrons_packed_qkv_keeps_two_more_kv_widths_without_gqa():
 def test_a_bf16_copy_beside_the_fp32_gradients_adds_two_bytes_a_parameter():
     """grad_precision="bf16+fp32": DeepSpeed's .grad or torch DDP's bucket beside the fp32 sum (20 bytes a
     parameter with Adam and fp32 masters, the playbook's figure); the reduction still moves the fp32 sum."""
-    lay = Layout(dp=8, grad_precision="bf16+fp32")
+    lay = Layout(dp=8, recipe=Recipe(grad_precision="bf16+fp32"))
     assert state_precision(lay).total == 20 and state_precision(Layout(dp=8)).total == 18
     assert lay.grad_bytes == 4
 
@@ -89,7 +90,7 @@ def test_nanotrons_zero1_step_holds_two_and_a_shard_copies_of_the_parameters():
     is the `optimizer_step` component; in place (ours) there is none."""
     w = Workload(get_model_config("llama3-70b"), 512, 64)
     lay = Layout(dp=8, tp=8, zero=1, micro_batch=1, recompute="full")
-    copies = dataclasses.replace(lay, zero1_gather="copies")
+    copies = lay.with_recipe(zero1_gather="copies")
     base, step = memory_for_rank(w, lay, H100, 0), memory_for_rank(w, copies, H100, 0)
     params = rank_params(w, lay, 0).dense  # per GPU after tp 8
     live = base.tensors  # the forward/backward peak: states, one layer input per layer, the loss

@@ -17,6 +17,7 @@ from pentatron.plan.fp8_rowwise import rowwise_seconds
 from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.memory import llama_layer_activation_bytes, memory_per_gpu
+from pentatron.plan.recipes import Recipe
 from pentatron.plan.timing import Phase, _linear, attention_times, gemm_time, layer_phase, step_time, zero3_exposed
 
 H100, A100 = get_gpu("h100"), get_gpu("a100-80gb")
@@ -178,13 +179,13 @@ def test_fp16_loss_scaling_and_bf16_gradients():
     fp16 = step_time(w, Layout(dp=8, precision="fp16"), H100)
     assert fp16.optimizer / bf16.optimizer == pytest.approx((34 + 4) / 34)
     m32 = memory_per_gpu(w, Layout(dp=8), H100)
-    m16 = memory_per_gpu(w, Layout(dp=8, grad_precision="bf16"), H100)
+    m16 = memory_per_gpu(w, Layout(dp=8, recipe=Recipe(grad_precision="bf16")), H100)
     assert m16.gradients == pytest.approx(m32.gradients / 2)
     g32 = dp_collectives(Layout(dp=8), H100, 1e9, "dp", 1, 2)[0]
-    g16 = dp_collectives(Layout(dp=8, grad_precision="bf16"), H100, 1e9, "dp", 1, 2)[0]
+    g16 = dp_collectives(Layout(dp=8, recipe=Recipe(grad_precision="bf16")), H100, 1e9, "dp", 1, 2)[0]
     assert (g32.payload, g16.payload) == (4e9, 2e9)
     # Megatron-LM --fp16 without --accumulate-allreduce-grads-in-fp32 reduces the fp16 .grad: the same 2 bytes
-    fp16_grads = Layout(dp=8, precision="fp16", grad_precision="fp16")
+    fp16_grads = Layout(dp=8, precision="fp16", recipe=Recipe(grad_precision="fp16"))
     assert memory_per_gpu(w, fp16_grads, H100).gradients == pytest.approx(m16.gradients)
     assert dp_collectives(fp16_grads, H100, 1e9, "dp", 1, 2)[0].payload == 2e9
 

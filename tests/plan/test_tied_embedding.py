@@ -34,7 +34,7 @@ def test_hand_computed_bytes_and_time():
     assert st.step == st.pipeline + st.dp_exposed + st.optimizer + st.contention + st.tied_grads + st.scalars
     # ZeRO-0 swaps the whole gradient; bf16 gradients half of it; tp shards the vocabulary
     assert _tied(w, dataclasses.replace(lay, zero=0))[0].payload == 32000 * 1024 * 4
-    assert _tied(w, dataclasses.replace(lay, zero=0, grad_precision="bf16"))[0].payload == 32000 * 1024 * 2
+    assert _tied(w, lay.with_recipe(grad_precision="bf16").with_(zero=0))[0].payload == 32000 * 1024 * 2
     assert _tied(w, Layout(dp=1, tp=2, pp=2))[0].payload == 32000 * 1024 * 4 / 2
     # the last stage swaps the same bytes
     assert _tied(w, lay, first=False)[0].payload == nbytes

@@ -157,13 +157,16 @@ def predicted(info: dict[str, Any], profile: Path | None) -> dict[str, Any]:
     """The planner's numbers for the run's layout, or {"error": why} when it cannot evaluate it."""
     from pentatron.plan.comm import bytes_by_dim
     from pentatron.plan.memory import memory_for_rank
+    from pentatron.plan.recipes import kernels_for_compile, training_default
     from pentatron.plan.search import predict
 
     gpu, source, same_machine = _hardware(info, profile)
     try:
         lay, w = layout_and_workload(info["config"], info.get("world_size", 1), info.get("device", "cpu"))
-        p = predict(w, lay, gpu, kernels="eager")  # training runs PyTorch's own ops, no fused kernels
-        rank0 = memory_for_rank(w, lay, gpu, 0, "eager")
+        # the kernels the run used: its train.compile (unset: the training default)
+        kernels = kernels_for_compile(info["config"].get("train", {}).get("compile", training_default("compile")))
+        p = predict(w, lay, gpu, kernels=kernels)
+        rank0 = memory_for_rank(w, lay, gpu, 0, kernels)
     except Exception as e:  # noqa: BLE001 - the planner may not model every layout: say so in the report
         return {"error": f"{type(e).__name__}: {e}", "hardware": source}
     mem = p.memory

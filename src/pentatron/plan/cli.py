@@ -15,6 +15,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pentatron.config import ParallelConfig, field_choices
+from pentatron.plan.recipes import PENTATRON, RECIPES, TRAINING_ATTENTION, not_ours, resolve_kernels
+
+RECIPE_NAMES = tuple(RECIPES)
 KNOB_FLAGS = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "pp_virtual", "micro_batch", "recompute",
               "cp_mode", "cp_ulysses", "pp_layers")
 
@@ -68,9 +72,33 @@ def parse_count(text: str, flag: str, *, binary: bool = True) -> int:
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "plan", help="predict memory, step time and the best mesh for a model on N GPUs",
-        description="Search every valid (dp, tp, pp, cp, ep, ZeRO, micro-batch, recompute, schedule) layout "
+        description=PLAN_DESCRIPTION)
+    _add_plan_arguments(p)
+    p.set_defaults(func=run_plan)
+
+
+PLAN_DESCRIPTION = ("Search every valid (dp, tp, pp, cp, ep, ZeRO, micro-batch, recompute, schedule) layout "
                     "and rank them by predicted throughput, or evaluate one layout when any of the layout "
                     "flags is given (the others are searched). See docs/planner.md.")
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    """`pentatron plan`'s arguments as a standalone parser (benchmarks build the CLI's layouts with it)."""
+    p = argparse.ArgumentParser(prog="pentatron plan", description=PLAN_DESCRIPTION)
+    _add_plan_arguments(p)
+    return p
+
+
+def _choices(field: str, recipe: bool = False) -> tuple[str, ...]:
+    """A flag's values: the Literal of the planner layout's (or recipe's) typed field, which
+    `problems` checks with the config's checker, so the two lists cannot differ."""
+    from pentatron.plan.layout import Layout
+    from pentatron.plan.recipes import Recipe
+
+    return field_choices(Recipe if recipe else Layout, field)
+
+
+def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model (a registry name, a TOML file, or an explicit shape)")
     m.add_argument("--model", help="registry name, e.g. llama3-70b")
     m.add_argument("--model-file", help="TOML with the ModelConfig fields (optionally under [model])")
@@ -93,31 +121,43 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     w.add_argument("--hardware", help="user-defined hardware TOML (overrides --gpu)")
     w.add_argument("--hardware-profile", help="profile written by `pentatron bench` (overrides --gpu)")
     w.add_argument("--gpus-per-node", type=int, help="override the node size")
-    w.add_argument("--precision", choices=("bf16", "fp32", "fp8", "fp16"), default="bf16",
+    r = p.add_argument_group("recipe (whose implementation runs the layout; see docs/planner.md)")
+    r.add_argument("--recipe", choices=tuple(RECIPE_NAMES), default="pentatron",
+                   help="pentatron (default: what `pentatron train` runs) or another framework's recipe, "
+                        "evaluated to predict its run, never emitted as a training config")
+    r.add_argument("--recipe-set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override one field of the recipe (repeatable), e.g. pp_p2p=blocking, tp_overlap=true, "
+                        "grad_precision=bf16; the fields are plan/recipes.py's Recipe")
+    w.add_argument("--precision", choices=_choices("precision"), default="bf16",
                    help="fp8 and fp16 are evaluated, not trained by `pentatron train` (bf16/fp32)")
-    w.add_argument("--fp8-scaling", choices=("tensorwise", "rowwise"), default="tensorwise",
+    w.add_argument("--fp8-scaling", choices=_choices("fp8_scaling"), default="tensorwise",
                    help="with --precision fp8: one scale per tensor (default) or per row (torchao's rowwise "
                         "recipe, costed from its measured H100 table)")
-    w.add_argument("--attention", choices=("flash2", "flash3", "cudnn", "math"), default="flash2",
-                   help="attention kernel (default flash2: what torch SDPA runs); see docs/planner.md")
-    w.add_argument("--cross-entropy", choices=("eager", "fused", "loss_parallel", "nanotron"), default="eager",
-                   help="the loss: fp32 PyTorch ops (default; under tp our vocab-parallel loss), flash-attn's "
-                        "fused kernel, torch's loss_parallel over the tp ranks (torchtitan) or nanotron's "
-                        "sharded loss on fp32-cast logits; evaluated, `pentatron train` runs eager")
-    w.add_argument("--kernels", choices=("fused", "eager"), default="fused",
-                   help="elementwise ops fused (torch.compile/Megatron kernels) or one PyTorch op each")
+    w.add_argument("--attention", choices=_choices("attention"), default=None,
+                   help="attention kernel (default flash2: what torch SDPA runs, as `pentatron train`); "
+                        "see docs/planner.md")
+    w.add_argument("--cross-entropy", choices=_choices("cross_entropy", recipe=True), default=None,
+                   help="the loss (default: the recipe's; ours is fp32 PyTorch ops, under tp our vocab-parallel "
+                        "loss): flash-attn's fused kernel, torch's loss_parallel over the tp ranks (torchtitan) or "
+                        "nanotron's sharded loss on fp32-cast logits; same as --recipe-set cross_entropy=...")
+    w.add_argument("--kernels", choices=("fused", "eager"), default=None,
+                   help="elementwise ops fused (fused: train.compile = true; Megatron kernels) or one PyTorch op "
+                        "each (eager: train.compile = false); default: the recipe's, for ours what `pentatron "
+                        "train` runs by default (train.compile's default)")
     k = p.add_argument_group("layout (any of these evaluates that layout; the rest are searched)")
     for name in ("dp", "tp", "pp", "cp", "ep", "zero"):
         k.add_argument(f"--{name}", type=int)
     k.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None, help="sequence parallelism")
-    k.add_argument("--pp-schedule", choices=("afab", "1f1b", "interleaved", "zb"))
+    k.add_argument("--pp-schedule", choices=field_choices(ParallelConfig, "pp_schedule"))
     k.add_argument("--pp-virtual", type=int, help="chunks per rank for the interleaved schedule")
     k.add_argument("--pp-layers", type=_layer_counts, metavar="N,N,...",
                    help="decoder layers per pipeline stage (per chunk when interleaving), e.g. 15,17,17,15; "
                         "0 = a stage with only the embedding or only the head (evaluated, not trainable)")
     k.add_argument("--micro-batch", type=int, help="sequences per micro-batch")
-    k.add_argument("--recompute", choices=("none", "selective", "full"))
-    k.add_argument("--cp-mode", choices=("ring", "ulysses", "hybrid"),
+    k.add_argument("--recompute", choices=_choices("recompute"),
+                   help="selective is the recipe's (torchtitan: op-level SAC = selective-op); selective-op and "
+                        "full-alternate (torchtitan's) are evaluated, not trained")
+    k.add_argument("--cp-mode", choices=field_choices(ParallelConfig, "cp_mode"),
                    help="context parallelism: ring attention, Ulysses all-to-all, or Ulysses inside a node x ring")
     k.add_argument("--cp-ulysses", type=int, help="hybrid: the Ulysses degree (ring degree = cp / cp-ulysses)")
     o = p.add_argument_group("output")
@@ -135,7 +175,6 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     o.add_argument("--emit-config", metavar="FILE",
                    help="write the `pentatron train` config of the best (or given) layout to FILE, checked "
                         "by the trainer's own validation")
-    p.set_defaults(func=run_plan)
 
 
 # ---------------------------------------------------------------- plan
@@ -274,11 +313,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise InputError(f"--top must be >= 1, got {args.top}")
     train_tokens = parse_count(args.train_tokens, "--train-tokens", binary=False) if args.train_tokens else None
-    fixed = {k: getattr(args, k) for k in KNOB_FLAGS if getattr(args, k) is not None}
-    fixed["precision"] = args.precision
-    fixed["attention"] = args.attention
-    fixed["fp8_scaling"] = args.fp8_scaling
-    fixed["cross_entropy"] = args.cross_entropy
+    fixed = fixed_knobs(args)
+    if args.emit_config and fixed["recipe"] != PENTATRON:
+        raise InputError(f"--emit-config: {not_ours(fixed['recipe'])}")
     verify_rows = None
     rc = 0
     if args.verify:
@@ -320,13 +357,14 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
         raise InputError(f"--zero must be 0, 1, 2 or 3, got {fixed['zero']}")
     if w.global_batch % 1 or w.global_batch < 1:
         raise InputError("global batch must hold at least one sequence")
-    res = search(w, gpu, args.gpus, fixed=fixed, top=args.top, kernels=args.kernels)
+    kernels = resolve_kernels(fixed["recipe"], args.kernels)
+    res = search(w, gpu, args.gpus, fixed=fixed, top=args.top, kernels=kernels)
     probs: list[str] = []
     suggestions: list[str] = []
     preds = res.ranked
     if not preds:
         # Nothing valid or nothing fits: explain with the requested (or simplest) layout.
-        lay = _requested_layout(fixed, args.gpus, w)
+        lay = requested_layout(fixed, args.gpus)
         probs = problems(w, lay, gpu, args.gpus)
         if probs and not res.valid:
             if args.json:
@@ -334,7 +372,7 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
                                                   verify=verify_rows), indent=2))
             raise InputError("; ".join(probs))
         if not probs:
-            pred = predict(w, lay, gpu, kernels=args.kernels)
+            pred = predict(w, lay, gpu, kernels=kernels)
             suggestions = suggest_fixes(w, lay, gpu, args.gpus)
             msg = (f"{lay.short()} needs {pred.memory.total / 2**30:.1f} GiB per GPU, {gpu.name} has "
                    f"{gpu.hbm_bytes / 2**30:.0f} GiB")
@@ -355,7 +393,7 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
         return 1
     if args.chart:
         report.memory_chart(preds, gpu, args.chart, title=f"{w.cfg.name} on {args.gpus} x {gpu.name}")
-    emitted = _emit(args, w, gpu, preds[0]) if args.emit_config else None
+    emitted = _emit(args, w, gpu, preds[0], kernels) if args.emit_config else None
     if args.json:
         print(json.dumps(report.plan_json(w, gpu, args.gpus, preds, result=res, verify=verify_rows,
                                           train_tokens=train_tokens, price=args.price), indent=2))
@@ -385,9 +423,10 @@ def _batch(args: argparse.Namespace, w: Any, gpu: Any) -> int:
     from pentatron.plan.batch import BatchError, evaluate_batch, load_layouts
 
     try:
-        layouts = load_layouts(args.batch, defaults={"precision": args.precision, "attention": args.attention,
-                                                           "fp8_scaling": args.fp8_scaling,
-                                                           "cross_entropy": args.cross_entropy})
+        recipe = fixed_knobs(args)["recipe"]
+        defaults = {"precision": args.precision, "attention": args.attention or TRAINING_ATTENTION,
+                    "fp8_scaling": args.fp8_scaling, "recipe": recipe.name, **recipe.overrides()}
+        layouts = load_layouts(args.batch, defaults={k: v for k, v in defaults.items() if k != "name"})
     except BatchError as e:
         raise InputError(str(e)) from None
     rows = evaluate_batch(w, gpu, layouts, args.gpus, kernels=args.kernels)
@@ -409,19 +448,51 @@ def _batch(args: argparse.Namespace, w: Any, gpu: Any) -> int:
     return 0
 
 
-def _emit(args: argparse.Namespace, w: Any, gpu: Any, pred: Any) -> str:
+def _emit(args: argparse.Namespace, w: Any, gpu: Any, pred: Any, kernels: str) -> str:
     from pentatron.plan.emit import EmitError, write_training_config
 
     header = (f"written by `pentatron plan` for {w.cfg.name} on {pred.layout.world} x {gpu.name}: "
               f"{pred.layout.short()}\npredicted {pred.rate.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
               f"{pred.memory.total / 2**30:.1f} GiB per GPU")
     try:
-        return str(write_training_config(args.emit_config, w, pred.layout, header))
+        return str(write_training_config(args.emit_config, w, pred.layout, header, kernels=kernels))
     except (EmitError, OSError) as e:
         raise InputError(f"--emit-config: {e}") from None
 
 
-def _requested_layout(fixed: dict[str, Any], gpus: int, w: Any) -> Any:
+def _recipe(args: argparse.Namespace) -> Any:
+    """The --recipe preset with --recipe-set / --cross-entropy overrides."""
+    from pentatron.plan.recipes import RecipeError, get_recipe
+
+    over: dict[str, Any] = {}
+    for item in args.recipe_set:
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            raise InputError(f"--recipe-set: expected FIELD=VALUE, got {item!r}")
+        over[key.strip()] = {"true": True, "false": False}.get(raw.strip().lower(), raw.strip())
+    if args.cross_entropy is not None:
+        over["cross_entropy"] = args.cross_entropy
+    try:
+        return get_recipe(args.recipe, over)
+    except RecipeError as e:
+        raise InputError(f"--recipe {args.recipe}: {e}") from None
+
+
+def fixed_knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """The layout flags given, our knobs and the recipe, as `search(fixed=...)` takes them ("selective"
+    recompute is the recipe's)."""
+    fixed = {k: getattr(args, k) for k in KNOB_FLAGS if getattr(args, k) is not None}
+    fixed["recipe"] = recipe = _recipe(args)
+    if "recompute" in fixed:
+        fixed["recompute"] = recipe.recompute_mode(fixed["recompute"])
+    fixed["precision"] = args.precision
+    fixed["attention"] = args.attention or TRAINING_ATTENTION
+    fixed["fp8_scaling"] = args.fp8_scaling
+    return fixed
+
+
+def requested_layout(fixed: dict[str, Any], gpus: int) -> Any:
+    """The layout the flags in `fixed` describe on `gpus` GPUs (what is not given: its simplest value)."""
     from pentatron.plan.layout import Layout
 
     split = fixed.get("pp_layers")
@@ -435,7 +506,6 @@ def _requested_layout(fixed: dict[str, Any], gpus: int, w: Any) -> Any:
                   sp=fixed.get("sp", tp > 1), pp_schedule=sched, pp_layers=split,
                   pp_virtual=v,
                   micro_batch=fixed.get("micro_batch", 1), recompute=fixed.get("recompute", "none"),
-                  precision=fixed.get("precision", "bf16"), attention=fixed.get("attention", "flash2"),
-                  fp8_scaling=fixed.get("fp8_scaling", "tensorwise"),
-                  cross_entropy=fixed.get("cross_entropy", "eager"),
+                  precision=fixed.get("precision", "bf16"), attention=fixed.get("attention", TRAINING_ATTENTION),
+                  fp8_scaling=fixed.get("fp8_scaling", "tensorwise"), recipe=fixed.get("recipe", PENTATRON),
                   cp_mode=fixed.get("cp_mode", "ring"), cp_ulysses=fixed.get("cp_ulysses", 1))

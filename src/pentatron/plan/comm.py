@@ -187,7 +187,7 @@ def layer_comm(w: Workload, lay: Layout, gpu: GPUSpec, layer_is_moe: bool) -> La
     regather = norm_grads = 0.0
     if lay.tp > 1 and lay.sp:
         norm_grads = 2 * collective_time(gpu, "all_reduce", sp_norm_grad_bytes(w, lay), tp_g)
-        if lay.sp_inputs == "sharded":
+        if lay.recipe.sp_inputs == "sharded":
             regather = collective_time(gpu, "all_gather", act, tp_g)
     return LayerComm(tp_fwd, tp_fwd, ep_fwd, ep_bwd, regather, ag, rs, norm_grads)
 
@@ -245,14 +245,14 @@ def cp_allgather_payloads(w: Workload, lay: Layout) -> tuple[float, float]:
     """torch's all-gather ring attention, per layer and micro-batch: (the gathered K/V of all ranks, one
     pass of the rank's fp32 dK/dV accumulator) in bytes."""
     local = allgather_kv_elements(lay.micro_batch * w.seq_len // lay.cp, w.cfg.n_heads / lay.tp,
-                                  kv_heads_per_tp_rank(w.cfg, lay.tp), w.cfg.head_dim, lay.cp_kv_heads)
+                                  kv_heads_per_tp_rank(w.cfg, lay.tp), w.cfg.head_dim, lay.recipe.cp_kv_heads)
     return local * lay.cp * act_bytes(lay.precision), local * 4
 
 
 def cp_layer_cost(w: Workload, lay: Layout, gpu: GPUSpec, attn_f: float, attn_b: float) -> CpLayerCost:
     """Context parallelism's seconds per layer and micro-batch (plan/context.py), on this hardware."""
     u, r = cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)
-    if r > 1 and lay.cp_rotate == "allgather":
+    if r > 1 and lay.recipe.cp_rotate == "allgather":
         g = group_of(lay, "cp_ring", gpu)
         kv_all, dkv = cp_allgather_payloads(w, lay)
         gather, dkv_pass = collective_time(gpu, "all_gather", kv_all, g), p2p_time(gpu, dkv, g.crosses_nodes)
@@ -280,12 +280,13 @@ def pp_message_bytes(w: Workload, lay: Layout) -> float:
     """One activation (or gradient) sent between pipeline stages for one micro-batch, by each rank: its
     sequence shard under SP, a 1/tp slice of the replicated tensor with `pp_scatter_gather`."""
     tokens = lay.micro_batch * w.seq_len // lay.cp
-    return tokens * w.cfg.hidden_size * act_bytes(lay.precision) / (lay.tp if lay.sp or lay.pp_scatter_gather else 1)
+    split = lay.tp if lay.sp or lay.recipe.pp_scatter_gather else 1
+    return tokens * w.cfg.hidden_size * act_bytes(lay.precision) / split
 
 
 def pp_regather_time(w: Workload, lay: Layout, gpu: GPUSpec) -> float:
     """`pp_scatter_gather` without SP: the receiving stage all-gathers the tp slices (inside the node)."""
-    if not lay.pp_scatter_gather or lay.sp or lay.tp == 1:
+    if not lay.recipe.pp_scatter_gather or lay.sp or lay.tp == 1:
         return 0.0
     tokens = lay.micro_batch * w.seq_len // lay.cp
     return collective_time(gpu, "all_gather", tokens * w.cfg.hidden_size * act_bytes(lay.precision),
@@ -334,20 +335,20 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
         per_mb = (2 + 2 + 2 * recompute_fwd) * layers_on_rank + (1 if first else 0) + (1 if last else 0)
         if lay.sp:
             out.append(_coll(gpu, g, "all_gather", act, m * per_mb, Traffic.SP_LAYERS))
-            if lay.sp_inputs == "sharded":
+            if lay.recipe.sp_inputs == "sharded":
                 out.append(_coll(gpu, g, "all_gather", act, m * 2 * layers_on_rank, Traffic.SP_REGATHER))
             out.append(_coll(gpu, g, "reduce_scatter", act, m * per_mb, Traffic.SP_LAYERS))
             norms = 2 * layers_on_rank + (1 if last else 0)
             out.append(_coll(gpu, g, "all_reduce", sp_norm_grad_bytes(w, lay), m * norms, Traffic.SP_NORMS))
         else:
             out.append(_coll(gpu, g, "all_reduce", act, m * per_mb, Traffic.LAYERS))
-        if last and lay.cross_entropy != "fused":
-            loss = loss_all_reduces(tokens, lay.cross_entropy)
+        if last and lay.recipe.cross_entropy != "fused":
+            loss = loss_all_reduces(tokens, lay.recipe.cross_entropy)
             out.append(_coll(gpu, g, "all_reduce", sum(loss) / len(loss), m * len(loss), Traffic.LOSS))
     if lay.cp > 1:
         u, r = cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)
         fwd = cp_forward_passes(lay.recompute)
-        if r > 1 and lay.cp_rotate == "allgather":  # a K/V all-gather per call; backward r fp32 dK/dV passes
+        if r > 1 and lay.recipe.cp_rotate == "allgather":  # a K/V all-gather per call; backward r fp32 dK/dV passes
             g = group_of(lay, "cp_ring", gpu)
             kv_all, dkv = cp_allgather_payloads(w, lay)
             out.append(replace(_coll(gpu, g, "all_gather", kv_all, m * layers_on_rank * (fwd + 1),
@@ -466,7 +467,7 @@ def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a
     if lay.zero == 0:
         return [after_compute("all_reduce", grads, 1, Traffic.GRADIENTS)]
     if lay.zero == 1:
-        return [after_compute(lay.zero1_reduce, grads, 1, Traffic.GRADIENTS),
+        return [after_compute(lay.recipe.zero1_reduce, grads, 1, Traffic.GRADIENTS),
                 after_compute("all_gather", weights, 1, Traffic.PARAMETERS)]
     if lay.zero == 2:
         return [after_compute("reduce_scatter", grads, m, Traffic.GRADIENTS_PER_MICROBATCH),

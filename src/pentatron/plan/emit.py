@@ -2,7 +2,9 @@
 
 The file is checked with the training side's own loader (`pentatron.config.load_config` with the
 layout's world size) before it is reported as written, so what the planner emits is what training
-accepts. A layout training cannot run yet (`plan.layout.trainable_problems`) is refused with the reasons.
+accepts. A layout training cannot run yet (`plan.layout.trainable_problems`) is refused with the reasons;
+a recipe other than ours is refused with one message. The kernels the plan assumed are written as
+`train.compile` (fused: true, eager: false).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 from pentatron.models.config import ModelConfig
 from pentatron.models.registry import get_model_config
 from pentatron.plan.layout import Layout, Workload, trainable_problems
+from pentatron.plan.recipes import compile_for_kernels, not_ours, resolve_kernels
 
 # ModelConfig fields a [model] section can override (pentatron.config.ModelSection)
 _MODEL_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_size",
@@ -48,8 +51,13 @@ def _model_section(cfg: ModelConfig, seq_len: int) -> dict[str, object]:
     return out
 
 
-def training_config_text(w: Workload, lay: Layout, header: str = "") -> str:
-    """TOML for `pentatron train` running `lay` on `w` (EmitError if training cannot run it)."""
+def training_config_text(w: Workload, lay: Layout, header: str = "", kernels: str | None = None) -> str:
+    """TOML for `pentatron train` running `lay` on `w` with `kernels` (train.compile; None: the training
+    default), EmitError if training cannot run it. Only the pentatron recipe is emitted
+    (`recipes.not_ours`): another recipe's layout is a prediction of that framework's run."""
+    why = not_ours(lay.recipe)
+    if why:
+        raise EmitError(why)
     why = trainable_problems(w, lay, lay.world)
     if why:
         raise EmitError("cannot emit a training config for " + lay.short() + ": " + "; ".join(why))
@@ -58,7 +66,8 @@ def training_config_text(w: Workload, lay: Layout, header: str = "") -> str:
         "parallel": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero": lay.zero,
                      "sp": lay.sp, "pp_schedule": lay.pp_schedule, "pp_virtual": lay.pp_virtual},
         "train": {"seq_len": w.seq_len, "micro_batch": lay.micro_batch, "global_batch": w.global_batch,
-                  "precision": lay.precision, "recompute": lay.recompute},
+                  "precision": lay.precision, "recompute": lay.recompute,
+                  "compile": compile_for_kernels(resolve_kernels(lay.recipe, kernels))},
     }
     if lay.zero == 3 and lay.pp > 1:
         sections["parallel"]["zero3_gather"] = lay.zero3_gather
@@ -74,12 +83,13 @@ def training_config_text(w: Workload, lay: Layout, header: str = "") -> str:
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
-def write_training_config(path: str | Path, w: Workload, lay: Layout, header: str = "") -> Path:
+def write_training_config(path: str | Path, w: Workload, lay: Layout, header: str = "",
+                          kernels: str | None = None) -> Path:
     """Write the config and load it back through the trainer's validation (world size = the layout's)."""
     from pentatron.config import ConfigError, load_config
 
     p = Path(path)
-    text = training_config_text(w, lay, header)
+    text = training_config_text(w, lay, header, kernels)
     p.write_text(text)
     try:
         cfg = load_config(p, world_size=lay.world)

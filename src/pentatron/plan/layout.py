@@ -10,30 +10,23 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
-from typing import Any
+from operator import attrgetter
+from typing import Any, Literal
 
 from pentatron.layout import ParallelLayout, tensor_parallel_problems
 from pentatron.models.config import ModelConfig
-from pentatron.plan.flops import RECOMPUTE_MODES, TRAINABLE_RECOMPUTE, MoESpec, moe_of
+from pentatron.plan.flops import MoESpec, Recompute, moe_of
 from pentatron.plan.hardware import GPUSpec
+from pentatron.plan.recipes import PENTATRON, TRAINING_ATTENTION, Recipe, not_ours
 
-# fp16 runs like bf16 (same tensor-core peak on A100/H100) plus dynamic loss scaling (one extra pass over
-# the gradients for the inf/nan check, modelled with the optimizer); fp8: Transformer-Engine style GEMMs.
-PRECISIONS: tuple[str, ...] = ("bf16", "fp32", "fp8", "fp16")
-# attention kernels: FlashAttention-2 (what torch SDPA runs), FlashAttention-3 (Hopper), cuDNN fused
+# Our knobs are typed on `Layout` and the recipe's on `Recipe`: both are checked by the config loader's
+# typed checker (`pentatron.config.field_problems`). Precisions: fp16 runs like bf16 (same tensor-core
+# peak on A100/H100) plus dynamic loss scaling (one extra pass over the gradients for the inf/nan check,
+# modelled with the optimizer); fp8: Transformer-Engine style GEMMs, scaled per tensor (TE's delayed
+# scaling, torchao's default) or per row (torchao's "rowwise": its CUTLASS GEMM, plan/fp8_rowwise.py).
+# Attention kernels: FlashAttention-2 (what torch SDPA runs), FlashAttention-3 (Hopper), cuDNN fused
 # attention, or the unfused math path (scores materialised: Megatron before 2022, BLOOM).
-ATTENTION_KERNELS: tuple[str, ...] = ("flash2", "flash3", "cudnn", "math")
-TRAIN_PRECISIONS: tuple[str, ...] = ("bf16", "fp32")  # train.precision (besides "auto")
-PP_SCHEDULES: tuple[str, ...] = ("afab", "1f1b", "interleaved", "zb")
-SP_INPUTS: tuple[str, ...] = ("gathered", "sharded")
-GRAD_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16+fp32")
-# the loss: "eager" (fp32 PyTorch ops: F.cross_entropy, or under TP our vocab-parallel loss), "fused"
-# (flash-attn's kernel), "loss_parallel" (torch's DTensor loss_parallel over the tp mesh: torchtitan at tp > 1)
-# or "nanotron" (its sharded cross-entropy on logits cast to fp32 first, at any tp)
-CROSS_ENTROPY: tuple[str, ...] = ("eager", "fused", "loss_parallel", "nanotron")
-# fp8 scaling: one scale per tensor (Transformer Engine's delayed scaling, torchao's default recipe) or per
-# row (torchao's "rowwise": its own CUTLASS GEMM, costed from a measured table in plan/fp8_rowwise.py)
-FP8_SCALINGS: tuple[str, ...] = ("tensorwise", "rowwise")
+KNOBS: tuple[str, ...] = ("recompute", "precision", "fp8_scaling", "attention")
 
 
 @dataclass(frozen=True)
@@ -52,97 +45,65 @@ class Workload:
         return moe_of(self.cfg, self.moe)
 
 
-@dataclass(frozen=True)
+_PARALLEL_FIELDS: tuple[str, ...] = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "pp_virtual",
+                                     "zero3_gather", "cp_mode", "cp_ulysses", "micro_batch", "pp_layers")
+
+
+def _parallel(name: str) -> property:
+    """`lay.<name>` reads `lay.par.<name>` (attrgetter: the search reads these in its inner loop)."""
+    return property(attrgetter(f"par.{name}"), doc=f"`ParallelLayout.{name}` of the held layout")
+
+
+@dataclass(frozen=True, init=False)
 class Layout:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero: int = 0
-    sp: bool = False
-    pp_schedule: str = "1f1b"
-    pp_virtual: int = 1
-    micro_batch: int = 1
-    recompute: str = "none"
-    precision: str = "bf16"
-    fp8_scaling: str = "tensorwise"  # with precision="fp8": FP8_SCALINGS
-    attention: str = "flash2"
-    # dtype of the gradient buffer that is accumulated and reduced: our trainer keeps fp32; Megatron's
-    # default distributed optimizer and FSDP with a bf16 reduce dtype keep bf16 (2 bytes/param less);
-    # "fp16": the same 2 bytes in fp16 (Megatron-LM with --fp16 and without
-    # --accumulate-allreduce-grads-in-fp32, DeepSpeed's fp16 engine: the .grad itself is reduced);
-    # "bf16+fp32": a bf16 copy of the gradients is kept beside the fp32 accumulation that is reduced
-    # (2 bytes/param more: the playbook's 20 bytes/param recipe): DeepSpeed's BF16_Optimizer keeps the
-    # .grad (clear_lp_grads=False); torch DDP under nanotron's fp32 accumulation keeps its bucket
-    # (gradient_as_bucket_view=False, the default: "the saved memory size will be equal to the total
-    # gradients size" when it is True)
-    grad_precision: str = "fp32"
-    zero3_gather: str = "micro_batch"  # ZeRO-3 with pp: re-gather per micro-batch, or once per "step"
-    # ZeRO-3's parameter shard: "both" (ours, DeepSpeed: a low-precision shard beside the fp32 master shard)
-    # or "fp32" (FSDP2 with a bf16 param_dtype: the fp32 shard only, cast as it is all-gathered)
-    param_shard: str = "both"
-    cp_mode: str = "ring"  # context parallelism: "ring" | "ulysses" | "hybrid" (plan/context.py)
-    cp_ulysses: int = 1  # hybrid: the Ulysses degree inside a node (ring degree = cp // cp_ulysses)
-    # Under SP, what the column-parallel linears (q/k/v, gate/up) keep for backward: "gathered" (ours:
-    # the all-gathered block input) or "sharded" (Megatron-LM/-Core: the sequence shard, all-gathered
-    # again in backward, overlapped with the input-gradient GEMM)
-    sp_inputs: str = "gathered"
-    # What attention keeps of the q/k/v projection: "separate" (q, k and v: ours, Megatron, torchtitan) or
-    # "packed" (nanotron's Llama without GQA, models/llama.py L471 and L655-657 at 67c5ebb6a9: a packed
-    # q|k|v copy whose q view FlashAttention keeps, so its k and v parts stay beside the contiguous k|v
-    # copy attention reads, 2 kv widths more per token; with GQA nanotron copies q apart: no more)
-    qkv_saved: str = "separate"
-    # the loss: "eager" (log-softmax in fp32, as training), "fused" (flash-attn's cross-entropy kernel,
-    # llm-foundry's default: keeps the low-precision logits and a per-token logsumexp only),
-    # "loss_parallel" (torch's DTensor loss over the tp mesh, torchtitan's at tp > 1: decomposed fp32 ops)
-    # or "nanotron" (its sharded loss on logits cast to fp32 first, keeping one shifted fp32 copy)
-    cross_entropy: str = "eager"
-    # the stage output of each in-flight micro-batch until its backward: "kept" (our engine's
-    # state.output, DeepSpeed's pipe buffers) or "freed" once sent (Megatron's deallocate_pipeline_outputs)
-    pp_outputs: str = "kept"
-    # Pipeline receive buffers: "per_message" (ours, Megatron: one allocated per receive, held while it is
-    # needed) or "per_microbatch" (torch.distributed.pipelining, torchtitan: an activation buffer per
-    # micro-batch on every non-first stage and a gradient buffer per micro-batch on every non-last stage,
-    # allocated at the first step and kept; measured: research/torch_pp_memory.py)
-    pp_buffers: str = "per_message"
-    # Under SP, each all-gather pipelined with the column-parallel GEMM it feeds and each reduce-scatter
-    # with the row-parallel GEMM it follows, forward and backward (Transformer Engine's userbuffers:
-    # Megatron-Core --tp-comm-overlap): only what exceeds its GEMM, and one of its tp chunks, is exposed
-    tp_overlap: bool = False
-    # Data-parallel traffic behind compute (ours, DDP/FSDP, Megatron): gradient buckets reduced during the
-    # backward, ZeRO-1/2 parameter gathers behind the next forward. False: one blocking reduction after the
-    # last backward and a blocking gather after the optimizer (nanotron's ZeRO-1)
-    dp_overlap: bool = True
-    # ZeRO-1's gradient collective: "reduce_scatter" (each rank receives its shard) or "all_reduce" (every
-    # rank receives all of it and keeps its shard: nanotron, which avoids a second buffer)
-    zero1_reduce: str = "reduce_scatter"
-    # ZeRO-1's gather of the updated parameters after the optimizer: "in_place" (ours, Megatron: straight
-    # into the persistent parameter buffer) or "copies" (nanotron: all_gather_coalesced flattens the local
-    # shard and each rank's shard into buffers of their own, and torch's allgather gathers into a flat
-    # output of its own: 2 + 1/dp transient copies of the parameters at the optimizer step)
-    zero1_gather: str = "in_place"
-    # pipeline sends and receives: "async" (ours, Megatron, torch.distributed.pipelining: isend/irecv, the
-    # sender goes on computing) or "blocking" (DeepSpeed's pipeline engine, nanotron: the sender waits for
-    # the transfer)
-    pp_p2p: str = "async"
-    # Without SP each tp rank holds the whole stage output: send it whole (ours), or each rank 1/tp of it,
-    # all-gathered by the receivers over NVLink (Megatron-LM's scatter_gather_tensors_in_pipeline, on by
-    # default since 2021; DeepSpeed's pipeline engine partitions the same way when model-parallel)
-    pp_scatter_gather: bool = False
-    # Interleaved with as many micro-batches as ranks (m == pp): every forward first (Megatron-LM, ours), or
-    # False, the counted warm-up 2(pp-1-r) + (v-1)pp as ever (torch.distributed.pipelining's
-    # ScheduleInterleaved1F1B, torchtitan): the later ranks then hold fewer micro-batches
-    pp_all_warmup: bool = True
-    # Ring attention's K/V exchange: "p2p" (ours: blocks passed rank to rank behind each block's attention)
-    # or "allgather" (torch's context_parallel: all of K/V gathered per call, dK/dV passed in fp32), and which
-    # heads travel: "kv" (ours) or "q" (torchtitan expands K/V to the query heads before attention)
-    cp_rotate: str = "p2p"
-    cp_kv_heads: str = "kv"
-    # Decoder layers of each pipeline chunk in global stage order (training's parallel.pp_layers); None:
-    # the engine's default split. 0 is evaluated: a chunk with only the embedding or only the LM head and
-    # loss (Llama 3's balanced pipeline, sec. 3.3.2), which training cannot build
-    pp_layers: tuple[int, ...] | None = None
+    """One layout the planner evaluates: the training side's `ParallelLayout` (held, the one holder of
+    the degrees; its batch geometry comes from the `Workload`, see `parallel_layout`), our knobs, and
+    the `Recipe` that runs it (`plan/recipes.py`: ours by default, or another framework's).
+
+    `Layout(dp=8, zero=1, recompute="full")` builds the held `ParallelLayout` from its field names;
+    `dataclasses.replace(lay, tp=2)` and `lay.with_(tp=2)` work the same way. The degrees read through
+    (`lay.dp` is `lay.par.dp`); the recipe's fields are read from `lay.recipe`."""
+
+    par: ParallelLayout
+    # the planner's recompute mode: ours (train.recompute) or another recipe's (selective-op, full-alternate)
+    recompute: Recompute
+    precision: Literal["bf16", "fp32", "fp8", "fp16"]  # ours: train.precision's bf16 / fp32
+    fp8_scaling: Literal["tensorwise", "rowwise"]  # with precision="fp8"
+    attention: Literal["flash2", "flash3", "cudnn", "math"]  # ours: torch SDPA (flash2)
+    recipe: Recipe
+
+    def __init__(self, par: ParallelLayout | None = None, recompute: str = "none", precision: str = "bf16",
+                 fp8_scaling: str = "tensorwise", attention: str = TRAINING_ATTENTION, recipe: Recipe = PENTATRON,
+                 **parallel: Any) -> None:
+        unknown = sorted(set(parallel) - set(_PARALLEL_FIELDS))
+        if unknown:
+            raise TypeError(f"Layout: unknown field(s) {', '.join(unknown)} (recipe fields go in recipe=...)")
+        if par is None:
+            par = ParallelLayout(**parallel)
+        elif parallel:
+            par = replace(par, **parallel)
+        setattr_ = object.__setattr__  # frozen
+        setattr_(self, "par", par)
+        setattr_(self, "recompute", recompute)
+        setattr_(self, "precision", precision)
+        setattr_(self, "fp8_scaling", fp8_scaling)
+        setattr_(self, "attention", attention)
+        setattr_(self, "recipe", recipe)
+
+    dp = _parallel("dp")
+    tp = _parallel("tp")
+    pp = _parallel("pp")
+    cp = _parallel("cp")
+    ep = _parallel("ep")
+    zero = _parallel("zero")
+    sp = _parallel("sp")
+    pp_schedule = _parallel("pp_schedule")
+    pp_virtual = _parallel("pp_virtual")
+    zero3_gather = _parallel("zero3_gather")
+    cp_mode = _parallel("cp_mode")
+    cp_ulysses = _parallel("cp_ulysses")
+    micro_batch = _parallel("micro_batch")
+    pp_layers = _parallel("pp_layers")
 
     @property
     def world(self) -> int:
@@ -152,7 +113,7 @@ class Layout:
     def grad_bytes(self) -> int:
         """Bytes per element of the gradient buffer that is reduced: 2 for bf16/fp16 buffers, 4 for fp32
         and for "bf16+fp32" (the fp32 sum is reduced; the bf16 copy beside it is memory only)."""
-        return 2 if self.grad_precision in ("bf16", "fp16") else 4
+        return 2 if self.recipe.grad_precision in ("bf16", "fp16") else 4
 
     def microbatches(self, w: Workload) -> int:
         """Micro-batches per step on each pipeline (gradient-accumulation steps)."""
@@ -170,10 +131,18 @@ class Layout:
         return s + (f" layers:{_run_length(self.pp_layers)}" if self.pp_layers is not None else "")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Flat: the parallel fields, our knobs, the recipe's name and its fields."""
+        recipe = asdict(self.recipe)
+        return ({k: getattr(self, k) for k in _PARALLEL_FIELDS}
+                | {k: getattr(self, k) for k in ("recompute", "precision", "fp8_scaling", "attention")}
+                | {"recipe": recipe.pop("name")} | recipe)
 
     def with_(self, **kw: Any) -> Layout:
         return replace(self, **kw)
+
+    def with_recipe(self, **kw: Any) -> Layout:
+        """This layout under its recipe with some fields changed (`Recipe` field names)."""
+        return replace(self, recipe=replace(self.recipe, **kw))
 
 
 def kv_heads_per_tp_rank(cfg: ModelConfig, tp: int) -> int:
@@ -182,11 +151,9 @@ def kv_heads_per_tp_rank(cfg: ModelConfig, tp: int) -> int:
 
 
 def parallel_layout(w: Workload, lay: Layout) -> ParallelLayout:
-    """The training side's layout for this plan: the one `pentatron train` would validate."""
-    return ParallelLayout(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, zero=lay.zero, sp=lay.sp,
-                          pp_schedule=lay.pp_schedule, pp_virtual=lay.pp_virtual, zero3_gather=lay.zero3_gather,
-                          cp_mode=lay.cp_mode, cp_ulysses=lay.cp_ulysses, micro_batch=lay.micro_batch,
-                          global_batch=w.global_batch, seq_len=w.seq_len, pp_layers=lay.pp_layers)
+    """The training side's layout for this plan, the one `pentatron train` would validate: the held
+    `ParallelLayout` with the workload's batch geometry."""
+    return replace(lay.par, global_batch=w.global_batch, seq_len=w.seq_len)
 
 
 @lru_cache(maxsize=16384)
@@ -206,58 +173,29 @@ def quick_problems(w: Workload, lay: Layout, gpu: GPUSpec, gpus: int | None = No
 
 
 def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
-    """Planner inputs the training layout does not know: precision, recompute mode, kernels, MoE."""
-    out: list[str] = []
-    moe = w.moe_spec
-    if lay.recompute not in RECOMPUTE_MODES:
-        out.append(f"--recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {lay.recompute!r}")
-    if lay.precision not in PRECISIONS:
-        out.append(f"--precision must be one of {', '.join(PRECISIONS)}, got {lay.precision!r}")
-    elif lay.precision != "fp32" and _dtype_key(lay.precision) not in gpu.peak_flops:
+    """Planner inputs the training layout does not know: our knobs and the recipe (each value by the
+    config's typed checker), the combinations the model evaluates, and MoE."""
+    out = list(_value_problems(lay.recompute, lay.precision, lay.fp8_scaling, lay.attention, lay.recipe))
+    if out:
+        return out
+    rc, moe = lay.recipe, w.moe_spec
+    if lay.precision != "fp32" and _dtype_key(lay.precision) not in gpu.peak_flops:
         out.append(f"--precision {lay.precision}: {gpu.name} has no {lay.precision} tensor cores")
-    if lay.fp8_scaling not in FP8_SCALINGS:
-        out.append(f"--fp8-scaling must be one of {', '.join(FP8_SCALINGS)}, got {lay.fp8_scaling!r}")
-    elif lay.fp8_scaling == "rowwise" and lay.precision != "fp8":
+    if lay.fp8_scaling == "rowwise" and lay.precision != "fp8":
         out.append(f"--fp8-scaling rowwise applies to --precision fp8, not {lay.precision}")
     elif lay.fp8_scaling == "rowwise" and gpu.fp8_rowwise is None:
         out.append(f"--fp8-scaling rowwise: no row-wise FP8 measurement for {gpu.name} (H100 and H200 have one); "
                    "use --fp8-scaling tensorwise")
-    if lay.attention not in ATTENTION_KERNELS:
-        out.append(f"--attention must be one of {', '.join(ATTENTION_KERNELS)}, got {lay.attention!r}")
-    if lay.sp_inputs not in SP_INPUTS:
-        out.append(f"sp_inputs must be one of {', '.join(SP_INPUTS)}, got {lay.sp_inputs!r}")
-    if lay.qkv_saved not in ("separate", "packed"):
-        out.append(f"qkv_saved must be 'separate' or 'packed', got {lay.qkv_saved!r}")
-    if lay.param_shard not in ("both", "fp32"):
-        out.append(f"param_shard must be 'both' or 'fp32', got {lay.param_shard!r}")
-    if lay.pp_outputs not in ("kept", "freed"):
-        out.append(f"pp_outputs must be 'kept' or 'freed', got {lay.pp_outputs!r}")
-    if lay.pp_buffers not in ("per_message", "per_microbatch"):
-        out.append(f"pp_buffers must be 'per_message' or 'per_microbatch', got {lay.pp_buffers!r}")
-    if lay.cross_entropy not in CROSS_ENTROPY:
-        out.append(f"cross_entropy must be one of {', '.join(CROSS_ENTROPY)}, got {lay.cross_entropy!r}")
-    elif lay.cross_entropy == "loss_parallel" and lay.tp == 1:
-        out.append("cross_entropy='loss_parallel' splits the loss over the tp ranks' vocabulary slices; with tp=1 "
-                   "use 'eager'")
-    if lay.grad_precision not in GRAD_PRECISIONS:
-        out.append(f"grad_precision must be one of {', '.join(GRAD_PRECISIONS)}, got {lay.grad_precision!r}")
-    if lay.tp_overlap and not (lay.sp and lay.tp > 1):
-        out.append("tp_overlap pipelines the sequence-parallel all-gathers and reduce-scatters with their GEMMs: "
-                   "it needs tp > 1 with sp")
-    if not lay.dp_overlap and lay.zero == 3:
-        out.append("dp_overlap=false is modelled for ZeRO 0-2 (ZeRO-3 gathers layer by layer behind compute)")
-    if lay.cp_rotate not in ("p2p", "allgather"):
-        out.append(f"cp_rotate must be 'p2p' or 'allgather', got {lay.cp_rotate!r}")
-    elif lay.cp_rotate == "allgather" and lay.cp > 1 and lay.cp_mode != "ring":
-        out.append("cp_rotate='allgather' is torch's ring attention: it needs cp_mode='ring'")
-    if lay.cp_kv_heads not in ("kv", "q"):
-        out.append(f"cp_kv_heads must be 'kv' or 'q', got {lay.cp_kv_heads!r}")
-    if lay.pp_p2p not in ("async", "blocking"):
-        out.append(f"pp_p2p must be 'async' or 'blocking', got {lay.pp_p2p!r}")
-    if lay.zero1_reduce not in ("reduce_scatter", "all_reduce"):
-        out.append(f"zero1_reduce must be 'reduce_scatter' or 'all_reduce', got {lay.zero1_reduce!r}")
-    if lay.zero1_gather not in ("in_place", "copies"):
-        out.append(f"zero1_gather must be 'in_place' or 'copies', got {lay.zero1_gather!r}")
+    if rc.cross_entropy == "loss_parallel" and lay.tp == 1:
+        out.append("recipe.cross_entropy='loss_parallel' splits the loss over the tp ranks' vocabulary slices; "
+                   "with tp=1 use 'eager'")
+    if rc.tp_overlap and not (lay.sp and lay.tp > 1):
+        out.append("recipe.tp_overlap pipelines the sequence-parallel all-gathers and reduce-scatters with their "
+                   "GEMMs: it needs tp > 1 with sp")
+    if not rc.dp_overlap and lay.zero == 3:
+        out.append("recipe.dp_overlap=false is modelled for ZeRO 0-2 (ZeRO-3 gathers layer by layer behind compute)")
+    if rc.cp_rotate == "allgather" and lay.cp > 1 and lay.cp_mode != "ring":
+        out.append("recipe.cp_rotate='allgather' is torch's ring attention: it needs cp_mode='ring'")
     if lay.ep > 1 and moe is None:
         out.append(f"ep={lay.ep} needs a mixture-of-experts model")
     if moe is not None and moe.num_experts % lay.ep:
@@ -265,6 +203,18 @@ def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
     if moe is not None and lay.tp > 0 and moe.expert_ffn_hidden_size % lay.tp:
         out.append(f"tp={lay.tp} does not divide the expert MLP width {moe.expert_ffn_hidden_size}")
     return out
+
+
+@lru_cache(maxsize=256)
+def _value_problems(recompute: str, precision: str, fp8_scaling: str, attention: str,
+                    recipe: Recipe) -> tuple[str, ...]:
+    """Our knobs' and the recipe's values by the config's typed checker (memoised: the search asks for
+    the same few combinations for every layout)."""
+    from pentatron.config import field_problems
+
+    values = {"recompute": recompute, "precision": precision, "fp8_scaling": fp8_scaling, "attention": attention}
+    out = [p for k, v in values.items() for p in field_problems(Layout, k, v, f"--{k.replace('_', '-')}")]
+    return (*out, *recipe.problems())
 
 
 def problems(w: Workload, lay: Layout, gpu: GPUSpec, gpus: int | None = None) -> list[str]:
@@ -305,57 +255,21 @@ def _with_split(found: list[str], pl: ParallelLayout, cfg: ModelConfig, layers: 
 
 def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> list[str]:
     """Why `pentatron train` would refuse this layout today (empty when it accepts it): the training
-    config's own validation (`ParallelLayout.problems` and `.unsupported`) plus the recipe knobs training
-    lacks. The one place the planner asks "can we train this?"; the search recommends only layouts
-    for which it is empty."""
+    config's own validation (`ParallelLayout.problems` and `.unsupported`), the one recipe rule (only
+    ours is trained: `recipes.not_ours`), and our knobs' values checked by the config's typed checker
+    against the `train` fields they set. The one place the planner asks "can we train this?"; the
+    search recommends only layouts for which it is empty."""
+    from pentatron.config import TrainConfig, field_problems
+
     pl = parallel_layout(w, lay)
     out = [*_training_rules(pl, w.cfg, gpus), *pl.unsupported(w.cfg)]
-    if lay.precision not in TRAIN_PRECISIONS:
-        out.append(f"train.precision={lay.precision!r} is not available in training (use one of "
-                   f"{', '.join(TRAIN_PRECISIONS)})")
-    if lay.recompute not in TRAINABLE_RECOMPUTE:
-        out.append(f"recompute {lay.recompute!r} is not available in training (use one of "
-                   f"{', '.join(TRAINABLE_RECOMPUTE)})")
-    if lay.grad_precision != "fp32":
-        out.append(f"training accumulates gradients in fp32 (grad_precision={lay.grad_precision!r} is not "
-                   "available)")
-    if lay.sp_inputs != "gathered" and lay.sp:
-        out.append("training's column-parallel layers keep the all-gathered input (sp_inputs='sharded' is "
-                   "Megatron's recipe, not available)")
-    if lay.qkv_saved != "separate":
-        out.append("training's attention keeps q, k and v apart (qkv_saved='packed' is nanotron's, not available)")
-    if lay.pp_scatter_gather and lay.pp > 1 and lay.tp > 1 and not lay.sp:
-        out.append("training's pipeline sends each stage output whole (pp_scatter_gather is not available)")
-    if lay.cp > 1 and (lay.cp_rotate != "p2p" or lay.cp_kv_heads != "kv"):
-        out.append("training's ring attention passes K/V blocks of the kv heads rank to rank (cp_rotate="
-                   f"{lay.cp_rotate!r}, cp_kv_heads={lay.cp_kv_heads!r} is torch's / torchtitan's, not available)")
-    if lay.pp_p2p != "async" and lay.pp > 1:
-        out.append("training's pipeline sends asynchronously (pp_p2p='blocking' is not available)")
-    if not lay.dp_overlap:
-        out.append("training reduces gradients during the backward (dp_overlap=false is not available)")
-    if lay.zero1_reduce != "reduce_scatter" and lay.zero == 1:
-        out.append("training's ZeRO-1 reduce-scatters the gradients (zero1_reduce='all_reduce' is not available)")
-    if lay.zero1_gather != "in_place" and lay.zero == 1:
-        out.append("training's ZeRO-1 gathers the parameters in place (zero1_gather='copies' is nanotron's, "
-                   "not available)")
-    if lay.tp_overlap:
-        out.append("training runs each tensor-parallel collective before or after its GEMM (tp_overlap is "
-                   "Transformer Engine's recipe, not available)")
-    if not lay.pp_all_warmup and lay.pp_schedule == "interleaved" and lay.pp_virtual > 1:
-        out.append("training's interleaved schedule runs every forward first when micro-batches == pp "
-                   "(pp_all_warmup=False is not available)")
-    if lay.param_shard != "both" and lay.zero == 3:
-        out.append("training's ZeRO-3 keeps a bf16 parameter shard beside the fp32 master shard (param_shard="
-                   "'fp32' is FSDP2's storage, not available)")
-    if lay.cross_entropy != "eager":
-        out.append(f"training computes the loss in fp32 PyTorch ops (cross_entropy={lay.cross_entropy!r} is not "
-                   "available; use 'eager')")
-    if lay.pp_outputs != "kept":
-        out.append("training's pipeline engine keeps each in-flight stage output (pp_outputs='freed' is not "
-                   "available)")
-    if lay.pp_buffers != "per_message" and lay.pp > 1:
-        out.append("training's pipeline engine allocates a buffer per receive (pp_buffers='per_microbatch' is "
-                   "torch.distributed.pipelining's, not available)")
+    why = not_ours(lay.recipe)
+    if why:  # another framework's run: that is the one reason (its knob values are its own)
+        out.append(why)
+    else:
+        for knob in ("precision", "recompute"):  # the train fields our knobs set
+            out += [f"{p} (`pentatron train` has no {getattr(lay, knob)!r})"
+                    for p in field_problems(TrainConfig, knob, getattr(lay, knob), f"train.{knob}")]
     if w.moe_spec is not None and w.cfg.moe is None:
         out.append("an MoE shape given by --experts/--top-k is no model config training can build (use an MoE "
                    "registry model, or set the [moe] fields of the training config)")

@@ -64,7 +64,7 @@ PLAYBOOK_20 = StatePrecision("playbook-bf16-fp32grads", 2, 6, 4, 8)
 def state_precision(lay: Layout) -> StatePrecision:
     """Bytes per parameter held by this layout's training recipe (2-byte gradients when asked)."""
     prec = STATE_PRECISIONS[lay.precision]
-    if lay.grad_precision == "bf16+fp32":  # a bf16 copy (DeepSpeed's .grad, torch DDP's bucket) beside the fp32 sum
+    if lay.recipe.grad_precision == "bf16+fp32":  # a bf16 copy (DeepSpeed's .grad, DDP's bucket) beside the fp32 sum
         return replace(prec, grad=prec.grad + 2)
     return replace(prec, grad=lay.grad_bytes)
 
@@ -253,7 +253,7 @@ def pipeline_boundary_bytes(w: Workload, lay: Layout, rank: int, in_flight: int,
     one = stage_boundary_tensor_bytes(w, lay)
     v = lay.pp_virtual
     inputs = in_flight if (rank > 0 or v > 1) and lay.recompute != "full" and norm == "eager" else 0
-    outputs = in_flight if lay.pp_outputs == "kept" and (rank < lay.pp - 1 or v > 1) else 0
+    outputs = in_flight if lay.recipe.pp_outputs == "kept" and (rank < lay.pp - 1 or v > 1) else 0
     return (inputs + outputs) * one
 
 
@@ -267,7 +267,7 @@ def pipeline_receive_bytes(w: Workload, lay: Layout, rank: int, in_flight: int, 
     if lay.pp <= 1:
         return 0.0
     one = stage_boundary_tensor_bytes(w, lay)
-    if lay.pp_buffers == "per_message":
+    if lay.recipe.pp_buffers == "per_message":
         return 2 * one
     v = lay.pp_virtual
     stages = [c * lay.pp + rank for c in range(v)]
@@ -424,7 +424,7 @@ def optimizer_step_bytes(lay: Layout, rp: RankParams, prec: StatePrecision, dpcp
     ProcessGroupNCCL::allgather gathers same-sized outputs into a flat buffer it allocates and copies out
     of: 2 + 1/dp copies of the parameters. Checked against the step's logged live peak by
     research/nanotron_replay.py. In place (ours, Megatron): nothing."""
-    if lay.zero != 1 or lay.zero1_gather != "copies" or dpcp == 1:
+    if lay.zero != 1 or lay.recipe.zero1_gather != "copies" or dpcp == 1:
         return 0.0
     expert_dp = max(1, dpcp // lay.ep)
     return prec.param * (rp.dense * (2 + 1 / dpcp) + rp.expert * (2 + 1 / expert_dp))
@@ -441,30 +441,30 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     rp = rank_params(w, lay, rank)
     dpcp = lay.dp * lay.cp
     dense, expert = _states(rp, prec, lay.zero, dpcp, lay.ep)
-    if lay.zero == 3 and lay.param_shard == "fp32" and prec.master:  # FSDP2: the master is the parameter
+    if lay.zero == 3 and lay.recipe.param_shard == "fp32" and prec.master:  # FSDP2: the master is the parameter
         dense, expert = replace(dense, parameters=0.0), replace(expert, parameters=0.0)
 
     # activations: layers on this rank x micro-batches in flight (weighted per chunk for interleaved)
     m = lay.microbatches(w)
     per_chunk = chunk_layers(w, lay)
     sched = (lay.pp_schedule, lay.pp, m, lay.pp_virtual)
-    in_flight = schedule_in_flight(*sched, lay.pp_all_warmup)[rank] if lay.pp > 1 else 1
-    norm_kind = norm or ("fused" if kernels == "fused" else "eager")
+    in_flight = schedule_in_flight(*sched, lay.recipe.pp_all_warmup)[rank] if lay.pp > 1 else 1
+    norm_kind = norm or lay.recipe.norm or ("fused" if kernels == "fused" else "eager")
     layer_act = llama_layer_activation_bytes(cfg, tokens, seq_local, precision=lay.precision, tp=lay.tp,
                                              sp=lay.sp, recompute=lay.recompute, moe=moe, norm=norm_kind,
                                              swiglu="fused" if kernels == "fused" else "eager",
-                                             sp_inputs=lay.sp_inputs, qkv_saved=lay.qkv_saved,
+                                             sp_inputs=lay.recipe.sp_inputs, qkv_saved=lay.recipe.qkv_saved,
                                              cp_ulysses_degree=cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)[0])
     first, last = rank == 0, rank == lay.pp - 1
     extra_saved, extra_transient = stage_extras(cfg, tokens, first=first, last=last, precision=lay.precision,
-                                                tp=lay.tp, sp=lay.sp, cross_entropy=lay.cross_entropy)
+                                                tp=lay.tp, sp=lay.sp, cross_entropy=lay.recipe.cross_entropy)
     n_rank_layers = [per_chunk[c * lay.pp + rank] for c in range(lay.pp_virtual)]
-    acts = _layers_in_flight(*sched, rank, tuple(n_rank_layers), in_flight, lay.pp_all_warmup)
+    acts = _layers_in_flight(*sched, rank, tuple(n_rank_layers), in_flight, lay.recipe.pp_all_warmup)
     acts *= layer_act.saved
     acts += rope_shared_bytes(cfg, seq_local, lay.precision, lay.recompute) * min(in_flight, m)
     acts += pipeline_boundary_bytes(w, lay, rank, in_flight, norm_kind)
     # logits/loss: the last stage keeps the loss state of each micro-batch until its backward (B) runs
-    loss_sets = last_stage_awaiting_backward_closed(*sched, lay.pp_all_warmup) if last else 1
+    loss_sets = last_stage_awaiting_backward_closed(*sched, lay.recipe.pp_all_warmup) if last else 1
     logits_loss = extra_saved * loss_sets + extra_transient
     working = layer_act.working
 
@@ -490,8 +490,8 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
         comm += 2 * tokens * moe.top_k * cfg.hidden_size * a  # all-to-all send/recv buffers
     if lay.cp > 1:  # ring blocks in hand and arriving (or all of them, gathered); Ulysses receive buffers
         comm += cp_comm_buffer_bytes(tokens, cfg.n_heads / lay.tp * cfg.head_dim, kv_heads_per_tp_rank(cfg, lay.tp),
-                                     cfg.head_dim, lay.cp, lay.cp_mode, lay.cp_ulysses, a, lay.cp_rotate,
-                                     lay.cp_kv_heads)
+                                     cfg.head_dim, lay.cp, lay.cp_mode, lay.cp_ulysses, a, lay.recipe.cp_rotate,
+                                     lay.recipe.cp_kv_heads)
     live = (dense.total + expert.total + acts + logits_loss + working + comm)
     step = max(0.0, optimizer_step_bytes(lay, rp, prec, dpcp) + dense.total + expert.total - live)
     return MemoryBreakdown(

@@ -81,7 +81,8 @@ def detail(w: Workload, p: Prediction, gpu: GPUSpec, *, train_tokens: float | No
     m = lay.microbatches(w)
     out = [f"layout: {lay.short()}  ({m} micro-batches of {lay.micro_batch} x {w.seq_len} tokens per step, "
            f"precision {lay.precision}{' ' + lay.fp8_scaling if lay.precision == 'fp8' else ''}"
-           f"{', loss ' + lay.cross_entropy if lay.cross_entropy != 'eager' else ''})"]
+           f"{', loss ' + lay.recipe.cross_entropy if lay.recipe.cross_entropy != 'eager' else ''}"
+           f"{', recipe ' + lay.recipe.name if lay.recipe.name != 'pentatron' else ''})"]
     out.append(f"memory per GPU (pipeline rank {mem.rank}, {mem.in_flight} micro-batch activation sets in flight):")
     for c in COMPONENTS:
         out.append(f"  {c:<18} {_gib(getattr(mem, c)):>8} GiB")

@@ -19,6 +19,7 @@ from pentatron.plan.context import cp_mode_options
 from pentatron.plan.hardware import GiB, GPUSpec
 from pentatron.plan.layout import Layout, Workload, problems, quick_problems, trainable_problems, warnings
 from pentatron.plan.memory import FRAGMENTATION, MemoryBreakdown, memory_per_gpu
+from pentatron.plan.recipes import PENTATRON, TRAINING_ATTENTION, resolve_kernels
 from pentatron.plan.timing import StepTime, Throughput, step_time, throughput
 
 KNOBS = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "pp_virtual", "micro_batch", "recompute")
@@ -88,8 +89,12 @@ def memory_budget(gpu: GPUSpec) -> float:
     return float(gpu.hbm_bytes)
 
 
-def predict(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", exact: bool = True,
+def predict(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str | None = None, exact: bool = True,
             norm: str | None = None) -> Prediction:
+    """`kernels` None: the recipe's (ours: what `pentatron train` runs by default); `norm` None: the
+    recipe's."""
+    kernels = resolve_kernels(lay.recipe, kernels)
+    norm = norm if norm is not None else lay.recipe.norm
     mem = memory_per_gpu(w, lay, gpu, kernels, norm)
     st = step_time(w, lay, gpu, kernels=kernels, exact=exact)
     notes = warnings(w, lay, gpu)
@@ -159,7 +164,8 @@ def _knob_variants(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any], 
     if split is not None:  # the chunks per rank follow from the split's length
         v = len(split) // pp
         scheds = [(sc, vv) for sc, vv in scheds if vv == v] or ([("interleaved", v)] if v > 1 else [])
-    recs = [fixed["recompute"]] if fixed.get("recompute") is not None else list(RECOMPUTE_ORDER)
+    recipe = fixed.get("recipe", PENTATRON)
+    recs = [fixed["recompute"]] if fixed.get("recompute") is not None else list(recipe.recompute_order())
     modes = cp_mode_options(cp, tp, gpu.gpus_per_node)
     if fixed.get("cp_mode") is not None or fixed.get("cp_ulysses") is not None:
         mode = fixed.get("cp_mode") or "hybrid"
@@ -172,18 +178,18 @@ def _knob_variants(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any], 
                     for rc in recs:
                         lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp, pp_schedule=sched,
                                      pp_virtual=v, micro_batch=mb, recompute=rc, precision=precision,
-                                     attention=fixed.get("attention") or "flash2", cp_mode=cp_mode,
+                                     attention=fixed.get("attention") or TRAINING_ATTENTION, cp_mode=cp_mode,
                                      fp8_scaling=fixed.get("fp8_scaling") or "tensorwise",
-                                     cross_entropy=fixed.get("cross_entropy") or "eager",
-                                     cp_ulysses=cp_u, pp_layers=split)
+                                     recipe=recipe, cp_ulysses=cp_u, pp_layers=split)
                         if not quick_problems(w, lay, gpu, gpus):
                             yield lay
 
 
 def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None = None, top: int = 10,
-           kernels: str = "fused", exact_pool: int | None = None) -> SearchResult:
+           kernels: str | None = None, exact_pool: int | None = None) -> SearchResult:
     t0 = time.perf_counter()
     fixed = dict(fixed or {})
+    kernels = resolve_kernels(fixed.get("recipe", PENTATRON), kernels)
     budget = memory_budget(gpu)
     pool: list[Scored] = []
     n_enum = n_valid = 0
@@ -220,8 +226,8 @@ def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None
             evaluable.append(s)
         if not trainable_problems(w, s.layout, gpus):
             chosen.append(s)
-    pinned = ({kk for kk in fixed if kk not in ("precision", "attention", "fp8_scaling", "cross_entropy")}
-              or fixed.get("precision", "bf16") != "bf16" or fixed.get("cross_entropy", "eager") != "eager")
+    pinned = ({kk for kk in fixed if kk not in ("precision", "attention", "fp8_scaling", "recipe")}
+              or fixed.get("precision", "bf16") != "bf16" or fixed.get("recipe", PENTATRON) != PENTATRON)
     if not chosen and pinned:
         chosen = evaluable[:k]
     ranked = [predict(w, s.layout, gpu, kernels=kernels) for s in chosen]
@@ -255,7 +261,7 @@ def reasons_for(best: Layout, pool: list[Scored], gpu: GPUSpec, fixed: dict[str,
     local: dict[str, dict[Any, list[Scored]]] = {}
     if w is not None:
         for knob, values in LOCAL_KNOBS.items():
-            for v in values:
+            for v in (best.recipe.recompute_order() if knob == "recompute" else values):
                 alt = best.with_(**{knob: v})
                 if v != getattr(best, knob) and not problems(w, alt, gpu, gpus):
                     local.setdefault(knob, {})[v] = [_score(w, alt, gpu, kernels)]
@@ -297,8 +303,9 @@ def suggest_fixes(w: Workload, lay: Layout, gpu: GPUSpec, gpus: int) -> list[str
     trials: list[tuple[str, Layout]] = []
     for z in range(lay.zero + 1, 4):
         trials.append((f"zero={z}", lay.with_(zero=z)))
-    for i, rc in enumerate(RECOMPUTE_ORDER):
-        if i > RECOMPUTE_ORDER.index(lay.recompute):
+    order = lay.recipe.recompute_order()
+    for i, rc in enumerate(order):
+        if lay.recompute in order and i > order.index(lay.recompute):
             trials.append((f"recompute={rc}", lay.with_(recompute=rc)))
     if lay.tp > 1 and not lay.sp:
         trials.append(("sp", lay.with_(sp=True)))

@@ -199,7 +199,7 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
     lc = layer_comm(w, lay, gpu, bool(lp.expert_total))
     cp = cp_layer_cost(w, lay, gpu, attn_f, attn_b)
     tp_f, tp_b = lc.tp_fwd, lc.tp_bwd
-    if lay.tp_overlap and not lp.expert_total:
+    if lay.recipe.tp_overlap and not lp.expert_total:
         (tp_f, tp_b), _ = tp_overlap_split(lc, tp, qkv, proj, up, down)
     f = ph.f + attn_f + elem + tp_f + lc.ep_fwd + cp.fwd_exposed
     b = ph.b + attn_b + 2 * elem + tp_b + lc.ep_bwd + cp.bwd_exposed
@@ -295,16 +295,17 @@ def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -
     bw = gpu.speeds.op_bandwidth(tokens * v * 4, 2 * tokens * v * 4, efficiency=False)  # fp32 logits in and out
     loss = tokens * v * per_logit / bw
     tp_f, tp_b = _head_tp(w, lay, gpu)
-    if lay.cross_entropy == "fused":  # flash-attn's kernel: reads the logits; backward reads, writes grads
+    if lay.recipe.cross_entropy == "fused":  # flash-attn's kernel: reads the logits; backward reads, writes grads
         loss = tokens * v * a / bw
         return Phase(ph.f + loss + tp_f, ph.b + 2 * loss + tp_b, ph.w)
     loss_b = 1.5 * loss
-    if lay.cross_entropy == "loss_parallel":  # torch's decomposed ops, each a pass over the fp32 logits
+    if lay.recipe.cross_entropy == "loss_parallel":  # torch's decomposed ops, each a pass over the fp32 logits
         loss = loss_b = tokens * v * (a + LOSS_PARALLEL_BYTES) / bw
     ce_comm = 0.0
     if lay.tp > 1:  # the vocab-parallel loss's small all-reduces (latency-bound), forward only
         g = group_of(lay, "tp", gpu)
-        ce_comm = sum(collective_time(gpu, "all_reduce", x, g) for x in loss_all_reduces(tokens, lay.cross_entropy))
+        ce_comm = sum(collective_time(gpu, "all_reduce", x, g)
+                      for x in loss_all_reduces(tokens, lay.recipe.cross_entropy))
     return Phase(ph.f + loss + tp_f + ce_comm, ph.b + loss_b + tp_b, ph.w)
 
 
@@ -370,7 +371,7 @@ def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused")
             ph = ph + head_phase(w, lay, gpu, kernels) + Phase(*gpu.speeds.host_ends(lay.tp), 0.0)
             ph = ph + Phase(0.0, 0.0, grad_accumulation(gpu, lay, head, kernels))
         out.append(ph)
-    if lay.pp_p2p == "blocking" and chunks > 1:  # the sender waits for its transfer
+    if lay.recipe.pp_p2p == "blocking" and chunks > 1:  # the sender waits for its transfer
         hop = pp_hop_time(w, lay, gpu)
         out = [Phase(ph.f + (hop if s < chunks - 1 else 0.0), ph.b + (hop if s > 0 else 0.0), ph.w)
                for s, ph in enumerate(out)]
@@ -453,7 +454,7 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
     hop = pp_hop_time(w, lay, gpu)
     if exact:
         pipe, bubble = pipeline_makespan(lay.pp_schedule, lay.pp, m, lay.pp_virtual, phases, hop,
-                                         lay.pp_all_warmup)
+                                         lay.recipe.pp_all_warmup)
     else:
         pipe = closed_form_makespan(lay.pp_schedule, lay.pp, m, lay.pp_virtual, phases, hop)
         busy = m * sum(x.total for x in phases) / lay.pp
@@ -525,7 +526,7 @@ def _dp_exposed(w: Workload, lay: Layout, traffic: list[Collective], phases: lis
         tail = c.time * min(1.0, last_bucket)
         if lay.zero == 3 and c.op in ("reduce_scatter", "all_gather"):
             e = 0.0  # exposure of the per-layer ZeRO-3 traffic is computed below, together
-        elif not lay.dp_overlap:  # blocking: after the last backward, after the optimizer
+        elif not lay.recipe.dp_overlap:  # blocking: after the last backward, after the optimizer
             e = total
         elif c.op == "reduce_scatter" and c.count > 1:
             # ZeRO-2: a micro-batch's reduce-scatter runs while the rank computes the next micro-batch
@@ -571,11 +572,11 @@ def _pipeline_exposed(w: Workload, lay: Layout, gpu: GPUSpec, traffic: list[Coll
     which run after the pipeline."""
     n_layers = rank.layers
     tied = 0.0
-    sp_overlaps = lay.sp and lay.tp > 1 and (lay.tp_overlap or lay.sp_inputs == "sharded")
+    sp_overlaps = lay.sp and lay.tp > 1 and (lay.recipe.tp_overlap or lay.recipe.sp_inputs == "sharded")
     if sp_overlaps:  # a dense layer's GEMMs and TP collectives: what overlaps what
         lin, lc = dense_linears(w, lay, gpu), layer_comm(w, lay, gpu, False)
     tp_hidden = 0.0  # tp_overlap: SP collectives of the dense layers hidden under their GEMMs, per step
-    if lay.tp_overlap and sp_overlaps:
+    if lay.recipe.tp_overlap and sp_overlaps:
         _, (hf, hb) = tp_overlap_split(lc, lay.tp, lin.qkv, lin.o, lin.up, lin.down)
         tp_hidden = m * (n_layers - rank.moe_layers) * (hf * (2 if lay.recompute == "full" else 1) + hb)
         acc.hidden += tp_hidden
@@ -591,7 +592,7 @@ def _pipeline_exposed(w: Workload, lay: Layout, gpu: GPUSpec, traffic: list[Coll
             acc.add("pp", c.time_per_step)
         elif c.kind is Traffic.STAGE:
             acc.add("pp", 2 * (lay.pp - 1) * hop)
-    if sp_overlaps and lay.sp_inputs == "sharded":  # the backward re-gathers under GEMMs
+    if sp_overlaps and lay.recipe.sp_inputs == "sharded":  # the backward re-gathers under GEMMs
         acc.hidden += m * n_layers * sp_regather_split(lc, lin.qkv, lin.up)[1]
     if lay.cp > 1:
         cp = cp_layer_cost(w, lay, gpu, *attention_times(w, lay, gpu))
