@@ -113,6 +113,10 @@ class TrainConfig:
     clip: float = 1.0  # global gradient-norm clip; 0 disables
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     recompute: Literal["none", "selective", "full"] = "none"
+    # torch.compile of each decoder block's compute (parallel/compile.py): true, false, "try" (compile; a
+    # region that fails warns and runs eagerly) or "auto" (compile where measured to pay: CUDA and CPU).
+    compile: Literal[True, False, "auto", "try"] = "auto"
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"  # aot_eager: graphs without codegen (debug)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     peak_tflops: float | None = None  # per device, for MFU; default from the hardware table
@@ -367,6 +371,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"train.eps must be > 0, got {tr.eps}")
     if tr.clip < 0:
         p.append(f"train.clip must be ≥ 0 (0 disables clipping), got {tr.clip}")
+    if type(tr.compile) is int or type(tr.compile) is float:  # 1 == True passes the Literal check
+        p.append(f"train.compile must be true, false, \"auto\" or \"try\", got {tr.compile!r}")
     if tr.peak_tflops is not None and tr.peak_tflops <= 0:
         p.append(f"train.peak_tflops must be > 0, got {tr.peak_tflops}")
     if model is not None and tr.seq_len > model.max_seq_len:
