@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 from pentatron.config import load_config
 from tests.multiprocess import run_ranks
@@ -67,7 +66,7 @@ def _ranks(rank: int, world: int, dataset_dir: Path, log_dir: str, cases: dict[s
     out = {label: _train(extra, dataset_dir, log_dir, STEPS, True) for label, extra in cases.items()}
     for label in LEDGER_CASES:
         if label in cases:
-            out[f"{label} eager"] = _train(cases[label], dataset_dir, log_dir, 1, False)
+            out[f"{label} eager"] = _train(cases[label], dataset_dir, log_dir, WARMUP + 1, False)
     return out
 
 
@@ -91,9 +90,3 @@ def test_compiled_blocks_equal_the_plain_loop(default_dataset, tmp_path):
     print(f"compiled vs reference: max relative loss error {worst:.2e}")
 
 
-@pytest.mark.parametrize("setting,device,expected", [("auto", "cuda", True), ("auto", "cpu", False),
-                                                     (True, "cpu", True), ("try", "cpu", True), (False, "cuda", False)])
-def test_compile_setting(setting, device, expected):
-    from pentatron.parallel.compile import compile_enabled
-
-    assert compile_enabled(setting, device) is expected

@@ -71,7 +71,7 @@ class CompileReport:
     """What was compiled in this process, and what compiling cost since (process-wide dynamo counters,
     read as differences from when the regions were installed)."""
 
-    backend: str
+    backend: str | Callable[..., Any]  # a name, or a callable (tests)
     fallback: bool
     regions: list[str] = field(default_factory=list)  # module paths, e.g. "layers.0" or "layers.0.attn.rotate"
     failed: list[str] = field(default_factory=list)  # regions running eagerly after a failure ("try")
@@ -86,14 +86,18 @@ class CompileReport:
         return _compile_seconds() - self._seconds0
 
     def summary(self) -> dict[str, Any]:
-        return {"backend": self.backend, "regions": len(self.regions), "graphs": self.graphs(),
+        backend = self.backend if isinstance(self.backend, str) else repr(self.backend)
+        return {"backend": backend, "regions": len(self.regions), "graphs": self.graphs(),
                 "compile_s": round(self.seconds(), 2), "failed": list(self.failed)}
 
 
 def _one_line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and "TORCH_LOGS" not in ln
+    """The root cause's first line (a backend's own error, not dynamo's wrapper), without torch's hints about
+    TORCH_LOGS / TORCHDYNAMO_VERBOSE."""
+    root = getattr(e, "inner_exception", None) or e
+    lines = [ln.strip() for ln in str(root).splitlines() if ln.strip() and "TORCH_LOGS" not in ln
              and "TORCHDYNAMO" not in ln and not ln.strip().startswith(("Set ", "For more", "Developer debug"))]
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+    return f"{type(root).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 class _Region:
@@ -102,7 +106,8 @@ class _Region:
 
     def __init__(self, name: str, eager: Callable[..., Any], report: CompileReport) -> None:
         self.name, self.eager, self.report = name, eager, report
-        self.compiled = torch.compile(eager, backend=report.backend, fullgraph=True)
+        # static shapes: a layout has one shape per region; automatic dynamic shapes would retrace symbolically
+        self.compiled = torch.compile(eager, backend=report.backend, fullgraph=True, dynamic=False)
         self.failed = False
 
     def __call__(self, *args: Any) -> Any:
@@ -164,7 +169,8 @@ def _regions(m: nn.Module, name: str, report: CompileReport) -> None:
         _regions(child, f"{name}.{child_name}", report)
 
 
-def apply_compile(model: nn.Module, setting: bool | str, device: torch.device, backend: str = "inductor",
+def apply_compile(model: nn.Module, setting: bool | str, device: torch.device,
+                  backend: str | Callable[..., Any] = "inductor",
                   split_backward: bool = False) -> CompileReport | None:
     """Compile the regions of every decoder block of `model` (a pipeline rank's stages keep their layers in a
     dict); None when train.compile is off on this device. Call after tensor/context/expert parallelism and
