@@ -60,3 +60,14 @@ def test_a_failure_is_one_line_or_falls_back_when_asked():
         torch.testing.assert_close(lenient(tokens), expected, rtol=0, atol=0)
         lenient(tokens)
     assert report.failed == ["layers.0"] and len([w for w in caught if "eagerly" in str(w.message)]) == 1
+
+
+def test_the_summary_reports_compilation():
+    from pentatron.observe.summary import compile_text
+
+    model = _model(1)
+    report = apply_compile(model, True, CPU, backend="aot_eager")
+    model(torch.randint(0, 4096, (1, 8))).sum().backward()
+    s = report.summary()
+    assert s["regions"] == 1 and s["graphs"] >= 1 and s["compile_s"] > 0 and s["failed"] == []
+    assert compile_text(s).startswith("aot_eager: 1 regions, ") and compile_text(None) == "off (train.compile)"

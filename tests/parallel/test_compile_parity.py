@@ -45,7 +45,8 @@ def _train(extra: list[str], dataset_dir: Path, log_dir: str, steps: int, compil
                              f"train.global_batch={GLOBAL}", f"train.lr={LR}", f"train.eps={EPS}",
                              f"train.warmup={WARMUP}", "train.schedule='cosine'", "train.clip=1.0",
                              f"train.compile={'true' if compile_ else 'false'}", "train.peak_tflops=1.0",
-                             "log.progress=false", "log.tensorboard=false", f"log.dir={log_dir!r}", *extra],
+                             "log.progress=false", "log.tensorboard=false", f"log.dir={log_dir!r}",
+                             "distributed.timeout_s=1500", *extra],  # a cold compile on a loaded CI box is slow
                       world_size=2)
     trainer = Trainer(cfg, dataset_dir=dataset_dir)
     report = trainer.runner.compiled
