@@ -41,7 +41,7 @@ from pentatron.models.llama import MLP, Attention, AttentionCore, RMSNorm
 from pentatron.models.moe import MoE
 
 # "auto" compiles where it was measured to pay: on CUDA (fused elementwise kernels, torchtitan's default)
-# only (CPU: see benchmarks/compile_speed.py and BENCHMARKS.md).
+# only: on CPU no gain was measured against its compile time (benchmarks/compile_speed.py, BENCHMARKS.md).
 AUTO_DEVICES = ("cuda",)
 # torch's compile-time timers: dynamo + AOTAutograd + inductor forward, and the lazily compiled backward.
 _TIMERS = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
