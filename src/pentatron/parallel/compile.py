@@ -40,8 +40,8 @@ from torch._dynamo.utils import compilation_time_metrics, counters
 from pentatron.models.llama import MLP, Attention, AttentionCore, RMSNorm
 from pentatron.models.moe import MoE
 
-# "auto" compiles where it was measured to pay: on CUDA (fused elementwise kernels, torchtitan's default)
-# only: on CPU no gain was measured against its compile time (benchmarks/compile_speed.py, BENCHMARKS.md).
+# "auto" compiles on CUDA only (fused elementwise kernels, torchtitan's default; not yet measured here: no GPU
+# in this work) — on CPU no gain was measured against its compile time (benchmarks/compile_speed.py, BENCHMARKS.md).
 AUTO_DEVICES = ("cuda",)
 # torch's compile-time timers: dynamo + AOTAutograd + inductor forward, and the lazily compiled backward.
 _TIMERS = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
