@@ -77,6 +77,7 @@ def test_summary_on_console_and_in_summary_json(tmp_path, default_dataset, capsy
     assert s["steps"] == {"first": 1, "last": 3, "resumed_from": None}
     assert 0 < s["mfu"]["mean"] <= s["mfu"]["max"] <= 1
     assert s["memory"]["peak_bytes_max_over_ranks"] > 0 and s["time"]["wall_s"] > 0
+    assert s["compile"] is None and "off (train.compile)" in out  # "auto": compiled on CUDA only
     assert s["paths"]["dataset"] == str(default_dataset) and (run / "config.json").is_file()
     assert {k: s["layout"][k] for k in ("dp", "tp", "pp", "cp", "ep")} == dict(dp=1, tp=1, pp=1, cp=1, ep=1)
     assert "tp=1 pp=1 cp=1 ep=1 zero=0" in out  # the banner and the summary name all five degrees

@@ -114,10 +114,11 @@ class TrainConfig:
     clip: float = 1.0  # global gradient-norm clip; 0 disables
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     recompute: Literal["none", "selective", "full"] = "none"
-    # torch.compile each decoder block (issue 36); the planner's default kernels follow this default
-    # (false: one PyTorch op each, "eager"; true: fused elementwise chains). Placeholder field until the
-    # compile work lands; the lead reconciles it with that branch's definition.
-    compile: bool = False
+    # torch.compile of each decoder block's compute (parallel/compile.py): true, false, "try" (compile; a
+    # region that fails warns and runs eagerly) or "auto" (compile where it pays:
+    # `COMPILE_AUTO_DEVICES`; the planner's default kernels follow it, plan/recipes.py).
+    compile: Literal[True, False, "auto", "try"] = "auto"
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"  # aot_eager: graphs without codegen (debug)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     peak_tflops: float | None = None  # per device, for MFU; default from the hardware table
@@ -394,6 +395,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"train.eps must be > 0, got {tr.eps}")
     if tr.clip < 0:
         p.append(f"train.clip must be ≥ 0 (0 disables clipping), got {tr.clip}")
+    if type(tr.compile) is int or type(tr.compile) is float:  # 1 == True passes the Literal check
+        p.append(f"train.compile must be true, false, \"auto\" or \"try\", got {tr.compile!r}")
     if tr.peak_tflops is not None and tr.peak_tflops <= 0:
         p.append(f"train.peak_tflops must be > 0, got {tr.peak_tflops}")
     if model is not None and tr.seq_len > model.max_seq_len:
@@ -436,3 +439,16 @@ def profile_steps(spec: str) -> tuple[int, int] | None:
 def resolved_dp(cfg: Config, world_size: int) -> int:
     """The data-parallel degree once the world size is known (validated by `load_config`)."""
     return cfg.layout(world_size).dp
+
+
+# "auto" compiles on CUDA only: fused elementwise kernels are torchtitan's default there; on CPU inductor
+# measured no gain (BENCHMARKS.md, compile) and costs ~30 s on the first step.
+COMPILE_AUTO_DEVICES = ("cuda",)
+
+
+def compile_enabled(setting: bool | str, device_type: str) -> bool:
+    """train.compile (true, false, "auto" or "try") on a device type: compile or not. The one rule, read by
+    the trainer (parallel/compile.py) and the planner's default kernels (plan/recipes.py)."""
+    if setting == "auto":
+        return device_type in COMPILE_AUTO_DEVICES
+    return setting is True or setting == "try"

@@ -54,7 +54,7 @@ def memory_problems(cfg: Config, world_size: int, local_ranks: int) -> list[str]
         lay, w = planner_layout(cfg, world_size, device.type)
         spec = detect_gpu(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         gpu = spec or get_gpu(REFERENCE_GPU)
-        mem = memory_per_gpu(w, lay, gpu, kernels=kernels_for_compile(cfg.train.compile))
+        mem = memory_per_gpu(w, lay, gpu, kernels=kernels_for_compile(cfg.train.compile, device.type))
     except Exception:  # noqa: BLE001 - a layout the planner cannot model: it has no opinion, training decides
         return []
     rope = rope_table_bytes(cfg)

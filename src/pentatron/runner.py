@@ -107,6 +107,7 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
         shutdown_distributed,
     )
     from pentatron.distributed.lifeline import die_with_parent
+    from pentatron.parallel.compile import CompileError
     from pentatron.preflight import environment_problems
     from pentatron.train.nonfinite import EXIT_CODE as NONFINITE_EXIT
     from pentatron.train.nonfinite import NonFiniteStop
@@ -167,6 +168,9 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
         return 1
     except DataError as e:
         return input_error(f"rank {rank}: {e}")
+    except CompileError as e:  # one line, not torch's pages of logging hints
+        print(f"pentatron: rank {rank}: error: {e}", file=sys.stderr, flush=True)
+        return 1
     except NonFiniteStop as e:
         if rank == 0:  # every rank stops on the same (all-reduced) numbers: say it once
             print(f"pentatron: stopped: {e}", file=sys.stderr)

@@ -26,7 +26,7 @@ from pentatron.plan.recipes import (
     RecipeError,
     get_recipe,
     resolve_kernels,
-    training_kernels,
+    kernels_for_compile, training_kernels,
 )
 from pentatron.plan.search import predict
 from tests.plan.test_cli import run
@@ -134,21 +134,23 @@ def test_only_our_recipe_is_trainable_or_emitted(tmp_path, capsys):
 
 
 def test_the_planner_default_kernels_follow_train_compile(monkeypatch, tmp_path):
-    """The pentatron recipe's kernels are train.compile's default (false: eager, true: fused), read from
-    TrainConfig when asked; --kernels eager/fused is train.compile false/true in the emitted config."""
+    """The pentatron recipe's kernels are train.compile's default on the planned device ("auto": compiled,
+    fused, on a GPU; eager on a CPU), read from TrainConfig when asked; --kernels eager/fused is
+    train.compile false/true in the emitted config."""
     w = Workload(get_model_config("debug"), 64, 8)
     lay, gpu = Layout(dp=2, micro_batch=4, precision="fp32"), get_gpu("h100")
     field = {f.name: f for f in dataclasses.fields(TrainConfig)}["compile"]
-    assert field.default is False and training_kernels() == "eager"
-    eager = predict(w, lay, gpu)
-    assert eager.step.step == predict(w, lay, gpu, kernels="eager").step.step
-    assert "compile = false" in training_config_text(w, lay)
-    path = tmp_path / "fused.toml"
-    path.write_text(training_config_text(w, lay, kernels="fused"))
-    assert load_config(path, world_size=2).train.compile is True
-    monkeypatch.setattr(field, "default", True)  # the training default changes: the planner's follows
-    assert training_kernels() == "fused" and resolve_kernels(PENTATRON) == "fused"
+    assert field.default == "auto" and training_kernels() == "fused"
+    assert kernels_for_compile("auto", "cpu") == "eager" and kernels_for_compile("try", "cpu") == "fused"
     fused = predict(w, lay, gpu)
-    assert fused.step.step == predict(w, lay, gpu, kernels="fused").step.step != eager.step.step
+    assert fused.step.step == predict(w, lay, gpu, kernels="fused").step.step
     assert "compile = true" in training_config_text(w, lay)
+    path = tmp_path / "eager.toml"
+    path.write_text(training_config_text(w, lay, kernels="eager"))
+    assert load_config(path, world_size=2).train.compile is False
+    monkeypatch.setattr(field, "default", False)  # the training default changes: the planner's follows
+    assert training_kernels() == "eager" and resolve_kernels(PENTATRON) == "eager"
+    eager = predict(w, lay, gpu)
+    assert eager.step.step == predict(w, lay, gpu, kernels="eager").step.step != fused.step.step
+    assert "compile = false" in training_config_text(w, lay)
     assert resolve_kernels(TORCHTITAN) == "fused" and resolve_kernels(get_recipe("nanotron")) == "eager"

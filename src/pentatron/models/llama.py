@@ -116,9 +116,15 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, s, -1, self.head_dim)
         k = self.k_proj(x).view(b, s, -1, self.head_dim)
         v = self.v_proj(x).view(b, s, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rotate(q, k, cos, sin)
         out = self.core(q, k, v)
         return self.o_proj(out.reshape(b, s, -1))
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on q and k: an elementwise region of its own, which `parallel/compile.py` can compile
+        when the projections around it communicate (tensor parallelism)."""
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 class MLP(nn.Module):
@@ -132,8 +138,15 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "swiglu":
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+            return self.down_proj(self.activate(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.activate(None, self.up_proj(x)))
+
+    def activate(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate)·up (SwiGLU) or gelu(up): the elementwise region between the projections (compiled on
+        its own by `parallel/compile.py` when they communicate)."""
+        if gate is not None:
+            return F.silu(gate) * up
+        return F.gelu(up, approximate="tanh")
 
 
 class DecoderBlock(nn.Module):

@@ -164,7 +164,8 @@ def predicted(info: dict[str, Any], profile: Path | None) -> dict[str, Any]:
     try:
         lay, w = layout_and_workload(info["config"], info.get("world_size", 1), info.get("device", "cpu"))
         # the kernels the run used: its train.compile (unset: the training default)
-        kernels = kernels_for_compile(info["config"].get("train", {}).get("compile", training_default("compile")))
+        setting = info["config"].get("train", {}).get("compile", training_default("compile"))
+        kernels = kernels_for_compile(setting, info.get("device", "cpu"))
         p = predict(w, lay, gpu, kernels=kernels)
         rank0 = memory_for_rank(w, lay, gpu, 0, kernels)
     except Exception as e:  # noqa: BLE001 - the planner may not model every layout: say so in the report

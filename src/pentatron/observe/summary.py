@@ -70,6 +70,8 @@ def build_summary(trainer: Any, records: list[dict[str, Any]], wall_s: float, pe
                    "kind": memory.kind if memory is not None else memory_kind(trainer.device.type, False),
                    "model_state_per_rank": trainer.memory.describe()},
         "time": {"wall_s": wall_s, "train_steps_s": sum(r["step_time_s"] for r in records)},
+        "compile": compiled.summary() if (compiled := getattr(getattr(trainer, "runner", None), "compiled", None))
+                   is not None else None,
         "paths": {"run_dir": str(run_dir), "metrics": str(run_dir / "metrics.jsonl"),
                   "tensorboard": str(run_dir / "tensorboard") if cfg.log.tensorboard else None,
                   "checkpoint": str(latest) if latest is not None else None,
@@ -102,6 +104,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("peak memory", _peak_text(mem)),
         ("model state", mem["model_state_per_rank"]),
         ("time", f"{t['wall_s']:.1f} s wall clock, of which {t['train_steps_s']:.1f} s in training steps"),
+        ("compile", compile_text(s.get("compile"))),
         ("metrics", paths["metrics"]),
     ]
     if paths["tensorboard"]:
@@ -114,6 +117,14 @@ def format_summary(s: dict[str, Any]) -> str:
     rows.append(("summary", paths.get("summary", "")))
     width = max(len(k) for k, _ in rows)
     return "pentatron: run summary\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def compile_text(c: dict[str, Any] | None) -> str:
+    if c is None:
+        return "off (train.compile)"
+    failed = f", {len(c['failed'])} failed (eager)" if c["failed"] else ""
+    return (f"{c['backend']}: {c['regions']} regions, {c['graphs']} graphs, {c['compile_s']:.1f} s compiling "
+            f"(rank 0, inside the first steps){failed}")
 
 
 def _peak_text(mem: dict[str, Any]) -> str:

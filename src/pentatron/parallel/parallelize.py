@@ -24,6 +24,7 @@ from pentatron.config import Config
 from pentatron.distributed.context import ParallelContext
 from pentatron.layout import ParallelLayout
 from pentatron.models.llama import init_names, materialize_buffers
+from pentatron.parallel.compile import apply_compile
 from pentatron.parallel.context import apply_context_parallel
 from pentatron.parallel.data import DataParallel, DataParallelBase
 from pentatron.parallel.expert import apply_expert_parallel
@@ -37,6 +38,7 @@ from pentatron.parallel.step_runner import StepRunner
 from pentatron.parallel.tensor import apply_tensor_parallel, register_grad_hooks, vocab_parallel_cross_entropy
 from pentatron.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
 from pentatron.precision import PrecisionPolicy
+from pentatron.schedules import make_schedule
 
 
 class LocalStages(nn.Module):
@@ -126,6 +128,11 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
     placements = _placements(module, stages, tp_shards, layout)
     for name, shard in ep_shards.items():  # expert weights: a slice of the experts, reduced over edp
         placements[name].expert, placements[name].grad_dims = shard, ("edp",)
+    # compiled regions between the collectives, before checkpointing wraps them (parallel/compile.py)
+    compiled = apply_compile(module, cfg.train.compile, ctx.device, cfg.train.compile_backend,
+                             split_backward=layout.pp > 1 and make_schedule(layout.pp_schedule, layout.pp,
+                                                                            layout.microbatches, layout.virtual
+                                                                            ).split_backward)
     apply_recompute(module, cfg.train.recompute)
     for part in stages or [model]:
         materialize_buffers(part, ctx.device)
@@ -137,7 +144,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
         raise RuntimeError(f"parallelize: parameters left on the meta device: {left[:5]}")
     for part in stages or [model]:
         register_grad_hooks(part)
-    return StepRunner(module, engine, ctx, layout, _loss_fn(ctx), stages, model.cfg.hidden_size, cfg.train)
+    runner = StepRunner(module, engine, ctx, layout, _loss_fn(ctx), stages, model.cfg.hidden_size, cfg.train)
+    runner.compiled = compiled
+    return runner
 
 
 def _loss_fn(ctx: ParallelContext):  # noqa: ANN202 - returns the loss function

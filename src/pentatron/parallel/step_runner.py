@@ -29,6 +29,7 @@ from pentatron.distributed.context import ParallelContext
 from pentatron.layout import ParallelLayout
 from pentatron.models.moe import finish_step, moe_layers, set_aux_loss_scale
 from pentatron.optim import AdamW
+from pentatron.parallel.compile import CompileReport
 from pentatron.parallel.context import ContextShard
 from pentatron.parallel.data import DataParallelBase
 from pentatron.parallel.expert import gather_experts
@@ -61,6 +62,7 @@ class StepRunner:
         # Context parallelism: this rank keeps its share of every sequence, with the tokens' positions.
         self.shard = ContextShard(self.comm, layout) if layout.cp > 1 else None
         self.pipeline: PipelineEngine | None = None
+        self.compiled: CompileReport | None = None  # the compiled regions (parallelize sets it)
         self.last_pipeline: PipelineStepResult | None = None
         # MoE layers: their balancing losses are scaled like each micro-batch's loss; after the step
         # their loads are summed over the data-parallel replicas (biases, metrics).

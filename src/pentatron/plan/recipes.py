@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from pentatron.config import TrainConfig, field_problems
+from pentatron.config import TrainConfig, compile_enabled, field_problems
 
 Kernels = Literal["eager", "fused"]
 
@@ -183,9 +183,10 @@ def training_default(name: str) -> Any:
     return f.default
 
 
-def kernels_for_compile(compile_: object) -> str:
-    """train.compile -> the planner's kernels: compiled blocks fuse their elementwise chains."""
-    return "eager" if compile_ in (False, None, "false", "off") else "fused"
+def kernels_for_compile(compile_: bool | str, device_type: str = "cuda") -> str:
+    """train.compile on a device type -> the planner's kernels: compiled blocks fuse their elementwise
+    chains. The planner's devices are GPUs unless told "cpu" (a CPU run's report, preflight)."""
+    return "fused" if compile_enabled(compile_, device_type) else "eager"
 
 
 def compile_for_kernels(kernels: str) -> bool:
@@ -194,7 +195,7 @@ def compile_for_kernels(kernels: str) -> bool:
 
 
 def training_kernels() -> str:
-    """The kernels `pentatron train` runs by default (its train.compile default)."""
+    """The kernels `pentatron train` runs by default on a GPU (its train.compile default)."""
     return kernels_for_compile(training_default("compile"))
 
 

@@ -1,0 +1,180 @@
+"""Regional compilation (`train.compile`): `torch.compile` over each decoder block's compute, never over
+a collective.
+
+Every collective stays an eager call of `distributed/comm.py` (so the comm ledger and the flight
+recorder see each one, as without compile); what is compiled is the compute *between* them, found
+structurally on each block after tensor/context/expert parallelism replaced its pieces:
+
+* a block that holds no communicating module (no module with a `comm`, no MoE layer) and no hooks inside
+  is compiled whole (dp, ZeRO-0..3, pp, ep's dense layers): torchtitan's per-block regional compile. A
+  block's own hooks (ZeRO-3's gather/free) stay outside, because the region is the block's `forward`.
+* otherwise each maximal communication-free piece is compiled on its own: the norms, the attention
+  core when it is the plain one (cp replaces it with ring/Ulysses attention, which stays eager), RoPE
+  (`Attention.rotate`), the MLP's activation (`MLP.activate`) or a whole MLP that does not communicate,
+  an MoE layer's shared experts; bare (column/row-parallel) linears gain nothing and stay eager. The
+  routed experts and the router stay eager: their shapes follow the routing (data-dependent).
+* under the zero-bubble schedule (split backward) only weight-free elementwise regions and the norms are
+  compiled: a compiled region's backward is one autograd node that yields input and weight gradients
+  together, so a region holding a GEMM would run its whole backward again in W.
+
+Regions are compiled before activation checkpointing wraps them (`parallel/recompute.py`), so a
+recomputed block reruns its compiled code. Each region is compiled with `fullgraph=True` (a graph
+break would be a collective or a host read hidden in compute: an error, not a silent slowdown).
+A compile failure surfaces as one `CompileError` line; with `train.compile = "try"` the region warns
+once and runs eagerly instead. `CompileReport` counts the graphs dynamo built and the seconds spent
+compiling (from `torch._dynamo.utils`), for the run summary and the no-recompilation test.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._dynamo.exc import TorchDynamoException
+from torch._dynamo.utils import compilation_time_metrics, counters
+
+from pentatron.config import compile_enabled
+from pentatron.models.llama import MLP, Attention, AttentionCore, RMSNorm
+from pentatron.models.moe import MoE
+
+# torch's compile-time timers: dynamo + AOTAutograd + inductor forward, and the lazily compiled backward.
+_TIMERS = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
+
+
+class CompileError(RuntimeError):
+    """A region failed to compile (train.compile = true); one line, without torch's log hints."""
+
+
+def _compile_seconds() -> float:
+    return sum(sum(compilation_time_metrics.get(k, ())) for k in _TIMERS)
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@dataclass
+class CompileReport:
+    """What was compiled in this process, and what compiling cost since (process-wide dynamo counters,
+    read as differences from when the regions were installed)."""
+
+    backend: str | Callable[..., Any]  # a name, or a callable (tests)
+    fallback: bool
+    regions: list[str] = field(default_factory=list)  # module paths, e.g. "layers.0" or "layers.0.attn.rotate"
+    failed: list[str] = field(default_factory=list)  # regions running eagerly after a failure ("try")
+    _graphs0: int = field(default_factory=_graphs)
+    _seconds0: float = field(default_factory=_compile_seconds)
+
+    def graphs(self) -> int:
+        """Graphs dynamo has compiled since (a recompilation adds one)."""
+        return _graphs() - self._graphs0
+
+    def seconds(self) -> float:
+        return _compile_seconds() - self._seconds0
+
+    def summary(self) -> dict[str, Any]:
+        backend = self.backend if isinstance(self.backend, str) else repr(self.backend)
+        return {"backend": backend, "regions": len(self.regions), "graphs": self.graphs(),
+                "compile_s": round(self.seconds(), 2), "failed": list(self.failed)}
+
+
+def _one_line(e: BaseException) -> str:
+    """The root cause's first line (a backend's own error, not dynamo's wrapper), without torch's hints about
+    TORCH_LOGS / TORCHDYNAMO_VERBOSE."""
+    root = getattr(e, "inner_exception", None) or e
+    lines = [ln.strip() for ln in str(root).splitlines() if ln.strip() and "TORCH_LOGS" not in ln
+             and "TORCHDYNAMO" not in ln and not ln.strip().startswith(("Set ", "For more", "Developer debug"))]
+    return f"{type(root).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+class _Region:
+    """One compiled region, installed as a module's `forward` (or `rotate` / `activate`): parameter
+    names, hooks and checkpoints of the module are unchanged."""
+
+    def __init__(self, name: str, eager: Callable[..., Any], report: CompileReport) -> None:
+        self.name, self.eager, self.report = name, eager, report
+        # static shapes: a layout has one shape per region; automatic dynamic shapes would retrace symbolically
+        self.compiled = torch.compile(eager, backend=report.backend, fullgraph=True, dynamic=False)
+        self.failed = False
+
+    def __call__(self, *args: Any) -> Any:
+        if self.failed:
+            return self.eager(*args)
+        try:
+            return self.compiled(*args)
+        except TorchDynamoException as e:
+            msg = f"train.compile: compiling {self.name} failed: {_one_line(e)}"
+            if not self.report.fallback:
+                raise CompileError(msg + " (train.compile = \"try\" runs it eagerly instead)") from None
+            warnings.warn(msg + "; running it eagerly", RuntimeWarning, stacklevel=2)
+            self.failed = True
+            self.report.failed.append(self.name)
+            return self.eager(*args)
+
+
+def _communicates(m: nn.Module) -> bool:
+    return any(hasattr(x, "comm") or isinstance(x, MoE) for x in m.modules())
+
+
+def _hooked_inside(m: nn.Module) -> bool:
+    return any(x._forward_hooks or x._forward_pre_hooks for x in m.modules() if x is not m)
+
+
+def _install(m: nn.Module, attr: str, name: str, report: CompileReport) -> None:
+    setattr(m, attr, _Region(name, getattr(m, attr), report))
+    report.regions.append(name)
+
+
+def _elementwise(m: nn.Module, name: str, report: CompileReport) -> None:
+    """The weight-free regions (and the norms) of `m`'s subtree."""
+    for sub_name, sub in m.named_modules(prefix=name):
+        if isinstance(sub, RMSNorm) or type(sub) is AttentionCore:
+            _install(sub, "forward", sub_name, report)
+        elif isinstance(sub, Attention):
+            _install(sub, "rotate", f"{sub_name}.rotate", report)
+        elif isinstance(sub, MLP):
+            _install(sub, "activate", f"{sub_name}.activate", report)
+
+
+def _regions(m: nn.Module, name: str, report: CompileReport) -> None:
+    """Compile the maximal communication-free pieces of `m` (see the module docstring)."""
+    bare = isinstance(m, (nn.Linear, nn.Embedding))  # one GEMM / gather: nothing to fuse
+    if bare or (next(m.parameters(), None) is None and type(m) is not AttentionCore):
+        return
+    if not _communicates(m) and not _hooked_inside(m) and not isinstance(m, MoE):
+        _install(m, "forward", name, report)
+        return
+    if isinstance(m, MoE):
+        if m.shared is not None:
+            _regions(m.shared, f"{name}.shared", report)
+        return
+    if isinstance(m, Attention):
+        _install(m, "rotate", f"{name}.rotate", report)
+    elif isinstance(m, MLP):
+        _install(m, "activate", f"{name}.activate", report)
+    for child_name, child in m.named_children():
+        _regions(child, f"{name}.{child_name}", report)
+
+
+def apply_compile(model: nn.Module, setting: bool | str, device: torch.device,
+                  backend: str | Callable[..., Any] = "inductor",
+                  split_backward: bool = False) -> CompileReport | None:
+    """Compile the regions of every decoder block of `model` (a pipeline rank's stages keep their layers in a
+    dict); None when train.compile is off on this device. Call after tensor/context/expert parallelism and
+    before activation checkpointing."""
+    if not compile_enabled(setting, device.type):
+        return None
+    report = CompileReport(backend, fallback=setting == "try")
+    items = model.layers.items() if isinstance(model.layers, nn.ModuleDict) else enumerate(model.layers)
+    for i, block in items:
+        name = f"layers.{i}"
+        if split_backward:
+            _elementwise(block, name, report)
+        else:
+            _regions(block, name, report)
+    return report
+
