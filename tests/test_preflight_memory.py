@@ -11,7 +11,8 @@ import pytest
 
 from pentatron.cli import main
 from pentatron.config import load_config
-from pentatron.preflight_memory import available_ram_bytes, memory_problems, rope_table_bytes
+from pentatron.preflight_memory import available_ram_bytes, memory_problems
+from pentatron.rank_memory import rope_table_bytes
 from tests.launchers import pentatron_nproc
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")

@@ -16,16 +16,9 @@ import os
 from pathlib import Path
 
 from pentatron.config import Config, resolved_dp
+from pentatron.rank_memory import CPU_PROCESS_BYTES, rope_table_bytes
 
 GiB = 1 << 30
-CPU_PROCESS_BYTES = 400 << 20  # one rank's resident set before its model (interpreter, torch, loader)
-
-
-def rope_table_bytes(cfg: Config) -> int:
-    m = cfg.model_config()
-    return 2 * m.max_seq_len * m.head_dim * 4  # cos and sin, fp32, [max_seq_len, head_dim]
-
-
 def available_ram_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     """The host's MemAvailable (None where /proc/meminfo is not there)."""
     try:

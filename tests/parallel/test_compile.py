@@ -9,9 +9,9 @@ import warnings
 import pytest
 import torch
 
+from pentatron.config import compile_enabled
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
-from pentatron.config import compile_enabled
 from pentatron.parallel.compile import CompileError, apply_compile
 
 CPU = torch.device("cpu")

@@ -25,8 +25,9 @@ from pentatron.plan.recipes import (
     TORCHTITAN,
     RecipeError,
     get_recipe,
+    kernels_for_compile,
     resolve_kernels,
-    kernels_for_compile, training_kernels,
+    training_kernels,
 )
 from pentatron.plan.search import predict
 from tests.plan.test_cli import run

@@ -178,7 +178,7 @@ def predicted(info: dict[str, Any], profile: Path | None) -> dict[str, Any]:
            "comm_bytes_per_step": bytes_by_dim(list(p.step.collectives))}
     if info.get("device") == "cpu":  # the measured peak is rank 0's resident set: what preflight adds to it
         from pentatron.config import config_from_dict
-        from pentatron.preflight_memory import CPU_PROCESS_BYTES, rope_table_bytes
+        from pentatron.rank_memory import CPU_PROCESS_BYTES, rope_table_bytes
 
         rope = rope_table_bytes(config_from_dict(info["config"], info.get("world_size", 1)))
         out["resident_bytes_rank0"] = rank0.tensors + rope + CPU_PROCESS_BYTES
