@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from pentatron.models import moe as moe_module
 from pentatron.models.config import ModelConfig, MoEConfig
-from pentatron.models.moe import MoE, Experts, grouped_mm_supported
+from pentatron.models.moe import Experts, MoE, grouped_mm_supported
 
 
 def loop_experts(ex: Experts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
