@@ -100,10 +100,12 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                         "recipe, costed from its measured H100 table)")
     w.add_argument("--attention", choices=("flash2", "flash3", "cudnn", "math"), default="flash2",
                    help="attention kernel (default flash2: what torch SDPA runs); see docs/planner.md")
-    w.add_argument("--cross-entropy", choices=("eager", "fused", "loss_parallel", "nanotron"), default="eager",
+    w.add_argument("--cross-entropy", choices=("eager", "fused", "loss_parallel", "nanotron", "chunked"),
+                   default="eager",
                    help="the loss: fp32 PyTorch ops (default; under tp our vocab-parallel loss), flash-attn's "
-                        "fused kernel, torch's loss_parallel over the tp ranks (torchtitan) or nanotron's "
-                        "sharded loss on fp32-cast logits; evaluated, `pentatron train` runs eager")
+                        "fused kernel, torch's loss_parallel over the tp ranks (torchtitan), nanotron's "
+                        "sharded loss on fp32-cast logits, or ours chunked (train.loss_chunk_tokens, what "
+                        "`pentatron train` runs by default; eager is train.loss_chunk_tokens=0)")
     w.add_argument("--kernels", choices=("fused", "eager"), default="fused",
                    help="elementwise ops fused (torch.compile/Megatron kernels) or one PyTorch op each")
     k = p.add_argument_group("layout (any of these evaluates that layout; the rest are searched)")

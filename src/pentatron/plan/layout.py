@@ -30,7 +30,8 @@ GRAD_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16+fp32")
 # the loss: "eager" (fp32 PyTorch ops: F.cross_entropy, or under TP our vocab-parallel loss), "fused"
 # (flash-attn's kernel), "loss_parallel" (torch's DTensor loss_parallel over the tp mesh: torchtitan at tp > 1)
 # or "nanotron" (its sharded cross-entropy on logits cast to fp32 first, at any tp)
-CROSS_ENTROPY: tuple[str, ...] = ("eager", "fused", "loss_parallel", "nanotron")
+# or "chunked" (ours by default: LM head + loss over train.loss_chunk_tokens tokens at a time, models/loss.py)
+CROSS_ENTROPY: tuple[str, ...] = ("eager", "fused", "loss_parallel", "nanotron", "chunked")
 # fp8 scaling: one scale per tensor (Transformer Engine's delayed scaling, torchao's default recipe) or per
 # row (torchao's "rowwise": its own CUTLASS GEMM, costed from a measured table in plan/fp8_rowwise.py)
 FP8_SCALINGS: tuple[str, ...] = ("tensorwise", "rowwise")
@@ -347,9 +348,9 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
     if lay.param_shard != "both" and lay.zero == 3:
         out.append("training's ZeRO-3 keeps a bf16 parameter shard beside the fp32 master shard (param_shard="
                    "'fp32' is FSDP2's storage, not available)")
-    if lay.cross_entropy != "eager":
+    if lay.cross_entropy not in ("eager", "chunked"):
         out.append(f"training computes the loss in fp32 PyTorch ops (cross_entropy={lay.cross_entropy!r} is not "
-                   "available; use 'eager')")
+                   "available; use 'eager' (train.loss_chunk_tokens=0) or 'chunked')")
     if lay.pp_outputs != "kept":
         out.append("training's pipeline engine keeps each in-flight stage output (pp_outputs='freed' is not "
                    "available)")
