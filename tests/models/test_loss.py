@@ -99,3 +99,26 @@ def test_peak_memory_is_one_chunk_of_logits_not_the_full_logits():
     # the chunk's logits (+ the matmul's transient), the fp32 dW accumulator, per-token vectors, the inputs' grads
     assert meter.peak <= 2 * one_chunk + 2 * dw + 64 * 2 * n + 2 * x.numel() * 4
     assert meter.peak < full / 10
+
+
+def test_a_split_backward_gets_dx_from_b_and_dw_from_w_each_once():
+    """Zero-bubble's B asks for the input gradient only and W for the weights only: the loss's backward
+    serves each half alone, and the two halves sum to the unsplit gradients."""
+    from pentatron.parallel.pipeline.split_backward import SplitBackward
+
+    x0, w, t = _case()
+    norm_w = torch.randn(16, 16, generator=torch.Generator().manual_seed(5)).requires_grad_()
+
+    def loss() -> torch.Tensor:
+        return linear_cross_entropy(F.linear(x0, norm_w), w, t, 9)
+
+    loss().backward()
+    want = [x0.grad.clone(), w.grad.clone(), norm_w.grad.clone()]
+    x0.grad = w.grad = norm_w.grad = None
+    split = SplitBackward([loss()], [None], [x0])
+    (dx,) = split.backward_input()
+    assert w.grad is None and norm_w.grad is None  # B computed no weight gradient
+    split.backward_weight()
+    assert split.split
+    for got, ref in zip([dx, w.grad, norm_w.grad], want, strict=True):
+        assert _rel(got, ref) <= 1e-6

@@ -40,6 +40,17 @@ def _chunks(n: int, size: int) -> range:
     return range(0, n, max(size, 1))
 
 
+def _will_run(node: Any) -> bool:
+    """Whether the running backward reaches `node`. A zero-bubble split backward asks for dX only (B) and
+    then for dW only (W): each half then skips the other's matmuls."""
+    if node is None:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # a leaf asked for by autograd.grad(inputs=…) is captured, not executed: needed
+        return True
+
+
 class _LinearCrossEntropy(Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
@@ -78,7 +89,9 @@ class _LinearCrossEntropy(Function):
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, local_t, hit, valid, lse = ctx.saved_tensors
         chunk, n = ctx.chunk, x.shape[0]
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        (x_node, _), (w_node, _) = ctx.next_functions[0], ctx.next_functions[1]
+        need_x = ctx.needs_input_grad[0] and _will_run(x_node)
+        need_w = ctx.needs_input_grad[1] and _will_run(w_node)
         scale = grad_loss.float() * valid.to(torch.float32)
         grad_x = torch.empty_like(x) if need_x else None
         # dW accumulates over chunks in fp32 (a bf16 running sum would round at every chunk).
