@@ -3,6 +3,8 @@ chunk's logits alive at any time (forward and backward)."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -80,7 +82,6 @@ class _Live(TorchDispatchMode):
                     self.live[key] = st.nbytes()
                     self.current += st.nbytes()
                     self.peak = max(self.peak, self.current)
-                    import weakref
                     weakref.finalize(st, self._gone, key)
         return out
 

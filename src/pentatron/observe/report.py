@@ -100,7 +100,8 @@ def planner_layout(c: Any, world_size: int, device: str) -> tuple[Any, Any]:
     lay = Layout(dp=dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero, sp=par.sp,
                  pp_schedule=par.pp_schedule, pp_virtual=par.pp_virtual if par.pp_schedule == "interleaved" else 1,
                  micro_batch=tr.micro_batch, recompute=tr.recompute, precision=precision,
-                 pp_layers=None if par.pp_layers is None else tuple(par.pp_layers))
+                 pp_layers=None if par.pp_layers is None else tuple(par.pp_layers),
+                 cross_entropy="chunked" if tr.loss_chunk_tokens > 0 else "eager")  # (at the default chunk)
     return lay, Workload(c.model_config(), tr.seq_len, tr.global_batch)
 
 
