@@ -193,11 +193,11 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Rows of `x` grouped by expert (group j: `counts[j]` rows ending at `offsets[j]`) times their expert's
+    """Rows of `x` grouped by expert (group j: `counts[j]` rows ending at `offsets[j]`, int32) times their expert's
     weight [E, out, in]ᵀ, as ONE grouped GEMM (`torch._grouped_mm`); where it is unsupported, one batched
     matmul over the groups padded to the largest (its size comes from the host counts: no sync)."""
     if x.shape[0] and grouped_mm_supported(x, weight):  # (its backward rejects an empty operand)
-        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets.to(torch.int32))
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     e, width = weight.shape[0], max(max(counts, default=0), 1)
     rows = torch.arange(x.shape[0], device=x.device)
     group = torch.searchsorted(offsets, rows, right=True)
@@ -223,6 +223,7 @@ class Experts(nn.Module):
         given). Every expert weight gets a gradient each backward (zero for an expert without tokens)."""
         if offsets is None:
             offsets = torch.tensor(counts, device=x.device).cumsum(0)
+        offsets = offsets.to(torch.int32)  # what _grouped_mm takes
         h = (F.silu(grouped_linear(x, self.gate_proj, offsets, counts))
              * grouped_linear(x, self.up_proj, offsets, counts))
         return grouped_linear(h, self.down_proj, offsets, counts)
