@@ -123,3 +123,24 @@ def test_a_split_backward_gets_dx_from_b_and_dw_from_w_each_once():
     assert split.split
     for got, ref in zip([dx, w.grad, norm_w.grad], want, strict=True):
         assert _rel(got, ref) <= 1e-6
+
+
+def test_train_loss_chunk_tokens_is_validated_and_both_settings_train_alike(tmp_path, default_dataset):
+    """The knob: negative is a config error; a chunked run (chunks of 40 tokens over 4×32 per micro-batch)
+    and a full-logits run (0) give the same losses and gradient norms."""
+    import json
+
+    from pentatron.config import ConfigError, load_config
+    from pentatron.train.trainer import Trainer
+
+    with pytest.raises(ConfigError, match="train.loss_chunk_tokens must be ≥ 0"):
+        load_config(None, ["train.loss_chunk_tokens=-1"], world_size=1)
+    runs = {}
+    for chunk in (40, 0):
+        cfg = load_config(None, ["train.seq_len=32", "train.micro_batch=4", "train.global_batch=8", "train.steps=2",
+                                 "train.warmup=1", f"train.loss_chunk_tokens={chunk}", "log.progress=false",
+                                 "log.tensorboard=false", f"log.dir={json.dumps(str(tmp_path / str(chunk)))}"],
+                          world_size=1)
+        runs[chunk] = [(r["loss"], r["grad_norm"]) for r in Trainer(cfg, dataset_dir=default_dataset).fit()]
+    for (a_loss, a_norm), (b_loss, b_norm) in zip(runs[40], runs[0], strict=True):
+        assert a_loss == pytest.approx(b_loss, rel=1e-6) and a_norm == pytest.approx(b_norm, rel=1e-5)
