@@ -5,6 +5,7 @@ dense MLP of the same active FLOPs, and expert-parallel scaling on gloo ranks.
     (or one variant per process: balance --model debug-moe --out a.json ...; then balance-report *.json)
     python benchmarks/moe.py layer                   # MoE layer fwd+bwd vs a dense SwiGLU of equal active FLOPs
     python benchmarks/moe.py ep --ranks 1 2 4        # MoE layer fwd+bwd per rank, ep = ranks, fixed tokens per rank
+    python benchmarks/moe.py grouped                 # 64-expert top-8 layer fwd+bwd: grouped GEMM vs per-expert loop
 
 Prints markdown tables (for BENCHMARKS.md). Timings are medians of repeated runs on whatever the machine
 is doing: say the load (`uptime`) beside them.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -28,7 +30,7 @@ from ranks import run_on_ranks  # noqa: E402
 
 from pentatron.models.config import ModelConfig, MoEConfig  # noqa: E402
 from pentatron.models.llama import MLP  # noqa: E402
-from pentatron.models.moe import MoE  # noqa: E402
+from pentatron.models.moe import Experts, MoE, grouped_mm_supported  # noqa: E402
 
 VARIANTS = {"no balancing": "debug-moe-nobalance", "aux loss 0.01 (+ z 0.001)": "debug-moe",
             "aux-free bias γ=1e-3": "debug-moe-auxfree"}
@@ -118,6 +120,58 @@ def layer(args: argparse.Namespace) -> None:
     print(f"\nMoE / dense time: {t_moe / t_dense:.2f}×")
 
 
+# ---------------------------------------------------------------------------------------------- grouped
+def _loop_experts(ex: Experts, x: torch.Tensor, counts: list[int], offsets: Any = None) -> torch.Tensor:
+    """The experts as they ran before: one SwiGLU matmul chain per expert (a Python loop)."""
+    outs = []
+    for j, xj in enumerate(x.split(counts)):
+        h = torch.nn.functional.silu(torch.nn.functional.linear(xj, ex.gate_proj[j]))
+        outs.append(torch.nn.functional.linear(h * torch.nn.functional.linear(xj, ex.up_proj[j]), ex.down_proj[j]))
+    return torch.cat(outs)
+
+
+def grouped(args: argparse.Namespace) -> None:
+    """One MoE layer fwd+bwd with the grouped experts (now) and with the per-expert loop (before),
+    interleaved, best of `repeats`; the same router decisions, so the same work."""
+    torch.manual_seed(0)
+    h, e, k, f = args.hidden, args.experts, args.top_k, args.expert_ffn
+    cfg = ModelConfig(vocab_size=64, hidden_size=h, n_layers=1, n_heads=8, n_kv_heads=8, ffn_hidden_size=k * f,
+                      moe=MoEConfig(n_experts=e, top_k=k, expert_ffn_size=f))
+    layer = MoE(cfg)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(args.tokens, h)
+    grouped_forward = Experts.forward
+
+    def step(forward: Any) -> float:
+        Experts.forward = forward
+        try:
+            layer.zero_grad(set_to_none=True)
+            t = time.perf_counter()
+            layer(x).square().mean().backward()
+            return time.perf_counter() - t
+        finally:
+            Experts.forward = grouped_forward
+
+    kinds = {"per-expert loop (before)": _loop_experts, "grouped GEMM (now)": grouped_forward}
+    for fn in kinds.values():
+        step(fn)  # warm-up
+    best = {name: float("inf") for name in kinds}
+    for _ in range(args.repeats):
+        for name, fn in kinds.items():
+            best[name] = min(best[name], step(fn))
+    path = "torch._grouped_mm" if grouped_mm_supported(x, layer.experts.gate_proj) else "padded bmm"
+    print(f"\nMoE layer fwd+bwd, {args.tokens} tokens, h={h}, {e} experts of width {f}, top-{k} (no shared "
+          f"expert, dropless); fp32, {torch.get_num_threads()} threads, best of {args.repeats} interleaved; "
+          f"grouped path: {path}; load {os.getloadavg()[0]:.2f}\n")
+    print("| experts | fwd+bwd (ms) | tokens/s |")
+    print("|---|---:|---:|")
+    for name, t in best.items():
+        print(f"| {name} | {1e3 * t:.1f} | {args.tokens / t:,.0f} |")
+    loop_t, grouped_t = best["per-expert loop (before)"], best["grouped GEMM (now)"]
+    print(f"\ngrouped / loop tokens/s: {loop_t / grouped_t:.2f}×")
+
+
 # ---------------------------------------------------------------------------------------------- ep
 def _ep_rank(rank: int, world: int, tokens: int, hidden: int, experts: int, ffn: int, repeats: int) -> dict:
     from pentatron.distributed.context import ParallelContext
@@ -182,18 +236,19 @@ def main() -> None:
     r = sub.add_parser("balance-report", help="the table from several `balance --out` files")
     r.add_argument("files", nargs="+")
     r.add_argument("--tail", type=int, default=20)
-    for name in ("layer", "ep"):
+    for name in ("layer", "ep", "grouped"):
         s = sub.add_parser(name)
         s.add_argument("--tokens", type=int, default=4096 if name == "layer" else 2048)
-        s.add_argument("--hidden", type=int, default=512)
-        s.add_argument("--experts", type=int, default=8)
-        s.add_argument("--top-k", type=int, default=2)
-        s.add_argument("--expert-ffn", type=int, default=512)
+        s.add_argument("--hidden", type=int, default=256 if name == "grouped" else 512)
+        s.add_argument("--experts", type=int, default=64 if name == "grouped" else 8)
+        s.add_argument("--top-k", type=int, default=8 if name == "grouped" else 2)
+        s.add_argument("--expert-ffn", type=int, default=128 if name == "grouped" else 512)
         s.add_argument("--repeats", type=int, default=5)
         if name == "ep":
             s.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     args = p.parse_args()
-    {"balance": balance, "balance-report": balance_report, "layer": layer, "ep": ep}[args.what](args)
+    run = {"balance": balance, "balance-report": balance_report, "layer": layer, "ep": ep, "grouped": grouped}
+    run[args.what](args)
     print(json.dumps({"command": " ".join(sys.argv)}))
 
 

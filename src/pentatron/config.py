@@ -124,6 +124,9 @@ class TrainConfig:
     peak_tflops: float | None = None  # per device, for MFU; default from the hardware table
     nonfinite: Literal["skip", "stop"] = "stop"  # a NaN/inf loss or grad norm: skip the update, or stop (exit 3)
     allow_overcommit: bool = False  # start even when the planner predicts the run does not fit in memory
+    # LM head + cross-entropy over chunks of this many tokens, recomputed in backward (models/loss.py): the
+    # loss holds one chunk's fp32 logits, never the whole [tokens, vocab]; 0: full logits (F.cross_entropy)
+    loss_chunk_tokens: int = 1024
 
 
 @dataclass
@@ -397,6 +400,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"train.clip must be ≥ 0 (0 disables clipping), got {tr.clip}")
     if type(tr.compile) is int or type(tr.compile) is float:  # 1 == True passes the Literal check
         p.append(f"train.compile must be true, false, \"auto\" or \"try\", got {tr.compile!r}")
+    if tr.loss_chunk_tokens < 0:
+        p.append(f"train.loss_chunk_tokens must be ≥ 0 (0: the loss from full logits), got {tr.loss_chunk_tokens}")
     if tr.peak_tflops is not None and tr.peak_tflops <= 0:
         p.append(f"train.peak_tflops must be > 0, got {tr.peak_tflops}")
     if model is not None and tr.seq_len > model.max_seq_len:

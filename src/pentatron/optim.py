@@ -29,17 +29,38 @@ class Slot:
     decay: bool
 
 
+# Where torch 2.13 has a fused (one kernel per dtype/device group) AdamW: its `_fused_adamw_` for these
+# devices and floating dtypes. Anything else steps with the multi-tensor `foreach` kernels.
+_FUSED_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu"})
+_FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def adamw_impl(masters: list[torch.Tensor]) -> str:
+    """"fused" when every master is a floating tensor on a device with torch's fused AdamW, else "foreach"."""
+    ok = all(m.device.type in _FUSED_DEVICES and m.dtype in _FUSED_DTYPES for m in masters)
+    return "fused" if ok else "foreach"
+
+
 class AdamW:
     """AdamW over `Slot`s (torch's implementation, so the arithmetic is torch's). Weight decay is
-    decoupled and per element, so stepping a parameter whole or in pieces gives identical values."""
+    decoupled and per element, so stepping a parameter whole or in pieces gives identical values.
 
-    def __init__(self, slots: list[Slot], cfg: TrainConfig) -> None:
+    `impl` is torch's fused kernel by default (`adamw_impl`: foreach only where fused is unsupported);
+    "foreach" forces the multi-tensor path (the benchmark's A/B). Both are torch's AdamW formula; the
+    fused kernel rounds a few operations differently (last bits, measured in BENCHMARKS.md)."""
+
+    def __init__(self, slots: list[Slot], cfg: TrainConfig, impl: str | None = None) -> None:
         self.slots = slots
         self.master = [s.master for s in slots]
+        self.impl = impl or adamw_impl(self.master)
+        if self.impl not in ("fused", "foreach"):
+            raise ValueError(f"AdamW impl must be 'fused' or 'foreach', not {self.impl!r}")
         groups = [{"params": [s.master for s in slots if s.decay], "weight_decay": cfg.weight_decay},
                   {"params": [s.master for s in slots if not s.decay], "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]] or [{"params": [torch.zeros(0)], "weight_decay": 0.0}]
-        self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        fused = self.impl == "fused"
+        self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                       fused=fused, foreach=not fused)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -62,7 +83,11 @@ class AdamW:
         for s in self.slots:
             state = self.inner.state[s.master]
             if not state:
-                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(s.master),
+                # The step counter where torch's own lazy init puts it: on the master's device for the
+                # fused kernel (which reads it there), a CPU scalar for foreach.
+                step = (torch.zeros((), dtype=torch.float32, device=s.master.device) if self.impl == "fused"
+                        else torch.tensor(0.0))
+                state.update(step=step, exp_avg=torch.zeros_like(s.master),
                              exp_avg_sq=torch.zeros_like(s.master))
             for key in ("step", "exp_avg", "exp_avg_sq"):
                 out[f"{s.key}.{key}"] = state[key]
@@ -113,20 +138,39 @@ class MixedPrecisionAdamW(AdamW):
         super().__init__(param_slots(params, names or [str(i) for i in range(len(params))], master_dtype), cfg)
 
 
+# torch's CPU norm kernel accumulates a whole tensor in fp32 lanes: -1.6e-4 relative on 16M elements
+# (-6e-6 on 0.5M), against 5e-8 when each 16 Ki-element piece is normed apart and the pieces' squares
+# are summed in fp64. The pieces are views (no copy). CUDA's multi-tensor norm reduces in a tree and
+# takes whole tensors.
+_CPU_NORM_PIECE = 16384
+
+
+def _norm_operands(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    if grads[0].device.type != "cpu":
+        return grads
+    return [piece for g in grads for piece in g.reshape(-1).split(_CPU_NORM_PIECE)]
+
+
+@torch.no_grad()
 def grad_norm_squared(grads: list[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
-    """Σ‖g‖² in fp32 (kept squared so that sharded callers can sum partial results before the sqrt), one
-    device computation (no host sync). A rank without gradients returns 0 on `device` (default: the
+    """Σ‖g‖² in fp32 (kept squared so that sharded callers can sum partial results before the sqrt), from
+    `torch._foreach_norm` (no copy of any gradient; the squares of the per-tensor norms summed in fp64),
+    one device computation (no host sync). A rank without gradients returns 0 on `device` (default: the
     gradients'; pass the run's device): its result goes into collectives, and NCCL has no CPU tensors."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+    norms = torch._foreach_norm(_norm_operands(grads), 2, dtype=torch.float32)
+    return torch.stack(norms).double().pow(2).sum().float()
 
 
 @torch.no_grad()
 def clip_by_total_norm(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
     """Scale grads in place so that the global norm is at most max_norm (no-op when max_norm == 0)."""
-    if max_norm <= 0:
+    if max_norm <= 0 or not grads:
         return
     scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(scale.to(g.dtype))
+    if all(g.dtype == scale.dtype for g in grads):
+        torch._foreach_mul_(grads, scale)
+    else:
+        for g in grads:
+            g.mul_(scale.to(g.dtype))

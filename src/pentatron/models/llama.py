@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pentatron.models.config import ModelConfig, RopeScaling
+from pentatron.models.loss import DEFAULT_CHUNK_TOKENS, linear_cross_entropy
 from pentatron.models.moe import MoE, Router
 from pentatron.models.param_init import ParamInit, fill_slice, param_seed
 
@@ -169,6 +170,21 @@ class DecoderBlock(nn.Module):
         return x + ffn(self.mlp_norm(x))
 
 
+class LMHead(nn.Linear):
+    """The output projection. Called with targets it returns the mean cross-entropy instead of the
+    logits, computed `chunk_tokens` tokens at a time (models/loss.py: the full logits never exist);
+    the runtime sets `chunk_tokens` from train.loss_chunk_tokens."""
+
+    def __init__(self, hidden: int, vocab: int) -> None:
+        super().__init__(hidden, vocab, bias=False)
+        self.chunk_tokens = DEFAULT_CHUNK_TOKENS
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return F.linear(x, self.weight)
+        return linear_cross_entropy(x, self.weight, targets, self.chunk_tokens)
+
+
 class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -180,24 +196,28 @@ class Llama(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
         self.tie_weights()
 
     def tie_weights(self) -> None:
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: [b, s] int64 → logits [b, s, vocab]. `positions` defaults to 0..s-1 (context
-        parallelism passes the global positions of its sequence shard)."""
-        return decoder_forward(tokens, positions, self.rotary, self.layers, self.embed, self.norm, self.lm_head)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [b, s] int64 → logits [b, s, vocab], or with `targets` [b, s] the mean cross-entropy
+        (the head's chunked loss). `positions` defaults to 0..s-1 (context parallelism passes the global
+        positions of its sequence shard)."""
+        return decoder_forward(tokens, positions, self.rotary, self.layers, self.embed, self.norm, self.lm_head,
+                               targets)
 
 
 def decoder_forward(x: torch.Tensor, positions: torch.Tensor | None, rotary: Rotary, layers: Iterable[nn.Module],
-                    embed: nn.Module | None, norm: nn.Module | None, lm_head: nn.Module | None) -> torch.Tensor:
+                    embed: nn.Module | None, norm: nn.Module | None, lm_head: nn.Module | None,
+                    targets: torch.Tensor | None = None) -> torch.Tensor:
     """The decoder, written once for the whole model and for any contiguous part of it (a pipeline
     stage): [embed] → layers → [norm → lm_head]. `x` is token ids when `embed` is given, else the hidden
-    state; `positions` default to 0..s-1 of `x`."""
+    state; `positions` default to 0..s-1 of `x`; with `targets` the head returns the loss, not logits."""
     if positions is None:
         positions = torch.arange(x.shape[1], device=x.device)
     cos, sin = rotary(positions)
@@ -206,7 +226,7 @@ def decoder_forward(x: torch.Tensor, positions: torch.Tensor | None, rotary: Rot
     for layer in layers:
         x = layer(x, cos, sin)
     if lm_head is not None:
-        x = lm_head(norm(x))
+        x = lm_head(norm(x)) if targets is None else lm_head(norm(x), targets)
     return x
 
 

@@ -187,6 +187,33 @@ def dispatch_order(experts: torch.Tensor, weights: torch.Tensor, counts: torch.T
     return order if cap is None else order[: int(kept.sum())]
 
 
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs these operands (torch 2.13): on CPU any float dtype, on CUDA bf16
+    from compute capability 9.0 (its CUTLASS kernel); every row stride a multiple of 16 bytes."""
+    if x.device.type == "cpu":
+        ok_dtype = x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    elif x.device.type == "cuda":
+        ok_dtype = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    else:
+        return False
+    return ok_dtype and all(t.shape[-1] * t.element_size() % 16 == 0 for t in (x, *weights))
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows of `x` grouped by expert (group j: `counts[j]` rows ending at `offsets[j]`, int32) times their expert's
+    weight [E, out, in]ᵀ, as ONE grouped GEMM (`torch._grouped_mm`); where it is unsupported, one batched
+    matmul over the groups padded to the largest (its size comes from the host counts: no sync)."""
+    if x.shape[0] and grouped_mm_supported(x, weight):  # (its backward rejects an empty operand)
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    e, width = weight.shape[0], max(max(counts, default=0), 1)
+    rows = torch.arange(x.shape[0], device=x.device)
+    group = torch.searchsorted(offsets, rows, right=True)
+    starts = F.pad(offsets[:-1], (1, 0))
+    slot = group * width + rows - starts[group]
+    padded = x.new_zeros(e * width, x.shape[-1]).index_copy(0, slot, x).view(e, width, -1)
+    return torch.bmm(padded, weight.transpose(-2, -1)).reshape(e * width, -1)[slot]
+
+
 class Experts(nn.Module):
     """E SwiGLU experts with stacked weights (nn.Linear's [out, in] per expert): gate/up [E, f, h],
     down [E, h, f]. `forward` takes tokens grouped by expert and the count of each group."""
@@ -197,14 +224,16 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(n_experts, ffn, hidden))
         self.down_proj = nn.Parameter(torch.empty(n_experts, hidden, ffn))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        # One matmul chain per expert (torch offers no CPU grouped GEMM). An expert with no tokens
-        # still joins the graph, so every expert weight gets a (zero) gradient each backward.
-        outs = []
-        for j, xj in enumerate(x.split(counts)):
-            h = F.silu(F.linear(xj, self.gate_proj[j])) * F.linear(xj, self.up_proj[j])
-            outs.append(F.linear(h, self.down_proj[j]))
-        return torch.cat(outs)
+    def forward(self, x: torch.Tensor, counts: list[int], offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """One grouped GEMM per projection over all experts (no per-expert loop). `offsets` [E]: the groups'
+        cumulative row counts on the device (computed there by the caller; built from `counts` if not
+        given). Every expert weight gets a gradient each backward (zero for an expert without tokens)."""
+        if offsets is None:
+            offsets = torch.tensor(counts, device=x.device).cumsum(0)
+        offsets = offsets.to(torch.int32)  # what _grouped_mm takes
+        h = (F.silu(grouped_linear(x, self.gate_proj, offsets, counts))
+             * grouped_linear(x, self.up_proj, offsets, counts))
+        return grouped_linear(h, self.down_proj, offsets, counts)
 
 
 class SharedExperts(nn.Module):
@@ -302,7 +331,7 @@ class MoE(nn.Module):
             order = order[: sum(splits) if ep is None else splits.rows]
         token = order // k
         xs = x[token]
-        ys = self.experts(xs, splits) if ep is None else ep(xs, splits, self.experts)
+        ys = self.experts(xs, splits, kept.cumsum(0)) if ep is None else ep(xs, splits, self.experts)
         w = r.weights.flatten()[order].unsqueeze(-1).to(ys.dtype)
         out = torch.zeros_like(x).index_add_(0, token, ys * w)
         if self.shared is not None:

@@ -16,6 +16,7 @@ planner's tensors plus what preflight adds per CPU process (RoPE tables, interpr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from collections import defaultdict
@@ -98,6 +99,7 @@ def layout_and_workload(cfg: dict[str, Any], world_size: int, device: str) -> tu
 def planner_layout(c: Any, world_size: int, device: str) -> tuple[Any, Any]:
     """The planner's Layout and Workload for a `Config` on `world_size` ranks of `device` ("cuda"/"cpu")."""
     from pentatron.plan.layout import Layout, Workload
+    from pentatron.plan.recipes import PENTATRON, training_loss
 
     par, tr = c.parallel, c.train
     precision = tr.precision if tr.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
@@ -105,7 +107,8 @@ def planner_layout(c: Any, world_size: int, device: str) -> tuple[Any, Any]:
     lay = Layout(dp=dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero, sp=par.sp,
                  pp_schedule=par.pp_schedule, pp_virtual=par.pp_virtual if par.pp_schedule == "interleaved" else 1,
                  micro_batch=tr.micro_batch, recompute=tr.recompute, precision=precision,
-                 pp_layers=None if par.pp_layers is None else tuple(par.pp_layers))
+                 pp_layers=None if par.pp_layers is None else tuple(par.pp_layers),
+                 recipe=dataclasses.replace(PENTATRON, cross_entropy=training_loss(tr.loss_chunk_tokens)))  # (at the default chunk)
     return lay, Workload(c.model_config(), tr.seq_len, tr.global_batch)
 
 

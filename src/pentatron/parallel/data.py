@@ -157,10 +157,13 @@ class DataParallelBase:
             # Every element of the full model once: a tensor held identically by k tp ranks (replicated
             # norms, replicated kv heads) counts 1/k on each, then sum over tp; a tied embedding held by
             # the first and the last stage counts on the first only.
-            sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+            by_weight: dict[float, list[torch.Tensor]] = {}
             for p, g in self.owned_param_grads():
                 if weights[p]:
-                    sq += g.float().pow(2).sum() * weights[p]
+                    by_weight.setdefault(weights[p], []).append(g)
+            sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+            for w, grads in by_weight.items():
+                sq += grad_norm_squared(grads, self.ctx.device) * w
         if self.sharded_grads:
             self.comm.all_reduce(sq, self.reduce_dim)
         return sq

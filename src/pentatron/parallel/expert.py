@@ -84,7 +84,7 @@ class AllToAllExperts:
         in_splits, out_splits = s.in_splits, s.out_splits
         rows = all_to_all(x, out_splits, in_splits, self.comm, EP)
         by_expert = _regroup(s.recv_counts, sum(out_splits))
-        out = experts(rows[by_expert], s.per_local_expert)
+        out = experts(rows[by_expert], s.per_local_expert, s.recv_counts.sum(0).cumsum(0))
         out = out[torch.argsort(by_expert)]  # back to (source rank, expert) order
         return all_to_all(out, in_splits, out_splits, self.comm, EP)
 

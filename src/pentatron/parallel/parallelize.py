@@ -23,7 +23,7 @@ from torch import nn
 from pentatron.config import Config
 from pentatron.distributed.context import ParallelContext
 from pentatron.layout import ParallelLayout
-from pentatron.models.llama import init_names, materialize_buffers
+from pentatron.models.llama import LMHead, init_names, materialize_buffers
 from pentatron.parallel.compile import apply_compile
 from pentatron.parallel.context import apply_context_parallel
 from pentatron.parallel.data import DataParallel, DataParallelBase
@@ -35,7 +35,12 @@ from pentatron.parallel.pipeline.stages import PipelineStage, build_stages, stag
 from pentatron.parallel.placement import Placement, TPShard
 from pentatron.parallel.recompute import apply_recompute
 from pentatron.parallel.step_runner import StepRunner
-from pentatron.parallel.tensor import apply_tensor_parallel, register_grad_hooks, vocab_parallel_cross_entropy
+from pentatron.parallel.tensor import (
+    VocabParallelHead,
+    apply_tensor_parallel,
+    register_grad_hooks,
+    vocab_parallel_cross_entropy,
+)
 from pentatron.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
 from pentatron.precision import PrecisionPolicy
 from pentatron.schedules import make_schedule
@@ -144,9 +149,17 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
         raise RuntimeError(f"parallelize: parameters left on the meta device: {left[:5]}")
     for part in stages or [model]:
         register_grad_hooks(part)
+    set_loss_chunk_tokens(module, cfg.train.loss_chunk_tokens)
     runner = StepRunner(module, engine, ctx, layout, _loss_fn(ctx), stages, model.cfg.hidden_size, cfg.train)
     runner.compiled = compiled
     return runner
+
+
+def set_loss_chunk_tokens(module: nn.Module, tokens: int) -> None:
+    """How many tokens each LM head (plain or vocab-parallel) turns into logits at a time in its loss."""
+    for m in module.modules():
+        if isinstance(m, (LMHead, VocabParallelHead)):
+            m.chunk_tokens = tokens
 
 
 def _loss_fn(ctx: ParallelContext):  # noqa: ANN202 - returns the loss function

@@ -54,6 +54,9 @@ class StepRunner:
     def __init__(self, model: nn.Module, engine: DataParallelBase, ctx: ParallelContext, layout: ParallelLayout,
                  loss_fn: LossFn, stages: Sequence[PipelineStage] | None, hidden: int, train: TrainConfig) -> None:
         self.model, self.engine, self.ctx, self.layout, self.loss_fn = model, engine, ctx, layout, loss_fn
+        # train.loss_chunk_tokens > 0: the LM head computes the loss in chunks from the targets (the full
+        # logits never exist); 0: the model returns logits and `loss_fn` takes them.
+        self.head_loss = train.loss_chunk_tokens > 0
         # The optimizer is its own object, over the elements this rank owns (whole parameters, or ZeRO
         # pieces), fed by the engine's reduced gradient shards.
         self.optimizer = AdamW(engine.slots, train)
@@ -74,7 +77,7 @@ class StepRunner:
             shards = layout.tp if layout.sp else 1  # sequence parallelism: stages exchange [b, s/tp, h]
             self.pipeline = PipelineEngine(
                 self.stages, schedule, self.comm, ctx.local_rank("pp"), loss_fn, listener=engine,
-                act_shape=lambda x: torch.Size((x.shape[0], x.shape[1] // shards, hidden)))
+                act_shape=lambda x: torch.Size((x.shape[0], x.shape[1] // shards, hidden)), head_loss=self.head_loss)
 
     @property
     def placements(self) -> dict[str, Placement]:
@@ -106,7 +109,8 @@ class StepRunner:
                     on_micro_batch(i)
                 # Only the last micro-step's backward synchronises gradients (DDP, ZeRO-1).
                 self.engine.before_backward(0, last=i == len(batches) - 1)
-                step_loss = self.loss_fn(self.model(inputs, positions), targets)
+                step_loss = (self.model(inputs, positions, targets) if self.head_loss
+                             else self.loss_fn(self.model(inputs, positions), targets))
                 (step_loss / len(batches)).backward()
                 self.engine.after_backward(0)
                 loss += step_loss.detach()

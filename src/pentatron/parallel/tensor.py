@@ -58,6 +58,7 @@ from pentatron.distributed.functional import (
 )
 from pentatron.layout import tensor_parallel_problems, tensor_parallel_warnings
 from pentatron.models.llama_tp_plan import LLAMA_TP_PLAN
+from pentatron.models.loss import DEFAULT_CHUNK_TOKENS, linear_cross_entropy
 from pentatron.parallel.placement import TPShard
 
 TP = "tp"
@@ -105,6 +106,37 @@ class ColumnParallelLinear(nn.Linear):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out_local={self.out_features}, sp={self.sequence_parallel}, "
                 f"communicate_input={self.communicate_input}")
+
+
+@dataclass(frozen=True)
+class _TPVocab:
+    """A vocab-parallel head's vocabulary slice and the tp reductions of the chunked loss."""
+
+    vocab_start: int
+    comm: Comm
+
+    def all_reduce_max(self, t: torch.Tensor) -> None:
+        self.comm.all_reduce(t, TP, op="max")
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        self.comm.all_reduce(t, TP)
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """The LM head split over the vocabulary (`ColumnParallelLinear`, entering the region itself): the
+    logits of this rank's slice, or with targets the mean cross-entropy from the chunked vocab-parallel
+    loss (models/loss.py; `vocab_parallel_cross_entropy`'s collectives, never the full logits)."""
+
+    def __init__(self, weight: nn.Parameter, comm: Comm, *, sequence_parallel: bool, chunk_tokens: int) -> None:
+        super().__init__(weight, comm, sequence_parallel=sequence_parallel, communicate_input=True)
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(x)
+        x = _enter(x, self.comm, self.sequence_parallel)
+        shards = _TPVocab(self.comm.ctx.local_rank(TP) * self.weight.shape[0], self.comm)
+        return linear_cross_entropy(x, self.weight, targets, self.chunk_tokens, shards)
 
 
 class RowParallelLinear(nn.Linear):
@@ -283,7 +315,8 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, comm: Comm | N
             new = VocabParallelEmbedding(shard, rank * shard.shape[0], comm, sequence_parallel=sp)
         else:  # vocab_head: a tied head uses the embedding's shard, so its gradient sums both uses
             shard = new_of[full] if full in new_of else _shard_param(full, 0, rank, tp, tp, made)
-            new = ColumnParallelLinear(shard, comm, sequence_parallel=sp, communicate_input=True)
+            new = VocabParallelHead(shard, comm, sequence_parallel=sp,
+                                    chunk_tokens=getattr(module, "chunk_tokens", DEFAULT_CHUNK_TOKENS))
         new_of[full] = shard
         setattr(parent, attr, new)
     # Anything not sharded above is replicated over tp (and kept in sync).

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
+from pentatron.config import TrainConfig
 from pentatron.models.config import ModelConfig
 from pentatron.parallel.activation_memory import layer_activation_bytes
 from pentatron.plan.context import comm_buffer_bytes as cp_comm_buffer_bytes
@@ -206,13 +207,21 @@ def loss_transient_per_entry(cross_entropy: str, a: int, tp: int) -> float:
     return max(a + 4, 8)
 
 
+LOSS_CHUNK_TOKENS = TrainConfig.loss_chunk_tokens  # training's default chunk
+
+
 def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, precision: str = "bf16",
-                 tp: int = 1, sp: bool = False, cross_entropy: str = "eager") -> tuple[float, float]:
+                 tp: int = 1, sp: bool = False, cross_entropy: str = "eager",
+                 loss_chunk_tokens: int = LOSS_CHUNK_TOKENS) -> tuple[float, float]:
     """(saved, transient) bytes outside the decoder layers for one micro-batch: the token ids the
     embedding keeps (first stage); the final RMSNorm, LM-head input and the loss's fp32 log-softmax
     (softmax, for our vocab-parallel loss) plus targets (last stage), with the loss's transient peak of
     `loss_transient_per_entry`. cross_entropy="fused" (flash-attn's kernel): the low-precision logits and
-    an fp32 logsumexp per token are kept, and the logits' gradient (same dtype) is the transient."""
+    an fp32 logsumexp per token are kept, and the logits' gradient (same dtype) is the transient.
+    cross_entropy="chunked" (ours, models/loss.py, `loss_chunk_tokens` at a time): per token the fp32
+    log-sum-exp, the int64 local target and two masks are kept; the transient is one chunk's fp32 logits
+    (+ their low-precision matmul output / cast) and, in backward, the fp32 dW accumulator beside them,
+    measured by tests/plan/test_chunked_loss_memory.py."""
     h, a, v = cfg.hidden_size, act_bytes(precision), cfg.vocab_size / tp
     hs = h / tp if sp else h
     saved = transient = 0.0
@@ -223,6 +232,10 @@ def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, prec
         if cross_entropy == "fused":
             saved += tokens * (a * v + 4)
             transient += tokens * a * v
+        elif cross_entropy == "chunked":
+            low = a if a < 4 else 0  # bf16: the matmul's own output beside its fp32 copy
+            saved += tokens * (4 + 8 + 2)
+            transient += min(tokens, loss_chunk_tokens) * v * (4 + low) + v * h * 4
         else:
             saved += tokens * 4 * v
             transient += tokens * loss_transient_per_entry(cross_entropy, a, tp) * v

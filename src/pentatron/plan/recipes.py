@@ -51,7 +51,7 @@ class Recipe:
     # logits and a per-token logsumexp only), "loss_parallel" (torch's DTensor loss over the tp mesh,
     # torchtitan's at tp > 1: decomposed fp32 ops) or "nanotron" (its sharded loss on logits cast to fp32
     # first, keeping one shifted fp32 copy)
-    cross_entropy: Literal["eager", "fused", "loss_parallel", "nanotron"] = "eager"
+    cross_entropy: Literal["eager", "fused", "loss_parallel", "nanotron", "chunked"] = "eager"
     # the stage output of each in-flight micro-batch until its backward: "kept" (our engine's
     # state.output, DeepSpeed's pipe buffers) or "freed" once sent (Megatron's deallocate_pipeline_outputs)
     pp_outputs: Literal["kept", "freed"] = "kept"
@@ -119,7 +119,16 @@ class Recipe:
 
 RECIPE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Recipe) if f.name != "name")
 
-PENTATRON = Recipe()
+
+
+def training_loss(loss_chunk_tokens: int) -> str:
+    """train.loss_chunk_tokens -> the planner's loss: LM head + loss in chunks (models/loss.py), or 0: the
+    loss from full fp32 logits."""
+    return "chunked" if loss_chunk_tokens > 0 else "eager"
+
+
+# ours: the loss `pentatron train` runs by default (TrainConfig's loss_chunk_tokens)
+PENTATRON = Recipe(cross_entropy=training_loss(TrainConfig.loss_chunk_tokens))
 # Megatron-Core with Transformer Engine (fused kernels): SP linears keep the sequence shard, stage
 # outputs freed once sent. Older Megatron-LM (blocking p2p, scatter-gather) and --tp-comm-overlap are
 # overrides (`--recipe-set pp_p2p=blocking`, `tp_overlap=true`).
@@ -199,9 +208,9 @@ def training_kernels() -> str:
     return kernels_for_compile(training_default("compile"))
 
 
-# `pentatron train`'s loss is F.cross_entropy in fp32 (vocab-parallel under tp) and its attention is
-# torch SDPA (FlashAttention-2 on CUDA): neither is a config knob, so the pentatron recipe's values
-# (cross_entropy="eager") and the layout's attention default below are those; the optimizer (AdamW
+# `pentatron train`'s loss is the chunked LM head + fp32 cross-entropy (vocab-parallel under tp; PENTATRON's
+# cross_entropy above) and its attention is torch SDPA (FlashAttention-2 on CUDA, not a config knob: the
+# layout's attention default below); the optimizer (AdamW
 # over fp32 masters) is the one the time model costs (plan/timing.py OPTIMIZER_BYTES_PER_PARAM).
 TRAINING_ATTENTION = "flash2"
 

@@ -83,7 +83,7 @@ class PipelineEngine:
     def __init__(self, stages: Sequence[PipelineStage], schedule: Schedule, comm: Comm, rank: int,
                  loss_fn: LossFn, *, dim: str = "pp", act_shape: Callable[[torch.Tensor], torch.Size] | None = None,
                  act_dtype: torch.dtype | None = None, listener: BackwardListener | None = None,
-                 plan: Sequence[Sequence[P2PBatch]] | None = None) -> None:
+                 plan: Sequence[Sequence[P2PBatch]] | None = None, head_loss: bool = False) -> None:
         validate(schedule)  # the schedule, and its own p2p plan under NCCL's rules
         plan = p2p_plan(schedule) if plan is None else plan
         if len(stages) != schedule.v:
@@ -98,6 +98,9 @@ class PipelineEngine:
         self.act_shape = act_shape or (lambda x: torch.Size((*x.shape[:2], hidden)))
         self.act_dtype = act_dtype or next(stages[0].parameters()).dtype
         self.listener = listener
+        # The last stage's head computes the loss from the targets (chunked, models/loss.py) instead of
+        # handing full logits to `loss_fn`.
+        self.head_loss = head_loss
         # Per chunk, the index of its last action producing weight gradients (BW, or W when split).
         self._last_weight_action: dict[int, int] = {}
         for i, a in enumerate(schedule.actions[rank]):
@@ -178,10 +181,11 @@ class PipelineEngine:
         else:
             x = self._receive(("act", st, a.microbatch)).requires_grad_()
         t0 = self._timer.mark()
-        out = stage(x, self._positions)
+        targets = self._mbs[a.microbatch][1].to(self._device) if stage.is_last else None
+        out = stage(x, self._positions, targets) if stage.is_last and self.head_loss else stage(x, self._positions)
         sent = None
         if stage.is_last:
-            loss = self.loss_fn(out, self._mbs[a.microbatch][1].to(self._device))
+            loss = out if self.head_loss else self.loss_fn(out, targets)
             self._losses.append(loss.detach())
             out = loss / self.schedule.m  # the same scaling as gradient accumulation without a pipeline
         else:

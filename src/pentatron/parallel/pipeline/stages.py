@@ -146,10 +146,12 @@ class PipelineStage(nn.Module):
     def layer_ids(self) -> list[int]:
         return [int(k) for k in self.layers]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """`positions`: of the whole sequence (a received hidden state may be a sequence-parallel slice)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions`: of the whole sequence (a received hidden state may be a sequence-parallel slice);
+        `targets` (last stage): return the head's chunked loss instead of the logits."""
         return decoder_forward(x, positions, self.rotary, self.layers.values(), getattr(self, "embed", None),
-                               getattr(self, "norm", None), getattr(self, "lm_head", None))
+                               getattr(self, "norm", None), getattr(self, "lm_head", None), targets)
 
 
 def build_stages(model: Llama, pp: int, pp_rank: int, ranges: Sequence[range]) -> list[PipelineStage]:

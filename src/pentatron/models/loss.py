@@ -1,0 +1,127 @@
+"""The LM head and cross-entropy as one operation over chunks of tokens: the full logits never exist.
+
+`linear_cross_entropy(hidden, weight, targets, chunk_tokens)` is `F.cross_entropy(F.linear(hidden,
+weight).float(), targets, reduction="none")` computed `chunk_tokens` rows at a time. Forward keeps per
+token only the log-sum-exp (and the target's logit); backward recomputes each chunk's logits, turns them
+into the softmax in place, subtracts the target and feeds that chunk's gradient into dX and dW. So the
+loss holds at most one chunk's fp32 logits (plus its cast to the weight's dtype under bf16) instead of
+the whole [tokens, vocab] tensor and its softmax — at vocab 128k and 8k tokens, 4 GiB per copy. The
+price is one more head matmul (forward recomputed in backward).
+
+Vocabulary sharding (tensor parallelism) is not known here: a `VocabShards` object (the tp layer's)
+says which slice of the vocabulary `weight` holds and all-reduces the per-token statistics: one max
+and one sum of two numbers per token, after all chunks (the same collectives as a full-logits
+vocab-parallel loss).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch.autograd import Function
+
+
+class VocabShards(Protocol):
+    """The vocabulary slice a rank's head holds, and reductions over the ranks holding the others."""
+
+    vocab_start: int
+
+    def all_reduce_max(self, t: torch.Tensor) -> None: ...
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None: ...
+
+
+DEFAULT_CHUNK_TOKENS = 1024  # train.loss_chunk_tokens' default: at vocab 128k one chunk's fp32 logits are 0.5 GiB
+
+
+def _chunks(n: int, size: int) -> range:
+    return range(0, n, max(size, 1))
+
+
+def _will_run(node: Any) -> bool:
+    """Whether the running backward reaches `node`. A zero-bubble split backward asks for dX only (B) and
+    then for dW only (W): each half then skips the other's matmuls."""
+    if node is None:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # a leaf asked for by autograd.grad(inputs=…) is captured, not executed: needed
+        return True
+
+
+class _LinearCrossEntropy(Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                shards: VocabShards | None, ignore_index: int) -> torch.Tensor:
+        # x: [N, h]; weight: [V_local, h]; targets: [N] global ids. Returns the loss per token, [N].
+        n, v_local = x.shape[0], weight.shape[0]
+        local_t = targets - (shards.vocab_start if shards is not None else 0)
+        mine = (local_t >= 0) & (local_t < v_local)
+        local_t = local_t.masked_fill(~mine, 0)
+        row_max = torch.empty(n, dtype=torch.float32, device=x.device)
+        sum_exp = torch.empty_like(row_max)
+        target_logit = torch.empty_like(row_max)
+        for lo in _chunks(n, chunk):
+            hi = min(lo + chunk, n)
+            logits = F.linear(x[lo:hi], weight).float()
+            m = logits.amax(dim=-1)
+            row_max[lo:hi] = m
+            target_logit[lo:hi] = logits.gather(-1, local_t[lo:hi].unsqueeze(-1)).squeeze(-1)
+            sum_exp[lo:hi] = logits.sub_(m.unsqueeze(-1)).exp_().sum(dim=-1)
+            del logits
+        target_logit.masked_fill_(~mine, 0.0)
+        if shards is not None:
+            # Σ_ranks e^{m_r}·s_r over the global max M: any shift is exact, M avoids overflow.
+            global_max = row_max.clone()
+            shards.all_reduce_max(global_max)
+            both = torch.stack([sum_exp * (row_max - global_max).exp(), target_logit])
+            shards.all_reduce_sum(both)
+            sum_exp, target_logit, row_max = both[0], both[1], global_max
+        lse = sum_exp.log() + row_max
+        valid = targets != ignore_index
+        ctx.save_for_backward(x, weight, local_t, mine & valid, valid, lse)
+        ctx.chunk = chunk
+        return (lse - target_logit).masked_fill(~valid, 0.0)
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, local_t, hit, valid, lse = ctx.saved_tensors
+        chunk, n = ctx.chunk, x.shape[0]
+        (x_node, _), (w_node, _) = ctx.next_functions[0], ctx.next_functions[1]
+        need_x = ctx.needs_input_grad[0] and _will_run(x_node)
+        need_w = ctx.needs_input_grad[1] and _will_run(w_node)
+        scale = grad_loss.float() * valid.to(torch.float32)
+        grad_x = torch.empty_like(x) if need_x else None
+        # dW accumulates over chunks in fp32 (a bf16 running sum would round at every chunk).
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for lo in _chunks(n, chunk):
+            hi = min(lo + chunk, n)
+            # d loss_i / d logit_ij = (softmax_ij − [j is the target]) · grad_i, built in place.
+            g = F.linear(x[lo:hi], weight).float()
+            g.sub_(lse[lo:hi].unsqueeze(-1)).exp_()
+            rows = torch.arange(hi - lo, device=g.device)
+            g[rows, local_t[lo:hi]] -= hit[lo:hi].to(g.dtype)
+            g.mul_(scale[lo:hi].unsqueeze(-1))
+            g = g.to(x.dtype)
+            if grad_x is not None:
+                torch.mm(g, weight, out=grad_x[lo:hi])
+            if grad_w is not None:
+                if g.dtype == torch.float32:
+                    grad_w.addmm_(g.t(), x[lo:hi])
+                else:
+                    grad_w.add_(g.t() @ x[lo:hi])
+            del g
+        return (grad_x, grad_w.to(weight.dtype) if grad_w is not None else None, None, None, None, None)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                         shards: VocabShards | None = None, ignore_index: int = -100) -> torch.Tensor:
+    """The mean cross-entropy of `F.linear(hidden, weight)` (fp32 logits) against `targets`, over the
+    tokens whose target is not `ignore_index`, computed `chunk_tokens` tokens at a time (see the module
+    docstring). hidden: [..., h]; targets: [...]; weight: [V, h], or this rank's vocabulary slice with
+    `shards`."""
+    loss = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
+                                     chunk_tokens, shards, ignore_index)
+    return loss.sum() / (targets != ignore_index).sum().clamp(min=1)
