@@ -15,6 +15,7 @@ from pentatron.plan.context import cp_degrees, cp_mode_options, ring_exposure
 from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload, problems
 from pentatron.plan.memory import llama_layer_activation_bytes, memory_for_rank
+from pentatron.plan.recipes import Recipe
 from pentatron.plan.search import search
 from pentatron.plan.timing import KERNEL_OVERHEAD, attention_times, layer_phase
 
@@ -133,12 +134,17 @@ def test_activations_fall_as_one_over_cp():
 
 
 def test_cp_recommended_only_where_it_helps():
-    """Among the layouts that fit, short sequences are best without CP; at 128k tokens on 8 GPUs only tp8
-    with full recompute fits without it, and the best layout uses CP (at 256k nothing fits on 80 GB:
-    the loss alone needs 12 bytes per token and vocabulary entry)."""
+    """Among the layouts that fit, short sequences are best without CP; at long sequences on 8 GPUs the
+    best layout uses CP. With the full-logits loss (12 bytes per token and vocabulary entry) that is 128k
+    tokens, where only tp8 with full recompute fits without it; training's chunked loss holds one chunk's
+    logits, so 128k fits without CP and the turn comes at 256k (tp4+ with full recompute fit without it)."""
     cfg = get_model_config("llama3-8b")
     short = [s for s in search(Workload(cfg, 2048, 64), H100, 8, top=1).pool if s.fits]
     assert max(short, key=lambda s: s.est_tokens_per_s).layout.cp == 1
-    long = [s for s in search(Workload(cfg, 131072, 8), H100, 8, top=1).pool if s.fits]
+    full_logits = {"recipe": Recipe(cross_entropy="eager")}
+    long = [s for s in search(Workload(cfg, 131072, 8), H100, 8, top=1, fixed=full_logits).pool if s.fits]
     assert long and max(long, key=lambda s: s.est_tokens_per_s).layout.cp > 1
     assert [s.layout.short() for s in long if s.layout.cp == 1] in ([], ["dp1 tp8+sp pp1 cp1 z0 mb1 rc:full"])
+    longer = [s for s in search(Workload(cfg, 262144, 4), H100, 8, top=1).pool if s.fits]
+    assert longer and max(longer, key=lambda s: s.est_tokens_per_s).layout.cp > 1
+    assert all(s.layout.tp >= 4 and s.layout.recompute == "full" for s in longer if s.layout.cp == 1)

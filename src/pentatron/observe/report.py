@@ -108,7 +108,7 @@ def planner_layout(c: Any, world_size: int, device: str) -> tuple[Any, Any]:
                  pp_schedule=par.pp_schedule, pp_virtual=par.pp_virtual if par.pp_schedule == "interleaved" else 1,
                  micro_batch=tr.micro_batch, recompute=tr.recompute, precision=precision,
                  pp_layers=None if par.pp_layers is None else tuple(par.pp_layers),
-                 recipe=dataclasses.replace(PENTATRON, cross_entropy=training_loss(tr.loss_chunk_tokens)))  # (at the default chunk)
+                 recipe=dataclasses.replace(PENTATRON, cross_entropy=training_loss(tr.loss_chunk_tokens)))
     return lay, Workload(c.model_config(), tr.seq_len, tr.global_batch)
 
 
