@@ -267,7 +267,7 @@ def test_torch_interleaved_warmup_keeps_one_loss_on_the_last_rank():
     counted = lay.with_recipe(pp_all_warmup=False)
     mega, torch_ = memory_for_rank(w, lay, H100, 3), memory_for_rank(w, counted, H100, 3)
     assert (mega.in_flight, torch_.in_flight) == (8, 5)
-    saved, _ = stage_extras(CFG, 2048, first=False, last=True)
+    saved, _ = stage_extras(CFG, 2048, first=False, last=True, cross_entropy=lay.recipe.cross_entropy)
     assert mega.logits_loss - torch_.logits_loss == 3 * saved
     assert memory_for_rank(w, counted, H100, 0).in_flight == 8  # rank 0: min(4 + 6 + 1, 8)
     assert any("pp_all_warmup" in x for x in trainable_problems(w, counted, 4))

@@ -163,8 +163,9 @@ def test_data_parallel_buckets_cost_memory_only_where_they_are_transient():
     buckets are its units."""
     from pentatron.plan.memory import DP_BUCKET, memory_for_rank, rank_params
     w = Workload(get_model_config("debug"), 64, 8)
-    comm = {z: memory_for_rank(w, Layout(dp=2, zero=z, micro_batch=4, precision="fp32"), H100, 0).comm_buffers
-            for z in (0, 1, 2)}
+    full_logits = Recipe(cross_entropy="eager")  # the loss's transient peak below: full fp32 logits
+    comm = {z: memory_for_rank(w, Layout(dp=2, zero=z, micro_batch=4, precision="fp32", recipe=full_logits), H100,
+                               0).comm_buffers for z in (0, 1, 2)}
     rp = rank_params(w, Layout(dp=2, micro_batch=4, precision="fp32"), 0)
     grads = 4 * (rp.dense + rp.expert)
     loss_peak = 4 * 64 * 4096 * 8  # 256 tokens x 4096 vocabulary x 8 bytes (fp32: the two gradients)
