@@ -413,8 +413,8 @@ def layers_per_chunk(cfg: ModelConfig, seq_len: int, pp: int, v: int = 1) -> tup
     if v > 1 or cfg.n_layers < chunks:
         base, extra = divmod(cfg.n_layers, chunks)  # interleaved: equal chunks, the remainder spread
         return tuple(base + (1 if i < extra else 0) for i in range(chunks))
-    # the engine's own partition (its module imports torch: only paid for pp > 1)
-    from pentatron.parallel.pipeline.stages import StageCosts, partition
+    # the engine's own partition (torch-free, as the planner must start fast)
+    from pentatron.parallel.pipeline.partition import StageCosts, partition
 
     return tuple(len(r) for r in partition(cfg.n_layers, chunks, costs=StageCosts.of(cfg, seq_len)))
 
