@@ -45,6 +45,7 @@ from pentatron.plan.fp8_rowwise import LN_SIGMOID_BYTES_PER_ELEMENT, rowwise_sec
 from pentatron.plan.hardware import GPUSpec, interp_log
 from pentatron.plan.kernel_tables import attention_rate
 from pentatron.plan.layout import Layout, Workload, chunk_layers, compute_dtype, kv_heads_per_tp_rank
+from pentatron.plan.memo import Same, Without
 from pentatron.plan.memory import DP_BUCKET, STATE_PRECISIONS, act_bytes, rank_layers, rank_params
 from pentatron.schedules import make_schedule, simulate
 
@@ -366,7 +367,19 @@ def embed_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") 
 
 
 def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -> list[Phase]:
-    """Per global pipeline stage (chunk), the F/B/W seconds of one micro-batch."""
+    """Per global pipeline stage (chunk), the F/B/W seconds of one micro-batch. They depend neither on
+    the ZeRO stage nor on the schedule (beyond its chunks): memoised on the layout without them, so the
+    search's ZeRO and 1F1B/ZB variants of a layout share them."""
+    return list(_stage_phases(w, Without(lay, _NOT_IN_PHASES), Same(gpu), kernels))
+
+
+_NOT_IN_PHASES = frozenset({"zero", "pp_schedule"})
+
+
+@lru_cache(maxsize=4096)
+def _stage_phases(w: Workload, key: Without, same_gpu: Same, kernels: str) -> tuple[Phase, ...]:
+    lay: Layout = key.obj
+    gpu: GPUSpec = same_gpu.obj
     cfg = w.cfg
     chunks = lay.pp * lay.pp_virtual
     per_chunk = chunk_layers(w, lay)
@@ -396,7 +409,7 @@ def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused")
         hop = pp_hop_time(w, lay, gpu)
         out = [Phase(ph.f + (hop if s < chunks - 1 else 0.0), ph.b + (hop if s > 0 else 0.0), ph.w)
                for s, ph in enumerate(out)]
-    return out
+    return tuple(out)
 
 
 # ---------------------------------------------------------------- pipeline
