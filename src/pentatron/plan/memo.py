@@ -3,6 +3,8 @@ most of their terms)."""
 
 from __future__ import annotations
 
+from dataclasses import fields
+from functools import lru_cache
 from typing import Any
 
 
@@ -32,10 +34,27 @@ class Without:
 
     def __init__(self, obj: Any, drop: frozenset[str]) -> None:
         self.obj = obj
-        self.key = (type(obj), *(v for k, v in vars(obj).items() if k not in drop))
+        values = vars(obj)
+        if tuple(values) == _field_names(type(obj)):  # a dataclass's __dict__: its fields, in order
+            key = list(values.values())
+            for i in _positions(type(obj), drop):
+                key[i] = None
+            self.key: tuple = (type(obj), *key)
+        else:
+            self.key = (type(obj), *(v for k, v in values.items() if k not in drop))
 
     def __hash__(self) -> int:
         return hash(self.key)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Without) and self.key == other.key
+
+
+@lru_cache(maxsize=64)
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+@lru_cache(maxsize=64)
+def _positions(cls: type, drop: frozenset[str]) -> tuple[int, ...]:
+    return tuple(i for i, name in enumerate(_field_names(cls)) if name in drop)
