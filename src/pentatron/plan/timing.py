@@ -479,6 +479,16 @@ class StepTime:
     scalars: float = 0.0  # the step's one-number collectives (loss, gradient norm, pipeline statistics)
 
 
+def step_time_floor(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused") -> float:
+    """The closed-form pipeline time alone: `step_time(..., exact=False).step` is this plus terms that are
+    all >= 0 (exposed DP traffic, optimizer, SM contention, tied gradients, step scalars), so never less.
+    The search skips the full estimate of a layout whose floor already ranks it out."""
+    gpu = gpu.sharing(lay.world)
+    phases = stage_phases(w, lay, gpu, kernels)
+    return closed_form_makespan(lay.pp_schedule, lay.pp, lay.microbatches(w), lay.pp_virtual, phases,
+                                pp_hop_time(w, lay, gpu))
+
+
 def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", exact: bool = True) -> StepTime:
     gpu = gpu.sharing(lay.world)  # CPU profiles: ranks on one node share its cores (no-op on GPUs)
     m = lay.microbatches(w)
