@@ -6,6 +6,10 @@ Pruning rules (each keeps the optimum of the model): recompute is the lightest m
 recompute only adds time); sequence parallelism is on whenever tp > 1 (same bytes as TP's all-reduce,
 1/tp of the hidden-sized activations); AFAB is only evaluated when asked for (1F1B has its bubble with
 less memory).
+
+Speed without changing the answer: every candidate's memory is computed, but its closed-form step time
+only where it can change the ranking or the reasons (`best_first`, `best_estimate`): each fitting
+layout carries an exact ceiling on its rate from `timing.step_time_floor`.
 """
 
 from __future__ import annotations
