@@ -1,5 +1,6 @@
 """The search's shortcuts change nothing: memoised terms shared between layouts (stage phases across
-ZeRO and 1F1B/ZB, activation terms across ZeRO) and estimates skipped below an exact ceiling give the
+ZeRO and 1F1B/ZB, activation terms across ZeRO), memory breakdowns skipped above an exact floor and
+estimates skipped below an exact ceiling give the
 pool, the ranking and the reasons an exhaustive, uncached evaluation gives (exactly: floats compared ==)."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from pentatron.models.registry import get_model_config
 from pentatron.plan import memory, timing
 from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload, problems, trainable_problems
-from pentatron.plan.memory import memory_per_gpu
+from pentatron.plan.memory import memory_floor, memory_per_gpu
 from pentatron.plan.search import Scored, best_estimate, best_first, cp_handicapped, enumerate_layouts, predict, search
 from pentatron.plan.timing import step_time, step_time_floor
 
@@ -46,12 +47,13 @@ def test_search_equals_an_exhaustive_uncached_evaluation():
     assert res.reasons and res.reasons == search(w, H100, gpus, top=top).reasons
 
 
-def test_step_time_floor_is_below_every_estimate():
+def test_floors_are_below_every_estimate_and_breakdown():
     w = Workload(get_model_config("debug"), 256, 64)
     lays = list(enumerate_layouts(w, H100, 8, {}))
     assert len({(lay.zero, lay.pp_schedule) for lay in lays}) > 4
     for lay in lays:
         assert step_time_floor(w, lay, H100) <= step_time(w, lay, H100, exact=False).step
+        assert memory_floor(w, lay, H100, "fused") <= memory_per_gpu(w, lay, H100, "fused").total
         assert timing.stage_phases(w, lay, H100) == list(timing._stage_phases.__wrapped__(
             w, timing.Without(lay, frozenset()), timing.Same(H100), "fused"))
 

@@ -557,6 +557,19 @@ def _activation_terms(w: Workload, key: Without, rank: int, kernels: str, norm: 
     return _ActivationTerms(acts, logits_loss, layer_act.working, comm, cp_buffers, extra_transient, in_flight)
 
 
+def memory_floor(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "eager", norm: str | None = None) -> float:
+    """A bound `memory_per_gpu(...).total` never goes below: pipeline rank 0's model states and activations
+    with the fragmentation margin on them, and the runtime's reserve (every other term is >= 0). The search
+    decides "does not fit" by it for most layouts, without their full breakdown."""
+    prec = state_precision(lay)
+    dense, expert = _states(rank_params(w, lay, 0), prec, lay.zero, lay.dp * lay.cp, lay.ep)
+    states = dense.total + expert.total
+    if lay.zero == 3 and lay.param_shard == "fp32" and prec.master:  # FSDP2: the master is the parameter
+        states -= dense.parameters + expert.parameters
+    acts = _activation_terms(w, Without(lay, _NOT_IN_ACTIVATIONS), 0, kernels, norm).activations
+    return RUNTIME_RESERVED + (states + acts) * (1 + FRAGMENTATION)
+
+
 def memory_per_gpu(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "eager",
                    norm: str | None = None) -> MemoryBreakdown:
     """The breakdown of the pipeline rank that needs the most memory: the first (embedding, most

@@ -7,9 +7,10 @@ recompute only adds time); sequence parallelism is on whenever tp > 1 (same byte
 1/tp of the hidden-sized activations); AFAB is only evaluated when asked for (1F1B has its bubble with
 less memory).
 
-Speed without changing the answer: every candidate's memory is computed, but its closed-form step time
-only where it can change the ranking or the reasons (`best_first`, `best_estimate`): each fitting
-layout carries an exact ceiling on its rate from `timing.step_time_floor`.
+Speed without changing the answer: a candidate whose `memory.memory_floor` exceeds the device does not
+fit, its full breakdown computed only if read; a fitting one's closed-form step time is computed only where
+it can change the ranking or the reasons (`best_first`, `best_estimate`), below an exact ceiling on its
+rate from `timing.step_time_floor`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 from pentatron.plan.context import cp_mode_options
 from pentatron.plan.hardware import GiB, GPUSpec
 from pentatron.plan.layout import Layout, Workload, problems, quick_problems, trainable_problems, warnings
-from pentatron.plan.memory import FRAGMENTATION, MemoryBreakdown, memory_per_gpu
+from pentatron.plan.memory import FRAGMENTATION, MemoryBreakdown, memory_floor, memory_per_gpu
 from pentatron.plan.timing import StepTime, Throughput, step_time, step_time_floor, throughput
 
 KNOBS = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "pp_virtual", "micro_batch", "recompute")
@@ -49,15 +50,25 @@ class Scored:
     the search reads it only where it can change the outcome, bounded above by `ceiling` (the rate at
     `timing.step_time_floor`), so most layouts never pay for the full step-time model."""
 
-    __slots__ = ("layout", "memory_total", "fits", "ceiling", "_est", "_compute")
+    __slots__ = ("layout", "fits", "ceiling", "_est", "_compute", "_memory", "_compute_memory")
 
-    def __init__(self, layout: Layout, memory_total: float, fits: bool, est_tokens_per_s: float | None = None,
-                 *, ceiling: float | None = None, compute: Callable[[], float] | None = None) -> None:
-        if est_tokens_per_s is None and compute is None:
-            raise ValueError("Scored needs est_tokens_per_s or a way to compute it")
-        self.layout, self.memory_total, self.fits = layout, memory_total, fits
+    def __init__(self, layout: Layout, memory_total: float | None, fits: bool, est_tokens_per_s: float | None = None,
+                 *, ceiling: float | None = None, compute: Callable[[], float] | None = None,
+                 compute_memory: Callable[[], float] | None = None) -> None:
+        if (est_tokens_per_s is None and compute is None) or (memory_total is None and compute_memory is None):
+            raise ValueError("Scored needs est_tokens_per_s and memory_total, or ways to compute them")
+        self.layout, self.fits = layout, fits
         self._est, self._compute = est_tokens_per_s, compute
+        self._memory, self._compute_memory = memory_total, compute_memory
         self.ceiling = est_tokens_per_s if ceiling is None else ceiling
+
+    @property
+    def memory_total(self) -> float:
+        """`memory_per_gpu(...).total`; for a layout the search ruled out by `memory_floor`, computed when read."""
+        if self._memory is None:
+            assert self._compute_memory is not None
+            self._memory, self._compute_memory = self._compute_memory(), None
+        return self._memory
 
     @property
     def est_tokens_per_s(self) -> float:
@@ -67,7 +78,7 @@ class Scored:
         return self._est
 
     def __repr__(self) -> str:
-        return (f"Scored({self.layout.short()}, memory_total={self.memory_total:.4g}, fits={self.fits}, "
+        return (f"Scored({self.layout.short()}, memory_total={self._memory}, fits={self.fits}, "
                 f"est_tokens_per_s={self._est if self._est is not None else '...'})")
 
 
@@ -249,6 +260,9 @@ def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None
         if key in stop_rc and fixed.get("recompute") is None:
             continue
         n_valid += 1
+        if memory_floor(w, lay, gpu, kernels) > budget * (1 + 1e-9):  # cannot fit (margin: rounding)
+            pool.append(Scored(lay, None, False, 0.0, compute_memory=_memory_total(w, lay, gpu, kernels)))
+            continue
         mem = memory_per_gpu(w, lay, gpu, kernels)
         fits = mem.total <= budget
         if fits:
@@ -284,6 +298,10 @@ def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None
         res.reasons = reasons_for(ranked[0].layout, pool, gpu, fixed, w=w, gpus=gpus, kernels=kernels)
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def _memory_total(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str) -> Callable[[], float]:
+    return lambda: memory_per_gpu(w, lay, gpu, kernels).total
 
 
 def _estimate(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str) -> Callable[[], float]:
