@@ -201,8 +201,13 @@ def quick_problems(w: Workload, lay: Layout, gpu: GPUSpec, gpus: int | None = No
     batch arithmetic, and the tensor-parallel split, without building the pipeline schedule. The search
     runs the full `problems` (and `trainable_problems`) on the candidates it ranks."""
     pl = parallel_layout(w, lay)
-    return (_knob_problems(w, lay, gpu) + pl.problems(None, gpus)
-            + tensor_parallel_problems(w.cfg, lay.tp, lay.sp, w.seq_len))
+    return (_knob_problems(w, lay, gpu) + list(_training_rules(pl, None, gpus))  # shared by recompute variants
+            + list(_tp_problems(w.cfg, lay.tp, lay.sp, w.seq_len)))
+
+
+@lru_cache(maxsize=1024)
+def _tp_problems(cfg: ModelConfig, tp: int, sp: bool, seq_len: int) -> tuple[str, ...]:
+    return tuple(tensor_parallel_problems(cfg, tp, sp, seq_len))
 
 
 def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
