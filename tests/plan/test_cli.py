@@ -198,13 +198,17 @@ def test_batch_evaluates_every_layout_in_one_process(capsys, tmp_path):
 
 
 def test_plan_through_the_top_level_cli_imports_no_torch():
-    """Issue 10: evaluating one (pp=1) layout costs no more than importing the package."""
+    """Issues 10 and 39: evaluating one layout costs no more than importing the package, also with pp > 1
+    (the engine's balanced split comes from the torch-free parallel/pipeline/partition.py)."""
     import subprocess
     import sys
 
     code = ("import sys; from pentatron.cli import main; "
             "rc = main(['plan', '--model', 'llama3-8b', '--gpus', '8', '--seq', '4096', '--global-batch', '64', "
             "'--dp', '8', '--tp', '1', '--pp', '1', '--cp', '1', '--zero', '3', '--micro-batch', '1', "
-            "'--recompute', 'none']); print('torch' in sys.modules, rc)")
+            "'--recompute', 'none']); "
+            "rc2 = main(['plan', '--model', 'llama3-8b', '--gpus', '8', '--seq', '4096', '--global-batch', '64', "
+            "'--dp', '2', '--tp', '2', '--sp', '--pp', '2', '--pp-schedule', '1f1b', '--cp', '1', '--zero', '1', "
+            "'--micro-batch', '1', '--recompute', 'none']); print('torch' in sys.modules, rc, rc2)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.splitlines()[-1] == "False 0"
+    assert out.splitlines()[-1] == "False 0 0"

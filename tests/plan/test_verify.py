@@ -42,3 +42,18 @@ def test_disagreement_is_detected(monkeypatch):
     monkeypatch.setattr(v, "llama_layer_activation_bytes", off_by_five_percent)
     checks = v.verify_model(get_model_config("debug"), 128)
     assert not checks[-1].ok and all(c.ok for c in checks[:-1])
+
+
+def test_verify_traces_the_given_layout():
+    """Issue 39: --verify traces the rank of the layout it is given (tp +- SP through the real tensor-parallel
+    block, the last stage for pp > 1), not tp = 1: the bytes differ from tp 1's and agree with the formula."""
+    cfg = get_model_config("debug")
+    saved = {}
+    for kw in ({}, {"tp": 2}, {"tp": 2, "sp": True}, {"pp": 2}):
+        checks = verify_model(cfg, 128, **kw)
+        for c in checks:
+            assert c.traced > 0 and c.ok, (kw, c)
+        assert (len(checks) == 5) == bool(kw)  # + the traced rank's parameters
+        saved[tuple(kw.items())] = checks[-1].traced
+    assert len(set(saved.values())) == 4, saved
+    assert max(saved.values()) == saved[()]

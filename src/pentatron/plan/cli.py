@@ -321,9 +321,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.verify:
         from pentatron.plan.verify import format_checks, verify_model
 
-        mb = fixed.get("micro_batch", 1)
+        mb, tp = fixed.get("micro_batch", 1), fixed.get("tp", 1)
         checks = verify_model(cfg, w.seq_len, micro_batch=mb, recompute=fixed.get("recompute", "none"),
-                              precision=args.precision)
+                              precision=args.precision, tp=tp, sp=fixed.get("sp", tp > 1), pp=fixed.get("pp", 1))
         verify_rows = [c.as_dict() for c in checks]
         if not args.json:
             print(format_checks(cfg.name, w.seq_len, mb, checks))

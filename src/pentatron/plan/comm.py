@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
+from functools import lru_cache
 
 from pentatron.plan.context import (
     CpLayerCost,
@@ -38,19 +39,25 @@ __all__ = ["Collective", "Group", "LayerComm", "Traffic", "collective_time", "dp
 
 def group_of(lay: Layout, dim: str, gpu: GPUSpec) -> Group:
     """Placement of one group of `dim` in the (pp, dp, cp, tp) rank order (tp innermost)."""
-    u, r = cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)
+    return _group(dim, lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.cp_mode, lay.cp_ulysses, gpu.gpus_per_node)
+
+
+@lru_cache(maxsize=4096)  # the search asks for the same few groups ~10^5 times
+def _group(dim: str, dp: int, tp: int, pp: int, cp: int, ep: int, cp_mode: str, cp_ulysses: int,
+           gpus_per_node: int) -> Group:
+    u, r = cp_degrees(cp, cp_mode, cp_ulysses)
     size, stride = {
-        "tp": (lay.tp, 1),
-        "cp": (lay.cp, lay.tp),
-        "cp_ulysses": (u, lay.tp),  # hybrid: Ulysses over consecutive cp ranks (inside a node) ...
-        "cp_ring": (r, lay.tp * u),  # ... and the ring over those groups
-        "dp": (lay.dp, lay.tp * lay.cp),
-        "dp_cp": (lay.dp * lay.cp, lay.tp),  # dense gradients reduce over dp x cp
-        "ep": (lay.ep, lay.tp),  # experts borrow consecutive ranks of dp x cp
-        "edp": (max(1, lay.dp * lay.cp // lay.ep), lay.tp * lay.ep),  # expert gradients
-        "pp": (lay.pp, lay.dp * lay.cp * lay.tp),
+        "tp": (tp, 1),
+        "cp": (cp, tp),
+        "cp_ulysses": (u, tp),  # hybrid: Ulysses over consecutive cp ranks (inside a node) ...
+        "cp_ring": (r, tp * u),  # ... and the ring over those groups
+        "dp": (dp, tp * cp),
+        "dp_cp": (dp * cp, tp),  # dense gradients reduce over dp x cp
+        "ep": (ep, tp),  # experts borrow consecutive ranks of dp x cp
+        "edp": (max(1, dp * cp // ep), tp * ep),  # expert gradients
+        "pp": (pp, dp * cp * tp),
     }[dim]
-    per_node, nodes = nodes_spanned(size, stride, gpu.gpus_per_node)
+    per_node, nodes = nodes_spanned(size, stride, gpus_per_node)
     return Group(dim, size, per_node, nodes)
 
 

@@ -168,8 +168,13 @@ def quick_problems(w: Workload, lay: Layout, gpu: GPUSpec, gpus: int | None = No
     batch arithmetic, and the tensor-parallel split, without building the pipeline schedule. The search
     runs the full `problems` (and `trainable_problems`) on the candidates it ranks."""
     pl = parallel_layout(w, lay)
-    return (_knob_problems(w, lay, gpu) + pl.problems(None, gpus)
-            + tensor_parallel_problems(w.cfg, lay.tp, lay.sp, w.seq_len))
+    return (_knob_problems(w, lay, gpu) + list(_training_rules(pl, None, gpus))  # shared by recompute variants
+            + list(_tp_problems(w.cfg, lay.tp, lay.sp, w.seq_len)))
+
+
+@lru_cache(maxsize=1024)
+def _tp_problems(cfg: ModelConfig, tp: int, sp: bool, seq_len: int) -> tuple[str, ...]:
+    return tuple(tensor_parallel_problems(cfg, tp, sp, seq_len))
 
 
 def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
@@ -327,8 +332,8 @@ def layers_per_chunk(cfg: ModelConfig, seq_len: int, pp: int, v: int = 1) -> tup
     if v > 1 or cfg.n_layers < chunks:
         base, extra = divmod(cfg.n_layers, chunks)  # interleaved: equal chunks, the remainder spread
         return tuple(base + (1 if i < extra else 0) for i in range(chunks))
-    # the engine's own partition (its module imports torch: only paid for pp > 1)
-    from pentatron.parallel.pipeline.stages import StageCosts, partition
+    # the engine's own partition (torch-free, as the planner must start fast)
+    from pentatron.parallel.pipeline.partition import StageCosts, partition
 
     return tuple(len(r) for r in partition(cfg.n_layers, chunks, costs=StageCosts.of(cfg, seq_len)))
 

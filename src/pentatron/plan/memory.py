@@ -20,6 +20,7 @@ from pentatron.plan.context import cp_degrees, ulysses_kv_replication_bytes
 from pentatron.plan.flops import MoESpec, block_matmuls, layer_params, moe_of, sac_op_replayed_matmuls
 from pentatron.plan.hardware import GiB, GPUSpec
 from pentatron.plan.layout import Layout, Workload, chunk_layers, kv_heads_per_tp_rank
+from pentatron.plan.memo import Without
 from pentatron.schedules import (
     ScheduleError,
     last_stage_awaiting_backward_closed,
@@ -64,10 +65,15 @@ PLAYBOOK_20 = StatePrecision("playbook-bf16-fp32grads", 2, 6, 4, 8)
 
 def state_precision(lay: Layout) -> StatePrecision:
     """Bytes per parameter held by this layout's training recipe (2-byte gradients when asked)."""
-    prec = STATE_PRECISIONS[lay.precision]
-    if lay.recipe.grad_precision == "bf16+fp32":  # a bf16 copy (DeepSpeed's .grad, DDP's bucket) beside the fp32 sum
+    return _state_precision(lay.precision, lay.recipe.grad_precision, lay.grad_bytes)
+
+
+@lru_cache(maxsize=64)
+def _state_precision(precision: str, grad_precision: str, grad_bytes: int) -> StatePrecision:
+    prec = STATE_PRECISIONS[precision]
+    if grad_precision == "bf16+fp32":  # a bf16 copy (DeepSpeed's .grad, torch DDP's bucket) beside the fp32 sum
         return replace(prec, grad=prec.grad + 2)
-    return replace(prec, grad=lay.grad_bytes)
+    return replace(prec, grad=grad_bytes)
 
 
 @dataclass(frozen=True)
@@ -449,13 +455,69 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     cfg, moe = w.cfg, w.moe_spec
     prec = state_precision(lay)
     a = act_bytes(lay.precision)
-    seq_local = w.seq_len // lay.cp
-    tokens = lay.micro_batch * seq_local
+    tokens = lay.micro_batch * (w.seq_len // lay.cp)
     rp = rank_params(w, lay, rank)
     dpcp = lay.dp * lay.cp
     dense, expert = _states(rp, prec, lay.zero, dpcp, lay.ep)
     if lay.zero == 3 and lay.recipe.param_shard == "fp32" and prec.master:  # FSDP2: the master is the parameter
         dense, expert = replace(dense, parameters=0.0), replace(expert, parameters=0.0)
+    act = _activation_terms(w, Without(lay, _NOT_IN_ACTIVATIONS), rank, kernels, norm)
+    extra_transient = act.extra_transient
+    comm = act.comm
+    buckets = 0.0
+    if dpcp > 1 and lay.zero == 2:  # transient gradient buckets, two in flight, none bigger than the gradients
+        buckets = 2 * min(DP_BUCKET, (rp.dense + rp.expert) * prec.grad)
+    elif dpcp > 1 and lay.zero == 3:  # two in flight, none bigger than the unit whose gradients it holds
+        buckets = 2 * min(DP_BUCKET, rp.largest_unit * prec.grad)
+    # they fill from the first parameter gradient on, after the loss's backward has made and dropped its
+    # transient peak (measured: predict_vs_measure.py --memory-layouts, zero2 on the debug model): only
+    # what exceeds that peak adds to it
+    comm += max(0.0, buckets - extra_transient)
+    # ZeRO-0/1: each bucket is a slice of the persistent gradient buffer, reduced where it lies (ours,
+    # Megatron's contiguous buffer; measured: benchmarks/predict_vs_measure.py, dp2): nothing more
+    if lay.zero == 3 and dpcp > 1 and lay.pp > 1 and lay.zero3_gather == "step":
+        comm += (rp.dense + rp.expert) * a * (1 - 1 / dpcp)  # the whole stage stays gathered for the step
+    elif lay.zero == 3 and dpcp > 1:
+        comm += 2 * rp.largest_unit * a  # current + prefetched gathered unit
+    if lay.ep > 1 and moe is not None:
+        comm += 2 * tokens * moe.top_k * cfg.hidden_size * a  # all-to-all send/recv buffers
+    if lay.cp > 1:  # ring blocks in hand and arriving (or all of them, gathered); Ulysses receive buffers
+        comm += act.cp_buffers
+    acts, logits_loss, working = act.activations, act.logits_loss, act.working
+    live = (dense.total + expert.total + acts + logits_loss + working + comm)
+    step = max(0.0, optimizer_step_bytes(lay, rp, prec, dpcp) + dense.total + expert.total - live)
+    return MemoryBreakdown(
+        rank=rank, parameters=dense.parameters + expert.parameters, gradients=dense.gradients + expert.gradients,
+        master_weights=dense.master_weights + expert.master_weights, optimizer=dense.optimizer + expert.optimizer,
+        activations=acts, logits_loss=logits_loss, recompute_working=working, comm_buffers=comm,
+        optimizer_step=step, reserved=RUNTIME_RESERVED + FRAGMENTATION * (live + step), in_flight=act.in_flight)
+
+
+@dataclass(frozen=True)
+class _ActivationTerms:
+    """What `memory_for_rank` takes from the activations, the same for every ZeRO stage."""
+
+    activations: float
+    logits_loss: float
+    working: float
+    comm: float  # pipeline receive buffers and the SP all-gathered input (before the ZeRO buffers)
+    cp_buffers: float  # context parallelism's receive buffers (added after the ZeRO and EP buffers)
+    extra_transient: float
+    in_flight: int
+
+
+_NOT_IN_ACTIVATIONS = frozenset({"zero"})
+
+
+@lru_cache(maxsize=16384)
+def _activation_terms(w: Workload, key: Without, rank: int, kernels: str, norm: str | None) -> _ActivationTerms:
+    """Activations, loss and activation-sized buffers of pipeline rank `rank` of the layout `key` stands
+    for: they do not depend on the ZeRO stage, so the search's four ZeRO variants of a layout share them."""
+    lay: Layout = key.obj
+    cfg, moe = w.cfg, w.moe_spec
+    a = act_bytes(lay.precision)
+    seq_local = w.seq_len // lay.cp
+    tokens = lay.micro_batch * seq_local
 
     # activations: layers on this rank x micro-batches in flight (weighted per chunk for interleaved)
     m = lay.microbatches(w)
@@ -479,39 +541,29 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     # logits/loss: the last stage keeps the loss state of each micro-batch until its backward (B) runs
     loss_sets = last_stage_awaiting_backward_closed(*sched, lay.recipe.pp_all_warmup) if last else 1
     logits_loss = extra_saved * loss_sets + extra_transient
-    working = layer_act.working
 
     comm = pipeline_receive_bytes(w, lay, rank, in_flight, m)
     if lay.tp > 1 and lay.sp:
         comm += tokens * cfg.hidden_size * a  # all-gathered layer input
-    buckets = 0.0
-    if dpcp > 1 and lay.zero == 2:  # transient gradient buckets, two in flight, none bigger than the gradients
-        buckets = 2 * min(DP_BUCKET, (rp.dense + rp.expert) * prec.grad)
-    elif dpcp > 1 and lay.zero == 3:  # two in flight, none bigger than the unit whose gradients it holds
-        buckets = 2 * min(DP_BUCKET, rp.largest_unit * prec.grad)
-    # they fill from the first parameter gradient on, after the loss's backward has made and dropped its
-    # transient peak (measured: predict_vs_measure.py --memory-layouts, zero2 on the debug model): only
-    # what exceeds that peak adds to it
-    comm += max(0.0, buckets - extra_transient)
-    # ZeRO-0/1: each bucket is a slice of the persistent gradient buffer, reduced where it lies (ours,
-    # Megatron's contiguous buffer; measured: benchmarks/predict_vs_measure.py, dp2): nothing more
-    if lay.zero == 3 and dpcp > 1 and lay.pp > 1 and lay.zero3_gather == "step":
-        comm += (rp.dense + rp.expert) * a * (1 - 1 / dpcp)  # the whole stage stays gathered for the step
-    elif lay.zero == 3 and dpcp > 1:
-        comm += 2 * rp.largest_unit * a  # current + prefetched gathered unit
-    if lay.ep > 1 and moe is not None:
-        comm += 2 * tokens * moe.top_k * cfg.hidden_size * a  # all-to-all send/recv buffers
-    if lay.cp > 1:  # ring blocks in hand and arriving (or all of them, gathered); Ulysses receive buffers
-        comm += cp_comm_buffer_bytes(tokens, cfg.n_heads / lay.tp * cfg.head_dim, kv_heads_per_tp_rank(cfg, lay.tp),
-                                     cfg.head_dim, lay.cp, lay.cp_mode, lay.cp_ulysses, a, lay.recipe.cp_rotate,
-                                     lay.recipe.cp_kv_heads)
-    live = (dense.total + expert.total + acts + logits_loss + working + comm)
-    step = max(0.0, optimizer_step_bytes(lay, rp, prec, dpcp) + dense.total + expert.total - live)
-    return MemoryBreakdown(
-        rank=rank, parameters=dense.parameters + expert.parameters, gradients=dense.gradients + expert.gradients,
-        master_weights=dense.master_weights + expert.master_weights, optimizer=dense.optimizer + expert.optimizer,
-        activations=acts, logits_loss=logits_loss, recompute_working=working, comm_buffers=comm,
-        optimizer_step=step, reserved=RUNTIME_RESERVED + FRAGMENTATION * (live + step), in_flight=in_flight)
+    cp_buffers = 0.0
+    if lay.cp > 1:
+        cp_buffers = cp_comm_buffer_bytes(tokens, cfg.n_heads / lay.tp * cfg.head_dim,
+                                          kv_heads_per_tp_rank(cfg, lay.tp), cfg.head_dim, lay.cp, lay.cp_mode,
+                                          lay.cp_ulysses, a, lay.recipe.cp_rotate, lay.recipe.cp_kv_heads)
+    return _ActivationTerms(acts, logits_loss, layer_act.working, comm, cp_buffers, extra_transient, in_flight)
+
+
+def memory_floor(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "eager", norm: str | None = None) -> float:
+    """A bound `memory_per_gpu(...).total` never goes below: pipeline rank 0's model states and activations
+    with the fragmentation margin on them, and the runtime's reserve (every other term is >= 0). The search
+    decides "does not fit" by it for most layouts, without their full breakdown."""
+    prec = state_precision(lay)
+    dense, expert = _states(rank_params(w, lay, 0), prec, lay.zero, lay.dp * lay.cp, lay.ep)
+    states = dense.total + expert.total
+    if lay.zero == 3 and lay.recipe.param_shard == "fp32" and prec.master:  # FSDP2: the master is the parameter
+        states -= dense.parameters + expert.parameters
+    acts = _activation_terms(w, Without(lay, _NOT_IN_ACTIVATIONS), 0, kernels, norm).activations
+    return RUNTIME_RESERVED + (states + acts) * (1 + FRAGMENTATION)
 
 
 def memory_per_gpu(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "eager",

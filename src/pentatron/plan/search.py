@@ -6,21 +6,27 @@ Pruning rules (each keeps the optimum of the model): recompute is the lightest m
 recompute only adds time); sequence parallelism is on whenever tp > 1 (same bytes as TP's all-reduce,
 1/tp of the hidden-sized activations); AFAB is only evaluated when asked for (1F1B has its bubble with
 less memory).
+
+Speed without changing the answer: a candidate whose `memory.memory_floor` exceeds the device does not
+fit, its full breakdown computed only if read; a fitting one's closed-form step time is computed only where
+it can change the ranking or the reasons (`best_first`, `best_estimate`), below an exact ceiling on its
+rate from `timing.step_time_floor`.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from pentatron.plan.context import cp_mode_options
 from pentatron.plan.hardware import GiB, GPUSpec
 from pentatron.plan.layout import Layout, Workload, problems, quick_problems, trainable_problems, warnings
-from pentatron.plan.memory import FRAGMENTATION, MemoryBreakdown, memory_per_gpu
+from pentatron.plan.memory import FRAGMENTATION, MemoryBreakdown, memory_floor, memory_per_gpu
 from pentatron.plan.recipes import PENTATRON, TRAINING_ATTENTION, resolve_kernels
-from pentatron.plan.timing import StepTime, Throughput, step_time, throughput
+from pentatron.plan.timing import StepTime, Throughput, step_time, step_time_floor, throughput
 
 KNOBS = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "pp_virtual", "micro_batch", "recompute")
 RECOMPUTE_ORDER = ("none", "selective", "full")
@@ -39,12 +45,71 @@ class Prediction:
     tight: bool = False  # fits, but not with the allocator-fragmentation margin (memory.FRAGMENTATION)
 
 
-@dataclass(frozen=True)
 class Scored:
-    layout: Layout
-    memory_total: float
-    fits: bool
-    est_tokens_per_s: float  # closed-form estimate (0 when it does not fit)
+    """One layout of the search: its memory and whether it fits, and `est_tokens_per_s`, the closed-form
+    estimate (0 when it does not fit). The estimate may be given or computed on first read (`compute`):
+    the search reads it only where it can change the outcome, bounded above by `ceiling` (the rate at
+    `timing.step_time_floor`), so most layouts never pay for the full step-time model."""
+
+    __slots__ = ("layout", "fits", "ceiling", "_est", "_compute", "_memory", "_compute_memory")
+
+    def __init__(self, layout: Layout, memory_total: float | None, fits: bool, est_tokens_per_s: float | None = None,
+                 *, ceiling: float | None = None, compute: Callable[[], float] | None = None,
+                 compute_memory: Callable[[], float] | None = None) -> None:
+        if (est_tokens_per_s is None and compute is None) or (memory_total is None and compute_memory is None):
+            raise ValueError("Scored needs est_tokens_per_s and memory_total, or ways to compute them")
+        self.layout, self.fits = layout, fits
+        self._est, self._compute = est_tokens_per_s, compute
+        self._memory, self._compute_memory = memory_total, compute_memory
+        self.ceiling = est_tokens_per_s if ceiling is None else ceiling
+
+    @property
+    def memory_total(self) -> float:
+        """`memory_per_gpu(...).total`; for a layout the search ruled out by `memory_floor`, computed when read."""
+        if self._memory is None:
+            assert self._compute_memory is not None
+            self._memory, self._compute_memory = self._compute_memory(), None
+        return self._memory
+
+    @property
+    def est_tokens_per_s(self) -> float:
+        if self._est is None:
+            assert self._compute is not None
+            self._est, self._compute = self._compute(), None
+        return self._est
+
+    def __repr__(self) -> str:
+        return (f"Scored({self.layout.short()}, memory_total={self._memory}, fits={self.fits}, "
+                f"est_tokens_per_s={self._est if self._est is not None else '...'})")
+
+
+def _rank_key(s: Scored) -> float:
+    return -cp_handicapped(s.layout, s.est_tokens_per_s)
+
+
+def best_first(scored: list[Scored]) -> Iterator[Scored]:
+    """`scored` in the order of sorted(scored, key=(-cp_handicapped estimate, memory_total)) (stable),
+    computing estimates only as far as the order is read: a layout is yielded once its estimate beats the
+    ceiling of every layout not yet estimated (estimates never exceed their ceilings)."""
+    order = sorted(range(len(scored)), key=lambda i: -cp_handicapped(scored[i].layout, scored[i].ceiling))
+    heap: list[tuple[float, float, int]] = []
+    for i in order:
+        bound = -cp_handicapped(scored[i].layout, scored[i].ceiling)
+        while heap and heap[0][0] < bound:  # strictly better than anything not yet estimated
+            yield scored[heapq.heappop(heap)[2]]
+        heapq.heappush(heap, (_rank_key(scored[i]), scored[i].memory_total, i))
+    while heap:
+        yield scored[heapq.heappop(heap)[2]]
+
+
+def best_estimate(scored: list[Scored]) -> float:
+    """max(s.est_tokens_per_s for s in scored), computing estimates only while a ceiling could beat it."""
+    best = 0.0
+    for s in sorted(scored, key=lambda s: -s.ceiling):
+        if s.ceiling <= best:
+            break
+        best = max(best, s.est_tokens_per_s)
+    return best
 
 
 @dataclass
@@ -201,23 +266,25 @@ def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None
         if key in stop_rc and fixed.get("recompute") is None:
             continue
         n_valid += 1
+        if memory_floor(w, lay, gpu, kernels) > budget * (1 + 1e-9):  # cannot fit (margin: rounding)
+            pool.append(Scored(lay, None, False, 0.0, compute_memory=_memory_total(w, lay, gpu, kernels)))
+            continue
         mem = memory_per_gpu(w, lay, gpu, kernels)
         fits = mem.total <= budget
-        est = 0.0
         if fits:
             stop_rc.add(key)
-            st = step_time(w, lay, gpu, kernels=kernels, exact=False)
-            est = w.tokens_per_step / st.step
-        pool.append(Scored(lay, mem.total, fits, est))
+            pool.append(Scored(lay, mem.total, fits, ceiling=w.tokens_per_step / step_time_floor(
+                w, lay, gpu, kernels=kernels), compute=_estimate(w, lay, gpu, kernels)))
+        else:
+            pool.append(Scored(lay, mem.total, fits, 0.0))
     fitting = [s for s in pool if s.fits]
-    fitting.sort(key=lambda s: (-cp_handicapped(s.layout, s.est_tokens_per_s), s.memory_total))
     k = exact_pool if exact_pool is not None else max(3 * top, 24)
     # Recommend only what `pentatron train` accepts (checked best-first, the full validator being the
     # costly part); when the pinned knobs leave nothing trainable (e.g. --cp 8, --precision fp8),
     # evaluate what was asked for, its notes saying why training cannot run it.
     chosen: list[Scored] = []
     evaluable: list[Scored] = []
-    for s in fitting:
+    for s in best_first(fitting):  # = sorted by (-cp_handicapped estimate, memory), estimated as read
         if len(chosen) >= k:
             break
         if problems(w, s.layout, gpu, gpus):
@@ -239,6 +306,14 @@ def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None
     return res
 
 
+def _memory_total(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str) -> Callable[[], float]:
+    return lambda: memory_per_gpu(w, lay, gpu, kernels).total
+
+
+def _estimate(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str) -> Callable[[], float]:
+    return lambda: w.tokens_per_step / step_time(w, lay, gpu, kernels=kernels, exact=False).step
+
+
 LOCAL_KNOBS = {"zero": (0, 1, 2, 3), "micro_batch": (1, 2, 4, 8, 16, 32), "recompute": RECOMPUTE_ORDER,
                "sp": (False, True)}
 
@@ -257,7 +332,7 @@ def reasons_for(best: Layout, pool: list[Scored], gpu: GPUSpec, fixed: dict[str,
     in the search with another value. Each with its cost: slower by x%, or the memory it would need."""
     ref = max((s.est_tokens_per_s for s in pool if s.layout == best), default=0.0)
     if not ref:
-        ref = max((s.est_tokens_per_s for s in pool), default=0.0)
+        ref = best_estimate(pool)
     local: dict[str, dict[Any, list[Scored]]] = {}
     if w is not None:
         for knob, values in LOCAL_KNOBS.items():
@@ -286,7 +361,7 @@ def reasons_for(best: Layout, pool: list[Scored], gpu: GPUSpec, fixed: dict[str,
         for other, group in sorted(alts.items(), key=lambda kv: (isinstance(kv[0], str), str(kv[0]).zfill(8))):
             fit = [s for s in group if s.fits]
             if fit:
-                b = max(s.est_tokens_per_s for s in fit)
+                b = best_estimate(fit)
                 slower = 100 * (1 - b / ref) if ref else 0.0
                 parts.append(f"{other}: {slower:.1f}% slower" if slower >= 0 else
                              f"{other}: {-slower:.1f}% faster by the closed-form estimate, slower when simulated")

@@ -41,6 +41,7 @@ from pentatron.plan.flops import hardware_flops_per_token, layer_params, model_f
 from pentatron.plan.fp8_rowwise import LN_SIGMOID_BYTES_PER_ELEMENT, rowwise_seconds
 from pentatron.plan.hardware import GPUSpec
 from pentatron.plan.layout import Layout, Workload, chunk_layers, compute_dtype, kv_heads_per_tp_rank
+from pentatron.plan.memo import Same, Without
 from pentatron.plan.memory import DP_BUCKET, STATE_PRECISIONS, RankParams, act_bytes, rank_layers, rank_params
 from pentatron.plan.speeds import KERNEL_OVERHEAD
 from pentatron.schedules import make_schedule, simulate
@@ -345,7 +346,19 @@ def embed_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") 
 
 
 def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -> list[Phase]:
-    """Per global pipeline stage (chunk), the F/B/W seconds of one micro-batch."""
+    """Per global pipeline stage (chunk), the F/B/W seconds of one micro-batch. They depend neither on
+    the ZeRO stage nor on the schedule (beyond its chunks): memoised on the layout without them, so the
+    search's ZeRO and 1F1B/ZB variants of a layout share them."""
+    return list(_stage_phases(w, Without(lay, _NOT_IN_PHASES), Same(gpu), kernels))
+
+
+_NOT_IN_PHASES = frozenset({"zero", "pp_schedule"})
+
+
+@lru_cache(maxsize=4096)
+def _stage_phases(w: Workload, key: Without, same_gpu: Same, kernels: str) -> tuple[Phase, ...]:
+    lay: Layout = key.obj
+    gpu: GPUSpec = same_gpu.obj
     cfg = w.cfg
     chunks = lay.pp * lay.pp_virtual
     per_chunk = chunk_layers(w, lay)
@@ -375,7 +388,7 @@ def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused")
         hop = pp_hop_time(w, lay, gpu)
         out = [Phase(ph.f + (hop if s < chunks - 1 else 0.0), ph.b + (hop if s > 0 else 0.0), ph.w)
                for s, ph in enumerate(out)]
-    return out
+    return tuple(out)
 
 
 # ---------------------------------------------------------------- pipeline
@@ -443,6 +456,16 @@ class StepTime:
     exposed_by_dim: dict[str, float]
     tied_grads: float = 0.0  # the tied embedding's gradient swapped between first and last stage
     scalars: float = 0.0  # the step's one-number collectives (loss, gradient norm, pipeline statistics)
+
+
+def step_time_floor(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused") -> float:
+    """The closed-form pipeline time alone: `step_time(..., exact=False).step` is this plus terms that are
+    all >= 0 (exposed DP traffic, optimizer, SM contention, tied gradients, step scalars), so never less.
+    The search skips the full estimate of a layout whose floor already ranks it out."""
+    gpu = gpu.sharing(lay.world)
+    phases = stage_phases(w, lay, gpu, kernels)
+    return closed_form_makespan(lay.pp_schedule, lay.pp, lay.microbatches(w), lay.pp_virtual, phases,
+                                pp_hop_time(w, lay, gpu))
 
 
 def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", exact: bool = True) -> StepTime:

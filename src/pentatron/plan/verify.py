@@ -15,8 +15,13 @@ trainer's recompute wrapping and loss, and we count:
   fused CPU flash-attention op (meta kernel available), which keeps q, k, v, out and the logsumexp like
   the CUDA flash kernels our GPU runs use, instead of the math path's s x s probabilities.
 
-Single device only (tp = pp = cp = 1): the parallel code is not on meta; the sharding rules applied on
-top of these totals are covered by unit tests.
+With tp > 1 (and SP) or pp > 1 the bytes are traced on one rank of the layout it is given: the model
+is split as the runtime does (`parallelize`: this rank's pipeline stage, then tensor parallelism, then
+recompute) and its collectives run through `_ShapeComm`, which gives each result its shape and no
+value (on meta there are no values): the saved tensors are the real parallelized block's. For pp > 1
+the traced stage is the last one (its layers, the final norm, the LM head and the vocab-parallel loss,
+fed the hidden state it receives). Parameters are counted for the whole model and for that rank;
+FLOPs for the whole model (per-rank FLOPs are that total split by the planner's rules, unit-tested).
 """
 
 from __future__ import annotations
@@ -33,13 +38,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from pentatron.distributed.comm import Comm, CommLedger, Work
 from pentatron.models.config import ModelConfig
 from pentatron.plan.flops import (
     flop_breakdown,
     hardware_flops_per_token,
     total_params,
 )
-from pentatron.plan.memory import llama_layer_activation_bytes, rope_shared_bytes, stage_extras
+from pentatron.plan.layout import Layout, Workload, chunk_layers
+from pentatron.plan.memory import (
+    llama_layer_activation_bytes,
+    pipeline_boundary_bytes,
+    rank_params,
+    rope_shared_bytes,
+    stage_extras,
+)
 
 TOLERANCE = 0.02
 
@@ -102,34 +115,84 @@ class _LiveStorages(TorchDispatchMode):
         return sum(n for ref, n in self.seen.values() if not ref.expired())
 
 
-def _meta_model(cfg: ModelConfig, dtype: torch.dtype, recompute: str) -> torch.nn.Module:
+class _ShapeComm(Comm):
+    """The comm layer of one rank on the meta device: each collective leaves its output as allocated
+    (the right shape; meta tensors hold no values), so the parallel code runs its real forward."""
+
+    def __init__(self, layout: Any) -> None:
+        from pentatron.distributed.context import DERIVED_DIMS, MESH_DIMS, ParallelContext
+
+        ctx = ParallelContext(layout, 0, torch.device("meta"), {d: None for d in (*MESH_DIMS, *DERIVED_DIMS)})
+        super().__init__(ctx, CommLedger(), strict=False)
+
+    def all_reduce(self, tensor: torch.Tensor, dim: str, op: str = "sum", async_op: bool = False) -> Work | None:
+        return self._done(None, async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, dim: str, op: str = "sum",
+                       async_op: bool = False) -> Work | None:
+        return self._done(None, async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, dim: str,
+                   async_op: bool = False) -> Work | None:
+        return self._done(None, async_op)
+
+
+def _meta_model(cfg: ModelConfig, dtype: torch.dtype, recompute: str, tp: int = 1, sp: bool = False,
+                pp: int = 1, seq_len: int = 1) -> tuple[torch.nn.Module, Comm | None]:
+    """The model on the meta device as one rank runs it: for pp > 1 the last pipeline stage, under tp its
+    tensor-parallel shard (with the comm its collectives go through), then recompute (`parallelize`'s order)."""
+    from pentatron.layout import ParallelLayout
     from pentatron.models.llama import Llama
+    from pentatron.parallel.pipeline.stages import PipelineStage, stage_layers
     from pentatron.parallel.recompute import apply_recompute
+    from pentatron.parallel.tensor import apply_tensor_parallel
 
     with torch.device("meta"):
-        model = Llama(cfg)
+        model: torch.nn.Module = Llama(cfg)
     for p in model.parameters():  # as models.llama.build_model: parameters cast, RoPE tables stay fp32
         p.data = p.data.to(dtype)
+    if pp > 1:
+        ranges = stage_layers(cfg, pp, 1, seq_len)
+        model = PipelineStage(model, pp - 1, pp, ranges[-1])
+    comm = None
+    if tp > 1:
+        comm = _ShapeComm(ParallelLayout(tp=tp, sp=sp, seq_len=seq_len))
+        apply_tensor_parallel(model, comm.ctx, comm, sp=sp)
     apply_recompute(model, recompute)
-    return model
+    return model, comm
 
 
-def _loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # the trainer's loss (train/trainer.py): cross-entropy on fp32 logits
-    logits = model(tokens)
+def _loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor, comm: Comm | None = None,
+          positions: torch.Tensor | None = None) -> torch.Tensor:
+    # the trainer's loss (parallel/parallelize._loss_fn): cross-entropy on fp32 logits, vocab-parallel under tp
+    from pentatron.parallel.tensor import vocab_parallel_cross_entropy
+
+    logits = model(tokens) if positions is None else model(tokens, positions)
+    if comm is not None:
+        return vocab_parallel_cross_entropy(logits.float(), targets, comm)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def verify_model(cfg: ModelConfig, seq_len: int, *, micro_batch: int = 1, recompute: str = "none",
-                 precision: str = "bf16") -> list[Check]:
-    """Analytic vs traced parameters, FLOPs and saved activation bytes for one micro-batch."""
+                 precision: str = "bf16", tp: int = 1, sp: bool = False, pp: int = 1) -> list[Check]:
+    """Analytic vs traced parameters, FLOPs and saved activation bytes for one micro-batch; the bytes
+    (and the rank's parameters) on one rank of the layout (tp, sp, pp): the last stage for pp > 1."""
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     b, s = micro_batch, seq_len
     tokens_n = b * s
+    sp = sp and tp > 1
     checks = []
-    model = _meta_model(cfg, dtype, recompute)
+    model, _ = _meta_model(cfg, dtype, recompute)
     traced_params = sum(p.numel() for p in model.parameters())
     checks.append(Check("parameters", total_params(cfg), traced_params))
+    parallel = tp > 1 or pp > 1
+    w = Workload(cfg, s, b)
+    lay = Layout(tp=tp, sp=sp, pp=pp, micro_batch=b, recompute=recompute, precision=precision)
+    if parallel:
+        part, _ = _meta_model(cfg, dtype, recompute, tp, sp, pp, s)
+        checks.append(Check(f"parameters on one rank ({_where(tp, sp, pp)})", rank_params(w, lay, pp - 1).dense,
+                            sum(p.numel() for p in part.parameters())))
+        del part
     if cfg.moe is not None:
         # Routing is data-dependent (top-k, token counts): the meta device cannot run it, so an MoE model
         # is checked for its parameters only (FLOPs and activations are the planner's formulas, untraced).
@@ -151,26 +214,40 @@ def verify_model(cfg: ModelConfig, seq_len: int, *, micro_batch: int = 1, recomp
     del loss, model
     gc.collect()
 
-    model = _meta_model(cfg, dtype, recompute)
+    model, comm = _meta_model(cfg, dtype, recompute, tp, sp, pp, s)
     skip = {StorageWeakRef(t.untyped_storage()).cdata for t in [*model.parameters(), *model.buffers()]}
     tracker = _LiveStorages(skip)
     with _FlashSDPA(), tracker:
         tok = torch.zeros(b, s, dtype=torch.long, device="meta")
-        loss = _loss(model, tok, tok.clone())
+        if pp > 1:  # the last stage's input: the hidden state it receives (its sequence shard under SP)
+            x = torch.zeros(b, s // tp if sp else s, cfg.hidden_size, dtype=dtype, device="meta",
+                            requires_grad=True)
+            loss = _loss(model, x, tok.clone(), comm, torch.arange(s, device="meta"))
+            del x
+        else:
+            loss = _loss(model, tok, tok.clone(), comm)
         del tok
         saved = tracker.live_bytes()
-    layer = llama_layer_activation_bytes(cfg, tokens_n, s, precision=precision, recompute=recompute)
-    extra, _ = stage_extras(cfg, tokens_n, first=True, last=True, precision=precision)
-    # + the loss scalar and nll's total weight (two fp32 scalars)
-    analytic = cfg.n_layers * layer.saved + extra + rope_shared_bytes(cfg, s, precision, recompute) + 8
-    checks.append(Check(f"bytes saved for backward (recompute {recompute})", analytic, saved))
+    layer = llama_layer_activation_bytes(cfg, tokens_n, s, precision=precision, recompute=recompute, tp=tp, sp=sp)
+    n_layers = chunk_layers(w, lay)[-1] if pp > 1 else cfg.n_layers
+    extra, _ = stage_extras(cfg, tokens_n, first=pp == 1, last=True, precision=precision, tp=tp, sp=sp)
+    # + the loss scalar and nll's total weight (two fp32 scalars); for pp > 1 the received input
+    analytic = (n_layers * layer.saved + extra + rope_shared_bytes(cfg, s, precision, recompute) + 8
+                + pipeline_boundary_bytes(w, lay, pp - 1, 1))
+    where = f", {_where(tp, sp, pp)}" if parallel else ""
+    checks.append(Check(f"bytes saved for backward (recompute {recompute}{where})", analytic, saved))
     del loss, model
     gc.collect()
     return checks
 
 
+def _where(tp: int, sp: bool, pp: int) -> str:
+    parts = [f"tp{tp}" + ("+sp" if sp else "")] if tp > 1 else []
+    return ", ".join(parts + ([f"pp{pp} last stage"] if pp > 1 else []))
+
+
 def format_checks(name: str, seq_len: int, micro_batch: int, checks: list[Check]) -> str:
-    lines = [f"verify {name}: seq {seq_len}, micro-batch {micro_batch} (meta device, single GPU)",
+    lines = [f"verify {name}: seq {seq_len}, micro-batch {micro_batch} (meta device)",
              f"  {'quantity':<46} {'analytic':>16} {'traced':>16} {'error':>8}"]
     for c in checks:
         lines.append(f"  {c.quantity:<46} {c.analytic:>16.6g} {c.traced:>16.6g} {100 * c.rel_error:>7.3f}%"
