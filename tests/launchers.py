@@ -22,6 +22,7 @@ PY = sys.executable
 class Outcome:
     codes: list[int]  # the launcher's exit code, or each srun task's
     output: str  # stdout and stderr of everything started
+    stdout: str = ""  # stdout alone (in_process)
 
 
 def free_port() -> int:
@@ -52,14 +53,14 @@ def in_process(args: list[str], cwd: Path) -> Outcome:
     from pentatron.cli import main
 
     cwd.mkdir(parents=True, exist_ok=True)
-    out, before = io.StringIO(), os.getcwd()
+    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
     os.chdir(cwd)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(args)
     finally:
         os.chdir(before)
-    return Outcome([code], out.getvalue())
+    return Outcome([code], out.getvalue() + err.getvalue(), out.getvalue())
 
 
 def pentatron_nproc(args: list[str], nproc: int, cwd: Path, timeout: float = 300) -> Outcome:
