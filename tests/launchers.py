@@ -1,8 +1,12 @@
 """Start `pentatron train` the three ways users do — our launcher (`--nproc N`), an outer torchrun, and
-srun (its environment variables set on plain processes, as srun sets them) — and collect what came out."""
+srun (its environment variables set on plain processes, as srun sets them) — and collect what came out;
+and `in_process`, the CLI's `main` called by the test's own process, for what needs no fresh interpreter
+(a 1-process run, a refusal): the same code as `python -m pentatron.cli` without ~3 s of importing torch."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import socket
 import subprocess
@@ -18,6 +22,7 @@ PY = sys.executable
 class Outcome:
     codes: list[int]  # the launcher's exit code, or each srun task's
     output: str  # stdout and stderr of everything started
+    stdout: str = ""  # stdout alone (in_process)
 
 
 def free_port() -> int:
@@ -41,6 +46,21 @@ def pentatron(args: list[str], cwd: Path, timeout: float = 300) -> Outcome:
     done = subprocess.run([PY, "-m", "pentatron.cli", *args], cwd=cwd, env=_env(), capture_output=True, text=True,
                           timeout=timeout)
     return Outcome([done.returncode], done.stdout + done.stderr)
+
+
+def in_process(args: list[str], cwd: Path) -> Outcome:
+    """`pentatron <args>` run by this process in `cwd`: its exit code and what it printed."""
+    from pentatron.cli import main
+
+    cwd.mkdir(parents=True, exist_ok=True)
+    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(args)
+    finally:
+        os.chdir(before)
+    return Outcome([code], out.getvalue() + err.getvalue(), out.getvalue())
 
 
 def pentatron_nproc(args: list[str], nproc: int, cwd: Path, timeout: float = 300) -> Outcome:

@@ -1,6 +1,10 @@
 """The README's tour, replayed: every command of its first ```bash block under "A short tour" runs (with
 small sizes), so the README cannot drift from the code. And `pentatron demo` (what `make demo` runs),
-shortened."""
+shortened.
+
+A tour command that starts processes (`--nproc`, torchrun) runs as a subprocess, as the user types it; the
+others call the CLI's `main` in this process (tests/launchers.in_process: the same code, without ~3 s of a
+fresh interpreter importing torch for each)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tests.launchers import PY, ROOT, _env
+from tests.launchers import PY, ROOT, _env, in_process
 
 SMALL = ["--set=train.steps=2", "--set=train.warmup=1", "--set=log.progress=false"]
 
@@ -25,16 +29,25 @@ def tour_commands() -> list[str]:
 
 
 def _argv(line: str, dataset: Path, hf_dir: Path) -> list[str]:
+    """The command's words after the program (`pentatron` or `torchrun`), sized down."""
     words = shlex.split(line, comments=True)
-    program = {"pentatron": [PY, "-m", "pentatron.cli"], "torchrun": [PY, "-m", "torch.distributed.run"]}
-    assert words[0] in program, f"README tour command must start with pentatron or torchrun: {line}"
-    words = [str(hf_dir) if w == "path/to/hf_llama_checkpoint" else w for w in words]
-    argv = program[words[0]] + words[1:]
+    assert words[0] in ("pentatron", "torchrun"), f"README tour command must start with pentatron or torchrun: {line}"
+    argv = [str(hf_dir) if w == "path/to/hf_llama_checkpoint" else w for w in words[1:]]
     if "train" in words:
         argv += SMALL
         if not any(w.startswith("data.path=") for w in words):
             argv.append(f"--set=data.path={json.dumps(str(dataset))}")
     return argv
+
+
+def _run(line: str, argv: list[str], cwd: Path) -> tuple[int, str, str]:
+    """Exit code, stdout and all output: processes are started as the user starts them, the rest runs here."""
+    if line.startswith("torchrun") or "--nproc" in line:
+        program = [PY, "-m", "torch.distributed.run"] if line.startswith("torchrun") else [PY, "-m", "pentatron.cli"]
+        done = subprocess.run(program + argv, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=400)
+        return done.returncode, done.stdout, done.stdout + done.stderr
+    outcome = in_process(argv, cwd)
+    return outcome.codes[0], outcome.stdout, outcome.output
 
 
 def _workdir(tmp: Path) -> None:
@@ -57,15 +70,14 @@ def test_every_readme_tour_command_runs(tmp_path, default_dataset):
     commands = tour_commands()
     assert len(commands) >= 8
     for line in commands:
-        done = subprocess.run(_argv(line, default_dataset, hf_dir), cwd=tmp_path, env=_env(), capture_output=True,
-                              text=True, timeout=400)
-        assert done.returncode == 0, f"README command failed: {line}\n{(done.stdout + done.stderr)[-3000:]}"
+        code, out, everything = _run(line, _argv(line, default_dataset, hf_dir), tmp_path)
+        assert code == 0, f"README command failed: {line}\n{everything[-3000:]}"
         if " train " in f" {line} " and "torchrun" not in line:
-            assert "run summary" in done.stdout, line
+            assert "run summary" in out, line
         if line.split()[1] == "tokenize":
-            assert "train on it:" in done.stdout and "model.vocab_size" in done.stdout
+            assert "train on it:" in out and "model.vocab_size" in out
         if line.split()[1:3] == ["convert", "verify"]:
-            assert "PASS" in done.stdout or "NOT CHECKED" in done.stdout, done.stdout
+            assert "PASS" in out or "NOT CHECKED" in out, out
 
 
 def test_demo_trains_5d_checks_parity_and_generates(tmp_path, default_dataset):

@@ -2,7 +2,11 @@
 re-written by 4 ranks as tp2 × pp2 (interleaved, 2 virtual stages), then by 1 process back to one
 process. The converted checkpoints hold bitwise the same parameters and AdamW state, the same step, data
 position and lineage; a run in the target layout resumes the converted checkpoint as saved (no
-re-sharding at resume) and its losses continue the uninterrupted 1-process run's within 1e-5."""
+re-sharding at resume) and its losses continue the uninterrupted 1-process run's within 1e-5.
+
+What runs on one process (the reference run, the conversion back to one process, the refusals) calls the
+CLI's `main` in this process: the same code as `python -m pentatron.cli`, without a fresh interpreter
+importing torch for each."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import pytest
 
 from pentatron.checkpoint import manifest
 from pentatron.checkpoint.reshard import assembled, read_pieces
-from tests.launchers import Outcome, pentatron
+from tests.launchers import Outcome, in_process, pentatron
 
 TARGET = ["tp=2", "pp=2", "pp_schedule=interleaved", "pp_virtual=2"]
 
@@ -52,7 +56,7 @@ def _full_state(step_dir: Path) -> dict[tuple[str, str], np.ndarray]:
 def runs(default_dataset, tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("convert")
     common = _common(default_dataset)
-    _ok(pentatron(["train", *common, "--set=train.steps=6", f"--set=log.dir={root / 'ref'}"], root))
+    _ok(in_process(["train", *common, "--set=train.steps=6", f"--set=log.dir={root / 'ref'}"], root))
     _ok(pentatron(["train", *common, "--set=train.steps=3", "--set=parallel.zero=2", f"--set=log.dir={root / 'a'}",
                    f"--set=checkpoint.dir={root / 'src'}", "--nproc=2"], root))
     converted = _ok(pentatron(["checkpoint", "convert", str(root / "src"), str(root / "dst"), *common,
@@ -61,7 +65,7 @@ def runs(default_dataset, tmp_path_factory) -> dict[str, Any]:
                              *[f"--parallel.{kv}" for kv in TARGET], f"--set=checkpoint.dir={root / 'dst'}",
                              "--nproc=4"], root))
     # Back to one process, from the converted checkpoint's step directory (kept beside the resumed run's).
-    _ok(pentatron(["checkpoint", "convert", str(root / "dst" / "step_00000003"), str(root / "one"), *common], root))
+    _ok(in_process(["checkpoint", "convert", str(root / "dst" / "step_00000003"), str(root / "one"), *common], root))
     return {"root": root, "converted": converted, "resumed": resumed}
 
 
@@ -110,7 +114,7 @@ def test_convert_refuses_bad_input_before_any_rank_starts(runs, default_dataset)
          "holds another model (n_layers=4 vs 2 here)"),
     ]
     for args, expected in cases:
-        outcome = pentatron(args, root)
+        outcome = in_process(args, root)
         assert outcome.codes == [2], outcome.output
         assert expected in outcome.output and "Traceback" not in outcome.output, outcome.output
         assert outcome.output.count("pentatron: error:") == 1, outcome.output
