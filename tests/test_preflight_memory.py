@@ -18,7 +18,7 @@ from tests.launchers import pentatron_nproc
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.toml")
 CASES = {"RoPE tables of model.max_seq_len=1e9": (["--set=model.max_seq_len=1000000000"], "RoPE tables"),
-         "micro-batch of 8192 sequences": (["--set=train.micro_batch=8192", "--set=train.global_batch=8192"],
+         "micro-batch of 65536 sequences": (["--set=train.micro_batch=65536", "--set=train.global_batch=65536"],
                                            "activations")}
 
 
@@ -35,7 +35,7 @@ def test_a_run_that_cannot_fit_is_refused_with_its_breakdown(case, default_datas
 
 
 def test_eight_local_ranks_are_refused_by_the_launcher_before_they_start(default_dataset, tmp_path):
-    args = [CONFIG, "--set=train.micro_batch=1024", "--set=train.global_batch=8192",
+    args = [CONFIG, "--set=train.micro_batch=4096", "--set=train.global_batch=32768",
             f"--set=data.path={json.dumps(str(default_dataset))}",
             f"--set=log.dir={json.dumps(str(tmp_path / 'runs'))}", "--set=log.progress=false"]
     out = pentatron_nproc(args, 8, tmp_path / "cwd", timeout=120)
