@@ -375,7 +375,6 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     layout = dataclasses.replace(cfg.layout(world_size), dp=dp or 1)
     shape = model if model is not None and not model.problems() else None
     p += layout.problems(shape)
-    p += layout.unsupported(shape)
 
     if tr.steps <= 0:
         p.append(f"train.steps must be > 0, got {tr.steps}")

@@ -4,8 +4,7 @@
 pipeline schedule and the batch geometry, and derives what used to be re-derived in several places:
 the micro-batch count per step and the virtual stages per rank. `problems()` is the single validator
 that config loading, the runtime (`parallelize`) and the planner all call, so the three can never
-disagree about which layouts exist. `unsupported()` lists what is structurally sound but not yet
-implemented by training (the planner may still *evaluate* such a layout, never recommend it).
+disagree about which layouts exist; every layout it accepts trains.
 
 Pure arithmetic with no torch import: it runs before any process group starts and costs nothing in
 the planner's inner loop. Messages name the configuration field to change (`parallel.tp=3 does not
@@ -214,10 +213,6 @@ class ParallelLayout:
             out += partition_problems(model.n_layers, self.n_stages, layers=layers, what=what,
                                       min_layers=min_layers)
         return out
-
-    def unsupported(self, model: ModelConfig | None = None) -> list[str]:
-        """Sound layouts that training cannot run yet (the planner may evaluate, never recommend them)."""
-        return []
 
     def warnings(self, node_size: int | None) -> list[str]:
         """Advice that is not an error."""

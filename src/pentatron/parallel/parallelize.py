@@ -7,7 +7,7 @@
 On a meta model (torchtitan's order: meta → parallelize → materialise local → init) nothing before the
 materialisation allocates parameter storage, and ZeRO engines initialise their shards directly.
 
-`ParallelLayout.problems`/`unsupported` refuse what cannot run before any process group starts, and
+`ParallelLayout.problems` refuses what cannot run before any process group starts, and
 again here. Each step records what it did to every parameter in that parameter's `Placement` (by
 name), which the later steps and the step runner read.
 """
@@ -114,7 +114,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
     (train.seed, name) to the 1-process model's values (`parallel/materialize.py`) — the local tensors
     here, or under ZeRO the engine's own (ZeRO-3: sharded) storage. A materialised model is cut up as is."""
     layout = layout or cfg.layout(ctx.world_size)
-    problems = layout.problems(model.cfg, ctx.world_size) + layout.unsupported(model.cfg)
+    problems = layout.problems(model.cfg, ctx.world_size)
     if problems:
         raise ValueError("cannot parallelize: " + "; ".join(problems))
     init = LocalInit(model.cfg, cfg.train.seed, init_names(model), policy.param_dtype, ctx.device)

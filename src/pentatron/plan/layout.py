@@ -260,14 +260,14 @@ def _with_split(found: list[str], pl: ParallelLayout, cfg: ModelConfig, layers: 
 
 def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> list[str]:
     """Why `pentatron train` would refuse this layout today (empty when it accepts it): the training
-    config's own validation (`ParallelLayout.problems` and `.unsupported`), the one recipe rule (only
+    config's own validation (`ParallelLayout.problems`), the one recipe rule (only
     ours is trained: `recipes.not_ours`), and our knobs' values checked by the config's typed checker
     against the `train` fields they set. The one place the planner asks "can we train this?"; the
     search recommends only layouts for which it is empty."""
     from pentatron.config import TrainConfig, field_problems
 
     pl = parallel_layout(w, lay)
-    out = [*_training_rules(pl, w.cfg, gpus), *pl.unsupported(w.cfg)]
+    out = [*_training_rules(pl, w.cfg, gpus)]
     why = not_ours(lay.recipe)
     if why:  # another framework's run: that is the one reason (its knob values are its own)
         out.append(why)
