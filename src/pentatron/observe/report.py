@@ -98,12 +98,13 @@ def layout_and_workload(cfg: dict[str, Any], world_size: int, device: str) -> tu
 
 def planner_layout(c: Any, world_size: int, device: str) -> tuple[Any, Any]:
     """The planner's Layout and Workload for a `Config` on `world_size` ranks of `device` ("cuda"/"cpu")."""
+    from pentatron.config import resolved_dp
     from pentatron.plan.layout import Layout, Workload
     from pentatron.plan.recipes import PENTATRON, training_loss
 
     par, tr = c.parallel, c.train
     precision = tr.precision if tr.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
-    dp = par.dp or max(1, world_size // (par.tp * par.pp * par.cp))
+    dp = resolved_dp(c, world_size)
     lay = Layout(dp=dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero, sp=par.sp,
                  pp_schedule=par.pp_schedule, pp_virtual=par.pp_virtual if par.pp_schedule == "interleaved" else 1,
                  micro_batch=tr.micro_batch, recompute=tr.recompute, precision=precision,
@@ -158,17 +159,18 @@ def builtin_cpu(info: dict[str, Any]) -> tuple[Any, str, bool]:
 
 def predicted(info: dict[str, Any], profile: Path | None) -> dict[str, Any]:
     """The planner's numbers for the run's layout, or {"error": why} when it cannot evaluate it."""
+    from pentatron.config import config_from_dict
     from pentatron.plan.comm import bytes_by_dim
     from pentatron.plan.memory import memory_for_rank
-    from pentatron.plan.recipes import kernels_for_compile, training_default
+    from pentatron.plan.recipes import kernels_for_compile
     from pentatron.plan.search import predict
 
     gpu, source, same_machine = _hardware(info, profile)
+    device = info.get("device", "cpu")
     try:
-        lay, w = layout_and_workload(info["config"], info.get("world_size", 1), info.get("device", "cpu"))
-        # the kernels the run used: its train.compile (unset: the training default)
-        setting = info["config"].get("train", {}).get("compile", training_default("compile"))
-        kernels = kernels_for_compile(setting, info.get("device", "cpu"))
+        cfg = config_from_dict(info["config"], info.get("world_size", 1))  # the saved config, defaults filled
+        lay, w = planner_layout(cfg, info.get("world_size", 1), device)
+        kernels = kernels_for_compile(cfg.train.compile, device)  # the kernels the run used
         p = predict(w, lay, gpu, kernels=kernels)
         rank0 = memory_for_rank(w, lay, gpu, 0, kernels)
     except Exception as e:  # noqa: BLE001 - the planner may not model every layout: say so in the report
@@ -180,11 +182,9 @@ def predicted(info: dict[str, Any], profile: Path | None) -> dict[str, Any]:
            "tensor_bytes_rank0": rank0.tensors,
            "comm_bytes_per_step": bytes_by_dim(list(p.step.collectives))}
     if info.get("device") == "cpu":  # the measured peak is rank 0's resident set: what preflight adds to it
-        from pentatron.config import config_from_dict
         from pentatron.rank_memory import CPU_PROCESS_BYTES, rope_table_bytes
 
-        rope = rope_table_bytes(config_from_dict(info["config"], info.get("world_size", 1)))
-        out["resident_bytes_rank0"] = rank0.tensors + rope + CPU_PROCESS_BYTES
+        out["resident_bytes_rank0"] = rank0.tensors + rope_table_bytes(cfg) + CPU_PROCESS_BYTES
     return out
 
 
