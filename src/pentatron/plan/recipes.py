@@ -210,8 +210,8 @@ def training_kernels() -> str:
 
 # `pentatron train`'s loss is the chunked LM head + fp32 cross-entropy (vocab-parallel under tp; PENTATRON's
 # cross_entropy above) and its attention is torch SDPA (FlashAttention-2 on CUDA, not a config knob: the
-# layout's attention default below); the optimizer (AdamW
-# over fp32 masters) is the one the time model costs (plan/timing.py OPTIMIZER_BYTES_PER_PARAM).
+# layout's attention default below); the optimizer (AdamW over fp32 masters) is the one the time model
+# costs (plan/timing.py OPTIMIZER_BYTES_PER_PARAM).
 TRAINING_ATTENTION = "flash2"
 
 
