@@ -19,9 +19,10 @@ from pentatron.data.loader import TokenDataset, TokenLoader
 from pentatron.models.llama import build_model
 from pentatron.models.moe import finish_step, moe_layers, set_aux_loss_scale
 from pentatron.models.registry import get_model_config
-from tests.reference_loop import _clip_grad_norm, adamw, cosine_lr
+from tests.reference_loop import _clip_grad_norm, adamw, cosine_lr, once_per_session
 
 
+@once_per_session
 def moe_reference_run(dataset_dir: Path, *, model: str, steps: int, seq_len: int, global_batch: int,
                       micro_batch: int, lr: float, eps: float, warmup: int, clip: float = 1.0,
                       weight_decay: float = 0.1, min_ratio: float = 0.1, seed: int = 0,

@@ -23,18 +23,22 @@ from tests.strict_comm import strict_comm_fixture
 strict_comm = strict_comm_fixture("module")  # NCCL's p2p ordering and device rules on gloo
 
 RING2, ULY2 = ["parallel.cp=2"], ["parallel.cp=2", "parallel.cp_mode='ulysses'"]
+# Without dp or pp, 2 micro-batches of 4 sequences instead of 4 of 2: gradient accumulation is still exercised
+# and the reference (one batch of 8) is the same, at half the ring/all-to-all exchanges. dp and pp layouts keep
+# micro-batches of 2 (2 per dp rank; 4 for the pipeline schedule).
+M4 = ["train.micro_batch=4"]
 CASES: dict[int, dict[str, list[str]]] = {
     2: {
-        "cp2 ring": RING2,
-        "cp2 ulysses": ULY2,
+        "cp2 ring": [*RING2, *M4],
+        "cp2 ulysses": [*ULY2, *M4],
     },
     4: {
-        "cp4 ring": ["parallel.cp=4"],
-        "cp4 ulysses": ["parallel.cp=4", "parallel.cp_mode='ulysses'"],
+        "cp4 ring": ["parallel.cp=4", *M4],
+        "cp4 ulysses": ["parallel.cp=4", "parallel.cp_mode='ulysses'", *M4],
         "cp4 hybrid (ulysses 2 × ring 2) selective": ["parallel.cp=4", "parallel.cp_mode='hybrid'",
-                                                      "parallel.cp_ulysses=2", "train.recompute=selective"],
-        "cp2 ring × tp2 sp": [*RING2, "parallel.tp=2", "parallel.sp=true"],
-        "cp2 ulysses × tp2 sp": [*ULY2, "parallel.tp=2", "parallel.sp=true"],
+                                                      "parallel.cp_ulysses=2", "train.recompute=selective", *M4],
+        "cp2 ring × tp2 sp": [*RING2, "parallel.tp=2", "parallel.sp=true", *M4],
+        "cp2 ulysses × tp2 sp": [*ULY2, "parallel.tp=2", "parallel.sp=true", *M4],
         "cp2 ring × dp2 zero3 full recompute": [*RING2, "parallel.dp=2", "parallel.zero=3", "train.recompute=full"],
         "cp2 ring × pp2 1f1b": [*RING2, "parallel.pp=2"],
         "cp2 ulysses × pp2 zb zero1": [*ULY2, "parallel.pp=2", "parallel.pp_schedule=zb", "parallel.zero=1"],
