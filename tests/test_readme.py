@@ -80,10 +80,16 @@ def test_every_readme_tour_command_runs(tmp_path, default_dataset):
             assert "PASS" in out or "NOT CHECKED" in out, out
 
 
+# The demo's layout (configs/demo.toml) at test size: 3 steps of 2 micro-batches (the 1F1B pipeline still fills
+# and drains) of 2 × 32 tokens (cp2 × tp2+sp still splits each sequence 4 ways) instead of 4 of 4 × 128.
+DEMO_SMALL = ["train.steps=3", "train.warmup=1", "log.every=2", "log.progress=false", "train.seq_len=32",
+              "train.micro_batch=2", "train.global_batch=4"]
+
+
 def test_demo_trains_5d_checks_parity_and_generates(tmp_path, default_dataset):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
-    argv = [PY, "-m", "pentatron.cli", "demo", "--set=train.steps=4", "--set=train.warmup=1", "--set=log.every=2",
-            "--set=log.progress=false", f"--set=data.path={json.dumps(str(default_dataset))}"]
+    argv = [PY, "-m", "pentatron.cli", "demo", *[f"--set={o}" for o in DEMO_SMALL],
+            f"--set=data.path={json.dumps(str(default_dataset))}"]
     done = subprocess.run(argv, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
