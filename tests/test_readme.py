@@ -80,9 +80,10 @@ def test_every_readme_tour_command_runs(tmp_path, default_dataset):
             assert "PASS" in out or "NOT CHECKED" in out, out
 
 
-# The demo's layout (configs/demo.toml) at test size: 3 steps of 2 micro-batches (the 1F1B pipeline still fills
-# and drains) of 2 × 32 tokens (cp2 × tp2+sp still splits each sequence 4 ways) instead of 4 of 4 × 128.
-DEMO_SMALL = ["train.steps=3", "train.warmup=1", "log.every=2", "log.progress=false", "train.seq_len=32",
+# The demo's layout (configs/demo.toml) at test size: 4 steps (all of them in the parity check) of 2 micro-batches
+# (the 1F1B pipeline still fills and drains) of 2 × 32 tokens (cp2 × tp2+sp still splits each sequence 4 ways)
+# instead of 4 of 4 × 128.
+DEMO_SMALL = ["train.steps=4", "train.warmup=1", "log.every=2", "log.progress=false", "train.seq_len=32",
               "train.micro_batch=2", "train.global_batch=4"]
 
 
