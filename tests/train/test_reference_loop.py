@@ -2,15 +2,19 @@
 clip_grad_norm_, the same warmup + cosine schedule) for 10 steps: losses, gradient norms, every
 parameter's step-1 gradient and the final parameters — with two accumulation micro-steps on the
 trainer's side and one whole batch on the reference's. This pins the trainer to an implementation that
-shares none of its code, so the multi-process parity tests may compare against either."""
+shares none of its code, so the multi-process parity tests may compare against either. And the reference
+runs are computed once per session for each set of arguments, each caller getting its own copy."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+import torch
 
 from pentatron.config import load_config
-from tests.reference_loop import reference_run, relative_error
+from tests.reference_loop import once_per_session, reference_run, relative_error
 
 STEPS, SEQ, GLOBAL, LR, EPS, WARMUP = 10, 32, 8, 1e-3, 1e-4, 2
 TOL = 1e-5
@@ -45,3 +49,24 @@ def test_one_process_trainer_equals_a_plain_pytorch_loop(default_dataset, tmp_pa
         assert relative_error(g, ref["grads"][name]) <= TOL, name
     for name, p in params.items():
         assert relative_error(p, ref["params"][name]) <= TOL, name
+
+
+def test_a_reference_run_is_computed_once_per_arguments_and_handed_out_as_copies():
+    calls = []
+
+    @once_per_session
+    def run(dataset_dir: Path, *, steps: int, lr: float = 1.0) -> dict:
+        calls.append((str(dataset_dir), steps, lr, torch.get_num_threads()))
+        return {"losses": [float(steps)], "params": {"w": np.zeros(2)}}
+
+    threads = torch.get_num_threads()
+    first = run(Path("a"), steps=2)
+    assert run(Path("a"), steps=2, lr=1.0)["losses"] == first["losses"] and len(calls) == 1  # default passed
+    assert calls[0][3] == 1 and torch.get_num_threads() == threads  # one thread while it ran, then as before
+    first["losses"].append(9.0)
+    first["params"]["w"][0] = 9.0
+    again = run(Path("a"), steps=2)
+    assert again["losses"] == [2.0] and not again["params"]["w"].any()  # a caller's change reaches no other
+    run(Path("a"), steps=3)
+    run(Path("b"), steps=2)
+    assert [c[:3] for c in calls] == [("a", 2, 1.0), ("a", 3, 1.0), ("b", 2, 1.0)]
