@@ -1,6 +1,6 @@
 """Compiled vs eager training, Pentatron vs Hugging Face `transformers`, side by side in one process (CPU).
 
-    python benchmarks/compile_speed.py [--steps 3] [--repeats 3] [--seq-len 512] [--micro-batch 1] [--threads 2]
+    python benchmarks/compile_speed.py [--steps 3] [--repeats 3] [--seq-len 512] [--threads 2] [--profile]
 
 Four training loops over the same ≈25M-parameter Llama shape (hidden 512, 5 layers, 8 heads, SwiGLU 1536,
 vocab 8192, untied), fp32, the same random token batches:
@@ -11,7 +11,9 @@ vocab 8192, untied), fp32, the same random token batches:
 Every loop is built and warmed up first (compilation happens there and is reported apart), then the
 timed rounds run interleaved — round r times every loop once — and each loop keeps its best round, so
 load drift from the other users of the machine hits all four alike. The 1-minute load average is
-recorded before and after.
+recorded before and after. Beside wall tokens/s it reports tokens per CPU-second of the process (steadier
+under load with --threads 1). --profile then buckets each loop's step time (benchmarks/step_profile.py):
+GEMMs and attention are library kernels compile leaves alone, which bounds what compiling can gain.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--loops", default=",".join(LOOPS))
     ap.add_argument("--profile", action="store_true",
-                    help="then profile one step of each loop and print where its time goes (step_profile.py)")
+                    help="then profile the timed steps of each loop and print where the time goes (step_profile.py)")
     ap.add_argument("--json", default="", help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -159,14 +161,15 @@ def main() -> None:
     for k, v in ratio.items():
         print(f"{k}: {v:.2f}x wall, {ratio_cpu[k]:.2f}x CPU time")
     if args.profile:
-        from step_profile import profile_step, table
+        from step_profile import profile_steps, table
 
         rows = {}
         for name in loops:
-            wall, rows[name] = profile_step(lambda name=name: steps[name](batches[-1]))
+            _, rows[name] = profile_steps([lambda t=t, name=name: steps[name](t) for t in batches[args.warmup:]])
             out[name]["profile"] = rows[name]
-        print(f"\none step profiled per loop (self CPU time of the main thread's events; ceiling = 1 / share of "
-              f"gemm + gemm-head + attention)\n{table(rows)}")
+        print(f"\nwhere a step's time goes, per loop: the {args.steps} timed steps once more under torch.profiler "
+              f"(self time of the main thread's events per step; ceiling = 1 / share of gemm + gemm-head + "
+              f"attention, the most that removing all else could gain)\n{table(rows)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"loops": out, "ratios": ratio, "ratios_cpu": ratio_cpu, "load": [load_before, load_after],

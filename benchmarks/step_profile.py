@@ -20,7 +20,7 @@ gives at most 1/r.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from torch.profiler import ProfilerActivity, profile
 
@@ -57,12 +57,13 @@ def _bucket(chain: list[str]) -> str:
     return "overhead"
 
 
-def profile_step(step: Callable[[], None]) -> tuple[float, dict[str, float]]:
-    """Run `step` once under the CPU profiler: (wall seconds, seconds per bucket). The buckets add up to the
-    profiled time of the step's events (main thread); wall also holds the profiler's own cost."""
+def profile_steps(steps: Sequence[Callable[[], None]]) -> tuple[float, dict[str, float]]:
+    """Run `steps` under the CPU profiler: (wall seconds, seconds per bucket), both per step. The buckets add
+    up to the profiled time of the steps' events (main thread); wall also holds the profiler's own cost."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
-        step()
+        for step in steps:
+            step()
         wall = time.perf_counter() - start
     out = dict.fromkeys(BUCKETS, 0.0)
     for ev in prof.events():
@@ -70,8 +71,8 @@ def profile_step(step: Callable[[], None]) -> tuple[float, dict[str, float]]:
         while e is not None:
             chain.append(e.name)
             e = e.cpu_parent
-        out[_bucket(chain)] += ev.self_cpu_time_total / 1e6
-    return wall, out
+        out[_bucket(chain)] += ev.self_cpu_time_total / 1e6 / len(steps)
+    return wall / len(steps), out
 
 
 def table(rows: dict[str, dict[str, float]]) -> str:
