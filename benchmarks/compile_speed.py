@@ -165,11 +165,11 @@ def main() -> None:
 
         rows = {}
         for name in loops:
-            _, rows[name] = profile_steps([lambda t=t, name=name: steps[name](t) for t in batches[args.warmup:]])
+            rows[name] = profile_steps([lambda t=t, name=name: steps[name](t) for t in batches[args.warmup:]])
             out[name]["profile"] = rows[name]
-        print(f"\nwhere a step's time goes, per loop: the {args.steps} timed steps once more under torch.profiler "
-              f"(self time of the main thread's events per step; ceiling = 1 / share of gemm + gemm-head + "
-              f"attention, the most that removing all else could gain)\n{table(rows)}")
+        print(f"\nwhere a step's time goes, per loop: the {args.steps} timed steps once more, each under the "
+              f"profiler (self time of the main thread's events in the fastest one; ceiling = 1 / share of gemm + "
+              f"gemm-head + attention, the most that removing all else could gain)\n{table(rows)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"loops": out, "ratios": ratio, "ratios_cpu": ratio_cpu, "load": [load_before, load_after],
