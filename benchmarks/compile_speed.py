@@ -1,6 +1,6 @@
 """Compiled vs eager training, Pentatron vs Hugging Face `transformers`, side by side in one process (CPU).
 
-    python benchmarks/compile_speed.py [--steps 3] [--repeats 3] [--seq-len 512] [--micro-batch 1] [--threads 2]
+    python benchmarks/compile_speed.py [--steps 3] [--repeats 3] [--seq-len 512] [--threads 2] [--profile]
 
 Four training loops over the same ≈25M-parameter Llama shape (hidden 512, 5 layers, 8 heads, SwiGLU 1536,
 vocab 8192, untied), fp32, the same random token batches:
@@ -11,7 +11,9 @@ vocab 8192, untied), fp32, the same random token batches:
 Every loop is built and warmed up first (compilation happens there and is reported apart), then the
 timed rounds run interleaved — round r times every loop once — and each loop keeps its best round, so
 load drift from the other users of the machine hits all four alike. The 1-minute load average is
-recorded before and after.
+recorded before and after. Beside wall tokens/s it reports tokens per CPU-second of the process (steadier
+under load with --threads 1). --profile then buckets each loop's step time (benchmarks/step_profile.py):
+GEMMs and attention are library kernels compile leaves alone, which bounds what compiling can gain.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.profiler import record_function
 
 SHAPE = dict(vocab_size=8192, hidden_size=512, n_layers=5, n_heads=8, n_kv_heads=8, ffn_hidden_size=1536)
 LOOPS = ("pentatron-eager", "pentatron-compiled", "hf-eager", "hf-compiled")
@@ -50,9 +53,12 @@ def _pentatron(compiled: bool, args: argparse.Namespace) -> tuple[Step, int]:
     runner = parallelize(model, ctx, cfg, resolve_precision("fp32", torch.device("cpu")))
 
     def step(tokens: torch.Tensor) -> None:
-        runner.forward_backward([(tokens[:, :-1], tokens[:, 1:])])
-        runner.clip_grads(cfg.train.clip)
-        runner.step(cfg.train.lr)
+        with record_function("forward_backward"):
+            runner.forward_backward([(tokens[:, :-1], tokens[:, 1:])])
+        with record_function("clip"):
+            runner.clip_grads(cfg.train.clip)
+        with record_function("optimizer"):
+            runner.step(cfg.train.lr)
 
     return step, n_params
 
@@ -75,10 +81,15 @@ def _hf(compiled: bool, args: argparse.Namespace) -> tuple[Step, int]:
 
     def step(tokens: torch.Tensor) -> None:
         opt.zero_grad(set_to_none=True)
-        logits = forward(input_ids=tokens[:, :-1]).logits
-        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        with record_function("forward_backward"):
+            logits = forward(input_ids=tokens[:, :-1]).logits
+            with record_function("linear_cross_entropy"):  # the loss bucket of step_profile.py
+                loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+        with record_function("clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with record_function("optimizer"):
+            opt.step()
 
     return step, n_params
 
@@ -92,6 +103,8 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--loops", default=",".join(LOOPS))
+    ap.add_argument("--profile", action="store_true",
+                    help="then profile the timed steps of each loop and print where the time goes (step_profile.py)")
     ap.add_argument("--json", default="", help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -114,36 +127,53 @@ def main() -> None:
         start = time.perf_counter()
         for tokens in batches[: args.warmup]:
             steps[name](tokens)
-        out[name] = {"params": n_params, "warmup_s": time.perf_counter() - start, "tokens_per_s": 0.0}
+        out[name] = {"params": n_params, "warmup_s": time.perf_counter() - start, "tokens_per_s": 0.0,
+                     "tokens_per_cpu_s": 0.0}
         print(f"{name}: {n_params / 1e6:.1f}M parameters, warm-up {out[name]['warmup_s']:.1f} s", flush=True)
     tokens_per_round = args.steps * args.micro_batch * args.seq_len
     for r in range(args.repeats):
         for name in loops:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for tokens in batches[args.warmup:]:
                 steps[name](tokens)
             tps = tokens_per_round / (time.perf_counter() - start)
+            # CPU seconds of all the process's threads: less hit by other users of the machine than wall time
+            # (with --threads 1; more threads add OpenMP's spin-waiting, which grows under load)
+            tpc = tokens_per_round / (time.process_time() - cpu)
             out[name]["tokens_per_s"] = max(out[name]["tokens_per_s"], tps)
-            print(f"round {r + 1} {name}: {tps:,.0f} tokens/s", flush=True)
+            out[name]["tokens_per_cpu_s"] = max(out[name]["tokens_per_cpu_s"], tpc)
+            print(f"round {r + 1} {name}: {tps:,.0f} tokens/s, {tpc:,.0f} tokens/CPU-s", flush=True)
     load_after = os.getloadavg()[0]
     print(f"\nload average (1 min) {load_before:.1f} before, {load_after:.1f} after; {os.cpu_count()} cores, "
           f"{args.threads} threads; seq {args.seq_len}, micro-batch {args.micro_batch}, fp32, best of {args.repeats}")
-    print(f"{'loop':<20} {'tokens/s':>10} {'warm-up s':>10}")
+    print(f"{'loop':<20} {'tokens/s':>10} {'tokens/CPU-s':>13} {'warm-up s':>10}")
     for name in loops:
-        print(f"{name:<20} {out[name]['tokens_per_s']:>10,.0f} {out[name]['warmup_s']:>10.1f}")
-    ratio = {}
+        o = out[name]
+        print(f"{name:<20} {o['tokens_per_s']:>10,.0f} {o['tokens_per_cpu_s']:>13,.0f} {o['warmup_s']:>10.1f}")
+    ratio, ratio_cpu = {}, {}
     for label, a, b in (("compiled/eager (pentatron)", "pentatron-compiled", "pentatron-eager"),
                         ("pentatron compiled / hf compiled", "pentatron-compiled", "hf-compiled"),
                         ("pentatron eager / hf eager", "pentatron-eager", "hf-eager"),
                         ("compiled/eager (hf)", "hf-compiled", "hf-eager")):
         if a in out and b in out:
             ratio[label] = out[a]["tokens_per_s"] / out[b]["tokens_per_s"]
+            ratio_cpu[label] = out[a]["tokens_per_cpu_s"] / out[b]["tokens_per_cpu_s"]
     for k, v in ratio.items():
-        print(f"{k}: {v:.2f}x")
+        print(f"{k}: {v:.2f}x wall, {ratio_cpu[k]:.2f}x CPU time")
+    if args.profile:
+        from step_profile import profile_steps, table
+
+        rows = {}
+        for name in loops:
+            rows[name] = profile_steps([lambda t=t, name=name: steps[name](t) for t in batches[args.warmup:]])
+            out[name]["profile"] = rows[name]
+        print(f"\nwhere a step's time goes, per loop: the {args.steps} timed steps once more, each under the "
+              f"profiler (self time of the main thread's events in the fastest one; ceiling = 1 / share of gemm + "
+              f"gemm-head + attention, the most that removing all else could gain)\n{table(rows)}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"loops": out, "ratios": ratio, "load": [load_before, load_after], "args": vars(args)}, f,
-                      indent=1)
+            json.dump({"loops": out, "ratios": ratio, "ratios_cpu": ratio_cpu, "load": [load_before, load_after],
+                       "args": vars(args)}, f, indent=1)
     dist.destroy_process_group()
 
 

@@ -144,3 +144,26 @@ def test_train_loss_chunk_tokens_is_validated_and_both_settings_train_alike(tmp_
         runs[chunk] = [(r["loss"], r["grad_norm"]) for r in Trainer(cfg, dataset_dir=default_dataset).fit()]
     for (a_loss, a_norm), (b_loss, b_norm) in zip(runs[40], runs[0], strict=True):
         assert a_loss == pytest.approx(b_loss, rel=1e-6) and a_norm == pytest.approx(b_norm, rel=1e-5)
+
+
+class _Matmuls(TorchDispatchMode):
+    """How many matmuls run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("chunk", "chunks"), [(1000, 1), (10, 8)])
+def test_backward_recomputes_the_logits_of_every_chunk_but_the_last(chunk, chunks):
+    """Forward keeps the last chunk's exponentials: backward runs dX and dW per chunk and the forward
+    matmul again only for the chunks before it (none when the tokens fit in one chunk)."""
+    x, w, t = _case()  # 74 tokens
+    loss = linear_cross_entropy(x, w, t, chunk)
+    with _Matmuls() as mm:
+        loss.backward()
+    assert mm.count == 2 * chunks + (chunks - 1)

@@ -6,7 +6,10 @@ token only the log-sum-exp (and the target's logit); backward recomputes each ch
 into the softmax in place, subtracts the target and feeds that chunk's gradient into dX and dW. So the
 loss holds at most one chunk's fp32 logits (plus its cast to the weight's dtype under bf16) instead of
 the whole [tokens, vocab] tensor and its softmax — at vocab 128k and 8k tokens, 4 GiB per copy. The
-price is one more head matmul (forward recomputed in backward).
+price is one more head matmul per chunk but the last: forward keeps the last chunk's exp(logit − max)
+(computed last, it is the chunk alive when backward starts, which takes it first and in place, so the
+peak stays one chunk) and backward recomputes only the others. With the tokens in one chunk nothing is
+recomputed. A split backward (zero-bubble B then W) hands the kept chunk to its first half only.
 
 Vocabulary sharding (tensor parallelism) is not known here: a `VocabShards` object (the tp layer's)
 says which slice of the vocabulary `weight` holds and all-reduces the per-token statistics: one max
@@ -63,6 +66,7 @@ class _LinearCrossEntropy(Function):
         row_max = torch.empty(n, dtype=torch.float32, device=x.device)
         sum_exp = torch.empty_like(row_max)
         target_logit = torch.empty_like(row_max)
+        kept: tuple[int, torch.Tensor, torch.Tensor] | None = None  # the last chunk: (lo, exp(logit − max), max)
         for lo in _chunks(n, chunk):
             hi = min(lo + chunk, n)
             logits = F.linear(x[lo:hi], weight).float()
@@ -70,6 +74,8 @@ class _LinearCrossEntropy(Function):
             row_max[lo:hi] = m
             target_logit[lo:hi] = logits.gather(-1, local_t[lo:hi].unsqueeze(-1)).squeeze(-1)
             sum_exp[lo:hi] = logits.sub_(m.unsqueeze(-1)).exp_().sum(dim=-1)
+            if hi == n and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+                kept = (lo, logits, m)
             del logits
         target_logit.masked_fill_(~mine, 0.0)
         if shards is not None:
@@ -82,7 +88,9 @@ class _LinearCrossEntropy(Function):
         lse = sum_exp.log() + row_max
         valid = targets != ignore_index
         ctx.save_for_backward(x, weight, local_t, mine & valid, valid, lse)
-        ctx.chunk = chunk
+        # not a saved tensor: the first backward takes it (and drops it, as a split backward's W must not wait
+        # holding it); the local max is this rank's, lse is over all ranks
+        ctx.chunk, ctx.kept = chunk, kept
         return (lse - target_logit).masked_fill(~valid, 0.0)
 
     @staticmethod
@@ -96,11 +104,20 @@ class _LinearCrossEntropy(Function):
         grad_x = torch.empty_like(x) if need_x else None
         # dW accumulates over chunks in fp32 (a bf16 running sum would round at every chunk).
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for lo in _chunks(n, chunk):
+        kept, ctx.kept = ctx.kept, None
+        order = list(_chunks(n, chunk))
+        if kept is not None:  # the kept (last) chunk first: its memory is free before any other is built
+            order = order[-1:] + order[:-1]
+        for lo in order:
             hi = min(lo + chunk, n)
             # d loss_i / d logit_ij = (softmax_ij − [j is the target]) · grad_i, built in place.
-            g = F.linear(x[lo:hi], weight).float()
-            g.sub_(lse[lo:hi].unsqueeze(-1)).exp_()
+            if kept is not None and kept[0] == lo:
+                g, m = kept[1], kept[2]
+                kept = None
+                g.mul_((m - lse[lo:hi]).exp_().unsqueeze(-1))  # exp(logit − max) · exp(max − lse)
+            else:
+                g = F.linear(x[lo:hi], weight).float()
+                g.sub_(lse[lo:hi].unsqueeze(-1)).exp_()
             rows = torch.arange(hi - lo, device=g.device)
             g[rows, local_t[lo:hi]] -= hit[lo:hi].to(g.dtype)
             g.mul_(scale[lo:hi].unsqueeze(-1))
