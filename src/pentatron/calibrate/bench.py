@@ -7,8 +7,9 @@ on GPU), through the project's comm layer. Bus bandwidth follows nccl-tests: alg
 (payload / time) times 2(n-1)/n for all-reduce and (n-1)/n for all-gather and reduce-scatter, so it
 is comparable across group sizes and with link speeds. Only one machine is measured: inter-node
 figures stay those of the catalogue entry (or equal the intra-node ones on an unknown device).
-On a CPU the kernels are also measured as a training step runs them (`cpu_kernels.py`), the collectives
-after a block of compute, and how much the node's processes slow each other when all compute.
+On a CPU the kernels are also measured as a training step runs them (`cpu_kernels.py`), eager and
+compiled (`compiled_kernels.py`: what `train.compile` changes), the collectives after a block of compute,
+and how much the node's processes slow each other when all compute.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from pentatron.calibrate.compiled_kernels import measure_compiled
 from pentatron.calibrate.cpu_kernels import (
     ATTN_HEAD_DIM,
     ATTN_SEQ,
@@ -68,6 +70,9 @@ class BenchResult:
     # data-parallel step's synchronisations (dp_step.DPStep.to_profile) and, with an even count, the
     # pipeline's hop between stages (pp_step.PPStep.to_profile)
     tp_step: dict[str, float | int] = field(default_factory=dict)
+    # CPU: train.compile's kernels (compiled_kernels.measure_compiled): "host" (layer fwd, bwd seconds) and
+    # "chain" [(operand bytes, B/s)]; empty where inductor could not compile here
+    compiled: dict[str, Any] = field(default_factory=dict)
     dp_step: dict[str, Any] = field(default_factory=dict)
     pp_step: dict[str, Any] = field(default_factory=dict)
     torch_version: str = torch.__version__
@@ -411,6 +416,7 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
         result.cpu_kernels = measure_cpu_kernels(dev, seconds, result.host_optimizer_per_tensor)
         result.cpu_kernels["reference"] = reference_kernels(dev, seconds)  # alone, for node_slowdown
         result.matmul_curve = result.cpu_kernels["matmul_curve"]
+        result.compiled = measure_compiled(dev, seconds, _tiny_attention(dev, seconds))
     if nproc >= 2:
         import torch.multiprocessing as mp
 
@@ -475,6 +481,10 @@ def _profile_table(r: BenchResult) -> dict[str, Any]:
         prof["host_us"]["optimizer_per_tensor"] = round(r.host_optimizer_per_tensor * 1e6, 2)
     if r.tp_step:
         prof["tp_step"] = dict(r.tp_step)
+    if r.compiled:
+        (lf, lb), chain = r.compiled["host"], r.compiled["chain"]
+        prof["compiled"] = {"layer_fwd_us": round(lf * 1e6, 2), "layer_bwd_us": round(lb * 1e6, 2),
+                            "chain_bytes": [n for n, _ in chain], "chain_gb_s": [round(b / GB, 4) for _, b in chain]}
     if r.dp_step:
         prof["dp_step"] = dict(r.dp_step)
     if r.pp_step:
