@@ -36,7 +36,8 @@ def _cpu_result() -> BenchResult:
                      "node_slowdown": {"matmul": 1.8, "stream": 2.2, "host": 1.3},
                      "attention_grid": [(s, d, 1e10 + s, 6e9 + d) for s in (16, 64, 256, 1024) for d in (32, 64, 128)]},
         tp_step={"layer_fwd_us": 700.0, "layer_bwd_us": 900.0, "ends_fwd_us": 400.0, "ends_bwd_us": 450.0,
-                 "collective_bytes": [8192, 65536], "collective_us": [90.0, 150.0], "tp": 2},
+                 "collective_bytes": [8192, 65536], "collective_us": [90.0, 150.0], "tp": 2,
+                 "compiled_layer_fwd_us": 800.0, "compiled_layer_bwd_us": 1000.0},
         dp_step={"collective_bytes": [262144, 2**20], "collective_us": [400.0, 900.0], "scalar_us": 60.0},
         pp_step={"hop_bytes": [4096, 2**20], "hop_us": [200.0, 2500.0]},
         compiled={"host": (1e-4, 1.5e-4), "chain": [(32768, 4e9), (524288, 1.2e10)]})
@@ -65,6 +66,7 @@ def test_a_bench_profile_file_round_trips_in_its_schema(tmp_path):
     assert p.optimizer_per_element_s == pytest.approx(2.5e-9) and p.node_slowdown["stream"] == 2.2
     assert p.attention_fp32 is not None and p.attention_fp32.fwd[0] == pytest.approx(1e10 + 16)
     assert p.host_compiled_layer_s == pytest.approx((1e-4, 1.5e-4))
+    assert p.host_tp_compiled_layer_s == pytest.approx((8e-4, 1e-3))
     assert p.fused_bw == ((32768.0, pytest.approx(4e9)), (524288.0, pytest.approx(1.2e10)))
     # the older layout, every key under one [gpu] table, reads to the same device
     legacy = {"gpu": {**d["hardware"], **d["profile"], "measured": d["measured"]}}
@@ -111,6 +113,12 @@ def test_fused_kernels_read_the_compiled_chain_and_layer_when_measured():
     assert a.b - b.b == pytest.approx(2 * (elem / 5e9 - elem / 20e9) + 6e-4 - 2e-4)
     assert measured.speeds.host_layer(1, "fused") == (1e-4, 2e-4)
     assert measured.speeds.host_layer(1, "eager") == eager_only.speeds.host_layer(1, "fused") == (4e-4, 6e-4)
+    # tensor parallelism: the TP layer as bench ran it, compiled when it compiled it too
+    tp = dict(tp_collective=((1.0, 1e-4),), host_tp_layer_s=(7e-4, 9e-4))
+    assert with_profile(measured, **tp).speeds.host_layer(2, "fused") == (7e-4, 9e-4)
+    tp_compiled = with_profile(measured, **tp, host_tp_compiled_layer_s=(8e-4, 1e-3))
+    assert tp_compiled.speeds.host_layer(2, "fused") == (8e-4, 1e-3)
+    assert tp_compiled.speeds.host_layer(2, "eager") == (7e-4, 9e-4)
     # the bench's chain is stated in these bytes: its seconds come back at its shape
     from pentatron.calibrate.compiled_kernels import chain_bytes_per_token
 

@@ -59,6 +59,7 @@ class Profile:
     # for the vocab-parallel ends, and one tp all-reduce as the step meets it by activation bytes
     host_tp_layer_s: tuple[float, float] = (0.0, 0.0)
     host_tp_ends_s: tuple[float, float] = (0.0, 0.0)
+    host_tp_compiled_layer_s: tuple[float, float] = (0.0, 0.0)  # the TP layer under train.compile (fwd, bwd)
     tp_collective: Curve = ()  # ((bytes, seconds), ...)
     # the data-parallel step's synchronisations (calibrate/dp_step.py): the gradient all-reduce after a
     # backward by bytes, and one scalar all-reduce right after it
@@ -189,6 +190,8 @@ def _tp_step(t: Any) -> dict[str, Any]:
     try:
         return {"host_tp_layer_s": (float(t["layer_fwd_us"]) * US, float(t["layer_bwd_us"]) * US),
                 "host_tp_ends_s": (float(t["ends_fwd_us"]) * US, float(t["ends_bwd_us"]) * US),
+                "host_tp_compiled_layer_s": (float(t.get("compiled_layer_fwd_us", 0.0)) * US,
+                                             float(t.get("compiled_layer_bwd_us", 0.0)) * US),
                 "tp_collective": _in_step(t, "collective")}
     except (TypeError, KeyError, ValueError):
         raise _Bad("needs numbers layer_fwd_us, layer_bwd_us, ends_fwd_us, ends_bwd_us and equally long "

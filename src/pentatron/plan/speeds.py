@@ -253,13 +253,13 @@ class Measured(Roofline):
 
     def host_layer(self, tp: int, kernels: str = "eager") -> tuple[float, float]:
         """Measured host seconds per layer (serial with the arithmetic on a CPU): the tensor-parallel
-        layer's as bench ran it when tp > 1 and measured; else, with fused kernels, the compiled layer's
-        when measured (a compiled block is one call forward, one autograd node backward); else the eager
-        layer's. A tensor-parallel layer compiles only its elementwise pieces and keeps its eager
-        measurement (bench runs the TP layer eagerly)."""
+        layer's as bench ran it when tp > 1 and measured (compiled, with fused kernels, when bench compiled
+        it too); else, with fused kernels, the compiled layer's when measured (a compiled block is one call
+        forward, one autograd node backward); else the eager layer's."""
         p = self.profile
         if tp > 1 and p.tp_collective:
-            return p.host_tp_layer_s
+            fused = kernels == "fused" and any(p.host_tp_compiled_layer_s)
+            return p.host_tp_compiled_layer_s if fused else p.host_tp_layer_s
         if kernels == "fused" and any(p.host_compiled_layer_s):
             return p.host_compiled_layer_s
         return p.host_layer_s
