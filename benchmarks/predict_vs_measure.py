@@ -195,7 +195,9 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path, compile_: str) -> d
         print(f"tp step (tp_step): host per TP layer fwd {1e6 * prof.host_tp_layer_s[0]:.0f} / bwd "
               f"{1e6 * prof.host_tp_layer_s[1]:.0f} us (plain layer {1e6 * prof.host_layer_s[0]:.0f} / "
               f"{1e6 * prof.host_layer_s[1]:.0f}), ends {1e6 * prof.host_tp_ends_s[0]:.0f} / "
-              f"{1e6 * prof.host_tp_ends_s[1]:.0f} us, tp all-reduce in step "
+              f"{1e6 * prof.host_tp_ends_s[1]:.0f} us, compiled TP layer "
+              f"{1e6 * prof.host_tp_compiled_layer_s[0]:.0f} / "
+              f"{1e6 * prof.host_tp_compiled_layer_s[1]:.0f} us, tp all-reduce in step "
               + ", ".join(f"{1e6 * t:.0f} us at {b / 1024:g} KiB" for b, t in prof.tp_collective))
     if prof.dp_collective:
         print("dp step (dp_step): gradient all-reduce in step "
