@@ -13,8 +13,13 @@ each prediction's parts: per micro-batch forward / backward (+ weight
 gradients) on the busiest stage, exposed data-parallel communication, optimizer, overlapped
 communication charged as contention (all of it on a CPU: the cores that compute also communicate).
 
+Each layout runs eager (`train.compile=false`, predicted with `--kernels eager`) and compiled
+(`train.compile=true`, predicted with `--kernels fused`: the profile's compiled chain and compiled layer
+host, calibrate/compiled_kernels.py), or one of them (`--compile`). The steps of `--warmup` are left out
+of the median: under compile they include inductor compiling each region (forward, then backward).
+
     python benchmarks/predict_vs_measure.py [--profile cpu.toml] [--steps 12] [--warmup 3] [--rounds N]
-                                            [--memory-layouts]
+                                            [--compile {eager,compiled,both}] [--memory-layouts]
 
 Without `--profile` it first runs `pentatron bench --nproc 2` into a temporary profile (each round:
 the profile and the runs then see the machine in the same minute). Measured step
@@ -113,8 +118,18 @@ def _bench(out: str) -> None:
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[float, ...]]:
-    """One profile, the four runs; prints the table; returns run -> (predicted, median, fastest,
+MODES = {"eager": ("eager", []), "compiled": ("fused", ["train.compile=true"])}  # mode -> (kernels, overrides)
+
+
+def _runs(compile_: str) -> list[tuple[str, Layout, list[str], str]]:
+    """(name, layout, overrides, the planner's kernels) of every run of `--compile`."""
+    modes = list(MODES) if compile_ == "both" else [compile_]
+    return [(name if mode == "eager" else f"{name} comp", lay, overrides + MODES[mode][1], MODES[mode][0])
+            for mode in modes for name, (lay, overrides) in RUNS.items()]
+
+
+def _round(profile: str, steps: int, warmup: int, tmp: Path, compile_: str) -> dict[str, tuple[float, ...]]:
+    """One profile, the runs of `compile_`; prints the table; returns run -> (predicted, median, fastest,
     predicted without the TP step) s, predicted / measured peak tensor memory, and the predictions
     without the DP step (dp_step's in-step gradient and scalar collectives, the measured exchange) and
     without the PP step (pp_step's in-step hop)."""
@@ -131,10 +146,15 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
     no_dp_step = with_profile(gpu, dp_collective=(), scalar_collective_s=0.0,
                               busbw={k: v for k, v in prof.busbw.items() if k != "exchange"})
     no_pp_step = with_profile(gpu, pp_hop=())
+    if any(prof.host_compiled_layer_s):
+        print(f"compiled (compiled_kernels): host per layer fwd {1e6 * prof.host_compiled_layer_s[0]:.0f} / bwd "
+              f"{1e6 * prof.host_compiled_layer_s[1]:.0f} us (eager {1e6 * prof.host_layer_s[0]:.0f} / "
+              f"{1e6 * prof.host_layer_s[1]:.0f}); fused chain "
+              + ", ".join(f"{b / 1e9:.1f} GB/s at {n / 1024:g} KiB" for n, b in prof.fused_bw))
     if prof.node_slowdown:
         print("node slowdown (every process busy): "
               + ", ".join(f"{k} {v:.2f}x" for k, v in prof.node_slowdown.items()))
-    head = (f"{'run':<10} {'pred step ms':>12} {'(alone)':>8} {'(hot)':>8} {'(no TP step)':>12} {'(no DP step)':>12} "
+    head = (f"{'run':<14} {'pred step ms':>12} {'(alone)':>8} {'(hot)':>8} {'(no TP step)':>12} {'(no DP step)':>12} "
             f"{'(no PP step)':>12} {'meas step ms':>12} {'ratio':>6} "
             f"{'best ms':>8} {'ratio':>6}   "
             f"{'pred state KiB':>14} {'meas state KiB':>14} {'ratio':>6}   "
@@ -142,17 +162,17 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
     print(head)
     print("-" * len(head))
     parts, out = [], {}
-    for i, (name, (lay, overrides)) in enumerate(RUNS.items()):
-        pred = predict(w, lay, gpu, kernels="eager")
-        pred_flat = predict(w, lay, hot, kernels="eager")
-        pred_alone = predict(w, lay, alone, kernels="eager")
-        pred_no_tp = predict(w, lay, no_tp_step, kernels="eager")
-        pred_no_dp = predict(w, lay, no_dp_step, kernels="eager")
-        pred_no_pp = predict(w, lay, no_pp_step, kernels="eager")
+    for i, (name, lay, overrides, kernels) in enumerate(_runs(compile_)):
+        pred = predict(w, lay, gpu, kernels=kernels)
+        pred_flat = predict(w, lay, hot, kernels=kernels)
+        pred_alone = predict(w, lay, alone, kernels=kernels)
+        pred_no_tp = predict(w, lay, no_tp_step, kernels=kernels)
+        pred_no_dp = predict(w, lay, no_dp_step, kernels=kernels)
+        pred_no_pp = predict(w, lay, no_pp_step, kernels=kernels)
         m = _train(overrides, lay.world, steps, warmup, tmp / f"run{i}")
         mem = pred.memory
         state = mem.model_state
-        print(f"{name:<10} {1e3 * pred.step.step:>12.2f} {1e3 * pred_alone.step.step:>8.2f} "
+        print(f"{name:<14} {1e3 * pred.step.step:>12.2f} {1e3 * pred_alone.step.step:>8.2f} "
               f"{1e3 * pred_flat.step.step:>8.2f} {1e3 * pred_no_tp.step.step:>12.2f} "
               f"{1e3 * pred_no_dp.step.step:>12.2f} {1e3 * pred_no_pp.step.step:>12.2f} "
               f"{1e3 * m.step_s:>12.2f} {pred.step.step / m.step_s:>6.2f} {1e3 * m.best_s:>8.2f} "
@@ -164,7 +184,7 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
                      pred_no_dp.step.step, pred_no_pp.step.step)
         st = pred.step
         ph = max(st.phases, key=lambda p: p.total)
-        parts.append(f"{name:<10} {lay.microbatches(w)} x (f {1e3 * ph.f:.2f} + b {1e3 * ph.b:.2f} "
+        parts.append(f"{name:<14} {lay.microbatches(w)} x (f {1e3 * ph.f:.2f} + b {1e3 * ph.b:.2f} "
                      f"+ w {1e3 * ph.w:.2f}) -> pipeline {1e3 * st.pipeline:.2f} "
                      f"(bubble {100 * st.bubble_fraction:.0f} %), dp exposed "
                      f"{1e3 * st.dp_exposed:.2f}, optimizer {1e3 * st.optimizer:.2f}, contention "
@@ -175,7 +195,9 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path) -> dict[str, tuple[
         print(f"tp step (tp_step): host per TP layer fwd {1e6 * prof.host_tp_layer_s[0]:.0f} / bwd "
               f"{1e6 * prof.host_tp_layer_s[1]:.0f} us (plain layer {1e6 * prof.host_layer_s[0]:.0f} / "
               f"{1e6 * prof.host_layer_s[1]:.0f}), ends {1e6 * prof.host_tp_ends_s[0]:.0f} / "
-              f"{1e6 * prof.host_tp_ends_s[1]:.0f} us, tp all-reduce in step "
+              f"{1e6 * prof.host_tp_ends_s[1]:.0f} us, compiled TP layer "
+              f"{1e6 * prof.host_tp_compiled_layer_s[0]:.0f} / "
+              f"{1e6 * prof.host_tp_compiled_layer_s[1]:.0f} us, tp all-reduce in step "
               + ", ".join(f"{1e6 * t:.0f} us at {b / 1024:g} KiB" for b, t in prof.tp_collective))
     if prof.dp_collective:
         print("dp step (dp_step): gradient all-reduce in step "
@@ -215,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat (bench, then the four runs) this many times and summarise the ratios: on a "
                          "shared machine one round measures the neighbours as much as the model")
+    ap.add_argument("--compile", choices=("eager", "compiled", "both"), default="both",
+                    help="the runs eager (train.compile=false), compiled (train.compile=true) or both (default)")
     ap.add_argument("--memory-layouts", action="store_true",
                     help="then peak tensor memory only, rank 0, for zero 1/2/3, 2 micro-batches, tp2+sp, cp2 and "
                          "full / selective recompute (one 3-step run each)")
@@ -227,12 +251,12 @@ def main(argv: list[str] | None = None) -> int:
                 profile = str(Path(tmp) / f"cpu{r}.toml")
                 _bench(profile)
             print(f"round {r + 1}/{args.rounds}, {time.strftime('%H:%M:%S')}")
-            rounds.append(_round(profile, args.steps, args.warmup, Path(tmp) / f"r{r}"))
+            rounds.append(_round(profile, args.steps, args.warmup, Path(tmp) / f"r{r}", args.compile))
         if args.memory_layouts:
             _memory_layouts(Path(tmp))
     if len(rounds) > 1:
         print("\npredicted / measured over the rounds (median [min .. max]):")
-        for name in RUNS:
+        for name in rounds[0]:
             med = [x[name][0] / x[name][1] for x in rounds]
             best = [x[name][0] / x[name][2] for x in rounds]
             pre = [x[name][3] / x[name][1] for x in rounds]
@@ -240,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             no_dp = [x[name][5] / x[name][1] for x in rounds]
             no_pp = [x[name][6] / x[name][1] for x in rounds]
             within = sum(abs(r - 1) <= 0.25 for r in med)
-            print(f"{name:<10} median step {statistics.median(med):.2f} [{min(med):.2f} .. {max(med):.2f}] "
+            print(f"{name:<14} median step {statistics.median(med):.2f} [{min(med):.2f} .. {max(med):.2f}] "
                   f"({within}/{len(med)} within 25 %)   "
                   f"fastest step {statistics.median(best):.2f} [{min(best):.2f} .. {max(best):.2f}]   "
                   f"without the TP step {statistics.median(pre):.2f} [{min(pre):.2f} .. {max(pre):.2f}]   "

@@ -18,7 +18,7 @@ from pentatron.plan.hardware import GPUSpec, get_gpu, hardware_from_data, load_h
 from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.profile import PROFILE_SCHEMA, Profile
 from pentatron.plan.speeds import Measured, Roofline
-from pentatron.plan.timing import step_time
+from pentatron.plan.timing import layer_phase, step_time
 
 H100 = get_gpu("h100")
 SRC = Path(__file__).resolve().parents[2] / "src" / "pentatron"
@@ -36,9 +36,11 @@ def _cpu_result() -> BenchResult:
                      "node_slowdown": {"matmul": 1.8, "stream": 2.2, "host": 1.3},
                      "attention_grid": [(s, d, 1e10 + s, 6e9 + d) for s in (16, 64, 256, 1024) for d in (32, 64, 128)]},
         tp_step={"layer_fwd_us": 700.0, "layer_bwd_us": 900.0, "ends_fwd_us": 400.0, "ends_bwd_us": 450.0,
-                 "collective_bytes": [8192, 65536], "collective_us": [90.0, 150.0], "tp": 2},
+                 "collective_bytes": [8192, 65536], "collective_us": [90.0, 150.0], "tp": 2,
+                 "compiled_layer_fwd_us": 800.0, "compiled_layer_bwd_us": 1000.0},
         dp_step={"collective_bytes": [262144, 2**20], "collective_us": [400.0, 900.0], "scalar_us": 60.0},
-        pp_step={"hop_bytes": [4096, 2**20], "hop_us": [200.0, 2500.0]})
+        pp_step={"hop_bytes": [4096, 2**20], "hop_us": [200.0, 2500.0]},
+        compiled={"host": (1e-4, 1.5e-4), "chain": [(32768, 4e9), (524288, 1.2e10)]})
 
 
 def test_the_datasheet_is_small_and_holds_no_measured_curve():
@@ -63,6 +65,9 @@ def test_a_bench_profile_file_round_trips_in_its_schema(tmp_path):
     assert p.scalar_collective_s == pytest.approx(6e-5) and p.pp_hop[-1] == pytest.approx((2.0**20, 2.5e-3))
     assert p.optimizer_per_element_s == pytest.approx(2.5e-9) and p.node_slowdown["stream"] == 2.2
     assert p.attention_fp32 is not None and p.attention_fp32.fwd[0] == pytest.approx(1e10 + 16)
+    assert p.host_compiled_layer_s == pytest.approx((1e-4, 1.5e-4))
+    assert p.host_tp_compiled_layer_s == pytest.approx((8e-4, 1e-3))
+    assert p.fused_bw == ((32768.0, pytest.approx(4e9)), (524288.0, pytest.approx(1.2e10)))
     # the older layout, every key under one [gpu] table, reads to the same device
     legacy = {"gpu": {**d["hardware"], **d["profile"], "measured": d["measured"]}}
     assert hardware_from_data(legacy, "legacy") == gpu
@@ -74,6 +79,8 @@ def test_a_bench_profile_file_round_trips_in_its_schema(tmp_path):
     ({"profile": {"copy_bw": {"bytes": [1, 2], "gb_s": [1]}}}, "copy_bw needs equal-length lists"),
     ({"profile": {"busbw": {"all_reduce": {"bytes": [1]}}}}, "busbw.all_reduce needs"),
     ({"profile": {"peak_tflops": {"fp32": 1}}}, "unknown key.*peak_tflops"),
+    ({"profile": {"compiled": {"layer_fwd_us": 1, "layer_bwd_us": 1, "chain_bytes": [1], "chain_gb_s": [0]}}},
+     "compiled needs .*positive"),
 ])
 def test_a_malformed_profile_names_its_problem(change, match):
     d = {**profile_dict(_cpu_result()), **change}
@@ -86,6 +93,39 @@ def test_an_empty_profile_predicts_what_the_datasheet_does():
     w = Workload(get_model_config("llama3-8b"), 4096, 64)
     for lay in (Layout(dp=4, tp=2, sp=True, micro_batch=1, zero=1), Layout(dp=2, pp=2, tp=2, micro_batch=1)):
         assert step_time(w, lay, with_profile(H100), kernels="eager") == step_time(w, lay, H100, kernels="eager")
+
+
+def test_fused_kernels_read_the_compiled_chain_and_layer_when_measured():
+    """train.compile's kernels (calibrate/compiled_kernels.py): `--kernels fused` prices a layer's
+    elementwise bytes at the measured compiled chain and its host work at the compiled layer's; eager keeps
+    the eager curve and host; without the measurement fused kernels fall back to the eager curve and host."""
+    w = Workload(get_model_config("debug"), 64, 8)
+    lay = Layout(dp=1, micro_batch=4, precision="fp32")
+    base = dict(stream_bw=((1.0, 5e9),), host_layer_s=(4e-4, 6e-4))
+    eager_only = with_profile(H100, **base)
+    measured = with_profile(H100, **base, fused_bw=((1.0, 20e9),), host_compiled_layer_s=(1e-4, 2e-4))
+    assert layer_phase(w, lay, measured, 0, "eager") == layer_phase(w, lay, eager_only, 0, "eager")
+    # fused fp32 bytes per token of one layer's forward: 2 RMSNorms 2·2·4·128, RoPE 2·4·(128 + 64),
+    # 2 residual adds 2·3·4·128, SwiGLU 3·4·256 = 9,728; x 256 tokens, forward once and backward twice
+    elem = 256 * 9728
+    a, b = layer_phase(w, lay, eager_only, 0, "fused"), layer_phase(w, lay, measured, 0, "fused")
+    assert a.f - b.f == pytest.approx(elem / 5e9 - elem / 20e9 + 4e-4 - 1e-4)
+    assert a.b - b.b == pytest.approx(2 * (elem / 5e9 - elem / 20e9) + 6e-4 - 2e-4)
+    assert measured.speeds.host_layer(1, "fused") == (1e-4, 2e-4)
+    assert measured.speeds.host_layer(1, "eager") == eager_only.speeds.host_layer(1, "fused") == (4e-4, 6e-4)
+    # tensor parallelism: the TP layer as bench ran it, compiled when it compiled it too
+    tp = dict(tp_collective=((1.0, 1e-4),), host_tp_layer_s=(7e-4, 9e-4))
+    assert with_profile(measured, **tp).speeds.host_layer(2, "fused") == (7e-4, 9e-4)
+    tp_compiled = with_profile(measured, **tp, host_tp_compiled_layer_s=(8e-4, 1e-3))
+    assert tp_compiled.speeds.host_layer(2, "fused") == (8e-4, 1e-3)
+    assert tp_compiled.speeds.host_layer(2, "eager") == (7e-4, 9e-4)
+    # the bench's chain is stated in these bytes: its seconds come back at its shape
+    from pentatron.calibrate.compiled_kernels import chain_bytes_per_token
+
+    assert chain_bytes_per_token() == 3 * 9728
+    # ranks sharing the node: the compiled chain is memory traffic, the compiled layer host work
+    shared = measured.profile.shared(matmul=2.0, stream=4.0, host=3.0)
+    assert shared.fused_bw == ((1.0, 5e9),) and shared.host_compiled_layer_s == pytest.approx((3e-4, 6e-4))
 
 
 def test_every_collective_has_a_typed_kind():

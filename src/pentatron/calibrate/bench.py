@@ -7,8 +7,9 @@ on GPU), through the project's comm layer. Bus bandwidth follows nccl-tests: alg
 (payload / time) times 2(n-1)/n for all-reduce and (n-1)/n for all-gather and reduce-scatter, so it
 is comparable across group sizes and with link speeds. Only one machine is measured: inter-node
 figures stay those of the catalogue entry (or equal the intra-node ones on an unknown device).
-On a CPU the kernels are also measured as a training step runs them (`cpu_kernels.py`), the collectives
-after a block of compute, and how much the node's processes slow each other when all compute.
+On a CPU the kernels are also measured as a training step runs them (`cpu_kernels.py`), eager and
+compiled (`compiled_kernels.py`: what `train.compile` changes), the collectives after a block of compute,
+and how much the node's processes slow each other when all compute.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import platform
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 
+from pentatron.calibrate.compiled_kernels import measure_compiled
 from pentatron.calibrate.cpu_kernels import (
     ATTN_HEAD_DIM,
     ATTN_SEQ,
@@ -68,6 +71,9 @@ class BenchResult:
     # data-parallel step's synchronisations (dp_step.DPStep.to_profile) and, with an even count, the
     # pipeline's hop between stages (pp_step.PPStep.to_profile)
     tp_step: dict[str, float | int] = field(default_factory=dict)
+    # CPU: train.compile's kernels (compiled_kernels.measure_compiled): "host" (layer fwd, bwd seconds) and
+    # "chain" [(operand bytes, B/s)]; empty where inductor could not compile here
+    compiled: dict[str, Any] = field(default_factory=dict)
     dp_step: dict[str, Any] = field(default_factory=dict)
     pp_step: dict[str, Any] = field(default_factory=dict)
     torch_version: str = torch.__version__
@@ -294,6 +300,19 @@ def _exchange(comm: Any, buf: torch.Tensor, rank: int) -> None:
         w.wait()
 
 
+def _tp_step(ctx: Any, tiny_attention: tuple[float, float]) -> dict[str, Any]:
+    """tp_step's table, its compiled layer included where inductor compiles here (one line on stderr, and
+    the eager measurement only, where it does not)."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    try:
+        return measure_tp_step(ctx, tiny_attention, compiled=True).to_profile()
+    except (TorchDynamoException, RuntimeError, OSError) as e:
+        print(f"pentatron bench: the compiled TP layer not measured: {type(e).__name__}: "
+              f"{str(e).splitlines()[0][:200]}", file=sys.stderr)
+        return measure_tp_step(ctx, tiny_attention).to_profile()
+
+
 def _collective_worker(rank: int, world: int, port: int, device_type: str, max_bytes: int, seconds: float,
                        out_path: str) -> None:
     """One process of the collective benchmark; rank 0 writes the result file."""
@@ -367,7 +386,7 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
             attn = _tiny_attention(device, seconds / 3, heads, kv, tokens, TP_HEAD_DIM)
             tp_ctx = ParallelContext.from_layout(ParallelLayout(tp=world), device)
             contexts.append(tp_ctx)
-            tp_step = measure_tp_step(tp_ctx, attn).to_profile()
+            tp_step = _tp_step(tp_ctx, attn)
         if rank == 0:
             Path(out_path).write_text(json.dumps({"busbw": results, "concurrent": concurrent, "tp_step": tp_step,
                                                   "dp_step": dp_step, "pp_step": pp_step}))
@@ -411,6 +430,7 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
         result.cpu_kernels = measure_cpu_kernels(dev, seconds, result.host_optimizer_per_tensor)
         result.cpu_kernels["reference"] = reference_kernels(dev, seconds)  # alone, for node_slowdown
         result.matmul_curve = result.cpu_kernels["matmul_curve"]
+        result.compiled = measure_compiled(dev, seconds, _tiny_attention(dev, seconds))
     if nproc >= 2:
         import torch.multiprocessing as mp
 
@@ -475,6 +495,10 @@ def _profile_table(r: BenchResult) -> dict[str, Any]:
         prof["host_us"]["optimizer_per_tensor"] = round(r.host_optimizer_per_tensor * 1e6, 2)
     if r.tp_step:
         prof["tp_step"] = dict(r.tp_step)
+    if r.compiled:
+        (lf, lb), chain = r.compiled["host"], r.compiled["chain"]
+        prof["compiled"] = {"layer_fwd_us": round(lf * 1e6, 2), "layer_bwd_us": round(lb * 1e6, 2),
+                            "chain_bytes": [n for n, _ in chain], "chain_gb_s": [round(b / GB, 4) for _, b in chain]}
     if r.dp_step:
         prof["dp_step"] = dict(r.dp_step)
     if r.pp_step:

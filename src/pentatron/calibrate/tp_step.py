@@ -16,7 +16,10 @@ inside the tp collectives apart from the rest:
   tp2): the tp layer's own collectives, not a loop of them; the planner interpolates it;
 * `layer_fwd_s`, `layer_bwd_s`: host seconds per TP decoder layer outside the collectives (from the
   2 -> 6 layer difference), less the tiny model's own attention call (charged at the run's shape);
-* `ends_fwd_s`, `ends_bwd_s`: the same for the vocab-parallel embedding, the head and the loss.
+* `ends_fwd_s`, `ends_bwd_s`: the same for the vocab-parallel embedding, the head and the loss;
+* `compiled_layer`: with `compiled`, the layer's host seconds again with its blocks compiled as
+  `train.compile` compiles a tensor-parallel block (parallel/compile.py: each communication-free piece,
+  the norms, RoPE, the attention core, the MLP's activation, a region of its own).
 
 All ranks compute at once here, so these already include the ranks sharing the node's cores.
 """
@@ -44,13 +47,17 @@ class TPStep:
     ends_bwd_s: float
     collective: tuple[tuple[int, float], ...]  # (activation bytes, mean seconds per all-reduce in the step)
     tp: int
+    compiled_layer: tuple[float, float] | None = None  # (fwd, bwd) host seconds per compiled TP layer
 
     def to_profile(self) -> dict[str, float | int]:
         """The `tp_step` table of the profile (microseconds)."""
+        compiled = {} if self.compiled_layer is None else {
+            "compiled_layer_fwd_us": round(self.compiled_layer[0] * 1e6, 2),
+            "compiled_layer_bwd_us": round(self.compiled_layer[1] * 1e6, 2)}
         return {"layer_fwd_us": round(self.layer_fwd_s * 1e6, 2), "layer_bwd_us": round(self.layer_bwd_s * 1e6, 2),
                 "ends_fwd_us": round(self.ends_fwd_s * 1e6, 2), "ends_bwd_us": round(self.ends_bwd_s * 1e6, 2),
                 "collective_bytes": [b for b, _ in self.collective],
-                "collective_us": [round(t * 1e6, 2) for _, t in self.collective], "tp": self.tp}
+                "collective_us": [round(t * 1e6, 2) for _, t in self.collective], "tp": self.tp, **compiled}
 
 
 class _TimedComm:
@@ -79,7 +86,8 @@ class _TimedComm:
         return out
 
 
-def _run(n_layers: int, tp: int, ctx: Any, timer: _TimedComm, n_tokens: int = TOKENS) -> dict[str, float]:
+def _run(n_layers: int, tp: int, ctx: Any, timer: _TimedComm, n_tokens: int = TOKENS,
+         compiled: bool = False) -> dict[str, float]:
     """Medians over ITERS of (forward, backward) wall seconds and seconds inside collectives, and the
     mean seconds of an activation-sized all-reduce ("act"), for the tiny TP Llama at `n_layers` on
     `n_tokens` tokens."""
@@ -92,6 +100,10 @@ def _run(n_layers: int, tp: int, ctx: Any, timer: _TimedComm, n_tokens: int = TO
                       ffn_hidden_size=2 * hidden, max_seq_len=n_tokens)
     torch.manual_seed(0)  # every rank builds the same full model and keeps its slice
     model = apply_tensor_parallel(Llama(cfg).to(ctx.device), ctx)
+    if compiled:  # the first (warm-up) iteration compiles every region, forward and backward
+        from pentatron.parallel.compile import apply_compile
+
+        apply_compile(model, True, ctx.device)
     tokens = torch.arange(n_tokens, device=ctx.device).remainder(cfg.vocab_size).unsqueeze(0)
     rows: list[tuple[float, float, float, float]] = []
     act_bytes, act = n_tokens * hidden * 4, []
@@ -115,13 +127,10 @@ def _run(n_layers: int, tp: int, ctx: Any, timer: _TimedComm, n_tokens: int = TO
             "act": statistics.fmean(act) if act else 0.0, "act_bytes": float(act_bytes)}
 
 
-def measure_tp_step(ctx: Any, tiny_attention: tuple[float, float]) -> TPStep:
-    """Run on every rank of a tensor-parallel context `ctx` (a collective call); `tiny_attention`: the
-    (forward, backward) seconds of one local attention call of the tiny model (1 head, TOKENS tokens,
-    HEAD_DIM), which the planner charges at the run's shape instead. Averages over the ranks."""
-    tp = ctx.size("tp")
-    timer = _TimedComm(ctx.comm)
-    r2, r6 = _run(2, tp, ctx, timer), _run(6, tp, ctx, timer)
+def _per_layer(ctx: Any, tp: int, r2: dict[str, float], r6: dict[str, float], tiny_attention: tuple[float, float]
+               ) -> tuple[float, float, float, float]:
+    """(layer fwd, layer bwd, ends fwd, ends bwd) host seconds from the 2- and 6-layer runs, the mean over
+    the ranks (a collective call)."""
     vals = torch.tensor([r2["f"], r2["b"], r2["cf"], r2["cb"], r6["f"], r6["b"], r6["cf"], r6["cb"]],
                         dtype=torch.float64)
     ctx.comm.all_reduce(vals, "tp")  # the mean over ranks (not timed: the wrapper is only read above)
@@ -129,13 +138,27 @@ def measure_tp_step(ctx: Any, tiny_attention: tuple[float, float]) -> TPStep:
     af, ab = tiny_attention
     lf = max(0.0, ((f6 - cf6) - (f2 - cf2)) / 4 - af)
     lb = max(0.0, ((b6 - cb6) - (b2 - cb2)) / 4 - ab)
-    ef = max(0.0, (f2 - cf2) - 2 * (lf + af))
-    eb = max(0.0, (b2 - cb2) - 2 * (lb + ab))
+    return lf, lb, max(0.0, (f2 - cf2) - 2 * (lf + af)), max(0.0, (b2 - cb2) - 2 * (lb + ab))
+
+
+def measure_tp_step(ctx: Any, tiny_attention: tuple[float, float], compiled: bool = False) -> TPStep:
+    """Run on every rank of a tensor-parallel context `ctx` (a collective call); `tiny_attention`: the
+    (forward, backward) seconds of one local attention call of the tiny model (1 head, TOKENS tokens,
+    HEAD_DIM), which the planner charges at the run's shape instead. Averages over the ranks. `compiled`:
+    also the compiled layer's host seconds."""
+    tp = ctx.size("tp")
+    timer = _TimedComm(ctx.comm)
+    r2, r6 = _run(2, tp, ctx, timer), _run(6, tp, ctx, timer)
+    lf, lb, ef, eb = _per_layer(ctx, tp, r2, r6, tiny_attention)
+    compiled_layer = None
+    if compiled:
+        c2, c6 = _run(2, tp, ctx, timer, compiled=True), _run(6, tp, ctx, timer, compiled=True)
+        compiled_layer = _per_layer(ctx, tp, c2, c6, tiny_attention)[:2]
     sizes = [r6] + [_run(2, tp, ctx, timer, n) for n in COLLECTIVE_TOKENS if n != TOKENS]
     acts = torch.tensor([r["act"] for r in sizes], dtype=torch.float64)
     ctx.comm.all_reduce(acts, "tp")
     collective = tuple((int(r["act_bytes"]), t / tp) for r, t in zip(sizes, acts.tolist(), strict=True))
-    return TPStep(lf, lb, ef, eb, collective, tp)
+    return TPStep(lf, lb, ef, eb, collective, tp, compiled_layer)
 
 
 def tiny_attention_shape() -> tuple[int, int, int]:

@@ -59,6 +59,7 @@ class Profile:
     # for the vocab-parallel ends, and one tp all-reduce as the step meets it by activation bytes
     host_tp_layer_s: tuple[float, float] = (0.0, 0.0)
     host_tp_ends_s: tuple[float, float] = (0.0, 0.0)
+    host_tp_compiled_layer_s: tuple[float, float] = (0.0, 0.0)  # the TP layer under train.compile (fwd, bwd)
     tp_collective: Curve = ()  # ((bytes, seconds), ...)
     # the data-parallel step's synchronisations (calibrate/dp_step.py): the gradient all-reduce after a
     # backward by bytes, and one scalar all-reduce right after it
@@ -66,6 +67,10 @@ class Profile:
     scalar_collective_s: float = 0.0
     # the pipeline hop between two computing neighbours by message bytes (calibrate/pp_step.py)
     pp_hop: Curve = ()  # ((bytes, seconds), ...)
+    # train.compile's kernels (calibrate/compiled_kernels.py): a block's compiled elementwise chain, B/s in
+    # the planner's fused bytes by operand bytes, and host seconds per compiled decoder layer (fwd, bwd)
+    fused_bw: Curve = ()
+    host_compiled_layer_s: tuple[float, float] = (0.0, 0.0)
 
     def shared(self, matmul: float, stream: float, host: float) -> Profile:
         """This profile with compute rates divided and host times multiplied by the given slowdowns
@@ -79,6 +84,8 @@ class Profile:
             head_fp32=tuple((f, *(r / matmul for r in rates)) for f, *rates in self.head_fp32),
             attention_fp32=att, copy_bw=tuple((n, b / stream) for n, b in self.copy_bw),
             stream_bw=tuple((n, b / stream) for n, b in self.stream_bw),
+            fused_bw=tuple((n, b / stream) for n, b in self.fused_bw),
+            host_compiled_layer_s=(self.host_compiled_layer_s[0] * host, self.host_compiled_layer_s[1] * host),
             optimizer_per_element_s=self.optimizer_per_element_s * stream,
             host_layer_s=(self.host_layer_s[0] * host, self.host_layer_s[1] * host),
             host_ends_s=(self.host_ends_s[0] * host, self.host_ends_s[1] * host),
@@ -183,6 +190,8 @@ def _tp_step(t: Any) -> dict[str, Any]:
     try:
         return {"host_tp_layer_s": (float(t["layer_fwd_us"]) * US, float(t["layer_bwd_us"]) * US),
                 "host_tp_ends_s": (float(t["ends_fwd_us"]) * US, float(t["ends_bwd_us"]) * US),
+                "host_tp_compiled_layer_s": (float(t.get("compiled_layer_fwd_us", 0.0)) * US,
+                                             float(t.get("compiled_layer_bwd_us", 0.0)) * US),
                 "tp_collective": _in_step(t, "collective")}
     except (TypeError, KeyError, ValueError):
         raise _Bad("needs numbers layer_fwd_us, layer_bwd_us, ends_fwd_us, ends_bwd_us and equally long "
@@ -205,6 +214,19 @@ def _pp_step(t: Any) -> Curve:
         return _in_step(t, "hop")
     except (TypeError, KeyError, ValueError):
         raise _Bad("needs equally long lists of positive hop_bytes, hop_us") from None
+
+
+def _compiled(t: Any) -> dict[str, Any]:
+    """{layer_fwd_us, layer_bwd_us, chain_bytes = [...], chain_gb_s = [...]}: positive numbers."""
+    try:
+        host = (float(t["layer_fwd_us"]) * US, float(t["layer_bwd_us"]) * US)
+        chain = _points(t["chain_bytes"], t["chain_gb_s"], 1.0, GB)
+        if min(host) < 0 or any(b <= 0 or r <= 0 for b, r in chain):
+            raise ValueError
+        return {"host_compiled_layer_s": host, "fused_bw": chain}
+    except (TypeError, KeyError, ValueError):
+        raise _Bad("needs numbers layer_fwd_us, layer_bwd_us >= 0 and equally long, non-empty lists of positive "
+                   "chain_bytes, chain_gb_s") from None
 
 
 def _slowdown(t: Any) -> dict[str, float]:
@@ -239,6 +261,7 @@ _READERS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "tp_step": ("", _tp_step),
     "dp_step": ("", _dp_step),
     "pp_step": ("pp_hop", _pp_step),
+    "compiled": ("", _compiled),
     "node_slowdown": ("node_slowdown", _slowdown),
     "optimizer_ns_per_element": ("optimizer_per_element_s", _optimizer_ns),
 }

@@ -76,7 +76,8 @@ class Speeds(Protocol):
                   launches: float) -> tuple[float, float]: ...
     def stream_bandwidth(self, nbytes: float, efficiency: bool = True) -> float: ...
     def op_bandwidth(self, operand_bytes: float, working_set: float, efficiency: bool = True) -> float: ...
-    def host_layer(self, tp: int) -> tuple[float, float]: ...
+    def fused_bandwidth(self, operand_bytes: float, working_set: float) -> float: ...
+    def host_layer(self, tp: int, kernels: str = "eager") -> tuple[float, float]: ...
     def host_ends(self, tp: int) -> tuple[float, float]: ...
     def optimizer(self, params: float, bytes_per_param: float, working_set: float, tensors: int) -> float: ...
     def bus_bandwidth(self, op: str, payload: float, g: Group) -> float: ...
@@ -128,7 +129,12 @@ class Roofline:
         """Bytes/s of an eager elementwise op on operands of `operand_bytes` inside a step."""
         return self.stream_bandwidth(working_set, efficiency)
 
-    def host_layer(self, tp: int) -> tuple[float, float]:
+    def fused_bandwidth(self, operand_bytes: float, working_set: float) -> float:
+        """Bytes/s of a fused (compiled, or a framework's hand-fused) elementwise chain, counted in the
+        bytes the fused model charges: one read and one write per chain, at the elementwise ops' speed."""
+        return self.op_bandwidth(operand_bytes, working_set)
+
+    def host_layer(self, tp: int, kernels: str = "eager") -> tuple[float, float]:
         """Host seconds per decoder layer outside the kernels: GPU launches overlap them (none)."""
         return (0.0, 0.0)
 
@@ -238,11 +244,25 @@ class Measured(Roofline):
             return super().op_bandwidth(operand_bytes, working_set, efficiency)
         return interp_log(self.profile.stream_bw, operand_bytes)
 
-    def host_layer(self, tp: int) -> tuple[float, float]:
+    def fused_bandwidth(self, operand_bytes: float, working_set: float) -> float:
+        """The compiled chain bench measured (calibrate/compiled_kernels.py) at this operand size; the
+        eager elementwise curve where the profile has none."""
+        if not self.profile.fused_bw:
+            return super().fused_bandwidth(operand_bytes, working_set)
+        return interp_log(self.profile.fused_bw, operand_bytes)
+
+    def host_layer(self, tp: int, kernels: str = "eager") -> tuple[float, float]:
         """Measured host seconds per layer (serial with the arithmetic on a CPU): the tensor-parallel
-        layer's as bench ran it when tp > 1 and measured, else the plain layer's."""
+        layer's as bench ran it when tp > 1 and measured (compiled, with fused kernels, when bench compiled
+        it too); else, with fused kernels, the compiled layer's when measured (a compiled block is one call
+        forward, one autograd node backward); else the eager layer's."""
         p = self.profile
-        return p.host_tp_layer_s if tp > 1 and p.tp_collective else p.host_layer_s
+        if tp > 1 and p.tp_collective:
+            fused = kernels == "fused" and any(p.host_tp_compiled_layer_s)
+            return p.host_tp_compiled_layer_s if fused else p.host_tp_layer_s
+        if kernels == "fused" and any(p.host_compiled_layer_s):
+            return p.host_compiled_layer_s
+        return p.host_layer_s
 
     def host_ends(self, tp: int) -> tuple[float, float]:
         p = self.profile

@@ -196,7 +196,8 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
     attn_f, attn_b = attention_times(w, lay, gpu)
     # each elementwise op streams about one hidden-sized tensor in and one out
     hs = h / (tp if lay.sp else 1)
-    elem = tokens * _elementwise_bytes(w, lay, kernels) / gpu.speeds.op_bandwidth(tokens * hs * a, 2 * tokens * h * a)
+    bw = gpu.speeds.op_bandwidth if kernels == "eager" else gpu.speeds.fused_bandwidth  # a profile may measure each
+    elem = tokens * _elementwise_bytes(w, lay, kernels) / bw(tokens * hs * a, 2 * tokens * h * a)
     lc = layer_comm(w, lay, gpu, bool(lp.expert_total))
     cp = cp_layer_cost(w, lay, gpu, attn_f, attn_b)
     tp_f, tp_b = lc.tp_fwd, lc.tp_bwd
@@ -216,7 +217,7 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
         b += f
     elif lay.recompute == "full-alternate":  # every second block
         b += f / 2
-    hf, hb = gpu.speeds.host_layer(tp)  # measured host work (CPU profiles), serial with the arithmetic there
+    hf, hb = gpu.speeds.host_layer(tp, kernels)  # measured host work (CPU profiles), serial with the arithmetic there
     acc = grad_accumulation(gpu, lay, layer_local_params(w, lay, index), kernels)
     return Phase(f + hf, b + hb + (hf if lay.recompute == "full" else 0.0), ph.w + acc)
 
