@@ -307,7 +307,9 @@ def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -
         g = group_of(lay, "tp", gpu)
         ce_comm = sum(collective_time(gpu, "all_reduce", x, g)
                       for x in loss_all_reduces(tokens, lay.recipe.cross_entropy))
-    return Phase(ph.f + loss + tp_f + ce_comm, ph.b + loss_b + tp_b, ph.w)
+    # our chunked loss keeps no logits: its backward recomputes them, the head's forward GEMM once more
+    replay = ph.f if lay.recipe.cross_entropy == "chunked" else 0.0
+    return Phase(ph.f + loss + tp_f + ce_comm, ph.b + loss_b + tp_b + replay, ph.w)
 
 
 def _head_tp(w: Workload, lay: Layout, gpu: GPUSpec) -> tuple[float, float]:
@@ -701,5 +703,6 @@ def throughput(w: Workload, lay: Layout, gpu: GPUSpec, st: StepTime) -> Throughp
     tps = w.tokens_per_step / st.step
     peak = gpu.flops(compute_dtype(lay.precision))
     mf = model_flops_per_token(w.cfg, w.seq_len, moe=w.moe_spec)
-    hf = hardware_flops_per_token(w.cfg, w.seq_len, lay.recompute, moe=w.moe_spec)
+    hf = hardware_flops_per_token(w.cfg, w.seq_len, lay.recompute, moe=w.moe_spec,
+                                  cross_entropy=lay.recipe.cross_entropy)
     return Throughput(tps, tps / lay.world, tps * mf / (lay.world * peak), tps * hf / (lay.world * peak), mf, hf)
