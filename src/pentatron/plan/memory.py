@@ -220,8 +220,9 @@ def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, prec
                  tp: int = 1, sp: bool = False, cross_entropy: str = "eager",
                  loss_chunk_tokens: int = LOSS_CHUNK_TOKENS, sp_inputs: str = "gathered") -> tuple[float, float]:
     """(saved, transient) bytes outside the decoder layers for one micro-batch: the token ids the
-    embedding keeps (and its 1-byte mask under tp: parallel/tensor.py `VocabParallelEmbedding`, first stage); the final RMSNorm, LM-head input and the loss's fp32 log-softmax
-    (softmax, for our vocab-parallel loss) plus targets (last stage), with the loss's transient peak of
+    embedding keeps (and its 1-byte mask under tp: parallel/tensor.py `VocabParallelEmbedding`, first
+    stage); the final RMSNorm, LM-head input and the loss's fp32 log-softmax (softmax, for our
+    vocab-parallel loss, with its two target masks) plus targets (last stage), with the loss's transient peak of
     `loss_transient_per_entry`. Under SP the norm's tensors are sequence shards, but the head is a
     column-parallel linear: with sp_inputs="gathered" (ours: parallel/tensor.py `VocabParallelHead`
     all-gathers, then the matmul or the chunked loss keeps that gathered input, as `--verify --tp 2 --sp`

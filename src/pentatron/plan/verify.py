@@ -46,7 +46,6 @@ from pentatron.plan.flops import (
     total_params,
 )
 from pentatron.plan.layout import Layout, Workload, chunk_layers
-from pentatron.plan.recipes import training_loss
 from pentatron.plan.memory import (
     LOSS_CHUNK_TOKENS,
     llama_layer_activation_bytes,
@@ -55,6 +54,7 @@ from pentatron.plan.memory import (
     rope_shared_bytes,
     stage_extras,
 )
+from pentatron.plan.recipes import training_loss
 
 TOLERANCE = 0.02
 
