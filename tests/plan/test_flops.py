@@ -126,3 +126,56 @@ def test_the_time_model_runs_the_chunked_losss_head_gemm_once_more():
     other = Layout(dp=8, recipe=dataclasses.replace(RECIPES["torchtitan"]))
     assert throughput(w, other, gpu, step_time(w, other, gpu)).hfu == pytest.approx(
         throughput(w, other, gpu, step_time(w, other, gpu)).mfu)
+
+
+def test_a_split_backward_replays_the_chunked_head_twice():
+    """Zero bubble splits the last stage's backward into B and W; W re-enters the chunked loss, which
+    recomputes the logits again (the flop counter on a real last stage: B + W = unsplit + one head GEMM).
+    The planner charges that replay to W, and counts it in the hardware FLOPs."""
+    import dataclasses
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pentatron.models.llama import build_model
+    from pentatron.parallel.parallelize import set_loss_chunk_tokens
+    from pentatron.parallel.pipeline.split_backward import SplitBackward
+    from pentatron.parallel.pipeline.stages import PipelineStage
+    from pentatron.plan.hardware import get_gpu
+    from pentatron.plan.layout import Layout, Workload
+    from pentatron.plan.timing import head_phase
+    from pentatron.plan.verify import _addmm_flops
+
+    cfg = dataclasses.replace(get_model_config("debug"), hidden_size=64, n_heads=2, n_kv_heads=1,
+                              ffn_hidden_size=128, n_layers=3)
+    stage = PipelineStage(build_model(cfg, seed=1), 2, 3, range(2, 3))
+    set_loss_chunk_tokens(stage, 8)
+    targets = torch.randint(0, cfg.vocab_size, (2, 16))
+    counted = {torch.ops.aten.addmm_: _addmm_flops}
+
+    def backward_flops(split: bool) -> int:
+        stage.zero_grad(set_to_none=True)
+        x = torch.randn(2, 16, cfg.hidden_size, requires_grad=True)
+        out = stage(x, targets=targets)
+        if not split:
+            with FlopCounterMode(display=False, custom_mapping=counted) as fc:
+                out.backward()
+            return fc.get_total_flops()
+        sb = SplitBackward([out], [None], [x])
+        with FlopCounterMode(display=False, custom_mapping=counted) as fb:
+            sb.backward_input()
+        with FlopCounterMode(display=False, custom_mapping=counted) as fw:
+            sb.backward_weight()
+        assert sb.split
+        return fb.get_total_flops() + fw.get_total_flops()
+
+    head = 2 * 32 * cfg.hidden_size * cfg.vocab_size
+    assert backward_flops(True) - backward_flops(False) == head
+    assert loss_recompute_flops_per_token(cfg, "chunked", split_backward=True) == 2 * head / 32
+
+    gpu = get_gpu("h100-sxm")
+    w = Workload(get_model_config("llama3-8b"), 4096, 64)
+    zb, f1b = Layout(dp=16, pp=4, pp_schedule="zb"), Layout(dp=16, pp=4)
+    zb_eager = zb.with_recipe(cross_entropy="eager")
+    a, b, e = head_phase(w, zb, gpu), head_phase(w, f1b, gpu), head_phase(w, zb_eager, gpu)
+    assert a.b == b.b and a.w - e.w == pytest.approx(a.b - e.b) and a.w > e.w == b.w

@@ -237,22 +237,26 @@ def sac_op_replayed_matmul_flops(cfg: ModelConfig, moe: MoESpec | None = None) -
     return total
 
 
-def loss_recompute_flops_per_token(cfg: ModelConfig, cross_entropy: str = "eager") -> float:
+def loss_recompute_flops_per_token(cfg: ModelConfig, cross_entropy: str = "eager",
+                                   split_backward: bool = False) -> float:
     """Extra LM-head work of the loss, per token: our chunked loss (cross_entropy="chunked", models/loss.py)
     keeps no logits and recomputes each chunk's in backward, one more head forward GEMM, 2·h·V. Recompute
-    like the layers' (hardware FLOPs, charged to B), never model FLOPs: MFU is unchanged. The other losses
-    keep (or fuse away) the logits and recompute nothing."""
-    return 2.0 * cfg.hidden_size * cfg.vocab_size if cross_entropy == "chunked" else 0.0
+    like the layers' (hardware FLOPs, charged to B), never model FLOPs: MFU is unchanged. A split backward
+    (zero bubble: B, then W re-entering the loss node) recomputes them in each half, twice (measured with
+    the flop counter on a last stage). The other losses keep (or fuse away) the logits: nothing replays."""
+    if cross_entropy != "chunked":
+        return 0.0
+    return 2.0 * cfg.hidden_size * cfg.vocab_size * (2 if split_backward else 1)
 
 
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Recompute = "none", *,
                              moe: MoESpec | None = None, attention: str = "flash", early_stop: bool = False,
-                             cross_entropy: str = "eager") -> float:
+                             cross_entropy: str = "eager", split_backward: bool = False) -> float:
     """Model FLOPs plus recomputation (the layers' and the chunked loss's head), same counting
     convention: the HFU numerator."""
     return (model_flops_per_token(cfg, seq_len, moe=moe)
             + recompute_flops_per_token(cfg, seq_len, recompute, moe=moe, attention=attention, early_stop=early_stop)
-            + loss_recompute_flops_per_token(cfg, cross_entropy))
+            + loss_recompute_flops_per_token(cfg, cross_entropy, split_backward))
 
 
 def executed_phase_flops(cfg: ModelConfig, seq_len: int, recompute: Recompute = "none", *,
