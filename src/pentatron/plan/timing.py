@@ -307,11 +307,11 @@ def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -
         g = group_of(lay, "tp", gpu)
         ce_comm = sum(collective_time(gpu, "all_reduce", x, g)
                       for x in loss_all_reduces(tokens, lay.recipe.cross_entropy))
-    # our chunked loss keeps no logits: its backward recomputes them, the head's forward GEMM once more
-    # (in B, and again in W when zero bubble splits the backward: W re-enters the loss)
+    # our chunked loss keeps no logits: its backward recomputes them, the head's forward GEMM once more.
+    # (Zero bubble's W re-enters the loss and recomputes them again: not timed here, the phases are
+    # memoised without the schedule; the hardware FLOPs count it.)
     replay = ph.f if lay.recipe.cross_entropy == "chunked" else 0.0
-    w_replay = replay if split_backward(lay) else 0.0
-    return Phase(ph.f + loss + tp_f + ce_comm, ph.b + loss_b + tp_b + replay, ph.w + w_replay)
+    return Phase(ph.f + loss + tp_f + ce_comm, ph.b + loss_b + tp_b + replay, ph.w)
 
 
 def split_backward(lay: Layout) -> bool:
