@@ -122,3 +122,37 @@ def test_a_moe_run_with_dp_left_to_the_world_size_is_evaluated():
     assert cfg["parallel"]["dp"] is None
     lay, w = layout_and_workload(cfg, 2, "cpu")
     assert (lay.dp, lay.ep) == (2, 2) and w.moe_spec is not None
+
+
+@pytest.mark.parametrize("world,extra,field,value", [
+    (2, ["parallel.cp=2", "parallel.cp_mode='ulysses'"], "cp_mode", "ulysses"),
+    (4, ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.zero3_gather='step'"],
+     "zero3_gather", "step"),
+], ids=["ulysses-cp2", "zero3-step"])
+def test_the_prediction_uses_the_runs_parallel_modes(world: int, extra: list[str], field: str, value: str):
+    """The report predicts the run's own `ParallelLayout` (`Config.layout`): a Ulysses cp2 run is predicted
+    as Ulysses, not ring, and a ZeRO-3 pipeline that keeps its stages gathered as such (both were dropped
+    when the planner's layout was copied field by field)."""
+    from dataclasses import replace
+
+    from pentatron.observe.report import planner_layout, predicted
+    from pentatron.plan.comm import bytes_by_dim
+    from pentatron.plan.hardware import detect_gpu
+    from pentatron.plan.layout import parallel_layout
+    from pentatron.plan.search import predict
+
+    cfg = load_config(None, ["train.seq_len=64", "train.micro_batch=1", "train.global_batch=8", *extra],
+                      world_size=world)
+    lay, w = planner_layout(cfg, world, "cuda")
+    assert getattr(lay, field) == value and parallel_layout(w, lay) == cfg.layout(world)
+    info = {"config": cfg.to_dict(), "world_size": world, "device": "cuda", "device_name": "NVIDIA H100 80GB HBM3"}
+    pred = predicted(info, None)
+    assert "error" not in pred, pred
+    gpu = detect_gpu(info["device_name"])
+
+    def comm(layout) -> dict[str, float]:
+        return bytes_by_dim(list(predict(w, layout, gpu).step.collectives))
+
+    default = {"cp_mode": "ring", "zero3_gather": "micro_batch"}[field]
+    assert pred["comm_bytes_per_step"] == pytest.approx(comm(lay))
+    assert pred["comm_bytes_per_step"] != pytest.approx(comm(replace(lay, par=replace(lay.par, **{field: default}))))

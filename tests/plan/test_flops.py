@@ -8,6 +8,7 @@ from pentatron.plan.flops import (
     executed_phase_flops,
     flop_breakdown,
     hardware_flops_per_token,
+    loss_recompute_flops_per_token,
     matmul_params,
     model_flops_per_token,
     recompute_flops_per_token,
@@ -75,3 +76,107 @@ def test_moe_counts_active_experts():
     assert total_params(cfg, moe) - cfg.num_params() == cfg.n_layers * (7 * dense_mlp + 8 * cfg.hidden_size)
     assert matmul_params(cfg, moe) - matmul_params(cfg) == cfg.n_layers * (dense_mlp + 8 * cfg.hidden_size)
     assert MoESpec(4, 5, 8).problems()
+
+
+def test_the_chunked_loss_replays_the_head_gemm_as_hardware_flops():
+    """Our chunked loss (models/loss.py) recomputes each chunk's logits in backward: one more LM-head
+    forward GEMM, 2·h·V per token, counted like recompute (hardware FLOPs, charged to B), never as model
+    FLOPs (MFU). The other losses keep the logits and replay nothing."""
+    cfg = get_model_config("llama3-8b")
+    s, head = 4096, 2 * cfg.hidden_size * cfg.vocab_size
+    assert loss_recompute_flops_per_token(cfg, "chunked") == head
+    for other in ("eager", "fused", "loss_parallel", "nanotron"):
+        assert loss_recompute_flops_per_token(cfg, other) == 0
+    for rc in ("none", "selective", "full"):
+        assert hardware_flops_per_token(cfg, s, rc, cross_entropy="chunked") == pytest.approx(
+            hardware_flops_per_token(cfg, s, rc) + head)
+    f0, b0, w0 = executed_phase_flops(cfg, s)
+    f, b, w = executed_phase_flops(cfg, s, cross_entropy="chunked")
+    assert (f, w) == (f0, w0) and b == pytest.approx(b0 + head)
+
+
+def test_the_time_model_runs_the_chunked_losss_head_gemm_once_more():
+    """The last stage's head phase: under our recipe (chunked loss) its backward holds the head's forward
+    GEMM once more; forward and weight-gradient times, and every other recipe's loss, are unchanged. The
+    step's MFU counts model FLOPs (the same), its HFU the replay."""
+    import dataclasses
+
+    from pentatron.plan.hardware import get_gpu
+    from pentatron.plan.layout import Layout, Workload, compute_dtype
+    from pentatron.plan.recipes import PENTATRON, RECIPES
+    from pentatron.plan.timing import _head_linear, head_phase, step_time, throughput
+
+    gpu = get_gpu("h100-sxm")
+    w = Workload(get_model_config("llama3-8b"), 4096, 64)
+    assert PENTATRON.cross_entropy == "chunked"  # what `pentatron train` runs by default
+    for tp in (1, 2):
+        lay = Layout(dp=64 // tp, tp=tp, sp=tp > 1)
+        eager = lay.with_recipe(cross_entropy="eager")
+        chunked, full = head_phase(w, lay, gpu), head_phase(w, eager, gpu)
+        gemm = _head_linear(gpu, w.seq_len, w.cfg.vocab_size / tp, w.cfg.hidden_size,
+                            gpu.flops(compute_dtype(lay.precision)), 2)
+        assert gemm.f > 0 and (chunked.f, chunked.w) == (full.f, full.w)
+        assert chunked.b == pytest.approx(full.b + gemm.f)
+        r, r_eager = (throughput(w, x, gpu, step_time(w, x, gpu)) for x in (lay, eager))
+        assert r.model_flops_per_token == r_eager.model_flops_per_token
+        assert r.hardware_flops_per_token == pytest.approx(r.model_flops_per_token + 2 * 4096 * 128256)
+        assert r.tokens_per_s < r_eager.tokens_per_s
+    for name, recipe in RECIPES.items():  # other frameworks keep their own loss
+        assert (recipe.cross_entropy == "chunked") == (name == "pentatron"), name
+    other = Layout(dp=8, recipe=dataclasses.replace(RECIPES["torchtitan"]))
+    assert throughput(w, other, gpu, step_time(w, other, gpu)).hfu == pytest.approx(
+        throughput(w, other, gpu, step_time(w, other, gpu)).mfu)
+
+
+def test_a_split_backward_replays_the_chunked_head_twice():
+    """Zero bubble splits the last stage's backward into B and W; W re-enters the chunked loss, which
+    recomputes the logits again (the flop counter on a real last stage: B + W = unsplit + one head GEMM).
+    The planner counts it in the hardware FLOPs (HFU)."""
+    import dataclasses
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pentatron.models.llama import build_model
+    from pentatron.parallel.parallelize import set_loss_chunk_tokens
+    from pentatron.parallel.pipeline.split_backward import SplitBackward
+    from pentatron.parallel.pipeline.stages import PipelineStage
+    from pentatron.plan.hardware import get_gpu
+    from pentatron.plan.layout import Layout, Workload
+    from pentatron.plan.timing import step_time, throughput
+    from pentatron.plan.verify import _addmm_flops
+
+    cfg = dataclasses.replace(get_model_config("debug"), hidden_size=64, n_heads=2, n_kv_heads=1,
+                              ffn_hidden_size=128, n_layers=3)
+    stage = PipelineStage(build_model(cfg, seed=1), 2, 3, range(2, 3))
+    set_loss_chunk_tokens(stage, 8)
+    targets = torch.randint(0, cfg.vocab_size, (2, 16))
+    counted = {torch.ops.aten.addmm_: _addmm_flops}
+
+    def backward_flops(split: bool) -> int:
+        stage.zero_grad(set_to_none=True)
+        x = torch.randn(2, 16, cfg.hidden_size, requires_grad=True)
+        out = stage(x, targets=targets)
+        if not split:
+            with FlopCounterMode(display=False, custom_mapping=counted) as fc:
+                out.backward()
+            return fc.get_total_flops()
+        sb = SplitBackward([out], [None], [x])
+        with FlopCounterMode(display=False, custom_mapping=counted) as fb:
+            sb.backward_input()
+        with FlopCounterMode(display=False, custom_mapping=counted) as fw:
+            sb.backward_weight()
+        assert sb.split
+        return fb.get_total_flops() + fw.get_total_flops()
+
+    head = 2 * 32 * cfg.hidden_size * cfg.vocab_size
+    assert backward_flops(True) - backward_flops(False) == head
+    assert loss_recompute_flops_per_token(cfg, "chunked", split_backward=True) == 2 * head / 32
+
+    gpu = get_gpu("h100-sxm")
+    w = Workload(get_model_config("llama3-8b"), 4096, 64)
+    big = 2 * w.cfg.hidden_size * w.cfg.vocab_size
+    for schedule, replays in (("zb", 2), ("1f1b", 1)):
+        lay = Layout(dp=16, pp=4, pp_schedule=schedule)
+        r = throughput(w, lay, gpu, step_time(w, lay, gpu))
+        assert r.hardware_flops_per_token - r.model_flops_per_token == pytest.approx(replays * big), schedule

@@ -182,3 +182,48 @@ def test_data_parallel_buckets_cost_memory_only_where_they_are_transient():
     # the largest unit is the embedding with its tied LM head (zero3_units), 4096 x 128, gathered for the loss
     assert rp.largest_unit == 4096 * 128
     assert 2 * rp.largest_unit * 4 < loss_peak and z3 == pytest.approx(2 * rp.largest_unit * 4)
+
+
+def _trainer_rank_params(cfg, tp: int, pp: int, ep: int) -> int:
+    """Elements one rank of the last pipeline stage holds as training builds it: the real model on the
+    meta device, split into its stage and tensor-parallel shards by the runtime's own code; the routed
+    experts' stacks (split over ep by `parallel/expert.py`, dim 0) divided by ep."""
+    import torch
+
+    from pentatron.plan.verify import _meta_model
+
+    model, _ = _meta_model(cfg, torch.bfloat16, "none", tp, tp > 1, pp, 128)
+    return sum(p.numel() // (ep if ".moe.experts." in n else 1) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize(("tp", "pp", "ep"), [(2, 1, 1), (2, 2, 1), (2, 2, 2), (1, 2, 2)])
+def test_moe_tp_model_state_is_the_trainers(tp, pp, ep):
+    """Training keeps an MoE layer (router, routed and shared experts) whole on every tp rank, the routed
+    experts split over ep only (parallel/moe_tokens.py): the planner's model state per rank follows (it
+    sharded them over tp: the demo's rank was 19.6 % low). Other frameworks' recipes keep tp-sharded
+    experts (Megatron-Core's expert tensor parallelism)."""
+    cfg = get_model_config("debug-moe")
+    lay = Layout(dp=2, tp=tp, pp=pp, ep=ep, sp=tp > 1, precision="bf16")
+    w = Workload(cfg, 128, 8)
+    rp = rank_params(w, lay, pp - 1)
+    assert rp.dense + rp.expert == _trainer_rank_params(cfg, tp, pp, ep)
+    mem = memory_for_rank(w, lay, H100, pp - 1)
+    assert mem.model_state == pytest.approx(18 * (rp.dense + rp.expert))  # bf16 weights, fp32 grads/master/Adam
+    sharded = rank_params(w, lay.with_recipe(moe_tp="sharded"), pp - 1)
+    assert (sharded.dense + sharded.expert < rp.dense + rp.expert) == (tp > 1)
+
+
+def test_the_demo_configs_model_state_is_the_trainers():
+    """configs/demo.toml (pp2 × tp2+sp × cp2, ep2 over dp×cp, debug-moe) as the report predicts it."""
+    from pathlib import Path
+
+    from pentatron.config import load_config
+    from pentatron.observe.report import planner_layout
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "demo.toml", [], world_size=8)
+    lay, w = planner_layout(cfg, 8, "cpu")
+    last = rank_params(w, lay, lay.pp - 1)
+    assert (lay.tp, lay.pp, lay.ep) == (2, 2, 2)
+    assert last.dense + last.expert == _trainer_rank_params(w.cfg, lay.tp, lay.pp, lay.ep)
+    fp32 = memory_for_rank(w, lay, H100, lay.pp - 1, "eager")  # a CPU run: fp32 weights, no master copy
+    assert fp32.model_state == pytest.approx(16 * (last.dense + last.expert))

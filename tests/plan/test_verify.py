@@ -57,3 +57,41 @@ def test_verify_traces_the_given_layout():
         saved[tuple(kw.items())] = checks[-1].traced
     assert len(set(saved.values())) == 4, saved
     assert max(saved.values()) == saved[()]
+
+
+@pytest.mark.parametrize("kw", [{}, {"tp": 2}, {"tp": 2, "sp": True}, {"tp": 4, "sp": True}, {"pp": 2},
+                                {"pp": 2, "tp": 2, "sp": True}, {"recompute": "full"}, {"precision": "fp32"}],
+                         ids=["tp1", "tp2", "tp2sp", "tp4sp", "pp2", "pp2tp2sp", "full", "fp32"])
+@pytest.mark.parametrize("chunk", [0, 64], ids=["full-logits", "chunked"])
+def test_the_traced_loss_is_the_trainers_and_the_formulas_are_exact(kw, chunk):
+    """--verify traces the loss training runs (train.loss_chunk_tokens: the chunked LM head + loss by
+    default, or full logits) and the planner's parameters, FLOPs and saved bytes equal the trace exactly
+    on every layout: the chunked loss's backward replays the head GEMM (hardware FLOPs), and under SP the
+    LM head keeps its all-gathered input (a·h per token, not a·h/tp)."""
+    checks = verify_model(get_model_config("debug"), 128, loss_chunk_tokens=chunk, **kw)
+    for c in checks:
+        assert c.traced > 0 and c.analytic == c.traced, (kw, chunk, c)
+
+
+def test_the_chunked_loss_costs_one_head_gemm_in_the_trace():
+    cfg = get_model_config("debug")
+    tokens = 2 * 128
+    flops = {chunk: verify_model(cfg, 128, micro_batch=2, loss_chunk_tokens=chunk)[2].traced for chunk in (0, 64)}
+    assert flops[64] - flops[0] == 2 * cfg.hidden_size * cfg.vocab_size * tokens
+
+
+def test_sp_head_input_is_the_gathered_one():
+    """Issue 36: under SP our head all-gathers the sequence shards and keeps the gathered input for its
+    backward; Megatron's (sp_inputs="sharded") keeps the shard."""
+    from pentatron.plan.memory import stage_extras
+
+    cfg, n, a = get_model_config("debug"), 128, 2
+    h = cfg.hidden_size
+    for loss in ("eager", "chunked"):
+        no_sp, _ = stage_extras(cfg, n, first=False, last=True, tp=2, sp=False, cross_entropy=loss)
+        ours, _ = stage_extras(cfg, n, first=False, last=True, tp=2, sp=True, cross_entropy=loss)
+        megatron, _ = stage_extras(cfg, n, first=False, last=True, tp=2, sp=True, cross_entropy=loss,
+                                   sp_inputs="sharded")
+        assert ours - megatron == n * a * h / 2
+        # the norm's tensors are sharded (fp32 copy 4h, rstd 4, normalised a·h), the head input is not
+        assert no_sp - ours == n * (4 * h / 2 + 4 / 2 + a * h / 2)

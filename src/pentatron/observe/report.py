@@ -97,18 +97,17 @@ def layout_and_workload(cfg: dict[str, Any], world_size: int, device: str) -> tu
 
 
 def planner_layout(c: Any, world_size: int, device: str) -> tuple[Any, Any]:
-    """The planner's Layout and Workload for a `Config` on `world_size` ranks of `device` ("cuda"/"cpu")."""
-    from pentatron.config import resolved_dp
+    """The planner's Layout and Workload for a `Config` on `world_size` ranks of `device` ("cuda"/"cpu").
+
+    The planner holds the run's own `ParallelLayout` (`Config.layout`, the one holder of the degrees), so
+    every parallel field the run trains with (cp_mode, cp_ulysses, zero3_gather, ...) reaches the
+    prediction: none is copied by hand. Only our knobs and the recipe are added here."""
     from pentatron.plan.layout import Layout, Workload
     from pentatron.plan.recipes import PENTATRON, training_loss
 
-    par, tr = c.parallel, c.train
+    tr = c.train
     precision = tr.precision if tr.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
-    dp = resolved_dp(c, world_size)
-    lay = Layout(dp=dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero, sp=par.sp,
-                 pp_schedule=par.pp_schedule, pp_virtual=par.pp_virtual if par.pp_schedule == "interleaved" else 1,
-                 micro_batch=tr.micro_batch, recompute=tr.recompute, precision=precision,
-                 pp_layers=None if par.pp_layers is None else tuple(par.pp_layers),
+    lay = Layout(c.layout(world_size), recompute=tr.recompute, precision=precision,
                  recipe=dataclasses.replace(PENTATRON, cross_entropy=training_loss(tr.loss_chunk_tokens)))
     return lay, Workload(c.model_config(), tr.seq_len, tr.global_batch)
 

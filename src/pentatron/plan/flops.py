@@ -237,22 +237,39 @@ def sac_op_replayed_matmul_flops(cfg: ModelConfig, moe: MoESpec | None = None) -
     return total
 
 
+def loss_recompute_flops_per_token(cfg: ModelConfig, cross_entropy: str = "eager",
+                                   split_backward: bool = False) -> float:
+    """Extra LM-head work of the loss, per token: our chunked loss (cross_entropy="chunked", models/loss.py)
+    keeps no logits and recomputes each chunk's in backward, one more head forward GEMM, 2·h·V. Recompute
+    like the layers' (hardware FLOPs, charged to B), never model FLOPs: MFU is unchanged. A split backward
+    (zero bubble: B, then W re-entering the loss node) recomputes them in each half, twice (measured with
+    the flop counter on a last stage). The other losses keep (or fuse away) the logits: nothing replays."""
+    if cross_entropy != "chunked":
+        return 0.0
+    return 2.0 * cfg.hidden_size * cfg.vocab_size * (2 if split_backward else 1)
+
+
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Recompute = "none", *,
-                             moe: MoESpec | None = None, attention: str = "flash", early_stop: bool = False) -> float:
-    """Model FLOPs plus recomputation, same counting convention: the HFU numerator."""
-    return model_flops_per_token(cfg, seq_len, moe=moe) + recompute_flops_per_token(
-        cfg, seq_len, recompute, moe=moe, attention=attention, early_stop=early_stop)
+                             moe: MoESpec | None = None, attention: str = "flash", early_stop: bool = False,
+                             cross_entropy: str = "eager", split_backward: bool = False) -> float:
+    """Model FLOPs plus recomputation (the layers' and the chunked loss's head), same counting
+    convention: the HFU numerator."""
+    return (model_flops_per_token(cfg, seq_len, moe=moe)
+            + recompute_flops_per_token(cfg, seq_len, recompute, moe=moe, attention=attention, early_stop=early_stop)
+            + loss_recompute_flops_per_token(cfg, cross_entropy, split_backward))
 
 
 def executed_phase_flops(cfg: ModelConfig, seq_len: int, recompute: Recompute = "none", *,
-                         moe: MoESpec | None = None) -> tuple[float, float, float]:
+                         moe: MoESpec | None = None, cross_entropy: str = "eager") -> tuple[float, float, float]:
     """(F, B, W) FLOPs per token that a FlashAttention-style causal kernel really executes: half the
     score square; its backward does 5 score-sized matmuls (dQ, dK, dV, dP and a re-computed QK^T) against
-    2 in forward. Recomputation is charged to B, where it runs. The time model uses these."""
+    2 in forward. Recomputation (the layers' and the chunked loss's head GEMM) is charged to B, where it
+    runs. The time model uses these."""
     fb = flop_breakdown(cfg, seq_len, causal=True, moe=moe)
     f = fb.forward
     b = fb.layers_matmul + 2.5 * fb.attention + fb.lm_head
     b += recompute_flops_per_token(cfg, seq_len, recompute, causal=True, moe=moe)
+    b += loss_recompute_flops_per_token(cfg, cross_entropy)
     return f, b, fb.backward_weight
 
 

@@ -218,32 +218,38 @@ LOSS_CHUNK_TOKENS = TrainConfig.loss_chunk_tokens  # training's default chunk
 
 def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, precision: str = "bf16",
                  tp: int = 1, sp: bool = False, cross_entropy: str = "eager",
-                 loss_chunk_tokens: int = LOSS_CHUNK_TOKENS) -> tuple[float, float]:
+                 loss_chunk_tokens: int = LOSS_CHUNK_TOKENS, sp_inputs: str = "gathered") -> tuple[float, float]:
     """(saved, transient) bytes outside the decoder layers for one micro-batch: the token ids the
-    embedding keeps (first stage); the final RMSNorm, LM-head input and the loss's fp32 log-softmax
-    (softmax, for our vocab-parallel loss) plus targets (last stage), with the loss's transient peak of
-    `loss_transient_per_entry`. cross_entropy="fused" (flash-attn's kernel): the low-precision logits and
-    an fp32 logsumexp per token are kept, and the logits' gradient (same dtype) is the transient.
+    embedding keeps (and its 1-byte mask under tp: parallel/tensor.py `VocabParallelEmbedding`, first
+    stage); the final RMSNorm, LM-head input and the loss's fp32 log-softmax (softmax, for our
+    vocab-parallel loss, with its two target masks) plus targets (last stage), with the loss's transient peak of
+    `loss_transient_per_entry`. Under SP the norm's tensors are sequence shards, but the head is a
+    column-parallel linear: with sp_inputs="gathered" (ours: parallel/tensor.py `VocabParallelHead`
+    all-gathers, then the matmul or the chunked loss keeps that gathered input, as `--verify --tp 2 --sp`
+    traces) its saved input is a·h per token; "sharded" (Megatron) keeps the shard, a·h/tp.
+    cross_entropy="fused" (flash-attn's kernel): the low-precision logits and an fp32 logsumexp per token
+    are kept, and the logits' gradient (same dtype) is the transient.
     cross_entropy="chunked" (ours, models/loss.py, `loss_chunk_tokens` at a time): per token the fp32
-    log-sum-exp, the int64 local target and two masks are kept; the transient is one chunk's fp32 logits
-    (+ their low-precision matmul output / cast) and, in backward, the fp32 dW accumulator beside them,
-    measured by tests/plan/test_chunked_loss_memory.py."""
+    log-sum-exp, the int64 local target and two masks are kept (the targets themselves are not); the
+    transient is one chunk's fp32 logits (+ their low-precision matmul output / cast) and, in backward, the
+    fp32 dW accumulator beside them, measured by tests/plan/test_chunked_loss_memory.py."""
     h, a, v = cfg.hidden_size, act_bytes(precision), cfg.vocab_size / tp
     hs = h / tp if sp else h
+    head_in = h if sp_inputs == "gathered" else hs  # what the head keeps of its input
     saved = transient = 0.0
-    if first:
-        saved += 8 * tokens
+    if first:  # the ids the lookup keeps; under tp also the vocab-parallel embedding's out-of-slice mask
+        saved += tokens * (8 + (1 if tp > 1 else 0))
     if last:
-        saved += tokens * (4 * hs + 4 / (tp if sp else 1) + 2 * a * hs + 8)
+        saved += tokens * (4 * hs + 4 / (tp if sp else 1) + a * hs + a * head_in)
         if cross_entropy == "fused":
-            saved += tokens * (a * v + 4)
+            saved += tokens * (a * v + 4 + 8)
             transient += tokens * a * v
         elif cross_entropy == "chunked":
             low = a if a < 4 else 0  # bf16: the matmul's own output beside its fp32 copy
             saved += tokens * (4 + 8 + 2)
             transient += min(tokens, loss_chunk_tokens) * v * (4 + low) + v * h * 4
-        else:
-            saved += tokens * 4 * v
+        else:  # under tp ours (`vocab_parallel_cross_entropy`) keeps its two 1-byte target masks too
+            saved += tokens * (4 * v + 8 + (2 if tp > 1 and cross_entropy == "eager" else 0))
             transient += tokens * loss_transient_per_entry(cross_entropy, a, tp) * v
     return saved, transient
 
@@ -358,16 +364,21 @@ class RankParams:
 
 
 @lru_cache(maxsize=64)
-def _layer_shards(cfg: ModelConfig, moe: MoESpec | None, tp: int, ep: int) -> tuple[tuple[float, float], ...]:
-    """Per layer: (dense params per GPU after TP, expert params per GPU after TP x EP). Cached: the
-    search asks for the same model many times."""
+def _layer_shards(cfg: ModelConfig, moe: MoESpec | None, tp: int, ep: int,
+                  moe_tp: str = "sharded") -> tuple[tuple[float, float], ...]:
+    """Per layer: (dense params per GPU after TP, expert params per GPU after TP x EP). moe_tp="replicated"
+    (ours, `Recipe.moe_tp`): an MoE layer's router, shared and routed experts are whole on every tp rank
+    (the routed ones split over ep only), as training holds them. Cached: the search asks for the same
+    model many times."""
     kv_rep = kv_heads_per_tp_rank(cfg, tp) * tp / cfg.n_kv_heads  # >1 when KV heads are replicated
     kv_w = 2 * cfg.hidden_size * cfg.kv_dim
     out = []
     for i in range(cfg.n_layers):
         lpi = layer_params(cfg, i, moe)
         attn = (lpi.attn - kv_w + kv_w * kv_rep) / tp
-        out.append((attn + (lpi.mlp_total - lpi.expert_total) / tp + lpi.norms, lpi.expert_total / (tp * ep)))
+        mlp_tp = 1 if lpi.expert_total and moe_tp == "replicated" else tp
+        out.append((attn + (lpi.mlp_total - lpi.expert_total) / mlp_tp + lpi.norms,
+                    lpi.expert_total / (mlp_tp * ep)))
     return tuple(out)
 
 
@@ -380,13 +391,14 @@ def rank_layers(per_chunk: tuple[int, ...], pp: int, v: int, rank: int) -> list[
 def rank_params(w: Workload, lay: Layout, rank: int) -> RankParams:
     """Parameters pipeline rank `rank` holds per GPU (TP/EP-sharded, before ZeRO)."""
     per_chunk = chunk_layers(w, lay)
-    return _rank_params(w.cfg, w.moe_spec, lay.tp, lay.ep, lay.pp, lay.pp_virtual, rank, per_chunk)
+    return _rank_params(w.cfg, w.moe_spec, lay.tp, lay.ep, lay.pp, lay.pp_virtual, rank, per_chunk,
+                        lay.recipe.moe_tp)
 
 
 @lru_cache(maxsize=8192)
 def _rank_params(cfg: ModelConfig, moe: MoESpec | None, tp: int, ep: int, pp: int, v: int, rank: int,
-                 per_chunk: tuple[int, ...]) -> RankParams:
-    shards = _layer_shards(cfg, moe, tp, ep)
+                 per_chunk: tuple[int, ...], moe_tp: str = "sharded") -> RankParams:
+    shards = _layer_shards(cfg, moe, tp, ep, moe_tp)
     dense = expert = largest = 0.0
     for r in rank_layers(per_chunk, pp, v, rank):
         for i in r:
@@ -532,7 +544,8 @@ def _activation_terms(w: Workload, key: Without, rank: int, kernels: str, norm: 
                                              cp_ulysses_degree=cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)[0])
     first, last = rank == 0, rank == lay.pp - 1
     extra_saved, extra_transient = stage_extras(cfg, tokens, first=first, last=last, precision=lay.precision,
-                                                tp=lay.tp, sp=lay.sp, cross_entropy=lay.recipe.cross_entropy)
+                                                tp=lay.tp, sp=lay.sp, cross_entropy=lay.recipe.cross_entropy,
+                                                sp_inputs=lay.recipe.sp_inputs)
     n_rank_layers = [per_chunk[c * lay.pp + rank] for c in range(lay.pp_virtual)]
     acts = _layers_in_flight(*sched, rank, tuple(n_rank_layers), in_flight, lay.recipe.pp_all_warmup)
     acts *= layer_act.saved

@@ -96,6 +96,10 @@ class Recipe:
     # "eager": one PyTorch op each); None: what `pentatron train` runs by default (`training_kernels`).
     # A default only: `--kernels` chooses, and either value of ours is trainable (train.compile).
     kernels: Kernels | None = None
+    # Tensor parallelism of an MoE layer (router, routed and shared experts): "sharded" over tp like a
+    # dense MLP (Megatron-Core's expert tensor parallelism = tp, the other presets) or "replicated" (ours,
+    # parallel/moe_tokens.py: whole on every tp rank, experts split over ep only)
+    moe_tp: Literal["sharded", "replicated"] = "sharded"
 
     def problems(self) -> list[str]:
         """Each field checked against its type by the config loader's checker."""
@@ -128,7 +132,7 @@ def training_loss(loss_chunk_tokens: int) -> str:
 
 
 # ours: the loss `pentatron train` runs by default (TrainConfig's loss_chunk_tokens)
-PENTATRON = Recipe(cross_entropy=training_loss(TrainConfig.loss_chunk_tokens))
+PENTATRON = Recipe(cross_entropy=training_loss(TrainConfig.loss_chunk_tokens), moe_tp="replicated")
 # Megatron-Core with Transformer Engine (fused kernels): SP linears keep the sequence shard, stage
 # outputs freed once sent. Older Megatron-LM (blocking p2p, scatter-gather) and --tp-comm-overlap are
 # overrides (`--recipe-set pp_p2p=blocking`, `tp_overlap=true`).

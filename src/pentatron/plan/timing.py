@@ -308,7 +308,16 @@ def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -
         g = group_of(lay, "tp", gpu)
         ce_comm = sum(collective_time(gpu, "all_reduce", x, g)
                       for x in loss_all_reduces(tokens, lay.recipe.cross_entropy))
-    return Phase(ph.f + loss + tp_f + ce_comm, ph.b + loss_b + tp_b, ph.w)
+    # our chunked loss keeps no logits: its backward recomputes them, the head's forward GEMM once more.
+    # (Zero bubble's W re-enters the loss and recomputes them again: not timed here, the phases are
+    # memoised without the schedule; the hardware FLOPs count it.)
+    replay = ph.f if lay.recipe.cross_entropy == "chunked" else 0.0
+    return Phase(ph.f + loss + tp_f + ce_comm, ph.b + loss_b + tp_b + replay, ph.w)
+
+
+def split_backward(lay: Layout) -> bool:
+    """Whether the pipeline splits each backward into B and W (zero bubble's schedule)."""
+    return lay.pp > 1 and lay.pp_schedule == "zb"
 
 
 def _head_tp(w: Workload, lay: Layout, gpu: GPUSpec) -> tuple[float, float]:
@@ -702,5 +711,6 @@ def throughput(w: Workload, lay: Layout, gpu: GPUSpec, st: StepTime) -> Throughp
     tps = w.tokens_per_step / st.step
     peak = gpu.flops(compute_dtype(lay.precision))
     mf = model_flops_per_token(w.cfg, w.seq_len, moe=w.moe_spec)
-    hf = hardware_flops_per_token(w.cfg, w.seq_len, lay.recompute, moe=w.moe_spec)
+    hf = hardware_flops_per_token(w.cfg, w.seq_len, lay.recompute, moe=w.moe_spec,
+                                  cross_entropy=lay.recipe.cross_entropy, split_backward=split_backward(lay))
     return Throughput(tps, tps / lay.world, tps * mf / (lay.world * peak), tps * hf / (lay.world * peak), mf, hf)

@@ -36,7 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, mm_flop
 
 from pentatron.distributed.comm import Comm, CommLedger, Work
 from pentatron.models.config import ModelConfig
@@ -47,12 +47,14 @@ from pentatron.plan.flops import (
 )
 from pentatron.plan.layout import Layout, Workload, chunk_layers
 from pentatron.plan.memory import (
+    LOSS_CHUNK_TOKENS,
     llama_layer_activation_bytes,
     pipeline_boundary_bytes,
     rank_params,
     rope_shared_bytes,
     stage_extras,
 )
+from pentatron.plan.recipes import training_loss
 
 TOLERANCE = 0.02
 
@@ -163,21 +165,37 @@ def _meta_model(cfg: ModelConfig, dtype: torch.dtype, recompute: str, tp: int = 
 
 
 def _loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor, comm: Comm | None = None,
-          positions: torch.Tensor | None = None) -> torch.Tensor:
-    # the trainer's loss (parallel/parallelize._loss_fn): cross-entropy on fp32 logits, vocab-parallel under tp
+          positions: torch.Tensor | None = None, chunk_tokens: int = 0) -> torch.Tensor:
+    """The trainer's loss: with `chunk_tokens` > 0 (train.loss_chunk_tokens, the default) the LM head's
+    chunked loss (models/loss.py, vocab-parallel under tp), else parallel/parallelize._loss_fn's
+    cross-entropy on fp32 logits (vocab-parallel under tp)."""
+    from pentatron.parallel.parallelize import set_loss_chunk_tokens
     from pentatron.parallel.tensor import vocab_parallel_cross_entropy
 
+    if chunk_tokens > 0:
+        set_loss_chunk_tokens(model, chunk_tokens)
+        return model(tokens, positions, targets=targets)
     logits = model(tokens) if positions is None else model(tokens, positions)
     if comm is not None:
         return vocab_parallel_cross_entropy(logits.float(), targets, comm)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def _addmm_flops(self_shape: Any, a_shape: Any, b_shape: Any, *args: Any, **kwargs: Any) -> int:
+    """FLOPs of the in-place `addmm_` (the counter's own table has `addmm` only): its matmul."""
+    return mm_flop(a_shape, b_shape)
+
+
 def verify_model(cfg: ModelConfig, seq_len: int, *, micro_batch: int = 1, recompute: str = "none",
-                 precision: str = "bf16", tp: int = 1, sp: bool = False, pp: int = 1) -> list[Check]:
+                 precision: str = "bf16", tp: int = 1, sp: bool = False, pp: int = 1,
+                 loss_chunk_tokens: int = LOSS_CHUNK_TOKENS) -> list[Check]:
     """Analytic vs traced parameters, FLOPs and saved activation bytes for one micro-batch; the bytes
-    (and the rank's parameters) on one rank of the layout (tp, sp, pp): the last stage for pp > 1."""
+    (and the rank's parameters) on one rank of the layout (tp, sp, pp): the last stage for pp > 1.
+    `loss_chunk_tokens`: train.loss_chunk_tokens, the loss traced (training's default: the chunked loss,
+    whose backward recomputes the head's logits; 0: the loss from full fp32 logits)."""
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    loss_kind = training_loss(loss_chunk_tokens)
+    chunk = loss_chunk_tokens
     b, s = micro_batch, seq_len
     tokens_n = b * s
     sp = sp and tp > 1
@@ -190,7 +208,8 @@ def verify_model(cfg: ModelConfig, seq_len: int, *, micro_batch: int = 1, recomp
     lay = Layout(tp=tp, sp=sp, pp=pp, micro_batch=b, recompute=recompute, precision=precision)
     if parallel:
         part, _ = _meta_model(cfg, dtype, recompute, tp, sp, pp, s)
-        checks.append(Check(f"parameters on one rank ({_where(tp, sp, pp)})", rank_params(w, lay, pp - 1).dense,
+        rp = rank_params(w, lay, pp - 1)  # experts whole on the rank: verify builds no ep split
+        checks.append(Check(f"parameters on one rank ({_where(tp, sp, pp)})", rp.dense + rp.expert,
                             sum(p.numel() for p in part.parameters())))
         del part
     if cfg.moe is not None:
@@ -199,17 +218,20 @@ def verify_model(cfg: ModelConfig, seq_len: int, *, micro_batch: int = 1, recomp
         return checks
 
     tokens = torch.zeros(b, s, dtype=torch.long, device="meta")
-    counter = FlopCounterMode(display=False)
+    # the chunked loss's fp32 dW accumulates in place (addmm_), which the counter's table lacks
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: _addmm_flops})
     with counter:
-        loss = _loss(model, tokens, tokens)
+        loss = _loss(model, tokens, tokens, chunk_tokens=chunk)
         fwd = counter.get_total_flops()
         loss.backward()
     total = counter.get_total_flops()
     fb = flop_breakdown(cfg, s)
     checks.append(Check("forward FLOPs", fb.forward * tokens_n, fwd))
-    # the meta pass runs SDPA's math path (selective replays only QK^T) and torch's early-stop checkpoint
-    checks.append(Check(f"training FLOPs (fwd+bwd, recompute {recompute})",
-                        hardware_flops_per_token(cfg, s, recompute, attention="math", early_stop=True) * tokens_n,
+    # the meta pass runs SDPA's math path (selective replays only QK^T) and torch's early-stop checkpoint;
+    # the chunked loss's backward replays the head GEMM
+    checks.append(Check(f"training FLOPs (fwd+bwd, recompute {recompute}, loss {loss_kind})",
+                        hardware_flops_per_token(cfg, s, recompute, attention="math", early_stop=True,
+                                                 cross_entropy=loss_kind) * tokens_n,
                         total))
     del loss, model
     gc.collect()
@@ -222,17 +244,20 @@ def verify_model(cfg: ModelConfig, seq_len: int, *, micro_batch: int = 1, recomp
         if pp > 1:  # the last stage's input: the hidden state it receives (its sequence shard under SP)
             x = torch.zeros(b, s // tp if sp else s, cfg.hidden_size, dtype=dtype, device="meta",
                             requires_grad=True)
-            loss = _loss(model, x, tok.clone(), comm, torch.arange(s, device="meta"))
+            loss = _loss(model, x, tok.clone(), comm, torch.arange(s, device="meta"), chunk)
             del x
         else:
-            loss = _loss(model, tok, tok.clone(), comm)
+            loss = _loss(model, tok, tok.clone(), comm, chunk_tokens=chunk)
         del tok
         saved = tracker.live_bytes()
     layer = llama_layer_activation_bytes(cfg, tokens_n, s, precision=precision, recompute=recompute, tp=tp, sp=sp)
     n_layers = chunk_layers(w, lay)[-1] if pp > 1 else cfg.n_layers
-    extra, _ = stage_extras(cfg, tokens_n, first=pp == 1, last=True, precision=precision, tp=tp, sp=sp)
-    # + the loss scalar and nll's total weight (two fp32 scalars); for pp > 1 the received input
-    analytic = (n_layers * layer.saved + extra + rope_shared_bytes(cfg, s, precision, recompute) + 8
+    extra, _ = stage_extras(cfg, tokens_n, first=pp == 1, last=True, precision=precision, tp=tp, sp=sp,
+                            cross_entropy=loss_kind, loss_chunk_tokens=max(chunk, 1))
+    # + the loss scalar and nll's total weight (two fp32 scalars; our own losses' mean, chunked or
+    # vocab-parallel, divides by an int64 token count instead); for pp > 1 the received input
+    scalars = 4 + 8 if loss_kind == "chunked" or tp > 1 else 8
+    analytic = (n_layers * layer.saved + extra + rope_shared_bytes(cfg, s, precision, recompute) + scalars
                 + pipeline_boundary_bytes(w, lay, pp - 1, 1))
     where = f", {_where(tp, sp, pp)}" if parallel else ""
     checks.append(Check(f"bytes saved for backward (recompute {recompute}{where})", analytic, saved))
