@@ -25,7 +25,8 @@ A compile failure surfaces as one `CompileError` line naming the region and what
 region's backward lazily, inside the first `backward()`, where a failure is a raw traceback out of the
 autograd engine and the forward already ran compiled (no eager fallback left for that step); so each region's
 backward is compiled with its forward (`force_non_lazy_backward_lowering`): any failure, forward's or
-backward's, happens at the region's first call, where it is caught. `CompileReport` counts the graphs dynamo
+backward's, happens at the region's first call, where it is caught (under zb, whose B keeps the graph for W,
+without donated buffers: the lazy compile turned them off itself). `CompileReport` counts the graphs dynamo
 built, the recompilations (graphs of a region after its first) and the seconds spent compiling (from
 `torch._dynamo.utils`), for the run summary and the no-recompilation test.
 """
@@ -208,6 +209,10 @@ def apply_compile(model: nn.Module, setting: bool | str, device: torch.device,
         return None
     if hasattr(aot_config, _EAGER_BACKWARD):  # process-wide, but only compiling pays: the same work, earlier
         setattr(aot_config, _EAGER_BACKWARD, True)
+        if split_backward:
+            # B's autograd.grad(retain_graph=True) keeps the saved tensors for W: a backward compiled ahead may
+            # not reuse (donate) them. The lazy compile saw retain_graph and turned donation off by itself.
+            aot_config.donated_buffer = False
     report = CompileReport(backend, fallback=setting == "try")
     items = model.layers.items() if isinstance(model.layers, nn.ModuleDict) else enumerate(model.layers)
     for i, block in items:
