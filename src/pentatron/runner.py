@@ -168,9 +168,9 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
         return 1
     except DataError as e:
         return input_error(f"rank {rank}: {e}")
-    except CompileError as e:  # one line, not torch's pages of logging hints
+    except CompileError as e:  # one line, not torch's pages of logging hints; the user sets train.compile
         print(f"pentatron: rank {rank}: error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return 2
     except NonFiniteStop as e:
         if rank == 0:  # every rank stops on the same (all-reduced) numbers: say it once
             print(f"pentatron: stopped: {e}", file=sys.stderr)

@@ -1,10 +1,13 @@
-"""parallel/compile.py on one process: which regions are compiled, the setting, and what a failure looks like.
-(Parity of compiled training in every layout: test_compile_parity.py.)"""
+"""parallel/compile.py on one process: which regions are compiled, the setting, and what a failure looks like
+(at the first forward or in the backward's compile, in a module and under the CLI), and the run summary's
+compile line. (Parity of compiled training in every layout: test_compile_parity.py.)"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,11 @@ import torch
 from pentatron.config import compile_enabled
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
+from pentatron.parallel import compile as compile_mod
 from pentatron.parallel.compile import CompileError, apply_compile
+from tests.launchers import in_process
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "debug.toml")
 
 CPU = torch.device("cpu")
 
@@ -54,6 +61,7 @@ def test_a_failure_is_one_line_or_falls_back_when_asked():
         strict(tokens)
     text = str(err.value)
     assert "\n" not in text and "TORCH_LOGS" not in text and "layers.0" in text and "backend exploded" in text
+    assert "train.compile = false" in text and '"try"' in text  # what to set
     lenient = _model(1)
     report = apply_compile(lenient, "try", CPU, backend=_failing_backend)
     with warnings.catch_warnings(record=True) as caught:
@@ -61,6 +69,45 @@ def test_a_failure_is_one_line_or_falls_back_when_asked():
         torch.testing.assert_close(lenient(tokens), expected, rtol=0, atol=0)
         lenient(tokens)
     assert report.failed == ["layers.0"] and len([w for w in caught if "eagerly" in str(w.message)]) == 1
+
+
+def _grads(model: torch.nn.Module, tokens: torch.Tensor) -> list[torch.Tensor]:
+    model(tokens).square().mean().backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_a_backward_compile_failure_is_one_line_at_the_first_call(monkeypatch):
+    """AOTAutograd compiles a backward lazily, inside the first backward(); compile.py has it compiled with the
+    forward, so a failing backward compile is caught where a forward's is: one line naming the region, or
+    ("try") the region runs eagerly, forward and backward, with the eager gradients."""
+    monkeypatch.setattr(compile_mod, "TEST_FAIL", "backward")
+    tokens = torch.randint(0, 4096, (1, 8))
+    strict = _model(1)
+    apply_compile(strict, True, CPU)
+    with pytest.raises(CompileError) as err:
+        strict(tokens)  # the forward: nothing has run compiled yet
+    text = str(err.value)
+    assert "\n" not in text and "TORCH_LOGS" not in text and "layers.0" in text
+    assert "injected backward compile failure" in text and "train.compile = false" in text
+    lenient = _model(1)
+    report = apply_compile(lenient, "try", CPU)
+    with pytest.warns(RuntimeWarning, match="layers.0 failed: .*backward.*eagerly"):
+        got = _grads(lenient, tokens)
+    assert report.failed == ["layers.0"]
+    for g, want in zip(got, _grads(_model(1), tokens)):
+        torch.testing.assert_close(g, want, rtol=0, atol=0)
+
+
+def test_a_backward_compile_failure_exits_2_under_the_cli(monkeypatch, tmp_path, default_dataset):
+    monkeypatch.setattr(compile_mod, "TEST_FAIL", "backward")
+    args = ["train", CONFIG, f"--set=data.path={json.dumps(str(default_dataset))}", "--set=train.steps=1",
+            "--set=train.warmup=0", "--set=train.compile=true", "--set=log.tensorboard=false",
+            "--set=log.progress=false"]
+    out = in_process(args, tmp_path)
+    errors = [ln for ln in out.output.splitlines() if "error" in ln]
+    assert out.codes == [2], out.output[-2000:]
+    assert len(errors) == 1 and "compiling layers.0 failed" in errors[0] and "train.compile = false" in errors[0]
+    assert "Traceback" not in out.output and "TORCH_LOGS" not in out.output
 
 
 def test_the_summary_reports_compilation():
@@ -71,4 +118,10 @@ def test_the_summary_reports_compilation():
     model(torch.randint(0, 4096, (1, 8))).sum().backward()
     s = report.summary()
     assert s["regions"] == 1 and s["graphs"] >= 1 and s["compile_s"] > 0 and s["failed"] == []
-    assert compile_text(s).startswith("aot_eager: 1 regions, ") and compile_text(None) == "off (train.compile)"
+    assert s["recompiles"] == 0
+    with torch.no_grad():  # grad mode is guarded: a new graph for the same region, counted as a recompilation
+        model(torch.randint(0, 4096, (1, 8)))
+    s = report.summary()
+    assert s["recompiles"] == 1 and s["graphs"] == 2
+    assert compile_text(s).startswith("aot_eager: 1 regions, 2 graphs (1 recompiles), ")
+    assert compile_text(None) == "off (train.compile)"

@@ -123,8 +123,8 @@ def compile_text(c: dict[str, Any] | None) -> str:
     if c is None:
         return "off (train.compile)"
     failed = f", {len(c['failed'])} failed (eager)" if c["failed"] else ""
-    return (f"{c['backend']}: {c['regions']} regions, {c['graphs']} graphs, {c['compile_s']:.1f} s compiling "
-            f"(rank 0, inside the first steps){failed}")
+    return (f"{c['backend']}: {c['regions']} regions, {c['graphs']} graphs ({c.get('recompiles', 0)} recompiles), "
+            f"{c['compile_s']:.1f} s compiling (rank 0, inside the first steps){failed}")
 
 
 def _peak_text(mem: dict[str, Any]) -> str:

@@ -20,9 +20,15 @@ structurally on each block after tensor/context/expert parallelism replaced its 
 Regions are compiled before activation checkpointing wraps them (`parallel/recompute.py`), so a
 recomputed block reruns its compiled code. Each region is compiled with `fullgraph=True` (a graph
 break would be a collective or a host read hidden in compute: an error, not a silent slowdown).
-A compile failure surfaces as one `CompileError` line; with `train.compile = "try"` the region warns
-once and runs eagerly instead. `CompileReport` counts the graphs dynamo built and the seconds spent
-compiling (from `torch._dynamo.utils`), for the run summary and the no-recompilation test.
+A compile failure surfaces as one `CompileError` line naming the region and what to set; with
+`train.compile = "try"` the region warns once and runs eagerly instead. AOTAutograd would compile a
+region's backward lazily, inside the first `backward()`, where a failure is a raw traceback out of the
+autograd engine and the forward already ran compiled (no eager fallback left for that step); so each region's
+backward is compiled with its forward (`force_non_lazy_backward_lowering`): any failure, forward's or
+backward's, happens at the region's first call, where it is caught (under zb, whose B keeps the graph for W,
+without donated buffers: the lazy compile turned them off itself). `CompileReport` counts the graphs dynamo
+built, the recompilations (graphs of a region after its first) and the seconds spent compiling (from
+`torch._dynamo.utils`), for the run summary and the no-recompilation test.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch._functorch.config as aot_config
 from torch import nn
 from torch._dynamo.exc import TorchDynamoException
 from torch._dynamo.utils import compilation_time_metrics, counters
@@ -41,8 +48,13 @@ from pentatron.config import compile_enabled
 from pentatron.models.llama import MLP, Attention, AttentionCore, RMSNorm
 from pentatron.models.moe import MoE
 
-# torch's compile-time timers: dynamo + AOTAutograd + inductor forward, and the lazily compiled backward.
+# AOTAutograd's switch that compiles the backward inside the forward's compile (absent: the lazy backward).
+_EAGER_BACKWARD = "force_non_lazy_backward_lowering"
+# torch's compile-time timers: dynamo + AOTAutograd + inductor (the backward too when compiled eagerly), and
+# the lazily compiled backward (only where torch lacks _EAGER_BACKWARD: it is inside compile_inner otherwise).
 _TIMERS = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
+# Injected failures for tests ("forward" or "backward": that compile of every region raises), set by a test.
+TEST_FAIL: str | None = None
 
 
 class CompileError(RuntimeError):
@@ -50,7 +62,8 @@ class CompileError(RuntimeError):
 
 
 def _compile_seconds() -> float:
-    return sum(sum(compilation_time_metrics.get(k, ())) for k in _TIMERS)
+    timers = _TIMERS[:1] if hasattr(aot_config, _EAGER_BACKWARD) else _TIMERS
+    return sum(sum(compilation_time_metrics.get(k, ())) for k in timers)
 
 
 def _graphs() -> int:
@@ -66,6 +79,7 @@ class CompileReport:
     fallback: bool
     regions: list[str] = field(default_factory=list)  # module paths, e.g. "layers.0" or "layers.0.attn.rotate"
     failed: list[str] = field(default_factory=list)  # regions running eagerly after a failure ("try")
+    recompiles: int = 0  # graphs dynamo built for a region that already had one (a guard failed)
     _graphs0: int = field(default_factory=_graphs)
     _seconds0: float = field(default_factory=_compile_seconds)
 
@@ -79,7 +93,7 @@ class CompileReport:
     def summary(self) -> dict[str, Any]:
         backend = self.backend if isinstance(self.backend, str) else repr(self.backend)
         return {"backend": backend, "regions": len(self.regions), "graphs": self.graphs(),
-                "compile_s": round(self.seconds(), 2), "failed": list(self.failed)}
+                "recompiles": self.recompiles, "compile_s": round(self.seconds(), 2), "failed": list(self.failed)}
 
 
 def _one_line(e: BaseException) -> str:
@@ -98,22 +112,47 @@ class _Region:
     def __init__(self, name: str, eager: Callable[..., Any], report: CompileReport) -> None:
         self.name, self.eager, self.report = name, eager, report
         # static shapes: a layout has one shape per region; automatic dynamic shapes would retrace symbolically
-        self.compiled = torch.compile(eager, backend=report.backend, fullgraph=True, dynamic=False)
+        self.compiled = torch.compile(eager, backend=_backend(report.backend), fullgraph=True, dynamic=False)
         self.failed = False
+        self.graphs = 0  # graphs dynamo built for this region
 
     def __call__(self, *args: Any) -> Any:
         if self.failed:
             return self.eager(*args)
+        before = _graphs()
         try:
-            return self.compiled(*args)
+            out = self.compiled(*args)
         except TorchDynamoException as e:
             msg = f"train.compile: compiling {self.name} failed: {_one_line(e)}"
             if not self.report.fallback:
-                raise CompileError(msg + " (train.compile = \"try\" runs it eagerly instead)") from None
-            warnings.warn(msg + "; running it eagerly", RuntimeWarning, stacklevel=2)
+                raise CompileError(msg + "; set train.compile = false, or \"try\" to run it eagerly") from None
+            warnings.warn(msg + "; running it eagerly (train.compile = \"try\")", RuntimeWarning, stacklevel=2)
             self.failed = True
             self.report.failed.append(self.name)
             return self.eager(*args)
+        built = _graphs() - before  # a dict read: no cost worth counting per call
+        if built:
+            self.report.recompiles += built - (self.graphs == 0)
+            self.graphs += built
+        return out
+
+
+def _backend(backend: str | Callable[..., Any]) -> str | Callable[..., Any]:
+    """`backend`, or under `TEST_FAIL` one whose forward or backward compile raises (AOTAutograd's own
+    pipeline with a failing compiler: the failure torch itself would raise, not a stand-in for it)."""
+    if TEST_FAIL is None:
+        return backend
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def ok(gm: torch.fx.GraphModule, _: list[torch.Tensor]) -> Callable[..., Any]:
+        return make_boxed_func(gm.forward)
+
+    def fail(gm: torch.fx.GraphModule, _: list[torch.Tensor]) -> Callable[..., Any]:
+        raise RuntimeError(f"injected {TEST_FAIL} compile failure (pentatron.parallel.compile.TEST_FAIL)")
+
+    return aot_autograd(fw_compiler=fail if TEST_FAIL == "forward" else ok,
+                        bw_compiler=fail if TEST_FAIL == "backward" else ok)
 
 
 def _communicates(m: nn.Module) -> bool:
@@ -168,6 +207,12 @@ def apply_compile(model: nn.Module, setting: bool | str, device: torch.device,
     before activation checkpointing."""
     if not compile_enabled(setting, device.type):
         return None
+    if hasattr(aot_config, _EAGER_BACKWARD):  # process-wide, but only compiling pays: the same work, earlier
+        setattr(aot_config, _EAGER_BACKWARD, True)
+        if split_backward:
+            # B's autograd.grad(retain_graph=True) keeps the saved tensors for W: a backward compiled ahead may
+            # not reuse (donate) them. The lazy compile saw retain_graph and turned donation off by itself.
+            aot_config.donated_buffer = False
     report = CompileReport(backend, fallback=setting == "try")
     items = model.layers.items() if isinstance(model.layers, nn.ModuleDict) else enumerate(model.layers)
     for i, block in items:
