@@ -9,6 +9,7 @@ from pentatron.plan.flops import (
     flop_breakdown,
     hardware_flops_per_token,
     loss_recompute_flops_per_token,
+    loss_replayed_tokens,
     matmul_params,
     model_flops_per_token,
     recompute_flops_per_token,
@@ -79,25 +80,29 @@ def test_moe_counts_active_experts():
 
 
 def test_the_chunked_loss_replays_the_head_gemm_as_hardware_flops():
-    """Our chunked loss (models/loss.py) recomputes each chunk's logits in backward: one more LM-head
-    forward GEMM, 2·h·V per token, counted like recompute (hardware FLOPs, charged to B), never as model
-    FLOPs (MFU). The other losses keep the logits and replay nothing."""
+    """Our chunked loss (models/loss.py) recomputes the logits of every chunk but the last (which forward
+    keeps) in backward: one more LM-head forward GEMM, 2·h·V per recomputed row, counted like recompute
+    (hardware FLOPs, charged to B), never as model FLOPs (MFU). Zero bubble's W recomputes every chunk once
+    more. The other losses keep the logits and replay nothing."""
     cfg = get_model_config("llama3-8b")
     s, head = 4096, 2 * cfg.hidden_size * cfg.vocab_size
-    assert loss_recompute_flops_per_token(cfg, "chunked") == head
+    assert loss_replayed_tokens(4096, 1024) == 3072 and loss_replayed_tokens(1000, 1024) == 0
+    assert loss_replayed_tokens(2500, 1024) == 2048 and loss_replayed_tokens(4096, 1024, True) == 3072 + 4096
+    assert loss_recompute_flops_per_token(cfg, "chunked", tokens=s) == head * 3 / 4
+    assert loss_recompute_flops_per_token(cfg, "chunked", tokens=512) == 0  # one chunk: nothing replays
     for other in ("eager", "fused", "loss_parallel", "nanotron"):
-        assert loss_recompute_flops_per_token(cfg, other) == 0
+        assert loss_recompute_flops_per_token(cfg, other, tokens=s) == 0
     for rc in ("none", "selective", "full"):
-        assert hardware_flops_per_token(cfg, s, rc, cross_entropy="chunked") == pytest.approx(
-            hardware_flops_per_token(cfg, s, rc) + head)
+        assert hardware_flops_per_token(cfg, s, rc, cross_entropy="chunked", loss_tokens=s) == pytest.approx(
+            hardware_flops_per_token(cfg, s, rc) + head * 3 / 4)
     f0, b0, w0 = executed_phase_flops(cfg, s)
-    f, b, w = executed_phase_flops(cfg, s, cross_entropy="chunked")
-    assert (f, w) == (f0, w0) and b == pytest.approx(b0 + head)
+    f, b, w = executed_phase_flops(cfg, s, cross_entropy="chunked", loss_tokens=s)
+    assert (f, w) == (f0, w0) and b == pytest.approx(b0 + head * 3 / 4)
 
 
 def test_the_time_model_runs_the_chunked_losss_head_gemm_once_more():
     """The last stage's head phase: under our recipe (chunked loss) its backward holds the head's forward
-    GEMM once more; forward and weight-gradient times, and every other recipe's loss, are unchanged. The
+    GEMM once more for 3 of its 4 chunks; forward and weight-gradient times, and every other recipe's loss, are unchanged. The
     step's MFU counts model FLOPs (the same), its HFU the replay."""
     import dataclasses
 
@@ -116,10 +121,10 @@ def test_the_time_model_runs_the_chunked_losss_head_gemm_once_more():
         gemm = _head_linear(gpu, w.seq_len, w.cfg.vocab_size / tp, w.cfg.hidden_size,
                             gpu.flops(compute_dtype(lay.precision)), 2)
         assert gemm.f > 0 and (chunked.f, chunked.w) == (full.f, full.w)
-        assert chunked.b == pytest.approx(full.b + gemm.f)
+        assert chunked.b == pytest.approx(full.b + gemm.f * 3 / 4)  # 4 chunks of 1024: 3 recomputed
         r, r_eager = (throughput(w, x, gpu, step_time(w, x, gpu)) for x in (lay, eager))
         assert r.model_flops_per_token == r_eager.model_flops_per_token
-        assert r.hardware_flops_per_token == pytest.approx(r.model_flops_per_token + 2 * 4096 * 128256)
+        assert r.hardware_flops_per_token == pytest.approx(r.model_flops_per_token + 2 * 4096 * 128256 * 3 / 4)
         assert r.tokens_per_s < r_eager.tokens_per_s
     for name, recipe in RECIPES.items():  # other frameworks keep their own loss
         assert (recipe.cross_entropy == "chunked") == (name == "pentatron"), name
@@ -169,14 +174,15 @@ def test_a_split_backward_replays_the_chunked_head_twice():
         assert sb.split
         return fb.get_total_flops() + fw.get_total_flops()
 
-    head = 2 * 32 * cfg.hidden_size * cfg.vocab_size
-    assert backward_flops(True) - backward_flops(False) == head
-    assert loss_recompute_flops_per_token(cfg, "chunked", split_backward=True) == 2 * head / 32
+    head = 2 * 32 * cfg.hidden_size * cfg.vocab_size  # 32 rows in 4 chunks of 8: unsplit replays 3 chunks
+    assert backward_flops(True) - backward_flops(False) == head  # W replays all 4 once more
+    assert loss_recompute_flops_per_token(cfg, "chunked", split_backward=True, tokens=32, chunk_tokens=8) == (
+        head / 32 * (24 + 32) / 32)
 
     gpu = get_gpu("h100-sxm")
     w = Workload(get_model_config("llama3-8b"), 4096, 64)
     big = 2 * w.cfg.hidden_size * w.cfg.vocab_size
-    for schedule, replays in (("zb", 2), ("1f1b", 1)):
+    for schedule, replays in (("zb", 1.75), ("1f1b", 0.75)):  # 4096 tokens: 3 of 4 chunks, zb's W all 4 more
         lay = Layout(dp=16, pp=4, pp_schedule=schedule)
         r = throughput(w, lay, gpu, step_time(w, lay, gpu))
         assert r.hardware_flops_per_token - r.model_flops_per_token == pytest.approx(replays * big), schedule

@@ -73,11 +73,13 @@ def test_the_traced_loss_is_the_trainers_and_the_formulas_are_exact(kw, chunk):
         assert c.traced > 0 and c.analytic == c.traced, (kw, chunk, c)
 
 
-def test_the_chunked_loss_costs_one_head_gemm_in_the_trace():
+def test_the_chunked_loss_replays_the_head_gemm_of_all_chunks_but_the_last_in_the_trace():
     cfg = get_model_config("debug")
     tokens = 2 * 128
-    flops = {chunk: verify_model(cfg, 128, micro_batch=2, loss_chunk_tokens=chunk)[2].traced for chunk in (0, 64)}
-    assert flops[64] - flops[0] == 2 * cfg.hidden_size * cfg.vocab_size * tokens
+    flops = {chunk: verify_model(cfg, 128, micro_batch=2, loss_chunk_tokens=chunk)[2].traced
+             for chunk in (0, 64, 1024)}
+    assert flops[64] - flops[0] == 2 * cfg.hidden_size * cfg.vocab_size * (tokens - 64)
+    assert flops[1024] == flops[0]  # the tokens in one chunk: forward keeps it, nothing replays
 
 
 def test_sp_head_input_is_the_gathered_one():

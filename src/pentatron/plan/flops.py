@@ -21,9 +21,11 @@ re-computes QK^T) is in `executed_phase_flops`; the time model uses that, MFU/HF
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
+from pentatron.config import TrainConfig
 from pentatron.models.config import ModelConfig
 
 Recompute = Literal["none", "selective", "full", "selective-op", "full-alternate"]
@@ -237,30 +239,46 @@ def sac_op_replayed_matmul_flops(cfg: ModelConfig, moe: MoESpec | None = None) -
     return total
 
 
-def loss_recompute_flops_per_token(cfg: ModelConfig, cross_entropy: str = "eager",
-                                   split_backward: bool = False) -> float:
-    """Extra LM-head work of the loss, per token: our chunked loss (cross_entropy="chunked", models/loss.py)
-    keeps no logits and recomputes each chunk's in backward, one more head forward GEMM, 2·h·V. Recompute
-    like the layers' (hardware FLOPs, charged to B), never model FLOPs: MFU is unchanged. A split backward
-    (zero bubble: B, then W re-entering the loss node) recomputes them in each half, twice (measured with
-    the flop counter on a last stage). The other losses keep (or fuse away) the logits: nothing replays."""
-    if cross_entropy != "chunked":
+LOSS_CHUNK_TOKENS = TrainConfig.loss_chunk_tokens  # training's default chunk of the loss
+
+
+def loss_replayed_tokens(tokens: float, chunk_tokens: int, split_backward: bool = False) -> float:
+    """Of one micro-batch's `tokens` (as the loss sees them: mb·seq/cp), how many rows our chunked loss
+    (models/loss.py) recomputes the head for in backward: every chunk but the last, which forward keeps.
+    A split backward (zero bubble) gives the kept chunk to B; W recomputes every chunk."""
+    n = max(tokens, 0.0)
+    chunk = max(chunk_tokens, 1)
+    before_last = (math.ceil(n / chunk) - 1) * chunk if n > 0 else 0.0
+    return before_last + (n if split_backward else 0.0)
+
+
+def loss_recompute_flops_per_token(cfg: ModelConfig, cross_entropy: str = "eager", split_backward: bool = False,
+                                   *, tokens: float = 0.0, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> float:
+    """Extra LM-head work of the loss, per token: our chunked loss (cross_entropy="chunked") recomputes
+    the head's forward GEMM (2·h·V per row) for the rows of `loss_replayed_tokens` out of the `tokens` of
+    a micro-batch. Recompute like the layers' (hardware FLOPs, charged to B), never model FLOPs: MFU is
+    unchanged. The other losses keep (or fuse away) the logits: nothing replays."""
+    if cross_entropy != "chunked" or tokens <= 0:
         return 0.0
-    return 2.0 * cfg.hidden_size * cfg.vocab_size * (2 if split_backward else 1)
+    share = loss_replayed_tokens(tokens, chunk_tokens, split_backward) / tokens
+    return 2.0 * cfg.hidden_size * cfg.vocab_size * share
 
 
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Recompute = "none", *,
                              moe: MoESpec | None = None, attention: str = "flash", early_stop: bool = False,
-                             cross_entropy: str = "eager", split_backward: bool = False) -> float:
-    """Model FLOPs plus recomputation (the layers' and the chunked loss's head), same counting
-    convention: the HFU numerator."""
+                             cross_entropy: str = "eager", split_backward: bool = False,
+                             loss_tokens: float = 0.0, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> float:
+    """Model FLOPs plus recomputation (the layers' and the chunked loss's head, for micro-batches of
+    `loss_tokens` rows), same counting convention: the HFU numerator."""
     return (model_flops_per_token(cfg, seq_len, moe=moe)
             + recompute_flops_per_token(cfg, seq_len, recompute, moe=moe, attention=attention, early_stop=early_stop)
-            + loss_recompute_flops_per_token(cfg, cross_entropy, split_backward))
+            + loss_recompute_flops_per_token(cfg, cross_entropy, split_backward, tokens=loss_tokens,
+                                             chunk_tokens=chunk_tokens))
 
 
 def executed_phase_flops(cfg: ModelConfig, seq_len: int, recompute: Recompute = "none", *,
-                         moe: MoESpec | None = None, cross_entropy: str = "eager") -> tuple[float, float, float]:
+                         moe: MoESpec | None = None, cross_entropy: str = "eager", loss_tokens: float = 0.0,
+                         chunk_tokens: int = LOSS_CHUNK_TOKENS) -> tuple[float, float, float]:
     """(F, B, W) FLOPs per token that a FlashAttention-style causal kernel really executes: half the
     score square; its backward does 5 score-sized matmuls (dQ, dK, dV, dP and a re-computed QK^T) against
     2 in forward. Recomputation (the layers' and the chunked loss's head GEMM) is charged to B, where it
@@ -269,7 +287,7 @@ def executed_phase_flops(cfg: ModelConfig, seq_len: int, recompute: Recompute = 
     f = fb.forward
     b = fb.layers_matmul + 2.5 * fb.attention + fb.lm_head
     b += recompute_flops_per_token(cfg, seq_len, recompute, causal=True, moe=moe)
-    b += loss_recompute_flops_per_token(cfg, cross_entropy)
+    b += loss_recompute_flops_per_token(cfg, cross_entropy, tokens=loss_tokens, chunk_tokens=chunk_tokens)
     return f, b, fb.backward_weight
 
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
-from pentatron.config import TrainConfig
 from pentatron.models.config import ModelConfig
 from pentatron.parallel.activation_memory import layer_activation_bytes
 from pentatron.plan.context import comm_buffer_bytes as cp_comm_buffer_bytes
 from pentatron.plan.context import cp_degrees, ulysses_kv_replication_bytes
-from pentatron.plan.flops import MoESpec, block_matmuls, layer_params, moe_of, sac_op_replayed_matmuls
+from pentatron.plan.flops import LOSS_CHUNK_TOKENS, MoESpec, block_matmuls, layer_params, moe_of, sac_op_replayed_matmuls
 from pentatron.plan.hardware import GiB, GPUSpec
 from pentatron.plan.layout import Layout, Workload, chunk_layers, kv_heads_per_tp_rank
 from pentatron.plan.memo import Without
@@ -213,7 +212,16 @@ def loss_transient_per_entry(cross_entropy: str, a: int, tp: int) -> float:
     return max(a + 4, 8)
 
 
-LOSS_CHUNK_TOKENS = TrainConfig.loss_chunk_tokens  # training's default chunk
+
+
+def loss_kept_bytes(cfg: ModelConfig, tokens: float, tp: int, cross_entropy: str,
+                    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS) -> float:
+    """What our chunked loss keeps from forward for backward beyond its per-token statistics: the last
+    chunk's fp32 exp(logit − max) (its vocabulary slice under tp) and that chunk's row max. Backward
+    takes it first and frees it, before any parameter's gradient exists."""
+    if cross_entropy != "chunked":
+        return 0.0
+    return min(tokens, loss_chunk_tokens) * (4 * cfg.vocab_size / tp + 4)
 
 
 def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, precision: str = "bf16",
@@ -230,9 +238,11 @@ def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, prec
     cross_entropy="fused" (flash-attn's kernel): the low-precision logits and an fp32 logsumexp per token
     are kept, and the logits' gradient (same dtype) is the transient.
     cross_entropy="chunked" (ours, models/loss.py, `loss_chunk_tokens` at a time): per token the fp32
-    log-sum-exp, the int64 local target and two masks are kept (the targets themselves are not); the
-    transient is one chunk's fp32 logits (+ their low-precision matmul output / cast) and, in backward, the
-    fp32 dW accumulator beside them, measured by tests/plan/test_chunked_loss_memory.py."""
+    log-sum-exp, the int64 local target and two masks are kept (the targets themselves are not), and the
+    last chunk's fp32 exp(logit − max) with its max, which backward takes first, in place; the transient
+    beside it is that chunk's low-precision matmul output / cast and, in backward, the fp32 dW
+    accumulator (a recomputed chunk later reuses the kept chunk's room), measured by
+    tests/plan/test_chunked_loss_memory.py."""
     h, a, v = cfg.hidden_size, act_bytes(precision), cfg.vocab_size / tp
     hs = h / tp if sp else h
     head_in = h if sp_inputs == "gathered" else hs  # what the head keeps of its input
@@ -246,8 +256,9 @@ def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, prec
             transient += tokens * a * v
         elif cross_entropy == "chunked":
             low = a if a < 4 else 0  # bf16: the matmul's own output beside its fp32 copy
-            saved += tokens * (4 + 8 + 2)
-            transient += min(tokens, loss_chunk_tokens) * v * (4 + low) + v * h * 4
+            kept = min(tokens, loss_chunk_tokens)
+            saved += tokens * (4 + 8 + 2) + loss_kept_bytes(cfg, tokens, tp, cross_entropy, loss_chunk_tokens)
+            transient += kept * v * low + v * h * 4  # its fp32 part is the kept chunk, counted as saved
         else:  # under tp ours (`vocab_parallel_cross_entropy`) keeps its two 1-byte target masks too
             saved += tokens * (4 * v + 8 + (2 if tp > 1 and cross_entropy == "eager" else 0))
             transient += tokens * loss_transient_per_entry(cross_entropy, a, tp) * v
@@ -482,8 +493,10 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     elif dpcp > 1 and lay.zero == 3:  # two in flight, none bigger than the unit whose gradients it holds
         buckets = 2 * min(DP_BUCKET, rp.largest_unit * prec.grad)
     # they fill from the first parameter gradient on, after the loss's backward has made and dropped its
-    # transient peak (measured: predict_vs_measure.py --memory-layouts, zero2 on the debug model): only
-    # what exceeds that peak adds to it
+    # transient peak and its kept chunk (measured: predict_vs_measure.py --memory-layouts, zero2 on the
+    # debug model): only what exceeds that peak adds to it
+    if rank == lay.pp - 1:
+        extra_transient += loss_kept_bytes(w.cfg, tokens, lay.tp, lay.recipe.cross_entropy)
     comm += max(0.0, buckets - extra_transient)
     # ZeRO-0/1: each bucket is a slice of the persistent gradient buffer, reduced where it lies (ours,
     # Megatron's contiguous buffer; measured: benchmarks/predict_vs_measure.py, dp2): nothing more

@@ -37,7 +37,14 @@ from pentatron.plan.comm import (
     step_collectives,
 )
 from pentatron.plan.context import cp_degrees
-from pentatron.plan.flops import hardware_flops_per_token, layer_params, model_flops_per_token, sac_op_replayed_matmuls
+from pentatron.plan.flops import (
+    LOSS_CHUNK_TOKENS,
+    hardware_flops_per_token,
+    layer_params,
+    loss_replayed_tokens,
+    model_flops_per_token,
+    sac_op_replayed_matmuls,
+)
 from pentatron.plan.fp8_rowwise import LN_SIGMOID_BYTES_PER_ELEMENT, rowwise_seconds
 from pentatron.plan.hardware import GPUSpec
 from pentatron.plan.layout import Layout, Workload, chunk_layers, compute_dtype, kv_heads_per_tp_rank
@@ -308,10 +315,10 @@ def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -
         g = group_of(lay, "tp", gpu)
         ce_comm = sum(collective_time(gpu, "all_reduce", x, g)
                       for x in loss_all_reduces(tokens, lay.recipe.cross_entropy))
-    # our chunked loss keeps no logits: its backward recomputes them, the head's forward GEMM once more.
-    # (Zero bubble's W re-enters the loss and recomputes them again: not timed here, the phases are
-    # memoised without the schedule; the hardware FLOPs count it.)
-    replay = ph.f if lay.recipe.cross_entropy == "chunked" else 0.0
+    # our chunked loss keeps no logits but its last chunk's: backward recomputes the head's forward GEMM
+    # for the chunks before it. (Zero bubble's W re-enters the loss and recomputes every chunk: not timed
+    # here, the phases are memoised without the schedule; the hardware FLOPs count it.)
+    replay = ph.f * loss_replayed_tokens(tokens, LOSS_CHUNK_TOKENS) / tokens if lay.recipe.cross_entropy == "chunked" else 0.0
     return Phase(ph.f + loss + tp_f + ce_comm, ph.b + loss_b + tp_b + replay, ph.w)
 
 
@@ -712,5 +719,6 @@ def throughput(w: Workload, lay: Layout, gpu: GPUSpec, st: StepTime) -> Throughp
     peak = gpu.flops(compute_dtype(lay.precision))
     mf = model_flops_per_token(w.cfg, w.seq_len, moe=w.moe_spec)
     hf = hardware_flops_per_token(w.cfg, w.seq_len, lay.recompute, moe=w.moe_spec,
-                                  cross_entropy=lay.recipe.cross_entropy, split_backward=split_backward(lay))
+                                  cross_entropy=lay.recipe.cross_entropy, split_backward=split_backward(lay),
+                                  loss_tokens=lay.micro_batch * w.seq_len / lay.cp)
     return Throughput(tps, tps / lay.world, tps * mf / (lay.world * peak), tps * hf / (lay.world * peak), mf, hf)

@@ -228,10 +228,11 @@ def verify_model(cfg: ModelConfig, seq_len: int, *, micro_batch: int = 1, recomp
     fb = flop_breakdown(cfg, s)
     checks.append(Check("forward FLOPs", fb.forward * tokens_n, fwd))
     # the meta pass runs SDPA's math path (selective replays only QK^T) and torch's early-stop checkpoint;
-    # the chunked loss's backward replays the head GEMM
+    # the chunked loss's backward replays the head GEMM of every chunk but the last
     checks.append(Check(f"training FLOPs (fwd+bwd, recompute {recompute}, loss {loss_kind})",
                         hardware_flops_per_token(cfg, s, recompute, attention="math", early_stop=True,
-                                                 cross_entropy=loss_kind) * tokens_n,
+                                                 cross_entropy=loss_kind, loss_tokens=micro_batch * s,
+                                                 chunk_tokens=max(chunk, 1)) * tokens_n,
                         total))
     del loss, model
     gc.collect()
