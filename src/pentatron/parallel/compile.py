@@ -27,6 +27,7 @@ compiling (from `torch._dynamo.utils`), for the run summary and the no-recompila
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,8 +35,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._dynamo.exc import TorchDynamoException
-from torch._dynamo.utils import compilation_time_metrics, counters
 
 from pentatron.config import compile_enabled
 from pentatron.models.llama import MLP, Attention, AttentionCore, RMSNorm
@@ -49,12 +48,20 @@ class CompileError(RuntimeError):
     """A region failed to compile (train.compile = true); one line, without torch's log hints."""
 
 
+# torch._dynamo is read from sys.modules, never imported here: its import is ~1 s of every rank's start-up,
+# paid only by a run that compiles (torch.compile imports it); before that, nothing was compiled.
+def _dynamo_utils() -> Any:
+    return sys.modules.get("torch._dynamo.utils")
+
+
 def _compile_seconds() -> float:
-    return sum(sum(compilation_time_metrics.get(k, ())) for k in _TIMERS)
+    utils = _dynamo_utils()
+    return 0.0 if utils is None else sum(sum(utils.compilation_time_metrics.get(k, ())) for k in _TIMERS)
 
 
 def _graphs() -> int:
-    return counters["stats"]["unique_graphs"]
+    utils = _dynamo_utils()
+    return 0 if utils is None else utils.counters["stats"]["unique_graphs"]
 
 
 @dataclass
@@ -106,7 +113,11 @@ class _Region:
             return self.eager(*args)
         try:
             return self.compiled(*args)
-        except TorchDynamoException as e:
+        except Exception as e:
+            from torch._dynamo.exc import TorchDynamoException  # loaded: torch.compile imported dynamo
+
+            if not isinstance(e, TorchDynamoException):
+                raise
             msg = f"train.compile: compiling {self.name} failed: {_one_line(e)}"
             if not self.report.fallback:
                 raise CompileError(msg + " (train.compile = \"try\" runs it eagerly instead)") from None
