@@ -1,7 +1,8 @@
 """Beyond one machine, on one machine: two launchers with --nnodes 2 --node-rank 0|1 --rdzv-endpoint
 (2 processes each), and the same 4 ranks started with srun's environment over 2 "nodes", train a
 dp2×tp2 layout to the 1-process losses. The srun run's checkpoint, read back by `pentatron generate`
-(tp shards reassembled), holds the 1-process run's weights."""
+(tp shards reassembled), holds the 1-process run's weights. The 1-process run (and its checkpoint, which
+`pentatron generate` also reads) is trained once for the module."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from pentatron.cli import main
 from pentatron.generate import load_model
-from tests.launchers import PY, _env, free_port, srun_tasks
+from tests.launchers import PY, _env, free_port, in_process, srun_tasks
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
 STEPS = 3
@@ -30,10 +32,17 @@ def _args(tmp: Path, name: str, dataset: Path, *extra: str) -> list[str]:
             f"--set=checkpoint.dir={json.dumps(str(tmp / name / 'ck'))}", *extra]
 
 
-def test_two_nodes_and_srun_match_one_process(tmp_path, default_dataset, capsys):
-    assert main(["train", *_args(tmp_path, "single", default_dataset)]) == 0
-    capsys.readouterr()
-    reference = _losses(tmp_path / "single")
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, default_dataset) -> Path:
+    """The 1-process run's log directory (its checkpoint in `ck`)."""
+    tmp = tmp_path_factory.mktemp("single")
+    outcome = in_process(["train", *_args(tmp, "single", default_dataset)], tmp)
+    assert outcome.codes == [0], outcome.output[-3000:]
+    return tmp / "single"
+
+
+def test_two_nodes_and_srun_match_one_process(tmp_path, default_dataset, single):
+    reference = _losses(single)
 
     layout = ("--set=parallel.tp=2",)
     endpoint = f"localhost:{free_port()}"
@@ -53,20 +62,18 @@ def test_two_nodes_and_srun_match_one_process(tmp_path, default_dataset, capsys)
                                rtol=0, atol=1e-5)
 
     # `pentatron generate` reassembles the tp shards into the 1-process model.
-    single, _, _ = load_model(tmp_path / "single" / "ck")
+    one, _, _ = load_model(single / "ck")
     sharded, _, _ = load_model(tmp_path / "srun" / "ck")
-    want = dict(single.named_parameters())
+    want = dict(one.named_parameters())
     for name, p in sharded.named_parameters():
         torch.testing.assert_close(p, want[name], rtol=0, atol=1e-5, msg=name)
 
 
-def test_generate_prints_text_from_a_checkpoint_and_refuses_what_is_not_one(tmp_path, default_dataset, capsys):
-    assert main(["train", *_args(tmp_path, "run", default_dataset, "--set=train.steps=2")]) == 0
-    capsys.readouterr()
-    assert main(["generate", str(tmp_path / "run" / "ck"), "--prompt", "import os", "--max-new-tokens", "5"]) == 0
+def test_generate_prints_text_from_a_checkpoint_and_refuses_what_is_not_one(tmp_path, single, capsys):
+    assert main(["generate", str(single / "ck"), "--prompt", "import os", "--max-new-tokens", "5"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("import os") and "greedy" in captured.err
-    assert main(["generate", str(tmp_path / "run" / "ck"), "--prompt", "x", "--top-k", "5",
+    assert main(["generate", str(single / "ck"), "--prompt", "x", "--top-k", "5",
                  "--max-new-tokens", "3"]) == 0
     assert "top-5 sampling" in capsys.readouterr().err
     assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2

@@ -84,13 +84,16 @@ def _input_error(message: str) -> int:
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    from pentatron.calibrate.cli import add_bench_parser
-    from pentatron.plan.cli import add_plan_parser
-
     parser = argparse.ArgumentParser(
         prog="pentatron", description="Train language models with 5D parallelism (data + ZeRO, tensor + sequence, "
                                       "pipeline, context, expert) and plan the layout before spending GPU hours.")
     sub = parser.add_subparsers(dest="command", required=True)
+    if command == "train":  # what every rank parses: the other commands' modules are not its to import
+        _add_train_parser(sub)
+        return parser
+    from pentatron.calibrate.cli import add_bench_parser
+    from pentatron.plan.cli import add_plan_parser
+
     if command in ("plan", "bench"):  # the other registrars import torch; a plan must not pay for it
         add_plan_parser(sub)
         add_bench_parser(sub)

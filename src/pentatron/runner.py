@@ -95,9 +95,7 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
     """One rank of a job (`train`, `checkpoint convert`): its checks (`problems_of(rank, world)`) agreed
     with the other ranks, the checkpoint directory locked, then `job(rank, verdict)` — `verdict` is what
     rank 0's `leader()` chose for everyone — and a clean exit with the job's exit code."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from pentatron.checkpoint.errors import CheckpointError, CheckpointWriteError
+    from pentatron.checkpoint.errors import CheckpointError, CheckpointWriteError, dcp_failure_types
     from pentatron.data.errors import DataError
     from pentatron.distributed.launch import (
         agree_on_preflight,
@@ -162,7 +160,7 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
         finished = True
     except CheckpointError as e:  # every rank raises it; rank 0's names the file
         return input_error(str(e)) if rank == 0 else 2
-    except (CheckpointWriteError, CheckpointException) as e:  # DCP's is a BaseException: named here
+    except (CheckpointWriteError, *dcp_failure_types()) as e:  # DCP's is a BaseException: named here
         if rank == 0 or not isinstance(e, CheckpointWriteError):
             print(f"pentatron: error: {e}".splitlines()[0], file=sys.stderr, flush=True)
         return 1

@@ -36,10 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from pentatron.checkpoint.errors import CheckpointError
-from pentatron.checkpoint.safe_metadata import SafeReader
 from pentatron.parallel.placement import Placement
 
 PIECES_DIR = "pieces"
@@ -148,6 +146,10 @@ def _piece_problem(d: Any) -> str | None:
 
 def _read(directory: Path, pieces: list[dict[str, Any]]) -> list[torch.Tensor]:
     """The saved tensors of `pieces`, read by this rank alone, in one DCP load."""
+    import torch.distributed.checkpoint as dcp  # here: a run that never reads a checkpoint skips the import
+
+    from pentatron.checkpoint.safe_metadata import SafeReader
+
     state: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
     for d in pieces:
         state[d["part"]][d["key"]] = torch.empty(d["shape"], dtype=getattr(torch, d["dtype"]))

@@ -20,14 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from pentatron.checkpoint import manifest
-from pentatron.checkpoint.errors import CheckpointError, CheckpointWriteError
+from pentatron.checkpoint.errors import CheckpointError, CheckpointWriteError, dcp_failure_types
 from pentatron.checkpoint.lineage import continued_run_id, new_run_id, prune, remove_stale_partials
 from pentatron.checkpoint.reshard import write_pieces
-from pentatron.checkpoint.safe_metadata import SafeReader
 from pentatron.checkpoint.space import state_bytes, write_failure
 
 
@@ -86,6 +83,8 @@ class CheckpointStore:
         rank 0, which alone renames and prunes. `file_per_tensor`: one file per tensor instead of one per
         rank — DCP's writer keeps every tensor of a file (and the copy it makes of a view) until the file
         is complete, so a whole model written by one process would be held twice."""
+        import torch.distributed.checkpoint as dcp  # here: a rank that never saves skips its ~1 s import
+
         tmp = self.prepare(step, pieces)
         writer = dcp.FileSystemWriter(tmp, single_file_per_rank=False) if file_per_tensor else None
         try:
@@ -152,6 +151,11 @@ class CheckpointStore:
 
     def load(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
         """Load tensors in place into `state` (same keys as saved); return the saved metadata."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from pentatron.checkpoint.safe_metadata import SafeReader
+
         reader = SafeReader(path)  # a refused index is its own one-line error
         with _dcp_mode() as single:
             try:
@@ -173,7 +177,7 @@ class CheckpointStore:
 def _first_failure(e: BaseException) -> str:
     """One line for a DCP failure: the first failing rank's exception (DCP's own message is a multi-rank
     traceback, and its CheckpointException is a BaseException that bypasses `except Exception`)."""
-    if isinstance(e, CheckpointException) and e.failures:
+    if isinstance(e, dcp_failure_types()) and e.failures:
         rank, (inner, _) = sorted(e.failures.items())[0]
         text = f"{type(inner).__name__}: {inner}".splitlines()[0]
         return f"rank {rank}: {text}"

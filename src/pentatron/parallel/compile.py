@@ -33,6 +33,7 @@ built, the recompilations (graphs of a region after its first) and the seconds s
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,8 +42,6 @@ from typing import Any
 import torch
 import torch._functorch.config as aot_config
 from torch import nn
-from torch._dynamo.exc import TorchDynamoException
-from torch._dynamo.utils import compilation_time_metrics, counters
 
 from pentatron.config import compile_enabled
 from pentatron.models.llama import MLP, Attention, AttentionCore, RMSNorm
@@ -61,13 +60,23 @@ class CompileError(RuntimeError):
     """A region failed to compile (train.compile = true); one line, without torch's log hints."""
 
 
+# torch._dynamo is read from sys.modules, never imported here: its import is ~1 s of every rank's start-up,
+# paid only by a run that compiles (torch.compile imports it); before that, nothing was compiled.
+def _dynamo_utils() -> Any:
+    return sys.modules.get("torch._dynamo.utils")
+
+
 def _compile_seconds() -> float:
+    utils = _dynamo_utils()
+    if utils is None:
+        return 0.0
     timers = _TIMERS[:1] if hasattr(aot_config, _EAGER_BACKWARD) else _TIMERS
-    return sum(sum(compilation_time_metrics.get(k, ())) for k in timers)
+    return sum(sum(utils.compilation_time_metrics.get(k, ())) for k in timers)
 
 
 def _graphs() -> int:
-    return counters["stats"]["unique_graphs"]
+    utils = _dynamo_utils()
+    return 0 if utils is None else utils.counters["stats"]["unique_graphs"]
 
 
 @dataclass
@@ -122,7 +131,11 @@ class _Region:
         before = _graphs()
         try:
             out = self.compiled(*args)
-        except TorchDynamoException as e:
+        except Exception as e:
+            from torch._dynamo.exc import TorchDynamoException  # loaded: torch.compile imported dynamo
+
+            if not isinstance(e, TorchDynamoException):
+                raise
             msg = f"train.compile: compiling {self.name} failed: {_one_line(e)}"
             if not self.report.fallback:
                 raise CompileError(msg + "; set train.compile = false, or \"try\" to run it eagerly") from None
