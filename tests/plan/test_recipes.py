@@ -143,6 +143,10 @@ def test_the_planner_default_kernels_follow_train_compile(monkeypatch, tmp_path)
     field = {f.name: f for f in dataclasses.fields(TrainConfig)}["compile"]
     assert field.default == "auto" and training_kernels() == "fused"
     assert kernels_for_compile("auto", "cpu") == "eager" and kernels_for_compile("try", "cpu") == "fused"
+    # a CPU (the built-in calibration's or a CPU bench profile's name) plans the eager run CPU training runs
+    cpu = dataclasses.replace(gpu, name="bench-cpu")
+    assert (gpu.device_type, cpu.device_type) == ("cuda", "cpu")
+    assert resolve_kernels(PENTATRON, None, cpu.device_type) == "eager" == training_kernels("cpu")
     fused = predict(w, lay, gpu)
     assert fused.step.step == predict(w, lay, gpu, kernels="fused").step.step
     assert "compile = true" in training_config_text(w, lay)

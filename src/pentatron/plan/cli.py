@@ -357,7 +357,7 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
         raise InputError(f"--zero must be 0, 1, 2 or 3, got {fixed['zero']}")
     if w.global_batch % 1 or w.global_batch < 1:
         raise InputError("global batch must hold at least one sequence")
-    kernels = resolve_kernels(fixed["recipe"], args.kernels)
+    kernels = resolve_kernels(fixed["recipe"], args.kernels, gpu.device_type)  # a CPU profile: eager, as trained
     res = search(w, gpu, args.gpus, fixed=fixed, top=args.top, kernels=kernels)
     probs: list[str] = []
     suggestions: list[str] = []

@@ -81,6 +81,12 @@ class GPUSpec:
     profile: Profile | None = None  # measured by `pentatron bench` (plan/profile.py); None = datasheet only
     source: str = ""
 
+    @property
+    def device_type(self) -> str:
+        """"cpu" for a CPU (the built-in calibration or a CPU `pentatron bench` profile), else "cuda": what
+        train.compile's "auto" decides on (config.compile_enabled)."""
+        return "cpu" if self.name in ("cpu", "bench-cpu") else "cuda"
+
     @cached_property
     def speeds(self) -> Speeds:
         """The kernel and collective speeds the time model reads (plan/speeds.py)."""

@@ -207,9 +207,9 @@ def compile_for_kernels(kernels: str) -> bool:
     return kernels == "fused"
 
 
-def training_kernels() -> str:
-    """The kernels `pentatron train` runs by default on a GPU (its train.compile default)."""
-    return kernels_for_compile(training_default("compile"))
+def training_kernels(device_type: str = "cuda") -> str:
+    """The kernels `pentatron train` runs by default on that device type (its train.compile default)."""
+    return kernels_for_compile(training_default("compile"), device_type)
 
 
 # `pentatron train`'s loss is the chunked LM head + fp32 cross-entropy (vocab-parallel under tp; PENTATRON's
@@ -219,8 +219,8 @@ def training_kernels() -> str:
 TRAINING_ATTENTION = "flash2"
 
 
-def resolve_kernels(recipe: Recipe, kernels: str | None = None) -> str:
-    """`kernels` if given, else the recipe's default (ours: the training default)."""
+def resolve_kernels(recipe: Recipe, kernels: str | None = None, device_type: str = "cuda") -> str:
+    """`kernels` if given, else the recipe's default (ours: the training default on that device type)."""
     if kernels is not None:
         return kernels
-    return recipe.kernels if recipe.kernels is not None else training_kernels()
+    return recipe.kernels if recipe.kernels is not None else training_kernels(device_type)
