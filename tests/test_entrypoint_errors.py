@@ -80,3 +80,14 @@ def test_user_error_is_reported_once_with_exit_2_under_every_launcher(case, tmp_
     assert codes and 2 in codes and set(codes) <= {2, -15}, torchrun.output[-3000:]
     assert not _pentatron_tracebacks(torchrun.output), torchrun.output[-3000:]
     assert not (tmp_path / "runs").exists()  # nothing started: no run directory either
+
+
+def test_an_error_every_rank_hits_is_said_by_the_first_rank_only():
+    """A compile failure hits every rank compiling the region: the rendezvous store lets the first say it."""
+    import torch.distributed as dist
+
+    from pentatron.runner import _first_to_say
+
+    store = dist.HashStore()
+    assert _first_to_say(store, "compile_error") and not _first_to_say(store, "compile_error")
+    assert _first_to_say(store, "other") and _first_to_say(None, "compile_error")

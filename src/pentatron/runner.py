@@ -16,7 +16,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pentatron.config import Config
 
@@ -167,7 +167,8 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
     except DataError as e:
         return input_error(f"rank {rank}: {e}")
     except CompileError as e:  # one line, not torch's pages of logging hints; the user sets train.compile
-        print(f"pentatron: rank {rank}: error: {e}", file=sys.stderr, flush=True)
+        if _first_to_say(store, "compile_error"):  # every rank compiling the same region fails alike
+            print(f"pentatron: rank {rank}: error: {e}", file=sys.stderr, flush=True)
         return 2
     except NonFiniteStop as e:
         if rank == 0:  # every rank stops on the same (all-reduced) numbers: say it once
@@ -239,6 +240,18 @@ def problems_error(problems: list[str]) -> int:
     if len(problems) == 1:
         return input_error(problems[0])
     return input_error("cannot start the run:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _first_to_say(store: Any, key: str) -> bool:
+    """Whether this rank is the first of the group to report `key` (the rendezvous store counts them):
+    so an error every rank hits is printed once. Without a store (1 process), or when the store is gone,
+    the rank says it."""
+    if store is None:
+        return True
+    try:
+        return int(store.add(f"pentatron/said/{key}", 1)) == 1
+    except Exception:  # the store's host has exited: better said twice than not at all
+        return True
 
 
 def input_error(message: str) -> int:

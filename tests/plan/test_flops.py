@@ -102,8 +102,8 @@ def test_the_chunked_loss_replays_the_head_gemm_as_hardware_flops():
 
 def test_the_time_model_runs_the_chunked_losss_head_gemm_once_more():
     """The last stage's head phase: under our recipe (chunked loss) its backward holds the head's forward
-    GEMM once more for 3 of its 4 chunks; forward and weight-gradient times, and every other recipe's loss, are unchanged. The
-    step's MFU counts model FLOPs (the same), its HFU the replay."""
+    GEMM once more for 3 of its 4 chunks; forward and weight-gradient times, and every other recipe's loss,
+    are unchanged. The step's MFU counts model FLOPs (the same), its HFU the replay."""
     import dataclasses
 
     from pentatron.plan.hardware import get_gpu

@@ -16,7 +16,14 @@ from pentatron.models.config import ModelConfig
 from pentatron.parallel.activation_memory import layer_activation_bytes
 from pentatron.plan.context import comm_buffer_bytes as cp_comm_buffer_bytes
 from pentatron.plan.context import cp_degrees, ulysses_kv_replication_bytes
-from pentatron.plan.flops import LOSS_CHUNK_TOKENS, MoESpec, block_matmuls, layer_params, moe_of, sac_op_replayed_matmuls
+from pentatron.plan.flops import (
+    LOSS_CHUNK_TOKENS,
+    MoESpec,
+    block_matmuls,
+    layer_params,
+    moe_of,
+    sac_op_replayed_matmuls,
+)
 from pentatron.plan.hardware import GiB, GPUSpec
 from pentatron.plan.layout import Layout, Workload, chunk_layers, kv_heads_per_tp_rank
 from pentatron.plan.memo import Without

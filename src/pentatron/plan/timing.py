@@ -318,7 +318,8 @@ def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -
     # our chunked loss keeps no logits but its last chunk's: backward recomputes the head's forward GEMM
     # for the chunks before it. (Zero bubble's W re-enters the loss and recomputes every chunk: not timed
     # here, the phases are memoised without the schedule; the hardware FLOPs count it.)
-    replay = ph.f * loss_replayed_tokens(tokens, LOSS_CHUNK_TOKENS) / tokens if lay.recipe.cross_entropy == "chunked" else 0.0
+    chunked = lay.recipe.cross_entropy == "chunked"
+    replay = ph.f * loss_replayed_tokens(tokens, LOSS_CHUNK_TOKENS) / tokens if chunked else 0.0
     return Phase(ph.f + loss + tp_f + ce_comm, ph.b + loss_b + tp_b + replay, ph.w)
 
 
