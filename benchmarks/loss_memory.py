@@ -3,7 +3,7 @@ on CPU: the full-logits loss (before) against the chunked one (models/loss.py, n
 
     python benchmarks/loss_memory.py --chunk 1024
 
-The meter follows every storage the loss's ops create (benchmarks/live_tensors.py, a TorchDispatchMode),
+The meter follows every storage the loss's ops create (research/live_tensors.py, a TorchDispatchMode),
 the head's input and weight excluded; the weight's gradient (vocab x hidden fp32, which any loss produces)
 is reported apart. tp2 is the shard math of one rank (rank 0 of 2: the head's vocabulary half, targets
 anywhere in the full vocabulary) on a 1-process comm: its collectives carry per-token vectors only, which
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "research"))  # the meter lives with the studies
 from live_tensors import LiveTensors  # noqa: E402
 
 from pentatron.distributed.context import ParallelContext  # noqa: E402
