@@ -97,6 +97,15 @@ class Recipe:
     # A default only: `--kernels` chooses, and either value of ours is trainable (train.compile).
     kernels: Kernels | None = None
 
+    def __hash__(self) -> int:
+        # kept (a frozen dataclass's hash is recomputed from its ~20 fields on every call): each memoised
+        # planner term hashes the layout's recipe in its key
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def problems(self) -> list[str]:
         """Each field checked against its type by the config loader's checker."""
         return [p for f in dataclasses.fields(self) if f.name != "name"

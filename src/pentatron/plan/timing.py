@@ -367,12 +367,12 @@ def _stage_phases(w: Workload, key: Without, same_gpu: Same, kernels: str) -> tu
     out, start = [], 0
     for s in range(chunks):
         ph = ZERO
-        n_moe = sum(1 for i in range(start, start + per_chunk[s]) if moe and i >= moe.first_dense_layers)
+        n_moe = sum(1 for i in range(start, start + per_chunk[s]) if i >= moe.first_dense_layers) if moe else 0
         for key, count in ((False, per_chunk[s] - n_moe), (True, n_moe)):
             if count:
                 if key not in cache:
                     first = moe.first_dense_layers if key and moe else 0
-                    cache[key] = layer_phase(w, lay, gpu, first, kernels)
+                    cache[key] = _layer_phase(w, Without(lay, _NOT_IN_LAYER), same_gpu, first, kernels)
                 ph = ph + cache[key].scale(count)
         start += per_chunk[s]
         if s == 0:
@@ -389,6 +389,17 @@ def _stage_phases(w: Workload, key: Without, same_gpu: Same, kernels: str) -> tu
         out = [Phase(ph.f + (hop if s < chunks - 1 else 0.0), ph.b + (hop if s > 0 else 0.0), ph.w)
                for s, ph in enumerate(out)]
     return tuple(out)
+
+
+# What one decoder layer's phase does not read: the pipeline (its depth, chunks and schedule), ZeRO, and dp
+# (its groups are tp, cp and ep, placed tp-innermost whatever dp and pp are). Memoised without them, the
+# search's pipeline variants of a layout share it (its GEMM, attention and collective models are the cost).
+_NOT_IN_LAYER = frozenset({"zero", "pp_schedule", "pp", "pp_virtual", "pp_layers", "dp", "zero3_gather"})
+
+
+@lru_cache(maxsize=4096)
+def _layer_phase(w: Workload, key: Without, same_gpu: Same, index: int, kernels: str) -> Phase:
+    return layer_phase(w, key.obj, same_gpu.obj, index, kernels)
 
 
 # ---------------------------------------------------------------- pipeline
