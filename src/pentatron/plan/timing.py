@@ -44,7 +44,7 @@ from pentatron.plan.layout import Layout, Workload, chunk_layers, compute_dtype,
 from pentatron.plan.memo import Same, Without
 from pentatron.plan.memory import DP_BUCKET, STATE_PRECISIONS, RankParams, act_bytes, rank_layers, rank_params
 from pentatron.plan.speeds import KERNEL_OVERHEAD
-from pentatron.schedules import make_schedule, simulate
+from pentatron.schedules import Schedule, make_schedule, simulate
 
 OPTIMIZER_BYTES_PER_PARAM = 34  # AdamW step: read grad 4, r/w master 8, r/w moments 16, write param 2, norm 4
 KERNELS = ("fused", "eager")
@@ -410,8 +410,15 @@ SIM_MAX_MICROBATCHES = 48  # beyond this the makespan is extrapolated (it is aff
 def _simulate_cached(name: str, p: int, m: int, v: int, f: tuple[float, ...], b: tuple[float, ...],
                      w: tuple[float, ...], comm: float, all_warmup: bool) -> tuple[float, float]:
     # BW actions cost b + w, so the same costs serve split and unsplit schedules
-    tl = simulate(make_schedule(name, p, m, v, all_warmup), list(f), list(b), list(w), comm, record=False)
+    tl = simulate(_schedule(name, p, m, v, all_warmup), list(f), list(b), list(w), comm, record=False)
     return tl.makespan, tl.bubble_fraction
+
+
+@lru_cache(maxsize=256)
+def _schedule(name: str, p: int, m: int, v: int, all_warmup: bool) -> Schedule:
+    """`make_schedule`, memoised: the search simulates its candidates on a few schedules (simulate only
+    reads the schedule; building one is a good part of a simulation's cost)."""
+    return make_schedule(name, p, m, v, all_warmup)
 
 
 def pipeline_makespan(name: str, p: int, m: int, v: int, phases: list[Phase], comm: float,
