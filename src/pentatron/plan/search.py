@@ -15,6 +15,7 @@ rate from `timing.step_time_floor`.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import time
 from collections.abc import Callable, Iterator
@@ -268,6 +269,21 @@ def _knob_variants(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any], 
 
 def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None = None, top: int = 10,
            kernels: str | None = None, exact_pool: int | None = None) -> SearchResult:
+    # Without the cyclic garbage collector: the search keeps ~10^5 live objects (its pool) while making
+    # many more, so each automatic full collection re-walks the pool; that was ~1/3 of the search's time.
+    # Its objects hold no reference cycles (reference counting frees what it drops); the collector is
+    # restored as it was.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _search(w, gpu, gpus, fixed=fixed, top=top, kernels=kernels, exact_pool=exact_pool)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None, top: int,
+            kernels: str | None, exact_pool: int | None) -> SearchResult:
     t0 = time.perf_counter()
     fixed = dict(fixed or {})
     kernels = resolve_kernels(fixed.get("recipe", PENTATRON), kernels)
