@@ -1,8 +1,10 @@
 """How long `pentatron plan` takes, start-up and import included: the 70B / 256-GPU search and fully given
-layouts (pp = 1 and pp = 2), each run N times as its own process; prints min and median wall and user
-seconds. `--src DIR` times another source tree (e.g. a `git archive` of an older commit) the same way.
+layouts (pp = 1 and pp = 2), each run N times as its own process; prints min and median wall and CPU
+(user + sys) seconds. `--src DIR` times another source tree (e.g. a `git archive` of an older commit) the
+same way; given twice or more, the trees' runs alternate (A B A B ...), so that a loaded machine slows them
+alike and their ratio is fair. CPU seconds are the robust figure when other processes share the cores.
 
-    python benchmarks/plan_speed.py --runs 5 [--src /tmp/old/src]
+    python benchmarks/plan_speed.py --runs 5 [--src /tmp/old/src [--src src]]
 """
 
 from __future__ import annotations
@@ -43,15 +45,23 @@ def _once(argv: list[str], src: str) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--src", default=str(Path(__file__).resolve().parents[1] / "src"))
+    p.add_argument("--src", action="append", help="source tree to time (repeat to compare, interleaved)")
     args = p.parse_args()
-    print(f"src {args.src}, load {os.getloadavg()[0]:.1f}")
-    print(f"{'case':<32} {'wall min':>9} {'median':>8} {'cpu min':>8} {'median':>8}")
+    srcs = args.src or [str(Path(__file__).resolve().parents[1] / "src")]
+    names = [f"{chr(65 + i)}={src}" for i, src in enumerate(srcs)] if len(srcs) > 1 else srcs
+    print(f"src {', '.join(names)}, load {os.getloadavg()[0]:.1f}")
+    tree = "  tree" if len(srcs) > 1 else ""
+    print(f"{'case':<32}{tree} {'wall min':>9} {'median':>8} {'cpu min':>8} {'median':>8}")
     for name, argv in CASES.items():
-        runs = [_once(argv, args.src) for _ in range(args.runs)]
-        walls, cpus = [r[0] for r in runs], [r[1] for r in runs]
-        print(f"{name:<32} {min(walls):>9.2f} {statistics.median(walls):>8.2f} {min(cpus):>8.2f} "
-              f"{statistics.median(cpus):>8.2f}")
+        runs: dict[str, list[tuple[float, float]]] = {src: [] for src in srcs}
+        for _ in range(args.runs):
+            for src in srcs:
+                runs[src].append(_once(argv, src))
+        for i, src in enumerate(srcs):
+            walls, cpus = [r[0] for r in runs[src]], [r[1] for r in runs[src]]
+            label = f"  {chr(65 + i):>4}" if tree else ""
+            print(f"{name:<32}{label} {min(walls):>9.2f} {statistics.median(walls):>8.2f} {min(cpus):>8.2f} "
+                  f"{statistics.median(cpus):>8.2f}")
     print(f"load after {os.getloadavg()[0]:.1f}")
 
 

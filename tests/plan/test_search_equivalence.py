@@ -5,11 +5,16 @@ pool, the ranking and the reasons an exhaustive, uncached evaluation gives (exac
 
 from __future__ import annotations
 
+import dataclasses
+
 from pentatron.models.registry import get_model_config
 from pentatron.plan import memory, timing
 from pentatron.plan.hardware import get_gpu
+from pentatron.plan.layout import _PARALLEL_FIELDS as PARALLEL_FIELDS
 from pentatron.plan.layout import Layout, Workload, problems, trainable_problems
+from pentatron.plan.memo import Without
 from pentatron.plan.memory import memory_floor, memory_per_gpu
+from pentatron.plan.recipes import PENTATRON
 from pentatron.plan.search import Scored, best_estimate, best_first, cp_handicapped, enumerate_layouts, predict, search
 from pentatron.plan.timing import step_time, step_time_floor
 
@@ -18,7 +23,9 @@ H100 = get_gpu("h100")
 
 def _fresh(f, *args, **kw):  # noqa: ANN001, ANN202 - evaluate with nothing shared with other layouts
     memory._activation_terms.cache_clear()
+    memory.schedule_in_flight.cache_clear()
     timing._stage_phases.cache_clear()
+    timing._layer_phase.cache_clear()
     return f(*args, **kw)
 
 
@@ -53,6 +60,8 @@ def test_floors_are_below_every_estimate_and_breakdown():
     assert len({(lay.zero, lay.pp_schedule) for lay in lays}) > 4
     for lay in lays:
         assert step_time_floor(w, lay, H100) <= step_time(w, lay, H100, exact=False).step
+        # the search shares one floor between a layout's ZeRO variants (search._NOT_IN_FLOOR)
+        assert _fresh(step_time_floor, w, lay, H100) == _fresh(step_time_floor, w, lay.with_(zero=0), H100)
         assert memory_floor(w, lay, H100, "fused") <= memory_per_gpu(w, lay, H100, "fused").total
         assert timing.stage_phases(w, lay, H100) == list(timing._stage_phases.__wrapped__(
             w, timing.Without(lay, frozenset()), timing.Same(H100), "fused"))
@@ -77,3 +86,26 @@ def test_best_first_is_the_stable_sort_and_reads_few_estimates():
     assert 4 not in reads and 5 not in reads  # their ceilings are below the first three's estimates
     assert [s.layout for s in got] == want[3:]
     assert best_estimate([entry(i, *spec) for i, spec in enumerate(specs)]) == 7.0
+
+
+def test_cache_keys_see_every_field_but_the_dropped_ones():
+    lay = Layout(dp=4, tp=2, pp=2, zero=1, sp=True, pp_schedule="zb")
+    drop = frozenset({"zero"})
+    assert Without(lay, drop) == Without(lay.with_(zero=3), drop)
+    assert hash(Without(lay, drop)) == hash(Without(lay.with_(zero=3), drop))
+    for other in (lay.with_(tp=1, dp=8), lay.with_(pp_schedule="1f1b"), lay.with_(recompute="full"),
+                  lay.with_recipe(grad_precision="bf16"), lay.with_(precision="fp32")):
+        assert Without(lay, drop) != Without(other, drop)
+    # the degrees are plain copies of the held ParallelLayout's: equality, hashing and replace see `par`
+    assert all(getattr(lay, k) == getattr(lay.par, k) for k in PARALLEL_FIELDS)
+    alt = lay.with_(zero=2)
+    assert (alt.zero, alt.par.zero, lay.zero) == (2, 2, 1) and alt != lay
+    assert lay == Layout(lay.par) and hash(lay) == hash(Layout(lay.par))
+    assert [f.name for f in dataclasses.fields(Layout)] == ["par", "recompute", "precision", "fp8_scaling",
+                                                           "attention", "recipe"]
+    # kept hashes are those of the fields: equal values, equal hashes
+    cfg = get_model_config("llama3-8b")
+    twin = dataclasses.replace(cfg, name="renamed")  # the name is not compared
+    assert hash(cfg) == hash(twin) and cfg == twin and hash(dataclasses.replace(cfg, n_layers=31)) != hash(cfg)
+    assert hash(Workload(cfg, 4096, 8)) == hash(Workload(twin, 4096, 8))
+    assert hash(PENTATRON) == hash(dataclasses.replace(PENTATRON)) and dataclasses.replace(PENTATRON) == PENTATRON

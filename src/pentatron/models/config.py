@@ -95,6 +95,15 @@ class ModelConfig:
     moe: MoEConfig | None = None  # None: every layer has the dense MLP
     name: str = field(default="custom", compare=False)
 
+    def __hash__(self) -> int:
+        # kept after the first call (a frozen dataclass rehashes its fields on each): the planner's
+        # memoised terms take the config as a key part ~10^5 times per search
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.n_heads

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from operator import attrgetter
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pentatron.layout import ParallelLayout, tensor_parallel_problems
 from pentatron.models.config import ModelConfig
@@ -40,18 +40,27 @@ class Workload:
     def tokens_per_step(self) -> int:
         return self.seq_len * self.global_batch
 
-    @property
+    @cached_property
     def moe_spec(self) -> MoESpec | None:
+        """Computed once (a plain attribute after the first read): the search reads it ~10^5 times, and
+        for an MoE model `moe_of` builds a new spec each call."""
         return moe_of(self.cfg, self.moe)
+
+    def __hash__(self) -> int:
+        # every memoised planner term takes the workload: hashing its model config (~25 fields) on each
+        # call cost more than many of the terms, so the hash (of the fields, as dataclass's) is kept
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.cfg, self.seq_len, self.global_batch, self.moe))
+            object.__setattr__(self, "_hash", h)
+        return h
 
 
 _PARALLEL_FIELDS: tuple[str, ...] = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "pp_virtual",
                                      "zero3_gather", "cp_mode", "cp_ulysses", "micro_batch", "pp_layers")
 
 
-def _parallel(name: str) -> property:
-    """`lay.<name>` reads `lay.par.<name>` (attrgetter: the search reads these in its inner loop)."""
-    return property(attrgetter(f"par.{name}"), doc=f"`ParallelLayout.{name}` of the held layout")
+_DEGREES = attrgetter(*_PARALLEL_FIELDS)
 
 
 @dataclass(frozen=True, init=False)
@@ -62,7 +71,8 @@ class Layout:
 
     `Layout(dp=8, zero=1, recompute="full")` builds the held `ParallelLayout` from its field names;
     `dataclasses.replace(lay, tp=2)` and `lay.with_(tp=2)` work the same way. The degrees read through
-    (`lay.dp` is `lay.par.dp`); the recipe's fields are read from `lay.recipe`."""
+    (`lay.dp` is `lay.par.dp`: a copy set at construction, not a field, so equality, hashing, `replace` and
+    `asdict` see `par` alone); the recipe's fields are read from `lay.recipe`."""
 
     par: ParallelLayout
     # the planner's recompute mode: ours (train.recompute) or another recipe's (selective-op, full-alternate)
@@ -75,35 +85,35 @@ class Layout:
     def __init__(self, par: ParallelLayout | None = None, recompute: str = "none", precision: str = "bf16",
                  fp8_scaling: str = "tensorwise", attention: str = TRAINING_ATTENTION, recipe: Recipe = PENTATRON,
                  **parallel: Any) -> None:
-        unknown = sorted(set(parallel) - set(_PARALLEL_FIELDS))
-        if unknown:
-            raise TypeError(f"Layout: unknown field(s) {', '.join(unknown)} (recipe fields go in recipe=...)")
-        if par is None:
-            par = ParallelLayout(**parallel)
-        elif parallel:
-            par = replace(par, **parallel)
-        setattr_ = object.__setattr__  # frozen
-        setattr_(self, "par", par)
-        setattr_(self, "recompute", recompute)
-        setattr_(self, "precision", precision)
-        setattr_(self, "fp8_scaling", fp8_scaling)
-        setattr_(self, "attention", attention)
-        setattr_(self, "recipe", recipe)
+        if parallel:
+            unknown = sorted(set(parallel) - set(_PARALLEL_FIELDS))
+            if unknown:
+                raise TypeError(f"Layout: unknown field(s) {', '.join(unknown)} (recipe fields go in recipe=...)")
+            par = ParallelLayout(**parallel) if par is None else replace(par, **parallel)
+        elif par is None:
+            par = ParallelLayout()
+        d = self.__dict__  # frozen: fields are written past __setattr__
+        d["par"], d["recompute"], d["precision"], d["fp8_scaling"] = par, recompute, precision, fp8_scaling
+        d["attention"], d["recipe"] = attention, recipe
+        # The degrees as plain attributes: the search reads them ~10^6 times, and a property forwarding
+        # to `par` costs twice a plain read. `par` is frozen, so the copies cannot go stale.
+        d.update(zip(_PARALLEL_FIELDS, _DEGREES(par)))
 
-    dp = _parallel("dp")
-    tp = _parallel("tp")
-    pp = _parallel("pp")
-    cp = _parallel("cp")
-    ep = _parallel("ep")
-    zero = _parallel("zero")
-    sp = _parallel("sp")
-    pp_schedule = _parallel("pp_schedule")
-    pp_virtual = _parallel("pp_virtual")
-    zero3_gather = _parallel("zero3_gather")
-    cp_mode = _parallel("cp_mode")
-    cp_ulysses = _parallel("cp_ulysses")
-    micro_batch = _parallel("micro_batch")
-    pp_layers = _parallel("pp_layers")
+    if TYPE_CHECKING:  # the copies of `par`'s fields set by __init__ (not dataclass fields)
+        dp: int
+        tp: int
+        pp: int
+        cp: int
+        ep: int
+        zero: int
+        sp: bool
+        pp_schedule: str
+        pp_virtual: int
+        zero3_gather: str
+        cp_mode: str
+        cp_ulysses: int
+        micro_batch: int
+        pp_layers: tuple[int, ...] | None
 
     @property
     def world(self) -> int:
@@ -167,9 +177,14 @@ def quick_problems(w: Workload, lay: Layout, gpu: GPUSpec, gpus: int | None = No
     """The cheap part of `problems` for the search's inner loop: the planner's knobs, the degrees and
     batch arithmetic, and the tensor-parallel split, without building the pipeline schedule. The search
     runs the full `problems` (and `trainable_problems`) on the candidates it ranks."""
-    pl = parallel_layout(w, lay)
-    return (_knob_problems(w, lay, gpu) + list(_training_rules(pl, None, gpus))  # shared by recompute variants
-            + list(_tp_problems(w.cfg, lay.tp, lay.sp, w.seq_len)))
+    return knob_problems(w, lay, gpu) + quick_parallel_problems(w, lay.par, gpus)
+
+
+def quick_parallel_problems(w: Workload, par: ParallelLayout, gpus: int | None = None) -> list[str]:
+    """The part of `quick_problems` that depends on the held `ParallelLayout` alone (the degrees, the batch
+    arithmetic, the tensor-parallel split): the search checks it once for all knob variants of a layout."""
+    pl = replace(par, global_batch=w.global_batch, seq_len=w.seq_len)  # = parallel_layout
+    return list(_training_rules(pl, None, gpus)) + list(_tp_problems(w.cfg, par.tp, par.sp, w.seq_len))
 
 
 @lru_cache(maxsize=1024)
@@ -177,7 +192,7 @@ def _tp_problems(cfg: ModelConfig, tp: int, sp: bool, seq_len: int) -> tuple[str
     return tuple(tensor_parallel_problems(cfg, tp, sp, seq_len))
 
 
-def _knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
+def knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
     """Planner inputs the training layout does not know: our knobs and the recipe (each value by the
     config's typed checker), the combinations the model evaluates, and MoE."""
     out = list(_value_problems(lay.recompute, lay.precision, lay.fp8_scaling, lay.attention, lay.recipe))
@@ -228,7 +243,7 @@ def problems(w: Workload, lay: Layout, gpu: GPUSpec, gpus: int | None = None) ->
     own inputs. Interleaved chunks that do not divide the layers evenly are evaluated (the planner
     spreads the remainder, as `parallel.pp_layers` lets training do); what is merely slow or not yet
     trainable is in `warnings` and `trainable_problems`, not here."""
-    out = _knob_problems(w, lay, gpu)
+    out = knob_problems(w, lay, gpu)
     pl = parallel_layout(w, lay)
     found = list(_training_rules(pl, w.cfg, gpus))
     if lay.pp_layers is not None or (pl.virtual > 1 and pl.n_stages <= w.cfg.n_layers

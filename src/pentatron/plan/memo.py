@@ -3,8 +3,10 @@ most of their terms)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields, is_dataclass
 from functools import lru_cache
+from operator import attrgetter
 from typing import Any, get_type_hints
 
 
@@ -26,49 +28,39 @@ class Same:
 
 class Without:
     """A cache-key part standing for a dataclass instance with some fields left out (those the cached
-    function does not read): equal for instances that differ only there. It holds the instance it was made
-    from, which the cached function reads (any of the equal ones gives the same result). Cheaper than
-    building the normalised instance with `dataclasses.replace`."""
+    function does not read): equal for instances that differ only there, also inside a held dataclass
+    (`Layout.par`'s zero). It holds the instance it was made from, which the cached function reads (any of
+    the equal ones gives the same result). Cheaper than building the normalised instance with
+    `dataclasses.replace`: the kept fields are read by one `attrgetter` (nested ones by dotted path) and
+    the key's hash is computed once, as a cache lookup hashes it and compares it on a hit."""
 
-    __slots__ = ("obj", "key")
+    __slots__ = ("obj", "key", "_hash")
 
     def __init__(self, obj: Any, drop: frozenset[str]) -> None:
         self.obj = obj
-        values = vars(obj)
-        if tuple(values) == _field_names(type(obj)):  # a dataclass's __dict__: its fields, in order
-            key = list(values.values())
-            for i in _positions(type(obj), drop):
-                key[i] = None
-            for i in _nested(type(obj), drop):  # a held dataclass with dropped fields (Layout.par's zero)
-                key[i] = Without(key[i], drop)
-            self.key: tuple = (type(obj), *key)
-        else:
-            self.key = (type(obj), *(v for k, v in values.items() if k not in drop))
+        self.key: tuple = (type(obj), *_kept(type(obj), drop)(obj))
+        self._hash = hash(self.key)
 
     def __hash__(self) -> int:
-        return hash(self.key)
+        return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Without) and self.key == other.key
+        return isinstance(other, Without) and self._hash == other._hash and self.key == other.key
 
 
 @lru_cache(maxsize=64)
-def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls))
-
-
-@lru_cache(maxsize=64)
-def _positions(cls: type, drop: frozenset[str]) -> tuple[int, ...]:
-    return tuple(i for i, name in enumerate(_field_names(cls)) if name in drop)
-
-
-@lru_cache(maxsize=64)
-def _nested(cls: type, drop: frozenset[str]) -> tuple[int, ...]:
-    """Positions of fields typed as a dataclass that has some of the `drop` fields."""
+def _kept(cls: type, drop: frozenset[str]) -> Callable[[Any], tuple]:
+    """Reads the fields of `cls` not in `drop` as one tuple: a field typed as a dataclass that has some of
+    the `drop` fields is read field by field (dotted paths), without those."""
     hints = get_type_hints(cls)
-    out = []
-    for i, name in enumerate(_field_names(cls)):
-        t = hints.get(name)
-        if isinstance(t, type) and is_dataclass(t) and set(_field_names(t)) & drop:
-            out.append(i)
-    return tuple(out)
+    paths: list[str] = []
+    for f in fields(cls):
+        if f.name in drop:
+            continue
+        t = hints.get(f.name)
+        if isinstance(t, type) and is_dataclass(t) and {g.name for g in fields(t)} & drop:
+            paths += [f"{f.name}.{g.name}" for g in fields(t) if g.name not in drop]
+        else:
+            paths.append(f.name)
+    get = attrgetter(*paths)
+    return get if len(paths) > 1 else lambda obj: (get(obj),)

@@ -452,6 +452,7 @@ def _layers_in_flight(name: str, p: int, m: int, v: int, rank: int, layers: tupl
         return full_sets * sum(layers) + sum(sorted(layers, reverse=True)[:rest])
 
 
+@lru_cache(maxsize=4096)  # the search asks once per pipeline rank of each layout, for the same few schedules
 def schedule_in_flight(name: str, p: int, m: int, v: int, all_warmup: bool = True) -> tuple[int, ...]:
     """Peak in-flight (chunk, micro-batch) pairs per rank of the schedule (closed forms that the tests
     check against the generated schedules)."""

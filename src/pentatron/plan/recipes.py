@@ -101,6 +101,15 @@ class Recipe:
     # parallel/moe_tokens.py: whole on every tp rank, experts split over ep only)
     moe_tp: Literal["sharded", "replicated"] = "sharded"
 
+    def __hash__(self) -> int:
+        # kept (a frozen dataclass's hash is recomputed from its ~20 fields on every call): each memoised
+        # planner term hashes the layout's recipe in its key
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def problems(self) -> list[str]:
         """Each field checked against its type by the config loader's checker."""
         return [p for f in dataclasses.fields(self) if f.name != "name"

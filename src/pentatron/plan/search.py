@@ -15,15 +15,27 @@ rate from `timing.step_time_floor`.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
+from pentatron.layout import ParallelLayout
 from pentatron.plan.context import cp_mode_options
 from pentatron.plan.hardware import GiB, GPUSpec
-from pentatron.plan.layout import Layout, Workload, problems, quick_problems, trainable_problems, warnings
+from pentatron.plan.layout import (
+    Layout,
+    Workload,
+    knob_problems,
+    problems,
+    quick_parallel_problems,
+    trainable_problems,
+    warnings,
+)
+from pentatron.plan.memo import Without
 from pentatron.plan.memory import FRAGMENTATION, MemoryBreakdown, memory_floor, memory_per_gpu
 from pentatron.plan.recipes import PENTATRON, TRAINING_ATTENTION, resolve_kernels
 from pentatron.plan.timing import StepTime, Throughput, step_time, step_time_floor, throughput
@@ -236,22 +248,42 @@ def _knob_variants(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any], 
         mode = fixed.get("cp_mode") or "hybrid"
         want_u = fixed.get("cp_ulysses")
         modes = [(m, u) for m, u in modes if m == mode and want_u in (None, u)] or [(mode, want_u or 1)]
+    attention = fixed.get("attention") or TRAINING_ATTENTION
+    fp8_scaling = fixed.get("fp8_scaling") or "tensorwise"
     for zero in zeros:
         for sp in sps:
             for sched, v in scheds:
                 for cp_mode, cp_u in modes:
+                    par = ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp, pp_schedule=sched,
+                                         pp_virtual=v, micro_batch=mb, cp_mode=cp_mode, cp_ulysses=cp_u,
+                                         pp_layers=split)
+                    # `quick_problems` in two parts: the held layout's rules once for its recompute variants
+                    if quick_parallel_problems(w, par, gpus):
+                        continue
                     for rc in recs:
-                        lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp, pp_schedule=sched,
-                                     pp_virtual=v, micro_batch=mb, recompute=rc, precision=precision,
-                                     attention=fixed.get("attention") or TRAINING_ATTENTION, cp_mode=cp_mode,
-                                     fp8_scaling=fixed.get("fp8_scaling") or "tensorwise",
-                                     recipe=recipe, cp_ulysses=cp_u, pp_layers=split)
-                        if not quick_problems(w, lay, gpu, gpus):
+                        lay = Layout(par, recompute=rc, precision=precision, attention=attention,
+                                     fp8_scaling=fp8_scaling, recipe=recipe)
+                        if not knob_problems(w, lay, gpu):
                             yield lay
 
 
 def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None = None, top: int = 10,
            kernels: str | None = None, exact_pool: int | None = None) -> SearchResult:
+    # Without the cyclic garbage collector: the search keeps ~10^5 live objects (its pool) while making
+    # many more, so each automatic full collection re-walks the pool; that was ~1/3 of the search's time.
+    # Its objects hold no reference cycles (reference counting frees what it drops); the collector is
+    # restored as it was.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _search(w, gpu, gpus, fixed=fixed, top=top, kernels=kernels, exact_pool=exact_pool)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None, top: int,
+            kernels: str | None, exact_pool: int | None) -> SearchResult:
     t0 = time.perf_counter()
     fixed = dict(fixed or {})
     kernels = resolve_kernels(fixed.get("recipe", PENTATRON), kernels)
@@ -259,6 +291,7 @@ def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None
     pool: list[Scored] = []
     n_enum = n_valid = 0
     stop_rc: set[tuple] = set()  # (layout without recompute) that already fit with lighter recompute
+    floors: dict[Without, float] = {}  # step_time_floor by layout without ZeRO stage (see _NOT_IN_FLOOR)
     for lay in enumerate_layouts(w, gpu, gpus, fixed):
         n_enum += 1
         key = (lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.sp, lay.pp_schedule, lay.pp_virtual,
@@ -273,8 +306,12 @@ def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None
         fits = mem.total <= budget
         if fits:
             stop_rc.add(key)
-            pool.append(Scored(lay, mem.total, fits, ceiling=w.tokens_per_step / step_time_floor(
-                w, lay, gpu, kernels=kernels), compute=_estimate(w, lay, gpu, kernels)))
+            fkey = Without(lay, _NOT_IN_FLOOR)
+            floor = floors.get(fkey)
+            if floor is None:
+                floor = floors[fkey] = step_time_floor(w, lay, gpu, kernels=kernels)
+            pool.append(Scored(lay, mem.total, fits, ceiling=w.tokens_per_step / floor,
+                               compute=_estimate(w, lay, gpu, kernels)))
         else:
             pool.append(Scored(lay, mem.total, fits, 0.0))
     fitting = [s for s in pool if s.fits]
@@ -304,6 +341,11 @@ def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None
         res.reasons = reasons_for(ranked[0].layout, pool, gpu, fixed, w=w, gpus=gpus, kernels=kernels)
     res.seconds = time.perf_counter() - t0
     return res
+
+
+# `timing.step_time_floor` reads no ZeRO stage (the stage phases, the closed-form pipeline and the p2p hop
+# do not; tests/plan/test_search_equivalence.py checks it): a layout's ZeRO variants share one.
+_NOT_IN_FLOOR = frozenset({"zero"})
 
 
 def _memory_total(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str) -> Callable[[], float]:
@@ -340,20 +382,28 @@ def reasons_for(best: Layout, pool: list[Scored], gpu: GPUSpec, fixed: dict[str,
                 alt = best.with_(**{knob: v})
                 if v != getattr(best, knob) and not problems(w, alt, gpu, gpus):
                     local.setdefault(knob, {})[v] = [_score(w, alt, gpu, kernels)]
+    knobs = ("tp", "sp", "pp", "pp_schedule", "dp", "cp", "ep", "zero", "micro_batch", "recompute")
+    # the pool's layouts by each mesh knob's other values, in pool order (one pass over the pool for all)
+    mesh = [k for k in knobs if fixed.get(k) is None and not (k in LOCAL_KNOBS and w is not None)]
+    by_value: dict[str, dict[Any, list[Scored]]] = {k: {} for k in mesh}
+    if mesh:
+        get = attrgetter(*mesh)
+
+        def read(lay: Layout) -> tuple:  # attrgetter returns a bare value for one name
+            return get(lay) if len(mesh) > 1 else (get(lay),)
+
+        best_values = read(best)
+        for s in pool:
+            for k, val, other in zip(mesh, best_values, read(s.layout)):
+                if other != val:
+                    by_value[k].setdefault(other, []).append(s)
     out = []
-    for knob in ("tp", "sp", "pp", "pp_schedule", "dp", "cp", "ep", "zero", "micro_batch", "recompute"):
+    for knob in knobs:
         val = getattr(best, knob)
         if fixed.get(knob) is not None:
             out.append(f"{knob}={val}: fixed on the command line")
             continue
-        alts: dict[Any, list[Scored]] = {}
-        if knob in LOCAL_KNOBS and w is not None:
-            alts = local.get(knob, {})
-        else:
-            for s in pool:
-                other = getattr(s.layout, knob)
-                if other != val:
-                    alts.setdefault(other, []).append(s)
+        alts = local.get(knob, {}) if knob in LOCAL_KNOBS and w is not None else by_value[knob]
         if not alts:
             out.append(f"{knob}={val}: the only valid value")
             continue

@@ -51,7 +51,7 @@ from pentatron.plan.layout import Layout, Workload, chunk_layers, compute_dtype,
 from pentatron.plan.memo import Same, Without
 from pentatron.plan.memory import DP_BUCKET, STATE_PRECISIONS, RankParams, act_bytes, rank_layers, rank_params
 from pentatron.plan.speeds import KERNEL_OVERHEAD
-from pentatron.schedules import make_schedule, simulate
+from pentatron.schedules import Schedule, make_schedule, simulate
 
 OPTIMIZER_BYTES_PER_PARAM = 34  # AdamW step: read grad 4, r/w master 8, r/w moments 16, write param 2, norm 4
 KERNELS = ("fused", "eager")
@@ -385,12 +385,12 @@ def _stage_phases(w: Workload, key: Without, same_gpu: Same, kernels: str) -> tu
     out, start = [], 0
     for s in range(chunks):
         ph = ZERO
-        n_moe = sum(1 for i in range(start, start + per_chunk[s]) if moe and i >= moe.first_dense_layers)
+        n_moe = sum(1 for i in range(start, start + per_chunk[s]) if i >= moe.first_dense_layers) if moe else 0
         for key, count in ((False, per_chunk[s] - n_moe), (True, n_moe)):
             if count:
                 if key not in cache:
                     first = moe.first_dense_layers if key and moe else 0
-                    cache[key] = layer_phase(w, lay, gpu, first, kernels)
+                    cache[key] = _layer_phase(w, Without(lay, _NOT_IN_LAYER), same_gpu, first, kernels)
                 ph = ph + cache[key].scale(count)
         start += per_chunk[s]
         if s == 0:
@@ -409,6 +409,17 @@ def _stage_phases(w: Workload, key: Without, same_gpu: Same, kernels: str) -> tu
     return tuple(out)
 
 
+# What one decoder layer's phase does not read: the pipeline (its depth, chunks and schedule), ZeRO, and dp
+# (its groups are tp, cp and ep, placed tp-innermost whatever dp and pp are). Memoised without them, the
+# search's pipeline variants of a layout share it (its GEMM, attention and collective models are the cost).
+_NOT_IN_LAYER = frozenset({"zero", "pp_schedule", "pp", "pp_virtual", "pp_layers", "dp", "zero3_gather"})
+
+
+@lru_cache(maxsize=4096)
+def _layer_phase(w: Workload, key: Without, same_gpu: Same, index: int, kernels: str) -> Phase:
+    return layer_phase(w, key.obj, same_gpu.obj, index, kernels)
+
+
 # ---------------------------------------------------------------- pipeline
 SIM_MAX_MICROBATCHES = 48  # beyond this the makespan is extrapolated (it is affine in m)
 
@@ -417,8 +428,15 @@ SIM_MAX_MICROBATCHES = 48  # beyond this the makespan is extrapolated (it is aff
 def _simulate_cached(name: str, p: int, m: int, v: int, f: tuple[float, ...], b: tuple[float, ...],
                      w: tuple[float, ...], comm: float, all_warmup: bool) -> tuple[float, float]:
     # BW actions cost b + w, so the same costs serve split and unsplit schedules
-    tl = simulate(make_schedule(name, p, m, v, all_warmup), list(f), list(b), list(w), comm, record=False)
+    tl = simulate(_schedule(name, p, m, v, all_warmup), list(f), list(b), list(w), comm, record=False)
     return tl.makespan, tl.bubble_fraction
+
+
+@lru_cache(maxsize=256)
+def _schedule(name: str, p: int, m: int, v: int, all_warmup: bool) -> Schedule:
+    """`make_schedule`, memoised: the search simulates its candidates on a few schedules (simulate only
+    reads the schedule; building one is a good part of a simulation's cost)."""
+    return make_schedule(name, p, m, v, all_warmup)
 
 
 def pipeline_makespan(name: str, p: int, m: int, v: int, phases: list[Phase], comm: float,
