@@ -70,7 +70,7 @@ def test_checkpoint_resume_is_exact(tmp_path, default_dataset):
 
 
 def test_crash_during_save_keeps_last_good_checkpoint(tmp_path, default_dataset, monkeypatch):
-    import pentatron.checkpoint.store as store
+    import torch.distributed.checkpoint as dcp  # checkpoint/store.py imports it where it saves
 
     ckpt = f"checkpoint.dir={json.dumps(str(tmp_path / 'ckpt'))}"
     _fit(tmp_path, default_dataset, "train.steps=2", ckpt, "checkpoint.every=1")
@@ -79,7 +79,7 @@ def test_crash_during_save_keeps_last_good_checkpoint(tmp_path, default_dataset,
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(store.dcp, "save", crash)
+    monkeypatch.setattr(dcp, "save", crash)
     from pentatron.checkpoint.errors import CheckpointWriteError
 
     with pytest.raises(CheckpointWriteError, match="disk full"):

@@ -38,6 +38,9 @@ from pentatron.calibrate.cpu_kernels import (
 )
 from pentatron.calibrate.dp_step import measure_dp_step
 from pentatron.calibrate.pp_step import measure_pp_step
+from pentatron.calibrate.timers import best_of as _best_of
+from pentatron.calibrate.timers import sync as _sync
+from pentatron.calibrate.timers import timed as _timed
 from pentatron.calibrate.tp_step import HEAD_DIM as TP_HEAD_DIM
 from pentatron.calibrate.tp_step import measure_tp_step, tiny_attention_shape
 from pentatron.plan.hardware import GB, GiB, detect_gpu
@@ -102,33 +105,6 @@ def _size(n: float) -> str:
         if n >= s:
             return f"{n / s:g} {unit}"
     return f"{n:g} B"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn: Any, device: torch.device, seconds: float, min_iters: int = 3) -> float:
-    """Mean seconds per call: one warm-up, then repeat until the budget is used (at least min_iters)."""
-    fn()
-    _sync(device)
-    n, t0 = 0, time.perf_counter()
-    while True:
-        fn()
-        n += 1
-        if n >= min_iters:
-            _sync(device)
-            if time.perf_counter() - t0 >= seconds:
-                break
-    _sync(device)
-    return (time.perf_counter() - t0) / n
-
-
-def _best_of(fn: Any, device: torch.device, seconds: float, repeats: int = 3, min_iters: int = 3) -> float:
-    """The fastest of `repeats` timed windows (seconds per call): on a shared machine the other windows
-    measure the neighbours' load, not the kernel (mamf-finder also reports the best)."""
-    return min(_timed(fn, device, seconds / repeats, min_iters) for _ in range(repeats))
 
 
 GPU_GEMM_N = 8192  # bf16 GEMM edge bench times on a GPU (square: m = n = k)

@@ -108,7 +108,7 @@ def measure_compiled_host(device: torch.device, seconds: float, tiny_attention: 
     """Host seconds per compiled decoder layer (forward, backward), as `bench.measure_host_overhead`
     measures the eager layer's, less `tiny_attention` (its model's attention call, charged at the run's
     shape from the attention grid)."""
-    from pentatron.calibrate.bench import _best_of
+    from pentatron.calibrate.timers import best_of
     from pentatron.models.config import ModelConfig
     from pentatron.models.llama import Llama
     from pentatron.parallel.compile import apply_compile
@@ -124,8 +124,8 @@ def measure_compiled_host(device: torch.device, seconds: float, tiny_attention: 
             return F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
 
         fwd().backward()  # compiles forward and backward before anything is timed
-        t_f = _best_of(lambda: fwd().detach(), device, 3 * seconds, min_iters=10)
-        t_fb = _best_of(lambda: fwd().backward(), device, 3 * seconds, min_iters=10)
+        t_f = best_of(lambda: fwd().detach(), device, 3 * seconds, min_iters=10)
+        t_fb = best_of(lambda: fwd().backward(), device, 3 * seconds, min_iters=10)
         return t_f, t_fb - t_f
 
     (f2, b2), (f6, b6) = run(2), run(6)
