@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
+from pentatron.kept_hash import compared_fields, kept_hash, state_without_kept_hash
+
 MlpKind = Literal["swiglu", "gelu"]
 RouterScore = Literal["softmax", "sigmoid"]
 
@@ -95,14 +97,10 @@ class ModelConfig:
     moe: MoEConfig | None = None  # None: every layer has the dense MLP
     name: str = field(default="custom", compare=False)
 
-    def __hash__(self) -> int:
-        # kept after the first call (a frozen dataclass rehashes its fields on each): the planner's
-        # memoised terms take the config as a key part ~10^5 times per search
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare))
-            object.__setattr__(self, "_hash", h)
-        return h
+    def __hash__(self) -> int:  # the compared fields' hash, kept (pentatron/kept_hash.py)
+        return kept_hash(self, compared_fields)
+
+    __getstate__ = state_without_kept_hash
 
     @property
     def head_dim(self) -> int:

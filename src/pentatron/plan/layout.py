@@ -13,6 +13,7 @@ from functools import cached_property, lru_cache
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal
 
+from pentatron.kept_hash import kept_hash, state_without_kept_hash
 from pentatron.layout import ParallelLayout, tensor_parallel_problems
 from pentatron.models.config import ModelConfig
 from pentatron.plan.flops import MoESpec, Recompute, moe_of
@@ -27,6 +28,9 @@ from pentatron.plan.recipes import PENTATRON, TRAINING_ATTENTION, Recipe, not_ou
 # Attention kernels: FlashAttention-2 (what torch SDPA runs), FlashAttention-3 (Hopper), cuDNN fused
 # attention, or the unfused math path (scores materialised: Megatron before 2022, BLOOM).
 KNOBS: tuple[str, ...] = ("recompute", "precision", "fp8_scaling", "attention")
+
+
+_WORKLOAD_FIELDS = attrgetter("cfg", "seq_len", "global_batch", "moe")  # its compared fields, in order
 
 
 @dataclass(frozen=True)
@@ -46,14 +50,10 @@ class Workload:
         for an MoE model `moe_of` builds a new spec each call."""
         return moe_of(self.cfg, self.moe)
 
-    def __hash__(self) -> int:
-        # every memoised planner term takes the workload: hashing its model config (~25 fields) on each
-        # call cost more than many of the terms, so the hash (of the fields, as dataclass's) is kept
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash((self.cfg, self.seq_len, self.global_batch, self.moe))
-            object.__setattr__(self, "_hash", h)
-        return h
+    def __hash__(self) -> int:  # every memoised planner term takes the workload: its fields' hash, kept
+        return kept_hash(self, _WORKLOAD_FIELDS)
+
+    __getstate__ = state_without_kept_hash
 
 
 _PARALLEL_FIELDS: tuple[str, ...] = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "pp_virtual",

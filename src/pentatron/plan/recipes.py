@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pentatron.config import TrainConfig, compile_enabled, field_problems
+from pentatron.kept_hash import compared_fields, kept_hash, state_without_kept_hash
 
 Kernels = Literal["eager", "fused"]
 
@@ -101,14 +102,10 @@ class Recipe:
     # parallel/moe_tokens.py: whole on every tp rank, experts split over ep only)
     moe_tp: Literal["sharded", "replicated"] = "sharded"
 
-    def __hash__(self) -> int:
-        # kept (a frozen dataclass's hash is recomputed from its ~20 fields on every call): each memoised
-        # planner term hashes the layout's recipe in its key
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
-            object.__setattr__(self, "_hash", h)
-        return h
+    def __hash__(self) -> int:  # each memoised planner term hashes the layout's recipe: its fields' hash, kept
+        return kept_hash(self, compared_fields)
+
+    __getstate__ = state_without_kept_hash
 
     def problems(self) -> list[str]:
         """Each field checked against its type by the config loader's checker."""
