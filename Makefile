@@ -11,6 +11,8 @@ STAMP := $(VENV)/.pentatron-installed
 # Where the CPU build of torch comes from (empty: pip's default index, which holds it here). Elsewhere PyPI's
 # torch is the CUDA build: `make test TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu`.
 TORCH_CPU_INDEX ?=
+# Test processes: each runs whole files (module-scoped set-ups run once); 2 fills a 2-core machine.
+TEST_WORKERS ?= 2
 
 .PHONY: install demo test lint clean
 
@@ -28,7 +30,7 @@ demo: $(STAMP)
 	$(PY) -m pentatron.cli demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests research/tests
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15 tests research/tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks research

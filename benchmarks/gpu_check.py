@@ -16,9 +16,12 @@ Parts (each one reports on its own; a failing part does not stop the others):
                 the measured peak beside the stage's parameter bytes
   syncs         device→host synchronisations per training step, from torch.cuda.set_sync_debug_mode("warn");
                 on CPU the calls that would sync on CUDA (item, tolist, float(t), cpu(), ...), counted
+  compile       the training part's run (train.compile "auto": compiled blocks on CUDA) against the same run
+                with train.compile=false: tokens/s of each, the ratio, compile seconds and recompiles.
+                CUDA only: on a CPU "auto" is eager, and benchmarks/compile_speed.py compares the two there
 
-With --toy, or when no CUDA device is present, every part runs at toy size on CPU; parts without a CPU
-analogue would say "skipped: no CUDA" (every part has one at present).
+With --toy, or when no CUDA device is present, every part runs at toy size on CPU; a part without a CPU
+analogue says "skipped: ..." (compile).
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ def _gib(n: float | None) -> float | None:
 
 
 # ---------------------------------------------------------------------------- (a) training, (b) SDPA, (e) syncs
-def make_trainer(size: Sizes, device: torch.device, work: Path) -> Any:
+def make_trainer(size: Sizes, device: torch.device, work: Path, *extra: str) -> Any:
     from pentatron.config import load_config
     from pentatron.train.trainer import Trainer
 
@@ -120,7 +123,8 @@ def make_trainer(size: Sizes, device: torch.device, work: Path) -> Any:
             f"train.seq_len={size.seq_len}", f"train.micro_batch={size.micro_batch}",
             f"train.global_batch={size.global_batch}", f"train.steps={size.steps}", "train.warmup=2",
             "train.precision='bf16'", f"train.device={_toml(device.type)}", "log.progress=false",
-            "log.tensorboard=false", f"log.every={max(1, size.steps // 6)}", f"log.dir={_toml(str(work / 'run'))}"]
+            "log.tensorboard=false", f"log.every={max(1, size.steps // 6)}", f"log.dir={_toml(str(work / 'run'))}",
+            *extra]
     if device.type == "cpu":
         sets.append("train.peak_tflops=1.0")  # no CPU peak measurement in the toy run (seconds)
     cfg = load_config(None, sets, world_size=1)
@@ -130,9 +134,10 @@ def make_trainer(size: Sizes, device: torch.device, work: Path) -> Any:
 
 
 def train_part(trainer: Any) -> dict[str, Any]:
+    from pentatron.hardware.catalogue import detect_gpu, get_gpu
     from pentatron.observe.report import REFERENCE_GPU, layout_and_workload
-    from pentatron.plan.hardware import detect_gpu, get_gpu
     from pentatron.plan.memory import memory_for_rank
+    from pentatron.plan.recipes import kernels_for_compile
     from pentatron.plan.search import predict
 
     records = trainer.fit()
@@ -140,8 +145,9 @@ def train_part(trainer: Any) -> dict[str, Any]:
     device = trainer.device
     gpu = detect_gpu(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     lay, w = layout_and_workload(trainer.cfg.to_dict(), 1, device.type)
-    pred = predict(w, lay, gpu or get_gpu(REFERENCE_GPU), kernels="eager")
-    mem = memory_for_rank(w, lay, gpu or get_gpu(REFERENCE_GPU), 0, "eager")
+    kernels = kernels_for_compile(trainer.cfg.train.compile, device.type)  # what this run runs
+    pred = predict(w, lay, gpu or get_gpu(REFERENCE_GPU), kernels=kernels)
+    mem = memory_for_rank(w, lay, gpu or get_gpu(REFERENCE_GPU), 0, kernels)
     reserved = [r["peak_mem_reserved_bytes"] for r in records if r.get("peak_mem_reserved_bytes") is not None]
     return {
         "model_parameters": trainer.n_params, "layout": lay.short(), "steps": len(records),
@@ -152,11 +158,12 @@ def train_part(trainer: Any) -> dict[str, Any]:
         "final_loss": records[-1]["loss"],
         "peak_allocated_gib": _gib(max(r["peak_mem_bytes"] for r in records)),
         "peak_reserved_gib": _gib(max(reserved)) if reserved else None,
+        "compiled": trainer.runner.compiled.summary() if trainer.runner.compiled else None,
         "memory_kind": trainer.observer.memory.kind,
         "setup_peak_gib": _gib(trainer.observer.memory.setup_peak_bytes),
         "planner": {"hardware": gpu.name if gpu else f"{REFERENCE_GPU} (reference: not this device)",
                     "tensors_gib": _gib(mem.tensors), "total_gib": _gib(mem.total),
-                    "step_time_s": pred.step.step,
+                    "step_time_s": pred.step.step, "kernels": kernels,
                     "note": "tensors ≈ max_memory_allocated; total adds the CUDA context (1 GiB) and 5 % "
                             "fragmentation ≈ max_memory_reserved + context"},
     }
@@ -238,6 +245,26 @@ def syncs_part(trainer: Any, steps: int) -> dict[str, Any]:
     return {"syncs_per_step": sum(counts.values()) / steps, "steps": steps,
             "how": "CPU: Tensor calls that would sync on CUDA (" + ", ".join(SYNCING_METHODS) + ")",
             "by_call": dict(counts)}
+
+
+# ---------------------------------------------------------------------------- (f) compiled vs eager
+def compile_part(size: Sizes, device: torch.device, work: Path, compiled: dict[str, Any]) -> dict[str, Any]:
+    """The training part's tokens/s (compiled blocks) against the same run with train.compile=false."""
+    if device.type != "cuda":
+        return {"status": "skipped: train.compile 'auto' is eager on a CPU (benchmarks/compile_speed.py "
+                          "compares compiled and eager there)"}
+    if compiled.get("status") != "ok" or not compiled.get("compiled"):
+        return {"status": f"skipped: the training part ran no compiled blocks ({compiled.get('status')})"}
+    trainer = make_trainer(size, device, work / "eager", "train.compile=false")
+    try:
+        records = trainer.fit()
+    finally:
+        trainer.close()
+    steady = records[min(3, len(records) - 1):]
+    eager = statistics.median(r["tokens_per_s"] for r in steady)
+    return {"compiled_tokens_per_s": compiled["tokens_per_s"], "eager_tokens_per_s": eager,
+            "speedup": compiled["tokens_per_s"] / eager, "compile_s": compiled["compiled"]["compile_s"],
+            "recompiles": compiled["compiled"]["recompiles"], "graphs": compiled["compiled"]["graphs"]}
 
 
 # ---------------------------------------------------------------------------- (c) ring attention's block kernel
@@ -346,6 +373,10 @@ def run(toy: bool, work: Path) -> dict[str, Any]:
             gc.collect()  # the 1B model, its gradients and optimizer state: gone before the 70B stage
             if cuda:
                 torch.cuda.empty_cache()
+    parts["compile"] = part(compile_part, size, device, work, parts["train"])
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
     parts["ring_kernel"] = part(ring_kernel_part, size, device)
     parts["stage_startup"] = part(stage_startup_part, size, device)
     result["wall_s"] = round(time.perf_counter() - started, 1)
@@ -383,6 +414,9 @@ def table(result: dict[str, Any]) -> str:
         f"{r['stage_param_gib']} GiB fp32): {r['startup_s']} s, peak {r['peak_gib']} GiB = "
         f"{r['peak_over_stage_params']} × its parameters (whole model fp32: {r['full_model_fp32_gib']} GiB)"))
     add("(e) syncs per step", "syncs", lambda r: f"{r['syncs_per_step']:g} ({r['how']})")
+    add("(f) compiled vs eager", "compile", lambda r: (
+        f"{r['compiled_tokens_per_s']:,.0f} vs {r['eager_tokens_per_s']:,.0f} tokens/s = {r['speedup']:.2f}×; "
+        f"{r['compile_s']} s compiling, {r['recompiles']} recompiles"))
     width = max(len(r[0]) for r in rows)
     head = f"pentatron gpu_check on {result['device']}, torch {result['torch']}" + \
            (" (toy sizes)" if result["toy"] else "") + f", {result['wall_s']} s"
@@ -400,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=1))
     print(table(result))
     print(f"gpu_check: JSON in {args.out}")
-    return 0 if all(r.get("status") == "ok" for r in result["parts"].values()) else 1
+    done = all(r.get("status") == "ok" or r.get("status", "").startswith("skipped") for r in result["parts"].values())
+    return 0 if done else 1
 
 
 if __name__ == "__main__":

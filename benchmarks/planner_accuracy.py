@@ -22,11 +22,11 @@ from typing import Any
 
 import tomllib
 
+from pentatron.hardware.catalogue import GiB, GPUSpec, get_gpu, hardware_from_dict
 from pentatron.models.config import ModelConfig
 from pentatron.models.registry import get_model_config
 from pentatron.plan.cli import fixed_knobs, plan_parser, requested_layout
 from pentatron.plan.flops import model_flops_per_token
-from pentatron.plan.hardware import GiB, GPUSpec, get_gpu, hardware_from_dict
 from pentatron.plan.layout import Layout, Workload, compute_dtype, problems
 from pentatron.plan.memory import MemoryBreakdown, memory_for_rank
 from pentatron.plan.recipes import RECIPE_FIELDS, get_recipe, resolve_kernels

@@ -48,11 +48,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pentatron.hardware.catalogue import load_hardware_toml, with_profile
+from pentatron.hardware.profile import Profile
 from pentatron.models.registry import get_model_config
 from pentatron.observe.profiler import summary_tensor_peak
-from pentatron.plan.hardware import load_hardware_toml, with_profile
 from pentatron.plan.layout import Layout, Workload
-from pentatron.plan.profile import Profile
 from pentatron.plan.search import predict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,7 +210,7 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path, compile_: str) -> d
 
 def _memory_layouts(tmp: Path) -> None:
     """Peak tensor memory of rank 0, predicted vs measured, for MEMORY_RUNS."""
-    from pentatron.plan.hardware import get_gpu
+    from pentatron.hardware.catalogue import get_gpu
     from pentatron.plan.memory import memory_for_rank
 
     w = Workload(get_model_config("debug"), SEQ, GLOBAL)

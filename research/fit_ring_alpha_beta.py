@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pentatron.plan.hardware import get_gpu
+from pentatron.hardware.catalogue import get_gpu
 
 PLAYBOOK_NODES = (2, 4, 8, 16, 32, 64)
 PLAYBOOK_BUSBW_GB_S = {  # median bus bandwidth, GB/s, 256 MB messages

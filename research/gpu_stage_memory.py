@@ -240,8 +240,8 @@ def planner_live_bytes(shape: Shape, fp32_params: int) -> dict:
     """The planner's live tensors for this rank, with this run's state: its rank-0 breakdown of the 405B
     layout in bf16 (no float8 here), receive buffers per micro-batch as torch keeps them, the masters and
     Adam moments left out (no optimizer runs) and the fp32 parameters at FSDP 1 instead (measured above)."""
+    from pentatron.hardware.catalogue import get_gpu
     from pentatron.models.registry import get_model_config
-    from pentatron.plan.hardware import get_gpu
     from pentatron.plan.layout import Layout, Workload
     from pentatron.plan.memory import memory_for_rank
     from pentatron.plan.recipes import Recipe

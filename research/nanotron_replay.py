@@ -76,8 +76,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # t
 from planner_accuracy import DEFAULT_FILE  # noqa: E402
 from playbook_sweep import Job, error_stats, first_batch, load_jobs  # noqa: E402
 
+from pentatron.hardware.catalogue import get_gpu  # noqa: E402
 from pentatron.models.config import ModelConfig  # noqa: E402
-from pentatron.plan.hardware import get_gpu  # noqa: E402
 from pentatron.plan.memory import RUNTIME_RESERVED  # noqa: E402
 
 GiB = 1 << 30

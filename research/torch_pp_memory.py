@@ -37,9 +37,9 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # t
 from live_tensors import LiveTensors  # noqa: E402
 from ranks import run_on_ranks  # noqa: E402
 
+from pentatron.hardware.catalogue import get_gpu  # noqa: E402
 from pentatron.models.config import ModelConfig  # noqa: E402
 from pentatron.models.llama import DecoderBlock, RMSNorm, Rotary, decoder_forward  # noqa: E402
-from pentatron.plan.hardware import get_gpu  # noqa: E402
 from pentatron.plan.layout import Layout, Workload  # noqa: E402
 from pentatron.plan.memory import memory_for_rank  # noqa: E402
 from pentatron.plan.recipes import Recipe

@@ -70,7 +70,7 @@ def test_published_playbook_rows_carry_nanotrons_split(sweep):
 def test_outcome_by_predicted_peak_bands_each_job_by_its_share_of_the_device(sweep):
     from types import SimpleNamespace
 
-    from pentatron.plan.hardware import get_gpu
+    from pentatron.hardware.catalogue import get_gpu
 
     gpu = get_gpu("h100")
     budget = gpu.hbm_bytes

@@ -35,8 +35,8 @@ def memory_problems(cfg: Config, world_size: int, local_ranks: int) -> list[str]
     import torch
 
     from pentatron.distributed.launch import local_device
+    from pentatron.hardware.catalogue import detect_gpu, get_gpu
     from pentatron.observe.report import REFERENCE_GPU, planner_layout
-    from pentatron.plan.hardware import detect_gpu, get_gpu
     from pentatron.plan.memory import memory_per_gpu
     from pentatron.plan.recipes import kernels_for_compile
 

@@ -135,9 +135,9 @@ def test_the_prediction_uses_the_runs_parallel_modes(world: int, extra: list[str
     when the planner's layout was copied field by field)."""
     from dataclasses import replace
 
+    from pentatron.hardware.catalogue import detect_gpu
     from pentatron.observe.report import planner_layout, predicted
     from pentatron.plan.comm import bytes_by_dim
-    from pentatron.plan.hardware import detect_gpu
     from pentatron.plan.layout import parallel_layout
     from pentatron.plan.search import predict
 

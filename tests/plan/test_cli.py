@@ -107,6 +107,13 @@ def test_verify_flag(capsys):
     rc = run(["plan", "--model", "debug", "--seq", "256", "--verify"])
     out = capsys.readouterr().out
     assert rc == 0 and "bytes saved for backward" in out and "FAIL" not in out
+    assert "the loss in chunks of 1024 tokens" in out  # training's default loss
+    # a loss from full logits is traced as such, and its formulas agree with that trace
+    rc = run(["plan", "--model", "debug", "--seq", "256", "--verify", "--cross-entropy", "eager"])
+    eager = capsys.readouterr().out
+    assert rc == 0 and "the loss from full fp32 logits" in eager and "FAIL" not in eager
+    saved = [ln for ln in (out + eager).splitlines() if "bytes saved for backward" in ln]
+    assert len(saved) == 2 and saved[0] != saved[1]
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
@@ -148,7 +155,7 @@ def test_bench_writes_a_profile_the_planner_reads(capsys, tmp_path):
     assert run(["bench", "--nproc", "2", "--max-bytes", "64K", "--seconds", "0.02", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "all_reduce" in text and out.exists()
-    from pentatron.plan.hardware import load_hardware_toml
+    from pentatron.hardware.catalogue import load_hardware_toml
 
     prof = load_hardware_toml(out)
     assert set(prof.profile.busbw) == {"all_reduce", "all_gather", "reduce_scatter", "p2p", "exchange"}

@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 
 from pentatron.distributed.comm import ring_bytes
+from pentatron.hardware.catalogue import get_gpu, with_profile
 from pentatron.models.registry import get_model_config
 from pentatron.plan.comm import bus_bandwidth, bytes_by_dim, collective_time, group_of, step_collectives, wire_bytes
-from pentatron.plan.hardware import get_gpu, with_profile
 from pentatron.plan.layout import Layout, Workload, layers_per_chunk, problems
 from pentatron.plan.timing import Phase, gemm_time, pipeline_makespan, step_time, throughput
 from pentatron.schedules import make_schedule, simulate
@@ -102,7 +102,7 @@ def test_a_measured_fabric_caps_cross_node_all_reduce():
     assert bus_bandwidth(efa, "all_reduce", 1e9, thin) == pytest.approx(44.5e9 * 0.8)
     inside = group_of(Layout(tp=8), "tp", efa)
     assert bus_bandwidth(efa, "all_reduce", 1e9, inside) == bus_bandwidth(H100, "all_reduce", 1e9, inside)
-    from pentatron.plan.hardware import hardware_from_dict
+    from pentatron.hardware.catalogue import hardware_from_dict
 
     toml = hardware_from_dict({"base": "h100", "allreduce_busbw_by_nodes": {"nodes": [2, 64], "gb_s": [361.7, 32.9]}})
     assert toml.profile.allreduce_busbw_by_nodes == ((2.0, 361.7e9), (64.0, 32.9e9))

@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 
+from pentatron.hardware.catalogue import get_gpu
 from pentatron.models.config import ModelConfig
 from pentatron.models.registry import get_model_config
 from pentatron.plan.comm import collective_time, cp_layer_cost, group_of, p2p_time, step_collectives
 from pentatron.plan.context import cp_degrees, cp_mode_options, ring_exposure
-from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload, problems
 from pentatron.plan.memory import llama_layer_activation_bytes, memory_for_rank
 from pentatron.plan.recipes import Recipe

@@ -12,10 +12,10 @@ import math
 
 import pytest
 
+from pentatron.hardware.catalogue import get_gpu, load_hardware_toml, with_profile
+from pentatron.hardware.kernel_tables import AttentionGrid, attention_rate
 from pentatron.models.registry import get_model_config
 from pentatron.plan.comm import p2p_time
-from pentatron.plan.hardware import get_gpu, load_hardware_toml, with_profile
-from pentatron.plan.kernel_tables import AttentionGrid, attention_rate
 from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.recipes import Recipe
 from pentatron.plan.timing import (
@@ -129,7 +129,7 @@ SQUARE = ((1e3, 1e11), (1e12, 1e11))
 
 
 def test_the_lm_head_gemms_read_their_own_measured_curve():
-    from pentatron.plan.hardware import hardware_from_dict
+    from pentatron.hardware.catalogue import hardware_from_dict
     from pentatron.plan.timing import head_phase
 
     cpu = with_profile(H100, matmul_fp32=SQUARE)

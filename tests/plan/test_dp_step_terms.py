@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from pentatron.hardware.catalogue import get_gpu, hardware_from_dict, with_profile
 from pentatron.models.registry import get_model_config
 from pentatron.plan.comm import STEP_SCALARS_WHERE, TIED_WHERE, Group, collective_time, p2p_time
-from pentatron.plan.hardware import get_gpu, hardware_from_dict, with_profile
 from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.timing import step_time
 

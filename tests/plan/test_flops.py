@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pentatron.models.registry import MODELS, get_model_config
@@ -106,7 +108,7 @@ def test_the_time_model_runs_the_chunked_losss_head_gemm_once_more():
     are unchanged. The step's MFU counts model FLOPs (the same), its HFU the replay."""
     import dataclasses
 
-    from pentatron.plan.hardware import get_gpu
+    from pentatron.hardware.catalogue import get_gpu
     from pentatron.plan.layout import Layout, Workload, compute_dtype
     from pentatron.plan.recipes import PENTATRON, RECIPES
     from pentatron.plan.timing import _head_linear, head_phase, step_time, throughput
@@ -142,11 +144,11 @@ def test_a_split_backward_replays_the_chunked_head_twice():
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    from pentatron.hardware.catalogue import get_gpu
     from pentatron.models.llama import build_model
     from pentatron.parallel.parallelize import set_loss_chunk_tokens
     from pentatron.parallel.pipeline.split_backward import SplitBackward
     from pentatron.parallel.pipeline.stages import PipelineStage
-    from pentatron.plan.hardware import get_gpu
     from pentatron.plan.layout import Layout, Workload
     from pentatron.plan.timing import step_time, throughput
     from pentatron.plan.verify import _addmm_flops
@@ -186,3 +188,28 @@ def test_a_split_backward_replays_the_chunked_head_twice():
         lay = Layout(dp=16, pp=4, pp_schedule=schedule)
         r = throughput(w, lay, gpu, step_time(w, lay, gpu))
         assert r.hardware_flops_per_token - r.model_flops_per_token == pytest.approx(replays * big), schedule
+
+
+def test_the_runs_chunk_size_and_zero_bubbles_w_replay_are_timed():
+    """`recipe.loss_chunk_tokens` (train.loss_chunk_tokens: the run report's, `--recipe-set`) sets how many
+    chunks replay in B; zero bubble's W re-enters the chunked loss and replays the head GEMM of every chunk,
+    on the last stage only. Either chunk size, and the full-logits loss, are what `pentatron train` runs."""
+    from pentatron.hardware.catalogue import get_gpu
+    from pentatron.plan.layout import Layout, Workload
+    from pentatron.plan.recipes import loss_chunk_tokens_of, not_ours, training_recipe
+    from pentatron.plan.timing import head_gemm_forward, head_phase, stage_phases
+
+    gpu = get_gpu("h100-sxm")
+    w = Workload(get_model_config("llama3-8b"), 4096, 64)
+    lay = Layout(dp=8, pp=2, micro_batch=1)
+    gemm = head_gemm_forward(w, lay, gpu)
+    small = lay.with_recipe(loss_chunk_tokens=512)  # 8 chunks: 7 replay, not 3 of 4
+    assert head_phase(w, small, gpu).b == pytest.approx(head_phase(w, lay, gpu).b + gemm * (7 / 8 - 3 / 4))
+    ofb, zb = stage_phases(w, lay, gpu), stage_phases(w, dataclasses.replace(lay, pp_schedule="zb"), gpu)
+    assert ofb[0] == zb[0] and (ofb[1].f, ofb[1].b) == (zb[1].f, zb[1].b)
+    assert zb[1].w == pytest.approx(ofb[1].w + gemm)
+    eager = lay.with_recipe(cross_entropy="eager")
+    assert stage_phases(w, dataclasses.replace(eager, pp_schedule="zb"), gpu)[1].w == stage_phases(w, eager, gpu)[1].w
+    for n in (0, 512, 1024):
+        assert not_ours(training_recipe(n)) is None and loss_chunk_tokens_of(training_recipe(n)) == n
+    assert lay.with_recipe(loss_chunk_tokens=0).recipe.problems()

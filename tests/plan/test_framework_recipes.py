@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pentatron.hardware.catalogue import get_gpu
 from pentatron.models.config import ModelConfig
 from pentatron.plan.comm import (
     SP_REGATHER_WHERE,
@@ -19,7 +20,6 @@ from pentatron.plan.comm import (
     pp_hop_time,
     step_collectives,
 )
-from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload, problems, trainable_problems
 from pentatron.plan.memory import llama_layer_activation_bytes, memory_for_rank, stage_extras
 from pentatron.plan.recipes import Recipe

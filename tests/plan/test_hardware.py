@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from pentatron.plan.hardware import (
+from pentatron.hardware.catalogue import (
     GiB,
     detect_gpu,
     get_gpu,
@@ -80,7 +80,7 @@ def test_missing_or_invalid_file(tmp_path):
 
 def test_stream_bandwidth_reads_the_measured_copy_curve_by_size():
 
-    from pentatron.plan.hardware import get_gpu
+    from pentatron.hardware.catalogue import get_gpu
     h100 = get_gpu("h100")
     assert h100.speeds.stream_bandwidth(1e6) == 3350e9 * 0.90  # no curve: nominal HBM x efficiency
     assert h100.speeds.stream_bandwidth(1e6, efficiency=False) == 3350e9
@@ -91,7 +91,7 @@ def test_stream_bandwidth_reads_the_measured_copy_curve_by_size():
 
 
 def test_copy_curve_round_trips_through_a_profile(tmp_path):
-    from pentatron.plan.hardware import load_hardware_toml
+    from pentatron.hardware.catalogue import load_hardware_toml
     p = tmp_path / "cpu.toml"
     p.write_text('[gpu]\nname = "c"\npeak_tflops = { fp32 = 0.1 }\nhbm_gib = 8\nhbm_bandwidth_gb_s = 3\n'
                  'intra_node_bandwidth_gb_s = 1\ninter_node_bandwidth_gb_s = 1\n'
@@ -105,7 +105,7 @@ def test_copy_curve_round_trips_through_a_profile(tmp_path):
 ])
 def test_gemm_small_k_efficiency(dtype, a, k0, sweep):
     """H800 sweeps (tile-lang benchmark/matmul{_fp8,}/README.md, M = N = 8192): k/(k + k0) at 80% of peak."""
-    from pentatron.plan.hardware import get_gpu
+    from pentatron.hardware.catalogue import get_gpu
     from pentatron.plan.timing import KERNEL_OVERHEAD, gemm_time
     h100 = get_gpu("h100")
     peak = h100.flops(dtype)
@@ -125,7 +125,7 @@ def test_gpu_bench_profile_reproduces_its_own_gemm():
     """A GPU bench profile keeps the datasheet peak and sets matmul_efficiency so that the planner's GEMM
     at bench's shape runs at the measured rate (the shape's waves and small-k loss are not charged twice)."""
     from pentatron.calibrate.bench import GPU_GEMM_N, BenchResult, profile_dict
-    from pentatron.plan.hardware import hardware_from_data
+    from pentatron.hardware.catalogue import hardware_from_data
     from pentatron.plan.timing import KERNEL_OVERHEAD, gemm_time
     measured = 700e12
     r = BenchResult("cuda", "NVIDIA H100 80GB HBM3", 8, "nccl", {"bf16": measured, "tf32": 350e12}, 3.0e12, 80 * 2**30)

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
+from pentatron.hardware.catalogue import get_gpu, with_profile
 from pentatron.models.registry import get_model_config
-from pentatron.plan.hardware import get_gpu, with_profile
 from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.memory import FRAGMENTATION, RUNTIME_RESERVED, memory_per_gpu
 from pentatron.plan.search import predict

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from pentatron.config import ConfigError, config_from_dict
+from pentatron.hardware.catalogue import get_gpu
 from pentatron.models.registry import get_model_config
-from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload, problems, trainable_problems, warnings
 from pentatron.plan.memory import llama_layer_activation_bytes, memory_for_rank, rank_params
 from pentatron.plan.recipes import RECIPE_FIELDS, TORCHTITAN

@@ -4,10 +4,10 @@ import dataclasses
 
 import pytest
 
+from pentatron.hardware.catalogue import get_gpu
 from pentatron.models.registry import get_model_config
 from pentatron.plan.flops import total_params
-from pentatron.plan.hardware import get_gpu
-from pentatron.plan.layout import Layout, Workload
+from pentatron.plan.layout import Layout, Workload, trainable_problems
 from pentatron.plan.memory import (
     PLAYBOOK_16,
     PLAYBOOK_20,
@@ -211,6 +211,8 @@ def test_moe_tp_model_state_is_the_trainers(tp, pp, ep):
     assert mem.model_state == pytest.approx(18 * (rp.dense + rp.expert))  # bf16 weights, fp32 grads/master/Adam
     sharded = rank_params(w, lay.with_recipe(moe_tp="sharded"), pp - 1)
     assert (sharded.dense + sharded.expert < rp.dense + rp.expert) == (tp > 1)
+    # modelled as trained, so the planner recommends MoE under tp (± sp) like any other layout
+    assert trainable_problems(w, lay, 2 * tp * pp) == []
 
 
 def test_the_demo_configs_model_state_is_the_trainers():

@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 
+from pentatron.hardware.catalogue import get_gpu, hardware_from_dict, with_profile
 from pentatron.models.registry import get_model_config
 from pentatron.plan.comm import p2p_time, pp_hop_time
-from pentatron.plan.hardware import get_gpu, hardware_from_dict, with_profile
 from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.timing import pipeline_makespan, step_time
 

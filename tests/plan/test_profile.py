@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from pentatron.calibrate.bench import BenchResult, profile_dict, to_toml
+from pentatron.hardware.catalogue import GPUSpec, get_gpu, hardware_from_data, load_hardware_toml, with_profile
+from pentatron.hardware.profile import PROFILE_SCHEMA, Profile
+from pentatron.hardware.speeds import Measured, Roofline
 from pentatron.models.registry import get_model_config
 from pentatron.plan.comm import Traffic, step_collectives
-from pentatron.plan.hardware import GPUSpec, get_gpu, hardware_from_data, load_hardware_toml, with_profile
 from pentatron.plan.layout import Layout, Workload
-from pentatron.plan.profile import PROFILE_SCHEMA, Profile
-from pentatron.plan.speeds import Measured, Roofline
 from pentatron.plan.timing import layer_phase, step_time
 
 H100 = get_gpu("h100")
@@ -150,4 +150,4 @@ def _imports(package: str) -> set[str]:
 
 def test_the_planner_does_not_import_the_calibration():
     assert not any(m.startswith("pentatron.calibrate") for m in _imports("plan"))
-    assert {"pentatron.plan.profile", "pentatron.plan.hardware"} <= _imports("calibrate")
+    assert {"pentatron.hardware.profile", "pentatron.hardware.catalogue"} <= _imports("calibrate")

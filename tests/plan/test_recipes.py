@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from pentatron.config import TrainConfig, load_config
+from pentatron.hardware.catalogue import get_gpu
 from pentatron.models.config import ModelConfig
 from pentatron.models.registry import get_model_config
 from pentatron.plan.emit import training_config_text
-from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload, problems, trainable_problems
 from pentatron.plan.recipes import (
     PENTATRON,

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+from pentatron.hardware.catalogue import GiB, get_gpu
 from pentatron.models.registry import get_model_config
-from pentatron.plan.hardware import GiB, get_gpu
 from pentatron.plan.layout import Layout, Workload, problems
 from pentatron.plan.memory import memory_per_gpu
 from pentatron.plan.search import predict, search, suggest_fixes

@@ -9,12 +9,12 @@ import dataclasses
 
 import pytest
 
+from pentatron.hardware.catalogue import get_gpu
+from pentatron.hardware.fp8_rowwise import rowwise_seconds
 from pentatron.models.config import ModelConfig
 from pentatron.models.registry import get_model_config
 from pentatron.plan.comm import Collective, Group, Traffic, bus_bandwidth, collective_time, dp_collectives
 from pentatron.plan.flops import flop_breakdown, recompute_flops_per_token
-from pentatron.plan.fp8_rowwise import rowwise_seconds
-from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.memory import llama_layer_activation_bytes, memory_per_gpu
 from pentatron.plan.recipes import Recipe

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from pentatron.hardware.catalogue import get_gpu
 from pentatron.models.config import ModelConfig
 from pentatron.plan.comm import TIED_WHERE, step_collectives
-from pentatron.plan.hardware import get_gpu
 from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.timing import step_time
 

@@ -10,9 +10,9 @@ import dataclasses
 
 import pytest
 
+from pentatron.hardware.catalogue import get_gpu, hardware_from_dict, with_profile
 from pentatron.models.registry import get_model_config
 from pentatron.plan.comm import Group, collective_time
-from pentatron.plan.hardware import get_gpu, hardware_from_dict, with_profile
 from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.timing import layer_phase, stage_phases
 

@@ -43,8 +43,8 @@ from pentatron.calibrate.timers import sync as _sync
 from pentatron.calibrate.timers import timed as _timed
 from pentatron.calibrate.tp_step import HEAD_DIM as TP_HEAD_DIM
 from pentatron.calibrate.tp_step import measure_tp_step, tiny_attention_shape
-from pentatron.plan.hardware import GB, GiB, detect_gpu
-from pentatron.plan.profile import PROFILE_SCHEMA
+from pentatron.hardware.catalogue import GB, GiB, detect_gpu
+from pentatron.hardware.profile import PROFILE_SCHEMA
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -429,7 +429,7 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
 
 
 def profile_dict(r: BenchResult) -> dict[str, Any]:
-    """The profile file's content (schema `plan.profile.PROFILE_SCHEMA`, human units): the datasheet part
+    """The profile file's content (schema `hardware.profile.PROFILE_SCHEMA`, human units): the datasheet part
     under "hardware", the measured curves under "profile", where and when under "measured"."""
     return {"schema": PROFILE_SCHEMA, "hardware": _hardware_table(r), "profile": _profile_table(r),
             "measured": {"host": r.host, "when": r.when, "torch": r.torch_version, "device": r.device_name,
@@ -437,7 +437,7 @@ def profile_dict(r: BenchResult) -> dict[str, Any]:
 
 
 def _hardware_table(r: BenchResult) -> dict[str, Any]:
-    """The device as measured, in the keys of a `--hardware` file (plan/hardware.py)."""
+    """The device as measured, in the keys of a `--hardware` file (hardware/catalogue.py)."""
     known = detect_gpu(r.device_name) if r.device == "cuda" else None
     hw: dict[str, Any] = {"name": f"bench-{known.name if known else r.device}",
                           "source": f"pentatron bench on {r.host} ({r.device_name}), {r.when}"}
@@ -463,7 +463,7 @@ def _hardware_table(r: BenchResult) -> dict[str, Any]:
 
 
 def _profile_table(r: BenchResult) -> dict[str, Any]:
-    """The measured curves, in the keys `plan.profile.profile_from_dict` reads."""
+    """The measured curves, in the keys `hardware.profile.profile_from_dict` reads."""
     prof: dict[str, Any] = {}
     if r.host_overhead:
         prof["host_us"] = {k: round(v * 1e6, 2) for k, v in zip(("layer_fwd", "layer_bwd", "ends_fwd", "ends_bwd"),

@@ -1,5 +1,5 @@
 """`pentatron bench` sub-command (registered by the top-level `pentatron.cli`): measure this machine and
-write a hardware profile (`pentatron.plan.profile`) for `pentatron plan --hardware-profile`.
+write a hardware profile (`pentatron.hardware.profile`) for `pentatron plan --hardware-profile`.
 
 Exit codes: 0 the profile was written; 1 a measurement failed; 2 bad input (one line on stderr).
 """

@@ -141,6 +141,21 @@ def _per_layer(ctx: Any, tp: int, r2: dict[str, float], r6: dict[str, float], ti
     return lf, lb, max(0.0, (f2 - cf2) - 2 * (lf + af)), max(0.0, (b2 - cb2) - 2 * (lb + ab))
 
 
+ATTEMPTS = 3  # a per-layer host term ≤ 0 is noise (another process took the core): measured again
+
+
+def _layer_terms(ctx: Any, tp: int, timer: _TimedComm, tiny_attention: tuple[float, float], compiled: bool = False
+                 ) -> tuple[dict[str, float], tuple[float, float, float, float]]:
+    """The 6-layer run and `_per_layer`'s terms, repeated while the 6-layer model came out no slower per layer
+    than the 2-layer one (the ranks decide alike: the terms are means over them)."""
+    for _ in range(ATTEMPTS):
+        r6 = _run(6, tp, ctx, timer, compiled=compiled)
+        terms = _per_layer(ctx, tp, _run(2, tp, ctx, timer, compiled=compiled), r6, tiny_attention)
+        if terms[0] > 0 and terms[1] > 0:
+            break
+    return r6, terms
+
+
 def measure_tp_step(ctx: Any, tiny_attention: tuple[float, float], compiled: bool = False) -> TPStep:
     """Run on every rank of a tensor-parallel context `ctx` (a collective call); `tiny_attention`: the
     (forward, backward) seconds of one local attention call of the tiny model (1 head, TOKENS tokens,
@@ -148,12 +163,8 @@ def measure_tp_step(ctx: Any, tiny_attention: tuple[float, float], compiled: boo
     also the compiled layer's host seconds."""
     tp = ctx.size("tp")
     timer = _TimedComm(ctx.comm)
-    r2, r6 = _run(2, tp, ctx, timer), _run(6, tp, ctx, timer)
-    lf, lb, ef, eb = _per_layer(ctx, tp, r2, r6, tiny_attention)
-    compiled_layer = None
-    if compiled:
-        c2, c6 = _run(2, tp, ctx, timer, compiled=True), _run(6, tp, ctx, timer, compiled=True)
-        compiled_layer = _per_layer(ctx, tp, c2, c6, tiny_attention)[:2]
+    r6, (lf, lb, ef, eb) = _layer_terms(ctx, tp, timer, tiny_attention)
+    compiled_layer = _layer_terms(ctx, tp, timer, tiny_attention, compiled=True)[1][:2] if compiled else None
     sizes = [r6] + [_run(2, tp, ctx, timer, n) for n in COLLECTIVE_TOKENS if n != TOKENS]
     acts = torch.tensor([r["act"] for r in sizes], dtype=torch.float64)
     ctx.comm.all_reduce(acts, "tp")

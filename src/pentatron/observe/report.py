@@ -16,7 +16,6 @@ planner's tensors plus what preflight adds per CPU process (RoPE tables, interpr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 from collections import defaultdict
@@ -103,18 +102,18 @@ def planner_layout(c: Any, world_size: int, device: str) -> tuple[Any, Any]:
     every parallel field the run trains with (cp_mode, cp_ulysses, zero3_gather, ...) reaches the
     prediction: none is copied by hand. Only our knobs and the recipe are added here."""
     from pentatron.plan.layout import Layout, Workload
-    from pentatron.plan.recipes import PENTATRON, training_loss
+    from pentatron.plan.recipes import training_recipe
 
     tr = c.train
     precision = tr.precision if tr.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
     lay = Layout(c.layout(world_size), recompute=tr.recompute, precision=precision,
-                 recipe=dataclasses.replace(PENTATRON, cross_entropy=training_loss(tr.loss_chunk_tokens)))
+                 recipe=training_recipe(tr.loss_chunk_tokens))
     return lay, Workload(c.model_config(), tr.seq_len, tr.global_batch)
 
 
 def _hardware(info: dict[str, Any], profile: Path | None) -> tuple[Any, str, bool]:
     """(GPUSpec, where it came from, whether it describes this run's machine)."""
-    from pentatron.plan.hardware import detect_gpu, get_gpu, load_hardware_toml
+    from pentatron.hardware.catalogue import detect_gpu, get_gpu, load_hardware_toml
 
     if profile is not None:
         if not profile.is_file():
@@ -139,8 +138,8 @@ def builtin_cpu(info: dict[str, Any]) -> tuple[Any, str, bool]:
     the host's ranks gets its share), nominal memory and gloo bandwidths."""
     import torch
 
+    from pentatron.hardware.catalogue import hardware_from_dict
     from pentatron.observe.peak import cpu_calibration
-    from pentatron.plan.hardware import hardware_from_dict
 
     ranks = max(1, int(info.get("world_size", 1)))
     fp32 = cpu_calibration(torch.float32, refresh=False)

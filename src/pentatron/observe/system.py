@@ -41,7 +41,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float 
     if override_tflops is not None:
         return override_tflops * 1e12, "train.peak_tflops"
     if device.type == "cuda":
-        from pentatron.plan.hardware import detect_gpu
+        from pentatron.hardware.catalogue import detect_gpu
 
         name = torch.cuda.get_device_name(device)
         spec = detect_gpu(name)

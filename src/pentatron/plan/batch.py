@@ -18,8 +18,8 @@ from typing import Any
 
 import tomllib
 
+from pentatron.hardware.catalogue import GPUSpec
 from pentatron.layout import ParallelLayout
-from pentatron.plan.hardware import GPUSpec
 from pentatron.plan.layout import KNOBS, Layout, Workload, problems
 from pentatron.plan.recipes import PENTATRON, RECIPE_FIELDS, RecipeError, get_recipe
 from pentatron.plan.search import Prediction, predict

@@ -249,7 +249,7 @@ def _model_from_toml(path: str, given: dict[str, Any]) -> Any:
 
 
 def _hardware(args: argparse.Namespace) -> Any:
-    from pentatron.plan.hardware import get_gpu, load_hardware_toml, with_overrides
+    from pentatron.hardware.catalogue import get_gpu, load_hardware_toml, with_overrides
 
     path = args.hardware_profile or args.hardware
     if args.hardware and args.hardware_profile:
@@ -296,11 +296,11 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    from pentatron.hardware.catalogue import gpu_names
     from pentatron.plan import report
-    from pentatron.plan.hardware import gpu_names
 
     if args.list_gpus:
-        from pentatron.plan.hardware import get_gpu
+        from pentatron.hardware.catalogue import get_gpu
 
         for n in gpu_names():
             g = get_gpu(n)
@@ -319,14 +319,17 @@ def _run_plan(args: argparse.Namespace) -> int:
     verify_rows = None
     rc = 0
     if args.verify:
+        from pentatron.plan.recipes import loss_chunk_tokens_of
         from pentatron.plan.verify import format_checks, verify_model
 
         mb, tp = fixed.get("micro_batch", 1), fixed.get("tp", 1)
+        chunk = loss_chunk_tokens_of(fixed["recipe"])  # the trainer's two losses: chunked, or full logits
         checks = verify_model(cfg, w.seq_len, micro_batch=mb, recompute=fixed.get("recompute", "none"),
-                              precision=args.precision, tp=tp, sp=fixed.get("sp", tp > 1), pp=fixed.get("pp", 1))
+                              precision=args.precision, tp=tp, sp=fixed.get("sp", tp > 1), pp=fixed.get("pp", 1),
+                              loss_chunk_tokens=chunk)
         verify_rows = [c.as_dict() for c in checks]
         if not args.json:
-            print(format_checks(cfg.name, w.seq_len, mb, checks))
+            print(format_checks(cfg.name, w.seq_len, mb, checks, chunk))
         if not all(c.ok for c in checks):
             rc = 1
         if args.gpus is None:
@@ -469,7 +472,8 @@ def _recipe(args: argparse.Namespace) -> Any:
         key, eq, raw = item.partition("=")
         if not eq or not key.strip():
             raise InputError(f"--recipe-set: expected FIELD=VALUE, got {item!r}")
-        over[key.strip()] = {"true": True, "false": False}.get(raw.strip().lower(), raw.strip())
+        value = raw.strip()
+        over[key.strip()] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
     if args.cross_entropy is not None:
         over["cross_entropy"] = args.cross_entropy
     try:

@@ -7,7 +7,7 @@ reduce-scatter (n-1)/n S, all-to-all (n-1)/n S, send S. Time = steps * alpha + w
 bandwidth, where bus bandwidth is NVLink inside a node or, for a group spread over nodes with k of
 its ranks per node, min(NVLink, k * per-GPU NIC) (rail-optimised nodes: one NIC per GPU), both times
 `collective_efficiency`; a `pentatron bench` profile replaces the link model by measured curves. The
-seconds come from the hardware's speeds (`GPUSpec.speeds`, plan/speeds.py); each collective carries a
+seconds come from the hardware's speeds (`GPUSpec.speeds`, hardware/speeds.py); each collective carries a
 typed `Traffic` kind that the time model dispatches on.
 """
 
@@ -18,6 +18,8 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from functools import lru_cache
 
+from pentatron.hardware.catalogue import GPUSpec
+from pentatron.hardware.speeds import Group, wire_bytes
 from pentatron.plan.context import (
     CpLayerCost,
     allgather_exposure,
@@ -28,10 +30,8 @@ from pentatron.plan.context import (
     layer_cost,
 )
 from pentatron.plan.flops import MoESpec
-from pentatron.plan.hardware import GPUSpec
 from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, nodes_spanned
 from pentatron.plan.memory import act_bytes
-from pentatron.plan.speeds import Group, wire_bytes
 
 __all__ = ["Collective", "Group", "LayerComm", "Traffic", "collective_time", "dp_in_step_time", "group_of",
            "layer_comm", "p2p_time", "pp_hop_time", "scalar_time", "step_collectives", "wire_bytes"]

@@ -15,7 +15,7 @@ from pathlib import Path
 from pentatron.models.config import ModelConfig
 from pentatron.models.registry import get_model_config
 from pentatron.plan.layout import Layout, Workload, trainable_problems
-from pentatron.plan.recipes import compile_for_kernels, not_ours, resolve_kernels
+from pentatron.plan.recipes import compile_for_kernels, loss_chunk_tokens_of, not_ours, resolve_kernels
 
 # ModelConfig fields a [model] section can override (pentatron.config.ModelSection)
 _MODEL_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_size",
@@ -67,7 +67,8 @@ def training_config_text(w: Workload, lay: Layout, header: str = "", kernels: st
                      "sp": lay.sp, "pp_schedule": lay.pp_schedule, "pp_virtual": lay.pp_virtual},
         "train": {"seq_len": w.seq_len, "micro_batch": lay.micro_batch, "global_batch": w.global_batch,
                   "precision": lay.precision, "recompute": lay.recompute,
-                  "compile": compile_for_kernels(resolve_kernels(lay.recipe, kernels))},
+                  "compile": compile_for_kernels(resolve_kernels(lay.recipe, kernels)),
+                  "loss_chunk_tokens": loss_chunk_tokens_of(lay.recipe)},
     }
     if lay.zero == 3 and lay.pp > 1:
         sections["parallel"]["zero3_gather"] = lay.zero3_gather

@@ -13,18 +13,18 @@ from functools import cached_property, lru_cache
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal
 
+from pentatron.hardware.catalogue import GPUSpec
 from pentatron.kept_hash import kept_hash, state_without_kept_hash
 from pentatron.layout import ParallelLayout, tensor_parallel_problems
 from pentatron.models.config import ModelConfig
 from pentatron.plan.flops import MoESpec, Recompute, moe_of
-from pentatron.plan.hardware import GPUSpec
 from pentatron.plan.recipes import PENTATRON, TRAINING_ATTENTION, Recipe, not_ours
 
 # Our knobs are typed on `Layout` and the recipe's on `Recipe`: both are checked by the config loader's
 # typed checker (`pentatron.config.field_problems`). Precisions: fp16 runs like bf16 (same tensor-core
 # peak on A100/H100) plus dynamic loss scaling (one extra pass over the gradients for the inf/nan check,
 # modelled with the optimizer); fp8: Transformer-Engine style GEMMs, scaled per tensor (TE's delayed
-# scaling, torchao's default) or per row (torchao's "rowwise": its CUTLASS GEMM, plan/fp8_rowwise.py).
+# scaling, torchao's default) or per row (torchao's "rowwise": its CUTLASS GEMM, hardware/fp8_rowwise.py).
 # Attention kernels: FlashAttention-2 (what torch SDPA runs), FlashAttention-3 (Hopper), cuDNN fused
 # attention, or the unfused math path (scores materialised: Megatron before 2022, BLOOM).
 KNOBS: tuple[str, ...] = ("recompute", "precision", "fp8_scaling", "attention")
@@ -293,9 +293,6 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
     if w.moe_spec is not None and w.cfg.moe is None:
         out.append("an MoE shape given by --experts/--top-k is no model config training can build (use an MoE "
                    "registry model, or set the [moe] fields of the training config)")
-    elif w.moe_spec is not None and lay.tp > 1:
-        out.append(f"tp={lay.tp}: training replicates the MoE layers over tp (the planner's memory and compute "
-                   "assume tp-sharded experts), so it does not recommend tp > 1 for an MoE model")
     return out
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
+from pentatron.hardware.catalogue import GiB, GPUSpec
 from pentatron.models.config import ModelConfig
 from pentatron.parallel.activation_memory import layer_activation_bytes
 from pentatron.plan.context import comm_buffer_bytes as cp_comm_buffer_bytes
@@ -24,7 +25,6 @@ from pentatron.plan.flops import (
     moe_of,
     sac_op_replayed_matmuls,
 )
-from pentatron.plan.hardware import GiB, GPUSpec
 from pentatron.plan.layout import Layout, Workload, chunk_layers, kv_heads_per_tp_rank
 from pentatron.plan.memo import Without
 from pentatron.schedules import (
@@ -504,7 +504,8 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     # transient peak and its kept chunk (measured: predict_vs_measure.py --memory-layouts, zero2 on the
     # debug model): only what exceeds that peak adds to it
     if rank == lay.pp - 1:
-        extra_transient += loss_kept_bytes(w.cfg, tokens, lay.tp, lay.recipe.cross_entropy)
+        extra_transient += loss_kept_bytes(w.cfg, tokens, lay.tp, lay.recipe.cross_entropy,
+                                           lay.recipe.loss_chunk_tokens)
     comm += max(0.0, buckets - extra_transient)
     # ZeRO-0/1: each bucket is a slice of the persistent gradient buffer, reduced where it lies (ours,
     # Megatron's contiguous buffer; measured: benchmarks/predict_vs_measure.py, dp2): nothing more
@@ -566,6 +567,7 @@ def _activation_terms(w: Workload, key: Without, rank: int, kernels: str, norm: 
     first, last = rank == 0, rank == lay.pp - 1
     extra_saved, extra_transient = stage_extras(cfg, tokens, first=first, last=last, precision=lay.precision,
                                                 tp=lay.tp, sp=lay.sp, cross_entropy=lay.recipe.cross_entropy,
+                                                loss_chunk_tokens=lay.recipe.loss_chunk_tokens,
                                                 sp_inputs=lay.recipe.sp_inputs)
     n_rank_layers = [per_chunk[c * lay.pp + rank] for c in range(lay.pp_virtual)]
     acts = _layers_in_flight(*sched, rank, tuple(n_rank_layers), in_flight, lay.recipe.pp_all_warmup)

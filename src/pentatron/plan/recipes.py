@@ -53,6 +53,9 @@ class Recipe:
     # torchtitan's at tp > 1: decomposed fp32 ops) or "nanotron" (its sharded loss on logits cast to fp32
     # first, keeping one shifted fp32 copy)
     cross_entropy: Literal["eager", "fused", "loss_parallel", "nanotron", "chunked"] = "eager"
+    # rows per chunk of the "chunked" loss (ours: train.loss_chunk_tokens; its last chunk is kept, the
+    # others' head GEMM replays in backward)
+    loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens
     # the stage output of each in-flight micro-batch until its backward: "kept" (our engine's
     # state.output, DeepSpeed's pipe buffers) or "freed" once sent (Megatron's deallocate_pipeline_outputs)
     pp_outputs: Literal["kept", "freed"] = "kept"
@@ -109,8 +112,12 @@ class Recipe:
 
     def problems(self) -> list[str]:
         """Each field checked against its type by the config loader's checker."""
-        return [p for f in dataclasses.fields(self) if f.name != "name"
-                for p in field_problems(Recipe, f.name, getattr(self, f.name), f"recipe.{f.name}")]
+        out = [p for f in dataclasses.fields(self) if f.name != "name"
+               for p in field_problems(Recipe, f.name, getattr(self, f.name), f"recipe.{f.name}")]
+        if not out and self.loss_chunk_tokens < 1:
+            out.append(f"recipe.loss_chunk_tokens must be ≥ 1 (rows per chunk of the chunked loss; the loss from "
+                       f"full logits is cross_entropy='eager'), got {self.loss_chunk_tokens}")
+        return out
 
     def recompute_mode(self, mode: str) -> str:
         """The planner's recompute mode for a requested one: "selective" is this recipe's selective."""
@@ -137,8 +144,23 @@ def training_loss(loss_chunk_tokens: int) -> str:
     return "chunked" if loss_chunk_tokens > 0 else "eager"
 
 
+TRAINING_LOSSES = ("chunked", "eager")  # the two losses `pentatron train` runs (train.loss_chunk_tokens > 0, 0)
+
+
+def loss_chunk_tokens_of(recipe: Recipe) -> int:
+    """The train.loss_chunk_tokens that runs the recipe's loss: its chunk for "chunked", else 0 (full logits)."""
+    return recipe.loss_chunk_tokens if recipe.cross_entropy == "chunked" else 0
+
+
 # ours: the loss `pentatron train` runs by default (TrainConfig's loss_chunk_tokens)
 PENTATRON = Recipe(cross_entropy=training_loss(TrainConfig.loss_chunk_tokens), moe_tp="replicated")
+
+
+def training_recipe(loss_chunk_tokens: int) -> Recipe:
+    """Ours with a run's train.loss_chunk_tokens (the run report's recipe)."""
+    if loss_chunk_tokens <= 0:
+        return replace(PENTATRON, cross_entropy="eager")
+    return replace(PENTATRON, cross_entropy="chunked", loss_chunk_tokens=loss_chunk_tokens)
 # Megatron-Core with Transformer Engine (fused kernels): SP linears keep the sequence shard, stage
 # outputs freed once sent. Older Megatron-LM (blocking p2p, scatter-gather) and --tp-comm-overlap are
 # overrides (`--recipe-set pp_p2p=blocking`, `tp_overlap=true`).
@@ -186,6 +208,10 @@ def not_ours(recipe: Recipe) -> str | None:
     """Why a layout under `recipe` is not what `pentatron train` runs (None when it is): the one rule
     that keeps other frameworks' recipes evaluated, never recommended or emitted."""
     if recipe == PENTATRON:
+        return None
+    if (recipe.cross_entropy in TRAINING_LOSSES  # either loss, any chunk: train.loss_chunk_tokens runs it
+            and replace(recipe, cross_entropy=PENTATRON.cross_entropy, loss_chunk_tokens=PENTATRON.loss_chunk_tokens)
+            == PENTATRON):
         return None
     if recipe.name == PENTATRON.name:
         changed = ", ".join(f"{k}={v!r}" for k, v in recipe.overrides().items())

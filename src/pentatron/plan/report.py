@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pentatron.hardware.catalogue import GiB, GPUSpec
 from pentatron.plan.comm import bytes_by_dim
 from pentatron.plan.flops import matmul_params, total_params
-from pentatron.plan.hardware import GiB, GPUSpec
 from pentatron.plan.layout import Workload, compute_dtype
 from pentatron.plan.memory import COMPONENTS
 from pentatron.plan.search import Prediction, SearchResult

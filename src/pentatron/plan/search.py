@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
+from pentatron.hardware.catalogue import GiB, GPUSpec
 from pentatron.layout import ParallelLayout
 from pentatron.plan.context import cp_mode_options
-from pentatron.plan.hardware import GiB, GPUSpec
 from pentatron.plan.layout import (
     Layout,
     Workload,

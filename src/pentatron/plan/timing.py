@@ -21,6 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from pentatron.hardware.catalogue import GPUSpec
+from pentatron.hardware.fp8_rowwise import LN_SIGMOID_BYTES_PER_ELEMENT, rowwise_seconds
+from pentatron.hardware.speeds import KERNEL_OVERHEAD
 from pentatron.plan.comm import (
     Collective,
     LayerComm,
@@ -38,19 +41,15 @@ from pentatron.plan.comm import (
 )
 from pentatron.plan.context import cp_degrees
 from pentatron.plan.flops import (
-    LOSS_CHUNK_TOKENS,
     hardware_flops_per_token,
     layer_params,
     loss_replayed_tokens,
     model_flops_per_token,
     sac_op_replayed_matmuls,
 )
-from pentatron.plan.fp8_rowwise import LN_SIGMOID_BYTES_PER_ELEMENT, rowwise_seconds
-from pentatron.plan.hardware import GPUSpec
 from pentatron.plan.layout import Layout, Workload, chunk_layers, compute_dtype, kv_heads_per_tp_rank
 from pentatron.plan.memo import Same, Without
 from pentatron.plan.memory import DP_BUCKET, STATE_PRECISIONS, RankParams, act_bytes, rank_layers, rank_params
-from pentatron.plan.speeds import KERNEL_OVERHEAD
 from pentatron.schedules import Schedule, make_schedule, simulate
 
 OPTIMIZER_BYTES_PER_PARAM = 34  # AdamW step: read grad 4, r/w master 8, r/w moments 16, write param 2, norm 4
@@ -101,7 +100,7 @@ def _linear(gpu: GPUSpec, tokens: float, n_out: float, n_in: float, peak: float,
     pass) and writes the fp8 copy and, for Hopper's TN-only fp8 GEMMs, its transpose: forward casts x and
     W (W once per micro-batch), backward casts dY (and x^T / W^T come from the forward casts).
     rowwise: the bf16 linear scaled by the GPU's measured row-wise speedup for this shape
-    (plan/fp8_rowwise.py), each phase alike."""
+    (hardware/fp8_rowwise.py), each phase alike."""
     if not fp8:
         return Phase(*gpu.speeds.linear(tokens, n_out, n_in, peak, a))
     bw = gpu.hbm_bandwidth * gpu.efficiency.hbm
@@ -316,10 +315,9 @@ def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -
         ce_comm = sum(collective_time(gpu, "all_reduce", x, g)
                       for x in loss_all_reduces(tokens, lay.recipe.cross_entropy))
     # our chunked loss keeps no logits but its last chunk's: backward recomputes the head's forward GEMM
-    # for the chunks before it. (Zero bubble's W re-enters the loss and recomputes every chunk: not timed
-    # here, the phases are memoised without the schedule; the hardware FLOPs count it.)
+    # for the chunks before it (zero bubble's W replays all of them again: `stage_phases`)
     chunked = lay.recipe.cross_entropy == "chunked"
-    replay = ph.f * loss_replayed_tokens(tokens, LOSS_CHUNK_TOKENS) / tokens if chunked else 0.0
+    replay = ph.f * loss_replayed_tokens(tokens, lay.recipe.loss_chunk_tokens) / tokens if chunked else 0.0
     return Phase(ph.f + loss + tp_f + ce_comm, ph.b + loss_b + tp_b + replay, ph.w)
 
 
@@ -366,8 +364,20 @@ def embed_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") 
 def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -> list[Phase]:
     """Per global pipeline stage (chunk), the F/B/W seconds of one micro-batch. They depend neither on
     the ZeRO stage nor on the schedule (beyond its chunks): memoised on the layout without them, so the
-    search's ZeRO and 1F1B/ZB variants of a layout share them."""
-    return list(_stage_phases(w, Without(lay, _NOT_IN_PHASES), Same(gpu), kernels))
+    search's ZeRO and 1F1B/ZB variants of a layout share them; zero bubble's one difference is added
+    here: its W re-enters the chunked loss and replays the head's forward GEMM for every chunk."""
+    phases = list(_stage_phases(w, Without(lay, _NOT_IN_PHASES), Same(gpu), kernels))
+    if split_backward(lay) and lay.recipe.cross_entropy == "chunked":
+        last = phases[-1]
+        phases[-1] = Phase(last.f, last.b, last.w + head_gemm_forward(w, lay, gpu))
+    return phases
+
+
+def head_gemm_forward(w: Workload, lay: Layout, gpu: GPUSpec) -> float:
+    """Seconds of the LM head's forward GEMM for one micro-batch (its vocabulary slice under tp)."""
+    tokens = lay.micro_batch * w.seq_len / lay.cp
+    return _head_linear(gpu, tokens, w.cfg.vocab_size / lay.tp, w.cfg.hidden_size,
+                        gpu.flops(compute_dtype(lay.precision)), act_bytes(lay.precision)).f
 
 
 _NOT_IN_PHASES = frozenset({"zero", "pp_schedule"})
@@ -739,5 +749,6 @@ def throughput(w: Workload, lay: Layout, gpu: GPUSpec, st: StepTime) -> Throughp
     mf = model_flops_per_token(w.cfg, w.seq_len, moe=w.moe_spec)
     hf = hardware_flops_per_token(w.cfg, w.seq_len, lay.recompute, moe=w.moe_spec,
                                   cross_entropy=lay.recipe.cross_entropy, split_backward=split_backward(lay),
-                                  loss_tokens=lay.micro_batch * w.seq_len / lay.cp)
+                                  loss_tokens=lay.micro_batch * w.seq_len / lay.cp,
+                                  chunk_tokens=lay.recipe.loss_chunk_tokens)
     return Throughput(tps, tps / lay.world, tps * mf / (lay.world * peak), tps * hf / (lay.world * peak), mf, hf)

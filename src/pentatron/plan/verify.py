@@ -272,8 +272,11 @@ def _where(tp: int, sp: bool, pp: int) -> str:
     return ", ".join(parts + ([f"pp{pp} last stage"] if pp > 1 else []))
 
 
-def format_checks(name: str, seq_len: int, micro_batch: int, checks: list[Check]) -> str:
-    lines = [f"verify {name}: seq {seq_len}, micro-batch {micro_batch} (meta device)",
+def format_checks(name: str, seq_len: int, micro_batch: int, checks: list[Check],
+                  loss_chunk_tokens: int = LOSS_CHUNK_TOKENS) -> str:
+    loss = (f"the loss in chunks of {loss_chunk_tokens} tokens" if loss_chunk_tokens > 0
+            else "the loss from full fp32 logits")
+    lines = [f"verify {name}: seq {seq_len}, micro-batch {micro_batch}, {loss} (meta device)",
              f"  {'quantity':<46} {'analytic':>16} {'traced':>16} {'error':>8}"]
     for c in checks:
         lines.append(f"  {c.quantity:<46} {c.analytic:>16.6g} {c.traced:>16.6g} {100 * c.rel_error:>7.3f}%"

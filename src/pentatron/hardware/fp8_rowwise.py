@@ -3,7 +3,7 @@
 Row-wise scaled GEMMs run in a CUTLASS kernel that is far less efficient than cuBLAS's per-tensor one at
 small and medium shapes (pytorch/pytorch#147971: "a long tail down to 50 %"), and the recipe casts each
 operand once per GEMM it feeds, with scales along a different axis each time. Neither follows from the
-per-tensor model in `timing._linear`, so the planner reads torchao's published microbenchmark instead:
+per-tensor model in `plan.timing._linear`, so the planner reads torchao's published microbenchmark instead:
 the speedup over bf16 of a compiled LayerNorm -> Linear -> Sigmoid block, forward + backward, by the
 forward's (M, K, N), on an H100 (torchao `docs/static/fp8-rowwise-perf.png`, added to
 `torchao/float8/README.md` in fdddb2c, 2025-06-06, PyTorch 2.8.0a0+git48807d5; reproduced by
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pentatron.plan.kernel_tables import log_grid_value
+from pentatron.hardware.kernel_tables import log_grid_value
 
 # LayerNorm (no affine) and Sigmoid, compiled: forward reads x and writes y (2 + 2 bytes per bf16
 # element), backward reads x and dy and writes dx (2 + 2 + 2): 10 bytes per element of the LayerNorm's

@@ -4,7 +4,7 @@ All rates are per GPU and per direction, in SI units (FLOP/s, bytes/s, seconds);
 The trainer uses `detect_gpu(torch.cuda.get_device_name())` and `peak_flops` for MFU; the planner uses
 every field. Numbers quoted "dense" are without 2:4 structured sparsity (datasheets usually print the
 sparse figure, twice as large). What `pentatron bench` measures on a machine is a separate `Profile`
-(plan/profile.py) a GPUSpec may carry; the time model reads both through `GPUSpec.speeds` (plan/speeds.py).
+(hardware/profile.py) a GPUSpec may carry; the time model reads both through `GPUSpec.speeds` (hardware/speeds.py).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from pentatron.plan.fp8_rowwise import H100_ROWWISE, SpeedupGrid
-from pentatron.plan.profile import PROFILE_KEYS, PROFILE_SCHEMA, BusBwTable, Profile, interp_log, profile_from_dict
-from pentatron.plan.speeds import Speeds, speeds_for
+from pentatron.hardware.fp8_rowwise import H100_ROWWISE, SpeedupGrid
+from pentatron.hardware.profile import PROFILE_KEYS, PROFILE_SCHEMA, BusBwTable, Profile, interp_log, profile_from_dict
+from pentatron.hardware.speeds import Speeds, speeds_for
 
 try:  # Python >= 3.11
     import tomllib
@@ -54,7 +54,7 @@ class Efficiency:
     # tile); 0 = not measured for this GPU
     fp8_gemm_k0: float = 0.0
     gemm_k0: float = 0.0
-    # FP8 with row-wise scaling: the measured speedup over bf16 by shape (plan/fp8_rowwise.py); None = not
+    # FP8 with row-wise scaling: the measured speedup over bf16 by shape (hardware/fp8_rowwise.py); None = not
     # measured on this GPU, and row-wise FP8 is refused
     fp8_rowwise: SpeedupGrid | None = None
 
@@ -78,7 +78,7 @@ class GPUSpec:
     # Streaming multiprocessors: GEMM tiles are spread over them in waves (wave quantisation).
     sm_count: int = 132
     efficiency: Efficiency = field(default_factory=Efficiency)
-    profile: Profile | None = None  # measured by `pentatron bench` (plan/profile.py); None = datasheet only
+    profile: Profile | None = None  # measured by `pentatron bench` (hardware/profile.py); None = datasheet only
     source: str = ""
 
     @property
@@ -89,7 +89,7 @@ class GPUSpec:
 
     @cached_property
     def speeds(self) -> Speeds:
-        """The kernel and collective speeds the time model reads (plan/speeds.py)."""
+        """The kernel and collective speeds the time model reads (hardware/speeds.py)."""
         return speeds_for(self)
 
     # the efficiencies under their former names (readers outside the time model)
@@ -205,7 +205,7 @@ _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float3
 #        386, 520, 628, 705, 736, 758, 766 TFLOP/s at K = 256 .. 16384; the K=16384/K=1024 ratio gives k0 = 244,
 #        which reproduces K = 2048, 4096, 8192 within 1.5 % (K = 256 within 3 %). Ampere and Blackwell: not
 #        measured here, k0 = 0.
-#  fp8_rowwise (H100, H200): torchao's row-wise FP8 block speedup table measured on an H100 (plan/fp8_rowwise.py);
+#  fp8_rowwise (H100, H200): torchao's row-wise FP8 block speedup table measured on an H100 (hardware/fp8_rowwise.py);
 #        the H200 has the same SM90 die and the same CUTLASS kernel, so the H100's ratios are used there.
 #  hbm_efficiency: streaming kernels reach ~90% of nominal HBM bandwidth (BabelStream copy/triad on
 #        A100 and H100, Deakin et al.); applied to elementwise traffic, not to GEMM/attention roofs.

@@ -1,6 +1,6 @@
 """How fast kernels and collectives run: the one interface the time model reads (`Speeds`).
 
-`Roofline` derives every speed from the datasheet (`hardware.GPUSpec`: peaks times efficiencies, the link
+`Roofline` derives every speed from the datasheet (`catalogue.GPUSpec`: peaks times efficiencies, the link
 model of NVLink and the NICs); `Measured` reads a `pentatron bench` profile (`profile.Profile`) where it
 has a curve and falls back to the roofline where it has none. `GPUSpec.speeds` picks one: the roofline
 for a datasheet, the measured speeds for a GPUSpec loaded with a profile.
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pentatron.distributed.ring import ring_bytes
-from pentatron.plan.kernel_tables import attention_rate
-from pentatron.plan.profile import Curve, Profile, interp_log, measured_then_curve
+from pentatron.hardware.kernel_tables import attention_rate
+from pentatron.hardware.profile import Curve, Profile, interp_log, measured_then_curve
 
 KERNEL_OVERHEAD = 3e-6  # per GEMM launch/tail on the GPU (seconds)
 Seconds3 = tuple[float, float, float]  # forward, input gradient, weight gradient
@@ -48,7 +48,7 @@ class _Efficiencies(Protocol):
 
 
 class Datasheet(Protocol):
-    """What the roofline reads of a device (`hardware.GPUSpec`, which also picks the speeds: this module
+    """What the roofline reads of a device (`catalogue.GPUSpec`, which also picks the speeds: this module
     does not import it)."""
 
     hbm_bandwidth: float

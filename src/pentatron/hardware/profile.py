@@ -1,11 +1,11 @@
 """A measured profile: what `pentatron bench` (pentatron.calibrate) measured on one machine, apart from the
-datasheet (`hardware.GPUSpec`). The planner's measured speeds (`speeds.Measured`) read it; every curve is
+datasheet (`catalogue.GPUSpec`). The planner's measured speeds (`speeds.Measured`) read it; every curve is
 optional, and what a profile lacks falls back to the datasheet roofline.
 
 The file (TOML or JSON) has its own versioned schema:
 
     schema = "pentatron.profile/1"
-    [hardware]  # the datasheet, in the keys of a `--hardware` file (hardware.hardware_from_dict)
+    [hardware]  # the datasheet, in the keys of a `--hardware` file (catalogue.hardware_from_dict)
     [profile]   # the measured curves below, in human units (PROFILE_KEYS)
     [measured]  # free-form metadata: host, date, torch version, ...
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pentatron.plan.kernel_tables import AttentionGrid, parse_attention_grid
+from pentatron.hardware.kernel_tables import AttentionGrid, parse_attention_grid
 
 PROFILE_SCHEMA = "pentatron.profile/1"
 GB = 1e9
@@ -74,7 +74,7 @@ class Profile:
 
     def shared(self, matmul: float, stream: float, host: float) -> Profile:
         """This profile with compute rates divided and host times multiplied by the given slowdowns
-        (`hardware.GPUSpec.sharing`). Communication and the in-step tp/dp/pp terms are left alone: bench
+        (`catalogue.GPUSpec.sharing`). Communication and the in-step tp/dp/pp terms are left alone: bench
         measured them with every process running."""
         att = self.attention_fp32
         if att is not None:

@@ -2,8 +2,8 @@
 planner reads them between the measured points: causal attention FLOP/s on a (sequence length, head
 dim) grid, interpolated linearly in log(rate) over log(size) (the rate changes by factors with each
 doubling, not by steps) and clamped to the grid's edges outside it; `log_grid_value` is that reading for
-a grid of any number of axes (plan/fp8_rowwise.py reads its (M, K, N) table with it). No torch here: `pentatron plan`
-reads it without importing torch."""
+a grid of any number of axes (fp8_rowwise.py reads its (M, K, N) table with it). No torch here: `pentatron
+plan` reads it without importing torch."""
 
 from __future__ import annotations
 
