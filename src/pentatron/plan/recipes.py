@@ -161,6 +161,8 @@ def training_recipe(loss_chunk_tokens: int) -> Recipe:
     if loss_chunk_tokens <= 0:
         return replace(PENTATRON, cross_entropy="eager")
     return replace(PENTATRON, cross_entropy="chunked", loss_chunk_tokens=loss_chunk_tokens)
+
+
 # Megatron-Core with Transformer Engine (fused kernels): SP linears keep the sequence shard, stage
 # outputs freed once sent. Older Megatron-LM (blocking p2p, scatter-gather) and --tp-comm-overlap are
 # overrides (`--recipe-set pp_p2p=blocking`, `tp_overlap=true`).
