@@ -40,6 +40,19 @@ def test_an_untrainable_layout_is_not_emitted(tmp_path, capsys):
     assert not path.exists()
 
 
+def test_either_loss_training_runs_is_emitted_with_its_chunk(tmp_path, capsys):
+    """The two losses `pentatron train` runs are ours: the chunked one at any chunk and the one from full logits
+    (train.loss_chunk_tokens = 0); another framework's loss is evaluated, never emitted."""
+    base = ["plan", "--model", "debug", "--gpus", "2", "--seq", "256", "--global-batch", "8"]
+    cases = ((["--cross-entropy", "eager"], 0), (["--recipe-set", "loss_chunk_tokens=128"], 128), ([], 1024))
+    for extra, chunk in cases:
+        path = tmp_path / f"run{chunk}.toml"
+        assert run([*base, *extra, "--emit-config", str(path)]) == 0, capsys.readouterr().err
+        assert load_config(path, world_size=2).train.loss_chunk_tokens == chunk
+    assert run([*base, "--cross-entropy", "fused", "--emit-config", str(tmp_path / "no.toml")]) == 2
+    assert "evaluated, not what `pentatron train` runs" in capsys.readouterr().err
+
+
 def test_an_explicit_split_is_planned_emitted_and_loaded(tmp_path, capsys):
     """--pp-layers pins the split: the search keeps pp x pp_virtual = its length, the prediction and the
     emitted config carry it, and training's validation loads it as parallel.pp_layers."""

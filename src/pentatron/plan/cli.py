@@ -314,8 +314,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise InputError(f"--top must be >= 1, got {args.top}")
     train_tokens = parse_count(args.train_tokens, "--train-tokens", binary=False) if args.train_tokens else None
     fixed = fixed_knobs(args)
-    if args.emit_config and fixed["recipe"] != PENTATRON:
-        raise InputError(f"--emit-config: {not_ours(fixed['recipe'])}")
+    if args.emit_config and (why := not_ours(fixed["recipe"])):
+        raise InputError(f"--emit-config: {why}")
     verify_rows = None
     rc = 0
     if args.verify:
