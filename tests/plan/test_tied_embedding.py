@@ -29,9 +29,10 @@ def test_hand_computed_bytes_and_time():
     assert c.payload == nbytes and c.count == 1 and c.dim == "pp"
     # inside a node: alpha 2 us + bytes / (450 GB/s NVLink x 0.8)
     assert c.time == 2e-6 + nbytes / (450e9 * 0.8)
-    st = step_time(w, lay, H100)
+    st = step_time(w, lay.with_recipe(fused_scope="everywhere"), H100)  # reduced in place (Megatron): the swap only
     assert st.tied_grads == c.time
     assert st.step == st.pipeline + st.dp_exposed + st.optimizer + st.contention + st.tied_grads + st.scalars
+    assert step_time(w, lay, H100).tied_grads > c.time  # ours packs and adds back with eager ops
     # ZeRO-0 swaps the whole gradient; bf16 gradients half of it; tp shards the vocabulary
     assert _tied(w, dataclasses.replace(lay, zero=0))[0].payload == 32000 * 1024 * 4
     assert _tied(w, lay.with_recipe(grad_precision="bf16").with_(zero=0))[0].payload == 32000 * 1024 * 2

@@ -100,6 +100,10 @@ class Recipe:
     # "eager": one PyTorch op each); None: what `pentatron train` runs by default (`training_kernels`).
     # A default only: `--kernels` chooses, and either value of ours is trainable (train.compile).
     kernels: Kernels | None = None
+    # What fused kernels cover: "blocks" (ours: train.compile compiles each decoder block's compute; the loss,
+    # the embedding's backward, the gradient accumulation into the fp32 buffer and the tied-gradient exchange
+    # stay eager ops) or "everywhere" (Megatron/TE's fused wgrad accumulation, fused loss and embedding kernels)
+    fused_scope: Literal["blocks", "everywhere"] = "blocks"
     # Tensor parallelism of an MoE layer (router, routed and shared experts): "sharded" over tp like a
     # dense MLP (Megatron-Core's expert tensor parallelism = tp, the other presets) or "replicated" (ours,
     # parallel/moe_tokens.py: whole on every tp rank, experts split over ep only)
@@ -166,23 +170,25 @@ def training_recipe(loss_chunk_tokens: int) -> Recipe:
 # Megatron-Core with Transformer Engine (fused kernels): SP linears keep the sequence shard, stage
 # outputs freed once sent. Older Megatron-LM (blocking p2p, scatter-gather) and --tp-comm-overlap are
 # overrides (`--recipe-set pp_p2p=blocking`, `tp_overlap=true`).
-MEGATRON = Recipe(name="megatron", sp_inputs="sharded", pp_outputs="freed", kernels="fused")
+MEGATRON = Recipe(name="megatron", sp_inputs="sharded", pp_outputs="freed", kernels="fused", fused_scope="everywhere")
 # nanotron (the Ultra-Scale Playbook's runs): FlashAttention-2, eager PyTorch ops, Triton RMSNorm; packed
 # q|k|v, its sharded loss on fp32 logits, blocking pipeline p2p, ZeRO-1 by all-reduce into copies.
 NANOTRON = Recipe(name="nanotron", sp_inputs="sharded", qkv_saved="packed", cross_entropy="nanotron",
                   pp_p2p="blocking", zero1_reduce="all_reduce", zero1_gather="copies", norm="fused",
-                  kernels="eager")
+                  kernels="eager", fused_scope="everywhere")
 # torchtitan: FSDP2 (fp32 shard only), torch.distributed.pipelining's buffers and warm-up, torch's
 # context_parallel (all-gathered K/V expanded to the query heads), op-level SAC for "selective",
 # torch.compile. Its loss_parallel at tp > 1 is `--cross-entropy loss_parallel`.
 TORCHTITAN = Recipe(name="torchtitan", param_shard="fp32", pp_buffers="per_microbatch", pp_all_warmup=False,
-                    cp_rotate="allgather", cp_kv_heads="q", selective="selective-op", kernels="fused")
+                    cp_rotate="allgather", cp_kv_heads="q", selective="selective-op", kernels="fused",
+                    fused_scope="everywhere")
 # Megatron-DeepSpeed's pipeline engine: blocking p2p, stage outputs partitioned over the tp ranks, the
 # gradients all-reduced after the last backward.
 DEEPSPEED = Recipe(name="deepspeed", pp_p2p="blocking", pp_scatter_gather=True, dp_overlap=False,
-                   zero1_reduce="all_reduce", kernels="fused")
+                   zero1_reduce="all_reduce", kernels="fused", fused_scope="everywhere")
 # llm-foundry (MPT): eager PyTorch ops, low-precision LayerNorm, flash-attn's fused cross-entropy.
-LLM_FOUNDRY = Recipe(name="llm-foundry", cross_entropy="fused", norm="fused", kernels="eager")
+LLM_FOUNDRY = Recipe(name="llm-foundry", cross_entropy="fused", norm="fused", kernels="eager",
+                     fused_scope="everywhere")
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (PENTATRON, MEGATRON, NANOTRON, TORCHTITAN, DEEPSPEED, LLM_FOUNDRY)}
 

@@ -235,10 +235,16 @@ def layer_local_params(w: Workload, lay: Layout, index: int) -> float:
     return dense / lay.tp + lp.expert_total / (lay.tp * lay.ep) + lp.norms
 
 
+def outside_blocks(lay: Layout, kernels: str) -> str:
+    """The kernels of the work outside the decoder blocks (loss, embedding backward, gradient accumulation,
+    tied-gradient exchange): eager under a recipe whose fused kernels are compiled blocks only (ours)."""
+    return "eager" if lay.recipe.fused_scope == "blocks" else kernels
+
+
 def grad_accumulation(gpu: GPUSpec, lay: Layout, params: float, kernels: str) -> float:
     """Eager engines (ours, Megatron's DDP before its fused wgrad accumulation) add each micro-batch's
     fresh gradient into the fp32 main_grad buffer: read the gradient, read and write main_grad."""
-    if kernels != "eager" or params <= 0:
+    if outside_blocks(lay, kernels) != "eager" or params <= 0:
         return 0.0
     per = act_bytes(lay.precision) + 8
     return params * per / gpu.speeds.op_bandwidth(params * 4, params * per)
@@ -299,7 +305,7 @@ def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -
     v = cfg.vocab_size / lay.tp
     ph = _head_linear(gpu, tokens, v, cfg.hidden_size, peak, a)
     # logits: bf16 write, fp32 copy, log-softmax write; backward reads them back and writes grads
-    per_logit = (a + 4 + 4 + 4) if kernels == "eager" else (a + 4)
+    per_logit = (a + 4 + 4 + 4) if outside_blocks(lay, kernels) == "eager" else (a + 4)
     bw = gpu.speeds.op_bandwidth(tokens * v * 4, 2 * tokens * v * 4, efficiency=False)  # fp32 logits in and out
     loss = tokens * v * per_logit / bw
     tp_f, tp_b = _head_tp(w, lay, gpu)
@@ -352,7 +358,7 @@ def embed_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") 
     # gather rows forward; scatter-add fp32 gradient rows backward (memory-bound)
     bw = gpu.speeds.op_bandwidth(act, 2 * act, efficiency=False)
     wgrad = tokens * w.cfg.hidden_size * 8 / bw
-    if kernels == "eager":
+    if outside_blocks(lay, kernels) == "eager":
         # torch's dense embedding backward zero-fills a [vocab/tp, h] fp32 gradient before the scatter;
         # a tied head on the same rank has its gradient summed with it by autograd (read 2, write 1)
         table = w.cfg.vocab_size * w.cfg.hidden_size / lay.tp
@@ -657,7 +663,7 @@ def _pipeline_exposed(w: Workload, lay: Layout, gpu: GPUSpec, traffic: list[Coll
             if c.kind is Traffic.SP_LAYERS:  # tp_overlap: the dense layers' share hides under their GEMMs
                 acc.by_dim["tp"] -= tp_hidden / 2  # half on the all-gathers, half on the reduce-scatters
         elif c.kind is Traffic.TIED:
-            tied += c.time_per_step + tied_pack_add(gpu, c.payload, kernels)
+            tied += c.time_per_step + tied_pack_add(gpu, c.payload, outside_blocks(lay, kernels))
             acc.add("pp", c.time_per_step)
         elif c.kind is Traffic.STAGE:
             acc.add("pp", 2 * (lay.pp - 1) * hop)
