@@ -197,12 +197,12 @@ def test_the_runs_chunk_size_and_zero_bubbles_w_replay_are_timed():
     from pentatron.hardware.catalogue import get_gpu
     from pentatron.plan.layout import Layout, Workload
     from pentatron.plan.recipes import loss_chunk_tokens_of, not_ours, training_recipe
-    from pentatron.plan.timing import head_gemm_forward, head_phase, stage_phases
+    from pentatron.plan.timing import head_gemm, head_phase, stage_phases
 
     gpu = get_gpu("h100-sxm")
     w = Workload(get_model_config("llama3-8b"), 4096, 64)
     lay = Layout(dp=8, pp=2, micro_batch=1)
-    gemm = head_gemm_forward(w, lay, gpu)
+    gemm = head_gemm(w, lay, gpu).f
     small = lay.with_recipe(loss_chunk_tokens=512)  # 8 chunks: 7 replay, not 3 of 4
     assert head_phase(w, small, gpu).b == pytest.approx(head_phase(w, lay, gpu).b + gemm * (7 / 8 - 3 / 4))
     ofb, zb = stage_phases(w, lay, gpu), stage_phases(w, dataclasses.replace(lay, pp_schedule="zb"), gpu)

@@ -65,7 +65,7 @@ def test_floors_are_below_every_estimate_and_breakdown():
         assert memory_floor(w, lay, H100, "fused") <= memory_per_gpu(w, lay, H100, "fused").total
         fresh = list(timing._stage_phases.__wrapped__(w, timing.Without(lay, frozenset()), timing.Same(H100), "fused"))
         if timing.split_backward(lay):  # zero bubble's W replays the chunked loss's head: added outside the memo
-            fresh[-1] = timing.Phase(fresh[-1].f, fresh[-1].b, fresh[-1].w + timing.head_gemm_forward(w, lay, H100))
+            fresh[-1] = timing.Phase(fresh[-1].f, fresh[-1].b, fresh[-1].w + timing.head_gemm(w, lay, H100).f)
         assert timing.stage_phases(w, lay, H100) == fresh
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pentatron.calibrate.cpu_kernels import POOL_BYTES, _windows
+from pentatron.calibrate.timers import ATTEMPTS
 
 CHAIN_TOKENS = (64, 256, 1024)  # rows per call: a CPU run's micro-batch x sequence
 TINY_TOKENS = 4  # the per-call cost's shape: arithmetic negligible
@@ -127,8 +128,6 @@ def measure_compiled_host(device: torch.device, seconds: float, tiny_attention: 
         t_f = best_of(lambda: fwd().detach(), device, 3 * seconds, min_iters=10)
         t_fb = best_of(lambda: fwd().backward(), device, 3 * seconds, min_iters=10)
         return t_f, t_fb - t_f
-
-    from pentatron.calibrate.tp_step import ATTEMPTS
 
     af, ab = tiny_attention
     for _ in range(ATTEMPTS):  # a term ≤ 0 is noise (another process took the core): measured again

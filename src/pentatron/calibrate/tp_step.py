@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from pentatron.calibrate.timers import ATTEMPTS
+
 TOKENS = 16  # one sequence; an activation of the tiny model is TOKENS x hidden fp32 numbers
 COLLECTIVE_TOKENS = (16, 128, 1024)  # the in-step collective by size: activations of these many tokens
 HEAD_DIM = 32
@@ -139,9 +141,6 @@ def _per_layer(ctx: Any, tp: int, r2: dict[str, float], r6: dict[str, float], ti
     lf = max(0.0, ((f6 - cf6) - (f2 - cf2)) / 4 - af)
     lb = max(0.0, ((b6 - cb6) - (b2 - cb2)) / 4 - ab)
     return lf, lb, max(0.0, (f2 - cf2) - 2 * (lf + af)), max(0.0, (b2 - cb2) - 2 * (lb + ab))
-
-
-ATTEMPTS = 3  # a per-layer host term ≤ 0 is noise (another process took the core): measured again
 
 
 def _layer_terms(ctx: Any, tp: int, timer: _TimedComm, tiny_attention: tuple[float, float], compiled: bool = False

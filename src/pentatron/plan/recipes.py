@@ -162,9 +162,8 @@ PENTATRON = Recipe(cross_entropy=training_loss(TrainConfig.loss_chunk_tokens), m
 
 def training_recipe(loss_chunk_tokens: int) -> Recipe:
     """Ours with a run's train.loss_chunk_tokens (the run report's recipe)."""
-    if loss_chunk_tokens <= 0:
-        return replace(PENTATRON, cross_entropy="eager")
-    return replace(PENTATRON, cross_entropy="chunked", loss_chunk_tokens=loss_chunk_tokens)
+    chunk = loss_chunk_tokens if loss_chunk_tokens > 0 else PENTATRON.loss_chunk_tokens  # unread when eager
+    return replace(PENTATRON, cross_entropy=training_loss(loss_chunk_tokens), loss_chunk_tokens=chunk)
 
 
 # Megatron-Core with Transformer Engine (fused kernels): SP linears keep the sequence shard, stage

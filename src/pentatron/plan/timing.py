@@ -298,12 +298,10 @@ LOSS_PARALLEL_BYTES = 36
 
 def head_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -> Phase:
     """Final norm, LM head and the cross-entropy loss (vocab-parallel under TP)."""
-    cfg = w.cfg
     a = act_bytes(lay.precision)
-    peak = gpu.flops(compute_dtype(lay.precision))
     tokens = lay.micro_batch * w.seq_len / lay.cp
-    v = cfg.vocab_size / lay.tp
-    ph = _head_linear(gpu, tokens, v, cfg.hidden_size, peak, a)
+    v = w.cfg.vocab_size / lay.tp
+    ph = head_gemm(w, lay, gpu)
     # logits: bf16 write, fp32 copy, log-softmax write; backward reads them back and writes grads
     per_logit = (a + 4 + 4 + 4) if outside_blocks(lay, kernels) == "eager" else (a + 4)
     bw = gpu.speeds.op_bandwidth(tokens * v * 4, 2 * tokens * v * 4, efficiency=False)  # fp32 logits in and out
@@ -375,15 +373,16 @@ def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused")
     phases = list(_stage_phases(w, Without(lay, _NOT_IN_PHASES), Same(gpu), kernels))
     if split_backward(lay) and lay.recipe.cross_entropy == "chunked":
         last = phases[-1]
-        phases[-1] = Phase(last.f, last.b, last.w + head_gemm_forward(w, lay, gpu))
+        phases[-1] = Phase(last.f, last.b, last.w + head_gemm(w, lay, gpu).f)
     return phases
 
 
-def head_gemm_forward(w: Workload, lay: Layout, gpu: GPUSpec) -> float:
-    """Seconds of the LM head's forward GEMM for one micro-batch (its vocabulary slice under tp)."""
+def head_gemm(w: Workload, lay: Layout, gpu: GPUSpec) -> Phase:
+    """The LM head's GEMMs (forward, input and weight gradients) for one micro-batch, its vocabulary slice
+    under tp: `head_phase`'s linear, and what zero bubble's W replays (its forward)."""
     tokens = lay.micro_batch * w.seq_len / lay.cp
     return _head_linear(gpu, tokens, w.cfg.vocab_size / lay.tp, w.cfg.hidden_size,
-                        gpu.flops(compute_dtype(lay.precision)), act_bytes(lay.precision)).f
+                        gpu.flops(compute_dtype(lay.precision)), act_bytes(lay.precision))
 
 
 _NOT_IN_PHASES = frozenset({"zero", "pp_schedule"})
