@@ -14,9 +14,10 @@ gradients) on the busiest stage, exposed data-parallel communication, optimizer,
 communication charged as contention (all of it on a CPU: the cores that compute also communicate).
 
 Each layout runs eager (`train.compile=false`, predicted with `--kernels eager`) and compiled
-(`train.compile=true`, predicted with `--kernels fused`: the profile's compiled chain and compiled layer
-host, calibrate/compiled_kernels.py), or one of them (`--compile`). The steps of `--warmup` are left out
-of the median: under compile they include inductor compiling each region (forward, then backward).
+(`train.compile=true`, predicted with `--kernels fused`: the profile's compiled rate and compiled layer
+host, from what bench measured compiling saves, calibrate/compiled_kernels.py), or one of them
+(`--compile`). The steps of `--warmup` are left out of the median: under compile they include inductor
+compiling each region (forward, then backward).
 
     python benchmarks/predict_vs_measure.py [--profile cpu.toml] [--steps 12] [--warmup 3] [--rounds N]
                                             [--compile {eager,compiled,both}] [--memory-layouts]
@@ -149,7 +150,7 @@ def _round(profile: str, steps: int, warmup: int, tmp: Path, compile_: str) -> d
     if any(prof.host_compiled_layer_s):
         print(f"compiled (compiled_kernels): host per layer fwd {1e6 * prof.host_compiled_layer_s[0]:.0f} / bwd "
               f"{1e6 * prof.host_compiled_layer_s[1]:.0f} us (eager {1e6 * prof.host_layer_s[0]:.0f} / "
-              f"{1e6 * prof.host_layer_s[1]:.0f}); fused chain "
+              f"{1e6 * prof.host_layer_s[1]:.0f}); fused rate "
               + ", ".join(f"{b / 1e9:.1f} GB/s at {n / 1024:g} KiB" for n, b in prof.fused_bw))
     if prof.node_slowdown:
         print("node slowdown (every process busy): "

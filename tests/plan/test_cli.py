@@ -169,7 +169,7 @@ def test_bench_writes_a_profile_the_planner_reads(capsys, tmp_path):
     # the tp2 step as the ranks ran it (calibrate/tp_step.py): activations of 16, 128, 1024 tokens x 64 x 4 B
     assert [b for b, _ in prof.profile.tp_collective] == [4096, 32768, 262144] and prof.profile.host_tp_layer_s[0] > 0
     assert all(t > 0 for _, t in prof.profile.tp_collective)
-    # train.compile's kernels (calibrate/compiled_kernels.py): the compiled chain by size, the compiled layers
+    # train.compile's kernels (calibrate/compiled_kernels.py): the compiled rate by size, the compiled layers
     fused = prof.profile.fused_bw
     assert [n for n, _ in fused] == [32768, 131072, 524288] and min(b for _, b in fused) > 0
     assert any(prof.profile.host_compiled_layer_s) and any(prof.profile.host_tp_compiled_layer_s)

@@ -95,6 +95,36 @@ def test_an_empty_profile_predicts_what_the_datasheet_does():
         assert step_time(w, lay, with_profile(H100), kernels="eager") == step_time(w, lay, H100, kernels="eager")
 
 
+def test_the_planners_compiled_layer_saves_what_bench_measured_compiling_saves():
+    """calibrate/compiled_kernels.compiled_profile: from a measured saving per layer (forward, backward) at
+    the tiny shape and at each measured token count, the profile's compiled host and fused rate make the
+    planner's compiled layer cost its eager layer less that saving, at each measured shape (the debug
+    model's layers are the ones bench times); a saving beyond the bounds is clamped."""
+    from pentatron.calibrate.compiled_kernels import LAYER_TOKENS, TINY_TOKENS, compiled_profile
+
+    stream = [(2**14, 30e9), (2**18, 20e9), (2**22, 12e9)]
+    host = (2e-4, 3e-4)
+    saving = {TINY_TOKENS: (5e-5, 1e-4), 64: (8e-5, 2e-4), 256: (1.5e-4, 3e-4), 1024: (5e-4, 1.5e-3)}
+    compiled = compiled_profile(saving, host, stream)
+    assert compiled["host"] == pytest.approx((1.5e-4, 2e-4))
+    assert [n for n, _ in compiled["chain"]] == [t * 128 * 4 for t in LAYER_TOKENS]
+    gpu = with_profile(H100, stream_bw=tuple(stream), host_layer_s=host, host_compiled_layer_s=compiled["host"],
+                       fused_bw=tuple(compiled["chain"]))
+    cfg = get_model_config("debug")
+    for t in LAYER_TOKENS:
+        w, lay = Workload(cfg, t, 8), Layout(dp=1, micro_batch=1, precision="fp32")
+        eager, fused = layer_phase(w, lay, gpu, 1, "eager"), layer_phase(w, lay, gpu, 1, "fused")
+        assert eager.total - fused.total == pytest.approx(sum(saving[t]), rel=1e-9)
+    # a saving beyond the eager elementwise work keeps a tenth of it; a negative one at most doubles it
+    from pentatron.calibrate.compiled_kernels import elementwise_bytes_per_token
+    from pentatron.hardware.profile import interp_log
+
+    clamped = compiled_profile({**saving, 64: (1.0, 1.0), 256: (-1.0, -1.0)}, host, stream)["chain"]
+    ratio = elementwise_bytes_per_token("fused") / elementwise_bytes_per_token("eager")
+    assert clamped[0][1] == pytest.approx(10 * ratio * interp_log(stream, 64 * 512))
+    assert clamped[1][1] == pytest.approx(ratio / 2 * interp_log(stream, 256 * 512))
+
+
 def test_fused_kernels_read_the_compiled_chain_and_layer_when_measured():
     """train.compile's kernels (calibrate/compiled_kernels.py): `--kernels fused` prices a layer's
     elementwise bytes at the measured compiled chain and its host work at the compiled layer's; eager keeps
@@ -119,10 +149,10 @@ def test_fused_kernels_read_the_compiled_chain_and_layer_when_measured():
     tp_compiled = with_profile(measured, **tp, host_tp_compiled_layer_s=(8e-4, 1e-3))
     assert tp_compiled.speeds.host_layer(2, "fused") == (8e-4, 1e-3)
     assert tp_compiled.speeds.host_layer(2, "eager") == (7e-4, 9e-4)
-    # the bench's chain is stated in these bytes: its seconds come back at its shape
-    from pentatron.calibrate.compiled_kernels import chain_bytes_per_token
+    # the bench's compiled rate is stated in these bytes
+    from pentatron.calibrate.compiled_kernels import elementwise_bytes_per_token
 
-    assert chain_bytes_per_token() == 3 * 9728
+    assert elementwise_bytes_per_token("fused") == 3 * 9728
     # ranks sharing the node: the compiled chain is memory traffic, the compiled layer host work
     shared = measured.profile.shared(matmul=2.0, stream=4.0, host=3.0)
     assert shared.fused_bw == ((1.0, 5e9),) and shared.host_compiled_layer_s == pytest.approx((3e-4, 6e-4))

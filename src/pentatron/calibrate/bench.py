@@ -74,8 +74,9 @@ class BenchResult:
     # data-parallel step's synchronisations (dp_step.DPStep.to_profile) and, with an even count, the
     # pipeline's hop between stages (pp_step.PPStep.to_profile)
     tp_step: dict[str, float | int] = field(default_factory=dict)
-    # CPU: train.compile's kernels (compiled_kernels.measure_compiled): "host" (layer fwd, bwd seconds) and
-    # "chain" [(operand bytes, B/s)]; empty where inductor could not compile here
+    # CPU: train.compile's kernels (compiled_kernels.measure_compiled, from the measured saving of compiling a
+    # layer): "host" (layer fwd, bwd seconds) and "chain" [(operand bytes, fused B/s)]; empty where inductor
+    # could not compile here
     compiled: dict[str, Any] = field(default_factory=dict)
     dp_step: dict[str, Any] = field(default_factory=dict)
     pp_step: dict[str, Any] = field(default_factory=dict)
@@ -406,7 +407,8 @@ def run_benchmarks(device: str = "auto", nproc: int | None = None, max_bytes: in
         result.cpu_kernels = measure_cpu_kernels(dev, seconds, result.host_optimizer_per_tensor)
         result.cpu_kernels["reference"] = reference_kernels(dev, seconds)  # alone, for node_slowdown
         result.matmul_curve = result.cpu_kernels["matmul_curve"]
-        result.compiled = measure_compiled(dev, seconds, _tiny_attention(dev, seconds))
+        result.compiled = measure_compiled(dev, seconds, result.host_overhead[:2],
+                                           result.cpu_kernels["stream_curve"])
     if nproc >= 2:
         import torch.multiprocessing as mp
 

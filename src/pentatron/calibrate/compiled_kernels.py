@@ -1,19 +1,27 @@
-"""Compiled (inductor) kernels as `train.compile` runs them, for `pentatron bench` on a CPU.
+"""Compiled (inductor) decoder layers as `train.compile` runs them, for `pentatron bench` on a CPU.
 
 Compiling a decoder block changes two things the eager measurements (`cpu_kernels.py`, `bench.
 measure_host_overhead`) price: the elementwise ops between the GEMMs fuse into a few kernels, and the
-block's host work (op dispatch, autograd nodes) becomes one compiled call forward and one backward. So
-bench measures both, each the way its eager counterpart is measured:
+block's host work (op dispatch, autograd nodes) becomes one compiled call forward and one backward. What
+that saves is measured as training meets it, not assembled from parts: priced from an elementwise chain
+compiled and timed on its own (the earlier measurement), the planner's saving per layer was 1.5-1.7x the
+whole compiled block's at 64 and 256 tokens (in a block the fused kernels also save activations for the
+backward and recompute some of them there).
 
-* `measure_fused_chain`: a block's elementwise chain (both RMSNorms, RoPE on q and k, SwiGLU's
-  silu(gate)·up, both residual adds; the model's own code) compiled as one region, forward + backward,
-  by token count. Its rate is stated in the bytes the planner charges for fused kernels
-  (`timing._elementwise_bytes(..., "fused")`, forward + 2x backward), so the planner reproduces the
-  measured seconds at these shapes and scales them by bytes elsewhere. The chain's own per-call cost
-  (timed on a tiny shape) comes off: the compiled layer's host term below carries it.
-* `measure_compiled_host`: host seconds per compiled decoder layer, as `measure_host_overhead` measures
-  the eager one (a tiny Llama at 2 and 6 layers, the difference per layer, less the tiny attention call),
-  with every block compiled by `parallel/compile.apply_compile` as training compiles it.
+So `measure_compiled_saving` times the model's own decoder layers (the debug model's proportions), eager
+and compiled by `parallel/compile.apply_compile` as training compiles them, interleaved (both see the
+machine in the same seconds), forward and forward + backward, at TINY_TOKENS (the arithmetic negligible)
+and at each of LAYER_TOKENS (a CPU run's micro-batch x sequence). A model of LAYERS layers is timed both
+ways: its embedding, head and loss are the same eager code in each, so the difference per layer is what
+compiling one layer saves. The profile states that saving in the planner's terms (`compiled_profile`):
+
+* the compiled layer's host seconds: the eager layer's (bench.measure_host_overhead) less the saving at
+  TINY_TOKENS;
+* the compiled elementwise rate by operand size, in the bytes the planner charges fused kernels
+  (`timing._elementwise_bytes(..., "fused")`, forward + 2x backward): the rate at which the planner's
+  compiled layer costs its eager layer (the profile's eager elementwise curve) less the measured saving at
+  that size. The planner then reproduces the measured saving at these shapes and scales it by bytes
+  elsewhere.
 
 Compiling costs seconds per shape (once: inductor caches its code across processes).
 """
@@ -21,133 +29,121 @@ Compiling costs seconds per shape (once: inductor caches its code across process
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from pentatron.calibrate.cpu_kernels import POOL_BYTES, _windows
-from pentatron.calibrate.timers import ATTEMPTS
+from pentatron.calibrate.timers import sync
+from pentatron.hardware.profile import interp_log
 
-CHAIN_TOKENS = (64, 256, 1024)  # rows per call: a CPU run's micro-batch x sequence
-TINY_TOKENS = 4  # the per-call cost's shape: arithmetic negligible
-# a Llama block's proportions (the debug model's): hidden, query heads, kv heads, head dim, MLP width
-CHAIN_HIDDEN, CHAIN_HEADS, CHAIN_KV_HEADS, CHAIN_HEAD_DIM, CHAIN_FFN = 128, 4, 2, 32, 256
+LAYER_TOKENS = (64, 256, 1024)  # rows per call: a CPU run's micro-batch x sequence
+TINY_TOKENS = 4  # the host work's shape: arithmetic negligible
+LAYERS = 6  # per model; the ends (embedding, head, loss) are the same eager code in both and cancel
+MIN_ROUNDS = 5  # calls of each model and measurement at least (alternating); the fastest is kept
+# a Llama block's proportions (the debug model's): hidden, query heads, kv heads, MLP width
+LAYER_HIDDEN, LAYER_HEADS, LAYER_KV_HEADS, LAYER_FFN = 128, 4, 2, 256
+# the compiled elementwise seconds kept from the eager ones at least and at most: bounds, not measurements
+FUSED_FLOOR, FUSED_CEILING = 0.1, 2.0
 
 
-def chain_config() -> Any:
-    """The ModelConfig whose block the chain is (the planner's fused bytes are read for it)."""
+def layer_config(n_layers: int = LAYERS) -> Any:
+    """The ModelConfig whose layers are timed (the planner's bytes are read for it)."""
     from pentatron.models.config import ModelConfig
 
-    return ModelConfig(vocab_size=64, hidden_size=CHAIN_HIDDEN, n_layers=1, n_heads=CHAIN_HEADS,
-                       n_kv_heads=CHAIN_KV_HEADS, ffn_hidden_size=CHAIN_FFN, max_seq_len=max(CHAIN_TOKENS))
+    return ModelConfig(vocab_size=64, hidden_size=LAYER_HIDDEN, n_layers=n_layers, n_heads=LAYER_HEADS,
+                       n_kv_heads=LAYER_KV_HEADS, ffn_hidden_size=LAYER_FFN, max_seq_len=max(LAYER_TOKENS))
 
 
-def chain_bytes_per_token() -> float:
-    """Bytes per token the planner charges one fused layer's elementwise work, forward + backward (3x
-    the forward's: backward ~2x), in fp32: what a measured second of the chain is worth."""
+def elementwise_bytes_per_token(kernels: str) -> float:
+    """Bytes per token the planner charges one layer's elementwise work, forward + backward (3x the
+    forward's: backward ~2x), in fp32, with `kernels` ("eager" or "fused")."""
     from pentatron.plan.layout import Layout, Workload
     from pentatron.plan.timing import _elementwise_bytes  # the planner's own byte model, not a copy of it
 
-    w = Workload(chain_config(), max(CHAIN_TOKENS), max(CHAIN_TOKENS))
-    return 3 * _elementwise_bytes(w, Layout(dp=1, micro_batch=1, precision="fp32"), "fused")
+    w = Workload(layer_config(), max(LAYER_TOKENS), max(LAYER_TOKENS))
+    return 3 * _elementwise_bytes(w, Layout(dp=1, micro_batch=1, precision="fp32"), kernels)
 
 
-def _chain() -> Callable[..., tuple[torch.Tensor, ...]]:
-    """The elementwise chain of one block, the model's code between its GEMMs."""
-    from pentatron.models.llama import RMSNorm, apply_rope
-
-    norm1, norm2 = RMSNorm(CHAIN_HIDDEN, 1e-5), RMSNorm(CHAIN_HIDDEN, 1e-5)
-
-    def chain(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor,
-              up: torch.Tensor, mlp: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-              ) -> tuple[torch.Tensor, ...]:
-        h = x + attn  # the attention's residual
-        return norm1(x), apply_rope(q, cos, sin), apply_rope(k, cos, sin), norm2(h), F.silu(gate) * up, h + mlp
-
-    return chain
-
-
-def _chain_seconds(tokens: int, device: torch.device, seconds: float) -> float:
-    """Seconds of one compiled chain's forward + backward on `tokens` rows; inputs rotate through sets
-    spanning POOL_BYTES (a step's activations are out of the caches)."""
-    chain = torch.compile(_chain(), fullgraph=True, dynamic=False)
-    shapes = [(1, tokens, CHAIN_HIDDEN), (1, tokens, CHAIN_HEADS, CHAIN_HEAD_DIM),
-              (1, tokens, CHAIN_KV_HEADS, CHAIN_HEAD_DIM), (1, tokens, CHAIN_HIDDEN), (1, tokens, CHAIN_FFN),
-              (1, tokens, CHAIN_FFN), (1, tokens, CHAIN_HIDDEN)]
-    per_set = 4 * sum(math.prod(s) for s in shapes)
-    sets = [[torch.empty(s, device=device).uniform_(-1, 1).requires_grad_() for s in shapes]
-            for _ in range(max(2, min(64, POOL_BYTES // per_set)))]
-    angles = torch.arange(tokens, device=device, dtype=torch.float32)[:, None] * torch.linspace(
-        0, 1, CHAIN_HEAD_DIM, device=device)
-    cos, sin = angles.cos(), angles.sin()
-
-    def call(i: int) -> None:
-        leaves = sets[i % len(sets)]
-        outs = chain(*leaves, cos, sin)
-        torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs])
-
-    return _windows(call, seconds, min_iters=3)
+def _fastest_calls(fns: list[Callable[[], Any]], seconds: float, min_rounds: int = MIN_ROUNDS) -> list[float]:
+    """The fastest single call of each of `fns`, called in turn (so that each sees the machine in the
+    same seconds) until `seconds` are spent and at least `min_rounds` times. Single calls, not a window's
+    mean: this VM's calls jitter by ~5 %, more than compiling saves at these shapes."""
+    best = [math.inf] * len(fns)
+    end, rounds = time.perf_counter() + seconds, 0
+    while rounds < min_rounds or time.perf_counter() < end:
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+        rounds += 1
+    return best
 
 
-def measure_fused_chain(device: torch.device, seconds: float) -> list[tuple[int, float]]:
-    """[(bytes of one hidden-sized operand, bytes/s in the planner's fused bytes)] of the compiled chain,
-    its tiny-shape per-call cost taken off (at least a tenth of each time is kept: a floor, not a
-    measurement)."""
-    tiny = _chain_seconds(TINY_TOKENS, device, seconds)
-    per_token = chain_bytes_per_token()
-    out = []
-    for t in CHAIN_TOKENS:
-        s = _chain_seconds(t, device, seconds)
-        out.append((t * CHAIN_HIDDEN * 4, t * per_token / max(s - tiny, s / 10)))
-    return out
-
-
-def measure_compiled_host(device: torch.device, seconds: float, tiny_attention: tuple[float, float]
-                          ) -> tuple[float, float]:
-    """Host seconds per compiled decoder layer (forward, backward), as `bench.measure_host_overhead`
-    measures the eager layer's, less `tiny_attention` (its model's attention call, charged at the run's
-    shape from the attention grid)."""
-    from pentatron.calibrate.timers import best_of
-    from pentatron.models.config import ModelConfig
+def _saving(tokens: int, device: torch.device, seconds: float) -> tuple[float, float]:
+    """Seconds per layer that compiling saves at `tokens` rows (forward, backward): the eager model's time
+    less the compiled one's, over LAYERS."""
     from pentatron.models.llama import Llama
     from pentatron.parallel.compile import apply_compile
 
-    def run(n_layers: int) -> tuple[float, float]:
-        cfg = ModelConfig(vocab_size=64, hidden_size=64, n_layers=n_layers, n_heads=2, n_kv_heads=1,
-                          ffn_hidden_size=128, max_seq_len=16)
-        model = Llama(cfg).to(device)
-        apply_compile(model, True, device)
-        tokens = torch.zeros(1, 4, dtype=torch.long, device=device)
+    ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
+    fns: list[Callable[[], Any]] = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = Llama(layer_config()).to(device)
+        if compiled:
+            apply_compile(model, True, device)
 
-        def fwd() -> torch.Tensor:
-            return F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
+        def fwd(model: torch.nn.Module = model) -> None:
+            model(ids).detach()
+            sync(device)
 
-        fwd().backward()  # compiles forward and backward before anything is timed
-        t_f = best_of(lambda: fwd().detach(), device, 3 * seconds, min_iters=10)
-        t_fb = best_of(lambda: fwd().backward(), device, 3 * seconds, min_iters=10)
-        return t_f, t_fb - t_f
+        def fwd_bwd(model: torch.nn.Module = model) -> None:
+            model(ids).sum().backward()
+            sync(device)
 
-    af, ab = tiny_attention
-    for _ in range(ATTEMPTS):  # a term ≤ 0 is noise (another process took the core): measured again
-        (f2, b2), (f6, b6) = run(2), run(6)
-        terms = (f6 - f2) / 4 - af, (b6 - b2) / 4 - ab
-        if min(terms) > 0:
-            break
-    return max(0.0, terms[0]), max(0.0, terms[1])
+        fwd_bwd()  # compiles forward and backward before anything is timed
+        fns += [fwd, fwd_bwd]
+    ef, efb, cf, cfb = _fastest_calls(fns, seconds)
+    return (ef - cf) / LAYERS, ((efb - ef) - (cfb - cf)) / LAYERS
 
 
-def measure_compiled(device: torch.device, seconds: float, tiny_attention: tuple[float, float]) -> dict[str, Any]:
-    """Both measurements, keyed as `BenchResult.compiled` stores them; empty (and one line on stderr) when
-    inductor cannot compile here (no C++ compiler, say): the planner then prices fused kernels without them."""
+def measure_compiled_saving(device: torch.device, seconds: float) -> dict[int, tuple[float, float]]:
+    """{tokens: (forward, backward) seconds per layer compiling saves} at TINY_TOKENS and LAYER_TOKENS."""
+    return {t: _saving(t, device, 10 * seconds) for t in (TINY_TOKENS, *LAYER_TOKENS)}
+
+
+def compiled_profile(saving: dict[int, tuple[float, float]], host_layer: tuple[float, float],
+                     stream_curve: list[tuple[int, float]]) -> dict[str, Any]:
+    """The profile's compiled terms from the measured saving: "host" (the compiled layer's forward and
+    backward host seconds) and "chain" [(operand bytes, B/s in the planner's fused bytes)]."""
+    tiny_f, tiny_b = saving[TINY_TOKENS]
+    # a compiled call is not free: a tenth of the eager host work is kept at least (a floor)
+    host = (max(host_layer[0] - tiny_f, FUSED_FLOOR * host_layer[0]),
+            max(host_layer[1] - tiny_b, FUSED_FLOOR * host_layer[1]))
+    eager_bytes, fused_bytes = elementwise_bytes_per_token("eager"), elementwise_bytes_per_token("fused")
+    chain = []
+    for t in LAYER_TOKENS:
+        operand = t * LAYER_HIDDEN * 4
+        eager_s = t * eager_bytes / interp_log(stream_curve, operand)  # as the planner prices it
+        kernels_saved = sum(saving[t]) - tiny_f - tiny_b  # the saving beyond the host work's
+        fused_s = min(max(eager_s - kernels_saved, FUSED_FLOOR * eager_s), FUSED_CEILING * eager_s)
+        chain.append((operand, t * fused_bytes / fused_s))
+    return {"host": host, "chain": chain}
+
+
+def measure_compiled(device: torch.device, seconds: float, host_layer: tuple[float, float],
+                     stream_curve: list[tuple[int, float]]) -> dict[str, Any]:
+    """`compiled_profile` of a measured saving, keyed as `BenchResult.compiled` stores it; empty (and one
+    line on stderr) when inductor cannot compile here (no C++ compiler, say): the planner then prices
+    fused kernels without it."""
     import sys
 
     from torch._dynamo.exc import TorchDynamoException
 
     try:
-        return {"host": measure_compiled_host(device, seconds, tiny_attention),
-                "chain": measure_fused_chain(device, 3 * seconds)}
+        return compiled_profile(measure_compiled_saving(device, seconds), host_layer, stream_curve)
     except (TorchDynamoException, RuntimeError, OSError) as e:
         print(f"pentatron bench: compiled kernels not measured: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
               file=sys.stderr)

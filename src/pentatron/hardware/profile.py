@@ -67,8 +67,9 @@ class Profile:
     scalar_collective_s: float = 0.0
     # the pipeline hop between two computing neighbours by message bytes (calibrate/pp_step.py)
     pp_hop: Curve = ()  # ((bytes, seconds), ...)
-    # train.compile's kernels (calibrate/compiled_kernels.py): a block's compiled elementwise chain, B/s in
-    # the planner's fused bytes by operand bytes, and host seconds per compiled decoder layer (fwd, bwd)
+    # train.compile's kernels (calibrate/compiled_kernels.py, from the measured saving of compiling a layer):
+    # the compiled elementwise rate, B/s in the planner's fused bytes by operand bytes, and host seconds per
+    # compiled decoder layer (fwd, bwd)
     fused_bw: Curve = ()
     host_compiled_layer_s: tuple[float, float] = (0.0, 0.0)
 

@@ -245,8 +245,8 @@ class Measured(Roofline):
         return interp_log(self.profile.stream_bw, operand_bytes)
 
     def fused_bandwidth(self, operand_bytes: float, working_set: float) -> float:
-        """The compiled chain bench measured (calibrate/compiled_kernels.py) at this operand size; the
-        eager elementwise curve where the profile has none."""
+        """The compiled elementwise rate bench measured (calibrate/compiled_kernels.py) at this operand
+        size; the eager elementwise curve where the profile has none."""
         if not self.profile.fused_bw:
             return super().fused_bandwidth(operand_bytes, working_set)
         return interp_log(self.profile.fused_bw, operand_bytes)
