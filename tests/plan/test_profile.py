@@ -115,6 +115,12 @@ def test_the_planners_compiled_layer_saves_what_bench_measured_compiling_saves()
         w, lay = Workload(cfg, t, 8), Layout(dp=1, micro_batch=1, precision="fp32")
         eager, fused = layer_phase(w, lay, gpu, 1, "eager"), layer_phase(w, lay, gpu, 1, "fused")
         assert eager.total - fused.total == pytest.approx(sum(saving[t]), rel=1e-9)
+    # a host saving beyond its bounds is clamped, the layer's total saving kept
+    odd = compiled_profile({**saving, TINY_TOKENS: (-1e-5, 1.0)}, host, stream)
+    assert odd["host"] == pytest.approx((2e-4, 3e-5))
+    gpu = with_profile(gpu, host_compiled_layer_s=odd["host"], fused_bw=tuple(odd["chain"]))
+    eager, fused = layer_phase(w, lay, gpu, 1, "eager"), layer_phase(w, lay, gpu, 1, "fused")
+    assert eager.total - fused.total == pytest.approx(sum(saving[1024]), rel=1e-9)
     # a saving beyond the eager elementwise work keeps a tenth of it; a negative one at most doubles it
     from pentatron.calibrate.compiled_kernels import elementwise_bytes_per_token
     from pentatron.hardware.profile import interp_log

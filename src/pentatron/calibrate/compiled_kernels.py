@@ -118,16 +118,16 @@ def compiled_profile(saving: dict[int, tuple[float, float]], host_layer: tuple[f
                      stream_curve: list[tuple[int, float]]) -> dict[str, Any]:
     """The profile's compiled terms from the measured saving: "host" (the compiled layer's forward and
     backward host seconds) and "chain" [(operand bytes, B/s in the planner's fused bytes)]."""
-    tiny_f, tiny_b = saving[TINY_TOKENS]
-    # a compiled call is not free: a tenth of the eager host work is kept at least (a floor)
-    host = (max(host_layer[0] - tiny_f, FUSED_FLOOR * host_layer[0]),
-            max(host_layer[1] - tiny_b, FUSED_FLOOR * host_layer[1]))
+    # the host work's saving, within [0, 90 %] of the eager host work (bounds: a compiled call is not free,
+    # and one that costs more host time than eager ops is noise)
+    host_saved = [min(max(s, 0.0), (1 - FUSED_FLOOR) * h) for s, h in zip(saving[TINY_TOKENS], host_layer, strict=True)]
+    host = (host_layer[0] - host_saved[0], host_layer[1] - host_saved[1])
     eager_bytes, fused_bytes = elementwise_bytes_per_token("eager"), elementwise_bytes_per_token("fused")
     chain = []
     for t in LAYER_TOKENS:
         operand = t * LAYER_HIDDEN * 4
         eager_s = t * eager_bytes / interp_log(stream_curve, operand)  # as the planner prices it
-        kernels_saved = sum(saving[t]) - tiny_f - tiny_b  # the saving beyond the host work's
+        kernels_saved = sum(saving[t]) - sum(host_saved)  # the saving beyond the host work's
         fused_s = min(max(eager_s - kernels_saved, FUSED_FLOOR * eager_s), FUSED_CEILING * eager_s)
         chain.append((operand, t * fused_bytes / fused_s))
     return {"host": host, "chain": chain}
