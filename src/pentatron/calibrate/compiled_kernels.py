@@ -48,11 +48,11 @@ LAYER_HIDDEN, LAYER_HEADS, LAYER_KV_HEADS, LAYER_FFN = 128, 4, 2, 256
 FUSED_FLOOR, FUSED_CEILING = 0.1, 2.0
 
 
-def layer_config(n_layers: int = LAYERS) -> Any:
+def layer_config() -> Any:
     """The ModelConfig whose layers are timed (the planner's bytes are read for it)."""
     from pentatron.models.config import ModelConfig
 
-    return ModelConfig(vocab_size=64, hidden_size=LAYER_HIDDEN, n_layers=n_layers, n_heads=LAYER_HEADS,
+    return ModelConfig(vocab_size=64, hidden_size=LAYER_HIDDEN, n_layers=LAYERS, n_heads=LAYER_HEADS,
                        n_kv_heads=LAYER_KV_HEADS, ffn_hidden_size=LAYER_FFN, max_seq_len=max(LAYER_TOKENS))
 
 
@@ -66,13 +66,13 @@ def elementwise_bytes_per_token(kernels: str) -> float:
     return 3 * _elementwise_bytes(w, Layout(dp=1, micro_batch=1, precision="fp32"), kernels)
 
 
-def _fastest_calls(fns: list[Callable[[], Any]], seconds: float, min_rounds: int = MIN_ROUNDS) -> list[float]:
+def _fastest_calls(fns: list[Callable[[], Any]], seconds: float) -> list[float]:
     """The fastest single call of each of `fns`, called in turn (so that each sees the machine in the
-    same seconds) until `seconds` are spent and at least `min_rounds` times. Single calls, not a window's
+    same seconds) until `seconds` are spent and at least MIN_ROUNDS times. Single calls, not a window's
     mean: this VM's calls jitter by ~5 %, more than compiling saves at these shapes."""
     best = [math.inf] * len(fns)
     end, rounds = time.perf_counter() + seconds, 0
-    while rounds < min_rounds or time.perf_counter() < end:
+    while rounds < MIN_ROUNDS or time.perf_counter() < end:
         for i, fn in enumerate(fns):
             t0 = time.perf_counter()
             fn()
