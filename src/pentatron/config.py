@@ -112,7 +112,8 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     clip: float = 1.0  # global gradient-norm clip; 0 disables
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    # auto: bf16 on CUDA, fp32 on CPU; fp64: everything float64 (exact parity tests, CPU)
+    precision: Literal["auto", "fp32", "bf16", "fp64"] = "auto"
     recompute: Literal["none", "selective", "full"] = "none"
     # torch.compile of each decoder block's compute (parallel/compile.py): true, false, "try" (compile; a
     # region that fails warns and runs eagerly) or "auto" (compile where it pays:

@@ -152,15 +152,18 @@ def _norm_operands(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def grad_norm_squared(grads: list[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
-    """Σ‖g‖² in fp32 (kept squared so that sharded callers can sum partial results before the sqrt), from
+def grad_norm_squared(grads: list[torch.Tensor], device: torch.device | str | None = None,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Σ‖g‖² in `dtype` (fp32; fp64 for fp64 gradients, which the engines pass), kept squared so that
+    sharded callers can sum partial results before the sqrt, from
     `torch._foreach_norm` (no copy of any gradient; the squares of the per-tensor norms summed in fp64),
     one device computation (no host sync). A rank without gradients returns 0 on `device` (default: the
     gradients'; pass the run's device): its result goes into collectives, and NCCL has no CPU tensors."""
     if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm(_norm_operands(grads), 2, dtype=torch.float32)
-    return torch.stack(norms).double().pow(2).sum().float()
+        return torch.zeros((), dtype=dtype, device=device)
+    norms = torch._foreach_norm(_norm_operands(grads), 2, dtype=dtype)
+    return torch.stack(norms).double().pow(2).sum().to(dtype)
+
 
 
 @torch.no_grad()

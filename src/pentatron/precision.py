@@ -1,6 +1,9 @@
 """Mixed-precision policy: what dtype the model computes in, what gradients accumulate in, what the
 optimizer keeps. bf16 = bf16 weights and activations, fp32 gradient accumulation and fp32 master
-weights (the Megatron recipe); fp32 = everything fp32 (the CPU default)."""
+weights (the Megatron recipe); fp32 = everything fp32 (the CPU default); fp64 = everything float64, the
+parity suite's mode: rounding then sits near 1e-15, so a layout's run equals the 1-process run to 1e-10
+whatever kernels the CPU picks (docs/testing.md). Where the model "upcasts to fp32" for stability it
+upcasts to at least fp32 (`wide`), so fp64 never passes through fp32."""
 
 from __future__ import annotations
 
@@ -21,6 +24,16 @@ class PrecisionPolicy:
         return self.param_dtype != self.master_dtype
 
 
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype stable arithmetic runs in for operands of `dtype`: fp32, or fp64 when they are fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """`t` in `wide_dtype` (as `.float()`, which would round an fp64 tensor to fp32)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def resolve_precision(name: str, device: torch.device) -> PrecisionPolicy:
     """'auto' → bf16 on CUDA, fp32 elsewhere (CPU bf16 matmuls are slow and the tests need exact fp32)."""
     if name == "auto":
@@ -29,4 +42,6 @@ def resolve_precision(name: str, device: torch.device) -> PrecisionPolicy:
         return PrecisionPolicy("bf16", torch.bfloat16)
     if name == "fp32":
         return PrecisionPolicy("fp32", torch.float32)
-    raise ValueError(f"train.precision must be auto, fp32 or bf16, got {name!r}")
+    if name == "fp64":
+        return PrecisionPolicy("fp64", torch.float64, torch.float64, torch.float64)
+    raise ValueError(f"train.precision must be auto, fp32, fp64 or bf16, got {name!r}")

@@ -19,6 +19,7 @@ from pentatron.models.config import ModelConfig, RopeScaling
 from pentatron.models.loss import DEFAULT_CHUNK_TOKENS, linear_cross_entropy
 from pentatron.models.moe import MoE, Router
 from pentatron.models.param_init import ParamInit, fill_slice, param_seed
+from pentatron.precision import wide
 
 
 class RMSNorm(nn.Module):
@@ -28,8 +29,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 for stability, as the reference implementation does, then cast back.
-        xf = x.float()
+        # Normalise in (at least) fp32 for stability, as the reference implementation does, then cast back.
+        xf = wide(x)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 

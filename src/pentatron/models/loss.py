@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import Function
 
+from pentatron.precision import wide, wide_dtype
+
 
 class VocabShards(Protocol):
     """The vocabulary slice a rank's head holds, and reductions over the ranks holding the others."""
@@ -63,13 +65,13 @@ class _LinearCrossEntropy(Function):
         local_t = targets - (shards.vocab_start if shards is not None else 0)
         mine = (local_t >= 0) & (local_t < v_local)
         local_t = local_t.masked_fill(~mine, 0)
-        row_max = torch.empty(n, dtype=torch.float32, device=x.device)
+        row_max = torch.empty(n, dtype=wide_dtype(x.dtype), device=x.device)
         sum_exp = torch.empty_like(row_max)
         target_logit = torch.empty_like(row_max)
         kept: tuple[int, torch.Tensor, torch.Tensor] | None = None  # the last chunk: (lo, exp(logit − max), max)
         for lo in _chunks(n, chunk):
             hi = min(lo + chunk, n)
-            logits = F.linear(x[lo:hi], weight).float()
+            logits = wide(F.linear(x[lo:hi], weight))
             m = logits.amax(dim=-1)
             row_max[lo:hi] = m
             target_logit[lo:hi] = logits.gather(-1, local_t[lo:hi].unsqueeze(-1)).squeeze(-1)
@@ -100,10 +102,10 @@ class _LinearCrossEntropy(Function):
         (x_node, _), (w_node, _) = ctx.next_functions[0], ctx.next_functions[1]
         need_x = ctx.needs_input_grad[0] and _will_run(x_node)
         need_w = ctx.needs_input_grad[1] and _will_run(w_node)
-        scale = grad_loss.float() * valid.to(torch.float32)
+        scale = wide(grad_loss) * valid.to(wide_dtype(grad_loss.dtype))
         grad_x = torch.empty_like(x) if need_x else None
         # dW accumulates over chunks in fp32 (a bf16 running sum would round at every chunk).
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_w = torch.zeros(weight.shape, dtype=wide_dtype(weight.dtype), device=weight.device) if need_w else None
         kept, ctx.kept = ctx.kept, None
         order = list(_chunks(n, chunk))
         if kept is not None:  # the kept (last) chunk first: its memory is free before any other is built
@@ -116,7 +118,7 @@ class _LinearCrossEntropy(Function):
                 kept = None
                 g.mul_((m - lse[lo:hi]).exp_().unsqueeze(-1))  # exp(logit − max) · exp(max − lse)
             else:
-                g = F.linear(x[lo:hi], weight).float()
+                g = wide(F.linear(x[lo:hi], weight))
                 g.sub_(lse[lo:hi].unsqueeze(-1)).exp_()
             rows = torch.arange(hi - lo, device=g.device)
             g[rows, local_t[lo:hi]] -= hit[lo:hi].to(g.dtype)
@@ -125,7 +127,7 @@ class _LinearCrossEntropy(Function):
             if grad_x is not None:
                 torch.mm(g, weight, out=grad_x[lo:hi])
             if grad_w is not None:
-                if g.dtype == torch.float32:
+                if g.dtype == grad_w.dtype:
                     grad_w.addmm_(g.t(), x[lo:hi])
                 else:
                     grad_w.add_(g.t() @ x[lo:hi])

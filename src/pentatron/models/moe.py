@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pentatron.models.config import ModelConfig, MoEConfig
+from pentatron.precision import wide
 
 
 class AuxLossAutoScaler(torch.autograd.Function):
@@ -95,7 +96,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         m = self.moe
-        logits = F.linear(x.float(), self.weight.float())  # routing in fp32 whatever the compute dtype
+        logits = F.linear(wide(x), wide(self.weight))  # routing in (at least) fp32 whatever the compute dtype
         scores = logits.softmax(-1) if m.score == "softmax" else logits.sigmoid()
         experts = (scores.detach() + self.expert_bias).topk(m.top_k, dim=-1).indices
         weights = scores.gather(1, experts)
@@ -379,7 +380,7 @@ def finish_step(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor]
     for m, vec in zip(layers.values(), pieces, strict=True):
         if m.cfg.bias_update_rate > 0:
             n, bias = m.cfg.n_experts, m.router.expert_bias
-            moved = bias_update(bias, vec[:n].to(bias.device, torch.float32), m.cfg.bias_update_rate)
+            moved = bias_update(bias, vec[:n].to(bias.device, bias.dtype), m.cfg.bias_update_rate)
             bias.copy_(torch.where(vec[n + 4] > 0, moved, bias))  # only after forwards (no host branch)
     host = stacked.tolist()  # the step's one copy of all layers' statistics
     out, at = {}, 0

@@ -37,7 +37,7 @@ from pentatron.optim import AdamW, Slot, clip_by_total_norm, grad_norm_squared, 
 from pentatron.parallel.grad_buffer import Bucket, FlatLayout, GradBuffer
 from pentatron.parallel.memory import MemoryReport
 from pentatron.parallel.placement import Placement
-from pentatron.precision import PrecisionPolicy
+from pentatron.precision import PrecisionPolicy, wide_dtype
 
 
 class DataParallelBase:
@@ -52,6 +52,7 @@ class DataParallelBase:
                  bucket_mb: float, placements: dict[str, Placement] | None = None,
                  only: Collection[str] | None = None) -> None:
         self.model, self.ctx, self.comm, self.policy = model, ctx, ctx.comm, policy
+        self.norm_dtype = wide_dtype(policy.grad_dtype)  # the squared norm's dtype, in every collective
         # named_parameters() lists a tied weight once, under its first name (embed.weight). `only`: the
         # names this engine handles (one engine per gradient group, see parallel/grouped.py).
         self.names: dict[nn.Parameter, str] = {p: n for n, p in model.named_parameters()
@@ -152,7 +153,7 @@ class DataParallelBase:
         and pp)."""
         weights = self.norm_weights
         if all(w == 1.0 for w in weights.values()):
-            sq = grad_norm_squared(self.owned_grads(), self.ctx.device)
+            sq = grad_norm_squared(self.owned_grads(), self.ctx.device, self.norm_dtype)
         else:
             # Every element of the full model once: a tensor held identically by k tp ranks (replicated
             # norms, replicated kv heads) counts 1/k on each, then sum over tp; a tied embedding held by
@@ -161,9 +162,9 @@ class DataParallelBase:
             for p, g in self.owned_param_grads():
                 if weights[p]:
                     by_weight.setdefault(weights[p], []).append(g)
-            sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+            sq = torch.zeros((), dtype=self.norm_dtype, device=self.ctx.device)
             for w, grads in by_weight.items():
-                sq += grad_norm_squared(grads, self.ctx.device) * w
+                sq += grad_norm_squared(grads, self.ctx.device, self.norm_dtype) * w
         if self.sharded_grads:
             self.comm.all_reduce(sq, self.reduce_dim)
         return sq

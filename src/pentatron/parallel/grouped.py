@@ -27,6 +27,7 @@ class GroupedDataParallel:
         self.engines = engines
         first = engines[0]
         self.model, self.ctx, self.comm, self.policy = first.model, first.ctx, first.comm, first.policy
+        self.norm_dtype = first.norm_dtype
         self.stage, self.sharded_grads = first.stage, first.sharded_grads
         self.placements = first.placements  # one dict, shared by all engines
         self.params = [p for e in engines for p in e.params]
@@ -74,7 +75,7 @@ class GroupedDataParallel:
         return [pg for e in self.engines for pg in e.owned_param_grads()]
 
     def grad_norm(self) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        total = torch.zeros((), dtype=self.norm_dtype, device=self.ctx.device)
         for e in self.engines:
             sq = e.group_norm_squared()
             if e.reduce_dim == "edp":

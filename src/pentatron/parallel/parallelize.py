@@ -42,7 +42,7 @@ from pentatron.parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 from pentatron.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
-from pentatron.precision import PrecisionPolicy
+from pentatron.precision import PrecisionPolicy, wide
 from pentatron.schedules import make_schedule
 
 
@@ -166,8 +166,8 @@ def _loss_fn(ctx: ParallelContext):  # noqa: ANN202 - returns the loss function
     comm = ctx.comm
     if ctx.size("tp") > 1:
         # The model returns this rank's vocabulary slice of the logits; never gather them.
-        return lambda logits, targets: vocab_parallel_cross_entropy(logits.float(), targets, comm)
-    return lambda logits, targets: F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return lambda logits, targets: vocab_parallel_cross_entropy(wide(logits), targets, comm)
+    return lambda logits, targets: F.cross_entropy(wide(logits).flatten(0, 1), targets.flatten())
 
 
 def data_parallel(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: PrecisionPolicy,

@@ -38,6 +38,7 @@ from pentatron.parallel.pipeline.engine import PipelineEngine, PipelineStepResul
 from pentatron.parallel.pipeline.stages import PipelineStage
 from pentatron.parallel.placement import Placement
 from pentatron.parallel.tensor import gather_full_tensor
+from pentatron.precision import wide
 from pentatron.schedules import make_schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -61,6 +62,7 @@ class StepRunner:
         # pieces), fed by the engine's reduced gradient shards.
         self.optimizer = AdamW(engine.slots, train)
         self.comm, self.device = ctx.comm, ctx.device
+        self.loss_dtype = engine.norm_dtype  # the logged loss: fp32, fp64 in an fp64 run
         self.stages = list(stages) if stages else None
         # Context parallelism: this rank keeps its share of every sequence, with the tokens' positions.
         self.shard = ContextShard(self.comm, layout) if layout.cp > 1 else None
@@ -100,10 +102,11 @@ class StepRunner:
             result = self.pipeline.step(batches, positions)
             self.last_pipeline = result
             # Only the last stage computes the loss: every pipeline rank logs the same number.
-            loss = result.loss.detach().float() if result.loss is not None else torch.zeros((), device=self.device)
+            loss = (wide(result.loss.detach()) if result.loss is not None
+                    else torch.zeros((), dtype=self.loss_dtype, device=self.device))
             self.comm.broadcast(loss, "pp", src=self.layout.pp - 1)
         else:
-            loss = torch.zeros((), device=self.device)
+            loss = torch.zeros((), dtype=self.loss_dtype, device=self.device)
             for i, (inputs, targets) in enumerate(batches):
                 if on_micro_batch is not None:
                     on_micro_batch(i)
@@ -177,7 +180,7 @@ class StepRunner:
         """This pipeline rank's reduced gradients at full shape, by name, assembled from the owned
         pieces each placement records (collective over dp and tp): call after `forward_backward`."""
         engine = self.engine
-        flat = {p: torch.zeros(engine.place[p].numel, dtype=torch.float32, device=self.device)
+        flat = {p: torch.zeros(engine.place[p].numel, dtype=engine.policy.grad_dtype, device=self.device)
                 for p in engine.params}
         pieces: dict[nn.Parameter, list[torch.Tensor]] = {}
         for p, g in engine.owned_param_grads():

@@ -74,8 +74,8 @@ class _ShardedBase(DataParallelBase):
             owned[pc.param].append(ZeroPiece(pc.lo, pc.hi, pc.glob, self.layout.bucket_of[pc.param].index))
         for p, pieces in owned.items():  # the placement records which elements this rank owns
             self.place[p].zero = tuple(pieces)
-        fp32 = param_store.dtype == torch.float32
-        self.master_shard = None if fp32 else torch.zeros(self.layout.shard_numel, dtype=torch.float32,
+        fp32 = param_store.dtype == self.policy.master_dtype  # the model's copy is the master: none apart
+        self.master_shard = None if fp32 else torch.zeros(self.layout.shard_numel, dtype=self.policy.master_dtype,
                                                           device=param_store.device)
         slots = []
         for pc in self.pieces:
