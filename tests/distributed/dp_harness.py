@@ -4,6 +4,11 @@ Starting gloo ranks is the expensive part on the 2-core CI machine, so one `run_
 size runs every configuration in sequence inside the ranks (ZeRO 0–3 × with/without gradient
 accumulation, plus the overlap probes, checkpoint round trips and bf16 memory accounting) and the
 results are cached for the whole session; test_data.py and test_zero.py read them.
+
+The runs train in float64 (`train.precision='fp64'`: parameters, gradients, optimizer state and the
+collectives) and are compared with the plain-loop reference (`tests/reference_loop.py`, which shares no
+code with the parallel runtime) also in float64, to `EXACT_RTOL` (1e-10): rounding sits near 1e-15 on any
+CPU, a real defect at 1e-6 or more. Element sizes in the byte and memory formulas are therefore 8.
 """
 
 from __future__ import annotations
@@ -20,12 +25,16 @@ import torch
 
 from pentatron.config import Config, load_config
 from tests.multiprocess import run_ranks
+from tests.reference_loop import EXACT_RTOL, FP64, reference_run
 
 STEPS = 10
 SEQ_LEN = 32
 GLOBAL_BATCH = 8
 BUCKET_MB = 1.0  # several buckets for the 1.1M-parameter debug model (the default 25 MB would be one)
 STAGES = (0, 1, 2, 3)
+ELEMENT_BYTES = 8  # fp64 parameters, gradients and collectives
+# the TrainConfig defaults these runs keep, which the plain-loop reference must be given
+LR, EPS, WARMUP = 3e-3, 1e-8, 10
 
 
 def micro_batch(world: int, accumulate: bool) -> int:
@@ -37,7 +46,7 @@ def micro_batch(world: int, accumulate: bool) -> int:
 def make_config(world: int, zero: int = 0, micro: int = GLOBAL_BATCH, *extra: str) -> Config:
     overrides = [f"train.seq_len={SEQ_LEN}", f"train.global_batch={GLOBAL_BATCH}", f"train.micro_batch={micro}",
                  f"train.steps={STEPS}", "train.peak_tflops=1.0", f"parallel.zero={zero}",
-                 f"parallel.bucket_mb={BUCKET_MB}", "log.progress=false", "log.tensorboard=false", *extra]
+                 f"parallel.bucket_mb={BUCKET_MB}", "log.progress=false", "log.tensorboard=false", FP64, *extra]
     return load_config(None, overrides, world_size=world)
 
 
@@ -203,19 +212,24 @@ def dp_runs(world: int, dataset: str) -> list[dict[str, Any]]:
 
 @functools.cache
 def reference(dataset: str) -> dict[str, Any]:
-    """The 1-process run every configuration is compared with (whole batch in one micro-batch)."""
-    return _train(make_config(1, 0, GLOBAL_BATCH), dataset, want_params=True)
+    """The plain float64 loop every configuration is compared with (whole batch in one micro-batch), with
+    the trainer's defaults these runs keep (cosine schedule, clip 1.0, weight decay 0.1)."""
+    ref = reference_run(Path(dataset), steps=STEPS, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, lr=LR, eps=EPS,
+                        warmup=WARMUP, dtype=torch.float64)
+    return {**ref, "grad_norms": ref["norms"]}
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def assert_parity(got: dict[str, Any], ref: dict[str, Any], rtol: float = 1e-5) -> None:
-    """Same loss at every step, the same step-1 gradient of every parameter and the same final parameters
-    as the 1-process run (fp32)."""
+def assert_parity(got: dict[str, Any], ref: dict[str, Any], rtol: float = EXACT_RTOL) -> None:
+    """Same loss and gradient norm at every step, the same step-1 gradient of every parameter and the same
+    final parameters as the 1-process plain loop (float64, to 1e-10)."""
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"]), start=1):
         assert abs(a - b) <= rtol * abs(b), f"step {step}: loss {a} vs 1-process {b}"
+    for step, (a, b) in enumerate(zip(got["grad_norms"], ref["grad_norms"]), start=1):
+        assert abs(a - b) <= rtol * abs(b), f"step {step}: gradient norm {a} vs 1-process {b}"
     assert len(got["losses"]) == len(ref["losses"]) == STEPS
     assert got["grads"].keys() == ref["grads"].keys()
     for name, g in ref["grads"].items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from tests.parallel.test_composition_parity import EPS, GLOBAL, LR, SEQ, STEPS, WARMUP
 from tests.reference_loop import reference_run
@@ -12,6 +13,6 @@ from tests.reference_loop import reference_run
 
 @pytest.fixture(scope="session")
 def references(default_dataset) -> dict[str, dict[str, Any]]:
-    """The plain-loop reference runs (debug and debug-untied) that every composition must match."""
-    common = dict(steps=STEPS, seq_len=SEQ, global_batch=GLOBAL, lr=LR, eps=EPS, warmup=WARMUP)
+    """The plain-loop reference runs (debug and debug-untied, float64) that every composition must match."""
+    common = dict(steps=STEPS, seq_len=SEQ, global_batch=GLOBAL, lr=LR, eps=EPS, warmup=WARMUP, dtype=torch.float64)
     return {m: reference_run(default_dataset, model=m, **common) for m in ("debug", "debug-untied")}

@@ -3,7 +3,8 @@ from the tensors actually allocated, and the Ultra-Scale Playbook formula it sho
 
 For Ψ parameters (Ψ counted after padding each bucket to a multiple of dp), parameter bytes P per
 element (4 fp32, 2 bf16), fp32 gradient accumulation (4 per element, always: `main_grad`), Adam
-moments (8) and a separate fp32 master copy (4, only when parameters are not fp32):
+moments (8) and a separate fp32 master copy (4, only when parameters are not fp32) — with fp64 state
+(`train.precision='fp64'`, the parity suite's mode) the state's 4, 8 and 4 bytes double:
 
     stage 0:  PΨ + 4Ψ + 8Ψ + MΨ
     stage 1:  PΨ + 4Ψ + (8Ψ + MΨ)/dp            optimizer state and master sharded
@@ -42,10 +43,13 @@ class MemoryReport:
                 + (f"; transient peak {self.transient_peak / mib:.2f} MiB)" if self.transient_peak else ")"))
 
 
-def zero_formula(stage: int, numel: int, dp: int, param_bytes: int, master: bool) -> MemoryReport:
-    """The bytes per rank each stage should keep (see the module docstring)."""
-    m = 4 if master else 0
-    params, grads, optim, mast = param_bytes * numel, 4 * numel, 8 * numel, m * numel
+def zero_formula(stage: int, numel: int, dp: int, param_bytes: int, master: bool,
+                 state_bytes: int = 4) -> MemoryReport:
+    """The bytes per rank each stage should keep (see the module docstring); `state_bytes`: the gradient
+    and optimizer element size (4: fp32; 8: fp64)."""
+    m = state_bytes if master else 0
+    params, grads, optim = param_bytes * numel, state_bytes * numel, 2 * state_bytes * numel
+    mast = m * numel
     if stage >= 1:
         optim, mast = optim // dp, mast // dp
     if stage >= 2:
