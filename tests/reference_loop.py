@@ -78,8 +78,9 @@ def adamw(named: list[tuple[str, torch.nn.Parameter]], *, lr: float, eps: float,
 def reference_run(dataset_dir: Path, *, model: str = "debug", steps: int, seq_len: int, global_batch: int,
                   lr: float, eps: float, warmup: int, clip: float = 1.0, weight_decay: float = 0.1,
                   min_ratio: float = 0.1, seed: int = 0, n_layers: int | None = None,
-                  dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """`dtype`: the model, gradients, optimizer state and loss (float64: the exact parity suite)."""
+                  dtype: torch.dtype = torch.float32, micro_batch: int | None = None) -> dict[str, Any]:
+    """`dtype`: the model, gradients, optimizer state and loss (float64: the exact parity suite);
+    `micro_batch`: accumulate the global batch over micro-batches of this size (another summation order)."""
     torch.manual_seed(seed)
     cfg = get_model_config(model)
     if n_layers is not None:
@@ -89,16 +90,19 @@ def reference_run(dataset_dir: Path, *, model: str = "debug", steps: int, seq_le
     net = build_model(cfg, seed=seed, dtype=dtype)
     named = list(net.named_parameters())
     opt = adamw(named, lr=lr, eps=eps, weight_decay=weight_decay)
-    loader = TokenLoader(TokenDataset(dataset_dir), seq_len=seq_len, micro_batch=global_batch,
+    loader = TokenLoader(TokenDataset(dataset_dir), seq_len=seq_len, micro_batch=micro_batch or global_batch,
                          global_batch=global_batch, seed=seed)
     out: dict[str, Any] = {"losses": [], "norms": [], "grads": {}}
     for step in range(steps):
-        (x, y), = loader.next_step()
+        batches = loader.next_step()
         opt.zero_grad(set_to_none=True)
-        logits = net(x)
-        logits = logits if logits.dtype == torch.float64 else logits.float()
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        loss.backward()
+        loss = torch.zeros((), dtype=torch.float64)
+        for x, y in batches:
+            logits = net(x)
+            logits = logits if logits.dtype == torch.float64 else logits.float()
+            micro_loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / len(batches)
+            micro_loss.backward()
+            loss += micro_loss.detach()
         norm = _clip_grad_norm(net.parameters(), clip)
         if step == 0:
             out["grads"] = {n: p.grad.detach().numpy().copy() for n, p in named}
