@@ -4,7 +4,8 @@
 
 `fn` must be importable (defined at module level). Each rank gets a gloo process group initialised
 through a FileStore in a fresh temporary directory (no ports to race for), one intra-op thread (the
-CI machine has 2 cores), the caller's environment as it is at the call (e.g. strict comm mode), and its
+CI machine has 2 cores; PENTATRON_TEST_RANK_THREADS=N for N, to run the suite under other kernel
+blockings: docs/testing.md), the caller's environment as it is at the call (e.g. strict comm mode), and its
 return value is sent back to the caller. A failure on any rank is re-raised here with that rank's
 traceback; a rank that does not finish within `timeout` seconds fails the test instead of hanging it.
 
@@ -36,16 +37,24 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.nn", "torch._dynamo"
            "numpy", "pentatron.train.trainer", "tests.reference_loop"]
 
 
+RANK_THREADS_ENV = "PENTATRON_TEST_RANK_THREADS"
+
+
 class RankFailed(RuntimeError):
     pass
 
 
+def rank_threads() -> int:
+    """Intra-op threads of each rank and of the 1-process references (1 unless the environment says)."""
+    return int(os.environ.get(RANK_THREADS_ENV, "1"))
+
+
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, args: tuple,
            results: mp.Queue, environ: dict[str, str]) -> None:
-    torch.set_num_threads(1)
     # The fork server's environment is the one it started with: take the caller's, as spawn would.
     os.environ.clear()
     os.environ.update(environ)
+    torch.set_num_threads(rank_threads())
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     finished = False

@@ -28,14 +28,15 @@ import torch.nn.functional as F
 from pentatron.data.loader import TokenDataset, TokenLoader
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
+from tests.multiprocess import rank_threads
 
 F_ = TypeVar("F_", bound=Callable[..., dict[str, Any]])
 
 
 def once_per_session(fn: F_) -> F_:
     """Memoize a deterministic reference run on its arguments (the dataset directory and the keywords), and
-    run it on one intra-op thread as the ranks do (faster on the loaded 2-core machine, and the same result
-    whichever test asks first)."""
+    run it on the ranks' intra-op threads (`rank_threads`: 1 unless set; faster on the loaded 2-core machine,
+    and the same result whichever test asks first)."""
     memo: dict[tuple, dict[str, Any]] = {}
     signature = inspect.signature(fn)
     first = next(iter(signature.parameters))  # the dataset directory
@@ -48,7 +49,7 @@ def once_per_session(fn: F_) -> F_:
         key = (str(Path(dataset_dir).resolve()), *options)
         if key not in memo:
             threads = torch.get_num_threads()
-            torch.set_num_threads(1)
+            torch.set_num_threads(rank_threads())
             try:
                 memo[key] = fn(dataset_dir, **kwargs)
             finally:
