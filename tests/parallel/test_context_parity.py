@@ -59,7 +59,7 @@ def _ranks(rank: int, world: int, dataset_dir: Path, log_dir: str) -> dict[str, 
 
 @pytest.fixture(scope="module")
 def reference(default_dataset) -> dict[str, Any]:
-    """The plain loop in float64 (the `references` fixture of conftest.py is fp32)."""
+    """The plain loop in float64, as the cp runs (`FP64`)."""
     return reference_run(default_dataset, steps=STEPS, seq_len=SEQ, global_batch=GLOBAL, lr=LR, eps=EPS,
                          warmup=WARMUP, dtype=torch.float64)
 
