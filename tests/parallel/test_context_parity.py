@@ -3,8 +3,9 @@
 Ring, Ulysses and hybrid at cp 2 and 4; cp × tp with sequence parallelism; cp × dp under ZeRO-3 (the
 shards span dp×cp); cp × pp; and the 8-rank cp2 × tp2 × dp2. Each run trains 10 steps through the real
 `Trainer` on real gloo ranks and must match `tests/reference_loop.py` (no shared code) in every step's
-loss and gradient norm, every parameter's step-1 gradient and the final parameters (≤ 1e-5 relative),
-with every replica bitwise identical — the same bar and harness as `test_composition_parity.py`.
+loss and gradient norm, every parameter's step-1 gradient and the final parameters, with every replica
+bitwise identical — the harness of `test_composition_parity.py`. Both sides run in float64, so the bar is
+`EXACT_RTOL` (1e-10 relative; rounding sits near 1e-15, a wrong shard or a dropped 1/cp shows at ≥ 1e-6).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from tests.multiprocess import run_ranks
-from tests.parallel.test_composition_parity import STEPS, TOL, _config, _merged, _train
-from tests.reference_loop import relative_error
+from tests.parallel.test_composition_parity import EPS, GLOBAL, LR, SEQ, STEPS, WARMUP, _config, _merged, _train
+from tests.reference_loop import EXACT_RTOL, FP64, reference_run, relative_error
 from tests.strict_comm import strict_comm_fixture
 
 strict_comm = strict_comm_fixture("module")  # NCCL's p2p ordering and device rules on gloo
@@ -51,23 +53,30 @@ CASES: dict[int, dict[str, list[str]]] = {
 
 
 def _ranks(rank: int, world: int, dataset_dir: Path, log_dir: str) -> dict[str, dict[str, Any]]:
-    return {label: _train(_config(world, extra, log_dir), dataset_dir) for label, extra in CASES[world].items()}
+    return {label: _train(_config(world, [*extra, FP64], log_dir), dataset_dir)
+            for label, extra in CASES[world].items()}
+
+
+@pytest.fixture(scope="module")
+def reference(default_dataset) -> dict[str, Any]:
+    """The plain loop in float64, as the cp runs (`FP64`)."""
+    return reference_run(default_dataset, steps=STEPS, seq_len=SEQ, global_batch=GLOBAL, lr=LR, eps=EPS,
+                         warmup=WARMUP, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
-def test_context_parallel_equals_a_plain_loop(world, references, default_dataset, tmp_path):
-    runs = run_ranks(_ranks, world, args=(default_dataset, str(tmp_path)), timeout=900)
-    ref = references["debug"]
+def test_context_parallel_equals_a_plain_loop(world, reference, default_dataset, tmp_path):
+    runs, ref = run_ranks(_ranks, world, args=(default_dataset, str(tmp_path)), timeout=900), reference
     for label in CASES[world]:
         for rank, res in enumerate(runs):
             assert len(res[label]["losses"]) == STEPS
-            np.testing.assert_allclose(res[label]["losses"], ref["losses"], rtol=TOL,
+            np.testing.assert_allclose(res[label]["losses"], ref["losses"], rtol=EXACT_RTOL,
                                        err_msg=f"{label} rank {rank}: losses")
-            np.testing.assert_allclose(res[label]["norms"], ref["norms"], rtol=TOL,
+            np.testing.assert_allclose(res[label]["norms"], ref["norms"], rtol=EXACT_RTOL,
                                        err_msg=f"{label} rank {rank}: grad norms")
         for key in ("grads", "params"):
             got = _merged(runs, label, key, tied=True)
             assert got.keys() == ref[key].keys(), label
             for name, t in got.items():
                 err = relative_error(t, ref[key][name])
-                assert err <= TOL, f"{label}: {key} of {name} off by {err:.2e}"
+                assert err <= EXACT_RTOL, f"{label}: {key} of {name} off by {err:.2e}"

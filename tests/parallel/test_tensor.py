@@ -1,6 +1,7 @@
 """Tensor/sequence parallelism, layer by layer: each parallel layer against its plain PyTorch
-counterpart on the gathered weights (outputs, input and weight gradients), the comm ledger against
-the playbook's volumes, saved activations against the derived formula, and bad configurations.
+counterpart on the gathered weights (outputs, input and weight gradients; float64 on both sides, so the
+bar is `EXACT_RTOL`, 1e-10), the comm ledger against the playbook's volumes, saved activations against
+the derived formula, and bad configurations.
 
 All the 2-rank checks run in one `run_ranks` call (module fixture) to pay process start-up once."""
 
@@ -29,9 +30,10 @@ from pentatron.parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 from tests.multiprocess import run_ranks
+from tests.reference_loop import EXACT_RTOL
 
 B, S, H = 2, 32, 128
-TOL = 1e-5
+F64 = torch.float64  # the parity checks' dtype (the ledger and memory checks keep the model's fp32)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -39,8 +41,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
-def _randn(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+def _randn(*shape: int, seed: int, dtype: torch.dtype = F64) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
 # ------------------------------------------------------------------------------------ 2-rank suite
@@ -162,7 +164,7 @@ def _block_comm(ctx: ParallelContext, sp: bool) -> dict[str, Any]:
     model = apply_tensor_parallel(build_model(cfg, seed=0), ctx, sp=sp)
     t = ctx.size("tp")
     cos, sin = model.rotary(torch.arange(S))
-    x = _randn(B, S // t if sp else S, H, seed=30).requires_grad_()
+    x = _randn(B, S // t if sp else S, H, seed=30, dtype=torch.float32).requires_grad_()
     holder: dict[str, torch.Tensor] = {}
     fwd = _ledger_of(ctx, lambda: holder.update(y=model.layers[0](x, cos, sin)))
     bwd = _ledger_of(ctx, lambda: holder["y"].sum().backward())
@@ -181,7 +183,7 @@ def _activation_bytes(ctx: ParallelContext, sp: bool) -> tuple[int, int]:
 
 def _measure_layer(model: torch.nn.Module, cfg: Any, local_s: int, dtype: torch.dtype = torch.float32) -> int:
     cos, sin = model.rotary(torch.arange(S))
-    x = _randn(B, local_s, cfg.hidden_size, seed=32).to(dtype).requires_grad_()
+    x = _randn(B, local_s, cfg.hidden_size, seed=32, dtype=torch.float32).to(dtype).requires_grad_()
     with SavedTensorMeter(exclude=[*model.parameters(), cos, sin]) as meter:
         y = model.layers[0](x, cos, sin)
     del y
@@ -208,7 +210,7 @@ def test_parallel_layer_matches_unsharded(tp2, layer, mode):
     for rank, res in enumerate(tp2):
         checks = {k: v for k, v in res["errors"].items() if k.startswith(f"{layer}/{mode}/")}
         assert len(checks) >= 2, checks
-        bad = {k: v for k, v in checks.items() if not v <= TOL}
+        bad = {k: v for k, v in checks.items() if not v <= EXACT_RTOL}
         assert not bad, f"rank {rank}: {bad}"
 
 
@@ -216,7 +218,7 @@ def test_conjugate_operators(tp2):
     for rank, res in enumerate(tp2):
         checks = {k: v for k, v in res["errors"].items() if "/forward" in k or "/backward" in k}
         assert len(checks) == 7
-        assert all(v <= TOL for v in checks.values()), f"rank {rank}: {checks}"
+        assert all(v <= EXACT_RTOL for v in checks.values()), f"rank {rank}: {checks}"
 
 
 # ------------------------------------------------------------------------------------ communication
