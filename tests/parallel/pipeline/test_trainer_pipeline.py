@@ -102,8 +102,6 @@ def _merged_params(runs: list[dict[str, Any]], label: str, key: str = "params") 
     return merged
 
 
-
-
 def _assert_parity(ref: dict[str, Any], runs: list[dict[str, Any]], label: str) -> None:
     for rank, res in enumerate(runs):
         got = res[label]
