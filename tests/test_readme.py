@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 from tests.launchers import PY, ROOT, _env, in_process
+from tests.reference_loop import EXACT_RTOL, FP64
 
 SMALL = ["--set=train.steps=2", "--set=train.warmup=1", "--set=log.progress=false"]
 
@@ -82,9 +83,10 @@ def test_every_readme_tour_command_runs(tmp_path, default_dataset):
 
 # The demo's layout (configs/demo.toml) at test size: 4 steps (all of them in the parity check) of 2 micro-batches
 # (the 1F1B pipeline still fills and drains) of 2 × 32 tokens (cp2 × tp2+sp still splits each sequence 4 ways)
-# instead of 4 of 4 × 128.
+# instead of 4 of 4 × 128. In float64 (its 1-process reference too): the 8 ranks' losses must equal the
+# reference's to EXACT_RTOL, far inside the demo's own fp32 tolerance (`make demo` stays fp32).
 DEMO_SMALL = ["train.steps=4", "train.warmup=1", "log.every=2", "log.progress=false", "train.seq_len=32",
-              "train.micro_batch=2", "train.global_batch=4"]
+              "train.micro_batch=2", "train.global_batch=4", FP64]
 
 
 def test_demo_trains_5d_checks_parity_and_generates(tmp_path, default_dataset):
@@ -98,4 +100,9 @@ def test_demo_trains_5d_checks_parity_and_generates(tmp_path, default_dataset):
     assert "world=8 dp=1 tp=2 +sp pp=2 (1f1b) cp=2 (ring) ep=2" in out
     assert "world=8 (dp=1 tp=2+sp pp=2 cp=2 ring ep=2" in out and "run summary" in out
     assert "parity check — PASS" in out
+    # The demo prints each step's losses and |diff| (demo.parity_report); fp64 holds them to EXACT_RTOL.
+    rows = re.findall(r"step \d+: 1 process (\S+) +8 ranks \S+ +\|diff\| (\S+)", out)
+    assert len(rows) == 4, out[-4000:]
+    for loss, diff in rows:
+        assert float(diff) <= EXACT_RTOL * float(loss), rows
     assert "tokens from runs/demo/checkpoint" in out

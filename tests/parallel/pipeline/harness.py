@@ -6,6 +6,9 @@ and the comparison includes the first step's *gradients*, not only the parameter
 invariant to a constant gradient scale, so a wrongly scaled pipeline loss would pass a parameter-only
 check. One `run_ranks` call runs a list of cases in sequence, to pay process start-up once. Ranks return numpy
 arrays (torch tensors would travel as shared-memory handles that die with the process).
+
+Both sides run in float64 (model, activations sent between stages, gradients, AdamW state, loss), so the
+comparison holds to `EXACT_RTOL` (1e-10) whatever kernels the CPU picks (tests/reference_loop.py).
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
 from pentatron.parallel.pipeline.engine import PipelineEngine, measured_bubble
 from pentatron.parallel.pipeline.stages import build_stages, stage_layers, sync_tied_grads
+from pentatron.precision import wide
 from pentatron.schedules import make_schedule
+from tests.reference_loop import EXACT_RTOL
 
 SEQ, MICRO, M, STEPS, LR, SEED = 32, 1, 8, 10, 1e-3, 0
+DTYPE = torch.float64  # both sides (the exact parity suite)
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,7 @@ def model_config(case: Case) -> ModelConfig:
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return F.cross_entropy(wide(logits).flatten(0, 1), targets.flatten())
 
 
 def _loader(dataset_dir: Path, m: int) -> TokenLoader:
@@ -79,13 +85,13 @@ def reference_run(case: Case, dataset_dir: Path) -> dict[str, Any]:
 
 
 def _reference_run(case: Case, dataset_dir: Path) -> dict[str, Any]:
-    model = build_model(model_config(case), seed=SEED)
+    model = build_model(model_config(case), seed=SEED, dtype=DTYPE)
     opt = _optimizer(list(model.parameters()))
     loader = _loader(dataset_dir, case.m)
     losses, grads = [], {}
     for step in range(case.steps):
         opt.zero_grad(set_to_none=True)
-        total = torch.zeros(())
+        total = torch.zeros((), dtype=DTYPE)
         mbs = loader.next_step()
         for inputs, targets in mbs:
             loss = loss_fn(model(inputs), targets)
@@ -107,7 +113,7 @@ def pipeline_worker(rank: int, world_size: int, cases: list[Case], dataset_dir: 
     for case in cases:
         cfg = model_config(case)
         schedule = make_schedule(case.schedule, p, case.m, case.v)
-        model = build_model(cfg, seed=SEED)
+        model = build_model(cfg, seed=SEED, dtype=DTYPE)
         stages = build_stages(model, p, pp_rank, stage_layers(cfg, p, case.v, SEQ, layers=case.layers))
         del model
         params = {n: prm for st in stages for n, prm in st.named_parameters()}
@@ -141,8 +147,8 @@ def reference_name(name: str, tied: bool) -> str:
     return "embed.weight" if tied and name == "lm_head.weight" else name
 
 
-def assert_close(got: Any, want: torch.Tensor, what: str, rtol: float = 1e-5) -> None:
-    """Relative error in the norm sense: ‖got − want‖ ≤ rtol · ‖want‖ (fp32 parity)."""
+def assert_close(got: Any, want: torch.Tensor, what: str, rtol: float = EXACT_RTOL) -> None:
+    """Relative error in the norm sense: ‖got − want‖ ≤ rtol · ‖want‖ (fp64 parity)."""
     got = torch.as_tensor(got)
     err = (got - want).norm().item()
     scale = want.norm().item()

@@ -1,13 +1,14 @@
 """Pipeline parallelism through the real `Trainer`: 10 steps of the (tied) debug model equal the
-1-process run — losses and grad norms each step, every parameter's step-1 gradient, final parameters
-gathered from every stage — for
+1-process plain PyTorch loop (tests/reference_loop.py, which shares no code with the trainer) — losses and
+grad norms each step, every parameter's step-1 gradient, final parameters gathered from every stage — for
 pp=2 with each of the four schedules (interleaved with v=2 over the 4 layers) and with an explicit
 split (parallel.pp_layers=[1,3]), pp=4 with 1F1B,
 pp=2 × dp=2 with ZeRO-1, and pp=2 × tp=2 with and without sequence parallelism.
 
+Both sides run in float64 and agree to `EXACT_RTOL` (1e-10) relative: rounding sits near 1e-15 whatever
+kernels the CPU picks, and a real defect (a missing 1/m, a wrong shard) shows at 1e-6 or more.
 One `run_ranks` call per world size runs its configurations in sequence (process start-up dominates
-on the 2-core CI machine). AdamW eps is 1e-4 and lr 1e-3, as in tests/parallel/test_tensor_parity.py,
-so that Adam does not amplify last-bit differences of the reordered sums (see that module's note).
+on the 2-core CI machine).
 """
 
 from __future__ import annotations
@@ -18,17 +19,18 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from pentatron.cli import main
 from pentatron.config import Config, load_config
 from pentatron.parallel.pipeline.trace import read_chrome_trace
 from pentatron.schedules import bubble_fraction
 from tests.multiprocess import run_ranks
-from tests.reference_loop import relative_error
+from tests.reference_loop import EXACT_RTOL, FP64, reference_run, relative_error
 
 STEPS, SEQ, MICRO, GLOBAL = 10, 32, 2, 8
-TOL = 1e-5
-LR, EPS = 1e-3, 1e-4
+TOL = EXACT_RTOL
+LR, EPS, WARMUP = 1e-3, 1e-4, 2
 
 # (label, world size, overrides): m = GLOBAL / (dp · MICRO) micro-batches per step.
 CASES: dict[int, list[tuple[str, list[str]]]] = {
@@ -47,9 +49,10 @@ CASES: dict[int, list[tuple[str, list[str]]]] = {
 
 def _config(world: int, extra: list[str], log_dir: str = "runs/test") -> Config:
     return load_config(None, [f"train.steps={STEPS}", f"train.seq_len={SEQ}", f"train.micro_batch={MICRO}",
-                              f"train.global_batch={GLOBAL}", f"train.lr={LR}", f"train.eps={EPS}", "train.warmup=2",
-                              "train.peak_tflops=1.0", "parallel.bucket_mb=1.0", "log.progress=false",
-                              "log.tensorboard=false", f"log.dir={log_dir}", *extra], world_size=world)
+                              f"train.global_batch={GLOBAL}", f"train.lr={LR}", f"train.eps={EPS}",
+                              f"train.warmup={WARMUP}", "train.peak_tflops=1.0", "parallel.bucket_mb=1.0",
+                              "log.progress=false", "log.tensorboard=false", f"log.dir={log_dir}", FP64, *extra],
+                       world_size=world)
 
 
 def _run(cfg: Config, dataset_dir: Path) -> dict[str, Any]:
@@ -74,9 +77,15 @@ def _ranks(rank: int, world: int, dataset_dir: Path, log_dir: str) -> dict[str, 
     return out
 
 
+def _reference(dataset_dir: Path, model: str = "debug") -> dict[str, Any]:
+    """The plain loop with the trainer's hyperparameters (its defaults: cosine to 0.1, clip 1, decay 0.1)."""
+    return reference_run(dataset_dir, model=model, steps=STEPS, seq_len=SEQ, global_batch=GLOBAL, lr=LR, eps=EPS,
+                         warmup=WARMUP, dtype=torch.float64)
+
+
 @pytest.fixture(scope="module")
 def reference(default_dataset) -> dict[str, Any]:
-    return _run(_config(1, []), default_dataset)
+    return _reference(default_dataset)
 
 
 def _merged_params(runs: list[dict[str, Any]], label: str, key: str = "params") -> dict[str, np.ndarray]:
@@ -136,7 +145,7 @@ def test_pp2_every_schedule_through_the_trainer_equals_one_process(reference, de
 
 def test_pp_with_dp_zero1_and_tp_sp_through_the_trainer_equals_one_process(reference, default_dataset, tmp_path):
     runs = run_ranks(_ranks, 4, args=(default_dataset, str(tmp_path)))
-    untied = _run(_config(1, ["model.name=debug-untied"]), default_dataset)
+    untied = _reference(default_dataset, "debug-untied")
     for label, _ in CASES[4]:
         _assert_parity(untied if "untied" in label else reference, runs, label)
     assert runs[0]["pp=2 dp=2 zero=1"]["comm"]["dp"] and runs[0]["pp=2 tp=2"]["comm"]["tp"]
