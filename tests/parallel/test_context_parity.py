@@ -15,11 +15,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from tests.multiprocess import run_ranks
-from tests.parallel.test_composition_parity import EPS, GLOBAL, LR, SEQ, STEPS, WARMUP, _config, _merged, _train
-from tests.reference_loop import EXACT_RTOL, FP64, reference_run, relative_error
+from tests.parallel.test_composition_parity import STEPS, _config, _merged, _train
+from tests.reference_loop import EXACT_RTOL, relative_error
 from tests.strict_comm import strict_comm_fixture
 
 strict_comm = strict_comm_fixture("module")  # NCCL's p2p ordering and device rules on gloo
@@ -53,20 +52,12 @@ CASES: dict[int, dict[str, list[str]]] = {
 
 
 def _ranks(rank: int, world: int, dataset_dir: Path, log_dir: str) -> dict[str, dict[str, Any]]:
-    return {label: _train(_config(world, [*extra, FP64], log_dir), dataset_dir)
-            for label, extra in CASES[world].items()}
-
-
-@pytest.fixture(scope="module")
-def reference(default_dataset) -> dict[str, Any]:
-    """The plain loop in float64, as the cp runs (`FP64`)."""
-    return reference_run(default_dataset, steps=STEPS, seq_len=SEQ, global_batch=GLOBAL, lr=LR, eps=EPS,
-                         warmup=WARMUP, dtype=torch.float64)
+    return {label: _train(_config(world, extra, log_dir), dataset_dir) for label, extra in CASES[world].items()}
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
-def test_context_parallel_equals_a_plain_loop(world, reference, default_dataset, tmp_path):
-    runs, ref = run_ranks(_ranks, world, args=(default_dataset, str(tmp_path)), timeout=900), reference
+def test_context_parallel_equals_a_plain_loop(world, references, default_dataset, tmp_path):
+    runs, ref = run_ranks(_ranks, world, args=(default_dataset, str(tmp_path)), timeout=900), references["debug"]
     for label in CASES[world]:
         for rank, res in enumerate(runs):
             assert len(res[label]["losses"]) == STEPS
