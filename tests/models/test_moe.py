@@ -1,6 +1,8 @@
 """The MoE layer on one process: routing (top-k selection, renormalisation, capacity drops), the
 balancing losses' gradient against an explicit `loss + coef·aux` reference, the aux-free bias update's
-direction, parameter counts, and that a dense-equivalent MoE (one expert, top-1) is the dense MLP."""
+direction, parameter counts, and that a dense-equivalent MoE (one expert, top-1) is the dense MLP.
+The comparisons with an explicit reference run in float64 on both sides, to `EXACT_RTOL` (1e-10):
+rounding sits near 1e-15 whatever kernels the CPU picks."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from pentatron.models.moe import (
     sort_assignments,
 )
 from pentatron.models.registry import MODELS
+from tests.reference_loop import EXACT_RTOL
 
 H = 16
 
@@ -33,48 +36,56 @@ def _cfg(**moe: object) -> ModelConfig:
     return ModelConfig(vocab_size=64, hidden_size=H, n_layers=2, n_heads=2, n_kv_heads=2, ffn_hidden_size=32, moe=m)
 
 
-def _layer(seed: int = 0, **moe: object) -> MoE:
+def _layer(seed: int = 0, dtype: torch.dtype = torch.float32, **moe: object) -> MoE:
     torch.manual_seed(seed)
     layer = MoE(_cfg(**moe))
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    return layer
+    return layer.to(dtype)
 
 
-def _x(tokens: int = 24, seed: int = 1) -> torch.Tensor:
-    return torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed))
+def _x(tokens: int = 24, seed: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _exact(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
+    """float64 on both sides: ‖got − want‖/‖want‖ within EXACT_RTOL."""
+    assert got.dtype == want.dtype == torch.float64, what
+    got, want = got.detach(), want.detach()
+    err = float((got - want).norm() / want.norm()) if want.norm() else float(got.norm())
+    assert err <= EXACT_RTOL, f"{what} off by {err:.2e}"
 
 
 def test_topk_selection_and_weights() -> None:
-    router = Router(H, _cfg().moe)
+    router = Router(H, _cfg().moe).double()
     with torch.no_grad():
         router.weight.copy_(torch.randn(4, H))
-    x = _x()
+    x = _x(dtype=torch.float64)
     r = router(x)
     probs = F.softmax(x @ router.weight.T, dim=-1)
     want = probs.topk(2, dim=-1)
     assert torch.equal(r.experts, want.indices)
-    torch.testing.assert_close(r.weights, want.values / want.values.sum(-1, keepdim=True))
+    _exact(r.weights, want.values / want.values.sum(-1, keepdim=True), "softmax weights")
     assert torch.equal(r.counts, torch.bincount(want.indices.flatten(), minlength=4))
     # sigmoid scores, unnormalised, scaled: the weights are the raw sigmoids times route_scale
-    sig = Router(H, _cfg(score="sigmoid", norm_topk_prob=False, route_scale=2.5).moe)
+    sig = Router(H, _cfg(score="sigmoid", norm_topk_prob=False, route_scale=2.5).moe).double()
     sig.weight.data.copy_(router.weight)
     rs = sig(x)
     s = torch.sigmoid(x @ router.weight.T)
-    torch.testing.assert_close(rs.weights, 2.5 * s.gather(1, rs.experts))
+    _exact(rs.weights, 2.5 * s.gather(1, rs.experts), "sigmoid weights")
     assert torch.equal(rs.experts, s.topk(2, dim=-1).indices)
 
 
 def test_bias_changes_selection_not_weights() -> None:
-    router = Router(H, _cfg(score="sigmoid").moe)
+    router = Router(H, _cfg(score="sigmoid").moe).double()
     router.weight.data.normal_()
-    x = _x()
+    x = _x(dtype=torch.float64)
     base = router(x)
     router.expert_bias.copy_(torch.tensor([10.0, 0.0, 0.0, 0.0]))  # expert 0 always chosen
     r = router(x)
     assert bool((r.experts == 0).any(-1).all())
     s = torch.sigmoid(x @ router.weight.T).gather(1, r.experts)
-    torch.testing.assert_close(r.weights, s / s.sum(-1, keepdim=True))  # weights from unbiased scores
+    _exact(r.weights, s / s.sum(-1, keepdim=True), "biased selection's weights")  # from unbiased scores
     assert not torch.equal(r.experts, base.experts)
 
 
@@ -134,8 +145,8 @@ def test_dropped_counts_in_metrics() -> None:
 
 
 def test_forward_matches_a_per_token_loop() -> None:
-    layer = _layer(n_shared_experts=1)
-    x = _x(10)
+    layer = _layer(n_shared_experts=1, dtype=torch.float64)
+    x = _x(10, dtype=torch.float64)
     out = layer(x)
     r = layer.router(x)
     e = layer.experts
@@ -144,18 +155,18 @@ def test_forward_matches_a_per_token_loop() -> None:
         for j, w in zip(r.experts[t].tolist(), r.weights[t]):
             h = F.silu(e.gate_proj[j] @ x[t]) * (e.up_proj[j] @ x[t])
             want[t] += w * (e.down_proj[j] @ h)
-    torch.testing.assert_close(out, want)
+    _exact(out.detach(), want.detach(), "forward vs per-token loop")
 
 
 def test_aux_loss_gradient_equals_explicit_reference() -> None:
     """The autograd scaler gives every parameter (and the input) the gradient of
     loss + scale·(aux_coef·aux + z_coef·z), computed here explicitly from the router's output."""
-    kw = dict(aux_loss_coef=0.3, z_loss_coef=0.05)
+    kw = dict(aux_loss_coef=0.3, z_loss_coef=0.05, dtype=torch.float64)
     layer, ref = _layer(**kw), _layer(**kw)
     set_aux_loss_scale(layer, 0.5)  # as with 2 micro-batches
-    x1 = _x().requires_grad_()
-    x2 = _x().requires_grad_()
-    target = torch.randn(24, H, generator=torch.Generator().manual_seed(3))
+    x1 = _x(dtype=torch.float64).requires_grad_()
+    x2 = _x(dtype=torch.float64).requires_grad_()
+    target = torch.randn(24, H, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     ((layer(x1) - target) ** 2).mean().backward()
 
     # The reference: the same forward written out, with the balancing losses added to the loss.
@@ -173,12 +184,12 @@ def test_aux_loss_gradient_equals_explicit_reference() -> None:
 
     assert layer.router.weight.grad.abs().max() > 0
     for (name, p), q in zip(layer.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
-    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-7)
+        _exact(p.grad, q.grad, name)
+    _exact(x1.grad, x2.grad, "input gradient")
     # and the aux term really contributes: without it the router gradient differs
     plain = _layer(**kw)
     set_aux_loss_scale(plain, 0.0)
-    ((plain(_x()) - target) ** 2).mean().backward()
+    ((plain(_x(dtype=torch.float64)) - target) ** 2).mean().backward()
     assert not torch.allclose(plain.router.weight.grad, layer.router.weight.grad, rtol=1e-3)
 
 
@@ -191,7 +202,7 @@ def test_balancing_loss_is_one_when_uniform() -> None:
 def test_one_expert_top1_is_the_dense_mlp() -> None:
     cfg = _cfg(n_experts=1, top_k=1, expert_ffn_size=32)
     dense = replace(cfg, moe=None)
-    a, b = build_model(cfg, seed=3), build_model(dense, seed=3)
+    a, b = build_model(cfg, seed=3, dtype=torch.float64), build_model(dense, seed=3, dtype=torch.float64)
     with torch.no_grad():
         for i in range(2):
             mlp, ex = b.layers[i].mlp, a.layers[i].moe.experts
@@ -199,7 +210,7 @@ def test_one_expert_top1_is_the_dense_mlp() -> None:
             ex.up_proj.copy_(mlp.up_proj.weight[None])
             ex.down_proj.copy_(mlp.down_proj.weight[None])
         tokens = torch.randint(0, 64, (2, 12))
-        torch.testing.assert_close(a(tokens), b(tokens))
+        _exact(a(tokens), b(tokens), "one-expert MoE vs dense MLP")
 
 
 def test_param_counts() -> None:

@@ -3,7 +3,8 @@ same decay groups, clipping and schedule) over the global batch cut into its mic
 balancing losses are computed per forward, so a micro-batch of 2 sequences is not the same as one batch
 of 8 — each micro-batch's loss divided by their number, and after each optimizer step the model's
 `finish_step` (aux-free bias update from the step's summed loads). Shares no code with the parallel
-runtime; only the model, its MoE helpers and the data loader are Pentatron's.
+runtime; only the model, its MoE helpers and the data loader are Pentatron's. `dtype`: the model,
+gradients, optimizer state and loss (float64: the exact parity suite).
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from tests.reference_loop import _clip_grad_norm, adamw, cosine_lr, once_per_ses
 def moe_reference_run(dataset_dir: Path, *, model: str, steps: int, seq_len: int, global_batch: int,
                       micro_batch: int, lr: float, eps: float, warmup: int, clip: float = 1.0,
                       weight_decay: float = 0.1, min_ratio: float = 0.1, seed: int = 0,
-                      capacity_factor: float | None = None) -> dict[str, Any]:
+                      capacity_factor: float | None = None, dtype: torch.dtype = torch.float32
+                      ) -> dict[str, Any]:
     torch.manual_seed(seed)
     cfg = get_model_config(model)
     if capacity_factor is not None:
         cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=capacity_factor))
-    net = build_model(cfg, seed=seed)
+    net = build_model(cfg, seed=seed, dtype=dtype)
     named = list(net.named_parameters())
     opt = adamw(named, lr=lr, eps=eps, weight_decay=weight_decay)
     loader = TokenLoader(TokenDataset(dataset_dir), seq_len=seq_len, micro_batch=micro_batch,
@@ -43,7 +45,9 @@ def moe_reference_run(dataset_dir: Path, *, model: str, steps: int, seq_len: int
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for x, y in loader.next_step():
-            loss = F.cross_entropy(net(x).float().flatten(0, 1), y.flatten())
+            logits = net(x)
+            logits = logits if logits.dtype == torch.float64 else logits.float()
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             (loss / chunks).backward()
             total += float(loss.detach())
         norm = _clip_grad_norm(net.parameters(), clip)

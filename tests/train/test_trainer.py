@@ -1,11 +1,17 @@
+"""The 1-process trainer: metrics, and its runs equal the plain reference loop (`tests/reference_loop.py`)
+whatever the micro-batching, recomputation or a checkpoint resume — in float64 on both sides, to
+`EXACT_RTOL` (1e-10) in the losses, gradient norms and final parameters: rounding sits near 1e-15
+whatever kernels the CPU picks."""
+
 import json
 import math
 
 import pytest
 import torch
 
-from pentatron.config import load_config
+from pentatron.config import TrainConfig, load_config
 from pentatron.train.trainer import Trainer
+from tests.reference_loop import EXACT_RTOL, FP64, reference_run, relative_error
 
 REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_bytes", "comm_bytes"}
 
@@ -19,6 +25,34 @@ def _cfg(tmp_path, *overrides):
 
 def _fit(tmp_path, dataset, *overrides):
     return Trainer(_cfg(tmp_path, *overrides), dataset_dir=dataset).fit()
+
+
+def _fit_fp64(tmp_path, dataset, *overrides):
+    """A float64 run: its records and final parameters (the tied head under its embedding's name)."""
+    trainer = Trainer(_cfg(tmp_path, FP64, *overrides), dataset_dir=dataset)
+    records = trainer.fit()
+    params = {"embed.weight" if n == "lm_head.weight" else n: t.numpy()
+              for n, t in trainer.runner.full_parameters().items()}
+    return records, params
+
+
+def _reference(dataset, steps, **kwargs):
+    """`_cfg`'s run (seq 64, global batch 8, TrainConfig's optimizer defaults) in the plain float64 loop."""
+    d = TrainConfig()
+    kwargs.setdefault("min_ratio", d.min_lr_ratio)
+    return reference_run(dataset, steps=steps, seq_len=64, global_batch=8, lr=d.lr, eps=d.eps,
+                         weight_decay=d.weight_decay, clip=d.clip, dtype=torch.float64, **kwargs)
+
+
+def _assert_equals_reference(records, params, ref, what):
+    assert len(records) == len(ref["losses"]), what
+    for r, loss, norm in zip(records, ref["losses"], ref["norms"], strict=True):
+        assert r["loss"] == pytest.approx(loss, rel=EXACT_RTOL), (what, r["step"])
+        assert r["grad_norm"] == pytest.approx(norm, rel=EXACT_RTOL), (what, r["step"])
+    assert params.keys() == ref["params"].keys(), what
+    for name, t in params.items():
+        err = relative_error(t, ref["params"][name])
+        assert err <= EXACT_RTOL, f"{what}: {name} off by {err:.2e}"
 
 
 def test_loss_falls_from_ln_vocab_and_metrics_are_logged(tmp_path, default_dataset):
@@ -36,20 +70,18 @@ def test_loss_falls_from_ln_vocab_and_metrics_are_logged(tmp_path, default_datas
 
 
 def test_gradient_accumulation_equals_one_big_micro_batch(tmp_path, default_dataset):
-    accum = _fit(tmp_path / "a", default_dataset, "train.steps=3", "train.micro_batch=2")
-    whole = _fit(tmp_path / "b", default_dataset, "train.steps=3", "train.micro_batch=8")
-    for a, b in zip(accum, whole):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    # the reference computes the global batch of 8 as one batch
+    ref = _reference(default_dataset, 3, warmup=2)
+    for micro in (2, 8):
+        _assert_equals_reference(*_fit_fp64(tmp_path / str(micro), default_dataset, "train.steps=3",
+                                            f"train.micro_batch={micro}"), ref, f"micro-batch {micro}")
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_recompute_modes_train_identically(tmp_path, default_dataset, mode):
-    ref = _fit(tmp_path / "ref", default_dataset, "train.steps=3")
-    got = _fit(tmp_path / mode, default_dataset, "train.steps=3", f"train.recompute='{mode}'")
-    for a, b in zip(ref, got):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    ref = _reference(default_dataset, 3, warmup=2)  # the same run as above: computed once per session
+    _assert_equals_reference(*_fit_fp64(tmp_path, default_dataset, "train.steps=3", f"train.recompute='{mode}'"),
+                             ref, mode)
 
 
 def test_bf16_mixed_precision_runs_on_cpu(tmp_path, default_dataset):
@@ -61,12 +93,12 @@ def test_bf16_mixed_precision_runs_on_cpu(tmp_path, default_dataset):
 def test_checkpoint_resume_is_exact(tmp_path, default_dataset):
     common = ("train.schedule='constant'", "train.warmup=0")
     ckpt = f"checkpoint.dir={json.dumps(str(tmp_path / 'ckpt'))}"
-    straight = _fit(tmp_path / "s", default_dataset, "train.steps=6", *common)
-    first = _fit(tmp_path / "r", default_dataset, "train.steps=3", ckpt, *common)
-    resumed = _fit(tmp_path / "r", default_dataset, "train.steps=6", ckpt, *common)
+    # 6 straight steps of the plain loop at a constant lr (its cosine with min_ratio 1, no warmup)
+    straight = _reference(default_dataset, 6, warmup=0, min_ratio=1.0)
+    first, _ = _fit_fp64(tmp_path / "r", default_dataset, "train.steps=3", ckpt, *common)
+    resumed, params = _fit_fp64(tmp_path / "r", default_dataset, "train.steps=6", ckpt, *common)
     assert [r["step"] for r in first] == [1, 2, 3] and [r["step"] for r in resumed] == [4, 5, 6]
-    for a, b in zip(straight, first + resumed):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), (a["step"], a["loss"], b["loss"])
+    _assert_equals_reference(first + resumed, params, straight, "resumed")
 
 
 def test_crash_during_save_keeps_last_good_checkpoint(tmp_path, default_dataset, monkeypatch):
