@@ -8,9 +8,8 @@ needs cp=4, so a second launch of 4 ranks runs it (Ulysses 2 × ring 2) at twice
 rank the 16 tokens of the cp2 cases: the same region shapes, so it compiles nothing the cache lacks; with half
 the global batch (2 micro-batches a step), as its 4 processes cost twice a 2-rank case's.
 Each trains 10 steps through the real `Trainer` and must match the reference (`tests/reference_loop.py`,
-the MoE one for ep) in the loss and gradient norm of every step: the dense cases in float64 on both sides
-(inductor's CPU code keeps double), to `EXACT_RTOL` (1e-10); the MoE case in fp32 to 1e-5 (its reference,
-`moe_reference_run`, has no float64 mode). Every region must have a compiled graph in
+the MoE one for ep) in the loss and gradient norm of every step, in float64 on both sides (inductor's CPU
+code keeps double), to `EXACT_RTOL` (1e-10). Every region must have a compiled graph in
 dynamo's cache (a case with an earlier case's code and shapes reuses its graphs and builds none), steps 3..10
 must compile nothing (dynamo's graph count after step 2 stays), and where collectives run inside a block (tp,
 cp2) the comm ledger's calls of a compiled step equal an eager step's: the collectives stay visible.
@@ -34,7 +33,6 @@ strict_comm = strict_comm_fixture("module")  # NCCL's ordering and device rules 
 
 STEPS, SEQ, MICRO, GLOBAL, LR, EPS, WARMUP = 10, 32, 2, 8, 1e-3, 1e-4, 2
 MOE = "model.name='debug-moe'"
-FP32_TOL = 1e-5  # the MoE case only (fp32: moe_reference_run builds its model in fp32)
 CASES: dict[str, list[str]] = {
     "dp2 zero1": ["parallel.dp=2", "parallel.zero=1"],  # recompute none (the default)
     "dp2 zero2": ["parallel.dp=2", "parallel.zero=2"],
@@ -96,16 +94,12 @@ def _uncompiled(model: Any) -> list[str]:
     return [r.name for r in regions if not _debug_get_cache_entry_list(r.eager.__code__)]
 
 
-def _extra(extra: list[str]) -> list[str]:
-    return extra if MOE in extra else [*extra, FP64]
-
-
 def _ranks(rank: int, world: int, dataset_dir: Path, log_dir: str, cases: dict[str, list[str]]
            ) -> dict[str, dict[str, Any]]:
-    out = {label: _train(_extra(extra), dataset_dir, log_dir, STEPS, True, world) for label, extra in cases.items()}
+    out = {label: _train([*extra, FP64], dataset_dir, log_dir, STEPS, True, world) for label, extra in cases.items()}
     for label in LEDGER_CASES:
         if label in cases:
-            out[f"{label} eager"] = _train(_extra(cases[label]), dataset_dir, log_dir, WARMUP + 1, False, world)
+            out[f"{label} eager"] = _train([*cases[label], FP64], dataset_dir, log_dir, WARMUP + 1, False, world)
     return out
 
 
@@ -118,17 +112,17 @@ def test_compiled_blocks_equal_the_plain_loop(default_dataset, tmp_path):
     dense_long = reference_run(default_dataset, model="debug", seq_len=HYBRID_SEQ, global_batch=HYBRID_GLOBAL,
                                dtype=torch.float64, **common)
     moe = moe_reference_run(default_dataset, model="debug-moe", micro_batch=MICRO, seq_len=SEQ, global_batch=GLOBAL,
-                            **common)
+                            dtype=torch.float64, **common)
     worst: dict[str, float] = {}
     for cases, results in ((CASES, runs), (HYBRID, hybrid)):
         for label, extra in cases.items():
             ref = moe if MOE in extra else dense_long if label in HYBRID else dense
-            tol = FP32_TOL if MOE in extra else EXACT_RTOL
             for rank, res in enumerate(results):
                 got = res[label]
                 assert got["regions"], f"{label}: nothing compiled"
                 for key in ("losses", "norms"):
-                    np.testing.assert_allclose(got[key], ref[key], rtol=tol, err_msg=f"{label} rank {rank}: {key}")
+                    np.testing.assert_allclose(got[key], ref[key], rtol=EXACT_RTOL,
+                                               err_msg=f"{label} rank {rank}: {key}")
                     err = np.abs(np.subtract(got[key], ref[key])) / np.abs(ref[key])
                     worst[label] = max(worst.get(label, 0.0), float(np.max(err)))
                 assert not got["uncompiled"], f"{label} rank {rank}: no compiled graph for {got['uncompiled']}"
