@@ -25,8 +25,9 @@ _MARGIN = 1.05  # metadata, a duplicated tied embedding, file-system blocks
 
 
 def predicted_checkpoint_bytes(num_params: int, param_dtype: torch.dtype) -> int:
-    per_param = 4 + 4 + 4  # the fp32 values (model or master) and AdamW's exp_avg, exp_avg_sq
-    if param_dtype != torch.float32:
+    state = 8 if param_dtype == torch.float64 else 4  # fp32 state; fp64 in an fp64 run
+    per_param = 3 * state  # the values (model or master) and AdamW's exp_avg, exp_avg_sq
+    if param_dtype not in (torch.float32, torch.float64):
         per_param += torch.finfo(param_dtype).bits // 8  # the low-precision model copy beside the master
     return int(num_params * per_param * _MARGIN)
 
