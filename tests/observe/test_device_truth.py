@@ -1,6 +1,6 @@
 """What makes the observer's numbers true on GPU, tested on CPU where it can be: the device clock's CPU
 path, the peak-memory reset after set-up, the flight recorder's device-event completion (with a stand-in
-event), and the PyTorch flight-recorder environment."""
+event), the PyTorch flight-recorder environment, and MFU bounded by its definition."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pentatron.distributed.launch import (
 )
 from pentatron.observe.flight_recorder import FlightRecorder, completion_event_for
 from pentatron.observe.memory import PeakMemory, memory_kind, process_peak_rss, reset_process_peak_rss
+from pentatron.observe.system import bounded_mfu
 from pentatron.observe.watchdog import torch_trace_note
 
 
@@ -132,3 +133,19 @@ def test_the_diagnosis_line_names_the_torch_dumps(tmp_path: Path):
     note = torch_trace_note(prefix, 3)
     assert f"dumps: {prefix}<rank> (written: ranks 1)" in note
     assert f"torchfrtrace {tmp_path} --prefix {TORCH_TRACE_PREFIX}" in note
+
+
+def test_mfu_cannot_exceed_one_a_faster_step_raises_the_peak():
+    """MFU = achieved / peak, where a peak is the most the device does: a step faster than the stated peak
+    (a busy CPU calibration, a low train.peak_tflops) proves it low and becomes the peak, so MFU is 1, not
+    more; at or below the peak it is the plain ratio and the peak stands; no work, 0."""
+    assert bounded_mfu(5e12, 1e12) == (1.0, 5e12)
+    assert bounded_mfu(1e12, 1e12) == (1.0, 1e12)
+    assert bounded_mfu(2.5e11, 1e12) == (0.25, 1e12)
+    assert bounded_mfu(0.0, 1e12) == (0.0, 1e12) and bounded_mfu(0.0, 0.0) == (0.0, 0.0)
+    peak = 1.0
+    for achieved in (3.0, 2.0, 7.0, 7.0, 0.5):  # the trainer's loop: each step against the peak so far
+        mfu, peak = bounded_mfu(achieved, peak)
+        assert 0.0 <= mfu <= 1.0 and peak >= achieved
+    assert peak == 7.0
+
