@@ -7,9 +7,10 @@ bubble next to the predicted one.
 Every rank runs each implementation in turn in one set of processes (same stages, same random tokens);
 a step is forward + backward of all micro-batches (no optimizer: identical in both). Step time is the
 slowest rank's, median over the timed steps. The bubble is measured from our engine's per-action
-timestamps: (p · makespan − Σ busy) / Σ busy, the planner's definition; "predicted" is the closed form
-for uniform stages and "simulated" is `schedules.simulate` fed with the measured mean duration of each
-kind of action on each stage (so it accounts for unequal stages, but not for communication).
+timestamps as the ranks' idle share of the step, (p · makespan − Σ busy) / (p · makespan), the planner's
+definition; "predicted" is the closed form for uniform stages ((p−1)/(m+p−1) for AFAB and 1F1B) and
+"simulated" is `schedules.simulate` fed with the measured mean duration of each kind of action on each
+stage (so it accounts for unequal stages, but not for communication).
 """
 
 from __future__ import annotations
@@ -146,8 +147,9 @@ def _measured(args: argparse.Namespace, name: str, v: int, per_rank_slots: list[
         cf, cb, cw = cost(Kind.F), cost(Kind.B), cost(Kind.W)
     else:
         cf, cb, cw = cost(Kind.F), cost(Kind.BW), [0.0] * n
-    closed = {"afab": (args.pp - 1) / args.microbatches, "1f1b": (args.pp - 1) / args.microbatches,
-              "interleaved": (args.pp - 1) / (v * args.microbatches)}.get(name, float("nan"))
+    p, m = args.pp, args.microbatches  # the idle share: (p-1) units idle per rank of m (v·m chunks) busy
+    closed = {"afab": (p - 1) / (m + p - 1), "1f1b": (p - 1) / (m + p - 1),
+              "interleaved": (p - 1) / (v * m + p - 1)}.get(name, float("nan"))
     return {"measured": statistics.median(bubbles), "closed": closed,
             "uniform": simulate(schedule).bubble_fraction, "simulated": simulate(schedule, cf, cb, cw).bubble_fraction}
 

@@ -14,8 +14,11 @@ Conventions
   batches is `p2p_plan` (the engine issues exactly that plan), and `check_p2p` replays a plan under
   NCCL's rules: per rank, batches complete in issue order, and a batch completes only once every peer
   has each matching operation in the batch it is executing. `validate` runs both.
-* Bubble fraction = (p * makespan - total busy time) / total busy time: idle time over ideal compute
-  time, the Ultra-Scale Playbook's definition, which makes AFAB/1F1B come out at (p-1)/m.
+* Bubble fraction = idle / (busy + idle) over the p ranks and one window, the step's makespan:
+  (p * makespan - total busy time) / (p * makespan), the share of the pipeline's time its ranks sit idle,
+  in [0, 1] by construction (`idle_share`); AFAB/1F1B come out at (p-1)/(m+p-1). The Ultra-Scale
+  Playbook's bubble, idle time over ideal compute time ((p-1)/m, unbounded: 7.0 for p=8, m=1), is
+  `Timeline.bubble_ratio`; the two convert as share = ratio / (1 + ratio).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from math import inf, isfinite
 from typing import Literal
 
 
@@ -218,13 +222,47 @@ class Timeline:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle time / ideal compute time over all ranks (the playbook's bubble)."""
+        """The bubble as a share of the pipeline's time, in [0, 1]: idle / (busy + idle) over all ranks in
+        the window [0, makespan] (AFAB and 1F1B: (p-1)/(m+p-1))."""
+        return idle_share(self.busy, self.makespan)
+
+    @property
+    def bubble_ratio(self) -> float:
+        """The playbook's bubble, idle time / ideal compute time (AFAB and 1F1B: (p-1)/m). Unbounded, so
+        never shown as a percentage: `bubble_fraction` is ratio / (1 + ratio)."""
         total = sum(self.busy)
         return (self.p * self.makespan - total) / total if total else 0.0
 
     @property
     def idle(self) -> list[float]:
         return [self.makespan - b for b in self.busy]
+
+
+def idle_share(busy: Sequence[float], window: float) -> float:
+    """Idle / (busy + idle) of ranks that were each busy `busy[r]` seconds within one window of `window`
+    seconds: (len(busy) · window − Σ busy) / (len(busy) · window), in [0, 1] by construction. A rank's busy
+    time counts at most the window: measured (`busy_window`) or simulated it cannot exceed it but by
+    rounding, which is all the clamp absorbs."""
+    if not isfinite(window) or window <= 0:
+        return 0.0
+    held = [min(max(b, 0.0), window) for b in busy]
+    idle = sum(window - b for b in held)
+    total = idle + sum(held)
+    return idle / total if total > 0 else 0.0
+
+
+def busy_window(slots: Sequence[Slot]) -> tuple[float, float, float]:
+    """One rank's (busy, first start, last end) from its action slots on one clock: busy is the time
+    covered by at least one action (an overlap counted once), so it cannot exceed last end − first start
+    whatever the timestamps (under load a mark may land a tick early); (0, inf, -inf) without slots."""
+    busy, first, last, covered = 0.0, inf, -inf, -inf
+    for s in sorted(slots, key=lambda s: s.start):
+        first, last = min(first, s.start), max(last, s.end)
+        lo = max(s.start, covered)
+        if s.end > lo:
+            busy += s.end - lo
+            covered = s.end
+    return (min(busy, max(last - first, 0.0)) if slots else 0.0), first, last
 
 
 def _per_stage(cost: float | Sequence[float], n: int, what: str) -> list[float]:
@@ -585,5 +623,6 @@ def last_stage_awaiting_backward_closed(name: str, p: int, m: int, v: int = 1, a
 
 def bubble_fraction(name: str, p: int, m: int, v: int = 1, *, t_f: float = 1.0, t_b: float = 1.0,
                     t_w: float = 1.0, comm: float = 0.0) -> float:
-    """Simulated bubble of a named schedule with uniform per-stage costs (per chunk for interleaved)."""
+    """Simulated bubble (idle share, `Timeline.bubble_fraction`) of a named schedule with uniform per-stage
+    costs (per chunk for interleaved)."""
     return simulate(make_schedule(name, p, m, v), t_f, t_b, t_w, comm).bubble_fraction

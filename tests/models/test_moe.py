@@ -144,6 +144,30 @@ def test_dropped_counts_in_metrics() -> None:
     assert sum(m["tokens_per_expert"]) == 80 and m["imbalance"] >= 1.0
 
 
+class _KeepNone:
+    """A capacity scope (as context parallelism's) that keeps no assignment: every one is dropped."""
+
+    def tokens(self, local: int) -> int:
+        return local
+
+    def keep(self, experts: torch.Tensor, weights: torch.Tensor, cap: int) -> torch.Tensor:
+        return torch.zeros(experts.numel(), dtype=torch.bool)
+
+
+def test_the_dropped_share_is_0_dropless_and_1_when_all_are_dropped() -> None:
+    """dropped assignments / routed assignments, summed over the step's forwards: a part of its whole."""
+    dropless = _layer()
+    dropless(_x(40))
+    dropless(_x(8, seed=2))
+    assert finish_step(dropless)[""]["dropped_frac"] == 0.0
+    layer = _layer(capacity_factor=1.0)
+    layer.capacity_scope = _KeepNone()
+    out = layer(_x(40))
+    assert torch.equal(out, torch.zeros_like(out))  # no expert ran: the layer adds nothing
+    m = finish_step(layer)[""]
+    assert m["dropped_frac"] == 1.0 and sum(m["tokens_per_expert"]) == 80
+
+
 def test_forward_matches_a_per_token_loop() -> None:
     layer = _layer(n_shared_experts=1, dtype=torch.float64)
     x = _x(10, dtype=torch.float64)

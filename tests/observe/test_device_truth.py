@@ -1,11 +1,14 @@
 """What makes the observer's numbers true on GPU, tested on CPU where it can be: the device clock's CPU
 path, the peak-memory reset after set-up, the flight recorder's device-event completion (with a stand-in
-event), and the PyTorch flight-recorder environment."""
+event), the PyTorch flight-recorder environment, and the shares the run prints bounded by their
+definitions: MFU, and the profiler's split of a step's time."""
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +21,8 @@ from pentatron.distributed.launch import (
 )
 from pentatron.observe.flight_recorder import FlightRecorder, completion_event_for
 from pentatron.observe.memory import PeakMemory, memory_kind, process_peak_rss, reset_process_peak_rss
+from pentatron.observe.profiler import CommTimer, format_summary, split_step_time
+from pentatron.observe.system import bounded_mfu
 from pentatron.observe.watchdog import torch_trace_note
 
 
@@ -132,3 +137,65 @@ def test_the_diagnosis_line_names_the_torch_dumps(tmp_path: Path):
     note = torch_trace_note(prefix, 3)
     assert f"dumps: {prefix}<rank> (written: ranks 1)" in note
     assert f"torchfrtrace {tmp_path} --prefix {TORCH_TRACE_PREFIX}" in note
+
+
+def test_mfu_cannot_exceed_one_a_faster_step_raises_the_peak():
+    """MFU = achieved / peak, where a peak is the most the device does: a step faster than the stated peak
+    (a busy CPU calibration, a low train.peak_tflops) proves it low and becomes the peak, so MFU is 1, not
+    more; at or below the peak it is the plain ratio and the peak stands; no work, 0."""
+    assert bounded_mfu(5e12, 1e12) == (1.0, 5e12)
+    assert bounded_mfu(1e12, 1e12) == (1.0, 1e12)
+    assert bounded_mfu(2.5e11, 1e12) == (0.25, 1e12)
+    assert bounded_mfu(0.0, 1e12) == (0.0, 1e12) and bounded_mfu(0.0, 0.0) == (0.0, 0.0)
+    peak = 1.0
+    for achieved in (3.0, 2.0, 7.0, 7.0, 0.5):  # the trainer's loop: each step against the peak so far
+        mfu, peak = bounded_mfu(achieved, peak)
+        assert 0.0 <= mfu <= 1.0 and peak >= achieved
+    assert peak == 7.0
+
+
+def test_comm_time_counts_once_inside_the_step_under_its_phase():
+    """A batch's ops open together and close in issue order: the interval counts once (it counted once per
+    op, so a pipeline's send + recv batch twice); outside a step nothing counts (the step's wall time
+    does not hold it either)."""
+    clock = DeviceClock(torch.device("cpu"))
+    timer = CommTimer(clock)
+    send, recv = (SimpleNamespace(dim="pp", op=op, range=None) for op in ("send", "recv"))
+    timer.open(send)
+    timer.close(send)  # between two steps (phase None)
+    timer.phase = "forward"
+    start = time.perf_counter()
+    timer.open(send)
+    timer.open(recv)
+    time.sleep(0.02)
+    timer.close(send)
+    timer.close(recv)
+    elapsed = time.perf_counter() - start
+    got = clock.collect()
+    assert set(got) == {"comm/pp/forward"} and 0.02 <= got["comm/pp/forward"] <= elapsed
+    assert dict(timer.calls) == {"pp": 2} and send.range is None and recv.range is None
+
+
+def _shares(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"(-?[\d.]+)%", text)]
+
+
+def test_the_profilers_split_of_a_step_is_disjoint_parts_of_it():
+    """Comm comes out of the phase it fell in (not spread over the phases), other is what is left: the
+    parts add up to the wall time; a comm interval larger than its phase (CUDA: recorded on another
+    stream) leaves that phase 0, not negative, and every printed share stays within 0..100 %."""
+    phases = {"forward": 3.0, "backward": 4.0, "optimizer": 1.0}
+    comm = {("pp", "forward"): 1.0, ("pp", "backward"): 2.0, ("dp", "between"): 0.5}
+    compute, by_dim, other = split_step_time(10.0, phases, comm)
+    assert compute == {"forward": 2.0, "backward": 2.0, "optimizer": 1.0}
+    assert by_dim == {"pp": 3.0, "dp": 0.5} and other == 1.5
+    compute, by_dim, other = split_step_time(2.0, {"forward": 1.0, "backward": 1.0, "optimizer": 0.0},
+                                             {("pp", "backward"): 1.5})
+    assert compute == {"forward": 1.0, "backward": 0.0, "optimizer": 0.0} and other == 0.0
+    summary = {"rank": 0, "steps": [2, 3], "wall_s": 2.0, "compute_s": compute, "comm_s": by_dim,
+               "comm_calls": {"pp": 4}, "other_s": other}
+    shares = _shares(format_summary(summary))
+    assert all(0 <= x <= 100 for x in shares) and shares[-3:] == [40.0, 60.0, 0.0], shares
+    all_comm = {"rank": 0, "steps": [1, 1], "wall_s": 1.0, "compute_s": {"forward": 0.0}, "comm_s": {"pp": 1.0},
+                "comm_calls": {}, "other_s": 0.0}
+    assert _shares(format_summary(all_comm))[-3:] == [0.0, 100.0, 0.0]

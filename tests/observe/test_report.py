@@ -68,8 +68,11 @@ def test_report_matches_the_ledger(tmp_path: Path, default_dataset, world: int, 
         d: b for d, b in _sent_by_report_dim(ledgers[0]).items()}
     if world == 1:
         assert per_step == {} and meas["model_state_bytes"] == pytest.approx(pred["model_state_bytes"], rel=0.01)
-    if "parallel.pp=2" in extra:
-        assert "| pipeline bubble |" in md and 0 < meas["bubble"] < 1
+    if "parallel.pp=2" in extra:  # measured and predicted: the pp ranks' idle share of the step, in [0, 1]
+        assert "| pipeline bubble (idle / (busy + idle) of the pp ranks) |" in md
+        assert 0 < meas["bubble"] < 1 and 0 < pred["bubble"] < 1, (meas["bubble"], pred["bubble"])
+        bubbles = [r["bubble"] for r in load_records(run_dir)]
+        assert len(bubbles) == 3 and all(0 <= b <= 1 for b in bubbles), bubbles
     # the planner counts every byte training sends, the step's scalars included (the loss's mean over
     # dp, the squared gradient norm's sums, the pipeline's loss broadcast and statistics)
     for d in ("dp", "tp", "cp", "pp"):

@@ -69,6 +69,16 @@ def test_loss_falls_from_ln_vocab_and_metrics_are_logged(tmp_path, default_datas
     assert any((tmp_path / "log" / "tensorboard").iterdir())
 
 
+def test_a_step_faster_than_the_stated_peak_gives_mfu_1_not_more(tmp_path, default_dataset, capsys):
+    """train.peak_tflops far below what the CPU does: the first step proves the peak low and becomes it
+    (MFU exactly 1, a warning says so), later steps are measured against the fastest step so far."""
+    trainer = Trainer(_cfg(tmp_path, "train.steps=3", "train.peak_tflops=1e-9"), dataset_dir=default_dataset)
+    records = trainer.fit()
+    assert records[0]["mfu"] == 1.0 and all(0 < r["mfu"] <= 1 for r in records), [r["mfu"] for r in records]
+    assert trainer.peak_flops > 1e3 and trainer.peak_source.startswith("raised to step")
+    assert "above the peak 1e-09 TFLOP/s (train.peak_tflops)" in capsys.readouterr().err
+
+
 def test_gradient_accumulation_equals_one_big_micro_batch(tmp_path, default_dataset):
     # the reference computes the global batch of 8 as one batch
     ref = _reference(default_dataset, 3, warmup=2)

@@ -391,6 +391,7 @@ def finish_step(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor]
         mean = sum(counts) / n
         out[name] = {"tokens_per_expert": [int(c) for c in counts],
                      "imbalance": max(counts) / mean if mean > 0 else 0.0,
+                     # part / whole: each forward drops Σ(counts − kept) of its tokens·k assignments, kept <= counts
                      "dropped_frac": dropped / (tokens * m.cfg.top_k) if tokens else 0.0,
                      "aux_loss": aux / forwards if forwards else 0.0,
                      "z_loss": z / forwards if forwards else 0.0}

@@ -10,6 +10,9 @@ a CPU run the CPU itself: bench's profile of it when one is where bench writes i
 in the working directory), else the built-in CPU calibration (the measured peak MFU uses,
 `observe/peak.py`, with nominal memory and gloo figures). Only a GPU without a datasheet entry is
 predicted on a reference GPU, labelled so; bytes, bubble and model-state memory do not depend on it.
+The bubble, measured (`engine.measured_bubble`) and predicted (`schedules.Timeline.bubble_fraction` of the
+planner's simulation), is one definition: the pipeline ranks' idle share of the step's pipeline time,
+idle / (busy + idle), in [0, 1].
 On a CPU the measured peak memory is the resident set, so the prediction it is set against is the
 planner's tensors plus what preflight adds per CPU process (RoPE tables, interpreter and torch).
 """
@@ -229,10 +232,10 @@ def comparison_rows(meas: dict[str, Any], pred: dict[str, Any]) -> list[tuple[st
     for d in dims:
         p, m = pred["comm_bytes_per_step"].get(d, 0.0), meas["comm_sent_per_step"].get(d, 0.0)
         rows.append((f"comm bytes per step, {d}", _size(p), _size(m), _err(p, m)))
-    if "bubble" in meas or pred["bubble"] > 0:
+    if "bubble" in meas or pred["bubble"] > 0:  # both the idle share of the pipeline ranks' time, in [0, 1]
         m = meas.get("bubble")
-        rows.append(("pipeline bubble", f"{100 * pred['bubble']:.1f}%", "-" if m is None else f"{100 * m:.1f}%",
-                     _err(pred["bubble"], m)))
+        rows.append(("pipeline bubble (idle / (busy + idle) of the pp ranks)", f"{100 * pred['bubble']:.1f}%",
+                     "-" if m is None else f"{100 * m:.1f}%", _err(pred["bubble"], m)))
     return rows
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from pentatron.observe.memory import memory_kind
+from pentatron.observe.system import bounded_mfu
 
 SUMMARY_FILE = "summary.json"
 
@@ -47,7 +48,10 @@ def build_summary(trainer: Any, records: list[dict[str, Any]], wall_s: float, pe
     # The first step of a process pays for warm-up (allocations, thread pools): averaged without it.
     timed = records[1:] if len(records) > 1 else records
     mean_tps = sum(r["tokens_per_s"] for r in timed) / len(timed)
-    mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
+    # Against the one peak the summary names: the run's final one, which no step's rate exceeds (a faster
+    # step raised it), computed as the trainer did so that the fastest step's is exactly 1 at most.
+    mfus = [bounded_mfu(r["tokens_per_s"] * trainer.flops_per_token / trainer.world_size, trainer.peak_flops)[0]
+            for r in timed]
     run_dir = Path(cfg.log.dir)
     latest = trainer.store.latest() if trainer.store is not None else None
     memory = trainer.observer.memory

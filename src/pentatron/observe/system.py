@@ -36,6 +36,16 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024
             return 2 * n**3 * iters / elapsed
 
 
+def bounded_mfu(achieved: float, peak: float) -> tuple[float, float]:
+    """(MFU, the peak it is taken against) of a step that did `achieved` model FLOP/s per device. A peak is
+    the most a device can do, so a step that did more proves the stated peak low (a CPU calibration taken
+    on a busy machine, train.peak_tflops set too low, a datasheet entry of another dtype, or a FLOP count
+    above the work done, as the full attention square is under a causal kernel): that step's rate is the
+    peak then. MFU = achieved / max(peak, achieved), in [0, 1] by that definition."""
+    peak = max(peak, achieved)
+    return (achieved / peak if peak > 0 else 0.0), peak
+
+
 def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float | None) -> tuple[float, str]:
     """Peak dense FLOP/s per device (on CPU: per rank) and where the number came from."""
     if override_tflops is not None:

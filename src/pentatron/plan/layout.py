@@ -301,7 +301,8 @@ def warnings(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
     out = parallel_layout(w, lay).warnings(gpu.gpus_per_node)
     m = lay.microbatches(w) if lay.dp * lay.micro_batch else 0
     if lay.pp > 1 and 0 < m < lay.pp:
-        out.append(f"{m} micro-batches < pp={lay.pp}: the pipeline never fills (bubble >= {(lay.pp - 1) / m:.0%})")
+        out.append(f"{m} micro-batches < pp={lay.pp}: the pipeline never fills (bubble >= "
+                   f"{(lay.pp - 1) / (m + lay.pp - 1):.0%} of its time)")
     if (lay.pp_layers is None and lay.pp_virtual > 1 and lay.pp * lay.pp_virtual <= w.cfg.n_layers
             and w.cfg.n_layers % (lay.pp * lay.pp_virtual)):
         out.append(f"interleaved chunks hold unequal layer counts ({w.cfg.n_layers} layers over "

@@ -103,7 +103,7 @@ def detail(w: Workload, p: Prediction, gpu: GPUSpec, *, train_tokens: float | No
                    f"{st.exposed_by_dim.get(dim, 0.0):7.3f} s")
     if not by_dim:
         out.append("  (none: a single GPU)")
-    out.append(f"pipeline: {st.pipeline:.3f} s incl. bubble {100 * st.bubble_fraction:.1f}% "
+    out.append(f"pipeline: {st.pipeline:.3f} s incl. bubble {100 * st.bubble_fraction:.1f}% of it "
                f"(simulated {_mode(p)} schedule)" if lay.pp > 1 else f"compute: {st.pipeline:.3f} s")
     out.append(f"step time {st.step:.3f} s = pipeline {st.pipeline:.3f} + exposed DP {st.dp_exposed:.3f} + optimizer "
                f"{st.optimizer:.3f} + SM contention {st.contention:.3f}"

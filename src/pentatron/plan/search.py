@@ -182,7 +182,7 @@ def predict(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str | None = Non
                      "the search recommends only layouts that fit with it")
     if lay.pp > 1 and lay.pp <= lay.microbatches(w) < 2 * lay.pp:
         notes.append(f"only {lay.microbatches(w)} micro-batches for pp={lay.pp}: bubble "
-                     f"{100 * st.bubble_fraction:.0f}%")
+                     f"{100 * st.bubble_fraction:.0f}% of the pipeline's time")
     notes += [f"training cannot run this yet: {x}" for x in trainable_problems(w, lay, lay.world)]
     return Prediction(lay, mem, mem.required <= budget, st, throughput(w, lay, gpu, st), tuple(notes),
                       tight=mem.required <= budget < mem.total)

@@ -50,7 +50,7 @@ from pentatron.plan.flops import (
 from pentatron.plan.layout import Layout, Workload, chunk_layers, compute_dtype, kv_heads_per_tp_rank
 from pentatron.plan.memo import Same, Without
 from pentatron.plan.memory import DP_BUCKET, STATE_PRECISIONS, RankParams, act_bytes, rank_layers, rank_params
-from pentatron.schedules import Schedule, make_schedule, simulate
+from pentatron.schedules import Schedule, idle_share, make_schedule, simulate
 
 OPTIMIZER_BYTES_PER_PARAM = 34  # AdamW step: read grad 4, r/w master 8, r/w moments 16, write param 2, norm 4
 KERNELS = ("fused", "eager")
@@ -456,9 +456,9 @@ def _schedule(name: str, p: int, m: int, v: int, all_warmup: bool) -> Schedule:
 
 def pipeline_makespan(name: str, p: int, m: int, v: int, phases: list[Phase], comm: float,
                       all_warmup: bool = True) -> tuple[float, float]:
-    """(makespan, bubble fraction) of one step's micro-batches through the pipeline, by simulating the
-    schedule. For many micro-batches the steady state is periodic, so the makespan is affine in m: it
-    is simulated at two sizes m1 < m2 (same divisibility) and extrapolated."""
+    """(makespan, bubble: the ranks' idle share of it) of one step's micro-batches through the pipeline, by
+    simulating the schedule. For many micro-batches the steady state is periodic, so the makespan is affine
+    in m: it is simulated at two sizes m1 < m2 (same divisibility) and extrapolated."""
     if p == 1:
         t = m * phases[0].total
         return t, 0.0
@@ -474,7 +474,7 @@ def pipeline_makespan(name: str, p: int, m: int, v: int, phases: list[Phase], co
     t1, _ = _simulate_cached(name, p, m1, v, f, b, w, comm, all_warmup)
     t2, _ = _simulate_cached(name, p, m2, v, f, b, w, comm, all_warmup)
     t = t1 + (m - m1) * (t2 - t1) / (m2 - m1)
-    return t, max(0.0, (t - busy) / busy)
+    return t, idle_share([busy] * p, t)  # every rank at the mean busy time: the same total
 
 
 def closed_form_makespan(name: str, p: int, m: int, v: int, phases: list[Phase], comm: float) -> float:
@@ -498,7 +498,7 @@ def closed_form_makespan(name: str, p: int, m: int, v: int, phases: list[Phase],
 class StepTime:
     step: float
     pipeline: float  # F/B/W of all micro-batches through the pipeline incl. bubble and p2p
-    bubble_fraction: float
+    bubble_fraction: float  # the pipeline's idle share, in [0, 1] (`schedules.Timeline.bubble_fraction`)
     dp_exposed: float  # gradient reduction and ZeRO gathers not hidden behind compute
     optimizer: float
     contention: float  # compute slowed by SMs that overlapped collectives occupy
@@ -532,7 +532,7 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
     else:
         pipe = closed_form_makespan(lay.pp_schedule, lay.pp, m, lay.pp_virtual, phases, hop)
         busy = m * sum(x.total for x in phases) / lay.pp
-        bubble = max(0.0, (pipe - busy) / busy)
+        bubble = idle_share([busy] * lay.pp, pipe)
     # the busiest pipeline rank for DP/optimizer purposes: rank 0 (embedding; finishes last in 1F1B)
     rank = _busiest_rank(w, lay)
     colls = step_collectives(w, lay, gpu, rank.params.dense, rank.params.expert, rank.layers, rank.moe_layers,

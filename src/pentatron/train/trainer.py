@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from pentatron.data.loader import TokenDataset, TokenLoader
 from pentatron.data.tokenize import ensure_default_dataset
 from pentatron.observe.metrics import COMM_LEGEND, MetricsLogger
 from pentatron.observe.run_observer import RunObserver
-from pentatron.observe.system import peak_flops
+from pentatron.observe.system import bounded_mfu, peak_flops
 from pentatron.parallel.pipeline.trace import write_rank_trace
 from pentatron.parallel.step_runner import host_scalars
 from pentatron.plan.flops import model_flops_per_token
@@ -80,6 +81,7 @@ class Trainer:
             self.tokens_per_step = tr.global_batch * tr.seq_len
             self.flops_per_token = model_flops_per_token(self.model_cfg, tr.seq_len)
             self.peak_flops, self.peak_source = peak_flops(self.device, self.policy.param_dtype, tr.peak_tflops)
+            self._stated_peak = ""  # the peak as stated, once a faster step has raised it (`_raise_peak`)
             self.observer = RunObserver(cfg, self.ctx, self.model, self.engine, self.loader, self.watchdog,
                                         model_state=lambda: self.runner.memory().total)
 
@@ -108,6 +110,18 @@ class Trainer:
         return {"step": self.step, "loss": loss_value, "grad_norm": norm_value, "lr": lr,
                 "comm_bytes": comm.bytes_map(), "comm_calls": comm.calls_map(), **extra,
                 "skipped_steps": self.guard.skipped, **({"nonfinite": problem} if problem else {})}
+
+    def _raise_peak(self, achieved: float) -> None:
+        """This step did more model FLOP/s per rank than the peak MFU divides by: that peak was low, and the
+        fastest step's rate is the peak from now on (`observe.system.bounded_mfu`); said on the first raise."""
+        if not self._stated_peak:
+            self._stated_peak = f"{self.peak_flops / 1e12:.4g} TFLOP/s ({self.peak_source})"
+            if self.rank == 0:
+                print(f"pentatron: warning: step {self.step} did {achieved / 1e12:.4g} TFLOP/s of model FLOPs per "
+                      f"rank, above the peak {self._stated_peak}: MFU is taken against the fastest step's rate "
+                      "from now on", file=sys.stderr, flush=True)
+        self.peak_flops = achieved
+        self.peak_source = f"raised to step {self.step}'s rate, above the stated {self._stated_peak}"
 
     def _write_pp_trace(self) -> None:
         """log.pp_trace: one Chrome trace file per pipeline rank (from dp/tp rank 0) for each logged step;
@@ -148,9 +162,12 @@ class Trainer:
                     torch.cuda.synchronize(self.device)
                 elapsed = time.perf_counter() - start
                 tokens_per_s = self.tokens_per_step / elapsed
+                mfu, peak = bounded_mfu(tokens_per_s * self.flops_per_token / self.world_size, self.peak_flops)
+                if peak > self.peak_flops:
+                    self._raise_peak(peak)
                 record.update(
                     tokens_per_s=tokens_per_s,
-                    mfu=tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size),
+                    mfu=mfu,
                     step_time_s=elapsed,
                     **self.observer.peak_memory(),  # since training began (set-up excluded)
                 )

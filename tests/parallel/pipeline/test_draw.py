@@ -42,7 +42,8 @@ def test_cli_planned_and_recorded(tmp_path, capsys):
     args = _parse("--schedule", "interleaved", "--pp", "4", "--microbatches", "8", "--virtual", "2",
                   "--out", str(tmp_path / "il.png"))
     assert args.func(args) == 0
-    assert "bubble 18.8%" in capsys.readouterr().out  # (p-1)/(v·m) = 3/16
+    # the idle share (p-1)/(v·m+p-1) = 3/19 (issue 46: the title printed the ratio (p-1)/(v·m) = 3/16)
+    assert "bubble 15.8% (idle share)" in capsys.readouterr().out
     _image(tmp_path / "il.png")
 
     slots = [[Slot(0, Action(Kind.F, 0), 0.0, 1.0), Slot(0, Action(Kind.BW, 0), 3.0, 5.0)],

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import random
+import types
 import weakref
 
 import pytest
@@ -26,6 +28,7 @@ from pentatron.schedules import (
     ScheduleError,
     Slot,
     afab,
+    busy_window,
     interleaved_1f1b,
     make_schedule,
     p2p_plan,
@@ -151,7 +154,8 @@ def test_recorded_timeline_and_chrome_trace_round_trip(tmp_path):
              [Slot(1, Action(F, 0), 11.0, 12.0), Slot(1, Action(BW, 0), 12.0, 14.0)]]
     tl = recorded_timeline(slots, "1f1b")
     assert tl.makespan == 5.0 and tl.busy == [3.0, 3.0]
-    assert tl.bubble_fraction == pytest.approx((2 * 5 - 6) / 6)
+    # the bubble is idle / (busy + idle) over 2 ranks × 5 s (issue 46: was idle / busy, 4/6 here)
+    assert tl.bubble_fraction == pytest.approx((2 * 5 - 6) / (2 * 5)) and tl.bubble_ratio == pytest.approx(4 / 6)
     path = write_chrome_trace(tmp_path / "t.json", tl, stage_of={0: [0], 1: [1]})
     data = json.loads(path.read_text())
     xs = [e for e in data["traceEvents"] if e["ph"] == "X"]
@@ -166,3 +170,40 @@ def test_recorded_timeline_and_chrome_trace_round_trip(tmp_path):
     with pytest.raises(ValueError, match="no pipeline actions"):
         (tmp_path / "empty.json").write_text("{}")
         read_chrome_trace(tmp_path / "empty.json")
+
+
+class _PipelineGroup:
+    """Stands in for the pp group of `measured_bubble`: its all-gather hands back this rank's statistics
+    followed by those of `others`, as each of those ranks computes its own (`busy_window` of its slots)."""
+
+    def __init__(self, others: list[list[Slot]]) -> None:
+        self.others = others
+        self.ctx = types.SimpleNamespace(device=torch.device("cpu"), size=lambda dim: 1 + len(others))
+
+    def all_gather(self, out: torch.Tensor, mine: torch.Tensor, dim: str) -> None:
+        rows = [mine, *(torch.tensor(busy_window(slots), dtype=torch.float64) for slots in self.others)]
+        out.copy_(torch.cat(rows))
+
+
+def _measured(*ranks: list[tuple[float, float]]) -> float:
+    slots = [[Slot(r, Action(F, i), t0, t1) for i, (t0, t1) in enumerate(spans)] for r, spans in enumerate(ranks)]
+    return engine_mod.measured_bubble(engine_mod.PipelineStepResult(None, slots[0], 1), _PipelineGroup(slots[1:]))
+
+
+def test_the_measured_bubble_is_the_idle_share_of_the_step_at_its_bounds():
+    """Issue 46: the measured bubble was (p·makespan − Σ busy) / Σ busy, 1.0355 on a loaded machine; it is
+    idle / (busy + idle), each rank's busy time taken inside its own window, so in [0, 1] by construction."""
+    assert _measured([(0.0, 4.0), (4.0, 10.0)], [(0.0, 10.0)]) == 0.0  # every rank busy the whole window
+    # idle all the window but for one short action each: near 1 (the old ratio: 9999)
+    assert _measured([(0.0, 1e-3)], [(10.0 - 1e-3, 10.0)]) == pytest.approx(1 - 1e-4)
+    assert _measured([(0.0, 1.0)], [(9.0, 10.0)]) == pytest.approx(0.9)  # the old ratio: 9.0
+    # timestamps of a loaded machine: overlapping marks (the old formula went negative), a slot ending a
+    # tick before it starts; a rank without actions is idle throughout
+    assert _measured([(0.0, 5.1), (5.0, 10.0)], [(0.0, 10.0)]) == 0.0
+    assert _measured([(0.0, 10.0), (3.0, 3.0 - 1e-6)], [(0.0, 10.0)]) == 0.0
+    assert _measured([(0.0, 10.0)], []) == 0.5
+    rng = random.Random(46)
+    for _ in range(300):  # jittered, overlapping, skewed: always a share
+        starts = [[rng.uniform(0, 10) for _ in range(rng.randint(1, 6))] for _ in range(rng.randint(1, 4))]
+        ranks = [sorted((t, t + rng.uniform(-0.01, 1.0)) for t in ts) for ts in starts]
+        assert 0.0 <= _measured(*ranks) <= 1.0, ranks

@@ -156,8 +156,8 @@ def test_recorded_step_merges_across_ranks(pipelined):
         assert all(s.start >= 0 and s.end <= tl.makespan + 1e-9 for slots in tl.slots for s in slots)
         firsts = [slots[0].start for slots in tl.slots]
         assert firsts == sorted(firsts), f"{case.label}: rank r+1 started before rank r: {firsts}"
-        # A sanity bound only (clocks not shared would give ~1e5): in strict mode every p2p batch is a
-        # rendezvous, and with 4 ranks on a loaded 2-core CI box the waits reach ~14× the compute.
-        assert 0 < tl.bubble_fraction < 100
+        # The idle share of the step (issue 46: it was idle / busy, which with 4 strict-mode ranks on a
+        # loaded 2-core CI box reached ~14): bounded by construction, and never exactly 0 or 1 here.
+        assert 0 < tl.bubble_fraction < 1
         # The engine's collective version (what the trainer logs) agrees with the merged timeline.
         assert all(abs(res[i]["bubble"] - tl.bubble_fraction) < 1e-9 for res in per_rank)

@@ -12,9 +12,13 @@ from pentatron.schedules import (
     F,
     Schedule,
     ScheduleError,
+    Slot,
+    Timeline,
     W,
     afab,
     bubble_fraction,
+    busy_window,
+    idle_share,
     interleaved_1f1b,
     last_stage_awaiting_backward_closed,
     make_schedule,
@@ -34,31 +38,65 @@ GRID = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 12, 32)]
 @pytest.mark.parametrize("name", ["afab", "1f1b"])
 @pytest.mark.parametrize(("p", "m"), GRID)
 def test_afab_and_1f1b_bubble_is_p_minus_1_over_m(name, p, m):
-    assert bubble_fraction(name, p, m) == pytest.approx((p - 1) / m, abs=1e-12)
+    """The playbook's ratio (idle / ideal compute) is (p-1)/m; the bubble the project shows is the idle
+    share of the pipeline's time, ratio / (1 + ratio) = (p-1)/(m+p-1). Issue 46: this test asserted the
+    ratio as `bubble_fraction`, which a run report printed as a percentage above 100 %."""
+    tl = simulate(make_schedule(name, p, m))
+    assert tl.bubble_ratio == pytest.approx((p - 1) / m, abs=1e-12)
+    assert bubble_fraction(name, p, m) == tl.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
 
 
 def test_playbook_bubble_figures():
-    # Ultra-Scale Playbook, pipeline section, p = 8
-    assert bubble_fraction("1f1b", 8, 1) == pytest.approx(7.0)
-    assert bubble_fraction("1f1b", 8, 8) == pytest.approx(0.875)
-    assert round(bubble_fraction("1f1b", 8, 32), 3) == 0.219
-    assert round(bubble_fraction("interleaved", 8, 32, 8), 3) == 0.027
+    # Ultra-Scale Playbook, pipeline section, p = 8: its ratios, and the idle shares they are
+    ratio = {(m, v): simulate(make_schedule("interleaved" if v > 1 else "1f1b", 8, m, v)).bubble_ratio
+             for m, v in ((1, 1), (8, 1), (32, 1), (32, 8))}
+    assert ratio[(1, 1)] == pytest.approx(7.0) and ratio[(8, 1)] == pytest.approx(0.875)
+    assert round(ratio[(32, 1)], 3) == 0.219 and round(ratio[(32, 8)], 3) == 0.027
+    assert bubble_fraction("1f1b", 8, 1) == pytest.approx(7 / 8)  # the ratio's 700 %
+    assert bubble_fraction("1f1b", 8, 8) == pytest.approx(7 / 15)
+    assert bubble_fraction("1f1b", 8, 32) == pytest.approx(7 / 39)
+    assert bubble_fraction("interleaved", 8, 32, 8) == pytest.approx(7 / 263)
 
 
 @pytest.mark.parametrize(("p", "m", "v"), [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 16, 3), (8, 8, 4),
                                            (8, 32, 8), (3, 9, 5)])
 def test_interleaved_bubble_is_p_minus_1_over_vm(p, m, v):
-    # per-chunk costs are 1/v of a stage's: the ratio does not depend on the scale
-    assert bubble_fraction("interleaved", p, m, v, t_f=1 / v, t_b=2 / v, t_w=0) == pytest.approx(
-        (p - 1) / (v * m), abs=1e-12)
+    # per-chunk costs are 1/v of a stage's: the bubble does not depend on the scale
+    tl = simulate(make_schedule("interleaved", p, m, v), 1 / v, 2 / v, 0)
+    assert tl.bubble_ratio == pytest.approx((p - 1) / (v * m), abs=1e-12)
+    assert tl.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
 
 
 @pytest.mark.parametrize(("p", "m"), [(p, m) for p, m in GRID if p > 1])
 def test_zero_bubble_h1_beats_1f1b(p, m):
     zb, ofob = bubble_fraction("zb", p, m), bubble_fraction("1f1b", p, m)
     assert zb < ofob
-    if m >= p:  # Qi et al.: (p-1)(tF + tB - tW) against 1F1B's (p-1)(tF + tB + tW)
-        assert zb == pytest.approx((p - 1) * (1 + 1 - 1) / (3 * m), abs=1e-12)
+    if m >= p:  # Qi et al.: (p-1)(tF + tB - tW) idle per rank against 1F1B's (p-1)(tF + tB + tW)
+        assert zb == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+        assert simulate(make_schedule("zb", p, m)).bubble_ratio == pytest.approx((p - 1) / (3 * m), abs=1e-12)
+
+
+def test_the_bubble_is_a_share_of_the_window_at_its_bounds():
+    """idle / (busy + idle): 0 when every rank is busy the whole window, near 1 when each is busy a
+    moment, never outside [0, 1] even for busy times a rounding step above the window; no window, 0."""
+    assert idle_share([10.0, 10.0], 10.0) == 0.0
+    assert idle_share([1e-3, 1e-3], 10.0) == pytest.approx(1 - 1e-4)
+    assert idle_share([10.0, 0.0], 10.0) == 0.5
+    assert idle_share([10.0 + 1e-12, 10.0], 10.0) == 0.0
+    assert idle_share([], 10.0) == idle_share([1.0], 0.0) == idle_share([1.0], float("nan")) == 0.0
+    # the playbook's ratio for busy 1 of 10 on 2 ranks is 9.0: as a share, 0.9
+    tl = Timeline(2, [[], []], 10.0, [1.0, 1.0])
+    assert tl.bubble_ratio == pytest.approx(9.0) and tl.bubble_fraction == pytest.approx(0.9)
+
+
+def test_a_ranks_busy_time_never_exceeds_its_own_window():
+    """Under load a mark can land a tick early: overlapping actions count once, a slot ending before it
+    starts counts nothing, so busy <= last end - first start whatever the timestamps."""
+    a = Action(F, 0)
+    assert busy_window([Slot(0, a, 0.0, 5.1), Slot(0, a, 5.0, 10.0)]) == (10.0, 0.0, 10.0)
+    assert busy_window([Slot(0, a, 0.0, 4.0), Slot(0, a, 1.0, 2.0), Slot(0, a, 6.0, 7.0)]) == (5.0, 0.0, 7.0)
+    assert busy_window([Slot(0, a, 3.0, 2.0)]) == (0.0, 3.0, 2.0)
+    assert busy_window([]) == (0.0, float("inf"), float("-inf"))
 
 
 @pytest.mark.parametrize(("p", "m"), GRID)

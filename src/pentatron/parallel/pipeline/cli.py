@@ -1,5 +1,6 @@
 """`pentatron schedule`: draw a pipeline schedule, planned (simulated from the schedule data) or recorded
-(a Chrome trace written by the engine), as a PNG, and print its bubble fraction.
+(a Chrome trace written by the engine), as a PNG, and print its bubble: the share of the ranks' time
+spent idle, idle / (busy + idle), in [0, 1].
 
     pentatron schedule --schedule 1f1b --pp 4 --microbatches 8 --out 1f1b.png
     pentatron schedule --schedule interleaved --pp 4 --microbatches 8 --virtual 2 --out il.png
@@ -43,14 +44,15 @@ def run_schedule(args: argparse.Namespace) -> int:
     try:
         if args.from_trace:
             timeline = read_chrome_trace(args.from_trace)
-            unit, title = "s", f"recorded {timeline.name}: p={timeline.p}, bubble {timeline.bubble_fraction:.1%}"
+            unit = "s"
+            title = f"recorded {timeline.name}: p={timeline.p}, bubble {timeline.bubble_fraction:.1%} (idle share)"
         else:
             schedule = make_schedule(args.schedule, args.pp, args.microbatches, args.virtual)
             timeline = simulate(schedule, args.cost_f, args.cost_b, args.cost_w)
             unit = "forward = 1" if args.cost_f == 1.0 else ""
             v = f" v={schedule.v}" if schedule.v > 1 else ""
             title = (f"{schedule.name}: p={schedule.p} m={schedule.m}{v}, "
-                     f"bubble {timeline.bubble_fraction:.1%}")
+                     f"bubble {timeline.bubble_fraction:.1%} (idle share)")
         out = draw_timeline(timeline, args.out, title=title, unit=unit)
     except (ScheduleError, ValueError, OSError) as e:
         print(f"pentatron schedule: {e}", file=sys.stderr)

@@ -59,7 +59,7 @@ def draw_timeline(timeline: Timeline, out: str | Path, *, title: str | None = No
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     bubble = timeline.bubble_fraction
-    ax.set_title(title or f"{timeline.name}: bubble {bubble:.1%}", loc="left", fontsize=10)
+    ax.set_title(title or f"{timeline.name}: bubble {bubble:.1%} (idle share)", loc="left", fontsize=10)
     handles = [Patch(facecolor=colour(k, 0), label=_NAMES[k]) for k in (Kind.F, Kind.BW, Kind.B, Kind.W)
                if k in kinds_seen]
     ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=4, frameon=False, fontsize=8)

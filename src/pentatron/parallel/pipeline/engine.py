@@ -34,7 +34,18 @@ from pentatron.device_clock import DeviceClock
 from pentatron.distributed.comm import P2P, Comm, Work
 from pentatron.parallel.pipeline.split_backward import SplitBackward
 from pentatron.parallel.pipeline.stages import PipelineStage
-from pentatron.schedules import Action, Kind, MsgKey, P2PBatch, Schedule, Slot, p2p_plan, validate
+from pentatron.schedules import (
+    Action,
+    Kind,
+    MsgKey,
+    P2PBatch,
+    Schedule,
+    Slot,
+    busy_window,
+    idle_share,
+    p2p_plan,
+    validate,
+)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -275,18 +286,17 @@ class PipelineEngine:
 
 
 def measured_bubble(result: PipelineStepResult, comm: Comm, dim: str = "pp") -> float:
-    """The step's bubble fraction over all pipeline ranks, from each rank's own timestamps: one all-gather
-    of (busy, first start, last end) over `dim`, on the run's device (an NCCL group has no CPU backend),
-    and one device-to-host copy (every pipeline rank must call it). Same definition as
-    `schedules.Timeline.bubble_fraction`: (p · makespan − Σ busy) / Σ busy."""
-    slots = result.slots
-    mine = torch.tensor([sum(s.end - s.start for s in slots), min((s.start for s in slots), default=float("inf")),
-                         max((s.end for s in slots), default=float("-inf"))], dtype=torch.float64,
-                        device=comm.ctx.device)
+    """The step's bubble over all pipeline ranks, as a share of the pipeline's time in [0, 1], from each
+    rank's own timestamps: one all-gather of (busy, first start, last end) over `dim`, on the run's device
+    (an NCCL group has no CPU backend), and one device-to-host copy (every pipeline rank must call it).
+    Same definition as `schedules.Timeline.bubble_fraction`: idle / (busy + idle) over the window from the
+    first action's start to the last one's end on any rank. Each rank's busy time is measured inside its
+    own window on its own clock (`busy_window`), and every rank's window lies inside the common one, so
+    the share stays in [0, 1] however loaded the machine (clocks of other hosts only widen the window)."""
+    mine = torch.tensor(busy_window(result.slots), dtype=torch.float64, device=comm.ctx.device)
     p = comm.ctx.size(dim)
     every = torch.empty(p * 3, dtype=torch.float64, device=comm.ctx.device)
     comm.all_gather(every, mine, dim)
     rows = every.view(p, 3).tolist()
-    total = sum(r[0] for r in rows)
     makespan = max(r[2] for r in rows) - min(r[1] for r in rows)
-    return (p * makespan - total) / total if total > 0 else 0.0
+    return idle_share([r[0] for r in rows], makespan)

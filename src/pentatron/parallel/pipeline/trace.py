@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pentatron.schedules import Action, Kind, Slot, Timeline
+from pentatron.schedules import Action, Kind, Slot, Timeline, busy_window
 
 
 def recorded_timeline(slots_by_rank: Sequence[Sequence[Slot]], name: str = "recorded", *,
@@ -26,7 +26,7 @@ def recorded_timeline(slots_by_rank: Sequence[Sequence[Slot]], name: str = "reco
     t0 = min(starts) if starts and rebase else 0.0
     rel = [[Slot(r, s.action, s.start - t0, s.end - t0) for s in slots] for r, slots in enumerate(slots_by_rank)]
     makespan = max((s.end for slots in rel for s in slots), default=0.0) - (0.0 if rebase else min(starts, default=0.0))
-    busy = [sum(s.end - s.start for s in slots) for slots in rel]
+    busy = [busy_window(slots)[0] for slots in rel]  # overlaps counted once: never more than the rank's span
     return Timeline(len(rel), rel, makespan, busy, name)
 
 
