@@ -36,7 +36,7 @@ def test_an_untrainable_layout_is_not_emitted(tmp_path, capsys):
     # the smallest search that recommends an fp8 layout (llama3-8b on 16 GPUs searched 12 s CPU for the same refusal)
     rc = run(["plan", "--model", "debug", "--gpus", "2", "--precision", "fp8", "--emit-config", str(path)])
     err = capsys.readouterr().err
-    assert rc == 2 and "train.precision must be one of 'auto', 'fp32', 'bf16', got 'fp8'" in err
+    assert rc == 2 and "train.precision must be one of 'auto', 'fp32', 'bf16', 'fp64', got 'fp8'" in err
     assert not path.exists()
 
 

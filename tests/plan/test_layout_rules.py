@@ -60,7 +60,7 @@ def test_rowwise_fp8_needs_a_measured_gpu():
      "does not divide model.n_layers=80"),  # 80 layers over 24 chunks, as Llama 3 405B's 126 on pp16
     ({"zero": 3, "pp": 2, "dp": 128}, "re-gathers each stage", None),  # trainable since ZeRO-3 x pp landed
     ({"cp": 8, "dp": 32}, None, None),  # trainable since context parallelism landed
-    ({"precision": "fp8"}, None, "train.precision must be one of 'auto', 'fp32', 'bf16', got 'fp8'"),
+    ({"precision": "fp8"}, None, "train.precision must be one of 'auto', 'fp32', 'bf16', 'fp64', got 'fp8'"),
     ({"recompute": "selective-op"}, None, "train.recompute must be one of 'none', 'selective', 'full', got "
                                           "'selective-op'"),
     ({"tp": 8, "dp": 32, "sp": True, "cross_entropy": "loss_parallel"}, None,
