@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import functools
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,14 +28,15 @@ from pentatron.config import Config, load_config
 from tests.multiprocess import run_ranks
 from tests.reference_loop import EXACT_RTOL, FP64, reference_run
 
-STEPS = 10
+STEPS = 6  # exact (float64) parity: a defect shows from the first steps (docs/testing.md)
 SEQ_LEN = 32
 GLOBAL_BATCH = 8
 BUCKET_MB = 1.0  # several buckets for the 1.1M-parameter debug model (the default 25 MB would be one)
 STAGES = (0, 1, 2, 3)
 ELEMENT_BYTES = 8  # fp64 parameters, gradients and collectives
-# the TrainConfig defaults these runs keep, which the plain-loop reference must be given
-LR, EPS, WARMUP = 3e-3, 1e-8, 10
+# lr and eps: the TrainConfig defaults these runs keep, which the plain-loop reference must be given too;
+# 2 warmup steps, then the cosine decay
+LR, EPS, WARMUP = 3e-3, 1e-8, 2
 
 
 def micro_batch(world: int, accumulate: bool) -> int:
@@ -45,7 +47,7 @@ def micro_batch(world: int, accumulate: bool) -> int:
 
 def make_config(world: int, zero: int = 0, micro: int = GLOBAL_BATCH, *extra: str) -> Config:
     overrides = [f"train.seq_len={SEQ_LEN}", f"train.global_batch={GLOBAL_BATCH}", f"train.micro_batch={micro}",
-                 f"train.steps={STEPS}", "train.peak_tflops=1.0", f"parallel.zero={zero}",
+                 f"train.steps={STEPS}", f"train.warmup={WARMUP}", "train.peak_tflops=1.0", f"parallel.zero={zero}",
                  f"parallel.bucket_mb={BUCKET_MB}", "log.progress=false", "log.tensorboard=false", FP64, *extra]
     return load_config(None, overrides, world_size=world)
 
@@ -185,6 +187,10 @@ def _bf16_memory(world: int, dataset: str) -> dict[int, dict[str, int]]:
 
 
 def _rank_main(rank: int, world: int, dataset: str, root: str) -> dict[str, Any]:
+    # The runs' default log.dir (runs/default) under this launch's own directory: test_data.py and
+    # test_zero.py run in two processes at once, and two runs sharing one run directory and flight
+    # recorder delete each other's heartbeat files.
+    os.chdir(root)
     results: dict[str, Any] = {"parity": {}}
     for zero in STAGES:
         for accumulate in (False, True):

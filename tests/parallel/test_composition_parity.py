@@ -53,6 +53,7 @@ CASES: dict[int, dict[str, list[str]]] = {
 
 
 def _config(world: int, extra: list[str], log_dir: str) -> Config:
+    """The parity runs' config: float64 unless `extra` names another train.precision (a later override wins)."""
     return load_config(None, [f"train.steps={STEPS}", f"train.seq_len={SEQ}", f"train.micro_batch={MICRO}",
                               f"train.global_batch={GLOBAL}", f"train.lr={LR}", f"train.eps={EPS}",
                               f"train.warmup={WARMUP}", "train.schedule='cosine'", "train.clip=1.0",
@@ -70,8 +71,8 @@ def _train(cfg: Config, dataset_dir: Path) -> dict[str, Any]:
         out["losses"].append(record["loss"])
         out["norms"].append(record["grad_norm"])
         if step == 0:
-            out["grads"] = {n: g.numpy() for n, g in trainer.runner.full_gradients().items()}
-    out["params"] = {n: t.numpy() for n, t in trainer.runner.full_parameters().items()}
+            out["grads"] = {n: g.double().numpy() for n, g in trainer.runner.full_gradients().items()}
+    out["params"] = {n: t.double().numpy() for n, t in trainer.runner.full_parameters().items()}
     trainer.engine.close()
     return out
 

@@ -29,9 +29,10 @@ import numpy as np
 import pytest
 import torch
 
-from pentatron.config import Config, load_config
+from pentatron.config import Config
 from tests.multiprocess import run_ranks
-from tests.parallel.test_composition_parity import EPS, GLOBAL, LR, SEQ, STEPS, WARMUP
+from tests.parallel.test_composition_parity import EPS, GLOBAL, LR, SEQ, STEPS, WARMUP, _train
+from tests.parallel.test_composition_parity import _config as composition_config
 from tests.reference_loop import reference_run, relative_error
 
 FACTOR = 4.0
@@ -48,28 +49,8 @@ LAYOUTS: dict[str, dict[str, list[str]]] = {
 
 
 def _config(world: int, precision: str, extra: list[str], log_dir: str) -> Config:
-    return load_config(None, [f"train.steps={STEPS}", f"train.seq_len={SEQ}", f"train.global_batch={GLOBAL}",
-                              f"train.lr={LR}", f"train.eps={EPS}", f"train.warmup={WARMUP}", "train.schedule='cosine'",
-                              "train.clip=1.0", f"train.precision='{precision}'", "train.peak_tflops=1.0",
-                              "parallel.bucket_mb=0.25", "log.progress=false", "log.tensorboard=false",
-                              f"log.dir={log_dir!r}", *extra], world_size=world)
-
-
-def _train(cfg: Config, dataset_dir: Path) -> dict[str, Any]:
-    from pentatron.train.trainer import Trainer
-
-    trainer = Trainer(cfg, dataset_dir=dataset_dir)
-    assert trainer.policy.name == cfg.train.precision  # bf16: bf16 weights, fp32 gradients and master
-    out: dict[str, Any] = {"losses": [], "norms": []}
-    for step in range(STEPS):
-        record = trainer.train_step()
-        out["losses"].append(record["loss"])
-        out["norms"].append(record["grad_norm"])
-        if step == 0:
-            out["grads"] = {n: g.double().numpy() for n, g in trainer.runner.full_gradients().items()}
-    out["params"] = {n: t.double().numpy() for n, t in trainer.runner.full_parameters().items()}
-    trainer.engine.close()
-    return out
+    """The composition tests' config in `precision` (bf16: bf16 weights, fp32 gradients and master)."""
+    return composition_config(world, [f"train.precision='{precision}'", *extra], log_dir)
 
 
 def _ranks(rank: int, world: int, dataset_dir: Path, log_dir: str) -> dict[tuple[str, str], dict[str, Any]]:
