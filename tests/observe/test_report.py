@@ -159,3 +159,12 @@ def test_the_prediction_uses_the_runs_parallel_modes(world: int, extra: list[str
     default = {"cp_mode": "ring", "zero3_gather": "micro_batch"}[field]
     assert pred["comm_bytes_per_step"] == pytest.approx(comm(lay))
     assert pred["comm_bytes_per_step"] != pytest.approx(comm(replace(lay, par=replace(lay.par, **{field: default}))))
+
+
+def test_an_fp64_run_is_not_priced_by_the_planner():
+    """The planner prices bf16/fp32/fp8 runs; an fp64 run (the parity tests' mode) gets no prediction rather
+    than one of a 2-byte run."""
+    from pentatron.observe.report import ReportError, planner_layout
+
+    with pytest.raises(ReportError, match="fp64"):
+        planner_layout(load_config(None, ["train.precision='fp64'"], world_size=1), 1, "cpu")

@@ -64,3 +64,20 @@ def test_bf16_params_step_fp32_master_with_fp32_accumulation():
     assert model.weight.dtype == torch.bfloat16
     torch.testing.assert_close(model.weight.float(), ref.weight.detach().bfloat16().float())
     buf.remove_hooks()
+
+
+def test_fp64_policy_keeps_every_state_in_float64_and_wide_never_rounds_it():
+    """train.precision='fp64' (the exact parity suite): parameters, gradients and master in float64; `wide`
+    upcasts bf16/fp32 to fp32 but leaves float64 alone (`.float()` would round it)."""
+    import torch
+
+    from pentatron.precision import resolve_precision, wide, wide_dtype
+
+    policy = resolve_precision("fp64", torch.device("cpu"))
+    assert (policy.param_dtype, policy.grad_dtype, policy.master_dtype) == (torch.float64,) * 3
+    assert not policy.needs_master_copy
+    x = torch.tensor([1 + 2**-40], dtype=torch.float64)
+    assert wide(x) is x and float(wide(x)) == 1 + 2**-40
+    assert wide(x.bfloat16()).dtype == wide(x.float()).dtype == torch.float32
+    assert [wide_dtype(d) for d in (torch.bfloat16, torch.float32, torch.float64)] == [
+        torch.float32, torch.float32, torch.float64]

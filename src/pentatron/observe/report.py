@@ -109,6 +109,9 @@ def planner_layout(c: Any, world_size: int, device: str) -> tuple[Any, Any]:
 
     tr = c.train
     precision = tr.precision if tr.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
+    if precision == "fp64":  # the parity tests' mode: an fp64 run is never priced as a 2-byte one
+        raise ReportError("the planner models bf16, fp32 and fp8 training; train.precision='fp64' (the exact "
+                          "parity mode) is not predicted")
     lay = Layout(c.layout(world_size), recompute=tr.recompute, precision=precision,
                  recipe=training_recipe(tr.loss_chunk_tokens))
     return lay, Workload(c.model_config(), tr.seq_len, tr.global_batch)
