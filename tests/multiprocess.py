@@ -71,6 +71,15 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, 
         shutdown_distributed(finished)
 
 
+def _states(procs: list[Any]) -> str:
+    """What every rank's process is doing: a peer that died (a signal, an exit) is often the cause of the
+    error another rank reports (gloo's "Connection reset by peer")."""
+    def state(code: int | None) -> str:
+        return "running" if code is None else f"killed by signal {-code}" if code < 0 else f"exited {code}"
+
+    return ", ".join(f"rank {r} {state(p.exitcode)}" for r, p in enumerate(procs))
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 180.0) -> list[Any]:
     """Run fn(rank, world_size, *args) on `world_size` processes; return results by rank."""
     ctx = mp.get_context("forkserver")
@@ -93,7 +102,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
                     missing = sorted(set(range(world_size)) - set(outs))
                     raise RankFailed(f"ranks {missing} did not finish within {timeout:.0f}s (hang?)") from None
                 if not ok:
-                    raise RankFailed(f"rank {rank} failed:\n{payload}")
+                    raise RankFailed(f"rank {rank} failed ({_states(procs)}):\n{payload}")
                 outs[rank] = payload
             ok = True
         finally:
