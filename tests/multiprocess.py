@@ -102,7 +102,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
                     missing = sorted(set(range(world_size)) - set(outs))
                     raise RankFailed(f"ranks {missing} did not finish within {timeout:.0f}s (hang?)") from None
                 if not ok:
-                    raise RankFailed(f"rank {rank} failed ({_states(procs)}):\n{payload}")
+                    raise RankFailed(f"rank {rank} failed:\n{payload}\nevery rank then: {_states(procs)}")
                 outs[rank] = payload
             ok = True
         finally:
