@@ -28,11 +28,13 @@ def test_wsd_schedule_is_flat_then_decays_linearly():
 
 
 def test_clipping_scales_to_max_norm_and_leaves_small_grads():
-    grads = [torch.full((3,), 3.0), torch.full((4,), 4.0)]
-    norm = grad_norm_squared(grads).sqrt()
-    assert float(norm) == pytest.approx(math.sqrt(27 + 64))
+    grads = [torch.full((3,), 3.0, dtype=torch.float64), torch.full((4,), 4.0, dtype=torch.float64)]
+    norm = grad_norm_squared(grads, dtype=torch.float64).sqrt()
+    assert float(norm) == pytest.approx(math.sqrt(27 + 64), rel=1e-15)
     clip_by_total_norm(grads, norm, 1.0)
-    assert float(grad_norm_squared(grads).sqrt()) == pytest.approx(1.0, rel=1e-5)
+    # clip_grad_norm_'s formula: scaled by max_norm / (norm + 1e-6), exact in float64
+    expected = float(norm) / (float(norm) + 1e-6)
+    assert float(grad_norm_squared(grads, dtype=torch.float64).sqrt()) == pytest.approx(expected, rel=1e-12)
     small = [torch.full((2,), 0.1)]
     clip_by_total_norm(small, grad_norm_squared(small).sqrt(), 1.0)
     assert torch.equal(small[0], torch.full((2,), 0.1))
