@@ -38,7 +38,7 @@ from pentatron.parallel.pipeline.engine import PipelineEngine, PipelineStepResul
 from pentatron.parallel.pipeline.stages import PipelineStage
 from pentatron.parallel.placement import Placement
 from pentatron.parallel.tensor import gather_full_tensor
-from pentatron.precision import wide
+from pentatron.precision import wide, wide_dtype
 from pentatron.schedules import make_schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -62,7 +62,7 @@ class StepRunner:
         # pieces), fed by the engine's reduced gradient shards.
         self.optimizer = AdamW(engine.slots, train)
         self.comm, self.device = ctx.comm, ctx.device
-        self.loss_dtype = engine.norm_dtype  # the logged loss: fp32, fp64 in an fp64 run
+        self.loss_dtype = wide_dtype(engine.policy.grad_dtype)  # the logged loss: fp32, fp64 in an fp64 run
         self.stages = list(stages) if stages else None
         # Context parallelism: this rank keeps its share of every sequence, with the tokens' positions.
         self.shard = ContextShard(self.comm, layout) if layout.cp > 1 else None

@@ -74,17 +74,17 @@ class _ShardedBase(DataParallelBase):
             owned[pc.param].append(ZeroPiece(pc.lo, pc.hi, pc.glob, self.layout.bucket_of[pc.param].index))
         for p, pieces in owned.items():  # the placement records which elements this rank owns
             self.place[p].zero = tuple(pieces)
-        fp32 = param_store.dtype == self.policy.master_dtype  # the model's copy is the master: none apart
-        self.master_shard = None if fp32 else torch.zeros(self.layout.shard_numel, dtype=self.policy.master_dtype,
+        own = param_store.dtype == self.policy.master_dtype  # the model's copy is the master: none apart
+        self.master_shard = None if own else torch.zeros(self.layout.shard_numel, dtype=self.policy.master_dtype,
                                                           device=param_store.device)
         slots = []
         for pc in self.pieces:
             at = pc.glob if store_is_global else pc.local
             model = param_store[at: at + pc.numel]
-            master = model if fp32 else self.master_shard[pc.local: pc.local + pc.numel]
-            if not fp32:
+            master = model if own else self.master_shard[pc.local: pc.local + pc.numel]
+            if not own:
                 master.copy_(model)
-            slots.append(Slot(self._key(pc), master, grad_of(pc), None if fp32 else model,
+            slots.append(Slot(self._key(pc), master, grad_of(pc), None if own else model,
                               len(self.layout.shapes[pc.param]) >= 2))
         self.slots = slots
 
