@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(PY) -m pentatron.cli demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15 tests research/tests
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests research/tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks research

@@ -4,6 +4,28 @@ import pytest
 # small enough to tokenize in seconds on the 2-core CI machine.
 SMALL_CORPUS_BYTES = 400_000
 
+# The costliest files, costliest first (per-file time of a whole `make test`, BENCHMARKS.md "Test suite").
+# `make test` hands whole files to 2 workers in collection order (`--dist loadfile --no-loadscope-reorder`):
+# started first, the long files end before the many short ones do, and the two workers finish together
+# (longest-first scheduling). xdist's own order (most tests first) left single-test files of 1-2 minutes
+# for last, on one worker, with the other idle.
+LONGEST_FIRST = (
+    "tests/checkpoint/test_reshard.py", "tests/plan/test_cli.py", "tests/parallel/test_compile_parity.py",
+    "tests/test_readme.py", "tests/test_entrypoint_errors.py", "tests/parallel/test_context_parity.py",
+    "tests/parallel/test_moe_parity.py", "tests/plan/test_verify.py", "tests/test_multinode.py",
+    "tests/checkpoint/test_async_save.py", "tests/test_job_signals.py", "tests/parallel/test_composition_parity.py",
+    "tests/checkpoint/test_convert.py", "tests/test_run_lifecycle.py", "tests/parallel/pipeline/test_engine.py",
+    "tests/plan/test_emit.py", "tests/checkpoint/test_integrity.py", "tests/train/test_trainer.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    missing = [path for path in LONGEST_FIRST if not (config.rootpath / path).is_file()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names files that do not exist: {missing}")
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+
 
 @pytest.fixture(scope="session")
 def default_dataset(tmp_path_factory):

@@ -1,6 +1,6 @@
 """MoE training on real gloo ranks equals a plain single-process loop (`tests/parallel/moe_reference.py`).
 
-6 steps of the debug MoE (8 experts, top-2, a shared expert, layer 0 dense; dropless) through the real
+4 steps of the debug MoE (8 experts, top-2, a shared expert, layer 0 dense; dropless) through the real
 `Trainer`, with the Switch aux loss + z-loss (`debug-moe`) or with the aux-free bias (`debug-moe-auxfree`),
 must match the reference in the loss and gradient norm of every step, every parameter's step-1
 gradient and final value (‖Δ‖/‖ref‖) — so the balancing losses' gradient is included — all to
@@ -33,9 +33,9 @@ from tests.strict_comm import strict_comm_fixture
 
 strict_comm = strict_comm_fixture("module")  # NCCL's ordering and device rules on gloo
 
-# 6 steps: exact (float64) parity needs no long run for a defect to show (it does from step 1 or 2), and
+# 4 steps: exact (float64) parity needs no long run for a defect to show (it does from step 1 or 2), and
 # float64 MoE costs twice fp32 on CPU (torch._grouped_mm has no fp64 kernel: a padded bmm instead)
-STEPS, SEQ, MICRO, GLOBAL, LR, EPS, WARMUP = 6, 32, 2, 8, 1e-3, 1e-4, 2
+STEPS, SEQ, MICRO, GLOBAL, LR, EPS, WARMUP = 4, 32, 2, 8, 1e-3, 1e-4, 2
 CAP_STEPS = 3
 CAPACITY = ["moe.capacity_factor=1.0", f"train.steps={CAP_STEPS}"]  # drops ~15 % of a layer's assignments
 
@@ -160,7 +160,7 @@ def check_parity(runs: list[dict[str, Any]], label: str, ref: dict[str, Any]) ->
 
 
 def test_reference_balancing_terms_are_live(references) -> None:
-    """The parity below would be weaker if the balancing terms did nothing in 10 steps."""
+    """The parity below would be weaker if the balancing terms did nothing in 4 steps."""
     assert any(b.any() for b in references["debug-moe-auxfree"]["biases"].values())
     assert all(not b.any() for b in references["debug-moe"]["biases"].values())
     assert all(d == 0 for step in references["debug-moe"]["dropped"] for d in step.values())  # dropless

@@ -1,5 +1,5 @@
 """The 1-process trainer equals a plain PyTorch loop (torch AdamW with the same decay groups,
-clip_grad_norm_, the same warmup + cosine schedule) for 10 steps: losses, gradient norms, every
+clip_grad_norm_, the same warmup + cosine schedule) for 4 steps: losses, gradient norms, every
 parameter's step-1 gradient and the final parameters — with two accumulation micro-steps on the
 trainer's side and one whole batch on the reference's. This pins the trainer to an implementation that
 shares none of its code, so the multi-process parity tests may compare against either. And the reference
@@ -16,7 +16,7 @@ import torch
 from pentatron.config import load_config
 from tests.reference_loop import once_per_session, reference_run, relative_error
 
-STEPS, SEQ, GLOBAL, LR, EPS, WARMUP = 10, 32, 8, 1e-3, 1e-4, 2
+STEPS, SEQ, GLOBAL, LR, EPS, WARMUP = 4, 32, 8, 1e-3, 1e-4, 2
 TOL = 1e-5
 
 

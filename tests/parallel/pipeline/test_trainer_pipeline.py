@@ -1,4 +1,4 @@
-"""Pipeline parallelism through the real `Trainer`: 10 steps of the (tied) debug model equal the
+"""Pipeline parallelism through the real `Trainer`: 4 steps of the (tied) debug model equal the
 1-process plain PyTorch loop (tests/reference_loop.py, which shares no code with the trainer) — losses and
 grad norms each step, every parameter's step-1 gradient, final parameters gathered from every stage — for
 pp=2 with each of the four schedules (interleaved with v=2 over the 4 layers) and with an explicit
@@ -28,7 +28,7 @@ from pentatron.schedules import bubble_fraction
 from tests.multiprocess import run_ranks
 from tests.reference_loop import EXACT_RTOL, FP64, reference_run, relative_error
 
-STEPS, SEQ, MICRO, GLOBAL = 10, 32, 2, 8
+STEPS, SEQ, MICRO, GLOBAL = 4, 32, 2, 8
 TOL = EXACT_RTOL
 LR, EPS, WARMUP = 1e-3, 1e-4, 2
 
