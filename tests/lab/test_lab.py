@@ -52,8 +52,9 @@ def test_loss_scaling(tmp_path: Path):
 def test_grad_scale(tmp_path: Path):
     v = grad_scale(tmp_path, quick=True)
     n = v.numbers
-    assert n["m_ratios"] == pytest.approx([float(m) for m in n["m"]], rel=1e-4)
-    assert n["dp_ratio"] == pytest.approx(n["dp"], rel=1e-5)
+    # Exactly m and dp, on any CPU: m and dp are powers of two, and scaling by one is exact in binary floating
+    # point through every product and sum of the backward and the norm (same kernels on both sides).
+    assert n["m_ratios"] == [float(m) for m in n["m"]] and n["dp_ratio"] == n["dp"]
     assert v.reproduced
 
 
