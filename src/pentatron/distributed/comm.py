@@ -20,7 +20,10 @@ nothing is recorded. On gloo (CPU), torch ≥ 2.11 implements `reduce_scatter_te
 `all_gather_into_tensor` natively, so the same calls run on CPU and GPU.
 
 Strict mode (`Comm.strict`, on when the environment has PENTATRON_STRICT_COMM=1, so that spawned
-ranks and trainer subprocesses inherit it; the tests' mode) holds gloo runs to NCCL's rules:
+ranks and trainer subprocesses inherit it; the tests' mode, on by default in `tests/multiprocess.py`'s
+ranks) holds gloo runs to NCCL's contract, emulated where this layer meets `torch.distributed`
+(`nccl_contract`, which lists the rules and what is not emulated), so the code above cannot tell:
+- one work per p2p batch, as NCCL's `batch_isend_irecv` returns;
 - ordering: `batch_p2p` waits for every operation of the batch before it returns, so no later
   operation (point-to-point or collective) is issued while a batch is in flight. A send on gloo
   completes only once the peer has posted its receive, so a program whose p2p order would deadlock
@@ -28,7 +31,9 @@ ranks and trainer subprocesses inherit it; the tests' mode) holds gloo runs to N
   thanks to gloo's asynchronous sends;
 - device discipline: every tensor handed to a collective or p2p must be on the run's device
   (`ctx.device`: same device type, and the same index when the context names one), else
-  `CommDeviceError` names the op, the dimension and both devices (an NCCL group has no CPU backend).
+  `CommDeviceError` names the op, the dimension and both devices (an NCCL group has no CPU backend);
+- a group's first op is joined by every rank of the group (NCCL creates its communicator then), else
+  `CommFirstUseError` names the ranks that did not come.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
+from pentatron.distributed import nccl_contract
 from pentatron.distributed.ring import ring_bytes
 
 Op = Literal["all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send", "recv", "barrier"]
@@ -217,6 +223,11 @@ class Comm:
                 raise CommDeviceError(f"{op} over {dim!r}: a {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} "
                                       f"tensor on {got}, but the run's device is {want} (build it there)")
 
+    def _first_use(self, group: dist.ProcessGroup, op: str, dim: str) -> None:
+        """Strict mode: a group's first op is joined by all its ranks (NCCL's communicator init)."""
+        if self.strict:
+            nccl_contract.first_use(group, op, dim)
+
     def _group(self, dim: str) -> tuple[dist.ProcessGroup | None, int]:
         if dim == "world":
             n = self.ctx.world_size
@@ -242,6 +253,7 @@ class Comm:
         if group is None or n == 1:
             return self._done(None, async_op)
         self._check_device("all_reduce", dim, tensor)
+        self._first_use(group, "all_reduce", dim)
         rec = self._enter("all_reduce", dim, tensor, _nbytes(tensor), n)
         return self._done(dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op), async_op, rec)
 
@@ -257,6 +269,7 @@ class Comm:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
         self._check_device("reduce_scatter", dim, output, input)
+        self._first_use(group, "reduce_scatter", dim)
         rec = self._enter("reduce_scatter", dim, input, _nbytes(input), n)
         work = _reduce_scatter(output, input, op=_REDUCE_OPS[op], group=group, async_op=async_op)
         return self._done(work, async_op, rec)
@@ -272,6 +285,7 @@ class Comm:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
         self._check_device("all_gather", dim, output, input)
+        self._first_use(group, "all_gather", dim)
         rec = self._enter("all_gather", dim, input, _nbytes(output), n)
         return self._done(_all_gather(output, input, group=group, async_op=async_op), async_op, rec)
 
@@ -285,6 +299,7 @@ class Comm:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
         self._check_device("all_to_all", dim, output, input)
+        self._first_use(group, "all_to_all", dim)
         row = _nbytes(input) // max(1, input.shape[0])
         own = (input_splits[self.ctx.local_rank(dim)] if input_splits is not None
                else input.shape[0] // n) * row
@@ -298,6 +313,7 @@ class Comm:
         if group is None or n == 1:
             return self._done(None, async_op)
         self._check_device("broadcast", dim, tensor)
+        self._first_use(group, "broadcast", dim)
         rec = self._enter("broadcast", dim, tensor, _nbytes(tensor), n)
         work = dist.broadcast(tensor, src=self._global(dim, src), group=group, async_op=async_op)
         return self._done(work, async_op, rec)
@@ -305,6 +321,7 @@ class Comm:
     def barrier(self, dim: str = "world") -> None:
         group, n = self._group(dim)
         if group is not None and n > 1:
+            self._first_use(group, "barrier", dim)
             rec = None if self.recorder is None else self.recorder.enter(self, "barrier", dim, None)
             dist.barrier(group=group)
             if rec is not None:
@@ -334,15 +351,16 @@ class Comm:
             raise ValueError(f"point-to-point along {dim!r} needs a group of more than one rank")
         for o in ops:
             self._check_device(o.op, dim, o.tensor)
+        self._first_use(group, ops[0].op, dim)
         p2p = []
         for o in ops:
             self.ledger.record(o.op, dim, o.tensor.dtype, _nbytes(o.tensor), n)
             fn = dist.isend if o.op == "send" else dist.irecv
             p2p.append(dist.P2POp(fn, o.tensor, self._global(dim, o.peer), group=group))
         if self.recorder is None:
-            return [Work(w) for w in dist.batch_isend_irecv(p2p)]
+            return [Work(w) for w in nccl_contract.batch_isend_irecv(p2p, self.strict)]
         recs = self.recorder.enter_batch(self, dim, [(o.op, o.tensor, self._global(dim, o.peer)) for o in ops])
-        works = dist.batch_isend_irecv(p2p)
+        works = nccl_contract.batch_isend_irecv(p2p, self.strict)
         return [Work(w, self.recorder.issued(recs if len(works) != len(recs) else [r], True))
                 for w, r in zip(works, recs)]
 
