@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from pentatron.distributed import nccl_contract
-from pentatron.distributed.comm import P2P, Comm, CommLedger
+from pentatron.distributed.comm import P2P, Comm, CommLedger, Work
+from pentatron.observe.flight_recorder import FlightRecorder
 from tests.multiprocess import run_ranks
 
 
@@ -49,11 +50,32 @@ def _batch_works(rank: int, world: int) -> dict[bool, tuple[int, list[float], bo
     return out
 
 
+def _batch_handle(rank: int, world: int) -> dict[bool, tuple[bool, int, int, list[float]]]:
+    """Comm.batch_p2p in both modes, with a flight recorder attached: one handle, records done with it."""
+    out = {}
+    for strict in (False, True):
+        comm = Comm(_Mesh(dist.group.WORLD, rank, 2), CommLedger(), strict=strict)
+        comm.recorder = FlightRecorder(rank)
+        mine, theirs = torch.full((3,), float(rank)), torch.empty(3)
+        batch = comm.batch_p2p([P2P("send", mine, 1 - rank), P2P("recv", theirs, 1 - rank)], "g")
+        pending_at_return = comm.recorder.pending
+        batch.wait()
+        out[strict] = (isinstance(batch, Work), pending_at_return, comm.recorder.pending, theirs.tolist())
+    return out
+
+
 def test_a_batch_is_one_work_that_covers_all_its_ops():
     for rank, out in enumerate(run_ranks(_batch_works, 2)):
         assert out[False][0] == 2  # gloo: a work per op
         n, received, done = out[True]
         assert n == 1 and done and received == [float(1 - rank)] * 3  # NCCL: one, and waiting it waits all
+
+
+def test_a_batch_p2p_hands_callers_one_handle_per_batch_in_both_modes():
+    for rank, out in enumerate(run_ranks(_batch_handle, 2)):
+        msg = [float(1 - rank)] * 3
+        assert out[False] == (True, 2, 0, msg)  # both records pending until the handle's wait
+        assert out[True] == (True, 0, 0, msg)  # strict: waited before batch_p2p returned
 
 
 def _send_before_collective(rank: int, world: int, timeout_s: float) -> dict[bool, str]:
@@ -65,10 +87,9 @@ def _send_before_collective(rank: int, world: int, timeout_s: float) -> dict[boo
         msg = torch.full((3,), 7.0) if rank == 0 else torch.zeros(3)
         try:
             if rank == 0:
-                works = comm.batch_p2p([P2P("send", msg, 1)], "g")  # gloo's send is asynchronous...
+                batch = comm.batch_p2p([P2P("send", msg, 1)], "g")  # gloo's send is asynchronous...
                 comm.all_reduce(torch.ones(1), "g")
-                for w in works:
-                    w.wait()
+                batch.wait()
             else:
                 comm.all_reduce(torch.ones(1), "g")
                 comm.recv(msg, "g", 0)  # ...NCCL's may wait until this runs, which waits for rank 0
@@ -97,8 +118,7 @@ def _pair_first(rank: int, world: int, timeout_s: float) -> dict[bool, str]:
         comm = Comm(_Mesh(pg, rank, 3), CommLedger(), strict=strict)
         mine, theirs = torch.full((2,), float(rank)), torch.empty(2)
         try:
-            for w in comm.batch_p2p([P2P("send", mine, 1 - rank), P2P("recv", theirs, 1 - rank)], "g"):
-                w.wait()
+            comm.batch_p2p([P2P("send", mine, 1 - rank), P2P("recv", theirs, 1 - rank)], "g").wait()
             out[strict] = f"done {theirs.tolist()}"
         except RuntimeError as e:
             out[strict] = f"failed: {type(e).__name__}: {e}"

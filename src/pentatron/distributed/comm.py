@@ -23,7 +23,8 @@ Strict mode (`Comm.strict`, on when the environment has PENTATRON_STRICT_COMM=1,
 ranks and trainer subprocesses inherit it; the tests' mode, on by default in `tests/multiprocess.py`'s
 ranks) holds gloo runs to NCCL's contract, emulated where this layer meets `torch.distributed`
 (`nccl_contract`, which lists the rules and what is not emulated), so the code above cannot tell:
-- one work per p2p batch, as NCCL's `batch_isend_irecv` returns;
+- one work per p2p batch, as NCCL's `batch_isend_irecv` returns (`batch_p2p` gives its callers one
+  handle per batch in every mode, so they never pair handles with ops);
 - ordering: `batch_p2p` waits for every operation of the batch before it returns, so no later
   operation (point-to-point or collective) is issued while a batch is in flight. A send on gloo
   completes only once the peer has posted its receive, so a program whose p2p order would deadlock
@@ -329,24 +330,26 @@ class Comm:
 
     # ------------------------------------------------------------------ point to point
     def send(self, tensor: torch.Tensor, dim: str, dst: int) -> None:
-        self.batch_p2p([P2P("send", tensor, dst)], dim)[0].wait()
+        self.batch_p2p([P2P("send", tensor, dst)], dim).wait()
 
     def recv(self, tensor: torch.Tensor, dim: str, src: int) -> None:
-        self.batch_p2p([P2P("recv", tensor, src)], dim)[0].wait()
+        self.batch_p2p([P2P("recv", tensor, src)], dim).wait()
 
-    def batch_p2p(self, ops: list[P2P], dim: str) -> list[Work]:
-        """Issue several sends/receives together (deadlock-free for exchanges); returns their handles.
-        In strict mode they are all done when it returns (NCCL's ordering: see the module docstring)."""
-        works = self._batch_p2p(ops, dim)
+    def batch_p2p(self, ops: list[P2P], dim: str) -> Work:
+        """Issue several sends/receives together (deadlock-free for exchanges); returns one handle for the
+        whole batch, whose wait waits for every op of it. One, because NCCL's `batch_isend_irecv` returns
+        one work per batch where gloo returns one per op: a caller that never pairs handles with ops runs
+        the same on both. In strict mode the batch is done when it returns (NCCL's ordering: see the
+        module docstring)."""
+        work = self._batch_p2p(ops, dim)
         if self.strict:
-            for w in works:
-                w.wait()
-        return works
+            work.wait()
+        return work
 
-    def _batch_p2p(self, ops: list[P2P], dim: str) -> list[Work]:
+    def _batch_p2p(self, ops: list[P2P], dim: str) -> Work:
         group, n = self._group(dim)
         if not ops:
-            return []
+            return Work()
         if group is None or n == 1:
             raise ValueError(f"point-to-point along {dim!r} needs a group of more than one rank")
         for o in ops:
@@ -358,11 +361,11 @@ class Comm:
             fn = dist.isend if o.op == "send" else dist.irecv
             p2p.append(dist.P2POp(fn, o.tensor, self._global(dim, o.peer), group=group))
         if self.recorder is None:
-            return [Work(w) for w in nccl_contract.batch_isend_irecv(p2p, self.strict)]
+            return Work(nccl_contract.one_work(nccl_contract.batch_isend_irecv(p2p, self.strict)))
         recs = self.recorder.enter_batch(self, dim, [(o.op, o.tensor, self._global(dim, o.peer)) for o in ops])
         works = nccl_contract.batch_isend_irecv(p2p, self.strict)
-        return [Work(w, self.recorder.issued(recs if len(works) != len(recs) else [r], True))
-                for w, r in zip(works, recs)]
+        # the batch's records are issued, waited and done together, as its one work on NCCL
+        return Work(nccl_contract.one_work(works), self.recorder.issued(recs, True))
 
     def _global(self, dim: str, group_rank: int) -> int:
         if dim == "world":
