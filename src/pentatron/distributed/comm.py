@@ -149,7 +149,8 @@ class CommLedger:
 
 
 class Work:
-    """A handle on an issued collective (or an already finished local one)."""
+    """A handle on an issued collective or a whole p2p batch (or an already finished local op); waiting
+    it again does nothing."""
 
     def __init__(self, work: Any | None = None, hooks: Any | None = None) -> None:
         self._work = work
@@ -360,12 +361,12 @@ class Comm:
             self.ledger.record(o.op, dim, o.tensor.dtype, _nbytes(o.tensor), n)
             fn = dist.isend if o.op == "send" else dist.irecv
             p2p.append(dist.P2POp(fn, o.tensor, self._global(dim, o.peer), group=group))
-        if self.recorder is None:
-            return Work(nccl_contract.one_work(nccl_contract.batch_isend_irecv(p2p, self.strict)))
-        recs = self.recorder.enter_batch(self, dim, [(o.op, o.tensor, self._global(dim, o.peer)) for o in ops])
-        works = nccl_contract.batch_isend_irecv(p2p, self.strict)
-        # the batch's records are issued, waited and done together, as its one work on NCCL
-        return Work(nccl_contract.one_work(works), self.recorder.issued(recs, True))
+        recorder = self.recorder
+        recs = None if recorder is None else recorder.enter_batch(
+            self, dim, [(o.op, o.tensor, self._global(dim, o.peer)) for o in ops])
+        work = nccl_contract.one_work(nccl_contract.batch_isend_irecv(p2p, self.strict))
+        # the batch's records are issued, waited and done together, as its one work is on NCCL
+        return Work(work, None if recorder is None or recs is None else recorder.issued(recs, True))
 
     def _global(self, dim: str, group_rank: int) -> int:
         if dim == "world":
