@@ -5,8 +5,9 @@
 `fn` must be importable (defined at module level). Each rank gets a gloo process group initialised
 through a FileStore in a fresh temporary directory (no ports to race for), one intra-op thread (the
 CI machine has 2 cores; PENTATRON_TEST_RANK_THREADS=N for N, to run the suite under other kernel
-blockings: docs/testing.md), the caller's environment as it is at the call (e.g. strict comm mode), and its
-return value is sent back to the caller. A failure on any rank is re-raised here with that rank's
+blockings: docs/testing.md), the caller's environment as it is at the call, in strict comm mode unless
+that environment says PENTATRON_STRICT_COMM=0 (NCCL's contract emulated on gloo: distributed/nccl_contract.py),
+and its return value is sent back to the caller. A failure on any rank is re-raised here with that rank's
 traceback; a rank that does not finish within `timeout` seconds fails the test instead of hanging it.
 
 Ranks are forked from multiprocessing's fork server, which imports torch and the trainer once per test
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pentatron.distributed.comm import STRICT_ENV
 from pentatron.distributed.launch import shutdown_distributed
 
 # Imported once by the fork server (torch.distributed.nn before any process group, as init_distributed
@@ -85,9 +87,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     results: mp.Queue = ctx.Queue()
+    # Strict by default: every multi-process test holds gloo to NCCL's contract unless it opts out.
+    environ = {STRICT_ENV: "1", **os.environ}
     with tempfile.TemporaryDirectory(prefix="pentatron-ranks-") as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store, args, results, dict(os.environ)),
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store, args, results, environ),
                              daemon=True)
                  for r in range(world_size)]
         for p in procs:

@@ -1,6 +1,7 @@
 """Strict comm mode for a test module or package: PENTATRON_STRICT_COMM=1 while its tests run, set before
 its module-scoped fixtures spawn ranks (which inherit it), so every `Comm` they build holds gloo to NCCL's
-ordering and device rules (see distributed/comm.py)."""
+contract (see distributed/nccl_contract.py). `tests.multiprocess.run_ranks` gives its ranks strict mode by
+default; this also covers the test's own process and the trainer subprocesses it starts."""
 
 from __future__ import annotations
 

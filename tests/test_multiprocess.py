@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from pentatron.distributed.comm import STRICT_ENV, Comm, CommLedger
+from pentatron.distributed.context import ParallelContext
 from tests.multiprocess import RankFailed, run_ranks
 
 
@@ -19,6 +21,10 @@ def _fail_on_rank_1(rank: int, world_size: int) -> None:
     if rank == 1:
         raise ValueError("boom on purpose")
     dist.barrier()
+
+
+def _strict(rank: int, world_size: int) -> bool:
+    return Comm(ParallelContext.single(), CommLedger()).strict
 
 
 def _hang(rank: int, world_size: int) -> None:
@@ -37,3 +43,10 @@ def test_a_failing_rank_is_reported_with_its_traceback():
 def test_a_hang_fails_instead_of_blocking():
     with pytest.raises(RankFailed, match="did not finish within 3s"):
         run_ranks(_hang, 2, timeout=3)
+
+
+def test_ranks_run_in_strict_comm_mode_unless_the_caller_opts_out(monkeypatch):
+    monkeypatch.delenv(STRICT_ENV, raising=False)
+    assert run_ranks(_strict, 2) == [True, True]  # NCCL's contract on gloo, by default
+    monkeypatch.setenv(STRICT_ENV, "0")
+    assert run_ranks(_strict, 2) == [False, False]

@@ -70,10 +70,9 @@ def _ops(rank: int, world: int) -> dict:
         w.wait()
     send, recv = torch.full((6,), float(rank)), torch.empty(6)
     out["strict"] = comm.strict
-    works = comm.batch_p2p([P2P("send", send, (rank + 1) % 4), P2P("recv", recv, (rank - 1) % 4)], "dp")
+    batch = comm.batch_p2p([P2P("send", send, (rank + 1) % 4), P2P("recv", recv, (rank - 1) % 4)], "dp")
     out["p2p"] = recv.tolist()  # strict: the batch is done when batch_p2p returns
-    for w in works:
-        w.wait()  # and waiting again is harmless
+    batch.wait()  # and waiting again is harmless
     summary = ledger.end_step()
     out["by_dim"] = summary.by_dim
     out["table"] = summary.table()

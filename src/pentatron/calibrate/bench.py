@@ -273,8 +273,7 @@ def _exchange(comm: Any, buf: torch.Tensor, rank: int) -> None:
 
     peer = 1 - rank
     incoming = torch.empty_like(buf)
-    for w in comm.batch_p2p([P2P("send", buf, peer), P2P("recv", incoming, peer)], "dp"):
-        w.wait()
+    comm.batch_p2p([P2P("send", buf, peer), P2P("recv", incoming, peer)], "dp").wait()
 
 
 def _tp_step(ctx: Any, tiny_attention: tuple[float, float]) -> dict[str, Any]:

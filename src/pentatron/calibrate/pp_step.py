@@ -64,8 +64,7 @@ def measure_pp_step(comm: Any, dim: str, compute: Any) -> PPStep:
             block()
             outgoing.add_(1.0)  # the stage has just written its output
             t2 = time.perf_counter()
-            for w in comm.batch_p2p([P2P("send", outgoing, peer), P2P("recv", incoming, peer)], dim):
-                w.wait()
+            comm.batch_p2p([P2P("send", outgoing, peer), P2P("recv", incoming, peer)], dim).wait()
             t3 = time.perf_counter()
             if i >= WARMUP:
                 times.append(t3 - t2)

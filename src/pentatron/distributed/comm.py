@@ -20,7 +20,11 @@ nothing is recorded. On gloo (CPU), torch ≥ 2.11 implements `reduce_scatter_te
 `all_gather_into_tensor` natively, so the same calls run on CPU and GPU.
 
 Strict mode (`Comm.strict`, on when the environment has PENTATRON_STRICT_COMM=1, so that spawned
-ranks and trainer subprocesses inherit it; the tests' mode) holds gloo runs to NCCL's rules:
+ranks and trainer subprocesses inherit it; the tests' mode, on by default in `tests/multiprocess.py`'s
+ranks) holds gloo runs to NCCL's contract, emulated where this layer meets `torch.distributed`
+(`nccl_contract`, which lists the rules and what is not emulated), so the code above cannot tell:
+- one work per p2p batch, as NCCL's `batch_isend_irecv` returns (`batch_p2p` gives its callers one
+  handle per batch in every mode, so they never pair handles with ops);
 - ordering: `batch_p2p` waits for every operation of the batch before it returns, so no later
   operation (point-to-point or collective) is issued while a batch is in flight. A send on gloo
   completes only once the peer has posted its receive, so a program whose p2p order would deadlock
@@ -28,7 +32,9 @@ ranks and trainer subprocesses inherit it; the tests' mode) holds gloo runs to N
   thanks to gloo's asynchronous sends;
 - device discipline: every tensor handed to a collective or p2p must be on the run's device
   (`ctx.device`: same device type, and the same index when the context names one), else
-  `CommDeviceError` names the op, the dimension and both devices (an NCCL group has no CPU backend).
+  `CommDeviceError` names the op, the dimension and both devices (an NCCL group has no CPU backend);
+- a group's first op is joined by every rank of the group (NCCL creates its communicator then), else
+  `CommFirstUseError` names the ranks that did not come.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
+from pentatron.distributed import nccl_contract
 from pentatron.distributed.ring import ring_bytes
 
 Op = Literal["all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send", "recv", "barrier"]
@@ -142,7 +149,8 @@ class CommLedger:
 
 
 class Work:
-    """A handle on an issued collective (or an already finished local one)."""
+    """A handle on an issued collective or a whole p2p batch (or an already finished local op); waiting
+    it again does nothing."""
 
     def __init__(self, work: Any | None = None, hooks: Any | None = None) -> None:
         self._work = work
@@ -217,6 +225,11 @@ class Comm:
                 raise CommDeviceError(f"{op} over {dim!r}: a {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} "
                                       f"tensor on {got}, but the run's device is {want} (build it there)")
 
+    def _first_use(self, group: dist.ProcessGroup, op: str, dim: str) -> None:
+        """Strict mode: a group's first op is joined by all its ranks (NCCL's communicator init)."""
+        if self.strict:
+            nccl_contract.first_use(group, op, dim)
+
     def _group(self, dim: str) -> tuple[dist.ProcessGroup | None, int]:
         if dim == "world":
             n = self.ctx.world_size
@@ -242,6 +255,7 @@ class Comm:
         if group is None or n == 1:
             return self._done(None, async_op)
         self._check_device("all_reduce", dim, tensor)
+        self._first_use(group, "all_reduce", dim)
         rec = self._enter("all_reduce", dim, tensor, _nbytes(tensor), n)
         return self._done(dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op), async_op, rec)
 
@@ -257,6 +271,7 @@ class Comm:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
         self._check_device("reduce_scatter", dim, output, input)
+        self._first_use(group, "reduce_scatter", dim)
         rec = self._enter("reduce_scatter", dim, input, _nbytes(input), n)
         work = _reduce_scatter(output, input, op=_REDUCE_OPS[op], group=group, async_op=async_op)
         return self._done(work, async_op, rec)
@@ -272,6 +287,7 @@ class Comm:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
         self._check_device("all_gather", dim, output, input)
+        self._first_use(group, "all_gather", dim)
         rec = self._enter("all_gather", dim, input, _nbytes(output), n)
         return self._done(_all_gather(output, input, group=group, async_op=async_op), async_op, rec)
 
@@ -285,6 +301,7 @@ class Comm:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
         self._check_device("all_to_all", dim, output, input)
+        self._first_use(group, "all_to_all", dim)
         row = _nbytes(input) // max(1, input.shape[0])
         own = (input_splits[self.ctx.local_rank(dim)] if input_splits is not None
                else input.shape[0] // n) * row
@@ -298,6 +315,7 @@ class Comm:
         if group is None or n == 1:
             return self._done(None, async_op)
         self._check_device("broadcast", dim, tensor)
+        self._first_use(group, "broadcast", dim)
         rec = self._enter("broadcast", dim, tensor, _nbytes(tensor), n)
         work = dist.broadcast(tensor, src=self._global(dim, src), group=group, async_op=async_op)
         return self._done(work, async_op, rec)
@@ -305,6 +323,7 @@ class Comm:
     def barrier(self, dim: str = "world") -> None:
         group, n = self._group(dim)
         if group is not None and n > 1:
+            self._first_use(group, "barrier", dim)
             rec = None if self.recorder is None else self.recorder.enter(self, "barrier", dim, None)
             dist.barrier(group=group)
             if rec is not None:
@@ -312,39 +331,42 @@ class Comm:
 
     # ------------------------------------------------------------------ point to point
     def send(self, tensor: torch.Tensor, dim: str, dst: int) -> None:
-        self.batch_p2p([P2P("send", tensor, dst)], dim)[0].wait()
+        self.batch_p2p([P2P("send", tensor, dst)], dim).wait()
 
     def recv(self, tensor: torch.Tensor, dim: str, src: int) -> None:
-        self.batch_p2p([P2P("recv", tensor, src)], dim)[0].wait()
+        self.batch_p2p([P2P("recv", tensor, src)], dim).wait()
 
-    def batch_p2p(self, ops: list[P2P], dim: str) -> list[Work]:
-        """Issue several sends/receives together (deadlock-free for exchanges); returns their handles.
-        In strict mode they are all done when it returns (NCCL's ordering: see the module docstring)."""
-        works = self._batch_p2p(ops, dim)
+    def batch_p2p(self, ops: list[P2P], dim: str) -> Work:
+        """Issue several sends/receives together (deadlock-free for exchanges); returns one handle for the
+        whole batch, whose wait waits for every op of it. One, because NCCL's `batch_isend_irecv` returns
+        one work per batch where gloo returns one per op: a caller that never pairs handles with ops runs
+        the same on both. In strict mode the batch is done when it returns (NCCL's ordering: see the
+        module docstring)."""
+        work = self._batch_p2p(ops, dim)
         if self.strict:
-            for w in works:
-                w.wait()
-        return works
+            work.wait()
+        return work
 
-    def _batch_p2p(self, ops: list[P2P], dim: str) -> list[Work]:
+    def _batch_p2p(self, ops: list[P2P], dim: str) -> Work:
         group, n = self._group(dim)
         if not ops:
-            return []
+            return Work()
         if group is None or n == 1:
             raise ValueError(f"point-to-point along {dim!r} needs a group of more than one rank")
         for o in ops:
             self._check_device(o.op, dim, o.tensor)
+        self._first_use(group, ops[0].op, dim)
         p2p = []
         for o in ops:
             self.ledger.record(o.op, dim, o.tensor.dtype, _nbytes(o.tensor), n)
             fn = dist.isend if o.op == "send" else dist.irecv
             p2p.append(dist.P2POp(fn, o.tensor, self._global(dim, o.peer), group=group))
-        if self.recorder is None:
-            return [Work(w) for w in dist.batch_isend_irecv(p2p)]
-        recs = self.recorder.enter_batch(self, dim, [(o.op, o.tensor, self._global(dim, o.peer)) for o in ops])
-        works = dist.batch_isend_irecv(p2p)
-        return [Work(w, self.recorder.issued(recs if len(works) != len(recs) else [r], True))
-                for w, r in zip(works, recs)]
+        recorder = self.recorder
+        recs = None if recorder is None else recorder.enter_batch(
+            self, dim, [(o.op, o.tensor, self._global(dim, o.peer)) for o in ops])
+        work = nccl_contract.one_work(nccl_contract.batch_isend_irecv(p2p, self.strict))
+        # the batch's records are issued, waited and done together, as its one work is on NCCL
+        return Work(work, None if recorder is None or recs is None else recorder.issued(recs, True))
 
     def _global(self, dim: str, group_rank: int) -> int:
         if dim == "world":

@@ -182,8 +182,7 @@ class DataParallelBase:
             peer = self.place[p].tied_peer
             mine = torch.cat([g.reshape(-1) for g in grads])
             theirs = torch.empty_like(mine)
-            for w in self.comm.batch_p2p([P2P("send", mine, peer), P2P("recv", theirs, peer)], "pp"):
-                w.wait()
+            self.comm.batch_p2p([P2P("send", mine, peer), P2P("recv", theirs, peer)], "pp").wait()
             offset = 0
             for g in grads:
                 g.add_(theirs[offset: offset + g.numel()].view_as(g))

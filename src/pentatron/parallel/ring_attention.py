@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
-from pentatron.distributed.comm import P2P, Comm
+from pentatron.distributed.comm import P2P, Comm, Work
 from pentatron.parallel.attention_kernels import BlockKernel
 
 
@@ -81,15 +81,11 @@ class _RingExchange:
         n, me = comm.ctx.size(dim), comm.ctx.local_rank(dim)
         self.next, self.prev = (me + 1) % n, (me - 1) % n
 
-    def start(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
+    def start(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Work]:
+        """The buffer receiving the previous rank's tensor, and the exchange's handle (wait before reading)."""
         incoming = torch.empty_like(tensor)
-        works = self.comm.batch_p2p([P2P("send", tensor, self.next), P2P("recv", incoming, self.prev)], self.dim)
-        return incoming, works
-
-    @staticmethod
-    def finish(works: list[Any]) -> None:
-        for w in works:
-            w.wait()
+        work = self.comm.batch_p2p([P2P("send", tensor, self.next), P2P("recv", incoming, self.prev)], self.dim)
+        return incoming, work
 
 
 def _geometry(q: torch.Tensor, k: torch.Tensor, comm: Comm, dim: str
@@ -122,8 +118,8 @@ class _RingAttention(Function):
                                + o_b.to(acc_dtype) * torch.exp(lse_b - new).unsqueeze(-1))
             lse[:, :, rows] = new
             if pending is not None:
-                kv, works = pending
-                ring.finish(works)
+                kv, work = pending
+                work.wait()
         # Stored as [b, s, h, d] (like the fused kernels' output): the caller's transpose back is then
         # contiguous and the output projection saves this same storage instead of a copy.
         out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
@@ -150,11 +146,11 @@ class _RingAttention(Function):
             dkv[0][:, :, cols] += _fold(dk_b.to(acc_dtype), groups)
             dkv[1][:, :, cols] += _fold(dv_b.to(acc_dtype), groups)
             if r > 1:  # pass the accumulator on; after the last step it arrives at its owner
-                dkv, works = ring.start(dkv)
-                ring.finish(works)
+                dkv, work = ring.start(dkv)
+                work.wait()
             if pending is not None:
-                kv, works = pending
-                ring.finish(works)
+                kv, work = pending
+                work.wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 

@@ -10,9 +10,10 @@ time slot of the schedule's unit-cost timeline, and every rank issues its batche
 the program is deadlock-free under NCCL's rules (per rank, p2p batches complete in issue order; a
 send may block until the peer's matching receive runs), which `schedules.validate` checks by replaying
 the plan (`check_p2p`). Receive buffers are pre-allocated ([micro_batch, seq, hidden] activations
-and gradients) when their batch is issued; an action waits only for the receives it consumes. On
-gloo the same plan runs; `Comm` strict mode (PENTATRON_STRICT_COMM=1) waits every batch before the
-next operation, which is how the tests hold the engine to NCCL's ordering.
+and gradients) when their batch is issued; an action waits only for the batches holding the receives it
+consumes (`batch_p2p` returns one handle per batch, as NCCL does). On gloo the same plan runs; `Comm`
+strict mode (PENTATRON_STRICT_COMM=1) emulates NCCL's contract (one work per batch, every batch waited
+before the next operation), which is how the tests hold the engine to NCCL's API and ordering.
 
 Memory: a (chunk, micro-batch)'s saved activations are dropped as soon as its last backward action
 (BW, or W when split) is done; the engine counts the in-flight ones and reports the peak. Every
@@ -258,12 +259,14 @@ class PipelineEngine:
                 else:
                     self._buffers[op.msg] = torch.empty(self._shape, dtype=self.act_dtype, device=self._device)
                     ops.append(P2P("recv", self._buffers[op.msg], op.peer))
-            works = self.comm.batch_p2p(ops, self.dim)
-            for op, p2p, w in zip(batch.ops, ops, works, strict=True):
+            # One handle for the whole batch (NCCL returns one work per batch): each of its messages
+            # waits on it, so consuming a receive also waits for the batch's sends, as on NCCL.
+            work = self.comm.batch_p2p(ops, self.dim)
+            for op, p2p in zip(batch.ops, ops, strict=True):
                 if op.op == "send":
-                    self._send_work[op.msg] = (w, p2p.tensor)  # the handle keeps the tensor until done
+                    self._send_work[op.msg] = (work, p2p.tensor)  # the entry keeps the tensor until done
                 else:
-                    self._recv_work[op.msg] = w
+                    self._recv_work[op.msg] = work
 
     def _receive(self, msg: MsgKey) -> torch.Tensor:
         """The tensor for `msg`: a local hand-off, or a posted receive, waited for now."""

@@ -120,7 +120,5 @@ def sync_tied_grads(stages: Sequence[PipelineStage], comm: Comm, pp_rank: int, p
             param.grad = torch.zeros_like(param)
         grad = param.grad
     theirs = torch.empty_like(grad)
-    works = comm.batch_p2p([P2P("send", grad, peer), P2P("recv", theirs, peer)], dim)
-    for w in works:
-        w.wait()
+    comm.batch_p2p([P2P("send", grad, peer), P2P("recv", theirs, peer)], dim).wait()
     grad.add_(theirs)
