@@ -21,6 +21,7 @@ from pentatron.layout import ParallelLayout, resolve_dp
 from pentatron.models.config import ModelConfig, MoEConfig
 from pentatron.models.registry import get_model_config
 from pentatron.numbers import INT64_MAX, INT64_MIN, number_problem
+from pentatron.user_files import UnreadableFile, read_toml
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -336,15 +337,12 @@ def load_config(path: str | Path | None, overrides: list[str] = (), world_size: 
     """Read a TOML file (or start from defaults), apply `section.key=value` overrides, validate."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if p.is_dir():
-            raise ConfigError([f"config path {str(p)!r} is a directory; give a TOML file (e.g. configs/debug.toml)"])
-        if not p.is_file():
-            raise ConfigError([f"config file {str(p)!r} does not exist"])
+        if Path(path).is_dir():
+            raise ConfigError([f"config path {str(path)!r} is a directory; give a TOML file (e.g. configs/debug.toml)"])
         try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError([f"{p}: not valid TOML: {e}"]) from None
+            data = read_toml(path, "config file")
+        except UnreadableFile as e:  # missing, unreadable, not UTF-8, not TOML: one line, exit 2
+            raise ConfigError([str(e)]) from None
     for item in overrides:
         (section, key), value = parse_override(item)
         table = data.setdefault(section, {})

@@ -28,3 +28,19 @@ def test_saving_a_step_again_never_removes_the_checkpoint_latest_names(tmp_path)
     state = {"w": torch.zeros(4)}
     store.load(store.latest(), state)
     assert torch.equal(state["w"], torch.full((4,), 5.0))
+
+
+def test_an_unreadable_checkpoint_file_is_named_by_the_verification(tmp_path, unreadable):
+    """Every reader (resume, convert, generate, export-hf) verifies the files first: a file of mode 000 is its
+    one line, a CheckpointError (exit 2), not a PermissionError traceback from the checksum."""
+    import pytest
+
+    from pentatron.checkpoint import manifest
+    from pentatron.checkpoint.errors import CheckpointError
+
+    path = _save(CheckpointStore(tmp_path, keep=2), 1, 1.0)
+    shard = next(path.glob("*.distcp"))
+    unreadable(shard)
+    with pytest.raises(CheckpointError, match=rf"{shard}: cannot be read \(Permission denied\); make the checkpoint "
+                                              "readable"):
+        manifest.verify(path)

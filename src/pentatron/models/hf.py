@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from pentatron.models import hf_moe
 from pentatron.models.config import ModelConfig, RopeScaling
 from pentatron.models.llama import Llama, reset_router_biases
+from pentatron.user_files import read_json
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -187,10 +188,7 @@ def read_hf_config(path: Path) -> ModelConfig:
         raise FileNotFoundError(f"{path}: not a directory (expected a Hugging Face model directory)")
     if not f.is_file():
         raise FileNotFoundError(f"{f}: missing (a Hugging Face model directory needs config.json)")
-    try:
-        d = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{f}: not valid JSON ({e})") from None
+    d = read_json(f, "Hugging Face config")  # unreadable, not UTF-8, not JSON: an UnreadableFile (ValueError)
     if not isinstance(d, dict):
         raise ValueError(f"{f}: expected a JSON object")
     return config_from_hf(d)
@@ -257,8 +255,8 @@ def _weight_map(path: Path) -> dict[str, Path]:
         hint = f" (found {', '.join(other)}: only safetensors checkpoints are supported)" if other else ""
         raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found{hint}")
     try:
-        wm = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        wm = read_json(index, "safetensors index")["weight_map"]
+    except (KeyError, TypeError) as e:
         raise ValueError(f"{index}: not a valid safetensors index ({e!r})") from None
     out: dict[str, Path] = {}
     for name, fname in wm.items():
