@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from pentatron.models import hf
 from pentatron.models.config import ModelConfig
 from pentatron.models.registry import MODELS
+from pentatron.writes import WriteError
 
 transformers = pytest.importorskip("transformers")
 
@@ -204,7 +205,7 @@ def test_export_dtype_and_atomicity(ckpts: dict, tmp_path: Path, monkeypatch: py
         raise OSError("disk full")
 
     monkeypatch.setattr(hf, "save_file", boom)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(WriteError, match="cannot write the Hugging Face export .*failed': disk full"):
         hf.export_hf(model, tmp_path / "failed")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bf16"]  # neither output nor temp dir
 

@@ -29,6 +29,7 @@ from pentatron.models import hf_moe
 from pentatron.models.config import ModelConfig, RopeScaling
 from pentatron.models.llama import Llama, reset_router_biases
 from pentatron.user_files import read_json
+from pentatron.writes import WriteError, staged_dir
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -421,13 +422,15 @@ def _plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]
     return shards
 
 
+def _occupied(out_dir: Path) -> bool:
+    return out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir()))
+
+
 def _publish(tmp: Path, out_dir: Path, overwrite: bool) -> None:
     """Move the finished temporary directory into place. rename() is atomic on one filesystem and
-    also replaces an empty directory; a non-empty one is swapped out only with overwrite=True."""
-    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
-        if not overwrite:
-            raise FileExistsError(f"{out_dir}: exists and is not an empty directory "
-                                  "(pass overwrite=True, or --overwrite)")
+    also replaces an empty directory; a non-empty one is swapped out only with overwrite=True (refused
+    before writing otherwise; one filled meanwhile fails the rename)."""
+    if overwrite and _occupied(out_dir):
         old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
         os.rename(out_dir, old)
         os.rename(tmp, out_dir)
@@ -448,16 +451,15 @@ def export_hf(model: Llama, out_dir: Path, max_shard_bytes: int = 5 * 2**30, dty
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     out_dir = Path(out_dir)
+    if not overwrite and _occupied(out_dir):  # before writing anything
+        raise FileExistsError(f"{out_dir}: exists and is not an empty directory (pass overwrite=True, or --overwrite)")
     hf_config = config_to_hf(model.cfg, dtype or model.embed.weight.dtype)
     tensors = dict(_hf_tensors(model))
     nbytes = {n: t.numel() * (dtype or t.dtype).itemsize for n, t in tensors.items()}
     shards = _plan_shards(list(nbytes.items()), max_shard_bytes)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # A uniquely named sibling (not tempfile.mkdtemp, whose 0700 mode would survive the rename).
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
+    # written into a sibling renamed into place when complete; a failed write is one line, nothing left
+    with staged_dir(out_dir, "the Hugging Face export") as tmp:
         files = [SINGLE_FILE] if len(shards) == 1 else [
             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
         for fname, names in zip(files, shards, strict=True):
@@ -472,9 +474,6 @@ def export_hf(model: Llama, out_dir: Path, max_shard_bytes: int = 5 * 2**30, dty
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         (tmp / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
         _publish(tmp, out_dir, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def parse_size(s: str) -> int:
@@ -537,10 +536,10 @@ def run_convert(args: argparse.Namespace) -> int:
         if args.convert_command == "hf-roundtrip":
             return _roundtrip(args)
         return _verify(args)
-    except (ValueError, OSError) as e:  # our validation errors and missing/unreadable files
+    except (ValueError, OSError, WriteError) as e:  # our validation errors, unreadable files, a failed export
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"pentatron: error: convert {args.convert_command}: {msg}", file=sys.stderr)
-        return 2
+        return e.code if isinstance(e, WriteError) else 2
 
 
 def _roundtrip(args: argparse.Namespace) -> int:
