@@ -206,8 +206,10 @@ def hold_checkpoint_lock(cfg: Config, problems: list[str]) -> CheckpointDirLock 
     except CheckpointDirLocked as e:
         problems.append(str(e))
         return None
-    except OSError as e:
-        problems.append(f"checkpoint.dir {cfg.checkpoint.dir!r} cannot be locked ({e.strerror}); check its permissions")
+    except OSError as e:  # name the lock file: a `.lock` directory was "cannot be locked (Is a directory)"
+        why = (f"{lock.path} is a directory, not its lock file; remove it" if lock.path.is_dir()
+               else f"{e.strerror} at {e.filename or lock.path}; check its permissions")
+        problems.append(f"checkpoint.dir {cfg.checkpoint.dir!r} cannot be locked: {why}")
         return None
     return lock
 

@@ -114,3 +114,20 @@ def test_a_nonfinite_state_is_never_saved(tmp_path, default_dataset):
     with pytest.raises(NonFiniteStop, match="not saved"):
         trainer.save_checkpoint()
     assert not list((tmp_path / "ck").glob("step_*"))
+
+
+def test_a_run_whose_every_step_was_skipped_exits_3_and_saves_nothing(tmp_path, default_dataset, capsys):
+    """model.init_std=1e30 under train.nonfinite='skip': every loss is non-finite, every step skipped. It exited 0
+    with a normal summary and saved the untrained model."""
+    ck = tmp_path / "ck"
+    code = main(["train", CONFIG, f"--set=data.path={json.dumps(str(default_dataset))}",
+                 f"--set=log.dir={json.dumps(str(tmp_path / 'runs'))}", "--set=log.progress=false",
+                 "--set=log.tensorboard=false", "--set=model.init_std=1e30", "--set=train.nonfinite='skip'",
+                 "--set=train.steps=2", "--set=train.peak_tflops=1.0", "--set=checkpoint.every=1",
+                 f"--set=checkpoint.dir={json.dumps(str(ck))}"])
+    out = capsys.readouterr()
+    assert code == 3, out.err[-2000:]
+    stops = [line for line in out.err.splitlines() if line.startswith("pentatron: stopped")]
+    assert len(stops) == 1 and "every one of this job's 2 step(s)" in stops[0] and "nothing was saved" in stops[0]
+    assert "Traceback" not in out.err and "summary" not in out.out
+    assert not list(ck.glob("step_*")) and not (ck / "latest").exists()
