@@ -131,3 +131,32 @@ def test_a_run_whose_every_step_was_skipped_exits_3_and_saves_nothing(tmp_path, 
     assert len(stops) == 1 and "every one of this job's 2 step(s)" in stops[0] and "nothing was saved" in stops[0]
     assert "Traceback" not in out.err and "summary" not in out.out
     assert not list(ck.glob("step_*")) and not (ck / "latest").exists()
+
+
+def test_the_other_ranks_leave_only_once_rank_0_has_said_why():
+    """`--nproc 2`, train.lr=1e6 exited 3 without the line (and without report.md) one run in three: rank 1 exited
+    at once, and torchrun's agent then stopped rank 0 while it wrote the report. Now the other ranks wait on the
+    job's store until rank 0 has spoken — bounded by distributed.timeout_s, and not at all once the store is gone."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pentatron.runner import _leave_after_rank_0
+    from tests.launchers import free_port
+
+    port = free_port()
+    store0 = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    store1 = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=30))  # rank 1's client
+    rank1 = threading.Thread(target=_leave_after_rank_0, args=(store1, 1, 60.0))
+    rank1.start()
+    time.sleep(0.5)
+    assert rank1.is_alive()  # rank 0 is still writing its report: rank 1 stays
+    started = time.monotonic()
+    _leave_after_rank_0(store0, 0, 60.0)  # rank 0 has printed the line
+    rank1.join(timeout=10)
+    assert not rank1.is_alive() and time.monotonic() - started < 10
+    start = time.monotonic()
+    _leave_after_rank_0(dist.HashStore(), 1, 0.2)  # rank 0 never says it: the wait is bounded
+    assert time.monotonic() - start < 5
