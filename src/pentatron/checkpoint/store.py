@@ -67,6 +67,10 @@ class CheckpointStore:
     def _dir(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
 
+    def tmp_dir(self, step: int) -> Path:
+        """Where a save of `step` is written until it is published."""
+        return self._dir(step).with_suffix(".tmp")
+
     def latest(self) -> Path | None:
         pointer = self.root / "latest"
         if not pointer.is_file():
@@ -86,7 +90,7 @@ class CheckpointStore:
         is complete, so a whole model written by one process would be held twice."""
         import torch.distributed.checkpoint as dcp  # here: a rank that never saves skips its ~1 s import
 
-        tmp = self._dir(step).with_suffix(".tmp")
+        tmp = self.tmp_dir(step)
         try:  # from the `.tmp` directory's creation on: any failure is the one line, the `.tmp` removed
             self.prepare(step, pieces)
             writer = dcp.FileSystemWriter(tmp, single_file_per_rank=False) if file_per_tensor else None
@@ -119,7 +123,7 @@ class CheckpointStore:
     def prepare(self, step: int, pieces: dict[str, Any] | None) -> Path:
         """Every rank: the empty `.tmp` directory of a save (rank 0 creates it), with this rank's pieces. When
         rank 0 could not create it every rank raises (rank 0 the cause), after the barrier they all meet at."""
-        tmp = self._dir(step).with_suffix(".tmp")
+        tmp = self.tmp_dir(step)
         failure = None
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
