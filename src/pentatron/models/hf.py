@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from pentatron.models import hf_moe
 from pentatron.models.config import ModelConfig, RopeScaling
 from pentatron.models.llama import Llama, reset_router_biases
+from pentatron.numbers import number_problem
 from pentatron.user_files import read_json
 from pentatron.writes import WriteError, staged_dir
 
@@ -62,14 +63,26 @@ _VERIFY_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 # config.json
 # ---------------------------------------------------------------------------------------------
 
+def _float(d: dict[str, Any], key: str, default: float, problems: list[str], where: str = "") -> float:
+    """`d[key]` (or `default` when absent or null) as a finite float; anything else (a string, a list, NaN) is a
+    problem naming the key (was a TypeError traceback, or a bare "could not convert string to float")."""
+    value = d.get(key)
+    if value is None:
+        return default
+    if problem := number_problem(where or key, value):
+        problems.append(problem)
+        return default
+    return float(value)
+
+
 def _rope_from_hf(d: dict[str, Any], problems: list[str]) -> tuple[float, RopeScaling | None]:
     """rope_theta and Llama-3.1 scaling from either spelling: transformers 5.x `rope_parameters`
     (which also carries rope_theta) or 4.x top-level `rope_theta` + `rope_scaling`."""
     key = "rope_parameters" if d.get("rope_parameters") is not None else "rope_scaling"
     rp = d.get(key)
-    theta = d.get("rope_theta")
+    theta = _float(d, "rope_theta", 10000.0, problems)
     if rp is None:
-        return float(theta if theta is not None else 10000.0), None
+        return theta, None
     if not isinstance(rp, dict):
         problems.append(f"{key} must be an object or null, got {rp!r}")
         return 10000.0, None
@@ -77,8 +90,7 @@ def _rope_from_hf(d: dict[str, Any], problems: list[str]) -> tuple[float, RopeSc
         problems.append(f"{key} is nested per layer type ({', '.join(rp)}); "
                         "only one global RoPE is supported")
         return 10000.0, None
-    theta = rp.get("rope_theta", theta)
-    theta = float(theta if theta is not None else 10000.0)
+    theta = _float(rp, "rope_theta", theta, problems, f"{key}.rope_theta")
     if rp.get("partial_rotary_factor", 1.0) != 1.0:
         problems.append(f"{key}.partial_rotary_factor={rp['partial_rotary_factor']} is not supported "
                         "(only 1.0)")
@@ -95,8 +107,8 @@ def _rope_from_hf(d: dict[str, Any], problems: list[str]) -> tuple[float, RopeSc
     # HF falls back to the top-level value, then to max_position_embeddings.
     orig = rp.get("original_max_position_embeddings",
                   d.get("original_max_position_embeddings", d.get("max_position_embeddings", 2048)))
-    return theta, RopeScaling(factor=float(rp["factor"]), low_freq_factor=float(rp["low_freq_factor"]),
-                              high_freq_factor=float(rp["high_freq_factor"]), original_max_position=int(orig))
+    factors = {k: _float(rp, k, 1.0, problems, f"{key}.{k}") for k in ("factor", "low_freq_factor", "high_freq_factor")}
+    return theta, RopeScaling(**factors, original_max_position=int(orig))
 
 
 def config_from_hf(d: dict[str, Any]) -> ModelConfig:
@@ -125,12 +137,14 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     if head_dim is not None and heads and head_dim * heads != hidden:
         problems.append(f"head_dim={head_dim} is not hidden_size/num_attention_heads={hidden}/{heads} "
                         "(decoupled head_dim is not supported)")
+    norm_eps = _float(d, "rms_norm_eps", 1e-6, problems)
+    init_std = _float(d, "initializer_range", 0.02, problems)
     cfg = ModelConfig(
         vocab_size=d["vocab_size"], hidden_size=hidden, n_layers=d["num_hidden_layers"], n_heads=heads,
         n_kv_heads=d.get("num_key_value_heads") or heads, ffn_hidden_size=d["intermediate_size"],
         max_seq_len=d.get("max_position_embeddings", 2048), rope_theta=theta, rope_scaling=scaling,
-        norm_eps=float(d.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        mlp="swiglu", init_std=float(d.get("initializer_range", 0.02)), moe=moe,
+        norm_eps=norm_eps, tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        mlp="swiglu", init_std=init_std, moe=moe,
     )
     problems += cfg.problems()
     if problems:
@@ -557,7 +571,11 @@ def _verify(args: argparse.Namespace) -> int:
     if args.batch < 1 or args.seq_len < 1:
         raise ValueError(f"--batch and --seq-len must be ≥ 1, got {args.batch} and {args.seq_len}")
     dtype = dtype_from_name(args.dtype)
+    from pentatron.checkpoint.verified import refuse_nonfinite
+
     model = import_hf(args.in_dir, dtype=dtype).eval()
+    # NaN weights give NaN logits on both sides, which read as a tolerance failure ("--tol to change")
+    refuse_nonfinite(args.in_dir, model.named_parameters(), "the weights themselves are broken: nothing to compare")
     cfg = model.cfg
     seq = min(args.seq_len, cfg.max_seq_len)
     g = torch.Generator().manual_seed(0)  # a fixed batch, so runs are comparable
