@@ -40,9 +40,10 @@ def write_error(e: OSError, dest: Path, what: str) -> WriteError:
     if blocker is not None and err in (errno.ENOTDIR, errno.EEXIST):
         return WriteError(f"{head}: {str(blocker)!r} is a file, not a directory; choose another path", 2)
     if err in (errno.EACCES, errno.EPERM, errno.EROFS):
-        where = f" at {e.filename}" if e.filename else ""
+        # the directory that refused (not our temporary sibling's name, which would mean nothing to the user)
+        where = _existing(Path(e.filename) if e.filename else dest)
         why = "read-only file system" if err == errno.EROFS else "permission denied"
-        return WriteError(f"{head}: {why}{where}; fix the permissions or choose another path", 2)
+        return WriteError(f"{head}: {why} in {where}; fix its permissions or choose another path", 2)
     if err in (errno.ENOSPC, errno.EDQUOT):
         try:
             free = f"{shutil.disk_usage(_existing(dest)).free / 2**20:,.0f} MiB free"
