@@ -33,3 +33,34 @@ def default_dataset(tmp_path_factory):
 
     return ensure_default_dataset(tmp_path_factory.mktemp("data-cache"), vocab_size=4096,
                                   max_bytes=SMALL_CORPUS_BYTES, progress=False)
+
+
+@pytest.fixture
+def unreadable(monkeypatch):
+    """`deny(path)`: make a file unreadable (mode 000). Root ignores permission bits, so under root opening a
+    denied file also raises EACCES here, at `open` (what pathlib, numpy and every reader call), as the kernel
+    does for anyone else."""
+    import builtins
+    import errno
+    import io
+    import os
+
+    denied: set[str] = set()
+
+    def deny(path) -> None:
+        os.chmod(path, 0)
+        denied.add(os.path.abspath(path))
+
+    if os.geteuid() == 0:
+        real_open = builtins.open
+
+        def guarded_open(file, *args, **kwargs):
+            if isinstance(file, (str, os.PathLike)) and os.path.abspath(file) in denied:
+                raise PermissionError(errno.EACCES, "Permission denied", os.fspath(file))
+            return real_open(file, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", guarded_open)
+        monkeypatch.setattr(io, "open", guarded_open)
+    yield deny
+    for path in denied:
+        os.chmod(path, 0o644)

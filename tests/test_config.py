@@ -69,10 +69,57 @@ def test_int_is_accepted_for_float_fields(tmp_path):
     ("[parallel]\npp = 2\npp_layers = [1, 1, 2]\n[train]\nmicro_batch = 2", (), 2,
      "parallel.pp_layers lists 3 stages but there are 2 pipeline stages (pp=2)"),
     ("[parallel]\npp_layers = [4]", (), 1, "parallel.pp_layers=[4] needs parallel.pp > 1"),
+    # --resume-from without a directory to resume from (trained from scratch, silently)
+    ("", ("checkpoint.resume_from='4'",), None, "checkpoint.resume_from='4' (--resume-from) needs checkpoint.dir"),
 ])
 def test_each_bad_value_gets_a_message_naming_the_field(tmp_path, toml, overrides, world, expected):
     problems = _problems(tmp_path, toml, overrides, world)
     assert any(expected in p for p in problems), problems
+
+
+# Each was a traceback, a "Lower train.lr" stop many seconds later, or a run that trained nothing (exit 0):
+# `x <= 0` is false for NaN. Every float field of every section is checked finite by its type.
+@pytest.mark.parametrize(("override", "expected"), [
+    ("train.lr=nan", "train.lr must be a finite number, got nan"),
+    ("train.lr=inf", "train.lr must be a finite number, got inf"),
+    ("train.lr=1e999", "train.lr must be a finite number, got inf"),
+    ("train.lr=1" + "0" * 320, "train.lr must be a finite number, got an integer of 321 digits"),
+    ("parallel.bucket_mb=nan", "parallel.bucket_mb must be a finite number, got nan"),
+    ("train.clip=nan", "train.clip must be a finite number"),
+    ("train.weight_decay=nan", "train.weight_decay must be a finite number"),
+    ("train.eps=inf", "train.eps must be a finite number, got inf"),
+    ("train.beta1=nan", "train.beta1 must be a finite number"),
+    ("train.min_lr_ratio=nan", "train.min_lr_ratio must be a finite number"),
+    ("train.peak_tflops=-inf", "train.peak_tflops must be a finite number, got -inf"),
+    ("model.rope_theta=nan", "model.rope_theta must be a finite number"),
+    ("model.init_std=nan", "model.init_std must be a finite number"),
+    ("moe.route_scale=nan", "moe.route_scale must be a finite number"),
+    ("distributed.timeout_s=nan", "distributed.timeout_s must be a finite number"),
+    ("distributed.timeout_s=1e300", "distributed.timeout_s must be > 0 and ≤ 1e+09, got 1e+300"),
+    ("train.seed=18446744073709551616", "train.seed must be ≥ -2**63 and ≤ 2**63-1, got 18446744073709551616"),
+    ("train.seed=-1", "train.seed must be ≥ 0 and ≤ 2**63-1, got -1"),
+    ("train.steps=9223372036854775808", "train.steps must be ≥ -2**63 and ≤ 2**63-1"),
+])
+def test_every_number_is_finite_and_in_range(tmp_path, override, expected):
+    problems = _problems(tmp_path, overrides=[override])
+    assert problems == [expected] or any(expected in p for p in problems), problems
+
+
+def test_the_largest_seed_is_accepted(tmp_path):
+    (tmp_path / "c.toml").write_text("")
+    assert load_config(tmp_path / "c.toml", [f"train.seed={2**63 - 1}"]).train.seed == 2**63 - 1
+
+
+def test_model_shapes_refuse_nan_whoever_reads_them():
+    """A model file (`plan --model-file`) builds a ModelConfig without the config loader's typed check."""
+    import dataclasses
+
+    from pentatron.models.registry import get_model_config
+
+    cfg = get_model_config("debug")
+    for name in ("rope_theta", "norm_eps", "init_std"):
+        assert dataclasses.replace(cfg, **{name: float("nan")}).problems() == [
+            f"model.{name} must be a finite number, got nan"]
 
 
 def test_an_explicit_pipeline_split_reaches_the_layout(tmp_path):

@@ -95,25 +95,31 @@ def run_export_hf(args: argparse.Namespace) -> int:
     from pentatron.generate import CheckpointError as GenerateError
     from pentatron.generate import load_any_model
     from pentatron.models.hf import dtype_from_name, export_hf, parse_size
+    from pentatron.writes import WriteError
 
     try:
         model, _, step_dir = load_any_model(args.checkpoint)
         export_hf(model, args.out_dir, parse_size(args.max_shard_size),
                   dtype_from_name(args.dtype) if args.dtype else None, overwrite=args.overwrite)
-    except (CheckpointError, GenerateError, ValueError, FileExistsError) as e:
+    except (CheckpointError, GenerateError, ValueError, FileExistsError, WriteError) as e:
         print(f"pentatron: error: {e}", file=sys.stderr)
-        return 2
+        return e.code if isinstance(e, WriteError) else 2
     print(f"pentatron: exported {step_dir} to {args.out_dir}")
     return 0
 
 
 def run_import_hf(args: argparse.Namespace) -> int:
+    from pentatron.checkpoint.errors import CheckpointWriteError
     from pentatron.checkpoint.import_hf import import_hf_checkpoint
+    from pentatron.writes import WriteError
 
     try:
         path = import_hf_checkpoint(args.hf_dir, args.ckpt_dir)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"pentatron: error: {e}", file=sys.stderr)
         return 2
+    except (WriteError, CheckpointWriteError) as e:  # the destination (2) or the disk (1)
+        print(f"pentatron: error: {e}", file=sys.stderr)
+        return getattr(e, "code", 1)
     print(f"pentatron: imported {args.hf_dir} as {path} (step 0); train with checkpoint.dir={args.ckpt_dir}")
     return 0

@@ -20,6 +20,8 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 from pentatron.layout import ParallelLayout, resolve_dp
 from pentatron.models.config import ModelConfig, MoEConfig
 from pentatron.models.registry import get_model_config
+from pentatron.numbers import INT64_MAX, INT64_MIN, number_problem
+from pentatron.user_files import UnreadableFile, read_toml
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -235,10 +237,13 @@ def _check_value(path: str, value: Any, tp: Any, problems: list[str]) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             problems.append(f"{path} must be an integer, got {value!r}")
+        elif problem := number_problem(path, value, ge=INT64_MIN, le=INT64_MAX):
+            problems.append(problem)  # TOML's integers are 64-bit; every consumer (torch, numpy) assumes it
         return value
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            problems.append(f"{path} must be a number, got {value!r}")
+        # every float field is finite: NaN passes a range check like `x <= 0`, inf trains nothing
+        if problem := number_problem(path, value):
+            problems.append(problem)
             return value
         return float(value)
     if tp is str:
@@ -332,15 +337,12 @@ def load_config(path: str | Path | None, overrides: list[str] = (), world_size: 
     """Read a TOML file (or start from defaults), apply `section.key=value` overrides, validate."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if p.is_dir():
-            raise ConfigError([f"config path {str(p)!r} is a directory; give a TOML file (e.g. configs/debug.toml)"])
-        if not p.is_file():
-            raise ConfigError([f"config file {str(p)!r} does not exist"])
+        if Path(path).is_dir():
+            raise ConfigError([f"config path {str(path)!r} is a directory; give a TOML file (e.g. configs/debug.toml)"])
         try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError([f"{p}: not valid TOML: {e}"]) from None
+            data = read_toml(path, "config file")
+        except UnreadableFile as e:  # missing, unreadable, not UTF-8, not TOML: one line, exit 2
+            raise ConfigError([str(e)]) from None
     for item in overrides:
         (section, key), value = parse_override(item)
         table = data.setdefault(section, {})
@@ -402,6 +404,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"train.compile must be true, false, \"auto\" or \"try\", got {tr.compile!r}")
     if tr.loss_chunk_tokens < 0:
         p.append(f"train.loss_chunk_tokens must be ≥ 0 (0: the loss from full logits), got {tr.loss_chunk_tokens}")
+    if problem := number_problem("train.seed", tr.seed, ge=0, le=INT64_MAX):  # what torch and numpy seed with
+        p.append(problem)
     if tr.peak_tflops is not None and tr.peak_tflops <= 0:
         p.append(f"train.peak_tflops must be > 0, got {tr.peak_tflops}")
     if model is not None and tr.seq_len > model.max_seq_len:
@@ -417,6 +421,9 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"checkpoint.keep must be ≥ 1, got {cfg.checkpoint.keep}")
     if cfg.checkpoint.save_on_sigterm and not cfg.checkpoint.dir:
         p.append("checkpoint.save_on_sigterm=true needs checkpoint.dir (where to save)")
+    if cfg.checkpoint.resume_from and not cfg.checkpoint.dir:  # else the run would start from scratch
+        p.append(f"checkpoint.resume_from={cfg.checkpoint.resume_from!r} (--resume-from) needs checkpoint.dir, "
+                 "the directory holding that step")
     if cfg.checkpoint.resume_from and not cfg.checkpoint.resume:
         p.append("checkpoint.resume_from names a checkpoint to resume: it needs checkpoint.resume=true")
     if cfg.checkpoint.force_new and cfg.checkpoint.resume:
@@ -427,8 +434,9 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"log.numerics_every must be ≥ 0 (0 disables), got {cfg.log.numerics_every}")
     if cfg.log.profile and profile_steps(cfg.log.profile) is None:
         p.append(f"log.profile must look like \"a:b\" with 1 ≤ a ≤ b (steps to trace), got {cfg.log.profile!r}")
-    if cfg.distributed.timeout_s <= 0:
-        p.append(f"distributed.timeout_s must be > 0, got {cfg.distributed.timeout_s}")
+    # beyond ~31 years a timeout overflows the process group's timedelta; nobody waits that long
+    if problem := number_problem("distributed.timeout_s", cfg.distributed.timeout_s, gt=0, le=1e9):
+        p.append(problem)
     return p
 
 

@@ -151,7 +151,8 @@ def convert_problems(cfg: Config, src: Path, world_size: int, rank: int) -> list
     directory) that no running job is writing (rank 0 looks), and checkpoint.dir (the destination) new,
     writable and with room."""
     from pentatron.checkpoint.lineage import latest_name
-    from pentatron.checkpoint.lock import probe
+    from pentatron.checkpoint.lock import LOCK_NAME, probe
+    from pentatron.checkpoint.space import PROBE_PREFIX
 
     dst = Path(cfg.checkpoint.dir)
     problems = device_problems(cfg)
@@ -168,6 +169,9 @@ def convert_problems(cfg: Config, src: Path, world_size: int, rank: int) -> list
         problems.append(f"the destination {dst} already holds checkpoints; give a new (or empty) directory")
     elif dst.exists() and not dst.is_dir():
         problems.append(f"the destination {dst} is a file, not a directory")
+    # not content: this job's lock (rank 0 takes it before the others look) and another rank's writability probe
+    elif dst.is_dir() and any(p.name != LOCK_NAME and not p.name.startswith(PROBE_PREFIX) for p in dst.iterdir()):
+        problems.append(f"the destination {dst} is not empty; give a new (or empty) directory")
     else:
         problems += storage_problems(cfg, dst)
     return problems

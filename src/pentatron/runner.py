@@ -15,6 +15,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -159,7 +160,9 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
         job(rank, verdict)
         finished = True
     except CheckpointError as e:  # every rank raises it; rank 0's names the file
-        return input_error(str(e)) if rank == 0 else 2
+        code = input_error(str(e)) if rank == 0 else 2
+        _leave_after_rank_0(store, rank, cfg.distributed.timeout_s)
+        return code
     except (CheckpointWriteError, *dcp_failure_types()) as e:  # DCP's is a BaseException: named here
         if rank == 0 or not isinstance(e, CheckpointWriteError):
             print(f"pentatron: error: {e}".splitlines()[0], file=sys.stderr, flush=True)
@@ -172,7 +175,8 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
         return 2
     except NonFiniteStop as e:
         if rank == 0:  # every rank stops on the same (all-reduced) numbers: say it once
-            print(f"pentatron: stopped: {e}", file=sys.stderr)
+            print(f"pentatron: stopped: {e}", file=sys.stderr, flush=True)
+        _leave_after_rank_0(store, rank, cfg.distributed.timeout_s)
         return NONFINITE_EXIT
     except Terminated as e:  # every rank stopped after the same step (checkpoint.save_on_sigterm)
         if rank == 0:
@@ -206,8 +210,10 @@ def hold_checkpoint_lock(cfg: Config, problems: list[str]) -> CheckpointDirLock 
     except CheckpointDirLocked as e:
         problems.append(str(e))
         return None
-    except OSError as e:
-        problems.append(f"checkpoint.dir {cfg.checkpoint.dir!r} cannot be locked ({e.strerror}); check its permissions")
+    except OSError as e:  # name the lock file: a `.lock` directory was "cannot be locked (Is a directory)"
+        why = (f"{lock.path} is a directory, not its lock file; remove it" if lock.path.is_dir()
+               else f"{e.strerror} at {e.filename or lock.path}; check its permissions")
+        problems.append(f"checkpoint.dir {cfg.checkpoint.dir!r} cannot be locked: {why}")
         return None
     return lock
 
@@ -240,6 +246,23 @@ def problems_error(problems: list[str]) -> int:
     if len(problems) == 1:
         return input_error(problems[0])
     return input_error("cannot start the run:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _leave_after_rank_0(store: Any, rank: int, timeout_s: float) -> None:
+    """A stop every rank agreed on and rank 0 reports (a non-finite step, a damaged checkpoint): rank 0 marks
+    it reported, the others wait for the mark (at most `timeout_s`) before they exit. torchrun's agent stops
+    every rank as soon as one exits with an error, so a rank leaving first could kill rank 0 while it wrote
+    the run report, before it said why (`--nproc 2`, train.lr=1e6: exit 3 and no line, one run in three)."""
+    if store is None:
+        return
+    key = "pentatron/rank0_reported"
+    try:
+        if rank == 0:
+            store.set(key, "1")
+        else:
+            store.wait([key], timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - timed out, or the store left with rank 0 (srun: it hosts it): go
+        pass
 
 
 def _first_to_say(store: Any, key: str) -> bool:

@@ -119,3 +119,20 @@ def test_convert_refuses_bad_input_before_any_rank_starts(runs, default_dataset)
         assert outcome.codes == [2], outcome.output
         assert expected in outcome.output and "Traceback" not in outcome.output, outcome.output
         assert outcome.output.count("pentatron: error:") == 1, outcome.output
+
+
+def test_convert_refuses_a_destination_that_is_not_empty(tmp_path):
+    """The help says DST is a new (empty) directory; one holding anything but checkpoints was written into."""
+    from pentatron.config import load_config
+    from pentatron.preflight import convert_problems
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    (src / "meta.json").write_text("{}")
+    dst.mkdir()
+    cfg = load_config(None, [f"checkpoint.dir={json.dumps(str(dst))}", "checkpoint.resume=false"], world_size=1)
+    (dst / ".lock").write_text("")  # this job's own lock (rank 0 takes it before the other ranks look) is no content
+    assert convert_problems(cfg, src, 1, rank=1) == []
+    (dst / "notes.txt").write_text("mine")
+    assert convert_problems(cfg, src, 1, rank=1) == [f"the destination {dst} is not empty; give a new (or empty) "
+                                                     "directory"]

@@ -93,3 +93,32 @@ def test_the_step0_state_is_what_a_one_process_runner_saves(name):
         for key, t in want[part].items():
             assert torch.equal(state[part][key], t), f"{part}/{key}"
     assert describe_state(state, placements) == describe_state(want, list(runner.engine.place.values()))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("hf") / "hf"
+    _hf_debug_model(d)
+    return d
+
+
+def test_import_and_export_into_a_path_they_cannot_write_are_one_line(hf_dir, tmp_path, capsys):
+    """A destination under a regular file (was a NotADirectoryError / FileExistsError traceback) or in a directory
+    no one may write (a PermissionError traceback): one line naming it, exit 2, nothing left behind."""
+    import os
+
+    (tmp_path / "afile").write_text("x")
+    unwritable = Path("/sys/pentatron-out") if os.geteuid() == 0 else tmp_path / "ro" / "out"
+    if os.geteuid() != 0:
+        (tmp_path / "ro").mkdir(mode=0o555)
+    ck = tmp_path / "ck"
+    assert main(["checkpoint", "import-hf", str(hf_dir), str(ck)]) == 0
+    capsys.readouterr()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for action, src in [("import-hf", hf_dir), ("export-hf", ck)]:
+        for dest, message in [(tmp_path / "afile" / "out", "afile' is a file, not a directory"),
+                              (unwritable, "choose another path")]:
+            assert main(["checkpoint", action, str(src), str(dest)]) == 2, (action, dest)
+            err = capsys.readouterr().err
+            assert message in err and str(dest) in err and "Traceback" not in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -142,3 +142,16 @@ def test_a_locked_directory_is_refused_naming_the_holder_until_it_dies(tmp_path,
             break
     else:
         raise AssertionError("the lock of a SIGKILLed job was not released")
+
+
+def test_a_lock_that_is_a_directory_is_named(tmp_path):
+    """`.lock` a directory: the lock file is named, with what to do (was "cannot be locked (Is a directory)")."""
+    from pentatron.config import load_config
+    from pentatron.runner import hold_checkpoint_lock
+
+    (tmp_path / "ck" / ".lock").mkdir(parents=True)
+    cfg = load_config(None, [f"checkpoint.dir={json.dumps(str(tmp_path / 'ck'))}"])
+    problems: list[str] = []
+    assert hold_checkpoint_lock(cfg, problems) is None
+    assert problems == [f"checkpoint.dir {str(tmp_path / 'ck')!r} cannot be locked: {tmp_path / 'ck' / '.lock'} is a "
+                        "directory, not its lock file; remove it"]

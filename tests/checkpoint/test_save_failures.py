@@ -67,3 +67,19 @@ def test_a_full_disk_is_one_line_exit_1_and_latest_stays(disk_full_at_step_2, tm
     assert "latest stays step_00000001" in errors[0] or mode == "async", errors[0]
     assert (ck / "latest").read_text() == "step_00000001"
     assert sorted(p.name for p in Path(ck).glob("step_*")) == ["step_00000001"]
+
+
+def test_an_async_run_stops_at_its_first_lost_save(disk_full_at_step_2, tmp_path, default_dataset, capsys):
+    """Step 2's background write fails; steps 3 and 4 would save. The run used to train on and exit 0 (its
+    last save succeeded), the lost save said only in passing; now, as a synchronous save, it stops at the next
+    save with the one line, exit 1."""
+    ck = tmp_path / "ck"
+    flags = _flags(tmp_path, default_dataset, ck, "--set=checkpoint.async_save=true", "--set=train.steps=4",
+                   "--set=train.peak_tflops=1.0")
+    assert main(["train", *flags]) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("pentatron")]
+    assert "Traceback" not in err and len(errors) == 1, err
+    assert errors[0].startswith("pentatron: error: checkpoint of step 2 not saved") and "no space left" in errors[0]
+    assert (ck / "latest").read_text() == "step_00000001"
+    assert sorted(p.name for p in Path(ck).glob("step_*")) == ["step_00000001"]

@@ -221,6 +221,14 @@ def test_missing_and_truncated_shards_are_named(tmp_path, raw):
         TokenDataset(path)
 
 
+def test_an_unreadable_shard_is_named(tmp_path, raw, unreadable):
+    path = write_dataset(tmp_path / "ds", raw, shard_tokens=500)
+    unreadable(path / "shard_00001.bin")  # was numpy's PermissionError traceback
+    with pytest.raises(DataError, match=r"shard .*shard_00001.bin cannot be read \(Permission denied\); make the "
+                                        r"dataset readable"):
+        TokenDataset(path)
+
+
 def test_malformed_index(tmp_path, raw):
     path = write_dataset(tmp_path / "ds", raw, shard_tokens=500)
     (path / "index.json").write_text("{truncated")

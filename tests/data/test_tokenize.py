@@ -26,6 +26,7 @@ from pentatron.data.tokenize import (
     ensure_default_dataset,
     tokenize_to_shards,
 )
+from pentatron.writes import WriteError
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda",
          "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on"]
@@ -281,7 +282,7 @@ def test_crash_midway_leaves_no_dataset(tmp_path, monkeypatch):
 
     original = tk._ShardWriter.flush
     monkeypatch.setattr(tk._ShardWriter, "flush", failing_flush)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(WriteError, match=r"cannot write the dataset .*ds': disk full \(simulated\)"):
         tokenize_to_shards(files, tmp_path / "ds", settings(shard_tokens=300), progress=False)
     assert not (tmp_path / "ds").exists() and no_leftovers(tmp_path)
 
@@ -375,6 +376,23 @@ def test_cli_tokenize_success_and_input_errors(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("pentatron tokenize: error: ") and message in err
         assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_cli_tokenize_into_a_path_it_cannot_write_is_one_line(tmp_path, capsys):
+    """--out under a regular file (was a FileExistsError traceback) or in a directory no one may write."""
+    files = write_texts(tmp_path / "in")
+    (tmp_path / "afile").write_text("x")
+    unwritable = Path("/sys/pentatron-ds") if os.geteuid() == 0 else tmp_path / "ro" / "ds"
+    if os.geteuid() != 0:
+        (tmp_path / "ro").mkdir(mode=0o555)
+    for out, message in [(tmp_path / "afile" / "ds", "afile' is a file, not a directory"),
+                         (unwritable, "choose another path")]:
+        args = parse(["tokenize", *map(str, files), "--out", str(out), "--vocab-size", "300", "--no-progress"])
+        assert args.func(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"pentatron tokenize: error: cannot write the dataset {str(out)!r}: "), err
+        assert message in err and "Traceback" not in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "in"] + (["ro"] if os.geteuid() else [])
 
 
 def test_cli_defaults_to_the_builtin_corpus():

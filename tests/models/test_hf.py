@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from pentatron.models import hf
 from pentatron.models.config import ModelConfig
 from pentatron.models.registry import MODELS
+from pentatron.writes import WriteError
 
 transformers = pytest.importorskip("transformers")
 
@@ -204,7 +205,7 @@ def test_export_dtype_and_atomicity(ckpts: dict, tmp_path: Path, monkeypatch: py
         raise OSError("disk full")
 
     monkeypatch.setattr(hf, "save_file", boom)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(WriteError, match="cannot write the Hugging Face export .*failed': disk full"):
         hf.export_hf(model, tmp_path / "failed")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bf16"]  # neither output nor temp dir
 
@@ -256,6 +257,12 @@ def test_config_accepts_both_rope_spellings() -> None:
     ({"rope_scaling": None, "rope_parameters": {"full_attention": {"rope_type": "default"}}},
      "rope_parameters"),
     ({"num_key_value_heads": 3}, "n_kv_heads"),
+    # numbers that are not (a TypeError traceback for a list or null-like value, an unnamed float() error)
+    ({"initializer_range": "abc"}, "initializer_range must be a number, got 'abc'"),
+    ({"initializer_range": [0.02]}, r"initializer_range must be a number, got \[0.02\]"),
+    ({"initializer_range": float("nan")}, "initializer_range must be a finite number, got nan"),
+    ({"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a number"),
+    ({"rope_theta": {"x": 1}}, "rope_theta must be a number"),
 ])
 def test_config_rejects_unsupported(change: dict, key: str) -> None:
     d = dict(hf.config_to_hf(MODELS["debug"]), **change)
@@ -388,6 +395,26 @@ def test_cli_verify_and_roundtrip(ckpts: dict, tmp_path: Path, capsys: pytest.Ca
     assert _cli("hf-roundtrip", str(src), str(dst), "--max-shard-size", "30KB") == 0
     assert (dst / hf.INDEX_FILE).is_file()
     assert _cli("verify", str(dst)) == 0
+
+
+def test_cli_verify_of_non_finite_weights_says_so(ckpts: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """NaN weights made NaN logits on both sides, reported as a tolerance failure ("--tol to change")."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "nan"
+    shutil.copytree(ckpts["gqa"][0], src)
+    f = next(src.glob("*.safetensors"))
+    tensors = load_file(f)
+    name = next(n for n in tensors if n.endswith("up_proj.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, f, metadata={"format": "pt"})
+    assert _cli("verify", str(src)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pentatron: error: convert verify: {src}: ") and "up_proj" in err, err
+    assert "NaN or infinite values; the weights themselves are broken" in err and "--tol" not in err, err
+    assert err.count("\n") == 1
 
 
 @pytest.mark.parametrize("argv", [["verify", "{tmp}/missing"], ["hf-roundtrip", "{tmp}", "{tmp}/out"],

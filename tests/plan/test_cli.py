@@ -129,7 +129,7 @@ def test_verify_flag(capsys):
     (["--model", "debug", "--gpus", "8", "--seq", "256", "--global-batch", "4", "--dp", "8"], "not divisible"),
     (["--gpus", "8"], "no model"),
     (["--model", "debug", "--model-file", "x.toml", "--gpus", "2"], "not both"),
-    (["--model", "debug", "--gpus", "2", "--hardware", "/nonexistent.toml"], "not found"),
+    (["--model", "debug", "--gpus", "2", "--hardware", "/nonexistent.toml"], "does not exist"),
     (["--model", "llama3-8b", "--gpus", "8", "--fp8-scaling", "rowwise"], "rowwise applies to --precision fp8"),
     (["--model", "llama3-8b", "--gpus", "8", "--gpu", "b200", "--precision", "fp8", "--fp8-scaling", "rowwise"],
      "no row-wise FP8 measurement for b200"),

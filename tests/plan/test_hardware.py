@@ -70,11 +70,11 @@ def test_bad_hardware_is_reported(data, match):
 
 
 def test_missing_or_invalid_file(tmp_path):
-    with pytest.raises(ValueError, match="not found"):
+    with pytest.raises(ValueError, match="does not exist"):
         load_hardware_toml(tmp_path / "none.toml")
     bad = tmp_path / "bad.toml"
     bad.write_text("name = \n")
-    with pytest.raises(ValueError, match="invalid TOML"):
+    with pytest.raises(ValueError, match="not valid TOML"):
         load_hardware_toml(bad)
 
 

@@ -114,3 +114,49 @@ def test_a_nonfinite_state_is_never_saved(tmp_path, default_dataset):
     with pytest.raises(NonFiniteStop, match="not saved"):
         trainer.save_checkpoint()
     assert not list((tmp_path / "ck").glob("step_*"))
+
+
+def test_a_run_whose_every_step_was_skipped_exits_3_and_saves_nothing(tmp_path, default_dataset, capsys):
+    """model.init_std=1e30 under train.nonfinite='skip': every loss is non-finite, every step skipped. It exited 0
+    with a normal summary and saved the untrained model."""
+    ck = tmp_path / "ck"
+    code = main(["train", CONFIG, f"--set=data.path={json.dumps(str(default_dataset))}",
+                 f"--set=log.dir={json.dumps(str(tmp_path / 'runs'))}", "--set=log.progress=false",
+                 "--set=log.tensorboard=false", "--set=model.init_std=1e30", "--set=train.nonfinite='skip'",
+                 "--set=train.steps=2", "--set=train.peak_tflops=1.0", "--set=checkpoint.every=1",
+                 f"--set=checkpoint.dir={json.dumps(str(ck))}"])
+    out = capsys.readouterr()
+    assert code == 3, out.err[-2000:]
+    stops = [line for line in out.err.splitlines() if line.startswith("pentatron: stopped")]
+    assert len(stops) == 1 and "every one of this job's 2 step(s)" in stops[0] and "nothing was saved" in stops[0]
+    assert "Traceback" not in out.err and "summary" not in out.out
+    assert not list(ck.glob("step_*")) and not (ck / "latest").exists()
+
+
+def test_the_other_ranks_leave_only_once_rank_0_has_said_why():
+    """`--nproc 2`, train.lr=1e6 exited 3 without the line (and without report.md) one run in three: rank 1 exited
+    at once, and torchrun's agent then stopped rank 0 while it wrote the report. Now the other ranks wait on the
+    job's store until rank 0 has spoken — bounded by distributed.timeout_s, and not at all once the store is gone."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pentatron.runner import _leave_after_rank_0
+    from tests.launchers import free_port
+
+    port = free_port()
+    store0 = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    store1 = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=30))  # rank 1's client
+    rank1 = threading.Thread(target=_leave_after_rank_0, args=(store1, 1, 60.0))
+    rank1.start()
+    time.sleep(0.5)
+    assert rank1.is_alive()  # rank 0 is still writing its report: rank 1 stays
+    started = time.monotonic()
+    _leave_after_rank_0(store0, 0, 60.0)  # rank 0 has printed the line
+    rank1.join(timeout=10)
+    assert not rank1.is_alive() and time.monotonic() - started < 10
+    start = time.monotonic()
+    _leave_after_rank_0(dist.HashStore(), 1, 0.2)  # rank 0 never says it: the wait is bounded
+    assert time.monotonic() - start < 5

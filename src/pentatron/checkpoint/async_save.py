@@ -7,7 +7,9 @@ copied to CPU; the files are written in the background.
   training's collectives on the main group.
 - Rank 0 publishes from a background thread of its own once DCP's write has finished on every rank:
   meta.json, the manifest, the rename, `latest`, retention — exactly as a synchronous save. A write that
-  fails (on any rank) is reported and its `.tmp` directory removed: it never becomes `latest`.
+  fails (on any rank) is reported and its `.tmp` directory removed: it never becomes `latest`; the next
+  save (or the end of the run) raises its `CheckpointWriteError`, so the run stops at the first lost save,
+  as a synchronous one does, instead of training on through failed saves.
 - The time each save blocked training (the wait for the previous one + staging) is returned and logged.
 """
 
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pentatron.checkpoint.errors import CheckpointWriteError
 from pentatron.checkpoint.space import state_bytes, write_failure
 from pentatron.checkpoint.store import CheckpointStore, _dcp_mode, _rank
 
@@ -72,8 +75,16 @@ class AsyncCheckpointer:
         import torch.distributed.checkpoint as dcp  # here: a run that never saves skips the import
 
         start = time.perf_counter()
-        self.wait()
-        tmp = self.store.prepare(step, pieces)
+        self.wait(quiet=True)
+        if self.last_failed:  # the previous save was lost: stop here, as a synchronous save stops at its failure
+            raise CheckpointWriteError(self.failed[-1])
+        try:
+            tmp = self.store.prepare(step, pieces)
+        except OSError as e:  # the `.tmp` directory or this rank's pieces could not be written
+            tmp = self.store.tmp_dir(step)
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointWriteError(write_failure(tmp, step, e, state_bytes(state))) from None
         with _dcp_mode() as single:
             future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group, no_dist=single,
                                     async_stager=_CpuCopy())
@@ -95,8 +106,9 @@ class AsyncCheckpointer:
             shutil.rmtree(pending.tmp, ignore_errors=True)
             pending.outcome.append(f"failed:{write_failure(pending.tmp, pending.step, e, pending.nbytes)}")
 
-    def wait(self) -> None:
-        """Finish the save in flight (every rank; rank 0 publishes); a failed one is reported."""
+    def wait(self, quiet: bool = False) -> None:
+        """Finish the save in flight (every rank; rank 0 publishes); a failed one is recorded in `failed` and,
+        unless `quiet` (the caller raises it), said on rank 0."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -115,4 +127,5 @@ class AsyncCheckpointer:
             self.published.append(Path(text))
             return
         self.failed.append(text)
-        print(f"pentatron: background save failed: {text}", file=sys.stderr, flush=True)
+        if not quiet:
+            print(f"pentatron: background save failed: {text}", file=sys.stderr, flush=True)

@@ -16,6 +16,7 @@ from pentatron.checkpoint.layout import layout_record
 from pentatron.checkpoint.reshard import describe_state
 from pentatron.checkpoint.store import CheckpointStore
 from pentatron.checkpoint.verified import refuse_nonfinite
+from pentatron.writes import created_dirs
 
 
 def import_hf_checkpoint(hf_dir: Path, ckpt_dir: Path) -> Path:
@@ -33,6 +34,8 @@ def import_hf_checkpoint(hf_dir: Path, ckpt_dir: Path) -> Path:
     from pentatron.config import Config
     from pentatron.models.hf import import_hf
 
+    if ckpt_dir.exists() and not ckpt_dir.is_dir():
+        raise CheckpointError(f"{ckpt_dir} is a file, not a directory: import into a new checkpoint directory")
     if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
         raise CheckpointError(f"{ckpt_dir} is not empty: import into a new checkpoint directory")
     model = import_hf(hf_dir, dtype=torch.float32)
@@ -44,8 +47,10 @@ def import_hf_checkpoint(hf_dir: Path, ckpt_dir: Path) -> Path:
     meta = {"step": 0, "loader": None, "model": model.cfg.to_dict(), "imported_from": str(hf_dir),
             "layout": layout_record(layout, {"zero": 0, "dp": 1}, cfg.parallel.bucket_mb),
             "parallel_layout": dataclasses.asdict(layout)}
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    return CheckpointStore(ckpt_dir).save(0, state, meta, describe_state(state, placements), file_per_tensor=True)
+    # a failed write (a path under a file, no permission, no space) leaves no directory it created behind
+    with created_dirs(ckpt_dir, "the imported checkpoint"):
+        return CheckpointStore(ckpt_dir).save(0, state, meta, describe_state(state, placements),
+                                              file_per_tensor=True)
 
 
 def step0_state(model: Any) -> tuple[dict[str, dict[str, Any]], list[Any]]:

@@ -100,5 +100,10 @@ def verify(root: Path, share: tuple[int, int] = (0, 1)) -> None:
         actual = f.stat().st_size
         if actual != size:
             raise CheckpointError(f"{f}: {actual} bytes, the manifest says {size} (truncated or overwritten)")
-        if crc32_of(f) != crc:
+        try:
+            same = crc32_of(f) == crc
+        except OSError as e:  # e.g. mode 000: the first read of the file, so said here, naming it
+            raise CheckpointError(f"{f}: cannot be read ({e.strerror or e}); make the checkpoint readable "
+                                  f"(chmod -R u+r {root})") from None
+        if not same:
             raise CheckpointError(f"{f}: checksum mismatch (the file was altered or is corrupt)")

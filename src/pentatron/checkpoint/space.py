@@ -21,6 +21,7 @@ import torch
 
 from pentatron.checkpoint.lineage import latest_name
 
+PROBE_PREFIX = ".pentatron-write-probe-"  # a writability probe's directory, there for a moment
 _MARGIN = 1.05  # metadata, a duplicated tied embedding, file-system blocks
 
 
@@ -43,7 +44,7 @@ def writable_problem(root: Path, what: str = "checkpoint.dir") -> str | None:
     """Try what a save does (create a directory and a file in it); root ignores permission bits, so
     `os.access` is not enough. `what`: the setting named in the message."""
     base = root if root.is_dir() else existing_ancestor(root)
-    probe = base / f".pentatron-write-probe-{uuid.uuid4().hex[:8]}"
+    probe = base / f"{PROBE_PREFIX}{uuid.uuid4().hex[:8]}"
     try:
         probe.mkdir()
         (probe / "f").write_bytes(b"x")

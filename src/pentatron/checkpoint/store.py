@@ -10,6 +10,7 @@ only that lineage's older checkpoints are pruned, never the one `latest` names.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -66,6 +67,10 @@ class CheckpointStore:
     def _dir(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
 
+    def tmp_dir(self, step: int) -> Path:
+        """Where a save of `step` is written until it is published."""
+        return self._dir(step).with_suffix(".tmp")
+
     def latest(self) -> Path | None:
         pointer = self.root / "latest"
         if not pointer.is_file():
@@ -85,9 +90,10 @@ class CheckpointStore:
         is complete, so a whole model written by one process would be held twice."""
         import torch.distributed.checkpoint as dcp  # here: a rank that never saves skips its ~1 s import
 
-        tmp = self.prepare(step, pieces)
-        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=False) if file_per_tensor else None
-        try:
+        tmp = self.tmp_dir(step)
+        try:  # from the `.tmp` directory's creation on: any failure is the one line, the `.tmp` removed
+            self.prepare(step, pieces)
+            writer = dcp.FileSystemWriter(tmp, single_file_per_rank=False) if file_per_tensor else None
             with _dcp_mode() as single:
                 dcp.save(state, checkpoint_id=tmp, storage_writer=writer, no_dist=single)
             # DCP's save returns once every rank's files and its metadata are written: the ranks checksum
@@ -115,12 +121,21 @@ class CheckpointStore:
         return CheckpointWriteError(write_failure(tmp, step, e, state_bytes(state)))
 
     def prepare(self, step: int, pieces: dict[str, Any] | None) -> Path:
-        """Every rank: the empty `.tmp` directory of a save (rank 0 creates it), with this rank's pieces."""
-        tmp = self._dir(step).with_suffix(".tmp")
+        """Every rank: the empty `.tmp` directory of a save (rank 0 creates it), with this rank's pieces. When
+        rank 0 could not create it every rank raises (rank 0 the cause), after the barrier they all meet at."""
+        tmp = self.tmp_dir(step)
+        failure = None
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            try:
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                failure = e
         self._barrier()
+        if failure is not None:
+            raise failure
+        if not tmp.is_dir():
+            raise FileNotFoundError(errno.ENOENT, "rank 0 could not create it", str(tmp))
         if pieces is not None:
             write_pieces(tmp, _rank(), pieces)
         return tmp

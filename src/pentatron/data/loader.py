@@ -37,8 +37,12 @@ class TokenDataset:
         check_shards(self.path, self.index)
         # Empty shards cannot be memory-mapped (and hold nothing), so they are left out.
         kept = [s for s in self.index.shards if s.tokens]
-        self._shards = [np.memmap(self.path / s.file, dtype=self.index.dtype, mode="r", shape=(s.tokens,))
-                        for s in kept]
+        try:
+            self._shards = [np.memmap(self.path / s.file, dtype=self.index.dtype, mode="r", shape=(s.tokens,))
+                            for s in kept]
+        except OSError as e:  # e.g. a shard of mode 000: a traceback from inside numpy otherwise
+            raise DataError(f"shard {e.filename} cannot be read ({e.strerror or e}); make the dataset readable "
+                            f"(chmod -R u+r {self.path}) or re-create it with `pentatron tokenize`") from None
         self._files = [self.path / s.file for s in kept]
         self._starts = np.cumsum([0] + [len(m) for m in self._shards])
         self.vocab_limit: int | None = None  # set by check_vocab: every sample read is checked against it

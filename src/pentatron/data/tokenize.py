@@ -13,7 +13,6 @@ import argparse
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import sys
 from collections.abc import Iterator, Sequence
@@ -37,6 +36,7 @@ from pentatron.data.index import (
     token_dtype,
 )
 from pentatron.data.readers import JSONL_SUFFIXES, PARQUET_SUFFIXES, expand_inputs, iter_documents
+from pentatron.writes import WriteError, staged_dir
 
 TOKENIZER_FILE = "tokenizer.json"
 EOS_TOKEN = "<|endoftext|>"
@@ -264,17 +264,11 @@ def tokenize_to_shards(inputs: list[Path], out_dir: Path, settings: TokenizeSett
         if not out_dir.is_dir() or any(out_dir.iterdir()):
             raise DataError(f"output directory {out_dir} already exists and holds something else; "
                             "remove it or choose another --out")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # Hidden, unique sibling (same filesystem, so the final rename is atomic); os.mkdir honours the
-    # umask, unlike tempfile.mkdtemp's 0700, so a shared cache stays readable by others.
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    os.mkdir(tmp)
-    try:
+    # Built in a hidden sibling renamed into place when complete (a shared cache stays readable by others);
+    # a failed write — no space, no permission, --out under a regular file — is one line, nothing left behind.
+    with staged_dir(out_dir, "the dataset") as tmp:
         index = _build(files, tmp, settings, fingerprint, progress, inputs)
         theirs = _publish(tmp, out_dir, fingerprint)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return theirs or index
 
 
@@ -410,9 +404,9 @@ def run_tokenize(args: argparse.Namespace) -> int:
                                     text_field=args.text_field, shard_tokens=args.shard_tokens,
                                     eos_token=args.eos_token)
         index = tokenize_to_shards(inputs, args.out, settings, progress=not args.no_progress)
-    except DataError as e:
+    except (DataError, WriteError) as e:
         print(f"pentatron tokenize: error: {e}", file=sys.stderr)
-        return 2
+        return e.code if isinstance(e, WriteError) else 2
     print(f"{args.out}: {index.total_tokens:,} tokens, {index.num_documents:,} documents, "
           f"{len(index.shards)} shard(s), vocab {index.vocab_size}, fingerprint {index.fingerprint}")
     print(f"train on it: pentatron train CONFIG --set data.path={json.dumps(str(args.out))} "

@@ -9,7 +9,6 @@ sparse figure, twice as large). What `pentatron bench` measures on a machine is 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field, fields, replace
@@ -20,11 +19,7 @@ from typing import Any
 from pentatron.hardware.fp8_rowwise import H100_ROWWISE, SpeedupGrid
 from pentatron.hardware.profile import PROFILE_KEYS, PROFILE_SCHEMA, BusBwTable, Profile, interp_log, profile_from_dict
 from pentatron.hardware.speeds import Speeds, speeds_for
-
-try:  # Python >= 3.11
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - 3.10 fallback
-    import tomli as tomllib  # type: ignore[no-redef]
+from pentatron.user_files import read_json, read_toml
 
 __all__ = ["GB", "GiB", "TFLOPS", "US", "BusBwTable", "Efficiency", "GPUSpec", "detect_gpu", "get_gpu",
            "gpu_names", "hardware_from_data", "hardware_from_dict", "interp_log", "load_hardware_toml",
@@ -422,20 +417,8 @@ def hardware_from_data(data: dict[str, Any], where: str) -> GPUSpec:
 def load_hardware_toml(path: str | Path) -> GPUSpec:
     """Load user-defined hardware or a `pentatron bench` profile (TOML, or JSON by its suffix)."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise ValueError(f"hardware file {str(p)!r} not found") from None
-    if p.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"hardware file {str(p)!r}: invalid JSON: {e}") from None
-    else:
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"hardware file {str(p)!r}: invalid TOML: {e}") from None
+    # missing, unreadable, not UTF-8, not JSON/TOML: an UnreadableFile, a ValueError naming the file
+    data = read_json(p, "hardware file") if p.suffix == ".json" else read_toml(p, "hardware file")
     return hardware_from_data(data, where=str(p))
 
 

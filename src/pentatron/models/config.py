@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from pentatron.kept_hash import compared_fields, kept_hash, state_without_kept_hash
+from pentatron.numbers import number_problem
 
 MlpKind = Literal["swiglu", "gelu"]
 RouterScore = Literal["softmax", "sigmoid"]
@@ -56,13 +57,14 @@ class MoEConfig:
             out.append(f"moe.top_k={self.top_k} is larger than moe.n_experts={self.n_experts}")
         if self.score not in ("softmax", "sigmoid"):
             out.append(f"moe.score must be 'softmax' or 'sigmoid', got {self.score!r}")
-        for f in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
-            if getattr(self, f) < 0:
-                out.append(f"moe.{f} must be ≥ 0, got {getattr(self, f)}")
-        if self.route_scale <= 0:
-            out.append(f"moe.route_scale must be > 0, got {self.route_scale}")
-        if self.capacity_factor is not None and self.capacity_factor <= 0:
-            out.append(f"moe.capacity_factor must be > 0 (or unset for dropless), got {self.capacity_factor}")
+        # number_problem: NaN fails these checks too (a model file or override can hold nan)
+        out += [p for f in ("aux_loss_coef", "z_loss_coef", "bias_update_rate")
+                if (p := number_problem(f"moe.{f}", getattr(self, f), ge=0))]
+        if p := number_problem("moe.route_scale", self.route_scale, gt=0):
+            out.append(p)
+        if self.capacity_factor is not None and (p := number_problem("moe.capacity_factor", self.capacity_factor,
+                                                                     gt=0)):
+            out.append(f"{p} (or unset it for dropless)")
         if n_layers is not None and self.first_dense_layers >= n_layers:
             out.append(f"moe.first_dense_layers={self.first_dense_layers} leaves no MoE layer of "
                        f"model.n_layers={n_layers}")
@@ -128,12 +130,9 @@ class ModelConfig:
             out.append(f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}")
         if self.mlp not in ("swiglu", "gelu"):
             out.append(f"model.mlp must be 'swiglu' or 'gelu', got {self.mlp!r}")
-        if self.rope_theta <= 0:
-            out.append(f"model.rope_theta must be > 0, got {self.rope_theta}")
-        if self.norm_eps <= 0:
-            out.append(f"model.norm_eps must be > 0, got {self.norm_eps}")
-        if self.init_std <= 0:
-            out.append(f"model.init_std must be > 0, got {self.init_std}")
+        # number_problem: NaN fails these checks too (a model file can hold nan, a --set too)
+        out += [p for f in ("rope_theta", "norm_eps", "init_std") if (p := number_problem(f"model.{f}",
+                                                                                          getattr(self, f), gt=0))]
         if self.moe is not None:
             if self.mlp != "swiglu":
                 out.append(f"model.mlp={self.mlp!r}: MoE experts are SwiGLU, so model.mlp must be 'swiglu'")

@@ -28,6 +28,9 @@ from safetensors.torch import save_file
 from pentatron.models import hf_moe
 from pentatron.models.config import ModelConfig, RopeScaling
 from pentatron.models.llama import Llama, reset_router_biases
+from pentatron.numbers import number_problem
+from pentatron.user_files import read_json
+from pentatron.writes import WriteError, staged_dir
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -60,14 +63,26 @@ _VERIFY_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 # config.json
 # ---------------------------------------------------------------------------------------------
 
+def _float(d: dict[str, Any], key: str, default: float, problems: list[str], where: str = "") -> float:
+    """`d[key]` (or `default` when absent or null) as a finite float; anything else (a string, a list, NaN) is a
+    problem naming the key (was a TypeError traceback, or a bare "could not convert string to float")."""
+    value = d.get(key)
+    if value is None:
+        return default
+    if problem := number_problem(where or key, value):
+        problems.append(problem)
+        return default
+    return float(value)
+
+
 def _rope_from_hf(d: dict[str, Any], problems: list[str]) -> tuple[float, RopeScaling | None]:
     """rope_theta and Llama-3.1 scaling from either spelling: transformers 5.x `rope_parameters`
     (which also carries rope_theta) or 4.x top-level `rope_theta` + `rope_scaling`."""
     key = "rope_parameters" if d.get("rope_parameters") is not None else "rope_scaling"
     rp = d.get(key)
-    theta = d.get("rope_theta")
+    theta = _float(d, "rope_theta", 10000.0, problems)
     if rp is None:
-        return float(theta if theta is not None else 10000.0), None
+        return theta, None
     if not isinstance(rp, dict):
         problems.append(f"{key} must be an object or null, got {rp!r}")
         return 10000.0, None
@@ -75,8 +90,7 @@ def _rope_from_hf(d: dict[str, Any], problems: list[str]) -> tuple[float, RopeSc
         problems.append(f"{key} is nested per layer type ({', '.join(rp)}); "
                         "only one global RoPE is supported")
         return 10000.0, None
-    theta = rp.get("rope_theta", theta)
-    theta = float(theta if theta is not None else 10000.0)
+    theta = _float(rp, "rope_theta", theta, problems, f"{key}.rope_theta")
     if rp.get("partial_rotary_factor", 1.0) != 1.0:
         problems.append(f"{key}.partial_rotary_factor={rp['partial_rotary_factor']} is not supported "
                         "(only 1.0)")
@@ -93,8 +107,8 @@ def _rope_from_hf(d: dict[str, Any], problems: list[str]) -> tuple[float, RopeSc
     # HF falls back to the top-level value, then to max_position_embeddings.
     orig = rp.get("original_max_position_embeddings",
                   d.get("original_max_position_embeddings", d.get("max_position_embeddings", 2048)))
-    return theta, RopeScaling(factor=float(rp["factor"]), low_freq_factor=float(rp["low_freq_factor"]),
-                              high_freq_factor=float(rp["high_freq_factor"]), original_max_position=int(orig))
+    factors = {k: _float(rp, k, 1.0, problems, f"{key}.{k}") for k in ("factor", "low_freq_factor", "high_freq_factor")}
+    return theta, RopeScaling(**factors, original_max_position=int(orig))
 
 
 def config_from_hf(d: dict[str, Any]) -> ModelConfig:
@@ -123,12 +137,14 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     if head_dim is not None and heads and head_dim * heads != hidden:
         problems.append(f"head_dim={head_dim} is not hidden_size/num_attention_heads={hidden}/{heads} "
                         "(decoupled head_dim is not supported)")
+    norm_eps = _float(d, "rms_norm_eps", 1e-6, problems)
+    init_std = _float(d, "initializer_range", 0.02, problems)
     cfg = ModelConfig(
         vocab_size=d["vocab_size"], hidden_size=hidden, n_layers=d["num_hidden_layers"], n_heads=heads,
         n_kv_heads=d.get("num_key_value_heads") or heads, ffn_hidden_size=d["intermediate_size"],
         max_seq_len=d.get("max_position_embeddings", 2048), rope_theta=theta, rope_scaling=scaling,
-        norm_eps=float(d.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        mlp="swiglu", init_std=float(d.get("initializer_range", 0.02)), moe=moe,
+        norm_eps=norm_eps, tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        mlp="swiglu", init_std=init_std, moe=moe,
     )
     problems += cfg.problems()
     if problems:
@@ -187,10 +203,7 @@ def read_hf_config(path: Path) -> ModelConfig:
         raise FileNotFoundError(f"{path}: not a directory (expected a Hugging Face model directory)")
     if not f.is_file():
         raise FileNotFoundError(f"{f}: missing (a Hugging Face model directory needs config.json)")
-    try:
-        d = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{f}: not valid JSON ({e})") from None
+    d = read_json(f, "Hugging Face config")  # unreadable, not UTF-8, not JSON: an UnreadableFile (ValueError)
     if not isinstance(d, dict):
         raise ValueError(f"{f}: expected a JSON object")
     return config_from_hf(d)
@@ -257,8 +270,8 @@ def _weight_map(path: Path) -> dict[str, Path]:
         hint = f" (found {', '.join(other)}: only safetensors checkpoints are supported)" if other else ""
         raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found{hint}")
     try:
-        wm = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        wm = read_json(index, "safetensors index")["weight_map"]
+    except (KeyError, TypeError) as e:
         raise ValueError(f"{index}: not a valid safetensors index ({e!r})") from None
     out: dict[str, Path] = {}
     for name, fname in wm.items():
@@ -423,13 +436,15 @@ def _plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]
     return shards
 
 
+def _occupied(out_dir: Path) -> bool:
+    return out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir()))
+
+
 def _publish(tmp: Path, out_dir: Path, overwrite: bool) -> None:
     """Move the finished temporary directory into place. rename() is atomic on one filesystem and
-    also replaces an empty directory; a non-empty one is swapped out only with overwrite=True."""
-    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
-        if not overwrite:
-            raise FileExistsError(f"{out_dir}: exists and is not an empty directory "
-                                  "(pass overwrite=True, or --overwrite)")
+    also replaces an empty directory; a non-empty one is swapped out only with overwrite=True (refused
+    before writing otherwise; one filled meanwhile fails the rename)."""
+    if overwrite and _occupied(out_dir):
         old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
         os.rename(out_dir, old)
         os.rename(tmp, out_dir)
@@ -450,16 +465,15 @@ def export_hf(model: Llama, out_dir: Path, max_shard_bytes: int = 5 * 2**30, dty
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     out_dir = Path(out_dir)
+    if not overwrite and _occupied(out_dir):  # before writing anything
+        raise FileExistsError(f"{out_dir}: exists and is not an empty directory (pass overwrite=True, or --overwrite)")
     hf_config = config_to_hf(model.cfg, dtype or model.embed.weight.dtype)
     tensors = dict(_hf_tensors(model))
     nbytes = {n: t.numel() * (dtype or t.dtype).itemsize for n, t in tensors.items()}
     shards = _plan_shards(list(nbytes.items()), max_shard_bytes)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # A uniquely named sibling (not tempfile.mkdtemp, whose 0700 mode would survive the rename).
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
+    # written into a sibling renamed into place when complete; a failed write is one line, nothing left
+    with staged_dir(out_dir, "the Hugging Face export") as tmp:
         files = [SINGLE_FILE] if len(shards) == 1 else [
             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
         for fname, names in zip(files, shards, strict=True):
@@ -474,9 +488,6 @@ def export_hf(model: Llama, out_dir: Path, max_shard_bytes: int = 5 * 2**30, dty
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         (tmp / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
         _publish(tmp, out_dir, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def parse_size(s: str) -> int:
@@ -539,10 +550,10 @@ def run_convert(args: argparse.Namespace) -> int:
         if args.convert_command == "hf-roundtrip":
             return _roundtrip(args)
         return _verify(args)
-    except (ValueError, OSError) as e:  # our validation errors and missing/unreadable files
+    except (ValueError, OSError, WriteError) as e:  # our validation errors, unreadable files, a failed export
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"pentatron: error: convert {args.convert_command}: {msg}", file=sys.stderr)
-        return 2
+        return e.code if isinstance(e, WriteError) else 2
 
 
 def _roundtrip(args: argparse.Namespace) -> int:
@@ -560,7 +571,11 @@ def _verify(args: argparse.Namespace) -> int:
     if args.batch < 1 or args.seq_len < 1:
         raise ValueError(f"--batch and --seq-len must be ≥ 1, got {args.batch} and {args.seq_len}")
     dtype = dtype_from_name(args.dtype)
+    from pentatron.checkpoint.verified import refuse_nonfinite
+
     model = import_hf(args.in_dir, dtype=dtype).eval()
+    # NaN weights give NaN logits on both sides, which read as a tolerance failure ("--tol to change")
+    refuse_nonfinite(args.in_dir, model.named_parameters(), "the weights themselves are broken: nothing to compare")
     cfg = model.cfg
     seq = min(args.seq_len, cfg.max_seq_len)
     g = torch.Generator().manual_seed(0)  # a fixed batch, so runs are comparable

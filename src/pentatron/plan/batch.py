@@ -16,13 +16,12 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from pentatron.hardware.catalogue import GPUSpec
 from pentatron.layout import ParallelLayout
 from pentatron.plan.layout import KNOBS, Layout, Workload, problems
 from pentatron.plan.recipes import PENTATRON, RECIPE_FIELDS, RecipeError, get_recipe
 from pentatron.plan.search import Prediction, predict
+from pentatron.user_files import UnreadableFile, read_toml
 
 _FIELDS = {*(f.name for f in dataclasses.fields(ParallelLayout)), *KNOBS, "recipe", *RECIPE_FIELDS} - {
     "global_batch", "seq_len"}
@@ -35,11 +34,9 @@ class BatchError(ValueError):
 def load_layouts(path: str | Path, defaults: dict[str, Any] | None = None) -> list[Layout]:
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise BatchError(f"--batch: {str(p)!r} not found") from None
-    except tomllib.TOMLDecodeError as e:
-        raise BatchError(f"--batch {str(p)!r}: invalid TOML: {e}") from None
+        data = read_toml(p, "--batch")
+    except UnreadableFile as e:  # missing, unreadable, not UTF-8, not TOML
+        raise BatchError(str(e)) from None
     entries = data.get("layout")
     if not isinstance(entries, list) or not entries:
         raise BatchError(f"--batch {str(p)!r}: needs one or more [[layout]] tables")

@@ -12,7 +12,6 @@ import math
 import re
 import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from pentatron.config import ParallelConfig, field_choices
@@ -221,17 +220,16 @@ def _model(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _model_from_toml(path: str, given: dict[str, Any]) -> Any:
-    import tomllib
-
     from pentatron.models.config import ModelConfig
     from pentatron.models.registry import get_model_config
+    from pentatron.user_files import UnreadableFile, read_toml
 
     try:
-        data = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise InputError(f"--model-file: {path!r} not found") from None
-    except tomllib.TOMLDecodeError as e:
-        raise InputError(f"--model-file {path!r}: invalid TOML: {e}") from None
+        data = read_toml(path, "--model-file")
+    except UnreadableFile as e:  # missing, unreadable, not UTF-8, not TOML
+        raise InputError(str(e)) from None
+    if not isinstance(data.get("model", data), dict):
+        raise InputError(f"--model-file {path!r}: [model] must be a table")
     data = dict(data.get("model", data))
     try:
         base = None

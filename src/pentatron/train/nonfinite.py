@@ -5,7 +5,8 @@ dimension) are the same number on every rank, so every rank takes the same decis
 collective. `train.nonfinite`:
 - "skip": the optimizer step is not taken (parameters, fp32 masters and AdamW moments and step counters
   unchanged; the gradients are zeroed by the next step), the batch counts as consumed, and the record
-  carries `skipped_steps`, the run's running count;
+  carries `skipped_steps`, the run's running count; a job none of whose steps was taken stops (exit 3)
+  at its last step instead of ending as if it had trained, and saves nothing meanwhile (`never_updated`);
 - "stop": the run stops with `NonFiniteStop` (exit code 3) before the update; nothing is saved, so the
   last checkpoint stays the last clean state.
 Before every save the whole state is checked too (`state_is_finite`), so a non-finite state is never
@@ -32,15 +33,27 @@ class NonFiniteGuard:
     def __init__(self, action: NonFiniteAction) -> None:
         self.action = action
         self.skipped = 0
+        self.taken = 0  # this job's steps that updated the model
 
     def check(self, step: int, loss: float, grad_norm: float) -> str | None:
         """None: take the optimizer step. Else what is non-finite: the caller takes no step (counted here
         under "skip"; under "stop" the caller raises `NonFiniteStop(stop_message(...))` once logged)."""
         if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.taken += 1
             return None
         if self.action == "skip":
             self.skipped += 1
         return f"step {step}: loss {loss}, gradient norm {grad_norm}"
+
+    @property
+    def never_updated(self) -> bool:
+        """Every step of this job so far was skipped: the model is what the job started from, not worth a save."""
+        return self.taken == 0
+
+    def never_updated_message(self, steps: int) -> str:
+        return (f"every one of this job's {steps} step(s) had a non-finite loss or gradient norm and was skipped "
+                "(train.nonfinite='skip'): the model was never updated and nothing was saved. Lower train.lr or "
+                "model.init_std, or set train.nonfinite='stop' to stop at the first such step")
 
     @staticmethod
     def stop_message(problem: str) -> str:

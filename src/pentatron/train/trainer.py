@@ -154,6 +154,7 @@ class Trainer:
                   f"{self.memory.describe()}", flush=True)
         records = []
         last_table = None
+        first_step = self.step
         try:
             while self.step < cfg.train.steps:
                 start = time.perf_counter()
@@ -187,8 +188,11 @@ class Trainer:
                         last_table = self.last_comm.calls_map()
                 if "nonfinite" in record and self.guard.action == "stop":  # after logging: the record shows it
                     raise NonFiniteStop(self.guard.stop_message(record["nonfinite"]))
+                if self.step == cfg.train.steps and self.guard.never_updated:  # 'skip' skipped every step
+                    raise NonFiniteStop(self.guard.never_updated_message(self.step - first_step))
                 stop = self.sigterm is not None and self.sigterm.agreed(self.comm, self.world_size, self.device)
-                if self.store is not None and (self._checkpoint_due() or stop):
+                # a periodic save waits for the job's first update: until then the model is what it started from
+                if self.store is not None and ((self._checkpoint_due() and not self.guard.never_updated) or stop):
                     self.save_checkpoint()
                 if stop:
                     raise Terminated(f"stopped by SIGTERM after step {self.step}, saved in {self.cfg.checkpoint.dir}")
