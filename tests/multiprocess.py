@@ -51,6 +51,13 @@ def rank_threads() -> int:
     return int(os.environ.get(RANK_THREADS_ENV, "1"))
 
 
+def oversubscription(world_size: int) -> float:
+    """How many times over the machine's cores this launch's threads ask for: its ranks × their threads ×
+    the test workers running launches side by side (pytest-xdist), over the cores (at least 1)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1.0, world_size * rank_threads() * workers / (os.cpu_count() or 1))
+
+
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, args: tuple,
            results: mp.Queue, environ: dict[str, str]) -> None:
     # The fork server's environment is the one it started with: take the caller's, as spawn would.
@@ -83,7 +90,10 @@ def _states(procs: list[Any]) -> str:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 180.0) -> list[Any]:
-    """Run fn(rank, world_size, *args) on `world_size` processes; return results by rank."""
+    """Run fn(rank, world_size, *args) on `world_size` processes; return results by rank. `timeout` bounds a
+    launch (a hang guard) with a core per rank thread; oversubscribed, every rank runs that much slower, so
+    the bound scales with `oversubscription` (a pp4 launch of 2 threads per rank on 2 cores: 4×)."""
+    timeout *= oversubscription(world_size)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     results: mp.Queue = ctx.Queue()

@@ -50,3 +50,15 @@ def test_ranks_run_in_strict_comm_mode_unless_the_caller_opts_out(monkeypatch):
     assert run_ranks(_strict, 2) == [True, True]  # NCCL's contract on gloo, by default
     monkeypatch.setenv(STRICT_ENV, "0")
     assert run_ranks(_strict, 2) == [False, False]
+
+
+def test_the_hang_bound_scales_with_how_far_the_cores_are_oversubscribed(monkeypatch):
+    from tests import multiprocess
+
+    monkeypatch.setattr(multiprocess.os, "cpu_count", lambda: 2)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    monkeypatch.setenv(multiprocess.RANK_THREADS_ENV, "2")
+    assert multiprocess.oversubscription(4) == 8.0  # 4 ranks x 2 threads x 2 workers on 2 cores
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "1")
+    monkeypatch.setenv(multiprocess.RANK_THREADS_ENV, "1")
+    assert multiprocess.oversubscription(2) == 1.0 and multiprocess.oversubscription(1) == 1.0
