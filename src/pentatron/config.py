@@ -107,6 +107,11 @@ class TrainConfig:
     warmup: int = 10
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     decay_fraction: float = 0.2  # wsd: share of the steps spent in the final decay
+    # A resume whose schedule (steps, lr, warmup, schedule, min_lr_ratio, decay_fraction) differs from the
+    # checkpoint's: "continue" keeps the LR continuous at the resume step (the new shape from the current LR
+    # over the remaining steps), "recompute" takes the new schedule at the absolute step (the LR may jump),
+    # "restart" warms up again over the remaining steps. Exact rules: train/lr_schedule.py.
+    resume_schedule: Literal["continue", "recompute", "restart"] = "continue"
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
