@@ -121,6 +121,8 @@ def test_a_longer_resume_keeps_the_lr_continuous_and_says_so(tmp_path, default_d
     resumed = _fit(tmp_path, default_dataset, "train.steps=6", ckpt)
     assert len(first) == 3 and saved_next == pytest.approx(lr_at(3, _cfg(tmp_path, "train.steps=3").train))
     assert resumed[0]["step"] == 4 and resumed[0]["lr"] == pytest.approx(saved_next, rel=1e-12)
+    # each record names its layout and its start (the report compares a layout with its own steps)
+    assert resumed[0]["start_step"] == 3 and resumed[0]["layout"] == first[0]["layout"] != ""
     assert lr_at(3, _cfg(tmp_path, "train.steps=6").train) > 2 * saved_next  # what the recomputed cosine gave
     assert "resume at step 3 changes train.steps 3 → 6; train.resume_schedule='continue'" in capsys.readouterr().out
 

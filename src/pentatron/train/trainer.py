@@ -17,6 +17,7 @@ from pentatron.config import Config
 from pentatron.data.loader import TokenDataset, TokenLoader
 from pentatron.data.tokenize import ensure_default_dataset
 from pentatron.observe.metrics import COMM_LEGEND, MetricsLogger
+from pentatron.observe.report import layout_key
 from pentatron.observe.run_observer import RunObserver
 from pentatron.observe.system import bounded_mfu, peak_flops
 from pentatron.parallel.pipeline.trace import write_rank_trace
@@ -155,6 +156,9 @@ class Trainer:
                   f"{self.memory.describe()}", flush=True)
         records = []
         last_table = None
+        # every record names its layout and where this start began: the report compares a prediction
+        # only with the steps run in the layout it predicts (a run may resume in another)
+        segment = {"layout": layout_key(cfg, self.world_size), "start_step": self.step}
         try:
             while self.step < cfg.train.steps:
                 start = time.perf_counter()
@@ -171,6 +175,7 @@ class Trainer:
                     mfu=mfu,
                     step_time_s=elapsed,
                     **self.observer.peak_memory(),  # since training began (set-up excluded)
+                    **segment,
                 )
                 if not records:  # the first record of a run carries the per-rank memory accounting
                     record["memory"] = self.runner.memory().to_dict()
