@@ -40,6 +40,9 @@ class ModelSection:
     """A registry name, optionally with any shape field overridden (e.g. n_layers = 2)."""
 
     name: str = "debug"
+    # A Hugging Face model directory (or its config.json): the shape is read from it, as `checkpoint
+    # import-hf` reads it, instead of from the registry's `name`; the fields below still override it.
+    hf_config: str = ""
     vocab_size: int | None = None
     hidden_size: int | None = None
     n_layers: int | None = None
@@ -186,8 +189,9 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def model_config(self) -> ModelConfig:
-        base = get_model_config(self.model.name)
-        overrides = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "name" and v is not None}
+        base = hf_shape(self.model.hf_config) if self.model.hf_config else get_model_config(self.model.name)
+        overrides = {k: v for k, v in dataclasses.asdict(self.model).items()
+                     if k not in ("name", "hf_config") and v is not None}
         moe = {k: v for k, v in dataclasses.asdict(self.moe).items() if v is not None}
         if moe:
             needed = [f"moe.{k}" for k in ("n_experts", "top_k", "expert_ffn_size") if k not in moe]
@@ -211,6 +215,20 @@ class Config:
                               pp_layers=None if par.pp_layers is None else tuple(par.pp_layers),
                               micro_batch=tr.micro_batch,
                               global_batch=tr.global_batch, seq_len=tr.seq_len)
+
+
+@functools.lru_cache(maxsize=8)
+def hf_shape(path: str) -> ModelConfig:
+    """`model.hf_config`: the shape of a Hugging Face directory (or of its config.json), named after the
+    directory. Raises KeyError("model.hf_config …") when it cannot be read (config validation reports it)."""
+    from pentatron.models.hf import read_hf_config  # imports torch: only for runs that use it
+
+    p = Path(path)
+    directory = p.parent if p.is_file() else p
+    try:
+        return dataclasses.replace(read_hf_config(directory), name=directory.resolve().name)
+    except (OSError, ValueError) as e:
+        raise KeyError(f"model.hf_config: {e}") from None
 
 
 # ---------------------------------------------------------------- loading with type checks
@@ -363,8 +381,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     p: list[str] = []
     try:
         model = cfg.model_config()
-    except KeyError as e:
-        p.append(f"model.name: {e.args[0]}")
+    except KeyError as e:  # an unknown registry name, or a model.hf_config that cannot be read (named)
+        p.append(e.args[0] if str(e.args[0]).startswith("model.hf_config") else f"model.name: {e.args[0]}")
         model = None
     if model is not None:
         p += model.problems()
