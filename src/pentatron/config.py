@@ -375,10 +375,26 @@ def load_config(path: str | Path | None, overrides: list[str] = (), world_size: 
 
 # ---------------------------------------------------------------- semantic validation
 
+# What `pentatron plan --emit-config` writes where only the user can say (the dataset, the checkpoint
+# directory), followed by what to put there: a run refuses to start until each one is set.
+PLACEHOLDER = "SET ME: "
+
+
+def placeholder_problems(cfg: Config) -> list[str]:
+    """A problem for every string field still holding a `PLACEHOLDER`."""
+    out = []
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            v = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(v, str) and v.startswith(PLACEHOLDER):
+                out.append(f"{section.name}.{f.name} is still the placeholder `pentatron plan --emit-config` wrote: "
+                           f"set it to {v[len(PLACEHOLDER):]}")
+    return out
+
 
 def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     """Every semantic problem with a type-correct config (empty list when valid)."""
-    p: list[str] = []
+    p: list[str] = placeholder_problems(cfg)
     try:
         model = cfg.model_config()
     except KeyError as e:  # an unknown registry name, or a model.hf_config that cannot be read (named)
@@ -430,7 +446,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if model is not None and tr.seq_len > model.max_seq_len:
         p.append(f"train.seq_len={tr.seq_len} is longer than the model's max_seq_len={model.max_seq_len}")
 
-    if cfg.data.path and not Path(cfg.data.path).exists():
+    if cfg.data.path and not cfg.data.path.startswith(PLACEHOLDER) and not Path(cfg.data.path).exists():
         p.append(f"data.path {cfg.data.path!r} does not exist (create it with `pentatron tokenize`)")
     if cfg.data.default_corpus_bytes <= 0:
         p.append(f"data.default_corpus_bytes must be > 0, got {cfg.data.default_corpus_bytes}")

@@ -396,7 +396,7 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
         return 1
     if args.chart:
         report.memory_chart(preds, gpu, args.chart, title=f"{w.cfg.name} on {args.gpus} x {gpu.name}")
-    emitted = _emit(args, w, gpu, preds[0], kernels) if args.emit_config else None
+    emitted = _emit(args, w, gpu, preds[0], kernels, train_tokens) if args.emit_config else None
     if args.json:
         print(json.dumps(report.plan_json(w, gpu, args.gpus, preds, result=res, verify=verify_rows,
                                           train_tokens=train_tokens, price=args.price), indent=2))
@@ -416,8 +416,10 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
     if args.chart:
         print(f"memory chart: {args.chart}")
     if emitted:
-        print(f"training config written to {emitted} (run: pentatron train {emitted} --nproc "
-              f"{preds[0].layout.world})")
+        from pentatron.plan.emit import launch_lines
+
+        print(f"training config written to {emitted}: set its data.path and checkpoint.dir, then run")
+        print("\n".join(f"  {line}" for line in launch_lines(emitted, preds[0].layout.world, gpu.gpus_per_node)))
     return 0
 
 
@@ -451,14 +453,18 @@ def _batch(args: argparse.Namespace, w: Any, gpu: Any) -> int:
     return 0
 
 
-def _emit(args: argparse.Namespace, w: Any, gpu: Any, pred: Any, kernels: str) -> str:
-    from pentatron.plan.emit import EmitError, write_training_config
+def _emit(args: argparse.Namespace, w: Any, gpu: Any, pred: Any, kernels: str, train_tokens: float | None) -> str:
+    from pentatron.plan.emit import EmitError, launch_lines, write_training_config
 
-    header = (f"written by `pentatron plan` for {w.cfg.name} on {pred.layout.world} x {gpu.name}: "
-              f"{pred.layout.short()}\npredicted {pred.rate.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
-              f"{pred.memory.total / 2**30:.1f} GiB per GPU")
+    lay = pred.layout
+    header = "\n".join([
+        f"written by `pentatron plan` for {w.cfg.name} on {lay.world} x {gpu.name}: {lay.short()}",
+        f"predicted {pred.rate.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {pred.memory.total / 2**30:.1f} GiB per GPU",
+        "set data.path and checkpoint.dir (a run refuses to start until they are), then:",
+        *launch_lines(args.emit_config, lay.world, gpu.gpus_per_node)])
     try:
-        return str(write_training_config(args.emit_config, w, pred.layout, header, kernels=kernels))
+        return str(write_training_config(args.emit_config, w, lay, header, kernels=kernels, train_tokens=train_tokens,
+                                         step_s=pred.step.step))
     except (EmitError, OSError) as e:
         raise InputError(f"--emit-config: {e}") from None
 
