@@ -320,6 +320,18 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def resolved_dict(self, world_size: int) -> dict[str, Any]:
+        """`to_dict()` with what the run resolves written in: the model's shape (the registry's or
+        model.hf_config's, with the overrides) in [model] and, for an MoE, [moe]; parallel.dp from the
+        world size. It loads back as the same run (the config.json of a run directory)."""
+        out = self.to_dict()
+        model = self.model_config()
+        out["model"].update({k: getattr(model, k) for k in out["model"] if k not in ("name", "hf_config")})
+        if model.moe is not None:
+            out["moe"] = {k: getattr(model.moe, k) for k in out["moe"]}
+        out["parallel"]["dp"] = self.layout(world_size).dp
+        return out
+
     def layout(self, world_size: int | None = None) -> ParallelLayout:
         """The run's `ParallelLayout`; dp resolved from `world_size` when `parallel.dp` is unset."""
         par, tr = self.parallel, self.train
