@@ -23,7 +23,7 @@ def test_every_field_has_a_type_default_and_description():
     rows = {name: (kind, default, unit, text) for name, kind, default, unit, text in section_rows(TrainConfig)}
     assert rows["warmup"] == ("int", "10", "optimizer steps", rows["warmup"][3]) and "lr × k / warmup" in rows[
         "warmup"][3]
-    assert rows["resume_schedule"][0] == '"continue" \\| "recompute" \\| "restart"'
+    assert rows["resume_schedule"][0] == '"recompute" \\| "continue" \\| "restart"'
     assert rows["peak_tflops"][:3] == ("float or unset", "unset", "TFLOP/s per device")
 
 

@@ -176,11 +176,12 @@ class TrainConfig:
     linear decay over the last decay_fraction of the steps) or constant."""
     decay_fraction: float = 0.2
     """[fraction of steps] WSD: the share of train.steps spent in the final decay."""
-    resume_schedule: Literal["continue", "recompute", "restart"] = "continue"
+    resume_schedule: Literal["recompute", "continue", "restart"] = "recompute"
     """A resume whose schedule (steps, lr, warmup, schedule, min_lr_ratio, decay_fraction) differs from the
-    checkpoint's: "continue" keeps the LR continuous at the resume step (the new shape from the current LR
-    over the remaining steps), "recompute" takes the new schedule at the absolute step (the LR may jump),
-    "restart" warms up again over the remaining steps. Exact rules: train/lr_schedule.py."""
+    checkpoint's (said in one line): "recompute" takes the new schedule at the absolute step, as if set from
+    step 0 (the LR may jump); "continue" keeps the LR continuous at the resume step (the new shape from the
+    current LR over the remaining steps); "restart" warms up again over the remaining steps. Exact rules:
+    train/lr_schedule.py."""
     weight_decay: float = 0.1
     """AdamW's decoupled weight decay, applied to the matrices and embeddings (not to norm gains)."""
     beta1: float = 0.9

@@ -15,7 +15,7 @@ def _resume(saved_cfg: TrainConfig, new: TrainConfig, step: int, saved_anchor: L
 
 
 def test_continue_keeps_the_lr_continuous_and_decays_to_the_new_floor():
-    new = TrainConfig(steps=300, warmup=10, lr=1e-3, min_lr_ratio=0.1, schedule="cosine")
+    new = TrainConfig(steps=300, warmup=10, lr=1e-3, min_lr_ratio=0.1, schedule="cosine", resume_schedule="continue")
     s0 = 120
     schedule, line = _resume(OLD, new, s0)
     assert schedule.at(s0) == pytest.approx(lr_at(s0, OLD), rel=1e-12)  # what the old run's next step had
@@ -27,11 +27,13 @@ def test_continue_keeps_the_lr_continuous_and_decays_to_the_new_floor():
     assert f"at step {s0 + 1}" in line
 
 
-def test_recompute_takes_the_new_schedule_at_the_absolute_step():
-    new = TrainConfig(steps=300, warmup=10, lr=1e-3, min_lr_ratio=0.1, resume_schedule="recompute")
+def test_recompute_by_default_takes_the_new_schedule_at_the_absolute_step_and_says_the_jump():
+    new = TrainConfig(steps=300, warmup=10, lr=1e-3, min_lr_ratio=0.1)
+    assert new.resume_schedule == "recompute"
     schedule, line = _resume(OLD, new, 150)
     assert [schedule.at(s) for s in (150, 299)] == [lr_at(150, new), lr_at(299, new)]
-    assert "'recompute'" in line
+    assert f"'recompute': LR {lr_at(150, new):.3g} at step 151 where the saved schedule gives {lr_at(150, OLD):.3g}" \
+        in line and 'train.resume_schedule = "continue" keeps it' in line
 
 
 def test_restart_warms_up_again_over_the_remaining_steps():
@@ -44,7 +46,8 @@ def test_restart_warms_up_again_over_the_remaining_steps():
 @pytest.mark.parametrize("kind", ["wsd", "constant"])
 def test_continue_for_wsd_and_constant(kind):
     old = TrainConfig(steps=100, warmup=10, lr=1e-3, min_lr_ratio=0.0, schedule=kind, decay_fraction=0.2)
-    new = TrainConfig(steps=100, warmup=10, lr=2e-3, min_lr_ratio=0.0, schedule=kind, decay_fraction=0.2)
+    new = TrainConfig(steps=100, warmup=10, lr=2e-3, min_lr_ratio=0.0, schedule=kind, decay_fraction=0.2,
+                      resume_schedule="continue")
     schedule, _ = _resume(old, new, 50)
     assert schedule.at(50) == pytest.approx(1e-3)
     if kind == "constant":
@@ -59,14 +62,14 @@ def test_continue_for_wsd_and_constant(kind):
 
 def test_resumed_inside_the_warmup_ramps_from_the_current_lr():
     old = TrainConfig(steps=100, warmup=20, lr=1e-3)
-    new = TrainConfig(steps=100, warmup=20, lr=2e-3)
+    new = TrainConfig(steps=100, warmup=20, lr=2e-3, resume_schedule="continue")
     schedule, _ = _resume(old, new, 5)
     assert schedule.at(5) == pytest.approx(lr_at(5, old)) and schedule.at(19) == pytest.approx(2e-3)
     assert schedule.at(50) == lr_at(50, new)
 
 
 def test_an_unchanged_resume_keeps_the_continued_schedule_and_says_nothing():
-    new = TrainConfig(steps=300, warmup=10, lr=1e-3, min_lr_ratio=0.1)
+    new = TrainConfig(steps=300, warmup=10, lr=1e-3, min_lr_ratio=0.1, resume_schedule="continue")
     continued, _ = _resume(OLD, new, 120)
     again, line = _resume(new, new, 200, saved_anchor=continued)  # a second resume, nothing changed
     assert line is None and [again.at(s) for s in (200, 299)] == [continued.at(200), continued.at(299)]

@@ -114,11 +114,12 @@ def test_checkpoint_resume_is_exact(tmp_path, default_dataset):
 
 def test_a_longer_resume_keeps_the_lr_continuous_and_says_so(tmp_path, default_dataset, capsys):
     """Issue 52: 150 steps resumed with train.steps=300 jumped from 2.00e-04 to 5.21e-04 (the cosine was
-    recomputed over the new length). Now the resumed step has the LR the saved schedule gave it."""
+    recomputed over the new length). It says so now, and train.resume_schedule = "continue" gives the
+    resumed step the LR the saved schedule gave it."""
     ckpt = f"checkpoint.dir={json.dumps(str(tmp_path / 'ckpt'))}"
     first = _fit(tmp_path, default_dataset, "train.steps=3", ckpt)
     saved_next = json.loads((tmp_path / "ckpt" / "step_00000003" / "meta.json").read_text())["schedule"]["next_lr"]
-    resumed = _fit(tmp_path, default_dataset, "train.steps=6", ckpt)
+    resumed = _fit(tmp_path, default_dataset, "train.steps=6", ckpt, "train.resume_schedule='continue'")
     assert len(first) == 3 and saved_next == pytest.approx(lr_at(3, _cfg(tmp_path, "train.steps=3").train))
     assert resumed[0]["step"] == 4 and resumed[0]["lr"] == pytest.approx(saved_next, rel=1e-12)
     # each record names its layout and its start (the report compares a layout with its own steps)

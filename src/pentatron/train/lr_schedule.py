@@ -6,13 +6,15 @@ would have had. A resume that changes the schedule's fields (steps, lr, warmup, 
 decay_fraction) says so in one line and follows `train.resume_schedule` (s0: the resume step, 0-based;
 lr0: the saved schedule's LR at s0):
 
-- "continue" (default): the LR is continuous at s0. Inside the new warmup (s0 < warmup) it ramps linearly
+- "continue": the LR is continuous at s0. Inside the new warmup (s0 < warmup) it ramps linearly
   from lr0 to the new lr at step warmup-1, then follows the new schedule. After it, the new schedule's
   shape runs over the remaining steps starting from lr0 instead of the peak: cosine from lr0 down to
   lr·min_lr_ratio (never above lr0) at step `steps`; WSD holds lr0 until the decay phase, then decays
   linearly to that floor (from s0 when the decay phase has begun); constant stays at lr0.
-- "recompute": the new settings' schedule at the absolute step, as if the run had used them from step 0
-  (the LR may jump at s0).
+- "recompute" (default): the new settings' schedule at the absolute step, as if the run had used them from
+  step 0 (the LR may jump at s0; the line says so and names "continue"). The default because a run
+  stopped early on purpose (steps = 1000 to try it out) and then extended to its real length wants the
+  long run's schedule, and a schedule's value at a step then never depends on how the run was cut.
 - "restart": warmup again from s0: the new schedule laid over the remaining steps (s0 … steps).
 
 A resume that changes nothing keeps the schedule it saved (one that was itself continued stays so),
@@ -131,6 +133,9 @@ def resumed_schedule(cfg: TrainConfig, saved: dict[str, Any] | None, step: int) 
     mode = cfg.resume_schedule
     lr0 = float(saved.get("next_lr", lr_at(step, cfg)))
     schedule = LrSchedule(cfg, None if mode == "recompute" else Anchor(step, lr0, mode))
-    return schedule, (f"resume at step {step} changes {said}; train.resume_schedule={mode!r}: LR "
-                      f"{schedule.at(step):.3g} at step {step + 1} (the saved schedule's: {lr0:.3g}), "
-                      f"{schedule.at(cfg.steps - 1):.3g} at step {cfg.steps}")
+    now = schedule.at(step)
+    jump = "" if mode == "continue" or math.isclose(now, lr0, rel_tol=1e-9) else (
+        f'; train.resume_schedule = "continue" keeps it at {lr0:.3g} and decays from there')
+    return schedule, (f"resume at step {step} changes {said}; train.resume_schedule={mode!r}: LR {now:.3g} at step "
+                      f"{step + 1} where the saved schedule gives {lr0:.3g}, {schedule.at(cfg.steps - 1):.3g} at "
+                      f"step {cfg.steps}{jump}")
