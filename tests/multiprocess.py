@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pentatron.distributed.comm import STRICT_ENV
-from pentatron.distributed.launch import shutdown_distributed
+from pentatron.distributed.launch import file_init_method, shutdown_distributed
 
 # Imported once by the fork server (torch.distributed.nn before any process group, as init_distributed
 # wants); everything else a rank needs is imported on first use, as under spawn. torch._dynamo: torch's
@@ -68,7 +68,7 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, 
                       LOCAL_WORLD_SIZE=str(world_size))
     finished = False
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", init_method=file_init_method(store_path), rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
         results.put((rank, True, out))
         finished = True

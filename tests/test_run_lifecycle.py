@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from pentatron.cli import main
+from pentatron.config import config_from_dict, load_config
 from pentatron.observe.peak import cpu_peak_flops, machine_key
 from tests.launchers import pentatron_nproc
 
@@ -79,6 +80,10 @@ def test_summary_on_console_and_in_summary_json(tmp_path, default_dataset, capsy
     assert s["memory"]["peak_bytes_max_over_ranks"] > 0 and s["time"]["wall_s"] > 0
     assert s["compile"] is None and "off (train.compile)" in out  # "auto": compiled on CUDA only
     assert s["paths"]["dataset"] == str(default_dataset) and (run / "config.json").is_file()
+    # the resolved config: the model's shape written in (was null), and it loads back as the same run
+    resolved = json.loads((run / "config.json").read_text())
+    assert None not in resolved["model"].values() and resolved["parallel"]["dp"] == 1
+    assert config_from_dict(resolved).model_config() == load_config(CONFIG).model_config()
     assert {k: s["layout"][k] for k in ("dp", "tp", "pp", "cp", "ep")} == dict(dp=1, tp=1, pp=1, cp=1, ep=1)
     assert "tp=1 pp=1 cp=1 ep=1 zero=0" in out  # the banner and the summary name all five degrees
     # the report takes the run's directory or log.dir (its newest run)

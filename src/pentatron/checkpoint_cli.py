@@ -43,11 +43,15 @@ def add_checkpoint_parser(subparsers: argparse._SubParsersAction) -> None:
     ex.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast on the way out (default fp32)")
     ex.add_argument("--max-shard-size", default="5GiB", help="shard above this size (default 5GiB)")
     ex.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists and is not empty")
+    ex.add_argument("--tokenizer", type=Path, default=None,
+                    help="dataset directory or tokenizer.json written beside the weights for AutoTokenizer "
+                         "(default: the training run's dataset, named by run.json in the checkpoint directory)")
     ex.set_defaults(func=run_export_hf)
     im = sub.add_parser("import-hf", help="a Hugging Face Llama/Mixtral directory as a step-0 training checkpoint",
                         description="Write the weights of a Hugging Face directory (with fresh optimizer state) "
                                     "as a training checkpoint; `pentatron train` with checkpoint.dir=CKPT_DIR "
-                                    "then starts from them in any layout (model settings must match).")
+                                    "then starts from them in any layout; model.hf_config=HF_DIR gives the run "
+                                    "the same shape.")
     im.add_argument("hf_dir", type=Path, metavar="HF_DIR")
     im.add_argument("ckpt_dir", type=Path, metavar="CKPT_DIR", help="a new (empty) checkpoint directory")
     im.set_defaults(func=run_import_hf)
@@ -99,13 +103,42 @@ def run_export_hf(args: argparse.Namespace) -> int:
 
     try:
         model, _, step_dir = load_any_model(args.checkpoint)
+        tokenizer, eos, missing = _export_tokenizer(step_dir, args.tokenizer)
         export_hf(model, args.out_dir, parse_size(args.max_shard_size),
-                  dtype_from_name(args.dtype) if args.dtype else None, overwrite=args.overwrite)
+                  dtype_from_name(args.dtype) if args.dtype else None, overwrite=args.overwrite,
+                  tokenizer=tokenizer, eos=eos)
     except (CheckpointError, GenerateError, ValueError, FileExistsError, WriteError) as e:
         print(f"pentatron: error: {e}", file=sys.stderr)
         return e.code if isinstance(e, WriteError) else 2
-    print(f"pentatron: exported {step_dir} to {args.out_dir}")
+    if missing:
+        print(f"pentatron: warning: no tokenizer written ({missing}); AutoTokenizer will not load {args.out_dir}",
+              file=sys.stderr)
+    with_tokenizer = f" with the tokenizer {tokenizer}" if tokenizer else ""
+    print(f"pentatron: exported {step_dir} to {args.out_dir}{with_tokenizer}")
     return 0
+
+
+def _export_tokenizer(step_dir: Path, override: Path | None) -> tuple[Path | None, tuple[str, int] | None, str]:
+    """(tokenizer.json, its end-of-document (token, id), why there is none): the one the run trained with
+    (`generate.tokenizer_source`). Only a tokenizer given with --tokenizer must exist: without it, a
+    checkpoint whose dataset is not known is exported without one (with a warning)."""
+    from pentatron.data.tokenize import KNOWN_EOS_TOKENS
+    from pentatron.generate import CheckpointError as GenerateError
+    from pentatron.generate import tokenizer_source
+    from pentatron.models.hf_tokenizer import end_of_document
+
+    try:
+        path, eos_id = tokenizer_source(step_dir, override)
+    except GenerateError as e:
+        if override is not None:
+            raise
+        return None, None, str(e)
+    try:
+        token, found = end_of_document(path, eos_id, KNOWN_EOS_TOKENS)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own untyped exception
+        raise GenerateError(f"tokenizer {path} is not a tokenizers tokenizer.json "
+                            f"({str(e).splitlines()[0][:120]})") from None
+    return path, (token, found) if token is not None and found is not None else None, ""
 
 
 def run_import_hf(args: argparse.Namespace) -> int:
@@ -121,5 +154,7 @@ def run_import_hf(args: argparse.Namespace) -> int:
     except (WriteError, CheckpointWriteError) as e:  # the destination (2) or the disk (1)
         print(f"pentatron: error: {e}", file=sys.stderr)
         return getattr(e, "code", 1)
-    print(f"pentatron: imported {args.hf_dir} as {path} (step 0); train with checkpoint.dir={args.ckpt_dir}")
+    # model.hf_config: the run reads the shape from the same config.json (no [model] fields to copy)
+    print(f"pentatron: imported {args.hf_dir} as {path} (step 0); train from it with "
+          f"--set checkpoint.dir={json.dumps(str(args.ckpt_dir))} --set model.hf_config={json.dumps(str(args.hf_dir))}")
     return 0

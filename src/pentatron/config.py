@@ -39,136 +39,262 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelSection:
-    """A registry name, optionally with any shape field overridden (e.g. n_layers = 2)."""
+    """[model]: a registry name, optionally with any shape field overridden (e.g. n_layers = 2). Unset
+    fields (None) are the registry model's (or model.hf_config's)."""
 
     name: str = "debug"
+    """A registry model (models/registry.py), e.g. debug, debug-moe, smollm-135m, llama3-8b, llama3.1-70b,
+    mixtral-8x7b; an unknown name's error lists them all."""
+    hf_config: str = ""
+    """A Hugging Face model directory (or its config.json): the shape is read from it, as `checkpoint
+    import-hf` reads it, instead of from the registry's `name`; the fields below still override it."""
     vocab_size: int | None = None
+    """[tokens] Vocabulary size: rows of the embedding and of the LM head; must exceed every token id of the
+    dataset's tokenizer."""
     hidden_size: int | None = None
+    """The model width (d_model): each token's vector between the layers."""
     n_layers: int | None = None
+    """Decoder layers (attention + MLP blocks)."""
     n_heads: int | None = None
+    """Attention (query) heads; hidden_size / n_heads is the head dimension."""
     n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention): divides n_heads; n_heads means plain multi-head attention."""
     ffn_hidden_size: int | None = None
+    """The MLP's inner width (SwiGLU: of each of its gate and up projections)."""
     max_seq_len: int | None = None
+    """[tokens] The longest sequence the model takes (its RoPE tables); train.seq_len must not exceed it."""
     rope_theta: float | None = None
+    """The RoPE base frequency (larger: slower rotation, longer contexts)."""
     norm_eps: float | None = None
+    """RMSNorm's epsilon, added to the mean square before its square root."""
     tie_embeddings: bool | None = None
+    """The LM head shares the embedding's weight (one matrix, its gradient the sum of both uses)."""
     mlp: Literal["swiglu", "gelu"] | None = None
+    """The MLP: SwiGLU (Llama's, three matrices) or GELU (two)."""
     init_std: float | None = None
+    """Standard deviation of the normal initialisation of the weight matrices."""
 
 
 @dataclass
 class MoESection:
-    """Overrides of the model's Mixture-of-Experts fields (`models/config.py` MoEConfig); unset: the
+    """[moe]: overrides of the model's Mixture-of-Experts fields (`models/config.py` MoEConfig); unset: the
     registry's. n_experts, top_k and expert_ffn_size together turn a dense registry model into an MoE."""
 
     n_experts: int | None = None
+    """Routed experts in each MoE layer."""
     top_k: int | None = None
+    """Experts each token is routed to (≤ n_experts)."""
     expert_ffn_size: int | None = None
+    """The MLP inner width of each expert (a SwiGLU)."""
     n_shared_experts: int | None = None
+    """Always-on experts every token goes through besides its routed ones (DeepSeek); 0: none."""
     score: Literal["softmax", "sigmoid"] | None = None
+    """The router's score of each expert: softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3)."""
     norm_topk_prob: bool | None = None
+    """Renormalise a token's top-k routing weights to sum to 1."""
     route_scale: float | None = None
+    """A factor on the routing weights (DeepSeek-V3's routed_scaling_factor)."""
     aux_loss_coef: float | None = None
+    """Coefficient of the Switch/GShard load-balancing loss (which is 1.0 at a uniform load); 0: off."""
     z_loss_coef: float | None = None
+    """Coefficient of the router z-loss (mean squared log-sum-exp of the router logits); 0: off."""
     bias_update_rate: float | None = None
+    """[per optimizer step] DeepSeek-V3's auxiliary-loss-free balancing: each expert's selection bias moves
+    by this much towards the mean load after every step; 0: off."""
     capacity_factor: float | None = None
+    """Each expert takes at most ceil(factor × tokens × top_k / n_experts) of a micro-batch's assignments,
+    the lowest-weighted beyond are dropped; unset: dropless."""
     first_dense_layers: int | None = None
+    """The first this many layers keep a dense MLP (DeepSeek-V3: 3)."""
 
 
 @dataclass
 class ParallelConfig:
-    dp: int | None = None  # None: whatever the world size leaves after tp·pp·cp
+    """[parallel]: the layout — how the ranks split the work (layout.py holds the rules). The product
+    dp × tp × pp × cp must equal the number of processes."""
+
+    dp: int | None = None
+    """[ranks] Data-parallel degree: replicas that each take a share of the global batch. Unset: whatever the
+    world size leaves after tp × pp × cp."""
     tp: int = 1
+    """[ranks] Tensor-parallel degree: each layer's matrices are split over this many ranks (attention by
+    heads, the MLP by its width), with an all-reduce per block; best inside one node."""
     pp: int = 1
+    """[ranks] Pipeline-parallel degree: the layers are cut into this many stages, each on its own ranks,
+    and micro-batches flow through them (parallel.pp_schedule)."""
     cp: int = 1
+    """[ranks] Context-parallel degree: each sequence is split over this many ranks (parallel.cp_mode)."""
     ep: int = 1
+    """[ranks] Expert-parallel degree (MoE): the experts are shared out over this many ranks of dp × cp,
+    tokens reach theirs by all-to-all."""
     zero: int = 0
+    """ZeRO stage over the data-parallel ranks: 0 replicates everything; 1 shards the optimizer state; 2 also
+    the gradients; 3 also the parameters (gathered before use)."""
     sp: bool = False
+    """Sequence parallelism (with tp > 1): the activations outside attention and the MLP (norms, residual)
+    are split along the sequence over the tp ranks instead of replicated."""
     pp_schedule: Literal["afab", "1f1b", "interleaved", "zb"] = "1f1b"
+    """The pipeline schedule: all-forward-all-backward, 1F1B, interleaved 1F1B (parallel.pp_virtual chunks per
+    rank) or zero-bubble ZB-H1 (weight gradients deferred into the bubble)."""
     pp_virtual: int = 1
-    # ZeRO-3 with pp > 1: re-gather a stage's layers per micro-batch (least memory) or once per step.
+    """[chunks per rank] Model chunks on each pipeline rank for the interleaved schedule; 1 otherwise."""
     zero3_gather: Literal["micro_batch", "step"] = "micro_batch"
-    # Context parallelism: ring (K/V blocks around a ring), ulysses (heads all-to-all) or hybrid
-    # (Ulysses over cp_ulysses ranks inside a node, ring across).
+    """ZeRO-3 with pp > 1: re-gather a stage's layers for every micro-batch (least memory) or once per step
+    (fewer gathers)."""
     cp_mode: Literal["ring", "ulysses", "hybrid"] = "ring"
+    """Context parallelism: ring (K/V blocks passed around a ring), ulysses (heads all-to-all) or hybrid
+    (Ulysses over parallel.cp_ulysses ranks inside a node, ring across)."""
     cp_ulysses: int = 1
-    # Decoder layers per pipeline stage (per chunk when interleaving), in stage order, e.g. [15, 17, 17, 15]
-    # to leave room for the embedding on the first stage and the head on the last; unset: the runtime's split.
+    """[ranks] cp_mode = "hybrid": the Ulysses degree; the ring degree is cp / cp_ulysses."""
     pp_layers: list[int] | None = None
+    """Decoder layers per pipeline stage (per chunk when interleaving), in stage order, e.g. [15, 17, 17, 15]
+    to leave room for the embedding on the first stage and the head on the last; unset: the runtime's split."""
     bucket_mb: float = 25.0
+    """[MiB] Size of the gradient buckets data parallelism reduces while backward still runs (overlap)."""
 
 
 @dataclass
 class TrainConfig:
+    """[train]: the optimization — steps, batch, learning-rate schedule, AdamW, precision, kernels."""
+
     steps: int = 100
+    """[optimizer steps] The run's length; the LR schedule spans it."""
     seq_len: int = 256
+    """[tokens] Tokens per training sequence (≤ model.max_seq_len)."""
     micro_batch: int = 8
-    global_batch: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    """[sequences] Sequences in one forward/backward of one data-parallel replica; global_batch / (dp ×
+    micro_batch) micro-batches are accumulated per step (the pipeline's micro-batches)."""
+    global_batch: int = 8
+    """[sequences] Sequences per optimizer step over all data-parallel ranks (tokens per step: × seq_len)."""
     lr: float = 3e-3
+    """The peak learning rate, reached at the end of the warmup."""
     min_lr_ratio: float = 0.1
+    """[fraction of lr] Where the decay ends: cosine and WSD decay to lr × min_lr_ratio."""
     warmup: int = 10
+    """[optimizer steps] Linear warmup: step k (1-based) of the first `warmup` steps uses lr × k / warmup;
+    0: none."""
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    decay_fraction: float = 0.2  # wsd: share of the steps spent in the final decay
+    """After the warmup: cosine decay over the remaining steps, WSD (warmup-stable-decay: the peak held, then a
+    linear decay over the last decay_fraction of the steps) or constant."""
+    decay_fraction: float = 0.2
+    """[fraction of steps] WSD: the share of train.steps spent in the final decay."""
+    resume_schedule: Literal["recompute", "continue", "restart"] = "recompute"
+    """A resume whose schedule (steps, lr, warmup, schedule, min_lr_ratio, decay_fraction) differs from the
+    checkpoint's (said in one line): "recompute" takes the new schedule at the absolute step, as if set from
+    step 0 (the LR may jump); "continue" keeps the LR continuous at the resume step (the new shape from the
+    current LR over the remaining steps); "restart" warms up again over the remaining steps. Exact rules:
+    train/lr_schedule.py."""
     weight_decay: float = 0.1
+    """AdamW's decoupled weight decay, applied to the matrices and embeddings (not to norm gains)."""
     beta1: float = 0.9
+    """AdamW's first-moment (momentum) decay."""
     beta2: float = 0.95
+    """AdamW's second-moment decay."""
     eps: float = 1e-8
-    clip: float = 1.0  # global gradient-norm clip; 0 disables
-    # auto: bf16 on CUDA, fp32 on CPU; fp64: everything float64 (exact parity tests, CPU)
+    """AdamW's epsilon, added to the square root of the second moment."""
+    clip: float = 1.0
+    """The global gradient-norm clip (over all parameters of all ranks); 0 disables."""
     precision: Literal["auto", "fp32", "bf16", "fp64"] = "auto"
+    """auto: bf16 on CUDA, fp32 on CPU; bf16: bf16 parameters and compute with fp32 gradients and master
+    weights; fp64: everything float64 (exact parity tests, CPU)."""
     recompute: Literal["none", "selective", "full"] = "none"
-    # torch.compile of each decoder block's compute (parallel/compile.py): true, false, "try" (compile; a
-    # region that fails warns and runs eagerly) or "auto" (compile where it pays:
-    # `COMPILE_AUTO_DEVICES`; the planner's default kernels follow it, plan/recipes.py).
+    """Activation recomputation in backward: none, selective (the attention core, whose intermediates grow
+    with seq_len²) or full (each block's forward again): less activation memory for more compute."""
     compile: Literal[True, False, "auto", "try"] = "auto"
-    compile_backend: Literal["inductor", "aot_eager"] = "inductor"  # aot_eager: graphs without codegen (debug)
+    """torch.compile of each decoder block's compute (parallel/compile.py): true, false, "try" (compile; a
+    region that fails warns and runs eagerly) or "auto" (compile where it pays: `COMPILE_AUTO_DEVICES`; the
+    planner's default kernels follow it, plan/recipes.py)."""
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
+    """torch.compile's backend: inductor (generated kernels) or aot_eager (graphs without codegen: debug)."""
     seed: int = 0
+    """Seeds the parameter initialisation (each parameter's from (seed, its name): the same in every layout)
+    and the data order."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    peak_tflops: float | None = None  # per device, for MFU; default from the hardware table
-    nonfinite: Literal["skip", "stop"] = "stop"  # a NaN/inf loss or grad norm: skip the update, or stop (exit 3)
-    allow_overcommit: bool = False  # start even when the planner predicts the run does not fit in memory
-    # LM head + cross-entropy over chunks of this many tokens, recomputed in backward (models/loss.py): the
-    # loss holds one chunk's fp32 logits, never the whole [tokens, vocab]; 0: full logits (F.cross_entropy)
+    """Where to train: auto (CUDA when available), cpu or cuda (one GPU per process, by LOCAL_RANK)."""
+    peak_tflops: float | None = None
+    """[TFLOP/s per device] The peak that MFU divides by; unset: the hardware table's (GPU) or the measured
+    CPU peak."""
+    nonfinite: Literal["skip", "stop"] = "stop"
+    """A NaN/inf loss or gradient norm: skip the update (counted as skipped_steps), or stop (exit 3)."""
+    allow_overcommit: bool = False
+    """Start even when the planner predicts the run does not fit in memory."""
     loss_chunk_tokens: int = 1024
+    """[tokens] The LM head + cross-entropy run over chunks of this many tokens, recomputed in backward
+    (models/loss.py): the loss holds one chunk's fp32 logits, never the whole [tokens, vocab]; 0: full logits
+    (F.cross_entropy)."""
 
 
 @dataclass
 class DataConfig:
-    path: str = ""  # a directory written by `pentatron tokenize`; empty: the built-in default corpus
+    """[data]: the tokenized dataset."""
+
+    path: str = ""
+    """A directory written by `pentatron tokenize`; empty: the built-in default corpus (Python's standard
+    library, tokenized into data.cache_dir)."""
     cache_dir: str = ".cache/data"
+    """Where the built-in default corpus is tokenized and cached."""
     default_corpus_bytes: int = 6_000_000
+    """[bytes] How much of the built-in corpus's text to tokenize."""
 
 
 @dataclass
 class CheckpointConfig:
-    dir: str = ""  # empty: no checkpoints
-    every: int = 0  # steps between saves; 0: only at the end (when dir is set)
+    """[checkpoint]: saving, resuming, retention."""
+
+    dir: str = ""
+    """The checkpoint directory (step_XXXXXXXX directories and a `latest` pointer); empty: no checkpoints."""
+    every: int = 0
+    """[optimizer steps] Steps between saves; 0: only at the end (when dir is set)."""
     keep: int = 2
-    resume: bool = True  # continue from the newest checkpoint in dir if there is one
-    async_save: bool = False  # stage to CPU and write in the background (at most one save in flight)
-    fallback: bool = False  # latest damaged: resume from the newest older checkpoint that verifies
-    force_new: bool = False  # with resume=false: start a new run beside a directory's existing checkpoints
-    resume_from: str = ""  # a step directory of dir to resume ("step_00000100" or "100"); empty: what `latest` names
-    # SIGTERM (a scheduler's preemption notice, or to the launcher): finish the current step, save, exit 143.
-    # Off: the ranks stop at once and the run resumes from the last periodic checkpoint.
+    """[checkpoints] How many of this run's newest checkpoints to keep; older ones are deleted (never the one
+    `latest` names)."""
+    resume: bool = True
+    """Continue from the newest checkpoint in dir if there is one (in any layout: re-sharded)."""
+    async_save: bool = False
+    """Stage the state to CPU and write it in the background (at most one save in flight)."""
+    fallback: bool = False
+    """The checkpoint `latest` names is damaged: resume from the newest older one that verifies instead of
+    stopping."""
+    force_new: bool = False
+    """With resume = false: start a new run beside a directory's existing checkpoints (kept)."""
+    resume_from: str = ""
+    """A step directory of dir to resume ("step_00000100" or "100"); empty: what `latest` names."""
     save_on_sigterm: bool = False
+    """SIGTERM (a scheduler's preemption notice, or to the launcher): finish the current step, save, exit 143.
+    Off: the ranks stop at once and the run resumes from the last periodic checkpoint."""
 
 
 @dataclass
 class LogConfig:
+    """[log]: metrics, progress, traces."""
+
     dir: str = "runs/default"
+    """Each run writes into <dir>/<YYYYmmdd-HHMMSS> (metrics.jsonl, report.md, summary.json, config.json);
+    <dir>/latest links the newest; a resumed run continues in its run's directory."""
     every: int = 1
+    """[optimizer steps] Print a console row every this many steps (metrics.jsonl has every step)."""
     tensorboard: bool = True
+    """Also write TensorBoard event files (<run>/tensorboard)."""
     progress: bool = True
-    pp_trace: bool = False  # pipeline runs: dump each logged step's timeline as a Chrome trace into dir
-    numerics_every: int = 0  # per-layer grad/update/param norms and max |activation| every N steps; 0: off
-    profile: str = ""  # "a:b": torch.profiler traces of steps a..b per rank into dir/profile; empty: off
+    """A live progress bar on a terminal."""
+    pp_trace: bool = False
+    """Pipeline runs: dump each logged step's timeline as a Chrome trace into the log directory."""
+    numerics_every: int = 0
+    """[optimizer steps] Per-layer gradient/update/parameter norms and max |activation| every this many
+    steps; 0: off."""
+    profile: str = ""
+    """"a:b": torch.profiler traces of steps a..b per rank into <run>/profile; empty: off."""
 
 
 @dataclass
 class DistributedConfig:
-    timeout_s: float = 180.0  # no communication progress this long: the hang watchdog dumps, diagnoses, exits
-    check_collectives: bool = False  # debug: ranks compare each collective (op, shape, sequence) before it
+    """[distributed]: hang detection and collective checks."""
+
+    timeout_s: float = 180.0
+    """[seconds] No communication progress this long: the hang watchdog dumps, diagnoses and exits."""
+    check_collectives: bool = False
+    """Debug: before each collective the ranks compare its op, shape and sequence number, and a mismatch
+    names both sides at once."""
 
 
 @dataclass
@@ -183,8 +309,9 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def model_config(self) -> ModelConfig:
-        base = get_model_config(self.model.name)
-        overrides = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "name" and v is not None}
+        base = hf_shape(self.model.hf_config) if self.model.hf_config else get_model_config(self.model.name)
+        overrides = {k: v for k, v in dataclasses.asdict(self.model).items()
+                     if k not in ("name", "hf_config") and v is not None}
         moe = {k: v for k, v in dataclasses.asdict(self.moe).items() if v is not None}
         if moe:
             needed = [f"moe.{k}" for k in ("n_experts", "top_k", "expert_ffn_size") if k not in moe]
@@ -195,6 +322,18 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def resolved_dict(self, world_size: int) -> dict[str, Any]:
+        """`to_dict()` with what the run resolves written in: the model's shape (the registry's or
+        model.hf_config's, with the overrides) in [model] and, for an MoE, [moe]; parallel.dp from the
+        world size. It loads back as the same run (the config.json of a run directory)."""
+        out = self.to_dict()
+        model = self.model_config()
+        out["model"].update({k: getattr(model, k) for k in out["model"] if k not in ("name", "hf_config")})
+        if model.moe is not None:
+            out["moe"] = {k: getattr(model.moe, k) for k in out["moe"]}
+        out["parallel"]["dp"] = self.layout(world_size).dp
+        return out
 
     def layout(self, world_size: int | None = None) -> ParallelLayout:
         """The run's `ParallelLayout`; dp resolved from `world_size` when `parallel.dp` is unset."""
@@ -208,6 +347,20 @@ class Config:
                               pp_layers=None if par.pp_layers is None else tuple(par.pp_layers),
                               micro_batch=tr.micro_batch,
                               global_batch=tr.global_batch, seq_len=tr.seq_len)
+
+
+@functools.lru_cache(maxsize=8)
+def hf_shape(path: str) -> ModelConfig:
+    """`model.hf_config`: the shape of a Hugging Face directory (or of its config.json), named after the
+    directory. Raises KeyError("model.hf_config …") when it cannot be read (config validation reports it)."""
+    from pentatron.models.hf import read_hf_config  # imports torch: only for runs that use it
+
+    p = Path(path)
+    directory = p.parent if p.is_file() else p
+    try:
+        return dataclasses.replace(read_hf_config(directory), name=directory.resolve().name)
+    except (OSError, ValueError) as e:
+        raise KeyError(f"model.hf_config: {e}") from None
 
 
 # ---------------------------------------------------------------- loading with type checks
@@ -354,14 +507,30 @@ def load_config(path: str | Path | None, overrides: list[str] = (), world_size: 
 
 # ---------------------------------------------------------------- semantic validation
 
+# What `pentatron plan --emit-config` writes where only the user can say (the dataset, the checkpoint
+# directory), followed by what to put there: a run refuses to start until each one is set.
+PLACEHOLDER = "SET ME: "
+
+
+def placeholder_problems(cfg: Config) -> list[str]:
+    """A problem for every string field still holding a `PLACEHOLDER`."""
+    out = []
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            v = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(v, str) and v.startswith(PLACEHOLDER):
+                out.append(f"{section.name}.{f.name} is still the placeholder `pentatron plan --emit-config` wrote: "
+                           f"set it to {v[len(PLACEHOLDER):]}")
+    return out
+
 
 def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     """Every semantic problem with a type-correct config (empty list when valid)."""
-    p: list[str] = []
+    p: list[str] = placeholder_problems(cfg)
     try:
         model = cfg.model_config()
-    except KeyError as e:
-        p.append(f"model.name: {e.args[0]}")
+    except KeyError as e:  # an unknown registry name, or a model.hf_config that cannot be read (named)
+        p.append(e.args[0] if str(e.args[0]).startswith("model.hf_config") else f"model.name: {e.args[0]}")
         model = None
     if model is not None:
         p += model.problems()
@@ -411,7 +580,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if model is not None and tr.seq_len > model.max_seq_len:
         p.append(f"train.seq_len={tr.seq_len} is longer than the model's max_seq_len={model.max_seq_len}")
 
-    if cfg.data.path and not Path(cfg.data.path).exists():
+    if cfg.data.path and not cfg.data.path.startswith(PLACEHOLDER) and not Path(cfg.data.path).exists():
         p.append(f"data.path {cfg.data.path!r} does not exist (create it with `pentatron tokenize`)")
     if cfg.data.default_corpus_bytes <= 0:
         p.append(f"data.default_corpus_bytes must be > 0, got {cfg.data.default_corpus_bytes}")

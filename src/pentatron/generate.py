@@ -138,25 +138,33 @@ def generate(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
     return ids[len(prompt_ids):]
 
 
-def _tokenizer_for(step_dir: Path, override: Path | None) -> tuple[Any, int | None]:
-    from tokenizers import Tokenizer
-
-    eos = None
+def tokenizer_source(step_dir: Path, override: Path | None) -> tuple[Path, int | None]:
+    """(the tokenizer.json a checkpoint's model was trained with, its end-of-document id when the dataset's
+    index.json says it): `override` (a dataset directory or a tokenizer.json), else the training dataset
+    named by the run.json beside the checkpoint. Raises CheckpointError naming what to pass."""
     if override is not None:
+        dataset = override if override.is_dir() else override.parent
         path = override / "tokenizer.json" if override.is_dir() else override
     else:
         info = read_run_info(step_dir.parent) or {}
-        dataset = info.get("dataset")
-        if not dataset:
+        if not info.get("dataset"):
             raise CheckpointError(f"no run.json next to {step_dir} names the training dataset; pass --tokenizer "
                                   "DATASET_DIR (or its tokenizer.json)")
-        path = Path(dataset) / "tokenizer.json"
-        try:
-            eos = int(json.loads((Path(dataset) / "index.json").read_text())["eos_id"])
-        except (OSError, ValueError, KeyError):
-            eos = None
+        dataset = Path(info["dataset"])
+        path = dataset / "tokenizer.json"
     if not path.is_file():
         raise CheckpointError(f"tokenizer {path} does not exist; pass --tokenizer DATASET_DIR")
+    try:
+        eos = int(json.loads((dataset / "index.json").read_text())["eos_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        eos = None
+    return path, eos
+
+
+def _tokenizer_for(step_dir: Path, override: Path | None) -> tuple[Any, int | None]:
+    from tokenizers import Tokenizer
+
+    path, eos = tokenizer_source(step_dir, override)
     try:
         return Tokenizer.from_file(str(path)), eos
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own untyped exception

@@ -78,7 +78,7 @@ def train_in_this_process(cfg: Config, run_dir: str | None = None, preflight_don
         trainer = Trainer(cfg)
         try:
             if rank == 0:
-                record_run(cfg, chosen, trainer.dataset.path)
+                record_run(cfg, chosen, trainer.dataset.path, trainer.world_size)
             records = trainer.fit()
             finish_run(trainer, records, wall_s=time.time() - started)
         finally:

@@ -40,8 +40,13 @@ def test_export_hf_of_a_zero_and_tp_sharded_checkpoint_matches_transformers(defa
     for name, p in model.named_parameters():
         np.testing.assert_array_equal(p.detach().numpy(), trained[name], err_msg=name)
 
+    # no run.json names the dataset (the trainer ran without the runner): the weights, and a warning
+    assert main(["checkpoint", "export-hf", str(tmp_path / "ck"), str(tmp_path / "bare")]) == 0
+    assert "no tokenizer written" in capsys.readouterr().err
     out = tmp_path / "hf"
-    assert main(["checkpoint", "export-hf", str(tmp_path / "ck"), str(out)]) == 0
+    assert main(["checkpoint", "export-hf", str(tmp_path / "ck"), str(out), "--tokenizer", str(default_dataset)]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert tok.eos_token == "<|endoftext|>" and tok("def f(x):")["input_ids"]
     theirs = transformers.LlamaForCausalLM.from_pretrained(out, local_files_only=True,
                                                            attn_implementation="eager").eval()
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))

@@ -19,9 +19,10 @@ from pentatron.models.hf import hf_to_pentatron_name
 transformers = pytest.importorskip("transformers")
 
 
-def _hf_debug_model(d: Path) -> dict[str, np.ndarray]:
-    """A random HF Llama of the `debug` registry shape, saved to `d`; its weights under our names."""
-    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+def _hf_debug_model(d: Path, layers: int = 4, ffn: int = 256) -> dict[str, np.ndarray]:
+    """A random HF Llama of the `debug` registry shape (or another depth and width), saved to `d`; its
+    weights under our names."""
+    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=ffn, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True)
     torch.manual_seed(3)
@@ -33,11 +34,13 @@ def _hf_debug_model(d: Path) -> dict[str, np.ndarray]:
 def test_an_imported_hugging_face_model_is_where_training_starts(default_dataset, tmp_path, capsys):
     from pentatron.train.trainer import Trainer
 
-    weights = _hf_debug_model(tmp_path / "hf")
+    # not the registry's debug shape: model.hf_config reads it from config.json (no [model] field copied)
+    weights = _hf_debug_model(tmp_path / "hf", layers=3, ffn=192)
     ck = tmp_path / "ck"
     assert main(["checkpoint", "import-hf", str(tmp_path / "hf"), str(ck)]) == 0
     assert "step 0" in capsys.readouterr().out
-    cfg = load_config(None, ["train.steps=2", "train.seq_len=32", "train.micro_batch=2", "train.global_batch=2",
+    cfg = load_config(None, [f"model.hf_config={json.dumps(str(tmp_path / 'hf'))}",
+                             "train.steps=2", "train.seq_len=32", "train.micro_batch=2", "train.global_batch=2",
                              "train.warmup=1", "train.peak_tflops=1.0", "parallel.zero=3", "log.progress=false",
                              "log.tensorboard=false", f"log.dir={json.dumps(str(tmp_path / 'log'))}",
                              f"checkpoint.dir={json.dumps(str(ck))}"])
@@ -122,3 +125,24 @@ def test_import_and_export_into_a_path_they_cannot_write_are_one_line(hf_dir, tm
             err = capsys.readouterr().err
             assert message in err and str(dest) in err and "Traceback" not in err and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_model_hf_config_takes_the_shape_from_config_json(tmp_path):
+    """The shape of a Hugging Face directory without copying its fields into [model]: the directory or its
+    config.json, the [model] fields still override it, and an unreadable one is a config error naming it."""
+    from pentatron.config import ConfigError
+    from pentatron.models.hf import read_hf_config
+
+    hf = tmp_path / "SmolThing"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 1000, "hidden_size": 96, "intermediate_size": 256,
+        "num_hidden_layers": 5, "num_attention_heads": 6, "num_key_value_heads": 2, "max_position_embeddings": 384,
+        "rope_theta": 50000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}))
+    for where in (hf, hf / "config.json"):
+        shape = load_config(None, [f"model.hf_config={json.dumps(str(where))}", "train.seq_len=64"]).model_config()
+        assert shape == read_hf_config(hf) and shape.name == "SmolThing"
+    deeper = load_config(None, [f"model.hf_config={json.dumps(str(hf))}", "model.n_layers=2", "train.seq_len=64"])
+    assert deeper.model_config().n_layers == 2 and deeper.model_config().hidden_size == 96
+    with pytest.raises(ConfigError, match=r"model\.hf_config: .*config\.json: missing"):
+        load_config(None, [f"model.hf_config={json.dumps(str(tmp_path))}"])

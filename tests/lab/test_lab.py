@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from pentatron.cli import main
+from pentatron.distributed.launch import file_init_method
+from pentatron.lab import cli as lab_cli
 from pentatron.lab.collective import collective_mismatch
+from pentatron.lab.common import Verdict
 from pentatron.lab.divergence import lr_spike
 from pentatron.lab.precision import grad_accumulation, loss_scaling, master_weights
 from pentatron.lab.scaling import grad_scale
@@ -49,8 +52,11 @@ def test_loss_scaling(tmp_path: Path):
     assert v.reproduced
 
 
-def test_grad_scale(tmp_path: Path):
-    v = grad_scale(tmp_path, quick=True)
+def test_grad_scale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # A relative directory, as `pentatron lab`'s default --out runs/lab: its FileStore URL must not read
+    # "runs" as a host name (the ranks then waited 300 s for a store no one creates).
+    monkeypatch.chdir(tmp_path)
+    v = grad_scale(Path("runs/lab"), quick=True)
     n = v.numbers
     # Exactly m and dp, on any CPU: m and dp are powers of two, and scaling by one is exact in binary floating
     # point through every product and sum of the backward and the norm (same kernels on both sides).
@@ -72,6 +78,27 @@ def test_collective(tmp_path: Path):
     assert n["check_codes"] == [1, 1] and n["watchdog_codes"] == [HANG_EXIT_CODE, HANG_EXIT_CODE]
     assert n["stuck"] == "1" and "rank 1 has not entered dp all_reduce #8" in v.text
     assert v.reproduced
+
+
+def test_file_init_method_is_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)
+    assert file_init_method("runs/lab/store") == "file://" + str(tmp_path.resolve() / "runs/lab/store")
+
+
+def test_a_failed_experiment_is_one_line_and_the_others_run(monkeypatch: pytest.MonkeyPatch, capsys):
+    def broken(out: Path, quick: bool) -> Verdict:
+        raise RuntimeError("data-parallel ranks failed:\nrank 0 exit code 1")
+
+    def fine(out: Path, quick: bool) -> Verdict:
+        return Verdict("fine", True, "ok")
+
+    monkeypatch.setattr(lab_cli, "experiments", lambda: {"broken": ("broken", broken), "fine": ("fine", fine)})
+    assert main(["lab", "--out", "unused"]) == 1
+    out, err = capsys.readouterr()
+    failed = [line for line in out.splitlines() if "FAILED" in line]
+    assert failed == [failed[0]] and failed[0].startswith("[broken] FAILED: RuntimeError: data-parallel ranks "
+                                                          "failed: rank 0 exit code 1 (")
+    assert "Traceback" not in out + err and "[fine] REPRODUCED" in out and "broken" in err
 
 
 def test_unknown_experiment_is_an_input_error(capsys):

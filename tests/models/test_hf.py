@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -208,6 +209,44 @@ def test_export_dtype_and_atomicity(ckpts: dict, tmp_path: Path, monkeypatch: py
     with pytest.raises(WriteError, match="cannot write the Hugging Face export .*failed': disk full"):
         hf.export_hf(model, tmp_path / "failed")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bf16"]  # neither output nor temp dir
+
+
+def _small_tokenizer(path: Path) -> Path:
+    """A byte-level BPE with an end-of-document token, as `pentatron tokenize` trains one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["def hello(x):\n    return x + 1\n"] * 20, trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok.save(str(path))
+    return path
+
+
+def test_export_writes_a_tokenizer_autotokenizer_loads_and_readable_files(ckpts: dict, tmp_path: Path) -> None:
+    """Issue 52: the export had no tokenizer (AutoTokenizer.from_pretrained failed) and its safetensors
+    file was mode 0600 (safetensors' own), unreadable to the other users of a shared directory."""
+    from pentatron.models.hf_tokenizer import end_of_document
+
+    model = hf.import_hf(ckpts["gqa"][0])
+    tok_file = _small_tokenizer(tmp_path / "tokenizer.json")
+    eos = end_of_document(tok_file, None, ("<|endoftext|>",))
+    out = tmp_path / "out"
+    hf.export_hf(model, out, tokenizer=tok_file, eos=eos)
+    mask = os.umask(0)
+    os.umask(mask)
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == {
+        f.name: 0o666 & ~mask for f in out.iterdir()} and (out / hf.SINGLE_FILE).exists()
+    theirs = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    text = "def hello(x):\n    return x"
+    from tokenizers import Tokenizer
+
+    assert theirs(text)["input_ids"] == Tokenizer.from_file(str(tok_file)).encode(text).ids
+    assert theirs.eos_token == "<|endoftext|>" and theirs.eos_token_id == eos[1] == 0
+    assert json.loads((out / hf.CONFIG_NAME).read_text())["eos_token_id"] == 0
+    assert transformers.LlamaForCausalLM.from_pretrained(out, local_files_only=True) is not None
 
 
 def test_export_rejects_gelu_mlp() -> None:

@@ -168,3 +168,30 @@ def test_an_fp64_run_is_not_priced_by_the_planner():
 
     with pytest.raises(ReportError, match="fp64"):
         planner_layout(load_config(None, ["train.precision='fp64'"], world_size=1), 1, "cpu")
+
+
+def _segment(layout: str, start: int, steps: int, comm: dict, state_bytes: int, **extra) -> list[dict]:
+    """Records of one start of a run: `steps` steps from `start`, the first carrying the memory accounting."""
+    rows = [{"step": start + i, "loss": 5.0, "step_time_s": 0.1, "tokens_per_s": 1000.0, "peak_mem_bytes": 1 << 20,
+             "comm_bytes": comm, "layout": layout, "start_step": start, **extra} for i in range(1, steps + 1)]
+    rows[0]["memory"] = {"params": state_bytes, "grads": 0, "optimizer": 0, "master": 0}
+    return rows
+
+
+def test_a_run_resumed_in_another_layout_is_compared_over_that_layouts_steps():
+    """Issue 52: trained at tp2, resumed at pp2, the report set the pp2 prediction against the model state
+    of step 1 (tp2) and comm means over all steps (+74.9 %, +298 %), and after resuming back at tp2 it
+    compared a bubble of 0 with the pp2 steps' bubble. Now each comparison uses that layout's steps."""
+    from pentatron.observe.report import measured
+
+    tp2 = _segment("dp1 tp2 pp1 cp1 zero0", 0, 4, {"tp": {"all_reduce": 1000}}, 400)
+    pp2 = _segment("dp1 tp1 pp2 cp1 1f1b zero0", 4, 4, {"pp": {"send": 300, "recv": 300}}, 700, bubble=0.25)
+    m = measured(tp2 + pp2)
+    assert m["model_state_bytes"] == 700 and m["comm_sent_per_step"] == {"pp": 300}
+    assert m["bubble"] == 0.25 and m["compared_steps"] == "6..8" and m["steps"] == 8
+    back = _segment("dp1 tp2 pp1 cp1 zero0", 8, 2, {"tp": {"all_reduce": 1000}}, 400)
+    m = measured(tp2 + pp2 + back)
+    assert "bubble" not in m and m["comm_sent_per_step"] == {"tp": 1000} and m["model_state_bytes"] == 400
+    assert m["compared_steps"] == "2..4, 10"
+    old = [{k: v for k, v in r.items() if k not in ("layout", "start_step")} for r in tp2]  # records before the fields
+    assert measured(old)["compared_steps"] == "2..4"

@@ -7,8 +7,17 @@ import json
 import subprocess
 import sys
 
-from pentatron.config import load_config
+import pytest
+
+from pentatron.config import ConfigError, load_config
 from tests.plan.test_cli import run
+
+# what the user fills in (the emitted placeholders): no dataset or checkpoints named
+FILLED = ['data.path=""', 'checkpoint.dir=""']
+
+
+def _load(path, world):
+    return load_config(path, FILLED, world_size=world)
 
 
 def test_the_emitted_config_of_a_recommendation_trains_on_its_ranks(tmp_path, default_dataset, capsys):
@@ -17,13 +26,13 @@ def test_the_emitted_config_of_a_recommendation_trains_on_its_ranks(tmp_path, de
               "--precision", "fp32", "--emit-config", str(path), "--json"])
     assert rc == 0
     best = json.loads(capsys.readouterr().out)["predictions"][0]["layout"]
-    cfg = load_config(path, world_size=2)  # the trainer's own validation, for 2 processes
+    cfg = _load(path, 2)  # the trainer's own validation, for 2 processes
     lay = cfg.layout(2)
     want = (best["dp"], best["tp"], best["pp"], best["zero"], best["micro_batch"])
     assert (lay.dp, lay.tp, lay.pp, lay.zero, lay.micro_batch) == want
     cmd = [sys.executable, "-m", "pentatron.cli", "train", str(path), "--nproc", "2",
            "--set", "train.steps=2", "--set", "train.warmup=1",
-           "--set", f"data.path={json.dumps(str(default_dataset))}",
+           "--set", f"data.path={json.dumps(str(default_dataset))}", "--set", 'checkpoint.dir=""',
            "--set", f"log.dir={json.dumps(str(tmp_path / 'log'))}", "--set", "log.progress=false"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -48,7 +57,7 @@ def test_either_loss_training_runs_is_emitted_with_its_chunk(tmp_path, capsys):
     for extra, chunk in cases:
         path = tmp_path / f"run{chunk}.toml"
         assert run([*base, *extra, "--emit-config", str(path)]) == 0, capsys.readouterr().err
-        assert load_config(path, world_size=2).train.loss_chunk_tokens == chunk
+        assert _load(path, 2).train.loss_chunk_tokens == chunk
     assert run([*base, "--cross-entropy", "fused", "--emit-config", str(tmp_path / "no.toml")]) == 2
     assert "evaluated, not what `pentatron train` runs" in capsys.readouterr().err
 
@@ -63,7 +72,7 @@ def test_an_explicit_split_is_planned_emitted_and_loaded(tmp_path, capsys):
     preds = json.loads(capsys.readouterr().out)["predictions"]
     assert preds and all(p["layout"]["pp_layers"] == [7, 9, 9, 7] and p["layout"]["pp"] in (2, 4) for p in preds)
     assert all(p["layout"]["pp"] * p["layout"]["pp_virtual"] == 4 for p in preds)
-    assert load_config(path, world_size=16).layout(16).pp_layers == (7, 9, 9, 7)
+    assert _load(path, 16).layout(16).pp_layers == (7, 9, 9, 7)
     # an embedding-only and a head-only stage are evaluated but not trainable: nothing is emitted
     empty_ends = tmp_path / "ends.toml"
     rc = run(["plan", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192", "--global-batch", "64", "--tp", "4",
@@ -74,3 +83,30 @@ def test_an_explicit_split_is_planned_emitted_and_loaded(tmp_path, capsys):
     rc = run(["plan", "--model", "llama3-8b", "--gpus", "16", "--pp", "4", "--pp-layers", "7,9,9"])
     err = capsys.readouterr().err
     assert rc == 2 and "parallel.pp_layers=[7, 9, 9] sums to 25, but the model has 32 layers" in err
+
+
+def test_the_emitted_config_is_a_job_to_run(tmp_path, capsys):
+    """Issue 52: the emitted config had no data or checkpoint, the default schedule (100 steps) whatever
+    the plan's tokens, and `--nproc 64` for 64 GPUs. Now: placeholders the loader refuses until set, the
+    schedule from --train-tokens, a checkpoint every predicted hour, and the launch lines per node."""
+    path = tmp_path / "run.toml"
+    rc = run(["plan", "--model", "debug", "--gpus", "16", "--gpus-per-node", "8", "--seq", "64",
+              "--global-batch", "64", "--train-tokens", "1G", "--emit-config", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    text = path.read_text()
+    for where in (out, text):
+        assert "--nproc 8 --nnodes 2 --node-rank $NODE_RANK --rdzv-endpoint $NODE0:29400" in where
+        assert "--nproc 16" not in where and "srun pentatron train" in where and "--nodes=2" in where
+    with pytest.raises(ConfigError) as left_unset:
+        load_config(path, world_size=16)
+    assert [q.split(" is still")[0] for q in left_unset.value.problems] == ["data.path", "checkpoint.dir"]
+    assert "`pentatron tokenize`" in left_unset.value.problems[0]
+    cfg = _load(path, 16)
+    assert cfg.train.steps == -(-10**9 // (64 * 64)) and 1 <= cfg.train.warmup <= min(2000, cfg.train.steps // 100)
+    assert 1e-4 <= cfg.train.lr <= 3e-3 and cfg.checkpoint.every >= 1 and "about 1 h" in text
+    one_node = tmp_path / "one.toml"
+    assert run(["plan", "--model", "debug", "--gpus", "2", "--seq", "64", "--global-batch", "8",
+                "--emit-config", str(one_node)]) == 0
+    assert f"pentatron train {one_node} --nproc 2" in capsys.readouterr().out
+    assert _load(one_node, 2).train.steps == -(-20 * load_config(None).model_config().num_params() // (8 * 64))

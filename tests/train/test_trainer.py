@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pentatron.config import TrainConfig, load_config
+from pentatron.train.lr_schedule import lr_at
 from pentatron.train.trainer import Trainer
 from tests.reference_loop import EXACT_RTOL, FP64, reference_run, relative_error
 
@@ -109,6 +110,22 @@ def test_checkpoint_resume_is_exact(tmp_path, default_dataset):
     resumed, params = _fit_fp64(tmp_path / "r", default_dataset, "train.steps=6", ckpt, *common)
     assert [r["step"] for r in first] == [1, 2, 3] and [r["step"] for r in resumed] == [4, 5, 6]
     _assert_equals_reference(first + resumed, params, straight, "resumed")
+
+
+def test_a_longer_resume_keeps_the_lr_continuous_and_says_so(tmp_path, default_dataset, capsys):
+    """Issue 52: 150 steps resumed with train.steps=300 jumped from 2.00e-04 to 5.21e-04 (the cosine was
+    recomputed over the new length). It says so now, and train.resume_schedule = "continue" gives the
+    resumed step the LR the saved schedule gave it."""
+    ckpt = f"checkpoint.dir={json.dumps(str(tmp_path / 'ckpt'))}"
+    first = _fit(tmp_path, default_dataset, "train.steps=3", ckpt)
+    saved_next = json.loads((tmp_path / "ckpt" / "step_00000003" / "meta.json").read_text())["schedule"]["next_lr"]
+    resumed = _fit(tmp_path, default_dataset, "train.steps=6", ckpt, "train.resume_schedule='continue'")
+    assert len(first) == 3 and saved_next == pytest.approx(lr_at(3, _cfg(tmp_path, "train.steps=3").train))
+    assert resumed[0]["step"] == 4 and resumed[0]["lr"] == pytest.approx(saved_next, rel=1e-12)
+    # each record names its layout and its start (the report compares a layout with its own steps)
+    assert resumed[0]["start_step"] == 3 and resumed[0]["layout"] == first[0]["layout"] != ""
+    assert lr_at(3, _cfg(tmp_path, "train.steps=6").train) > 2 * saved_next  # what the recomputed cosine gave
+    assert "resume at step 3 changes train.steps 3 → 6; train.resume_schedule='continue'" in capsys.readouterr().out
 
 
 def test_crash_during_save_keeps_last_good_checkpoint(tmp_path, default_dataset, monkeypatch):

@@ -282,6 +282,13 @@ def init_distributed(device: torch.device, store: dist.Store | None = None, time
                                 world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
 
 
+def file_init_method(store: str | Path) -> str:
+    """The `file://` init URL of a FileStore at `store`. The path is made absolute first: in
+    `file://runs/lab/store` a relative path's first part would be read as a host name, and every rank
+    would poll a file that no one creates until its timeout."""
+    return Path(store).resolve().as_uri()
+
+
 def shutdown_distributed(finished: bool) -> None:
     """Leave the process group. After a finished run every rank first meets at a barrier, so none
     destroys its connections while a peer still sends on them; after a failure the peers may never

@@ -53,11 +53,17 @@ def run_lab(args: argparse.Namespace) -> int:
         title, fn = table[name]
         print(f"pentatron lab: {title} …", flush=True)
         start = time.perf_counter()
-        verdict = fn(out, args.quick)
+        try:
+            verdict = fn(out, args.quick)
+        except Exception as e:  # noqa: BLE001 - one experiment's failure is one line; the others still run
+            print(f"[{name}] FAILED: {type(e).__name__}: {' '.join(str(e).split())} "
+                  f"({time.perf_counter() - start:.1f} s)\n", flush=True)
+            failed.append(name)
+            continue
         print(verdict.report() + f"\n  ({time.perf_counter() - start:.1f} s)\n", flush=True)
         if not verdict.reproduced:
             failed.append(name)
     if failed:
-        print(f"pentatron lab: not reproduced: {', '.join(failed)}", file=sys.stderr)
+        print(f"pentatron lab: failed or not reproduced: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0

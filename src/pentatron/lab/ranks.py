@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pentatron.distributed.launch import file_init_method
+
 # What the fork server imports before forking ranks (torch.distributed.nn before any process group, as
 # distributed/launch.init_distributed wants).
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.nn"]
@@ -42,7 +44,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, store: str, log: str, 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     code = 0
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+        dist.init_process_group("gloo", init_method=file_init_method(store), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout_s))
         fn(rank, world, *args)
     except BaseException as e:  # noqa: BLE001 - the exit code and the log are the outcome
@@ -93,6 +95,18 @@ class RankGroup:
             else:
                 codes.append(p.exitcode)
         return codes
+
+    def failure(self, codes: list[int | None]) -> str:
+        """One line on ranks that did not exit 0: each one's exit code (or that it was still running)
+        and the last line its log names, and where the logs are."""
+        parts = []
+        for r, code in enumerate(codes):
+            if code == 0:
+                continue
+            lines = [ln for ln in self.log(r).splitlines() if ln.strip()]
+            state = "still running at the deadline" if code is None else f"exit code {code}"
+            parts.append(f"rank {r} {state}" + (f" ({lines[-1].strip()})" if lines else ""))
+        return f"{'; '.join(parts)}; logs in {self.dir}"
 
     def kill(self) -> None:
         for p in self.procs:

@@ -44,7 +44,7 @@ def grad_scale(out: Path, quick: bool) -> Verdict:
     group = RankGroup(_dp_worker, dp, out / "lab_grad_scale_ranks", args=(str(result),))
     codes = group.wait(timeout_s=300)
     if codes != [0] * dp or not result.exists():
-        raise RuntimeError(f"data-parallel ranks failed (exit codes {codes}):\n{group.log(0)[-2000:]}")
+        raise RuntimeError(f"data-parallel ranks failed: {group.failure(codes)}")
     d = json.loads(result.read_text())
     dp_ratio = d["summed"] / d["averaged"]
     plot = save_plot(out / "lab_grad_scale.png", "gradient norm with the bug / without", [

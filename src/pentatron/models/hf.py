@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from pentatron.models import hf_moe
 from pentatron.models.config import ModelConfig, RopeScaling
+from pentatron.models.hf_tokenizer import write_hf_tokenizer
 from pentatron.models.llama import Llama, reset_router_biases
 from pentatron.numbers import number_problem
 from pentatron.user_files import read_json
@@ -456,12 +457,24 @@ def _publish(tmp: Path, out_dir: Path, overwrite: bool) -> None:
     os.rename(tmp, out_dir)
 
 
+def _umask_modes(directory: Path) -> None:
+    """Every file of `directory` with the mode a plain open() gives (0644 under umask 022): safetensors
+    writes its files 0600, which other users of a shared model directory cannot read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in directory.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~mask)
+
+
 def export_hf(model: Llama, out_dir: Path, max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
-              *, overwrite: bool = False) -> None:
+              *, overwrite: bool = False, tokenizer: Path | None = None, eos: tuple[str, int] | None = None) -> None:
     """Write `model` as a transformers `LlamaForCausalLM` directory: config.json and model.safetensors,
     or `model-0000i-of-0000N.safetensors` shards + model.safetensors.index.json when the weights exceed
-    `max_shard_bytes`. `dtype` casts on the way out (default: each parameter's own dtype). Atomic:
-    written to a sibling temporary directory that is renamed into place only when complete."""
+    `max_shard_bytes`. `dtype` casts on the way out (default: each parameter's own dtype). `tokenizer`:
+    a tokenizers tokenizer.json written beside them for AutoTokenizer (`hf_tokenizer.py`), `eos` its
+    end-of-document (token, id), also config.json's eos_token_id. Atomic: written to a sibling
+    temporary directory that is renamed into place only when complete; files get the umask's mode."""
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     out_dir = Path(out_dir)
@@ -486,7 +499,12 @@ def export_hf(model: Llama, out_dir: Path, max_shard_bytes: int = 5 * 2**30, dty
                                   "total_parameters": sum(t.numel() for t in tensors.values())},
                      "weight_map": {n: f for f, names in zip(files, shards, strict=True) for n in names}}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        if eos is not None:
+            hf_config["eos_token_id"] = eos[1]
         (tmp / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
+        if tokenizer is not None:
+            write_hf_tokenizer(tmp, tokenizer, eos[0] if eos else None, model.cfg.max_seq_len)
+        _umask_modes(tmp)
         _publish(tmp, out_dir, overwrite)
 
 

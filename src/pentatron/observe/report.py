@@ -43,6 +43,25 @@ def write_run_info(run_dir: Path, cfg_dict: dict[str, Any], world_size: int, dev
                                                 "device_name": device_name}, indent=1))
 
 
+def layout_key(cfg: Any, world_size: int) -> str:
+    """What a step record names its layout by (`layout`): the degrees and everything else the prediction
+    depends on. A run resumed in another layout appends records under another key, and the report
+    compares the prediction (for the layout of run.json, the last start's) with that layout's steps only."""
+    tr = cfg.train
+    return (f"{cfg.layout(world_size).short()} mb{tr.micro_batch} gb{tr.global_batch} seq{tr.seq_len} "
+            f"rc:{tr.recompute} {tr.precision} compile:{tr.compile}")
+
+
+def compared_records(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the records of the layout the last step ran in, those of them measured: each start's first step
+    — allocations, first collectives — left out, unless nothing else is left). Records older than the
+    `layout` and `start_step` fields are one layout, started at step 0."""
+    key = records[-1].get("layout")
+    same = [r for r in records if r.get("layout") == key]
+    steady = [r for r in same if r["step"] != r.get("start_step", 0) + 1] or same
+    return same, steady
+
+
 def load_records(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
@@ -59,18 +78,22 @@ def load_records(run_dir: Path) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------- measured
 def measured(records: list[dict[str, Any]]) -> dict[str, Any]:
-    steady = records[1:] or records  # step 1 includes warm-up (allocations, first collectives)
+    """Medians and means over the steps run in the last step's layout (`compared_records`): a run resumed
+    in another layout is compared with the prediction for the layout it ends in, not with steps of another."""
+    same, steady = compared_records(records)
     comm: dict[str, float] = defaultdict(float)
     for r in steady:
         for dim, ops in r.get("comm_bytes", {}).items():
             comm[dim] += sum(ops.values()) / len(steady)
     # what the planner predicts: sends, under its dim names (the PNG draws the same series)
-    sent = {d: sum(ys[len(records) - len(steady):]) / len(steady) for d, ys in comm_sent_series(records).items()}
-    mem = records[0].get("memory", {})
+    sent = {d: sum(ys) / len(steady) for d, ys in comm_sent_series(steady).items()}
+    # the memory accounting is on each start's first record: the last one of this layout
+    mem = next((r["memory"] for r in reversed(same) if "memory" in r), {})
     out = {"steps": records[-1]["step"], "final_loss": records[-1]["loss"],
+           "compared_steps": _step_ranges([r["step"] for r in steady]), "compared_layout": same[-1].get("layout"),
            "step_time_s": statistics.median(r["step_time_s"] for r in steady),
            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
-           "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
+           "peak_mem_bytes": max(r["peak_mem_bytes"] for r in same),
            "model_state_bytes": sum(mem.get(k, 0) for k in ("params", "grads", "optimizer", "master")),
            "comm_bytes_per_step": dict(comm), "comm_sent_per_step": dict(sent),
            "comm_bytes_last_step": records[-1].get("comm_bytes", {})}
@@ -78,6 +101,17 @@ def measured(records: list[dict[str, Any]]) -> dict[str, Any]:
     if bubbles:
         out["bubble"] = statistics.median(bubbles)
     return out
+
+
+def _step_ranges(steps: list[int]) -> str:
+    """[2, 3, 4, 152, 153] → "2..4, 152..153"."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ", ".join(f"{a}..{b}" if a != b else f"{a}" for a, b in runs)
 
 
 def profiled_tensor_peak(run_dir: Path) -> dict[str, int]:
@@ -314,7 +348,8 @@ def write_report(run_dir: Path, hardware_profile: Path | None = None) -> Path:
         lines.append(f"The planner could not evaluate this run: {pred['error']}.")
     else:
         lines.append(f"Planner: `plan.search.predict` for layout `{pred['layout']}` on {pred['hardware']}. "
-                     "Measured: median over steps 2..N (step 1 warms up); comm bytes are the ledger's "
+                     f"Measured: medians over steps {meas['compared_steps']}, those run in this layout (the "
+                     "first step of each start warms up and is left out); comm bytes are the ledger's "
                      "(rank 0, what it sends per step).")
         lines += ["", "| quantity | predicted | measured | error |", "|---|---|---|---|"]
         lines += [f"| {q} | {p} | {m} | {e} |" for q, p, m, e in comparison_rows(meas, pred)]

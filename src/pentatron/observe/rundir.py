@@ -53,11 +53,12 @@ def read_run_info(checkpoint_dir: Path) -> dict[str, Any] | None:
     return info if isinstance(info, dict) else None
 
 
-def record_run(cfg: Config, run_dir: RunDir, dataset_dir: Path | None) -> None:
-    """Rank 0, before training: the resolved config in the run directory, `<log.dir>/latest`, and the
-    checkpoint directory's pointer back to this run (for resume and `pentatron generate`)."""
+def record_run(cfg: Config, run_dir: RunDir, dataset_dir: Path | None, world_size: int) -> None:
+    """Rank 0, before training: the resolved config in the run directory (`Config.resolved_dict`: no
+    model field left null), `<log.dir>/latest`, and the checkpoint directory's pointer back to this run
+    (for resume and `pentatron generate`)."""
     path = run_dir.path
-    (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    (path / "config.json").write_text(json.dumps(cfg.resolved_dict(world_size), indent=1))
     _link_latest(path)
     if cfg.checkpoint.dir:
         ck = Path(cfg.checkpoint.dir)

@@ -120,6 +120,10 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--hardware", help="user-defined hardware TOML (overrides --gpu)")
     w.add_argument("--hardware-profile", help="profile written by `pentatron bench` (overrides --gpu)")
     w.add_argument("--gpus-per-node", type=int, help="override the node size")
+    w.add_argument("--headroom", type=float, default=0.0, metavar="FRACTION",
+                   help="leave this share of each GPU's memory free (allocator spikes, NCCL buffers, other "
+                        "processes): layouts are recommended, and judged to fit, against (1 - FRACTION) of it; "
+                        "default 0")
     r = p.add_argument_group("recipe (whose implementation runs the layout; see docs/planner.md)")
     r.add_argument("--recipe", choices=tuple(RECIPE_NAMES), default="pentatron",
                    help="pentatron (default: what `pentatron train` runs) or another framework's recipe, "
@@ -262,6 +266,12 @@ def _hardware(args: argparse.Namespace) -> Any:
         if args.gpus_per_node < 1:
             raise InputError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
         gpu = with_overrides(gpu, gpus_per_node=args.gpus_per_node)
+    if args.headroom:
+        if not 0 < args.headroom < 1:
+            raise InputError(f"--headroom must be within [0, 1) (a share of the memory), got {args.headroom}")
+        # the budget is the GPU's memory as the planner sees it: every fit, recommendation and print follows
+        gpu = with_overrides(gpu, hbm_bytes=int(gpu.hbm_bytes * (1 - args.headroom)),
+                             name=f"{gpu.name} less {args.headroom:.0%} headroom")
     return gpu
 
 
@@ -382,19 +392,28 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
         else:
             msg = (f"no layout of {args.gpus} x {gpu.name} fits ({res.valid} valid layouts checked); "
                    "add GPUs, shorten --seq, or use more recompute/ZeRO")
+        grown = _smallest_fitting(w, gpu, args.gpus, fixed, kernels)
         if args.json:
-            print(json.dumps(report.plan_json(w, gpu, args.gpus, preds, result=res, problems=[msg],
-                                              suggestions=suggestions, verify=verify_rows,
-                                              train_tokens=train_tokens, price=args.price), indent=2))
+            out = report.plan_json(w, gpu, args.gpus, preds, result=res, problems=[msg], suggestions=suggestions,
+                                   verify=verify_rows, train_tokens=train_tokens, price=args.price)
+            if grown is not None:
+                out["smallest_fitting"] = {"gpus": grown.layout.world,
+                                           "prediction": report.prediction_json(w, grown, 1)}
+            print(json.dumps(out, indent=2))
         else:
             print(report.header(w, gpu, args.gpus))
             if preds:
                 print(report.detail(w, preds[0], gpu, train_tokens=train_tokens, price=args.price))
             print(f"cannot run: {msg}")
+            if grown is not None:
+                lay = grown.layout
+                print(f"fits from {lay.world} x {gpu.name} (the smallest count that does among powers of two and "
+                      f"whole nodes): best layout there {lay.short()}, {grown.rate.tokens_per_s_per_gpu:,.0f} "
+                      f"tokens/s/GPU, {grown.memory.total / 2**30:.1f} GiB per GPU; plan it with --gpus {lay.world}")
         return 1
     if args.chart:
         report.memory_chart(preds, gpu, args.chart, title=f"{w.cfg.name} on {args.gpus} x {gpu.name}")
-    emitted = _emit(args, w, gpu, preds[0], kernels) if args.emit_config else None
+    emitted = _emit(args, w, gpu, preds[0], kernels, train_tokens) if args.emit_config else None
     if args.json:
         print(json.dumps(report.plan_json(w, gpu, args.gpus, preds, result=res, verify=verify_rows,
                                           train_tokens=train_tokens, price=args.price), indent=2))
@@ -414,9 +433,28 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
     if args.chart:
         print(f"memory chart: {args.chart}")
     if emitted:
-        print(f"training config written to {emitted} (run: pentatron train {emitted} --nproc "
-              f"{preds[0].layout.world})")
+        from pentatron.plan.emit import launch_lines
+
+        print(f"training config written to {emitted}: set its data.path and checkpoint.dir, then run")
+        print("\n".join(f"  {line}" for line in launch_lines(emitted, preds[0].layout.world, gpu.gpus_per_node)))
     return 0
+
+
+def _smallest_fitting(w: Any, gpu: Any, gpus: int, fixed: dict[str, Any], kernels: str) -> Any:
+    """Nothing fits on `gpus`: the best prediction on the smallest count that fits (`plan/grow.py`), or
+    None (none up to MAX_GPUS, or --dp pins the count)."""
+    from pentatron.plan.grow import smallest_fitting
+    from pentatron.plan.search import search
+
+    if fixed.get("dp") is not None:
+        return None
+    print(f"pentatron plan: nothing fits on {gpus} x {gpu.name}; looking for the smallest count that does …",
+          file=sys.stderr, flush=True)
+    more = smallest_fitting(w, gpu, gpus, fixed, MAX_GPUS, kernels)
+    if more is None:
+        return None
+    ranked = search(w, gpu, more, fixed=fixed, top=1, kernels=kernels).ranked
+    return ranked[0] if ranked else None
 
 
 def _batch(args: argparse.Namespace, w: Any, gpu: Any) -> int:
@@ -449,14 +487,18 @@ def _batch(args: argparse.Namespace, w: Any, gpu: Any) -> int:
     return 0
 
 
-def _emit(args: argparse.Namespace, w: Any, gpu: Any, pred: Any, kernels: str) -> str:
-    from pentatron.plan.emit import EmitError, write_training_config
+def _emit(args: argparse.Namespace, w: Any, gpu: Any, pred: Any, kernels: str, train_tokens: float | None) -> str:
+    from pentatron.plan.emit import EmitError, launch_lines, write_training_config
 
-    header = (f"written by `pentatron plan` for {w.cfg.name} on {pred.layout.world} x {gpu.name}: "
-              f"{pred.layout.short()}\npredicted {pred.rate.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
-              f"{pred.memory.total / 2**30:.1f} GiB per GPU")
+    lay = pred.layout
+    header = "\n".join([
+        f"written by `pentatron plan` for {w.cfg.name} on {lay.world} x {gpu.name}: {lay.short()}",
+        f"predicted {pred.rate.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {pred.memory.total / 2**30:.1f} GiB per GPU",
+        "set data.path and checkpoint.dir (a run refuses to start until they are), then:",
+        *launch_lines(args.emit_config, lay.world, gpu.gpus_per_node)])
     try:
-        return str(write_training_config(args.emit_config, w, pred.layout, header, kernels=kernels))
+        return str(write_training_config(args.emit_config, w, lay, header, kernels=kernels, train_tokens=train_tokens,
+                                         step_s=pred.step.step))
     except (EmitError, OSError) as e:
         raise InputError(f"--emit-config: {e}") from None
 

@@ -40,6 +40,8 @@ def convert_checkpoint(cfg: Config, src: Path) -> Path:
             store.run_id, store.parent = meta["run_id"], meta.get("parent")
         tensors, new_meta, pieces = state.checkpoint(meta["step"], meta.get("loader"))
         new_meta["converted_from"] = str(source.resolve())
+        if "schedule" in meta:  # the run's LR schedule goes on as it was (train/lr_schedule.py)
+            new_meta["schedule"] = meta["schedule"]
         path = store.save(meta["step"], tensors, new_meta, pieces)
         if rank == 0:
             print(f"pentatron: converted {source} (layout {meta.get('layout')}) to {path} (layout "

@@ -17,12 +17,13 @@ from pentatron.config import Config
 from pentatron.data.loader import TokenDataset, TokenLoader
 from pentatron.data.tokenize import ensure_default_dataset
 from pentatron.observe.metrics import COMM_LEGEND, MetricsLogger
+from pentatron.observe.report import layout_key
 from pentatron.observe.run_observer import RunObserver
 from pentatron.observe.system import bounded_mfu, peak_flops
 from pentatron.parallel.pipeline.trace import write_rank_trace
 from pentatron.parallel.step_runner import host_scalars
 from pentatron.plan.flops import model_flops_per_token
-from pentatron.train.lr_schedule import lr_at
+from pentatron.train.lr_schedule import LrSchedule, resumed_schedule
 from pentatron.train.model_state import ModelState
 from pentatron.train.nonfinite import NonFiniteGuard, NonFiniteStop
 from pentatron.train.sigterm import SigtermWatch, Terminated
@@ -67,6 +68,7 @@ class Trainer:
                                       global_batch=tr.global_batch, dp_rank=self.dp_rank, dp_size=self.dp,
                                       seed=tr.seed)
             self.step = 0
+            self.lr_schedule = LrSchedule(tr)  # a resume may re-shape it (`_resume`)
             self.guard = NonFiniteGuard(tr.nonfinite)
             self.store = CheckpointStore(Path(cfg.checkpoint.dir), keep=cfg.checkpoint.keep,
                                          barrier=self.comm.barrier) if cfg.checkpoint.dir else None
@@ -96,7 +98,7 @@ class Trainer:
         loss = self.runner.forward_backward(self.loader.next_step(), on_micro_batch=self.observer.micro)
         self.observer.after_backward()
         norm = self.runner.clip_grads(self.cfg.train.clip)
-        lr = lr_at(self.step, self.cfg.train)
+        lr = self.lr_schedule.at(self.step)
         # Loss and norm are the same on every rank: every rank takes the same decision. One host copy.
         loss_value, norm_value = host_scalars(loss, norm)
         problem = self.guard.check(self.step + 1, loss_value, norm_value)
@@ -155,6 +157,9 @@ class Trainer:
         records = []
         last_table = None
         first_step = self.step
+        # every record names its layout and where this start began: the report compares a prediction
+        # only with the steps run in the layout it predicts (a run may resume in another)
+        segment = {"layout": layout_key(cfg, self.world_size), "start_step": self.step}
         try:
             while self.step < cfg.train.steps:
                 start = time.perf_counter()
@@ -171,6 +176,7 @@ class Trainer:
                     mfu=mfu,
                     step_time_s=elapsed,
                     **self.observer.peak_memory(),  # since training began (set-up excluded)
+                    **segment,
                 )
                 if not records:  # the first record of a run carries the per-rank memory accounting
                     record["memory"] = self.runner.memory().to_dict()
@@ -221,6 +227,7 @@ class Trainer:
         assert self.store is not None
         start = time.perf_counter()
         state, meta, pieces = self.state.checkpoint(self.step, self.loader.state_dict())
+        meta["schedule"] = self.lr_schedule.record(self.step)  # what a resume compares its settings with
         if self.async_saver is not None:
             path = None
             self.async_saver.save(self.step, state, meta, pieces)
@@ -248,5 +255,8 @@ class Trainer:
         self.step = meta["step"]
         if meta.get("loader") is not None:  # None: imported weights (`checkpoint import-hf`), no data read yet
             self.loader.load_state_dict(meta["loader"])
+        self.lr_schedule, change = resumed_schedule(self.cfg.train, meta.get("schedule"), self.step)
         if self.rank == 0:
             print(f"pentatron: resumed from {latest} at step {self.step}", flush=True)
+            if change:
+                print(f"pentatron: {change}", flush=True)
