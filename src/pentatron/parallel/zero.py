@@ -243,7 +243,10 @@ class _Unit:
         self.bucket = bucket
         self.modules = modules
         self.chunk = chunk  # the pipeline chunk (0 without pp) whose actions use this unit
-        self.full: torch.Tensor | None = None  # gathered parameters (bucket-sized), while held
+        # The gathered parameters (bucket-sized), allocated at the first gather and kept: releasing the unit
+        # resizes its storage to 0 bytes and the next gather back (see FullyShardedDataParallel._free).
+        self.full: torch.Tensor | None = None
+        self.held = False  # `full` has its bytes (gathered, or its all-gather in flight)
         self.work: Work | None = None  # the all-gather filling `full`, while in flight
         self.forward_pending: set[int] = set()  # modules of the current forward not yet run
         self.backwards_due = 0  # forwards (with grad) whose backward has not completed yet
@@ -355,10 +358,14 @@ class FullyShardedDataParallel(_ShardedBase):
     # ------------------------------------------------------------------ gather / free
     def _gather(self, u: _Unit) -> None:
         """Issue u's all-gather (asynchronously) unless u is already held or in flight."""
-        if u.full is not None:
+        if u.held:
             return
+        if u.full is None:
+            u.full = torch.empty(u.bucket.padded, dtype=self.param_shard.dtype, device=self.param_shard.device)
+        else:  # the same storage, so the views autograd saved of the last gather see this one's data
+            u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
+        u.held = True
         lo, hi = self.layout.local_range(u.bucket)
-        u.full = torch.empty(u.bucket.padded, dtype=self.param_shard.dtype, device=self.param_shard.device)
         u.work = self.comm.all_gather(u.full, self.param_shard[lo:hi], self.reduce_dim, async_op=True)
         self._note_transient()
 
@@ -374,20 +381,30 @@ class FullyShardedDataParallel(_ShardedBase):
                 p.data = u.full[off: off + self.layout.shapes[p].numel()].view(self.layout.shapes[p])
 
     def _free(self, u: _Unit) -> None:
+        """Drop u's gathered parameters. Dropping the tensor would not free them: autograd keeps what eager
+        ops saved for backward (`F.linear` saves `weight.t()`, `_grouped_mm` `weight.transpose(-2, -1)`),
+        views of this storage, alive until the backward. So the storage itself is resized to 0 bytes (as
+        FSDP does); u's backward gathers into it again before the saved views are read."""
         if u.work is not None:
             u.work.wait()
             u.work = None
         for p in u.bucket.params:
             p.data = self._empty
-        u.full = None
+        if u.held:
+            u.full.untyped_storage().resize_(0)
+            u.held = False
 
     def _release(self, u: _Unit) -> None:
         """Free u after a use, unless the step keeps it gathered."""
         if not self.keep_gathered:
             self._free(u)
 
+    def gathered_bytes(self) -> int:
+        """Bytes of gathered parameters this engine holds now."""
+        return sum(u.full.untyped_storage().nbytes() for u in self.units if u.full is not None)
+
     def _note_transient(self) -> None:
-        held = sum(_nbytes(u.full) for u in self.units)
+        held = self.gathered_bytes()
         grads = self.grads.transient_bytes + sum(_nbytes(d) for _, d, _ in self._in_flight)
         self.gathered_peak = max(self.gathered_peak, held)
         self._transient_peak = max(self._transient_peak, held + grads)
@@ -439,7 +456,7 @@ class FullyShardedDataParallel(_ShardedBase):
     def after_backward(self, chunk: int) -> None:
         # The B half of a split backward uses the weights without producing their gradients: free them.
         for u in self.units:
-            if u.chunk == chunk and u.full is not None:
+            if u.chunk == chunk and u.held:
                 self._release(u)
 
     def _grad_ready(self, p: nn.Parameter) -> None:
