@@ -3,12 +3,12 @@ no memory until its backward gathers them again, also where autograd saved views
 (`F.linear` saves `weight.t()`, `_grouped_mm` `weight.transpose(-2, -1)`: eager linears).
 
 Every buffer an all-gather fills is tracked by a weak reference to its storage; whenever backward asks for a
-unit (before that unit is gathered), the bytes of those storages still alive are summed. They must equal
+unit (before its gather is waited on), the bytes of those storages still alive are summed. They must equal
 what the engine itself holds gathered (nothing orphaned, kept alive only by autograd), and at the first
-backward, right after the forward, at most the prefetch window (the unit in use and the one prefetched).
-One small 2-rank launch, one step per case: dp2 uncompiled and compiled, and pp2 with ZeRO-3 (one dp rank:
-the same gather and free per micro-batch, over the pipeline's interleaved forwards and backwards).
-"""
+backward, right after the forward, stay within the prefetch window: nothing is held then but the unit
+backward needs first, possibly prefetched (at most the largest unit).
+One small 2-rank launch, one step per case: dp2 uncompiled and compiled, pp2 and tp2 (sp) with ZeRO-3 over
+one dp rank (the same gather and free per unit; pp interleaves forwards and backwards), and dp2 MoE."""
 
 from __future__ import annotations
 

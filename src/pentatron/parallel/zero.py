@@ -14,7 +14,10 @@ shard is a set of global offsets). Each rank's optimizer steps only its `Piece`s
   own, a tied head sharing the embedding's unit). Each rank keeps only its parameter shard; a unit is
   all-gathered before its forward and again before its backward and freed after each, the next unit's
   all-gather is prefetched (issued asynchronously) while the current one computes, and gradients are
-  reduce-scattered per unit as soon as the unit's backward is done.
+  reduce-scattered per unit as soon as the unit's backward is done. A unit gathers into a flat buffer of
+  its own, kept from its first gather on; freeing resizes the buffer's storage to 0 bytes and the next
+  gather back (FSDP's scheme), because the views of the weights that eager ops save for backward
+  (`weight.t()` of `F.linear`) would otherwise keep the gathered weights alive until the backward.
 Communication per step for Ψ parameters and N ranks (ring): ZeRO-1/2 (N−1)/N·Ψ reduce-scatter +
 (N−1)/N·Ψ all-gather ≈ 2Ψ; ZeRO-3 adds the second all-gather ≈ 3Ψ (times the micro-steps for the
 parts that run per micro-step).
