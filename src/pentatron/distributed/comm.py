@@ -216,8 +216,6 @@ class Comm:
         self.strict = os.environ.get(STRICT_ENV, "") == "1" if strict is None else strict
 
     def _check_device(self, op: str, dim: str, *tensors: torch.Tensor) -> None:
-        if not self.strict:
-            return
         want = self.ctx.device
         for t in tensors:
             got = t.device
@@ -225,9 +223,11 @@ class Comm:
                 raise CommDeviceError(f"{op} over {dim!r}: a {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} "
                                       f"tensor on {got}, but the run's device is {want} (build it there)")
 
-    def _first_use(self, group: dist.ProcessGroup, op: str, dim: str) -> None:
-        """Strict mode: a group's first op is joined by all its ranks (NCCL's communicator init)."""
+    def _strict_checks(self, op: str, dim: str, group: dist.ProcessGroup, *tensors: torch.Tensor) -> None:
+        """Strict mode, before an op is issued: its tensors on the run's device, and a group's first op
+        joined by all its ranks (NCCL's communicator init)."""
         if self.strict:
+            self._check_device(op, dim, *tensors)
             nccl_contract.first_use(group, op, dim)
 
     def _group(self, dim: str) -> tuple[dist.ProcessGroup | None, int]:
@@ -254,8 +254,7 @@ class Comm:
         group, n = self._group(dim)
         if group is None or n == 1:
             return self._done(None, async_op)
-        self._check_device("all_reduce", dim, tensor)
-        self._first_use(group, "all_reduce", dim)
+        self._strict_checks("all_reduce", dim, group, tensor)
         rec = self._enter("all_reduce", dim, tensor, _nbytes(tensor), n)
         return self._done(dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op), async_op, rec)
 
@@ -270,8 +269,7 @@ class Comm:
         if group is None or n == 1:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
-        self._check_device("reduce_scatter", dim, output, input)
-        self._first_use(group, "reduce_scatter", dim)
+        self._strict_checks("reduce_scatter", dim, group, output, input)
         rec = self._enter("reduce_scatter", dim, input, _nbytes(input), n)
         work = _reduce_scatter(output, input, op=_REDUCE_OPS[op], group=group, async_op=async_op)
         return self._done(work, async_op, rec)
@@ -286,8 +284,7 @@ class Comm:
         if group is None or n == 1:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
-        self._check_device("all_gather", dim, output, input)
-        self._first_use(group, "all_gather", dim)
+        self._strict_checks("all_gather", dim, group, output, input)
         rec = self._enter("all_gather", dim, input, _nbytes(output), n)
         return self._done(_all_gather(output, input, group=group, async_op=async_op), async_op, rec)
 
@@ -300,8 +297,7 @@ class Comm:
         if group is None or n == 1:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
-        self._check_device("all_to_all", dim, output, input)
-        self._first_use(group, "all_to_all", dim)
+        self._strict_checks("all_to_all", dim, group, output, input)
         row = _nbytes(input) // max(1, input.shape[0])
         own = (input_splits[self.ctx.local_rank(dim)] if input_splits is not None
                else input.shape[0] // n) * row
@@ -314,8 +310,7 @@ class Comm:
         group, n = self._group(dim)
         if group is None or n == 1:
             return self._done(None, async_op)
-        self._check_device("broadcast", dim, tensor)
-        self._first_use(group, "broadcast", dim)
+        self._strict_checks("broadcast", dim, group, tensor)
         rec = self._enter("broadcast", dim, tensor, _nbytes(tensor), n)
         work = dist.broadcast(tensor, src=self._global(dim, src), group=group, async_op=async_op)
         return self._done(work, async_op, rec)
@@ -323,7 +318,7 @@ class Comm:
     def barrier(self, dim: str = "world") -> None:
         group, n = self._group(dim)
         if group is not None and n > 1:
-            self._first_use(group, "barrier", dim)
+            self._strict_checks("barrier", dim, group)
             rec = None if self.recorder is None else self.recorder.enter(self, "barrier", dim, None)
             dist.barrier(group=group)
             if rec is not None:
@@ -354,8 +349,7 @@ class Comm:
         if group is None or n == 1:
             raise ValueError(f"point-to-point along {dim!r} needs a group of more than one rank")
         for o in ops:
-            self._check_device(o.op, dim, o.tensor)
-        self._first_use(group, ops[0].op, dim)
+            self._strict_checks(o.op, dim, group, o.tensor)  # the group's first use is checked once
         p2p = []
         for o in ops:
             self.ledger.record(o.op, dim, o.tensor.dtype, _nbytes(o.tensor), n)
@@ -364,7 +358,7 @@ class Comm:
         recorder = self.recorder
         recs = None if recorder is None else recorder.enter_batch(
             self, dim, [(o.op, o.tensor, self._global(dim, o.peer)) for o in ops])
-        work = nccl_contract.one_work(nccl_contract.batch_isend_irecv(p2p, self.strict))
+        work = nccl_contract.one_work(dist.batch_isend_irecv(p2p))  # NCCL's shape on every backend
         # the batch's records are issued, waited and done together, as its one work is on NCCL
         return Work(work, None if recorder is None or recs is None else recorder.issued(recs, True))
 

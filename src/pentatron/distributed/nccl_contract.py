@@ -5,8 +5,9 @@
 comm layer meets, on gloo, the API shapes and rules it will meet on NCCL, and cannot tell the two apart:
 
 a. One work per batch. `dist.batch_isend_irecv` runs an NCCL batch under `_coalescing_manager` and
-   returns one work for the whole batch (`cm.works`); gloo returns one per op. `batch_isend_irecv` here
-   returns NCCL's shape: one `BatchWork` that waits on every gloo work of the batch.
+   returns one work for the whole batch (`cm.works`); gloo returns one per op. `one_work` gives NCCL's
+   shape on every backend (a `BatchWork` that waits on every gloo work of the batch), so `Comm.batch_p2p`
+   hands its callers one handle per batch in every mode, not only in strict mode.
 b. Issue order. Per communicator, NCCL completes batches and collectives in issue order, and a send
    completes only once the peer's receive runs. `Comm.batch_p2p` waits for its batch before returning
    in strict mode, so nothing is issued behind an unfinished batch, and gloo's sends (done only once
@@ -63,14 +64,6 @@ class BatchWork:
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self.works)
-
-
-def batch_isend_irecv(p2p: list[dist.P2POp], emulate: bool) -> list[Any]:
-    """`dist.batch_isend_irecv`; with `emulate`, in NCCL's shape: one work for the batch (rule a)."""
-    works = dist.batch_isend_irecv(p2p)
-    if emulate and len(works) != 1:
-        return [BatchWork(works)]
-    return works
 
 
 def one_work(works: Sequence[Any]) -> Any | None:
