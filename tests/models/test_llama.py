@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from pentatron.models.config import ModelConfig, RopeScaling
 from pentatron.models.llama import Llama, build_model, rope_inv_freq
 from pentatron.models.registry import get_model_config, model_names
+from tests.reference_loop import EXACT_RTOL
 
 
 @pytest.mark.parametrize("name", model_names())
@@ -61,9 +62,11 @@ def _reference_forward(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
     """An independent, explicit implementation (repeated KV heads, masked softmax) to check the model."""
     cfg = model.cfg
     s = tokens.shape[1]
-    inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).float()
-    ang = torch.outer(torch.arange(s).float(), inv)
-    cos, sin = ang.cos(), ang.sin()
+    # angles in float64, tables rounded to fp32 as the model documents its rotary buffers, then the model's dtype
+    dtype = model.embed.weight.dtype
+    inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # float64
+    ang = torch.outer(torch.arange(s, dtype=torch.float64), inv)
+    cos, sin = ang.cos().float().to(dtype), ang.sin().float().to(dtype)
 
     def rope(t):  # t: [b, s, h, d]; rotate-half pairs (i, i + d/2)
         t1, t2 = t[..., : t.shape[-1] // 2], t[..., t.shape[-1] // 2:]
@@ -96,10 +99,10 @@ def _reference_forward(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
 def test_model_matches_explicit_reference(scaling):
     cfg = ModelConfig(vocab_size=97, hidden_size=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden_size=96,
                       max_seq_len=64, rope_theta=500.0, rope_scaling=scaling)
-    model = build_model(cfg, seed=3)
+    model = build_model(cfg, seed=3, dtype=torch.float64)  # float64: the comparison cannot depend on the CPU
     tokens = torch.randint(0, 97, (2, 40))
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens), _reference_forward(model, tokens), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(tokens), _reference_forward(model, tokens), rtol=EXACT_RTOL, atol=0)
 
 
 def test_llama31_rope_scaling_keeps_high_and_slows_low_frequencies():
