@@ -156,7 +156,6 @@ class Trainer:
                   f"{self.memory.describe()}", flush=True)
         records = []
         last_table = None
-        first_step = self.step
         # every record names its layout and where this start began: the report compares a prediction
         # only with the steps run in the layout it predicts (a run may resume in another)
         segment = {"layout": layout_key(cfg, self.world_size), "start_step": self.step}
@@ -195,7 +194,7 @@ class Trainer:
                 if "nonfinite" in record and self.guard.action == "stop":  # after logging: the record shows it
                     raise NonFiniteStop(self.guard.stop_message(record["nonfinite"]))
                 if self.step == cfg.train.steps and self.guard.never_updated:  # 'skip' skipped every step
-                    raise NonFiniteStop(self.guard.never_updated_message(self.step - first_step))
+                    raise NonFiniteStop(self.guard.never_updated_message(self.step - segment["start_step"]))
                 stop = self.sigterm is not None and self.sigterm.agreed(self.comm, self.world_size, self.device)
                 # a periodic save waits for the job's first update: until then the model is what it started from
                 if self.store is not None and ((self._checkpoint_due() and not self.guard.never_updated) or stop):
