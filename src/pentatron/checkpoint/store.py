@@ -35,12 +35,17 @@ def _rank() -> int:
 
 @contextmanager
 def _dcp_mode() -> Iterator[bool]:
-    """Yields DCP's `no_dist` flag; a 1-process save/load is intended, so DCP's notice about it is muted."""
+    """Yields DCP's `no_dist` flag. A 1-process save/load is intended (we pass no_dist), yet DCP says "assuming
+    the intent is to save in a single process" on every one. It is muted by a filter for the process, not a
+    `catch_warnings` block around the call: under `checkpoint.async_save` DCP saves (and warns) later, from a
+    writer thread of its own, which a block on the calling thread does not cover — that was the UserWarning
+    of every 1-process async run. The filter is (re)inserted here, each time, since pytest and other callers
+    reset the filters; it matches only that notice, from DCP only."""
     single = not dist.is_initialized()
-    with warnings.catch_warnings():
-        if single:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield single
+    if single:
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning, module=r"torch\.distributed\.checkpoint")
+    yield single
 
 
 class CheckpointStore:
