@@ -359,6 +359,7 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
     from pentatron.plan import report
     from pentatron.plan.layout import problems
     from pentatron.plan.search import CP_MARGIN, predict, search, suggest_fixes
+    from pentatron.plan.unmeasured import unmeasured
 
     evaluate = any(k in fixed for k in KNOB_FLAGS)
     for name in ("dp", "tp", "pp", "cp", "ep", "pp_virtual", "micro_batch", "cp_ulysses"):
@@ -398,7 +399,7 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
                                    verify=verify_rows, train_tokens=train_tokens, price=args.price)
             if grown is not None:
                 out["smallest_fitting"] = {"gpus": grown.layout.world,
-                                           "prediction": report.prediction_json(w, grown, 1)}
+                                           "prediction": report.prediction_json(w, grown, 1, gpu=gpu)}
             print(json.dumps(out, indent=2))
         else:
             print(report.header(w, gpu, args.gpus))
@@ -423,6 +424,8 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
           f"({res.seconds:.2f} s)")
     print(report.ranked_table(w, preds))
     print(report.table_notes(CP_MARGIN))
+    if (u := unmeasured(preds[0], gpu)) is not None:
+        print(u.table_note())
     print("\nwhy the best layout:")
     for r in res.reasons:
         print(f"  {r}")
@@ -472,7 +475,7 @@ def _batch(args: argparse.Namespace, w: Any, gpu: Any) -> int:
     if args.json:
         print(json.dumps({"schema": report.SCHEMA, "batch": [
             {"layout": r.layout.to_dict(), "problems": list(r.problems),
-             "prediction": report.prediction_json(w, r.prediction, i) if r.prediction else None}
+             "prediction": report.prediction_json(w, r.prediction, i, gpu=gpu) if r.prediction else None}
             for i, r in enumerate(rows, 1)]}, indent=2))
         return 0
     print(report.header(w, gpu, args.gpus))
