@@ -1,0 +1,101 @@
+"""Validation ([eval], parallel/evaluate.py) in parallel layouts on real gloo ranks, through the `Trainer`:
+
+- it changes nothing in training: the fp32 training losses and gradient norms of a run evaluating every
+  2 steps equal, bit for bit, those of the same run with eval.every = 0 (pp2 1F1B, MoE ep2, tp2+sp);
+- its loss is the one-process one: in float64 the validation loss of every layout (pp2 1F1B, pp2
+  interleaved v=2, MoE ep2, tp2+sp, cp2 ring, dp2 ZeRO-3) equals the 1-process
+  trainer's at both evaluations to `EXACT_RTOL` (the 1-process value is checked against an independent
+  forward in tests/train/test_validation.py).
+
+One 2-rank launch runs every case in sequence (process start-up dominates on the 2-core machine).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pentatron.config import Config, load_config
+from tests.multiprocess import run_ranks
+from tests.reference_loop import EXACT_RTOL, FP64
+
+STEPS, SEQ, MICRO, GLOBAL = 4, 32, 2, 8
+EVAL = ["eval.every=2", "eval.batches=2", f"eval.holdout_tokens={2 * GLOBAL * SEQ + 1}"]
+MOE = "model.name='debug-moe'"
+
+# label -> (overrides, the 1-process run it must equal, also checked bitwise against eval off in fp32)
+CASES: dict[str, tuple[list[str], str, bool]] = {
+    "pp2 1f1b": (["parallel.pp=2"], "dense", True),
+    "moe ep2": (["parallel.dp=2", "parallel.ep=2", MOE], "moe", True),
+    "tp2 sp": (["parallel.tp=2", "parallel.sp=true"], "dense", True),
+    "pp2 interleaved v2": (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2"],
+                           "dense", False),
+    "cp2 ring": (["parallel.dp=1", "parallel.cp=2"], "dense", False),
+    "dp2 zero3": (["parallel.dp=2", "parallel.zero=3"], "dense", False),
+}
+
+
+def _config(world: int, extra: list[str], log_dir: str) -> Config:
+    return load_config(None, [f"train.steps={STEPS}", f"train.seq_len={SEQ}", f"train.micro_batch={MICRO}",
+                              f"train.global_batch={GLOBAL}", "train.lr=1e-3", "train.eps=1e-4", "train.warmup=2",
+                              "train.peak_tflops=1.0", "parallel.bucket_mb=1.0", "log.progress=false",
+                              "log.tensorboard=false", f"log.dir={json.dumps(log_dir)}", *EVAL, *extra],
+                       world_size=world)
+
+
+def _fit(cfg: Config, dataset_dir: Path) -> dict[str, Any]:
+    from pentatron.train.trainer import Trainer
+
+    trainer = Trainer(cfg, dataset_dir=dataset_dir)
+    records = trainer.fit()
+    trainer.engine.close()
+    return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
+            "val": {r["step"]: r["val"]["loss"] for r in records if "val" in r}}
+
+
+def _ranks(rank: int, world: int, dataset_dir: Path, log_dir: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for label, (extra, _, bitwise) in CASES.items():
+        out[label, "fp64"] = _fit(_config(world, [FP64, *extra], log_dir), dataset_dir)
+        if bitwise:
+            out[label, "fp32"] = _fit(_config(world, ["train.precision='fp32'", *extra], log_dir), dataset_dir)
+            out[label, "fp32 no eval"] = _fit(_config(world, ["train.precision='fp32'", "eval.every=0", *extra],
+                                                      log_dir), dataset_dir)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(default_dataset, tmp_path_factory) -> list[dict[str, Any]]:
+    log_dir = str(tmp_path_factory.mktemp("val-runs"))
+    return run_ranks(_ranks, 2, args=(default_dataset, log_dir))
+
+
+@pytest.fixture(scope="module")
+def one_process(default_dataset, tmp_path_factory) -> dict[str, dict[str, Any]]:
+    log_dir = str(tmp_path_factory.mktemp("val-one"))
+    return {"dense": _fit(_config(1, [FP64], log_dir), default_dataset),
+            "moe": _fit(_config(1, [FP64, MOE], log_dir), default_dataset)}
+
+
+@pytest.mark.parametrize("label", list(CASES))
+def test_validation_loss_equals_the_one_process_loss(runs, one_process, label):
+    ref = one_process[CASES[label][1]]["val"]
+    assert list(ref) == [2, 4]
+    for rank, res in enumerate(runs):
+        got = res[label, "fp64"]["val"]
+        assert list(got) == [2, 4], (label, rank)
+        np.testing.assert_allclose([got[s] for s in ref], [ref[s] for s in ref], rtol=EXACT_RTOL,
+                                   err_msg=f"{label} rank {rank}")
+
+
+@pytest.mark.parametrize("label", [k for k, (_, _, bitwise) in CASES.items() if bitwise])
+def test_training_with_validation_equals_training_without_bitwise(runs, label):
+    for rank, res in enumerate(runs):
+        on, off = res[label, "fp32"], res[label, "fp32 no eval"]
+        assert list(on["val"]) == [2, 4] and not off["val"], (label, rank)
+        assert on["losses"] == off["losses"], f"{label} rank {rank}: fp32 training losses differ"
+        assert on["norms"] == off["norms"], f"{label} rank {rank}: fp32 gradient norms differ"
