@@ -19,9 +19,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from pentatron.config import Config, load_config
-from tests.multiprocess import run_ranks
+from tests.multiprocess import rank_threads, run_ranks
 from tests.reference_loop import EXACT_RTOL, FP64
 
 STEPS, SEQ, MICRO, GLOBAL = 4, 32, 2, 8
@@ -89,8 +90,13 @@ def runs(default_dataset, tmp_path_factory) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def one_process(default_dataset, tmp_path_factory) -> dict[str, dict[str, Any]]:
     log_dir = str(tmp_path_factory.mktemp("val-one"))
-    return {"dense": _fit(_config(1, [FP64], log_dir), default_dataset),
-            "moe": _fit(_config(1, [FP64, MOE], log_dir), default_dataset)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(rank_threads())  # as the ranks run (and cheaper on the loaded 2-core machine)
+    try:
+        return {"dense": _fit(_config(1, [FP64], log_dir), default_dataset),
+                "moe": _fit(_config(1, [FP64, MOE], log_dir), default_dataset)}
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("label", [k for k, (_, reference, _) in CASES.items() if reference is not None])
