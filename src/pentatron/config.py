@@ -242,7 +242,7 @@ class EvalConfig:
     """[eval]: the validation loss during training (train/validation.py): every `every` steps and after the
     last, the mean cross-entropy of the model over `batches` global batches of held-out data — the same
     sequences every time — and its perplexity, computed in the run's layout without touching training's
-    gradients, optimizer state, data position or MoE biases. The held-out data is the tail of data.path's
+    gradients, optimizer state, data position or MoE biases. The held-out data is the tail of the training
     token stream (`holdout` or `holdout_tokens`: never trained on) or another tokenized directory (`path`)."""
 
     every: int = 0
@@ -251,10 +251,12 @@ class EvalConfig:
     """[global batches] Batches per evaluation, each train.global_batch sequences of train.seq_len tokens: the
     first ones of the held-out data, in order, split over data-parallel ranks as training's."""
     holdout: float = 0.0
-    """Share of data.path's token stream, at its end, held out for validation and never trained on (0 ≤ x <
-    1; rounded to whole tokens). Training then draws its samples from the rest only, so its data order
-    differs from a run without a holdout; 0 (and holdout_tokens = 0): the whole stream is trained on, as
-    before [eval] existed. Changing it refuses a resume (the order would change)."""
+    """Share of the training token stream (data.path's, or the built-in corpus), at its end, held out for
+    validation and never trained on (0 ≤ x < 1; rounded to whole tokens). Training then draws its samples
+    from the rest only: fewer samples, so another shuffled order than the same config without a holdout.
+    Held out whenever set, even with every = 0, so turning evaluation on or off never changes what is
+    trained on; 0 (with holdout_tokens = 0): the whole stream, exactly as before [eval] existed. A resume
+    with another holdout is refused (the order would change)."""
     holdout_tokens: int = 0
     """[tokens] As `holdout`, a token count instead of a share (set one of the two)."""
     path: str = ""

@@ -130,7 +130,7 @@ def test_console_says_each_evaluation_and_the_summary_the_last(default_dataset, 
     out = capsys.readouterr().out
     loss = records[-1]["val"]["loss"]
     assert f"pentatron: validation at step 2: loss {loss:.4f}, perplexity {math.exp(loss):.2f} " \
-           f"(1 batches, {GLOBAL * SEQ} tokens" in out
+           f"(1 batch, {GLOBAL * SEQ} tokens" in out
     assert f"validation   loss final {loss:.4f}" in out
 
 

@@ -88,7 +88,8 @@ class MetricsLogger:
 
 def validation_line(step: int, val: dict[str, Any]) -> str:
     return (f"pentatron: validation at step {step}: loss {val['loss']:.4f}, perplexity {val['perplexity']:.2f} "
-            f"({val['batches']} batches, {val['tokens']:,} tokens, {val['time_s']:.2f} s)")
+            f"({val['batches']} batch{'es' if val['batches'] != 1 else ''}, {val['tokens']:,} tokens, "
+            f"{val['time_s']:.2f} s)")
 
 
 def _keep_steps_up_to(path: Path, last_step: int) -> None:
