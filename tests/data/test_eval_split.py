@@ -76,6 +76,17 @@ def test_validation_batches_are_the_first_held_out_samples_split_over_dp(dataset
             assert targets[k].tolist() == raw[start + 1: start + SEQ + 1].tolist()
 
 
+def test_eval_path_is_validated_on_whole_and_checked_against_the_vocabulary(dataset, tmp_path, raw):
+    other = write_dataset(tmp_path / "other", raw[:300], shard_tokens=100)
+    ev = EvalConfig(every=1, path=str(other))
+    assert training_tokens(ev, len(dataset)) == len(dataset)
+    held = eval_set(ev, dataset, SEQ, 1000)
+    assert held.start == 0 and held.num_samples == 299 // SEQ
+    np.testing.assert_array_equal(held.sample(1), raw[SEQ: 2 * SEQ + 1])
+    with pytest.raises(DataError, match="model.vocab_size=500"):
+        eval_set(ev, dataset, SEQ, 500)
+
+
 def test_a_resume_with_another_holdout_is_refused(dataset):
     saved = _loader(dataset, EvalConfig(holdout=0.1))
     saved.next_step()
