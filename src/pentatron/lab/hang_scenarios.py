@@ -1,6 +1,7 @@
 """Distributed bugs on real gloo ranks, each run through the real `Comm` with the flight recorder:
-a rank that skips an all-reduce, and a rank that stops (SIGSTOP). Used by `pentatron lab collective`
-and by tests/observe.
+a rank that skips an all-reduce, a rank that stops (SIGSTOP) mid-step, and one that stops inside a
+checkpoint save (DCP's collectives, outside the comm layer). Used by `pentatron lab collective` and by
+tests/observe.
 
 Each scenario function runs on every rank (see lab/ranks.RankGroup) and mimics a training loop:
 per step a "gradient" all-reduce then a "loss" all-reduce, both of 8 floats, from two lines.
