@@ -5,10 +5,7 @@ is emitted; the planner's default kernels follow `pentatron train`'s train.compi
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,20 +29,9 @@ from pentatron.plan.recipes import (
 from pentatron.plan.search import predict
 from tests.plan.test_cli import run
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 # one row per recipe: torchtitan (A100, FSDP + op SAC, eager), megatron (NeMo, fp8, cp2), nanotron (the
 # playbook's cluster network, pp2 with its split)
 ROWS = {"torchtitan": "torchtitan-llama3-8b-sac-op", "megatron": "nemo2412-llama3-8b", "nanotron": "playbook-1b-1n"}
-
-
-@pytest.fixture(scope="module")
-def accuracy() -> Any:
-    spec = importlib.util.spec_from_file_location("planner_accuracy", BENCHMARKS / "planner_accuracy.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["planner_accuracy"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -72,11 +72,7 @@ class Evaluator:
     def _step_loss(self, micro_batches: Sequence[Batch]) -> torch.Tensor:
         """One global batch's mean loss on this replica (as `StepRunner.forward_backward` takes it)."""
         r = self.runner
-        batches = [(x.to(r.device), y.to(r.device)) for x, y in micro_batches]
-        positions = None
-        if r.shard is not None:
-            batches = [(r.shard.take(x), r.shard.take(y)) for x, y in batches]
-            positions = r.shard.positions
+        batches, positions = r.placed(micro_batches)
         if r.pipeline is not None:
             result = self._pipeline(len(batches)).step(batches, positions)
             loss = (result.loss.to(r.loss_dtype) if result.loss is not None

@@ -86,6 +86,14 @@ class StepRunner:
         return self.engine.placements
 
     # ------------------------------------------------------------------ one step
+    def placed(self, micro_batches: Sequence[Batch]) -> tuple[list[Batch], torch.Tensor | None]:
+        """The micro-batches on this rank's device, cut to its context-parallel share of each sequence, and
+        those tokens' positions (None without cp: 0 … seq-1)."""
+        batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
+        if self.shard is None:
+            return batches, None
+        return [(self.shard.take(x), self.shard.take(y)) for x, y in batches], self.shard.positions
+
     def forward_backward(self, micro_batches: Sequence[Batch],
                          on_micro_batch: Callable[[int], None] | None = None) -> torch.Tensor:
         """Every micro-batch's forward and backward (each loss divided by their number), gradients
@@ -93,11 +101,7 @@ class StepRunner:
         all micro-batches of all data-parallel replicas (the same number on every rank).
         `on_micro_batch(i)` is called before micro-batch i (without pp; diagnostics number them)."""
         self.engine.zero_grad()
-        batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
-        positions = None
-        if self.shard is not None:
-            batches = [(self.shard.take(x), self.shard.take(y)) for x, y in batches]
-            positions = self.shard.positions
+        batches, positions = self.placed(micro_batches)
         if self.pipeline is not None:
             result = self.pipeline.step(batches, positions)
             self.last_pipeline = result
