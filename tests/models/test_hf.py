@@ -266,7 +266,8 @@ def test_config_roundtrip_registry(name: str) -> None:
     d = hf.config_to_hf(cfg)
     assert hf.config_from_hf(d) == cfg
     # transformers reads the same shape and RoPE from it.
-    t = transformers.LlamaConfig(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
+    cls = transformers.Qwen3Config if cfg.qk_norm else transformers.LlamaConfig
+    t = cls(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
     assert (t.head_dim, t.num_key_value_heads, t.tie_word_embeddings) == (cfg.head_dim, cfg.n_kv_heads,
                                                                             cfg.tie_embeddings)
 

@@ -97,6 +97,10 @@ class ModelConfig:
     mlp: MlpKind = "swiglu"
     init_std: float = 0.02
     moe: MoEConfig | None = None  # None: every layer has the dense MLP
+    # Qwen3: RMSNorm (eps norm_eps) over head_dim of each q and k head, after the projections, before RoPE.
+    qk_norm: bool = False
+    # The attention head width when it is not hidden_size/n_heads (Qwen3 0.6B/4B/32B: 128); None: derived.
+    attn_head_dim: int | None = None
     name: str = field(default="custom", compare=False)
 
     def __hash__(self) -> int:  # the compared fields' hash, kept (pentatron/kept_hash.py)
@@ -106,7 +110,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.n_heads
+        return self.attn_head_dim if self.attn_head_dim is not None else self.hidden_size // self.n_heads
 
     @property
     def kv_dim(self) -> int:
@@ -122,7 +126,11 @@ class ModelConfig:
                 out.append(f"model.{f} must be a positive integer, got {v!r}")
         if out:
             return out
-        if self.hidden_size % self.n_heads:
+        if self.attn_head_dim is not None:
+            if not isinstance(self.attn_head_dim, int) or isinstance(self.attn_head_dim, bool) \
+                    or self.attn_head_dim <= 0 or self.attn_head_dim % 2:
+                out.append(f"model.attn_head_dim must be a positive even integer (RoPE), got {self.attn_head_dim!r}")
+        elif self.hidden_size % self.n_heads:
             out.append(f"model.n_heads={self.n_heads} does not divide model.hidden_size={self.hidden_size}")
         elif self.head_dim % 2:
             out.append(f"model head_dim={self.head_dim} (hidden_size/n_heads) must be even for RoPE")
@@ -147,7 +155,7 @@ class ModelConfig:
         """Parameters of layer `i` (None: a dense layer); `active`: those one token uses (top-k of the
         routed experts instead of all of them)."""
         h, kv, f = self.hidden_size, self.kv_dim, self.ffn_hidden_size
-        attn = h * h + 2 * h * kv + h * h
+        attn = 2 * h * self.n_heads * self.head_dim + 2 * h * kv + (2 * self.head_dim if self.qk_norm else 0)
         if i is not None and self.is_moe_layer(i):
             m = self.moe
             experts = m.top_k if active else m.n_experts

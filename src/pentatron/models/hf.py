@@ -1,4 +1,7 @@
-"""Hugging Face interop: Llama `config.json` + safetensors checkpoints ↔ Pentatron's `Llama`.
+"""Hugging Face interop: Llama (and Qwen3, Mixtral) `config.json` + safetensors checkpoints ↔ Pentatron's `Llama`.
+
+Qwen3 (`Qwen3ForCausalLM`) is a Llama with `self_attn.q_norm`/`k_norm` (RMSNorm over head_dim, before
+RoPE) and a head_dim that need not be hidden_size/heads: `qk_norm` and `attn_head_dim` in ModelConfig.
 
 Import reads `model.safetensors` or a sharded `model.safetensors.index.json`, validates every tensor's
 name and shape against the config from the safetensors headers (before reading any data), and loads
@@ -44,6 +47,8 @@ _LAYER_NAMES = {
     "self_attn.k_proj.weight": "attn.k_proj.weight",
     "self_attn.v_proj.weight": "attn.v_proj.weight",
     "self_attn.o_proj.weight": "attn.o_proj.weight",
+    "self_attn.q_norm.weight": "attn.q_norm.weight",
+    "self_attn.k_norm.weight": "attn.k_norm.weight",
     "post_attention_layernorm.weight": "mlp_norm.weight",
     "mlp.gate_proj.weight": "mlp.gate_proj.weight",
     "mlp.up_proj.weight": "mlp.up_proj.weight",
@@ -116,8 +121,11 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     """A `ModelConfig` from a Llama `config.json` dict. Raises one `ValueError` listing every
     unsupported or inconsistent key (each named) at once."""
     problems: list[str] = []
-    if d.get("model_type") not in ("llama", "mixtral"):
-        problems.append(f"model_type={d.get('model_type')!r} is not supported (only 'llama' and 'mixtral')")
+    qwen3 = d.get("model_type") == "qwen3"
+    if d.get("model_type") not in ("llama", "mixtral", "qwen3"):
+        problems.append(f"model_type={d.get('model_type')!r} is not supported (only 'llama', 'mixtral', 'qwen3')")
+    if qwen3 and (d.get("use_sliding_window") or any(t != "full_attention" for t in d.get("layer_types") or [])):
+        problems.append("use_sliding_window/layer_types: sliding-window attention is not supported (only full)")
     moe = hf_moe.moe_from_mixtral(d, problems) if hf_moe.is_mixtral(d) else None
     for k in ("attention_bias", "mlp_bias"):
         if d.get(k):
@@ -135,9 +143,11 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
 
     hidden, heads = d["hidden_size"], d["num_attention_heads"]
     head_dim = d.get("head_dim")
-    if head_dim is not None and heads and head_dim * heads != hidden:
+    if qwen3 and head_dim is None:
+        head_dim = 128  # Qwen3Config's default
+    if head_dim is not None and heads and head_dim * heads != hidden and not qwen3:
         problems.append(f"head_dim={head_dim} is not hidden_size/num_attention_heads={hidden}/{heads} "
-                        "(decoupled head_dim is not supported)")
+                        "(decoupled head_dim is supported for model_type 'qwen3' only)")
     norm_eps = _float(d, "rms_norm_eps", 1e-6, problems)
     init_std = _float(d, "initializer_range", 0.02, problems)
     cfg = ModelConfig(
@@ -145,7 +155,8 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
         n_kv_heads=d.get("num_key_value_heads") or heads, ffn_hidden_size=d["intermediate_size"],
         max_seq_len=d.get("max_position_embeddings", 2048), rope_theta=theta, rope_scaling=scaling,
         norm_eps=norm_eps, tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        mlp="swiglu", init_std=init_std, moe=moe,
+        mlp="swiglu", init_std=init_std, moe=moe, qk_norm=qwen3,
+        attn_head_dim=head_dim if qwen3 else None,  # Qwen3 states it always (as the registry does)
     )
     problems += cfg.problems()
     if problems:
@@ -166,8 +177,13 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
         problems += hf_moe.mixtral_problems(cfg)
         if cfg.rope_scaling is not None:
             problems.append("model.rope_scaling has no MixtralForCausalLM equivalent")
+    if cfg.moe is None and not cfg.qk_norm and cfg.attn_head_dim is not None:
+        problems.append("model.attn_head_dim without model.qk_norm has no Hugging Face equivalent (Qwen3 has both)")
+    if cfg.moe is not None and cfg.qk_norm:
+        problems.append("model.qk_norm with MoE (Qwen3-MoE) has no exporter yet")
     if problems:
-        raise ValueError(f"cannot export to Hugging Face {'Mixtral' if cfg.moe else 'Llama'}: " + "; ".join(problems))
+        kind = "Mixtral" if cfg.moe else "Qwen3" if cfg.qk_norm else "Llama"
+        raise ValueError(f"cannot export to Hugging Face {kind}: " + "; ".join(problems))
     rs = cfg.rope_scaling
     llama = {
         "architectures": ["LlamaForCausalLM"],
@@ -194,6 +210,14 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
         "attention_bias": False,
         "mlp_bias": False,
     }
+    if cfg.qk_norm:  # Qwen3Config: Llama's keys (no mlp_bias), full attention everywhere
+        if rs is not None:
+            problems.append("model.rope_scaling (Llama-3.1) has no Qwen3ForCausalLM equivalent")
+            raise ValueError("cannot export to Hugging Face Qwen3: " + "; ".join(problems))
+        qwen3 = {k: v for k, v in llama.items() if k != "mlp_bias"}
+        qwen3.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=False,
+                     sliding_window=None, max_window_layers=cfg.n_layers)
+        return qwen3
     return hf_moe.mixtral_config(cfg, llama) if cfg.moe is not None else llama
 
 
@@ -244,7 +268,10 @@ def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         out |= {p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
                 p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,)}
+                p + "self_attn.o_proj.weight": (h, q)}
+        if cfg.qk_norm:
+            out |= {p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)}
+        out[p + "post_attention_layernorm.weight"] = (h,)
         if cfg.is_moe_layer(i):
             out |= hf_moe.layer_shapes(cfg, p)
         else:
@@ -610,7 +637,8 @@ def _verify(args: argparse.Namespace) -> int:
     # Only the local directory (validated by import_hf above), never the hub; eager attention is the
     # plain reference implementation. 5.x renamed torch_dtype to dtype.
     key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    cls = transformers.MixtralForCausalLM if cfg.moe is not None else transformers.LlamaForCausalLM
+    cls = transformers.MixtralForCausalLM if cfg.moe is not None else \
+        transformers.Qwen3ForCausalLM if cfg.qk_norm else transformers.LlamaForCausalLM
     hf = cls.from_pretrained(
         str(args.in_dir), local_files_only=True, attn_implementation="eager", **{key: dtype}).eval()
     ref = hf(tokens).logits.float()

@@ -110,6 +110,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:  # Qwen3: one gain over head_dim, shared by every q (k) head
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.core = AttentionCore()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -118,6 +121,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, s, -1, self.head_dim)
         k = self.k_proj(x).view(b, s, -1, self.head_dim)
         v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotate(q, k, cos, sin)
         out = self.core(q, k, v)
         return self.o_proj(out.reshape(b, s, -1))

@@ -47,6 +47,22 @@ MODELS: dict[str, ModelConfig] = {
                                                                         z_loss_coef=0.0)),
     "debug-moe-auxfree": ModelConfig(**_DEBUG_MOE_SHAPE, moe=replace(_DEBUG_MOE, aux_loss_coef=0.0, z_loss_coef=0.0,
                                                                       bias_update_rate=1e-3)),
+    # Qwen3 dense, from the Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B,32B} config.json files (transformers'
+    # Qwen3Config): vocab 151936, head_dim 128 (decoupled from hidden/heads at 0.6B, 4B and 32B), 8 kv
+    # heads, q/k RMSNorm, rope_theta 1e6, rms_norm_eps 1e-6, max_position_embeddings 40960; tied
+    # embeddings up to 4B. The debug shape is a tiny one of the same kind (qk_norm, decoupled heads).
+    **{name: ModelConfig(vocab_size=151936, hidden_size=h, n_layers=n, n_heads=heads, n_kv_heads=8, ffn_hidden_size=f,
+                         max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, tie_embeddings=tied, qk_norm=True,
+                         attn_head_dim=128)
+       for name, h, n, heads, f, tied in (("qwen3-0.6b", 1024, 28, 16, 3072, True),
+                                          ("qwen3-1.7b", 2048, 28, 16, 6144, True),
+                                          ("qwen3-4b", 2560, 36, 32, 9728, True),
+                                          ("qwen3-8b", 4096, 36, 32, 12288, False),
+                                          ("qwen3-14b", 5120, 40, 40, 17408, False),
+                                          ("qwen3-32b", 5120, 64, 64, 25600, False))},
+    "debug-qwen3": ModelConfig(vocab_size=4096, hidden_size=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                               ffn_hidden_size=256, max_seq_len=512, rope_theta=1e6, norm_eps=1e-6,
+                               tie_embeddings=True, qk_norm=True, attn_head_dim=48),
     # mistralai/Mixtral-8x7B-v0.1 config.json: 46.7B parameters, 12.9B active.
     "mixtral-8x7b": ModelConfig(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                                 ffn_hidden_size=14336, max_seq_len=32768, rope_theta=1e6,

@@ -104,6 +104,7 @@ class Traffic(Enum):
     SP_LAYERS = "layers fwd+bwd (SP)"
     SP_REGATHER = "block inputs again in bwd (SP, sharded inputs)"
     SP_NORMS = "norm weight gradients (SP)"
+    HEAD_NORMS = "q/k norm weight gradients (TP, Qwen3)"
     LOSS = "vocab-parallel loss"
     CP_KV_GATHER = "ring attention K/V (all-gather)"
     CP_KV = "ring attention K/V"
@@ -349,6 +350,9 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
             out.append(_coll(gpu, g, "all_reduce", sp_norm_grad_bytes(w, lay), m * norms, Traffic.SP_NORMS))
         else:
             out.append(_coll(gpu, g, "all_reduce", act, m * per_mb, Traffic.LAYERS))
+        if w.cfg.qk_norm:  # each rank's q/k norm gradient covers its own heads: summed over tp (SP or not)
+            out.append(_coll(gpu, g, "all_reduce", w.cfg.head_dim * act_bytes(lay.precision),
+                             m * 2 * layers_on_rank, Traffic.HEAD_NORMS))
         if last and lay.recipe.cross_entropy != "fused":
             loss = loss_all_reduces(tokens, lay.recipe.cross_entropy)
             out.append(_coll(gpu, g, "all_reduce", sum(loss) / len(loss), m * len(loss), Traffic.LOSS))

@@ -88,7 +88,7 @@ class LayerParams:
     mlp_active: int  # matmul weights one token passes through (dense MLP, or router + top-k + shared)
     mlp_total: int  # all MLP weights held (dense MLP, or router + all experts + shared)
     expert_total: int  # routed-expert weights only (sharded by EP); 0 for dense layers
-    norms: int  # the two RMSNorm gains
+    norms: int  # the two RMSNorm gains (and Qwen3's q/k norm gains, head_dim each)
 
 
 def layer_params(cfg: ModelConfig, index: int = 0, moe: MoESpec | None = None) -> LayerParams:
@@ -97,13 +97,14 @@ def layer_params(cfg: ModelConfig, index: int = 0, moe: MoESpec | None = None) -
     attn = 2 * h * cfg.n_heads * cfg.head_dim + 2 * h * cfg.kv_dim
     k = _mlp_mats(cfg)
     moe = moe_of(cfg, moe)
+    norms = 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0)
     if moe is None or index < moe.first_dense_layers:
-        return LayerParams(attn, k * h * f, k * h * f, 0, 2 * h)
+        return LayerParams(attn, k * h * f, k * h * f, 0, norms)
     expert = k * h * moe.expert_ffn_hidden_size
     shared = moe.n_shared_experts * k * h * moe.shared_ffn
     router = h * moe.num_experts
     return LayerParams(attn, router + moe.top_k * expert + shared, router + moe.num_experts * expert + shared,
-                       moe.num_experts * expert, 2 * h)
+                       moe.num_experts * expert, norms)
 
 
 def total_params(cfg: ModelConfig, moe: MoESpec | None = None) -> int:

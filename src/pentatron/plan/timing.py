@@ -632,11 +632,12 @@ def _optimizer_time(w: Workload, lay: Layout, gpu: GPUSpec, rank: _Rank) -> floa
     if lay.precision == "fp16":  # dynamic loss scaling: one more read of the fp32 gradients (inf/nan check)
         per_param += 4
     # the step runs tensor by tensor: its working set is about one layer's parameters at a time; its
-    # parameter tensors: 9 per decoder layer (q, k, v, o, 3 MLP, 2 norms) and, on rank 0, the embedding
+    # parameter tensors: 9 per decoder layer (q, k, v, o, 3 MLP, 2 norms; +2 q/k norms) and, on rank 0, the embedding
     # (+ the final norm and an untied head when it is also the last stage)
     ends = 1 + ((2 if not w.cfg.tie_embeddings else 1) if lay.pp == 1 else 0)
     n = rank.layers
-    return gpu.speeds.optimizer(local, per_param, per_param * local / max(1, n), 9 * n + ends)
+    per_layer = 11 if w.cfg.qk_norm else 9
+    return gpu.speeds.optimizer(local, per_param, per_param * local / max(1, n), per_layer * n + ends)
 
 
 def _pipeline_exposed(w: Workload, lay: Layout, gpu: GPUSpec, traffic: list[Collective], rank: _Rank, m: int,
