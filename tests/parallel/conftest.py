@@ -13,6 +13,7 @@ from tests.reference_loop import reference_run
 
 @pytest.fixture(scope="session")
 def references(default_dataset) -> dict[str, dict[str, Any]]:
-    """The plain-loop reference runs (debug and debug-untied, float64) that every composition must match."""
+    """The plain-loop reference runs (debug, debug-untied and debug-qwen3, float64) that every composition must
+    match."""
     common = dict(steps=STEPS, seq_len=SEQ, global_batch=GLOBAL, lr=LR, eps=EPS, warmup=WARMUP, dtype=torch.float64)
-    return {m: reference_run(default_dataset, model=m, **common) for m in ("debug", "debug-untied")}
+    return {m: reference_run(default_dataset, model=m, **common) for m in ("debug", "debug-untied", "debug-qwen3")}

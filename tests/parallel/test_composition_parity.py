@@ -1,8 +1,9 @@
 """Every composition of the parallel dimensions equals a plain single-process PyTorch loop.
 
 dp × ZeRO-0/1/2/3 × tp (± sp) × pp (1F1B, interleaved, zero-bubble) × recompute, tied and untied
-embeddings — including the compositions that used to be refused: ZeRO-3 under pipeline parallelism
-(both gather choices), ZeRO-2 under pp with a tied embedding, and the 8-rank dp2×tp2×pp2 layouts.
+embeddings, Qwen3's q/k norms (tp2 × sp × pp2, tp4) — including the compositions that used to be refused:
+ZeRO-3 under pipeline parallelism (both gather choices), ZeRO-2 under pp with a tied embedding,
+and the 8-rank dp2×tp2×pp2 layouts.
 Each run trains 4 steps in float64 (`train.precision='fp64'`) through the real `Trainer` on real gloo
 ranks and must match `tests/reference_loop.py` (which shares no code with the parallel runtime), also in
 float64, in the loss and gradient norm of every step, in every parameter's step-1 gradient (‖Δ‖/‖ref‖) and
@@ -33,6 +34,7 @@ STEPS, SEQ, MICRO, GLOBAL, LR, EPS, WARMUP = 4, 32, 2, 8, 1e-3, 1e-4, 2
 TOL = EXACT_RTOL
 
 DP2PP2 = ["parallel.dp=2", "parallel.pp=2"]
+QWEN3 = ["model.name=debug-qwen3"]
 DP2TP2PP2 = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.sp=true"]
 CASES: dict[int, dict[str, list[str]]] = {
     4: {
@@ -43,6 +45,10 @@ CASES: dict[int, dict[str, list[str]]] = {
         "dp2×pp2 zero2 tied": [*DP2PP2, "parallel.zero=2"],
         "dp2×pp2 zero1 tied selective": [*DP2PP2, "parallel.zero=1", "train.recompute=selective"],
         "dp2×pp2 zero0 tied interleaved": [*DP2PP2, "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2"],
+        # Qwen3's q/k norms: one gain per head_dim shared by the heads each tp rank splits (its gradient summed
+        # over tp, SP or not); tp4 replicates the 2 kv heads, so each k_norm gradient is also partial per replica
+        "qwen3 tp2×pp2 sp": [*QWEN3, "parallel.tp=2", "parallel.pp=2", "parallel.sp=true"],
+        "qwen3 tp4 (kv heads replicated)": [*QWEN3, "parallel.tp=4"],
     },
     8: {
         "dp2×tp2×pp2 zero2 sp full recompute": [*DP2TP2PP2, "parallel.zero=2", "train.recompute=full"],
@@ -98,7 +104,7 @@ def test_every_composition_equals_a_plain_loop(world, references, default_datase
     runs = run_ranks(_ranks, world, args=(default_dataset, str(tmp_path)), timeout=900)
     for label in CASES[world]:
         tied = "untied" not in label
-        ref = references["debug" if tied else "debug-untied"]
+        ref = references["debug-qwen3" if "qwen3" in label else "debug" if tied else "debug-untied"]
         for rank, res in enumerate(runs):
             np.testing.assert_allclose(res[label]["losses"], ref["losses"], rtol=TOL,
                                        err_msg=f"{label} rank {rank}: losses")

@@ -11,6 +11,9 @@ Styles:
   heads replicated over tp/n ranks when tp exceeds their number n (GQA's kv heads);
 - "rowwise": input features split; the partial outputs are all-reduced (or reduce-scattered under SP);
 - "sequence_norm": replicated; under SP each rank sees a slice of the sequence, so its gradient is summed;
+- "head_norm": replicated gain over head_dim applied to every local head (Qwen3's q/k norms): each rank's
+  gradient covers its own heads, so it is summed over tp with or without SP (a replicated kv head's
+  k_norm gradient is partial too: each replica saw only its own query heads, so the sum is again right);
 - "vocab_embedding": rows (vocabulary) split; partial lookups summed (or reduce-scattered under SP);
 - "vocab_head": output vocabulary split (sharing the embedding's shard when tied); logits stay split.
 """
@@ -25,6 +28,8 @@ LLAMA_TP_PLAN: dict[str, str] = {
     "layers.*.attn.k_proj": "colwise_heads",
     "layers.*.attn.v_proj": "colwise_heads",
     "layers.*.attn.o_proj": "rowwise",
+    "layers.*.attn.q_norm": "head_norm",  # Qwen3 (ModelConfig.qk_norm); absent modules match nothing
+    "layers.*.attn.k_norm": "head_norm",
     "layers.*.mlp_norm": "sequence_norm",
     "layers.*.mlp": "region",
     "layers.*.mlp.gate_proj": "colwise",

@@ -21,7 +21,8 @@ vocab-sharded logits with three all-reduces of b·s numbers, never materialising
 
 Replicated parameters whose gradients are partial per rank get a gradient hook that sums them over
 tp before they are accumulated, so every optimizer/DP/ZeRO wrapper downstream sees complete grads:
-the norm weights under SP (each rank saw only its sequence slice), and the k/v projections of a kv
+the norm weights under SP (each rank saw only its sequence slice), Qwen3's q/k norm weights (SP or
+not: each rank normalised its own heads with the shared gain), and the k/v projections of a kv
 head that is replicated on tp/n_kv ranks (each rank used it for its own query heads only). The plan
 returned records, per parameter name, a `TPShard` saying how the local tensor relates to the full
 one; `parallelize` copies it into each parameter's `Placement`.
@@ -250,7 +251,8 @@ class TensorParallelPlan:
     shards: dict[str, TPShard]  # by parameter name: how each local tensor relates to the full one
 
 
-TP_STYLES = ("region", "colwise", "colwise_heads", "rowwise", "sequence_norm", "vocab_embedding", "vocab_head")
+TP_STYLES = ("region", "colwise", "colwise_heads", "rowwise", "sequence_norm", "head_norm", "vocab_embedding",
+             "vocab_head")
 
 
 def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, comm: Comm | None = None, sp: bool = False,
@@ -292,6 +294,9 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, comm: Comm | N
         if style == "sequence_norm":
             if sp:  # under SP each rank's grad covers its sequence slice only: the full grad is their sum
                 grad_hooks.append((module.weight, lambda g: _sum_grad(g, comm)))
+            continue
+        if style == "head_norm":  # one gain over head_dim shared by all heads; each rank saw its heads only
+            grad_hooks.append((module.weight, lambda g: _sum_grad(g, comm)))
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
