@@ -39,32 +39,37 @@ def _traced(model: torch.nn.Module, local_s: int, hidden: int) -> int:
     return meter.bytes
 
 
-def _rank(rank: int, world: int) -> dict[bool, int]:
-    cfg = get_model_config("debug")
+MODELS = ("debug", "debug-qwen3")  # Qwen3: q/k norms per local head, head_dim decoupled from hidden/heads
+
+
+def _rank(rank: int, world: int) -> dict[tuple[str, bool], int]:
     out = {}
-    for sp in ((False, True) if world > 1 else (False,)):
-        ctx = ParallelContext.from_layout(ParallelLayout(tp=world), "cpu")
-        model = apply_tensor_parallel(build_model(cfg, seed=0), ctx, sp=sp)
-        out[sp] = _traced(model, S // world if sp else S, cfg.hidden_size)
+    for name in MODELS:
+        cfg = get_model_config(name)
+        for sp in ((False, True) if world > 1 else (False,)):
+            ctx = ParallelContext.from_layout(ParallelLayout(tp=world), "cpu")
+            model = apply_tensor_parallel(build_model(cfg, seed=0), ctx, sp=sp)
+            out[name, sp] = _traced(model, S // world if sp else S, cfg.hidden_size)
     return out
 
 
 @pytest.fixture(scope="module")
-def traced() -> dict[int, dict[bool, int]]:
-    """Bytes one layer saves, per tp degree and SP (rank 0; the ranks are symmetric)."""
+def traced() -> dict[int, dict[tuple[str, bool], int]]:
+    """Bytes one layer saves, per tp degree, model and SP (rank 0; the ranks are symmetric)."""
     res = {1: _rank(0, 1)}
     for tp in (2, 4):
         res[tp] = run_ranks(_rank, world_size=tp)[0]
     return res
 
 
+@pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize(("tp", "sp"), [(1, False), (2, False), (2, True), (4, False), (4, True)])
-def test_planner_activation_memory_is_the_runtime_formula_and_the_traced_bytes(traced, tp, sp):
-    cfg = get_model_config("debug")
+def test_planner_activation_memory_is_the_runtime_formula_and_the_traced_bytes(traced, tp, sp, name):
+    cfg = get_model_config(name)
     runtime = layer_activation_bytes(cfg, S, B, tp, sp, act_bytes=4)
     planner = llama_layer_activation_bytes(cfg, B * S, S, precision="fp32", tp=tp, sp=sp).saved
     assert planner == runtime
-    assert traced[tp][sp] == planner, (tp, sp, traced[tp][sp], planner)
+    assert traced[tp][name, sp] == planner, (name, tp, sp, traced[tp][name, sp], planner)
 
 
 def _peak_bytes(fn: Callable[[], object]) -> int:

@@ -16,6 +16,17 @@ def test_debug_model_matches(recompute):
         assert c.traced > 0 and c.rel_error <= TOLERANCE, c
 
 
+def test_qwen3_matches():
+    """Qwen3's q/k norm gains and saved tensors, and its head_dim decoupled from hidden/heads (48 × 4 ≠ 128)."""
+    cfg = get_model_config("debug-qwen3")
+    assert cfg.qk_norm and cfg.n_heads * cfg.head_dim != cfg.hidden_size
+    for kw in ({"micro_batch": 2}, {"precision": "fp32"}):  # recompute variants are deltas the norms do not touch
+        checks = verify_model(cfg, 128, **kw)
+        assert len(checks) == 4
+        for c in checks:
+            assert c.traced > 0 and c.ok, (kw, c)
+
+
 def test_fp32_untied():
     for c in verify_model(get_model_config("debug-untied"), 128, precision="fp32"):
         assert c.ok, c

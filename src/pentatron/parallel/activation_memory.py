@@ -12,9 +12,11 @@ and token, never the s×s scores), autograd keeps per layer:
                     are replicated), log-sum-exp (a/t per token, fp32); RoPE keeps only its cos/sin tables
     SwiGLU          gate and up outputs, silu(gate), the product (4 f/t); GELU: up and gelu(up) (2 f/t)
     RoPE            nothing in fp32; with e < 4, the cos/sin tables cast to e bytes for q and for k (4·s·d·e)
+    q/k RMSNorms    (Qwen3, qk_norm) per local q and k head as the block norms over d: the fp32 input (4d),
+                    the normalised output (e·d), 1/rms (4); the query width a·d may differ from h
 
     M = 2·[(4+e)·sbh + 4·sb]/t_sp + 2e·sbh + e·sb·[(2h + k·f)/t + 2·h_kv/min(t, n_kv)] + 4·sb·a/t
-        (+ 4·s·d·e when e < 4)
+        (+ 4·s·d·e when e < 4)   [h in (2h + k·f) is the query width a·d; + the q/k norms with qk_norm]
 
 with t_sp = t under sequence parallelism, 1 otherwise, and k = 4 (SwiGLU) or 2 (GELU). The two block
 inputs stay full-size even under SP: our column-parallel layers let autograd save the all-gathered
@@ -43,12 +45,17 @@ def layer_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp:
     kv_local = cfg.kv_dim // min(tp, cfg.n_kv_heads)
     norms = 2 * ((4 + e) * s * b * h + 4 * s * b) // t_sp
     block_inputs = 2 * e * s * b * h
-    sharded = e * s * b * ((2 * h + k * cfg.ffn_hidden_size) // tp + 2 * kv_local)
+    hq = cfg.n_heads * cfg.head_dim  # q and the attention output (= h unless head_dim is decoupled)
+    sharded = e * s * b * ((2 * hq + k * cfg.ffn_hidden_size) // tp + 2 * kv_local)
     lse = 4 * s * b * cfg.n_heads // tp
     # RoPE casts the shared fp32 cos/sin tables to the activation dtype: a fresh [s, d] pair for q and
     # one for k in every layer, kept by the multiplies (in fp32 they are the shared tables themselves).
     rope = 0 if e == 4 else 4 * s * cfg.head_dim * e
-    return norms + block_inputs + sharded + lse + rope
+    qk_norms = 0
+    if cfg.qk_norm:  # inside the attention region: split by heads like q and k, never by SP
+        heads_local = cfg.n_heads // tp + cfg.n_kv_heads // min(tp, cfg.n_kv_heads)
+        qk_norms = s * b * heads_local * ((4 + e) * cfg.head_dim + 4)
+    return norms + block_inputs + sharded + lse + rope + qk_norms
 
 
 class SavedTensorMeter:
