@@ -160,3 +160,15 @@ def test_override_parsing():
         parse_override("train.lr")
     with pytest.raises(ConfigError, match="section.key"):
         parse_override("lr=3")
+
+
+def test_qwen3_fields_override_and_resolve():
+    """[model] qk_norm / attn_head_dim make any shape Qwen3-like; the resolved config keeps them."""
+    cfg = load_config(None, ["model.qk_norm=true", "model.attn_head_dim=48"])
+    m = cfg.model_config()
+    assert (m.qk_norm, m.head_dim, m.name) == (True, 48, "debug")
+    assert load_config(None, ["model.name='qwen3-8b'"]).model_config().qk_norm
+    resolved = cfg.resolved_dict(1)["model"]
+    assert (resolved["qk_norm"], resolved["attn_head_dim"]) == (True, 48)
+    with pytest.raises(ConfigError, match="attn_head_dim"):
+        load_config(None, ["model.attn_head_dim=47"])

@@ -48,7 +48,7 @@ class ModelSection:
 
     name: str = "debug"
     """A registry model (models/registry.py), e.g. debug, debug-moe, smollm-135m, llama3-8b, llama3.1-70b,
-    mixtral-8x7b; an unknown name's error lists them all."""
+    qwen3-8b, mixtral-8x7b; an unknown name's error lists them all."""
     hf_config: str = ""
     """A Hugging Face model directory (or its config.json): the shape is read from it, as `checkpoint
     import-hf` reads it, instead of from the registry's `name`; the fields below still override it."""
@@ -77,6 +77,12 @@ class ModelSection:
     """The MLP: SwiGLU (Llama's, three matrices) or GELU (two)."""
     init_std: float | None = None
     """Standard deviation of the normal initialisation of the weight matrices."""
+    qk_norm: bool | None = None
+    """Qwen3's q/k RMSNorm: one gain over the head dimension for the queries and one for the keys, applied to
+    every head after the projections and before RoPE (epsilon norm_eps)."""
+    attn_head_dim: int | None = None
+    """The attention head width, when it is not hidden_size / n_heads (Qwen3 0.6B, 4B, 32B: 128); q and the
+    attention output are then n_heads · attn_head_dim wide. Even (RoPE)."""
 
 
 @dataclass
