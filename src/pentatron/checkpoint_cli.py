@@ -35,7 +35,8 @@ def add_checkpoint_parser(subparsers: argparse._SubParsersAction) -> None:
                     help="local processes = the target layout's world size (default 1; not under torchrun/srun)")
     cv.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     cv.set_defaults(func=run_convert, dotted_overrides=True)
-    ex = sub.add_parser("export-hf", help="write a checkpoint (any layout) as a Hugging Face Llama directory",
+    ex = sub.add_parser("export-hf", help="write a checkpoint (any layout) as a Hugging Face Llama (Qwen3, Mixtral) "
+                        "directory",
                         description="Assemble the full model from a training checkpoint written in any parallel "
                                     "layout and write config.json + safetensors that transformers loads.")
     ex.add_argument("checkpoint", type=Path, help="checkpoint.dir of a run (its latest) or one step_XXXXXXXX")
@@ -47,7 +48,8 @@ def add_checkpoint_parser(subparsers: argparse._SubParsersAction) -> None:
                     help="dataset directory or tokenizer.json written beside the weights for AutoTokenizer "
                          "(default: the training run's dataset, named by run.json in the checkpoint directory)")
     ex.set_defaults(func=run_export_hf)
-    im = sub.add_parser("import-hf", help="a Hugging Face Llama/Mixtral directory as a step-0 training checkpoint",
+    im = sub.add_parser("import-hf", help="a Hugging Face Llama/Qwen3/Mixtral directory as a step-0 training "
+                        "checkpoint",
                         description="Write the weights of a Hugging Face directory (with fresh optimizer state) "
                                     "as a training checkpoint; `pentatron train` with checkpoint.dir=CKPT_DIR "
                                     "then starts from them in any layout; model.hf_config=HF_DIR gives the run "

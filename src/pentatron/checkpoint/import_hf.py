@@ -1,4 +1,4 @@
-"""`pentatron checkpoint import-hf HF_DIR CKPT_DIR`: a Hugging Face Llama (or Mixtral) directory as a
+"""`pentatron checkpoint import-hf HF_DIR CKPT_DIR`: a Hugging Face Llama (or Qwen3, Mixtral) directory as a
 step-0 training checkpoint — the weights, fresh AdamW state, and each tensor's piece description — so
 that `pentatron train` with `checkpoint.dir = CKPT_DIR` starts from those weights in any layout (the
 resume re-shards it like any other checkpoint). It records no data position: the run starts at the

@@ -560,12 +560,13 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `pentatron convert {hf-roundtrip, verify}` (sets `func=run_convert`)."""
     p = subparsers.add_parser(
         "convert", help="Hugging Face checkpoint import/export and validation",
-        description="Check the Hugging Face Llama interop on a directory: `verify` compares logits with "
+        description="Check the Hugging Face Llama / Qwen3 / Mixtral interop on a directory: `verify` compares "
+                    "logits with "
                     "transformers, `hf-roundtrip` imports and exports it again. Training checkpoints to and from "
                     "Hugging Face: `pentatron checkpoint export-hf | import-hf`; another layout: "
                     "`pentatron checkpoint convert`.")
     sub = p.add_subparsers(dest="convert_command", required=True)
-    rt = sub.add_parser("hf-roundtrip", help="import a HF Llama directory and export it again",
+    rt = sub.add_parser("hf-roundtrip", help="import a HF Llama (Qwen3, Mixtral) directory and export it again",
                         description="Import IN_DIR into Pentatron and export it to OUT_DIR (validates the "
                                     "checkpoint; can also re-shard or cast it).")
     rt.add_argument("in_dir", type=Path, metavar="IN_DIR")
@@ -574,10 +575,12 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> None:
                     help="cast weights on export (default: keep the stored dtype)")
     rt.add_argument("--max-shard-size", default="5GiB", help="shard above this size (default 5GiB)")
     rt.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists and is not empty")
-    ver = sub.add_parser("verify", help="import a HF Llama directory and compare logits with transformers",
+    ver = sub.add_parser("verify", help="import a HF Llama (Qwen3, Mixtral) directory and compare logits with "
+                         "transformers",
                          description="Import IN_DIR, run a forward on a fixed random batch and, if "
                                      "transformers is installed, compare the logits with "
-                                     "LlamaForCausalLM.from_pretrained(IN_DIR) (local files only).")
+                                     "LlamaForCausalLM (Qwen3ForCausalLM, MixtralForCausalLM).from_pretrained(IN_DIR) "
+                                     "(local files only).")
     ver.add_argument("in_dir", type=Path, metavar="IN_DIR")
     ver.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
                      help="compute dtype for both models (default float32)")
