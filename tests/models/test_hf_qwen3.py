@@ -114,3 +114,45 @@ def test_qwen3_config_errors() -> None:
         hf.config_from_hf(base | {"use_sliding_window": True, "sliding_window": 16})
     with pytest.raises(ValueError, match="decoupled head_dim is supported for model_type 'qwen3' only"):
         hf.config_from_hf(base | {"model_type": "llama"})
+
+
+@torch.no_grad()
+def test_qwen3_moe_import_export_logits_match_transformers_in_float64(tmp_path: Path) -> None:
+    """Qwen3-MoE: the q/k norms and decoupled heads above, with experts under `mlp.experts.{j}.*` and the router
+    at `mlp.gate` (transformers' on-disk names), top-2 of 4 renormalised. transformers computes the router's
+    softmax in fp32 even for fp64 weights: the same TOL."""
+    cfg = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                      num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                      max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1e6,
+                                      tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"  # the per-expert loop: its default grouped GEMM refuses fp64 on CPU
+    torch.manual_seed(1)
+    ref = transformers.Qwen3MoeForCausalLM(cfg).double().eval()
+    g = torch.Generator().manual_seed(1)
+    for _, p in sorted(ref.named_parameters()):
+        p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype) if p.ndim == 1 else
+                torch.randn(p.shape, generator=g, dtype=p.dtype) / math.sqrt(p.shape[-1]))
+    src = tmp_path / "src"
+    ref.save_pretrained(src, safe_serialization=True)
+    model = hf.import_hf(src, dtype=torch.float64).eval()
+    m = model.cfg.moe
+    assert model.cfg.qk_norm and (m.n_experts, m.top_k, m.expert_ffn_size, m.norm_topk_prob) == (4, 2, 32, True)
+    tokens = _tokens()
+    want = ref(input_ids=tokens).logits
+    err = _rel_err(model(tokens), want)
+    print(f"qwen3-moe import fp64: max|ours-HF|/max|HF| = {err:.2e}")
+    assert want.abs().max() > 0.5 and err < TOL
+
+    out = tmp_path / "export"
+    hf.export_hf(model, out)
+    assert json.loads((out / hf.CONFIG_NAME).read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    again = hf.import_hf(out, dtype=torch.float64)
+    assert again.cfg == model.cfg
+    for (n, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+    theirs = transformers.Qwen3MoeForCausalLM.from_pretrained(
+        out, local_files_only=True, attn_implementation="eager", experts_implementation="eager", dtype=torch.float64)
+    theirs.eval()
+    assert torch.equal(theirs(input_ids=tokens).logits, want)

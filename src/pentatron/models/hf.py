@@ -121,12 +121,14 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     """A `ModelConfig` from a Llama `config.json` dict. Raises one `ValueError` listing every
     unsupported or inconsistent key (each named) at once."""
     problems: list[str] = []
-    qwen3 = d.get("model_type") == "qwen3"
-    if d.get("model_type") not in ("llama", "mixtral", "qwen3"):
-        problems.append(f"model_type={d.get('model_type')!r} is not supported (only 'llama', 'mixtral', 'qwen3')")
+    qwen3 = d.get("model_type") in ("qwen3", "qwen3_moe")
+    if d.get("model_type") not in ("llama", "mixtral", "qwen3", "qwen3_moe"):
+        problems.append(f"model_type={d.get('model_type')!r} is not supported (only 'llama', 'mixtral', 'qwen3', "
+                        "'qwen3_moe')")
     if qwen3 and (d.get("use_sliding_window") or any(t != "full_attention" for t in d.get("layer_types") or [])):
         problems.append("use_sliding_window/layer_types: sliding-window attention is not supported (only full)")
-    moe = hf_moe.moe_from_mixtral(d, problems) if hf_moe.is_mixtral(d) else None
+    moe = hf_moe.moe_from_mixtral(d, problems) if hf_moe.is_mixtral(d) else \
+        hf_moe.moe_from_qwen3(d, problems) if hf_moe.is_qwen3_moe(d) else None
     for k in ("attention_bias", "mlp_bias"):
         if d.get(k):
             problems.append(f"{k}={d[k]!r} is not supported (Pentatron's Llama has no biases)")
@@ -179,10 +181,9 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
             problems.append("model.rope_scaling has no MixtralForCausalLM equivalent")
     if cfg.moe is None and not cfg.qk_norm and cfg.attn_head_dim is not None:
         problems.append("model.attn_head_dim without model.qk_norm has no Hugging Face equivalent (Qwen3 has both)")
-    if cfg.moe is not None and cfg.qk_norm:
-        problems.append("model.qk_norm with MoE (Qwen3-MoE) has no exporter yet")
     if problems:
-        kind = "Mixtral" if cfg.moe else "Qwen3" if cfg.qk_norm else "Llama"
+        kind = {(True, True): "Qwen3-MoE", (True, False): "Mixtral", (False, True): "Qwen3"}.get(
+            (cfg.moe is not None, cfg.qk_norm), "Llama")
         raise ValueError(f"cannot export to Hugging Face {kind}: " + "; ".join(problems))
     rs = cfg.rope_scaling
     llama = {
@@ -217,7 +218,7 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
         qwen3 = {k: v for k, v in llama.items() if k != "mlp_bias"}
         qwen3.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=False,
                      sliding_window=None, max_window_layers=cfg.n_layers)
-        return qwen3
+        return hf_moe.qwen3_moe_config(cfg, qwen3) if cfg.moe is not None else qwen3
     return hf_moe.mixtral_config(cfg, llama) if cfg.moe is not None else llama
 
 
@@ -439,7 +440,7 @@ def import_hf(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype
 def _hf_tensors(model: Llama) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) in transformers' order; the tied head is left out, as transformers does."""
     sd = model.state_dict()
-    moe = {hf: t for n, tensor in sd.items() for hf, t in (hf_moe.ours_to_hf(n, tensor) or [])}
+    moe = {hf: t for n, tensor in sd.items() for hf, t in (hf_moe.ours_to_hf(n, tensor, model.cfg.qk_norm) or [])}
     for name in hf_param_shapes(model.cfg):
         if name in moe:
             yield name, moe[name]
@@ -640,8 +641,9 @@ def _verify(args: argparse.Namespace) -> int:
     # Only the local directory (validated by import_hf above), never the hub; eager attention is the
     # plain reference implementation. 5.x renamed torch_dtype to dtype.
     key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    cls = transformers.MixtralForCausalLM if cfg.moe is not None else \
-        transformers.Qwen3ForCausalLM if cfg.qk_norm else transformers.LlamaForCausalLM
+    cls = {(True, True): transformers.Qwen3MoeForCausalLM, (True, False): transformers.MixtralForCausalLM,
+           (False, True): transformers.Qwen3ForCausalLM}.get((cfg.moe is not None, cfg.qk_norm),
+                                                             transformers.LlamaForCausalLM)
     hf = cls.from_pretrained(
         str(args.in_dir), local_files_only=True, attn_implementation="eager", **{key: dtype}).eval()
     ref = hf(tokens).logits.float()

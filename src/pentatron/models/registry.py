@@ -67,10 +67,11 @@ MODELS: dict[str, ModelConfig] = {
     "mixtral-8x7b": ModelConfig(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                                 ffn_hidden_size=14336, max_seq_len=32768, rope_theta=1e6,
                                 moe=MoEConfig(n_experts=8, top_k=2, expert_ffn_size=14336, aux_loss_coef=0.02)),
-    # Qwen/Qwen3-30B-A3B config.json, except attention: Qwen3 decouples head_dim (32 q heads × 128 >
-    # hidden 2048), which our Llama does not, so 16 heads of 128 (k/v exact, q/o half the real width).
-    "qwen3-moe-30b-a3b": ModelConfig(vocab_size=151936, hidden_size=2048, n_layers=48, n_heads=16, n_kv_heads=4,
+    # Qwen/Qwen3-30B-A3B config.json: 32 q heads of 128 (> hidden 2048: decoupled head_dim), 4 kv heads,
+    # q/k norms, 128 experts of 768, top-8 renormalised (norm_topk_prob), router_aux_loss_coef 0.001.
+    "qwen3-moe-30b-a3b": ModelConfig(vocab_size=151936, hidden_size=2048, n_layers=48, n_heads=32, n_kv_heads=4,
                                      ffn_hidden_size=6144, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
+                                     qk_norm=True, attn_head_dim=128,
                                      moe=MoEConfig(n_experts=128, top_k=8, expert_ffn_size=768,
                                                    aux_loss_coef=0.001)),
     # deepseek-ai/DeepSeek-V3 config.json's MoE (256 routed + 1 shared expert of 2048, top-8, sigmoid
