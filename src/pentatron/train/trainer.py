@@ -95,7 +95,9 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         self.comm.ledger.begin_step()
         self.observer.begin_step(self.step + 1)
-        loss = self.runner.forward_backward(self.loader.next_step(), on_micro_batch=self.observer.micro)
+        batches = self.loader.next_step()
+        documents = [self.loader.documents(x) for x, _ in batches] if self.cfg.data.document_mask else None
+        loss = self.runner.forward_backward(batches, on_micro_batch=self.observer.micro, documents=documents)
         self.observer.after_backward()
         norm = self.runner.clip_grads(self.cfg.train.clip)
         lr = self.lr_schedule.at(self.step)
