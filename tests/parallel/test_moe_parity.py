@@ -76,7 +76,6 @@ CASES: dict[int, dict[str, list[str]]] = {
         # capacity chosen over tp, then cp (the micro-batch shared by 4 ranks)
         "cp2 ring×tp2 sp capacity 1.0": ["parallel.dp=1", "parallel.cp=2", "parallel.tp=2", "parallel.sp=true",
                                          *CAPACITY],
-        "docs cp2 ring×ep2 aux-loss": ["parallel.dp=2", "parallel.cp=2", "parallel.ep=2", "data.document_mask=true"],
     },
 }
 
