@@ -1,8 +1,14 @@
 """How close is `pentatron plan` to published training runs? Evaluates every row of
 `benchmarks/published_runs.toml` with its exact layout and prints predicted vs published tokens/s/GPU
-per row, then the median and p90 |error| overall and per source (and memory where published).
+per row, then the median, p90 and signed median error overall, per split and per source (and memory
+where published).
 
     python benchmarks/planner_accuracy.py [--file benchmarks/published_runs.toml] [--json] [--source mpt]
+    python benchmarks/planner_accuracy.py --split heldout   # the figures `pentatron plan` quotes
+
+Every source is "tuning" or "heldout" (the file's `[split]`, fixed 2026-12-03): the planner may be
+tuned on tuning rows only, so the held-out figures are the honest ones; `heldout_accuracy()` is the line
+`pentatron plan` prints (plan/report.py MEASURED_ACCURACY, pinned to it by tests/plan/test_heldout.py).
 
 Published TFLOP/s and MFU are converted to tokens/s/GPU with the source's own FLOP convention, iteration
 times with the row's global batch (see the file's header). For reference it also prints the error of a
@@ -45,6 +51,7 @@ ROW_DEFAULTS = {"tp": 1, "pp": 1, "cp": 1, "zero": 0, "pp_schedule": "1f1b", "cp
 class Row:
     id: str
     source: str
+    split: str  # "tuning" or "heldout": the source's, fixed in the file's [split]
     confirmed: bool
     workload: Workload
     gpu: GPUSpec
@@ -99,8 +106,24 @@ def megatron2021_flops_per_token(cfg: ModelConfig, seq: int) -> float:
     return 96 * l * h * h * (1 + seq / (6 * h) + v / (16 * l * h))
 
 
+SPLITS = ("tuning", "heldout")
+
+
+def check_split(data: dict[str, Any]) -> None:
+    """Every source names its split, and `[split] heldout_sources` lists exactly the held-out ones."""
+    sources = data["sources"]
+    bad = {k: v.get("split") for k, v in sources.items() if v.get("split") not in SPLITS}
+    if bad:
+        raise ValueError(f"sources without split = 'tuning' | 'heldout': {bad}")
+    held = {k for k, v in sources.items() if v["split"] == "heldout"}
+    listed = set(data.get("split", {}).get("heldout_sources", ()))
+    if held != listed:
+        raise ValueError(f"[split] heldout_sources {sorted(listed)} != sources marked heldout {sorted(held)}")
+
+
 def load_rows(path: Path = DEFAULT_FILE) -> list[Row]:
     data = tomllib.loads(path.read_text())
+    check_split(data)
     models = {k: build_model(k, v) for k, v in data["models"].items()}
     return [row_from_dict(r, models, data["sources"]) for r in data["run"]]
 
@@ -138,8 +161,9 @@ def row_from_dict(r: dict[str, Any], models: dict[str, ModelConfig], sources: di
     gpu = get_gpu(r["gpu"])
     if "hw" in r:
         gpu = hardware_from_dict({"base": gpu.name, **r["hw"]}, where=r["id"])
-    row = Row(r["id"], r["source"], r.get("confirmed", True), w, gpu, 0.0, None, tuple(r.get("inferred", ())),
-              tuple(plan_args(r, src.get("recipe", "pentatron"))), r.get("recompute") == "auto", r.get("memory_rank"))
+    row = Row(r["id"], r["source"], src["split"], r.get("confirmed", True), w, gpu, 0.0, None,
+              tuple(r.get("inferred", ())), tuple(plan_args(r, src.get("recipe", "pentatron"))),
+              r.get("recompute") == "auto", r.get("memory_rank"))
     lay = row.layout
     if lay.world != r["gpus"]:
         raise ValueError(f"{r['id']}: dp*tp*pp*cp = {lay.world} != gpus {r['gpus']}")
@@ -214,7 +238,11 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def summary(results: list[Result]) -> dict[str, dict[str, float]]:
+    """Per group ("all", each split that has rows, each source): tokens/s and memory errors."""
     groups: dict[str, list[Result]] = {"all": results}
+    for split in SPLITS:
+        if any(r.row.split == split for r in results):
+            groups[split] = [r for r in results if r.row.split == split]
     for r in results:
         groups.setdefault(r.row.source, []).append(r)
     out = {}
@@ -227,11 +255,26 @@ def summary(results: list[Result]) -> dict[str, dict[str, float]]:
                      "predicted_not_fit": sum(1 for r in rs if not r.pred.fits),
                      "predicted_tight": sum(1 for r in rs if r.pred.tight),
                      "refused": sum(1 for r in rs if r.refused)}
-        m = [abs(r.memory_error) for r in rs if r.memory_error is not None]
+        signed = [r.memory_error for r in rs if r.memory_error is not None]
+        m = [abs(x) for x in signed]
         if m:
             out[name] |= {"memory_rows": len(m), "memory_median_abs_error": statistics.median(m),
+                          "memory_p90_abs_error": percentile(m, 0.9),
+                          "memory_signed_median_error": statistics.median(signed),
                           "memory_worst_abs_error": max(m), "memory_within_10pct": sum(1 for x in m if x <= 0.10)}
     return out
+
+
+def heldout_accuracy(results: list[Result]) -> str:
+    """The held-out figures as `pentatron plan` prints them (plan/report.py MEASURED_ACCURACY)."""
+    held = [r for r in results if r.row.split == "heldout"]
+    h = summary(held)["all"]
+    n_sources = len({r.row.source for r in held})
+    return (f"held-out published runs (split 2026-12-03, {h['n']} runs from {n_sources} sources): tokens/s "
+            f"median error {100 * h['median_abs_error']:.1f} %, p90 {100 * h['p90_abs_error']:.1f} %, "
+            f"signed median {100 * h['signed_median_error']:+.1f} %; peak memory ({h['memory_rows']} runs) median "
+            f"{100 * h['memory_median_abs_error']:.1f} %, p90 {100 * h['memory_p90_abs_error']:.1f} %, "
+            f"signed median {100 * h['memory_signed_median_error']:+.1f} %")
 
 
 def format_table(results: list[Result]) -> str:
@@ -267,8 +310,9 @@ def format_summary(s: dict[str, dict[str, float]], baseline_mfu: float) -> str:
     for name, v in s.items():
         if "memory_rows" in v:
             lines.append(f"{name:<14} {v['memory_rows']:>4} rows: median |err| "
-                         f"{100 * v['memory_median_abs_error']:.1f}%, worst {100 * v['memory_worst_abs_error']:.0f}%, "
-                         f"within 10 %: {v['memory_within_10pct']}")
+                         f"{100 * v['memory_median_abs_error']:.1f}%, p90 {100 * v['memory_p90_abs_error']:.1f}%, "
+                         f"signed median {100 * v['memory_signed_median_error']:+.1f}%, "
+                         f"worst {100 * v['memory_worst_abs_error']:.0f}%, within 10 %: {v['memory_within_10pct']}")
     return "\n".join(lines)
 
 
@@ -277,15 +321,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--file", type=Path, default=DEFAULT_FILE)
     ap.add_argument("--source", help="only rows of this source")
     ap.add_argument("--baseline-mfu", type=float, default=0.40)
+    ap.add_argument("--split", choices=SPLITS, help="only the rows of this split (heldout: the quoted figures)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     rows = load_rows(args.file)
     if args.source:
         rows = [r for r in rows if r.source == args.source]
+    if args.split:
+        rows = [r for r in rows if r.split == args.split]
     results = evaluate(rows, args.baseline_mfu)
     s = summary(results)
     if args.json:
-        print(json.dumps({"rows": [{"id": r.row.id, "source": r.row.source, "published": r.row.published_tps,
+        print(json.dumps({"rows": [{"id": r.row.id, "source": r.row.source, "split": r.row.split,
+                                    "published": r.row.published_tps,
                                     "plan_args": " ".join(r.row.args),
                                     "predicted": r.pred.rate.tokens_per_s_per_gpu, "error": r.error,
                                     "fits": r.pred.fits, "memory_error": r.memory_error,
@@ -295,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(results))
         print()
         print(format_summary(s, args.baseline_mfu))
+        if any(r.row.split == "heldout" for r in results):
+            print()
+            print(heldout_accuracy(results))
     return 0
 
 

@@ -34,15 +34,13 @@ import torch.nn.functional as F
 from pentatron.data.loader import TokenDataset, TokenLoader
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
-from tests.multiprocess import rank_threads
 
 F_ = TypeVar("F_", bound=Callable[..., dict[str, Any]])
 
 
 def once_per_session(fn: F_) -> F_:
-    """Memoize a deterministic reference run on its arguments (the dataset directory and the keywords), and
-    run it on the ranks' intra-op threads (`rank_threads`: 1 unless set; faster on the loaded 2-core machine,
-    and the same result whichever test asks first)."""
+    """Memoize a deterministic reference run on its arguments (the dataset directory and the keywords); it runs
+    on the test process's intra-op threads, the ranks' (tests/conftest.py)."""
     memo: dict[tuple, dict[str, Any]] = {}
     signature = inspect.signature(fn)
     first = next(iter(signature.parameters))  # the dataset directory
@@ -54,12 +52,7 @@ def once_per_session(fn: F_) -> F_:
         options = sorted((k, v) for k, v in bound.arguments.items() if k != first)
         key = (str(Path(dataset_dir).resolve()), *options)
         if key not in memo:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(rank_threads())
-            try:
-                memo[key] = fn(dataset_dir, **kwargs)
-            finally:
-                torch.set_num_threads(threads)
+            memo[key] = fn(dataset_dir, **kwargs)
         return copy.deepcopy(memo[key])  # each test its own copy: none can change the next one's
 
     return run  # type: ignore[return-value]

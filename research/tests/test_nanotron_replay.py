@@ -83,7 +83,10 @@ def test_the_sweep_recipe_follows_the_zero_stage_and_the_batch(modules, jobs):
     assert sweep.first_batch("13502220#1") and not sweep.first_batch("13803385#9")
 
 
-def test_the_published_rows_follow_the_sweeps_batch_rule(modules):
+def test_the_published_rows_keep_the_code_as_read(modules):
+    """The playbook is a held-out source (published_runs.toml [split], 2026-12-03): its rows keep nanotron's
+    code as read (sharded SP inputs) even in the sweep's first batch, whose gathered inputs are an inference
+    from this source's own memory logs that only the sweep study applies (first_batch)."""
     sweep, _ = modules
     import re
 
@@ -92,11 +95,10 @@ def test_the_published_rows_follow_the_sweeps_batch_rule(modules):
     runs = [r for r in tomllib.loads((BENCHMARKS / "published_runs.toml").read_text())["run"]
             if r["source"] == "playbook"]
     assert len(runs) == 21
+    jobs = [re.search(r"job (\d+)", r["note"]).group(1) for r in runs]
+    assert sum(sweep.first_batch(j) for j in jobs) == 7  # the rows the inference used to move
     for r in runs:
-        job = re.search(r"job (\d+)", r["note"]).group(1)
-        gathered = r.get("sp_inputs") == "gathered"
-        assert gathered == (r["tp"] > 1 and sweep.first_batch(job)), r["id"]
-        assert gathered == ("sp_inputs" in r["inferred"]), r["id"]
+        assert "sp_inputs" not in r and "sp_inputs" not in r["inferred"], r["id"]
         assert (r.get("grad_precision") == "bf16+fp32") == (r["zero"] == 0 and r["dp"] > 1), r["id"]
 
 

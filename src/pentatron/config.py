@@ -247,6 +247,33 @@ class DataConfig:
 
 
 @dataclass
+class EvalConfig:
+    """[eval]: the validation loss during training (train/validation.py): every `every` steps and after the
+    last, the mean cross-entropy of the model over `batches` global batches of held-out data — the same
+    sequences every time — and its perplexity, computed in the run's layout without touching training's
+    gradients, optimizer state, data position or MoE biases. The held-out data is the tail of the training
+    token stream (`holdout` or `holdout_tokens`: never trained on) or another tokenized directory (`path`)."""
+
+    every: int = 0
+    """[optimizer steps] Evaluate every this many steps and after the last step; 0: no evaluation."""
+    batches: int = 1
+    """[global batches] Batches per evaluation, each train.global_batch sequences of train.seq_len tokens: the
+    first ones of the held-out data, in order, split over data-parallel ranks as training's."""
+    holdout: float = 0.0
+    """Share of the training token stream (data.path's, or the built-in corpus), at its end, held out for
+    validation and never trained on (0 ≤ x < 1; rounded to whole tokens). Training then draws its samples
+    from the rest only: fewer samples, so another shuffled order than the same config without a holdout.
+    Held out whenever set, even with every = 0, so turning evaluation on or off never changes what is
+    trained on; 0 (with holdout_tokens = 0): the whole stream, exactly as before [eval] existed. A resume
+    with another holdout is refused (the order would change)."""
+    holdout_tokens: int = 0
+    """[tokens] As `holdout`, a token count instead of a share (set one of the two)."""
+    path: str = ""
+    """A directory written by `pentatron tokenize` to validate on instead of a holdout (the same tokenizer as
+    the training data); the training data is then used whole."""
+
+
+@dataclass
 class CheckpointConfig:
     """[checkpoint]: saving, resuming, retention."""
 
@@ -313,6 +340,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -593,6 +621,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"data.path {cfg.data.path!r} does not exist (create it with `pentatron tokenize`)")
     if cfg.data.default_corpus_bytes <= 0:
         p.append(f"data.default_corpus_bytes must be > 0, got {cfg.data.default_corpus_bytes}")
+    p += eval_problems(cfg.eval)
     if cfg.checkpoint.every < 0:
         p.append(f"checkpoint.every must be ≥ 0, got {cfg.checkpoint.every}")
     if cfg.checkpoint.keep < 1:
@@ -615,6 +644,30 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     # beyond ~31 years a timeout overflows the process group's timedelta; nobody waits that long
     if problem := number_problem("distributed.timeout_s", cfg.distributed.timeout_s, gt=0, le=1e9):
         p.append(problem)
+    return p
+
+
+def eval_problems(ev: EvalConfig) -> list[str]:
+    """[eval]'s own rules (its sizes against the data: `data/eval_split.py`, checked at preflight)."""
+    p = []
+    if ev.every < 0:
+        p.append(f"eval.every must be ≥ 0 (0: no evaluation), got {ev.every}")
+    if ev.batches < 1:
+        p.append(f"eval.batches must be ≥ 1, got {ev.batches}")
+    if not 0 <= ev.holdout < 1:
+        p.append(f"eval.holdout must be within [0, 1) (a share of the training tokens), got {ev.holdout}")
+    if ev.holdout_tokens < 0:
+        p.append(f"eval.holdout_tokens must be ≥ 0, got {ev.holdout_tokens}")
+    sources = [k for k, on in (("eval.holdout", ev.holdout > 0), ("eval.holdout_tokens", ev.holdout_tokens > 0),
+                               ("eval.path", bool(ev.path))) if on]
+    if len(sources) > 1:
+        p.append(f"{' and '.join(sources)} are both set: validate on one source (a holdout of the training data, "
+                 "or eval.path)")
+    if ev.every > 0 and not sources:
+        p.append(f"eval.every={ev.every} but no validation data: set eval.holdout (e.g. 0.01), eval.holdout_tokens "
+                 "or eval.path")
+    if ev.path and not ev.path.startswith(PLACEHOLDER) and not Path(ev.path).exists():
+        p.append(f"eval.path {ev.path!r} does not exist (create it with `pentatron tokenize`)")
     return p
 
 

@@ -71,6 +71,7 @@ def environment_problems() -> list[str]:
 
 
 def data_problems(cfg: Config, build_default_data: bool) -> list[str]:
+    from pentatron.data.eval_split import eval_data_problems
     from pentatron.data.loader import TokenDataset, too_short_problem
     from pentatron.train.trainer import resolve_dataset
 
@@ -85,6 +86,9 @@ def data_problems(cfg: Config, build_default_data: bool) -> list[str]:
     short = too_short_problem(dataset, cfg.train.seq_len)
     if short:
         return [short]
+    held = eval_data_problems(cfg.eval, dataset, cfg.train.seq_len, cfg.train.global_batch, vocab)
+    if held:
+        return held
     if build_default_data:  # the launcher or rank 0 reads every token id once (data/vocab_check.py)
         from pentatron.data.vocab_check import scan_problem
 

@@ -183,6 +183,14 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
 
 
+def forward_only(p: int, m: int, v: int = 1) -> Schedule:
+    """Forwards only (validation: no backward, nothing kept for one): each rank runs its chunks in order,
+    every micro-batch through chunk 0, then chunk 1, …, so a micro-batch's next stage never waits for
+    more than its predecessor."""
+    _check_pm(p, m, "forward")
+    return Schedule(p, m, v, [[Action(F, i, c) for c in range(v) for i in range(m)] for _ in range(p)], "forward")
+
+
 def make_schedule(name: str, p: int, m: int, v: int = 1, all_warmup: bool = True) -> Schedule:
     """Generator by config name (`parallel.pp_schedule`: afab | 1f1b | interleaved | zb); `all_warmup`:
     see `interleaved_1f1b`."""
@@ -297,13 +305,14 @@ def _check_structure(s: Schedule) -> None:
                     raise ScheduleError(f"{s.name}: rank {r} position {pos}: {a} comes before its forward")
                 if a.kind == W and (B, key[1], key[2]) not in seen:
                     raise ScheduleError(f"{s.name}: rank {r} position {pos}: {a} comes before its B")
+    forward_only = all(k == F for k, _, _ in seen)  # a validation schedule (`forward_only`)
     for st in range(s.n_stages):
         for i in range(s.m):
             has = {k for k in Kind if (k, st, i) in seen}
             where = f"stage {st} (rank {s.rank_of(st)}, chunk {st // s.p}), micro-batch {i}"
             if F not in has:
                 raise ScheduleError(f"{s.name}: {where} has no forward")
-            if has - {F} not in ({BW}, {B, W}):
+            if has - {F} not in ({BW}, {B, W}) and not forward_only:
                 raise ScheduleError(f"{s.name}: {where} needs exactly one BW, or one B and one W; "
                                     f"has {sorted(k.value for k in has - {F})}")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from pentatron.cli import main
 from pentatron.distributed.launch import file_init_method
@@ -16,14 +15,6 @@ from pentatron.lab.divergence import lr_spike
 from pentatron.lab.precision import grad_accumulation, loss_scaling, master_weights
 from pentatron.lab.scaling import grad_scale
 from pentatron.observe.watchdog import HANG_EXIT_CODE
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_master_weights(tmp_path: Path):

@@ -30,7 +30,7 @@ from pentatron.parallel.tensor import (
     gather_full_params,
     vocab_parallel_cross_entropy,
 )
-from tests.multiprocess import rank_threads, run_ranks
+from tests.multiprocess import run_ranks
 from tests.reference_loop import EXACT_RTOL, FP64, reference_run, relative_error
 
 STEPS, SEQ, MICRO, GLOBAL, CLIP = 4, 32, 2, 4, 1.0
@@ -96,14 +96,7 @@ def _tp_runs(rank: int, world_size: int, dataset_dir: Path) -> dict[bool, dict[s
 
 @pytest.fixture(scope="module")
 def reference(default_dataset) -> dict[str, Any]:
-    # the ranks' intra-op threads (1 unless set), as reference_run: on the loaded 2-core CI machine 2
-    # threads measured 10-20× slower (15-54 s against 1-6 s)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(rank_threads())
-    try:
-        return _reference(default_dataset)
-    finally:
-        torch.set_num_threads(threads)
+    return _reference(default_dataset)
 
 
 def _assert_parity(ref: dict[str, Any], got: dict[str, Any], label: str) -> None:

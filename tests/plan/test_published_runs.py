@@ -45,7 +45,7 @@ def test_published_metrics_convert_to_tokens_per_s_per_gpu(tmp_path):
     common = ('source = "s"\nmodel = "tiny"\ngpu = "a100-80gb"\ngpus = 8\ndp = 8\nmicro_batch = 1\n'
               'global_batch = 8\nseq = 16\n')
     (tmp_path / "runs.toml").write_text(
-        '[sources.s]\ncite = "c"\nurl = "u"\nstatus = "s"\n'
+        '[split]\nheldout_sources = []\n[sources.s]\ncite = "c"\nurl = "u"\nstatus = "s"\nsplit = "tuning"\n'
         '[models.tiny]\nn_layers = 2\nhidden_size = 64\nn_heads = 4\nvocab_size = 128\n'
         f'[[run]]\nid = "time"\n{common}metric = "iteration_s"\nvalue = 0.5\n'
         f'[[run]]\nid = "mfu"\n{common}metric = "mfu"\nflops = "model"\nvalue = 50\n')

@@ -119,7 +119,9 @@ class TokenLoader:
     """Yields, per optimizer step, this DP rank's micro-batches of (inputs, targets) int64 tensors."""
 
     def __init__(self, dataset: TokenDataset, seq_len: int, micro_batch: int, global_batch: int,
-                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, consumed_samples: int = 0) -> None:
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, consumed_samples: int = 0,
+                 train_tokens: int | None = None) -> None:
+        """`train_tokens`: read only this prefix of the stream (the rest is held out: data/eval_split.py)."""
         problems = [f"{name} must be a positive integer, got {v!r}"
                     for name, v in (("seq_len", seq_len), ("micro_batch", micro_batch),
                                     ("global_batch", global_batch), ("dp_size", dp_size))
@@ -144,8 +146,10 @@ class TokenLoader:
         self.dp_size = dp_size
         self.seed = seed
         self.consumed_samples = consumed_samples
-        self.num_samples = (len(dataset) - 1) // seq_len
-        short = too_short_problem(dataset, seq_len)
+        self.num_samples = ((len(dataset) if train_tokens is None else train_tokens) - 1) // seq_len
+        short = too_short_problem(dataset, seq_len) or (None if self.num_samples > 0 else
+                                                        f"a holdout leaves {train_tokens} training tokens, "
+                                                        f"fewer than seq_len+1 = {seq_len + 1}")
         if short:
             raise DataError(short)
         self._orders: dict[int, np.ndarray] = {}
@@ -237,6 +241,11 @@ class TokenLoader:
                             "same dataset")
         if consumed < 0:
             raise DataError(f"data loader state has consumed_samples={consumed} < 0")
+        saved_samples = state.get("num_samples", self.num_samples)
+        if saved_samples != self.num_samples:  # same dataset and seq_len: the held-out split changed
+            raise DataError(f"data loader state was saved with {saved_samples} training samples but this run has "
+                            f"{self.num_samples} (eval.holdout or eval.holdout_tokens changed); the sample order "
+                            "would differ, so resuming is refused: use the run's [eval] holdout")
         self.consumed_samples = consumed
         if seed != self.seed:
             self.seed = seed

@@ -49,8 +49,9 @@ class MetricsLogger:
     def log(self, record: dict[str, Any], console: bool) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        val = record.get("val")
         if self._tb is not None:
-            for key, value in _scalars(record, "train"):
+            for key, value in _scalars({k: v for k, v in record.items() if k != "val"}, "train") + _scalars(val, "val"):
                 if key != "train/step":
                     self._tb.add_scalar(key, value, record["step"])
         self._bar.update(1)
@@ -62,6 +63,8 @@ class MetricsLogger:
                                            "reserved r0")))
                 self._header_done = True
             self._bar.write(self._row(self._cells(record)))
+        if val is not None:  # every evaluation is shown, logged row or not
+            self._bar.write(validation_line(record["step"], val))
 
     @staticmethod
     def _cells(r: dict[str, Any]) -> tuple[str, ...]:
@@ -81,6 +84,12 @@ class MetricsLogger:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def validation_line(step: int, val: dict[str, Any]) -> str:
+    return (f"pentatron: validation at step {step}: loss {val['loss']:.4f}, perplexity {val['perplexity']:.2f} "
+            f"({val['batches']} batch{'es' if val['batches'] != 1 else ''}, {val['tokens']:,} tokens, "
+            f"{val['time_s']:.2f} s)")
 
 
 def _keep_steps_up_to(path: Path, last_step: int) -> None:

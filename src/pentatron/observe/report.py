@@ -1,6 +1,6 @@
-"""The run report — predict, then measure: `report.md`, `report.json` and `report.png` (loss, gradient
-norm, throughput, memory, communication bytes by dimension) in the run directory,
-written at the end of every run (rank 0) and by `pentatron report RUN_DIR`.
+"""The run report — predict, then measure: `report.md`, `report.json` and `report.png` (loss, with the
+validation loss of each evaluation under [eval]; gradient norm, throughput, memory, communication bytes by
+dimension) in the run directory, written at the end of every run (rank 0) and by `pentatron report RUN_DIR`.
 
 Measured numbers come from `metrics.jsonl` (rank 0's records): the communication bytes are the
 ledger's own per-step numbers, copied, not recomputed. The prediction is the planner's
@@ -89,7 +89,9 @@ def measured(records: list[dict[str, Any]]) -> dict[str, Any]:
     sent = {d: sum(ys) / len(steady) for d, ys in comm_sent_series(steady).items()}
     # the memory accounting is on each start's first record: the last one of this layout
     mem = next((r["memory"] for r in reversed(same) if "memory" in r), {})
+    vals = [r for r in records if "val" in r]
     out = {"steps": records[-1]["step"], "final_loss": records[-1]["loss"],
+           "final_val_loss": vals[-1]["val"]["loss"] if vals else None,
            "compared_steps": _step_ranges([r["step"] for r in steady]), "compared_layout": same[-1].get("layout"),
            "step_time_s": statistics.median(r["step_time_s"] for r in steady),
            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
@@ -295,8 +297,13 @@ def _plots(run_dir: Path, records: list[dict[str, Any]]) -> list[str]:
     from matplotlib.figure import Figure
 
     steps = [r["step"] for r in records]
+    vals = [r for r in records if "val" in r]  # [eval]: the validation curve beside the training loss
+    loss = {"training": [r["loss"] for r in records]}
+    loss_steps = {"validation": [r["step"] for r in vals]} if vals else {}
+    if vals:
+        loss["validation"] = [r["val"]["loss"] for r in vals]
     panels: list[tuple[str, str, dict[str, list[float]]]] = [
-        ("training loss", "loss", {"loss": [r["loss"] for r in records]}),
+        ("loss", "loss", loss),
         ("gradient norm (before clipping)", "‖g‖", {"grad norm": [r["grad_norm"] for r in records]}),
         ("throughput", "tokens/s", {"tokens/s": [r["tokens_per_s"] for r in records]}),
         ("peak memory, rank 0", "MiB", {"peak": [r["peak_mem_bytes"] / 2**20 for r in records]})]
@@ -309,7 +316,8 @@ def _plots(run_dir: Path, records: list[dict[str, Any]]) -> list[str]:
     for i, (title, ylabel, series) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), i + 1)
         for label, ys in series.items():
-            ax.plot(steps, ys, label=label)
+            xs = loss_steps.get(label, steps) if i == 0 else steps
+            ax.plot(xs, ys, label=label, marker="o" if len(xs) < len(steps) else None)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
@@ -340,7 +348,9 @@ def write_report(run_dir: Path, hardware_profile: Path | None = None) -> Path:
                      f"{info['config']['model']['name']}; dp={dp} tp={par['tp']}{'+sp' if par.get('sp') else ''} "
                      f"pp={par['pp']} "
                      f"cp={par.get('cp', 1)} ep={par.get('ep', 1)} "
-                     f"zero={par['zero']}; {meas['steps']} steps, final loss {meas['final_loss']:.4f}; median "
+                     f"zero={par['zero']}; {meas['steps']} steps, final loss {meas['final_loss']:.4f}"
+                     + (f", final validation loss {meas['final_val_loss']:.4f}" if meas["final_val_loss"] is not None
+                        else "") + "; median "
                      f"step {meas['step_time_s']:.4f} s, {meas['tokens_per_s']:,.0f} tokens/s.")
         lines.append("")
     lines += ["## Predicted vs measured", ""]

@@ -64,6 +64,7 @@ def build_summary(trainer: Any, records: list[dict[str, Any]], wall_s: float, pe
         "steps": {"first": records[0]["step"], "last": records[-1]["step"],
                   "resumed_from": records[0]["step"] - 1 if records[0]["step"] > 1 else None},
         "loss": {"first": losses[0][0], "final": losses[-1][0], "min": min(losses)[0], "min_step": min(losses)[1]},
+        "validation": validation_summary(records),
         "tokens_per_s": {"mean_all_ranks": mean_tps, "mean_per_rank": mean_tps / trainer.world_size,
                          "steps_averaged": [timed[0]["step"], timed[-1]["step"]]},
         "mfu": {"mean": sum(mfus) / len(mfus) if mfus else None, "max": max(mfus) if mfus else None,
@@ -98,6 +99,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("steps", f"{steps['first']} … {steps['last']}{resumed}"),
         ("loss", f"final {loss['final']:.4f}, min {loss['min']:.4f} at step {loss['min_step']} "
                  f"(first logged {loss['first']:.4f})"),
+        *([("validation", validation_text(s["validation"]))] if s.get("validation") else []),
         ("throughput", f"{tps['mean_all_ranks']:,.0f} tokens/s for the whole job = {tps['mean_per_rank']:,.0f} "
                        f"per rank (mean of steps {a}–{b})"),
     ]
@@ -121,6 +123,22 @@ def format_summary(s: dict[str, Any]) -> str:
     rows.append(("summary", paths.get("summary", "")))
     width = max(len(k) for k, _ in rows)
     return "pentatron: run summary\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def validation_summary(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The evaluations of this start ([eval]): final and best validation loss, each with its step."""
+    vals = [(r["val"]["loss"], r["step"], r["val"]["perplexity"]) for r in records if "val" in r]
+    if not vals:
+        return None
+    best = min(vals)
+    return {"final": vals[-1][0], "final_step": vals[-1][1], "final_perplexity": vals[-1][2], "min": best[0],
+            "min_step": best[1], "evaluations": len(vals), "tokens": next(r["val"]["tokens"] for r in records
+                                                                         if "val" in r)}
+
+
+def validation_text(v: dict[str, Any]) -> str:
+    return (f"loss final {v['final']:.4f} (perplexity {v['final_perplexity']:.2f}) at step {v['final_step']}, "
+            f"min {v['min']:.4f} at step {v['min_step']} ({v['evaluations']} evaluations of {v['tokens']:,} tokens)")
 
 
 def compile_text(c: dict[str, Any] | None) -> str:

@@ -198,6 +198,10 @@ class DataParallelBase:
         """Make the parameters current after the optimizer stepped `slots` (nothing when it stepped them
         in place)."""
 
+    def release_gathered(self) -> None:
+        """After a forward-only pass (validation): free whatever its forwards gathered (ZeRO-3), as the end of
+        a step would; nothing to do for engines that hold their parameters."""
+
     # ------------------------------------------------------------------ state
     def model_state(self) -> dict[str, torch.Tensor]:
         """The model's checkpoint tensors keyed by `self.keys` (DCP dedups replicated ones across ranks)."""

@@ -63,6 +63,10 @@ class GroupedDataParallel:
         for e in self.engines:
             e.after_optimizer_step()
 
+    def release_gathered(self) -> None:
+        for e in self.engines:
+            e.release_gathered()
+
     def close(self) -> None:
         for e in self.engines:
             e.close()

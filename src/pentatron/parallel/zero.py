@@ -511,6 +511,13 @@ class FullyShardedDataParallel(_ShardedBase):
             self.grad_shard.div_(self.grad_divisor)
         self._reset_counts(self.layout)
 
+    def release_gathered(self) -> None:
+        # A no_grad forward counted no backward (`_make_pre_forward`); under zero3_gather="step" it kept
+        # the stage gathered, which only a step's end frees: free every unit now.
+        for u in self.units:
+            self._free(u)
+            u.forward_pending = set()
+
     def owned_grads(self) -> list[torch.Tensor]:
         return [self.grad_shard]
 

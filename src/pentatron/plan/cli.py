@@ -173,6 +173,9 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="also build the real model on the meta device and check parameters, FLOPs and "
                         "activation bytes against the formulas (fails beyond 2%%)")
     o.add_argument("--list-gpus", action="store_true", help="list catalogue GPUs and exit")
+    o.add_argument("--zero-table", action="store_true",
+                   help="print the given layout's memory per GPU at ZeRO 0, 1, 2 and 3 side by side (weights, "
+                        "gradients, optimizer, activations; the Ultra-Scale Playbook's exercise 2) and exit")
     o.add_argument("--batch", metavar="FILE",
                    help="evaluate every [[layout]] of this TOML file (fields as the layout flags) in one process")
     o.add_argument("--emit-config", metavar="FILE",
@@ -351,7 +354,31 @@ def _run_plan(args: argparse.Namespace) -> int:
     if not 1 <= args.gpus <= MAX_GPUS:
         raise InputError(f"--gpus must be within 1 … {MAX_GPUS:,} (the largest cluster the search covers), "
                          f"got {args.gpus:,}")
+    if args.zero_table:
+        return max(rc, _zero_table(args, w, gpu, fixed))
     return max(rc, _plan(args, w, gpu, fixed, train_tokens, verify_rows))
+
+
+def _zero_table(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any]) -> int:
+    """--zero-table: the requested layout (unsearched: what is not given takes its simplest value) at each
+    ZeRO stage."""
+    from pentatron.plan import report
+    from pentatron.plan.layout import problems
+    from pentatron.plan.zero_table import format_zero_table, zero_rows, zero_table_json
+
+    if "zero" in fixed:
+        raise InputError("--zero-table shows every ZeRO stage: drop --zero")
+    lay = requested_layout(fixed, args.gpus)
+    if probs := problems(w, lay, gpu, args.gpus):
+        raise InputError("; ".join(probs))
+    kernels = resolve_kernels(fixed["recipe"], args.kernels, gpu.device_type)
+    rows = zero_rows(w, lay, gpu, kernels)
+    if args.json:
+        print(json.dumps({"schema": report.SCHEMA, "layout": lay.to_dict(), "zero_table": zero_table_json(rows)},
+                         indent=2))
+    else:
+        print(format_zero_table(w, lay, gpu, rows))
+    return 0
 
 
 def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], train_tokens: float | None,
@@ -359,6 +386,7 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
     from pentatron.plan import report
     from pentatron.plan.layout import problems
     from pentatron.plan.search import CP_MARGIN, predict, search, suggest_fixes
+    from pentatron.plan.unmeasured import unmeasured
 
     evaluate = any(k in fixed for k in KNOB_FLAGS)
     for name in ("dp", "tp", "pp", "cp", "ep", "pp_virtual", "micro_batch", "cp_ulysses"):
@@ -398,7 +426,7 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
                                    verify=verify_rows, train_tokens=train_tokens, price=args.price)
             if grown is not None:
                 out["smallest_fitting"] = {"gpus": grown.layout.world,
-                                           "prediction": report.prediction_json(w, grown, 1)}
+                                           "prediction": report.prediction_json(w, grown, 1, gpu=gpu)}
             print(json.dumps(out, indent=2))
         else:
             print(report.header(w, gpu, args.gpus))
@@ -423,6 +451,8 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
           f"({res.seconds:.2f} s)")
     print(report.ranked_table(w, preds))
     print(report.table_notes(CP_MARGIN))
+    if (u := unmeasured(preds[0], gpu)) is not None:
+        print(u.table_note())
     print("\nwhy the best layout:")
     for r in res.reasons:
         print(f"  {r}")
@@ -472,7 +502,7 @@ def _batch(args: argparse.Namespace, w: Any, gpu: Any) -> int:
     if args.json:
         print(json.dumps({"schema": report.SCHEMA, "batch": [
             {"layout": r.layout.to_dict(), "problems": list(r.problems),
-             "prediction": report.prediction_json(w, r.prediction, i) if r.prediction else None}
+             "prediction": report.prediction_json(w, r.prediction, i, gpu=gpu) if r.prediction else None}
             for i, r in enumerate(rows, 1)]}, indent=2))
         return 0
     print(report.header(w, gpu, args.gpus))

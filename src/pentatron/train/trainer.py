@@ -14,6 +14,7 @@ from pentatron.checkpoint.errors import CheckpointWriteError
 from pentatron.checkpoint.resume import resume_target
 from pentatron.checkpoint.store import CheckpointStore
 from pentatron.config import Config
+from pentatron.data.eval_split import eval_set, training_tokens
 from pentatron.data.loader import TokenDataset, TokenLoader
 from pentatron.data.tokenize import ensure_default_dataset
 from pentatron.observe.metrics import COMM_LEGEND, MetricsLogger
@@ -27,6 +28,7 @@ from pentatron.train.lr_schedule import LrSchedule, resumed_schedule
 from pentatron.train.model_state import ModelState
 from pentatron.train.nonfinite import NonFiniteGuard, NonFiniteStop
 from pentatron.train.sigterm import SigtermWatch, Terminated
+from pentatron.train.validation import Validation
 
 
 def resolve_dataset(cfg: Config, vocab_size: int) -> Path:
@@ -64,9 +66,13 @@ class Trainer:
                 dataset_dir = dataset_dir or resolve_dataset(cfg, self.model_cfg.vocab_size)
             self.dataset = TokenDataset(dataset_dir)
             self.dataset.check_vocab(self.model_cfg.vocab_size)
+            # [eval]: a held-out tail of the stream is never trained on (data/eval_split.py)
             self.loader = TokenLoader(self.dataset, seq_len=tr.seq_len, micro_batch=tr.micro_batch,
                                       global_batch=tr.global_batch, dp_rank=self.dp_rank, dp_size=self.dp,
-                                      seed=tr.seed)
+                                      seed=tr.seed, train_tokens=training_tokens(cfg.eval, len(self.dataset)))
+            self.validation = Validation(cfg.eval, tr, eval_set(cfg.eval, self.dataset, tr.seq_len,
+                                                                self.model_cfg.vocab_size),
+                                         self.runner, self.dp_rank, self.dp) if cfg.eval.every > 0 else None
             self.step = 0
             self.lr_schedule = LrSchedule(tr)  # a resume may re-shape it (`_resume`)
             self.guard = NonFiniteGuard(tr.nonfinite)
@@ -182,6 +188,9 @@ class Trainer:
                 if not records:  # the first record of a run carries the per-rank memory accounting
                     record["memory"] = self.runner.memory().to_dict()
                 record.update(self.observer.end_step(record))
+                stopping = "nonfinite" in record and self.guard.action == "stop"
+                if self.validation is not None and self.validation.due(self.step) and not stopping:
+                    record["val"] = self.validation.run()  # after the step's timing: not in tokens/s or MFU
                 records.append(record)
                 if logger is not None:
                     console = self.step % cfg.log.every == 0 or self.step == cfg.train.steps

@@ -31,7 +31,6 @@ from pentatron.parallel.pipeline.engine import PipelineEngine, measured_bubble
 from pentatron.parallel.pipeline.stages import build_stages, stage_layers, sync_tied_grads
 from pentatron.precision import wide
 from pentatron.schedules import make_schedule
-from tests.multiprocess import rank_threads
 from tests.reference_loop import EXACT_RTOL
 
 SEQ, MICRO, M, STEPS, LR, SEED = 32, 1, 8, 10, 1e-3, 0
@@ -77,12 +76,7 @@ def _optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
 
 def reference_run(case: Case, dataset_dir: Path) -> dict[str, Any]:
     """The 1-process run: whole model, gradient accumulation over the micro-batches."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(rank_threads())  # like the ranks (1 is much faster than 2 on a loaded 2-core box)
-    try:
-        return _reference_run(case, dataset_dir)
-    finally:
-        torch.set_num_threads(threads)
+    return _reference_run(case, dataset_dir)
 
 
 def _reference_run(case: Case, dataset_dir: Path) -> dict[str, Any]:

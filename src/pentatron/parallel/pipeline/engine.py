@@ -20,6 +20,9 @@ Memory: a (chunk, micro-batch)'s saved activations are dropped as soon as its la
 action is timed from after its inputs have arrived (so waiting shows up as bubble) to its end: with
 CUDA events on a CUDA device (recorded per action, read once at the end of the step), else with
 `time.perf_counter()`.
+
+Validation runs a `schedules.forward_only` schedule through its own engine under `torch.no_grad()`:
+the same forwards and messages, no saved activations, no listener calls.
 """
 
 from __future__ import annotations
@@ -214,7 +217,8 @@ class PipelineEngine:
         else:
             sent = ("act", st + 1, a.microbatch)
             self._produce(sent, out.detach())
-        self._saved[(a.chunk, a.microbatch)] = _Saved(None if stage.is_first else x, out, sent)
+        if torch.is_grad_enabled():  # a forward-only step (validation, `schedules.forward_only`) keeps nothing
+            self._saved[(a.chunk, a.microbatch)] = _Saved(None if stage.is_first else x, out, sent)
         return t0
 
     def _backward(self, a: Action) -> object:
