@@ -103,7 +103,7 @@ class StepRunner:
         if documents is not None and len(documents) != len(micro_batches):
             raise ValueError(f"{len(documents)} Documents for {len(micro_batches)} micro-batches")
         batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
-        positions = self._positions(documents, len(batches))
+        positions = self.positions(documents, len(batches))
         if self.shard is not None:
             batches = [(self.shard.take(x), self.shard.take(y)) for x, y in batches]
         if self.pipeline is not None:
@@ -134,7 +134,7 @@ class StepRunner:
         self.comm.all_reduce(loss, "dp" if self.layout.cp == 1 else "dp_cp")
         return loss / (self.layout.dp * self.layout.cp)
 
-    def _positions(self, documents: Sequence[Documents] | None, n: int) -> list[torch.Tensor | None]:
+    def positions(self, documents: Sequence[Documents] | None, n: int) -> list[torch.Tensor | None]:
         """Each micro-batch's RoPE positions of the tokens this rank holds: None (0..s−1), this cp rank's
         shard of them, or per sample [b, s_local] when positions restart at each document."""
         held = self.shard.positions if self.shard is not None else None

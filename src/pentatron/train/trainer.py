@@ -72,7 +72,8 @@ class Trainer:
                                       seed=tr.seed, train_tokens=training_tokens(cfg.eval, len(self.dataset)))
             self.validation = Validation(cfg.eval, tr, eval_set(cfg.eval, self.dataset, tr.seq_len,
                                                                 self.model_cfg.vocab_size),
-                                         self.runner, self.dp_rank, self.dp) if cfg.eval.every > 0 else None
+                                         self.runner, self.dp_rank, self.dp,
+                                         cfg.data.document_mask) if cfg.eval.every > 0 else None
             self.step = 0
             self.lr_schedule = LrSchedule(tr)  # a resume may re-shape it (`_resume`)
             self.guard = NonFiniteGuard(tr.nonfinite)
