@@ -10,8 +10,8 @@ bitwise identical — the harness of `test_composition_parity.py`. Both sides ru
 The "docs" cases train with document masking on short packed documents (tests/documents_data.py: documents of
 1–3 tokens, shorter than a ring chunk — 16 tokens at cp2, 8 in the hybrid —, ones crossing sample boundaries,
 samples that are one document) and must equal every document trained alone (`reference_run(documents=True)`):
-ring (masked block pieces, skipped pairs), Ulysses, hybrid, and composed with tp+sp and pp (dp × ZeRO: the
-MoE "docs" cases of test_moe_parity.py).
+ring (masked block pieces, skipped pairs), Ulysses, hybrid, composed with tp+sp and pp, and without cp: dp ×
+ZeRO-2, pp zero-bubble × dp ZeRO-3 (MoE + EP: the "docs" case of test_moe_parity.py).
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ CASES: dict[int, dict[str, list[str]]] = {
     },
 }
 DOCS = ["data.document_mask=true"]
-CASES[2] |= {"docs cp2 ring": [*RING2, *M4, *DOCS], "docs cp2 ulysses": [*ULY2, *M4, *DOCS]}
+CASES[2] |= {"docs cp2 ring": [*RING2, *M4, *DOCS], "docs cp2 ulysses": [*ULY2, *M4, *DOCS],
+             "docs dp2 zero2": ["parallel.dp=2", "parallel.zero=2", *DOCS]}  # launched here to share the ranks
 CASES[4] |= {
     "docs cp4 hybrid (ulysses 2 × ring 2) selective": ["parallel.cp=4", "parallel.cp_mode='hybrid'",
                                                        "parallel.cp_ulysses=2", "train.recompute=selective",
@@ -64,6 +65,7 @@ CASES[4] |= {
     "docs cp2 ring × tp2 sp full recompute": [*RING2, "parallel.tp=2", "parallel.sp=true", "train.recompute=full", *M4,
                                               *DOCS],
     "docs cp2 ulysses × pp2 1f1b": [*ULY2, "parallel.pp=2", *DOCS],
+    "docs pp2 zb × dp2 zero3": ["parallel.pp=2", "parallel.pp_schedule=zb", "parallel.dp=2", "parallel.zero=3", *DOCS],
 }
 
 
