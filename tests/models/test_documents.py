@@ -3,6 +3,8 @@ attention (models/documents.py) against each document run alone, in float64."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ def test_a_document_starts_at_the_sample_start_and_at_each_eos():
 
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
-    return build_model(get_model_config("debug"), seed=0, dtype=torch.float64)
+    return build_model(replace(get_model_config("debug"), n_layers=2), seed=0, dtype=torch.float64)
 
 
 def test_masked_forward_and_backward_equal_each_document_alone(model):
