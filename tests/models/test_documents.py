@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pentatron.data.documents import find_documents
-from pentatron.models.documents import Documents
+from pentatron.models.documents import Documents, documents_record
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
 
@@ -26,6 +26,8 @@ def test_a_document_starts_at_the_sample_start_and_at_each_eos():
     assert not docs.single and find_documents(x[1:], EOS).single
     with pytest.raises(ValueError, match="begin at 0"):
         Documents(((1, 3),), 7)
+    # lengths 2, 2, 1, 2 and 7: the step record's figures; pairs 3+3+1+3 + 28 of the dense 2·28
+    assert documents_record([docs]) == {"mean_tokens": 14 / 5, "mean_sq_tokens": 62 / 5, "attention_pairs": 38 / 56}
 
 
 @pytest.fixture(scope="module")

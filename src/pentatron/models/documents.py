@@ -65,6 +65,16 @@ class Documents:
         return sum((e - s) * (e - s + 1) // 2 for i in range(len(self.starts)) for s, e in self.spans(i))
 
 
+def documents_record(micro_batches: list[Documents]) -> dict[str, float]:
+    """A step's documents (this rank's micro-batches), for metrics: their mean length in tokens (a document cut
+    by a sample's edge counts once per sample), the mean of their squared lengths, and the query·key pairs
+    masked attention computes as a share of the dense causal pairs the MFU convention counts."""
+    lengths = [e - s for d in micro_batches for i in range(len(d.starts)) for s, e in d.spans(i)]
+    dense = sum(len(d.starts) * d.seq_len * (d.seq_len + 1) // 2 for d in micro_batches)
+    return {"mean_tokens": sum(lengths) / len(lengths), "mean_sq_tokens": sum(n * n for n in lengths) / len(lengths),
+            "attention_pairs": sum(d.pairs() for d in micro_batches) / dense}
+
+
 def _first_of(row: tuple[int, ...], seq_len: int) -> np.ndarray:
     """[seq_len]: the start offset of the document each token belongs to."""
     out = np.zeros(seq_len, dtype=np.int64)

@@ -17,6 +17,7 @@ from pentatron.config import Config
 from pentatron.data.eval_split import eval_set, training_tokens
 from pentatron.data.loader import TokenDataset, TokenLoader
 from pentatron.data.tokenize import ensure_default_dataset
+from pentatron.models.documents import documents_record
 from pentatron.observe.metrics import COMM_LEGEND, MetricsLogger
 from pentatron.observe.report import layout_key
 from pentatron.observe.run_observer import RunObserver
@@ -118,6 +119,8 @@ class Trainer:
         extra = self.runner.step_stats()
         self._write_pp_trace()
         self.last_comm = comm = self.comm.ledger.end_step()
+        if documents is not None:  # what masked attention computed (MFU still counts the dense convention)
+            extra["documents"] = documents_record(documents)
         return {"step": self.step, "loss": loss_value, "grad_norm": norm_value, "lr": lr,
                 "comm_bytes": comm.bytes_map(), "comm_calls": comm.calls_map(), **extra,
                 "skipped_steps": self.guard.skipped, **({"nonfinite": problem} if problem else {})}
