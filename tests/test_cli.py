@@ -10,6 +10,9 @@ def test_config_error_exits_2_with_field_names_and_no_traceback(capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert "train.lr must be > 0" in err and "micro_batch=3" in err and "Traceback" not in err
+    # one bad value: the one-line contract (it was "invalid configuration:" and the value on a second line)
+    assert main(["train", "configs/debug.toml", "--set", "train.lr=-1"]) == 2
+    assert capsys.readouterr().err == "pentatron: error: invalid configuration: train.lr must be > 0, got -1.0\n"
 
 
 def test_nproc_must_divide_batch_before_anything_launches(capsys):

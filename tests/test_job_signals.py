@@ -147,3 +147,17 @@ def test_a_killed_launcher_leaves_no_rank_behind_and_frees_the_directory(tmp_pat
         while probe(tmp_path / "a" / "ck") is not None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert probe(tmp_path / "a" / "ck") is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux-only")
+def test_kill_9_of_rank_0_is_the_one_line_naming_it(tmp_path, default_dataset):
+    """The survivor's collective fails on the lost connection: it printed gloo's traceback (and "rank 1
+    failed: … Connection reset by peer") before the launcher's line naming rank 0. Only that line now."""
+    with _training(tmp_path / "a", default_dataset) as (launcher, ranks):
+        os.kill(_rank_pid(ranks, 0), signal.SIGKILL)
+        out, _ = launcher.communicate(timeout=60)
+        assert launcher.returncode == 1, out[-2000:]
+        assert _wait_gone(ranks, 10) == []
+    said = [line for line in out.splitlines() if line.startswith("pentatron: rank") or "Error" in line]
+    assert said == ["pentatron: rank 0 exited with code -9 (killed by a signal)"], out[-3000:]
+    assert "Traceback" not in out and "Connection" not in out, out[-3000:]

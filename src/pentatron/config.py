@@ -30,11 +30,15 @@ else:  # pragma: no cover
 
 
 class ConfigError(ValueError):
-    """All the problems found in a configuration, one per line."""
+    """All the problems found in a configuration: one line for one problem, else one line each under a heading
+    (the one-line contract: a single bad value is `pentatron: error: invalid configuration: <the problem>`)."""
 
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
-        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+        if len(problems) == 1:
+            super().__init__(f"invalid configuration: {problems[0]}")
+        else:
+            super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 @dataclass

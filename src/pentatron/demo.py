@@ -62,7 +62,7 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, overrides, world_size=args.nproc)
     except ConfigError as e:
-        print(f"pentatron: error: {e}")
+        print(f"pentatron: error: {e}", file=sys.stderr)
         return 2
     par = cfg.layout(args.nproc)
     print(f"pentatron demo: {cfg.model.name} model, {cfg.train.steps} steps on {args.nproc} ranks "

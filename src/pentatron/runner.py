@@ -187,6 +187,8 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
         print(f"pentatron: rank {rank} interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - report which rank failed, with the traceback for debugging
+        if world > 1 and peer_lost(e):  # another rank died first: its own line (or the launcher's) is the cause
+            return 1
         traceback.print_exc()
         print(f"pentatron: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -195,6 +197,17 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
         if lock is not None:
             lock.release()
     return 0
+
+
+# What the backends say when the other end of a connection is gone (gloo; NCCL): a consequence, not a cause.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "remote process exited or there was a network error")
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether `e` is this rank's collective failing because another rank exited or was killed (kill -9 of
+    rank 0: the survivor printed gloo's traceback before the launcher's line naming the killed rank)."""
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_LOST)
 
 
 def hold_checkpoint_lock(cfg: Config, problems: list[str]) -> CheckpointDirLock | None:

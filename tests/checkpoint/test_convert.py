@@ -136,3 +136,42 @@ def test_convert_refuses_a_destination_that_is_not_empty(tmp_path):
     (dst / "notes.txt").write_text("mine")
     assert convert_problems(cfg, src, 1, rank=1) == [f"the destination {dst} is not empty; give a new (or empty) "
                                                      "directory"]
+
+
+def _edit_pieces(step: Path) -> None:
+    """A piece's range moved past its tensor (lo > hi), in every rank's file that describes it."""
+    for f in (step / "pieces").glob("rank*.json"):
+        records = json.loads(f.read_text())
+        for d in records.values():
+            if d["field"] == "param":
+                d["lo"] = d["hi"] + 1
+        f.write_text(json.dumps(records))
+
+
+def _path_typed_storage_meta(step: Path) -> None:
+    """The genuine index re-pickled with a path where DCP's storage record belongs (the unpickler allows
+    paths: DCP's own records hold them)."""
+    import pickle
+
+    md = pickle.loads((step / ".metadata").read_bytes())  # our own, untampered file
+    md.storage_meta = Path("/etc/passwd")
+    (step / ".metadata").write_bytes(pickle.dumps(md))
+
+
+@pytest.mark.parametrize(("edit", "expected"), [
+    (_edit_pieces, "pieces: model/"), (_path_typed_storage_meta, ".metadata: refused: its storage_meta is a"),
+])
+def test_convert_of_an_edited_checkpoint_is_one_line(runs, default_dataset, tmp_path, edit, expected):
+    """Edited (manifest recomputed, as an editor would) and converted into one process, so re-sharded from
+    its pieces: a traceback from deep in the join (pieces) or in DCP's loader (storage_meta) before."""
+    import shutil
+
+    src = tmp_path / "src" / "step_00000002"
+    shutil.copytree(_latest(runs["root"] / "src"), src)
+    edit(src)
+    manifest.write(src)
+    outcome = in_process(["checkpoint", "convert", str(src), str(tmp_path / "dst"), *_common(default_dataset)],
+                         tmp_path)
+    assert outcome.codes == [2], outcome.output
+    assert expected in outcome.output and "Traceback" not in outcome.output, outcome.output
+    assert outcome.output.count("pentatron: error:") == 1 and not (tmp_path / "dst" / "latest").exists()

@@ -223,7 +223,10 @@ def test_missing_and_truncated_shards_are_named(tmp_path, raw):
 
 def test_an_unreadable_shard_is_named(tmp_path, raw, unreadable):
     path = write_dataset(tmp_path / "ds", raw, shard_tokens=500)
+    training = TokenDataset(path)
     unreadable(path / "shard_00001.bin")  # was numpy's PermissionError traceback
+    # made unreadable while training: what the run opened stays readable, the run goes on
+    np.testing.assert_array_equal(training.read(400, 600), raw[400:600])
     with pytest.raises(DataError, match=r"shard .*shard_00001.bin cannot be read \(Permission denied\); make the "
                                         r"dataset readable"):
         TokenDataset(path)
@@ -276,17 +279,20 @@ def test_tokenized_text_loads_back(tmp_path):
 
 def test_a_shard_truncated_while_training_is_named_not_a_sigbus(tmp_path):
     """Reading a memory-mapped shard past its new end is a SIGBUS that kills the process silently (exit 135);
-    the dataset notices the shrunken file first. Run in a child process, so that a regression is a failed
-    assertion, not a dead test runner."""
+    a size check before each read left a window (the data is touched after the check). Shards are read with
+    pread now: tokens already read are the process's own, and a read past the new end is a short read, named.
+    Run in a child process, so that a regression is a failed assertion, not a dead test runner."""
     import subprocess
     import sys
 
     tokens = np.random.default_rng(0).integers(0, 1000, size=40_000)
     path = write_dataset(tmp_path / "ds", tokens, shard_tokens=20_000)  # 40 KB a shard: pages past the cut
     script = (f"from pentatron.data.loader import TokenDataset\nfrom pentatron.data.errors import DataError\n"
-              f"ds = TokenDataset({str(path)!r})\nds.read(35_000, 35_100)\n"
+              f"ds = TokenDataset({str(path)!r})\nbefore = ds.read(35_000, 35_100)\n"
               f"open({str(path / 'shard_00001.bin')!r}, 'r+b').truncate(100)\n"
+              "print('kept', int(before.sum()))\n"  # read before the cut, used after it (the window)
               "try:\n    ds.read(35_000, 35_100).sum()\nexcept DataError as e:\n    print(e)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert f"kept {int(tokens[35_000:35_100].sum())}" in done.stdout, done.stdout
     assert "shard_00001.bin shrank to 100 bytes while training" in done.stdout, done.stdout

@@ -217,7 +217,7 @@ def test_jsonl_errors_name_file_and_line(tmp_path, content, message):
     assert not (tmp_path / "ds").exists() and no_leftovers(tmp_path)
 
 
-def test_parquet_documents(tmp_path):
+def test_parquet_documents(tmp_path, capfd):
     path = tmp_path / "data.parquet"
     pq.write_table(pa.table({"content": ["parquet one", None, "parquet two", ""], "n": [1, 2, 3, 4]}), path)
     index = tokenize_to_shards([path], tmp_path / "ds", settings(text_field="content"), progress=False)
@@ -230,8 +230,10 @@ def test_parquet_documents(tmp_path):
         tokenize_to_shards([path], tmp_path / "x2", settings(text_field="n"), progress=False)
     broken = tmp_path / "broken.parquet"
     broken.write_bytes(b"PAR1 this is not really parquet")
+    capfd.readouterr()
     with pytest.raises(DataError, match=r"cannot read Parquet file .*broken.parquet"):
         tokenize_to_shards([broken], tmp_path / "x3", settings(), progress=False)
+    assert capfd.readouterr().err == ""  # no library's own line ahead of ours (datasets logged one)
     assert no_leftovers(tmp_path)
 
 

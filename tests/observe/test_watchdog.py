@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pentatron.lab.hang_scenarios import loop_until_stopped, skip_allreduce
+from pentatron.lab.hang_scenarios import loop_until_stopped, skip_allreduce, stop_in_checkpoint_save
 from pentatron.lab.ranks import RankGroup
 from pentatron.observe.watchdog import HANG_EXIT_CODE
 
@@ -73,3 +73,23 @@ def test_sigstopped_rank_is_named(tmp_path: Path):
     assert "last heartbeat" in diagnosis and "rank 1's last op: dp all_reduce #" in diagnosis
     assert diagnosis.rstrip().endswith("stuck rank: 1")
     assert "stuck rank(s): 1" in group.log(0)
+
+
+def test_a_rank_stopped_during_a_checkpoint_save_is_named(tmp_path: Path):
+    """A save's collectives are DCP's own, outside the comm layer: a rank stopped in one went unnamed until
+    the process group's timeout (135 s with distributed.timeout_s=20) and the save failed with a gloo timeout.
+    The save is one watched op now: named like a rank stopped mid-step."""
+    start = time.monotonic()
+    group = RankGroup(stop_in_checkpoint_save, 2, tmp_path, args=(str(tmp_path), TIMEOUT_S, 1))
+    try:
+        group.procs[0].join(timeout=60)
+        assert group.procs[0].exitcode == HANG_EXIT_CODE, (group.procs[0].exitcode, group.log(0), group.log(1))
+    finally:
+        group.kill()
+    assert (tmp_path / "rank1.stopping").exists()  # it stopped inside the save, not before
+    diagnosis = (tmp_path / "flight" / "diagnosis.txt").read_text()
+    assert "rank 1 did not answer the dump request" in diagnosis, diagnosis
+    assert "rank 0: waits in world checkpoint_save #" in diagnosis and "store.py" in diagnosis, diagnosis
+    assert diagnosis.rstrip().endswith("stuck rank: 1")
+    assert "stuck rank(s): 1" in group.log(0)
+    assert time.monotonic() - start < 60  # the watchdog, not the 300 s process-group timeout

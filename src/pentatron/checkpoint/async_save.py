@@ -72,10 +72,15 @@ class AsyncCheckpointer:
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], pieces: dict[str, Any] | None) -> float:
         """Start saving `state` (every rank); returns the seconds training was blocked."""
+        start = time.perf_counter()
+        with self.store.watch("checkpoint_save"):  # the wait for the previous save and the `.tmp`'s barrier
+            return self._save(start, step, state, meta, pieces)
+
+    def _save(self, start: float, step: int, state: dict[str, Any], meta: dict[str, Any],
+              pieces: dict[str, Any] | None) -> float:
         import torch.distributed.checkpoint as dcp  # here: a run that never saves skips the import
 
-        start = time.perf_counter()
-        self.wait(quiet=True)
+        self._wait(quiet=True)
         if self.last_failed:  # the previous save was lost: stop here, as a synchronous save stops at its failure
             raise CheckpointWriteError(self.failed[-1])
         try:
@@ -109,6 +114,10 @@ class AsyncCheckpointer:
     def wait(self, quiet: bool = False) -> None:
         """Finish the save in flight (every rank; rank 0 publishes); a failed one is recorded in `failed` and,
         unless `quiet` (the caller raises it), said on rank 0."""
+        with self.store.watch("checkpoint_wait"):  # blocked on the write's collectives, on its own group
+            self._wait(quiet)
+
+    def _wait(self, quiet: bool) -> None:
         pending, self._pending = self._pending, None
         if pending is None:
             return

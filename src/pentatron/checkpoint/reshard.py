@@ -141,6 +141,24 @@ def _piece_problem(d: Any) -> str | None:
             return f"{d['part']}/{d['key']}: {k} is not a non-negative integer"
     if d.get("tp_dim") is not None and not isinstance(d["tp_dim"], int):
         return f"{d['part']}/{d['key']}: tp_dim is not an integer"
+    return _geometry_problem(d)
+
+
+def _geometry_problem(d: dict[str, Any]) -> str | None:
+    """Fields that type-check but cannot describe one piece of one tensor (an edited record): a range outside
+    the local tensor or of another size than the piece, an index beyond its parts, a tp_dim beyond the shape."""
+    what = f"{d['part']}/{d['key']}"
+    if d["field"] == "step":  # AdamW's step count: a 0-d tensor, described by its parameter's geometry
+        return None
+    n_local = math.prod(d["local_shape"])
+    if not d["lo"] <= d["hi"] <= n_local:
+        return f"{what}: range [{d['lo']}, {d['hi']}) is outside its local tensor of {n_local} elements"
+    if d["hi"] - d["lo"] != math.prod(d["shape"]):
+        return f"{what}: range [{d['lo']}, {d['hi']}) does not hold its shape {d['shape']}"
+    if d["tp_index"] >= max(1, d["tp_parts"]) or d["ep_index"] >= max(1, d["ep_parts"]):
+        return f"{what}: tp_index/ep_index beyond tp_parts/ep_parts"
+    if d.get("tp_dim") is not None and not 0 <= d["tp_dim"] < len(d["full_shape"]):
+        return f"{what}: tp_dim {d['tp_dim']} is not a dimension of {d['full_shape']}"
     return None
 
 
@@ -269,12 +287,18 @@ def load_resharded(directory: Path, state: dict[str, dict[str, torch.Tensor]], p
         if pieces is None:
             raise CheckpointError(f"{directory}: holds no {field} for parameter {name} (another model?)")
         sources.append(pieces)
-    for ((name, field), targets), full in zip(wanted.items(), assembled(directory, sources), strict=True):
-        for d, target in targets:
-            if field == "step":
-                target.copy_(full)
-                continue
-            if list(full.shape) != d["full_shape"]:
-                raise CheckpointError(f"{directory}: {name} was saved with shape {list(full.shape)}, this model "
-                                      f"has {d['full_shape']}")
-            target.copy_(cut(full, d).view(target.shape))
+    try:
+        for ((name, field), targets), full in zip(wanted.items(), assembled(directory, sources), strict=True):
+            for d, target in targets:
+                if field == "step":
+                    target.copy_(full)
+                    continue
+                if list(full.shape) != d["full_shape"]:
+                    raise CheckpointError(f"{directory}: {name} was saved with shape {list(full.shape)}, this model "
+                                          f"has {d['full_shape']}")
+                target.copy_(cut(full, d).view(target.shape))
+    except CheckpointError:
+        raise
+    except (RuntimeError, ValueError, IndexError) as e:  # pieces that type-check yet do not fit together
+        raise CheckpointError(f"{directory / PIECES_DIR}: the saved pieces do not fit their tensors "
+                              f"({str(e).splitlines()[0][:200]}): edited or not written by pentatron train") from None

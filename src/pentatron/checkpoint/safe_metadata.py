@@ -99,6 +99,9 @@ def _problem(md: Any) -> str | None:
                     or len(c.offsets) != len(entry.size) or len(c.sizes) != len(entry.size)
                     or any(o + s > n for o, s, n in zip(c.offsets, c.sizes, entry.size))):
                 return f"{key!r} has a chunk outside its tensor"
+    other = _fields_problem(md)
+    if other:
+        return other
     if not isinstance(md.storage_data, dict):
         return "its storage_data is not a mapping"
     for index, info in md.storage_data.items():
@@ -112,6 +115,26 @@ def _problem(md: Any) -> str | None:
         if info.transform_descriptors:
             return (f"{index.fqn!r} asks for load transforms {list(info.transform_descriptors)}, which Pentatron "
                     "never writes")
+    return None
+
+
+def _fields_problem(md: dcp_md.Metadata) -> str | None:
+    """The index's other fields, as DCP writes them: a re-pickled index with, say, a path where its storage
+    record belongs reached DCP's loader, which failed on it with a traceback (AttributeError)."""
+    sm = md.storage_meta
+    if sm is not None:
+        if type(sm) is not dcp_md.StorageMeta:
+            return f"its storage_meta is a {type(sm).__name__}, not DCP's storage record"
+        if not (all(v is None or isinstance(v, (str, PurePath)) for v in (sm.checkpoint_id, sm.save_id, sm.load_id))
+                and isinstance(sm.modules, list) and all(isinstance(m, str) for m in sm.modules)):
+            return "its storage_meta holds fields of the wrong types"
+    if md.version is not None and not isinstance(md.version, str):
+        return f"its version is a {type(md.version).__name__}, not text"
+    pd = md.planner_data
+    if pd is not None and not (isinstance(pd, dict) and all(
+            isinstance(k, str) and isinstance(v, (list, tuple)) and all(isinstance(x, (str, int)) for x in v)
+            for k, v in pd.items())):
+        return "its planner_data is not a mapping of key paths"
     return None
 
 

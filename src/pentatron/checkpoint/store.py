@@ -16,7 +16,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -35,23 +35,36 @@ def _rank() -> int:
 
 @contextmanager
 def _dcp_mode() -> Iterator[bool]:
-    """Yields DCP's `no_dist` flag; a 1-process save/load is intended, so DCP's notice about it is muted."""
+    """Yields DCP's `no_dist` flag. A 1-process save/load is intended (we pass no_dist), yet DCP says "assuming
+    the intent is to save in a single process" on every one. It is muted by a filter for the process, not a
+    `catch_warnings` block around the call: under `checkpoint.async_save` DCP saves (and warns) later, from a
+    writer thread of its own, which a block on the calling thread does not cover — that was the UserWarning
+    of every 1-process async run. The filter is (re)inserted here, each time, since pytest and other callers
+    reset the filters; it matches only that notice, from DCP only."""
     single = not dist.is_initialized()
-    with warnings.catch_warnings():
-        if single:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield single
+    if single:
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning, module=r"torch\.distributed\.checkpoint")
+    yield single
+
+
+def _unwatched(op: str) -> AbstractContextManager[None]:
+    return nullcontext()
 
 
 class CheckpointStore:
     """`barrier` waits for every rank (the trainer passes the comm layer's; a 1-process run needs none).
+    `watch(op)` brackets a save's collective work for the hang watchdog (the trainer passes `Comm.outside`:
+    DCP's own collectives are invisible to it otherwise, and a rank stopped mid-save went unnamed).
     `run_id`/`parent`: the lineage this store's saves belong to (a new one unless the trainer continues
     a resumed lineage)."""
 
-    def __init__(self, root: Path, keep: int = 2, barrier: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, root: Path, keep: int = 2, barrier: Callable[[], None] = lambda: None,
+                 watch: Callable[[str], AbstractContextManager[None]] = _unwatched) -> None:
         self.root = root
         self.keep = keep
         self._barrier = barrier
+        self.watch = watch
         self.run_id = new_run_id()
         self.parent: str | None = None
 
@@ -88,6 +101,11 @@ class CheckpointStore:
         rank 0, which alone renames and prunes. `file_per_tensor`: one file per tensor instead of one per
         rank — DCP's writer keeps every tensor of a file (and the copy it makes of a view) until the file
         is complete, so a whole model written by one process would be held twice."""
+        with self.watch("checkpoint_save"):
+            return self._save(step, state, meta, pieces, file_per_tensor)
+
+    def _save(self, step: int, state: dict[str, Any], meta: dict[str, Any], pieces: dict[str, Any] | None,
+              file_per_tensor: bool) -> Path:
         import torch.distributed.checkpoint as dcp  # here: a rank that never saves skips its ~1 s import
 
         tmp = self.tmp_dir(step)

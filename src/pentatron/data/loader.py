@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -31,23 +31,41 @@ STATE_VERSION = 1
 
 
 class TokenDataset:
-    """A tokenized dataset directory (see `tokenize.py`), memory-mapped as one logical token stream."""
+    """A tokenized dataset directory (see `tokenize.py`), read as one logical token stream."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.index: DatasetIndex = read_index(self.path)
         check_shards(self.path, self.index)
-        # Empty shards cannot be memory-mapped (and hold nothing), so they are left out.
+        # Shards are read with pread on descriptors opened now, not memory-mapped: a mapped shard that
+        # shrinks on disk (truncated while training) kills the process with SIGBUS at the first read past
+        # its new end, and a size check before each read left a window between the check and the read (a
+        # SIGBUS, exit 135, once in ~50 truncations). A short pread cannot fault: it is the check. The
+        # descriptors also keep the run reading when a shard or the dataset directory is made unreadable
+        # meanwhile (what was opened stays readable, as it was under the mapping). Empty shards hold nothing.
         kept = [s for s in self.index.shards if s.tokens]
+        self._dtype = np.dtype(self.index.dtype)
+        self._files = [self.path / s.file for s in kept]
+        self._handles: list[BinaryIO] = []
         try:
-            self._shards = [np.memmap(self.path / s.file, dtype=self.index.dtype, mode="r", shape=(s.tokens,))
-                            for s in kept]
-        except OSError as e:  # e.g. a shard of mode 000: a traceback from inside numpy otherwise
+            for f in self._files:
+                self._handles.append(open(f, "rb", buffering=0))  # noqa: SIM115 - held until close()
+        except OSError as e:  # e.g. a shard of mode 000: one line naming it
+            self.close()
             raise DataError(f"shard {e.filename} cannot be read ({e.strerror or e}); make the dataset readable "
                             f"(chmod -R u+r {self.path}) or re-create it with `pentatron tokenize`") from None
-        self._files = [self.path / s.file for s in kept]
-        self._starts = np.cumsum([0] + [len(m) for m in self._shards])
+        self._lengths = [s.tokens for s in kept]
+        self._starts = np.cumsum([0] + self._lengths)
         self.vocab_limit: int | None = None  # set by check_vocab: every sample read is checked against it
+
+    def close(self) -> None:
+        """Close the shards' descriptors (also when the dataset is garbage-collected)."""
+        handles, self._handles = getattr(self, "_handles", []), []
+        for h in handles:
+            h.close()
+
+    def __del__(self) -> None:
+        self.close()
 
     def __len__(self) -> int:
         return self.index.total_tokens
@@ -75,36 +93,38 @@ class TokenDataset:
                             "or tokenize with a smaller --vocab-size")
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens [start, stop) of the stream, read across shard boundaries (a view when in one shard)."""
+        """Tokens [start, stop) of the stream, read across shard boundaries (a fresh array)."""
         if not 0 <= start <= stop <= len(self):
             raise IndexError(f"token range [{start}, {stop}) outside a stream of {len(self)} tokens")
         i = int(np.searchsorted(self._starts, start, side="right")) - 1
         parts = []
         while start < stop:
-            shard = self._shards[i]
-            self._check_intact(i)
             off = start - int(self._starts[i])
-            n = min(stop - start, len(shard) - off)
-            parts.append(shard[off:off + n])
+            n = min(stop - start, self._lengths[i] - off)
+            parts.append(self._pread(i, off, n))
             start += n
             i += 1
         if not parts:
-            return np.empty(0, dtype=self.index.dtype)
+            return np.empty(0, dtype=self._dtype)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def _check_intact(self, i: int) -> None:
-        """A memory-mapped shard that shrank on disk (truncated or replaced while training) would kill the
-        process with SIGBUS at the first read past its new end: name it instead (one stat per read)."""
-        shard, f = self._shards[i], self._files[i]
+    def _pread(self, i: int, offset: int, count: int) -> np.ndarray:
+        """`count` tokens of shard i from token `offset`; a shard that no longer holds them (truncated or
+        emptied while training) is named, in one line, instead of a fault."""
+        size = self._dtype.itemsize
+        want = count * size
         try:
-            size = os.stat(f).st_size
-        except OSError as e:
-            raise DataError(f"dataset shard {f} vanished while training ({e.strerror}); restore the dataset "
-                            "(the run resumes from its last checkpoint)") from None
-        if size < shard.nbytes:
-            raise DataError(f"dataset shard {f} shrank to {size:,} bytes while training (it holds {shard.nbytes:,}): "
-                            "it was truncated or replaced; restore the dataset (the run resumes from its last "
-                            "checkpoint)")
+            data = os.pread(self._handles[i].fileno(), want, offset * size)
+        except OSError as e:  # an I/O error of the device under it
+            raise DataError(f"dataset shard {self._files[i]} cannot be read while training ({e.strerror or e}); "
+                            "check the storage and restore the dataset (the run resumes from its last checkpoint)"
+                            ) from None
+        if len(data) < want:
+            now = os.fstat(self._handles[i].fileno()).st_size
+            raise DataError(f"dataset shard {self._files[i]} shrank to {now:,} bytes while training (it holds "
+                            f"{self._lengths[i] * size:,}): it was truncated or replaced; restore the dataset "
+                            "(the run resumes from its last checkpoint)")
+        return np.frombuffer(data, dtype=self._dtype)
 
 
 def too_short_problem(dataset: TokenDataset, seq_len: int) -> str | None:

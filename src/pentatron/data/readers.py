@@ -85,28 +85,28 @@ def _jsonl_documents(path: Path, text_field: str, advance: Callable[[int], None]
 
 
 def _parquet_documents(path: Path, text_field: str, batch: int) -> Iterator[str]:
-    import datasets  # heavy import, paid only when Parquet is actually read
+    # pyarrow directly, not `datasets`: its Parquet builder logs its own "Failed to read schema" line before
+    # raising, a stray line ahead of ours; and a local file needs neither its cache nor its streaming.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     try:
-        # Streaming reads the local file directly: no copy into the HF cache, no network.
-        ds = datasets.load_dataset("parquet", data_files=[str(path.resolve())], split="train", streaming=True)
-        features = ds.features
-    except Exception as e:
+        reader = pq.ParquetFile(path)
+        schema = reader.schema_arrow
+    except (OSError, pa.ArrowException) as e:
         raise DataError(f"cannot read Parquet file {path} ({type(e).__name__}: {e})") from e
-    if features is None or text_field not in features:
-        cols = ", ".join(features) if features else "none readable"
+    if text_field not in schema.names:
+        cols = ", ".join(schema.names) or "none"
         raise DataError(f"Parquet file {path} has no column {text_field!r} (columns: {cols}); "
                         "pass --text-field NAME to read another column")
-    feat = features[text_field]
-    if not (isinstance(feat, datasets.Value) and feat.dtype in ("string", "large_string")):
-        raise DataError(f"Parquet column {text_field!r} in {path} holds {feat}, not text; "
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(f"Parquet column {text_field!r} in {path} holds {kind}, not text; "
                         "pass --text-field NAME for a string column")
     try:
-        for rows in ds.select_columns([text_field]).iter(batch_size=batch):
-            yield from (t for t in rows[text_field] if t)
-    except DataError:
-        raise
-    except Exception as e:
+        for rows in reader.iter_batches(batch_size=batch, columns=[text_field]):
+            yield from (t for t in rows.column(0).to_pylist() if t)
+    except (OSError, pa.ArrowException) as e:
         raise DataError(f"cannot read column {text_field!r} of Parquet file {path} "
                         f"({type(e).__name__}: {e})") from e
 

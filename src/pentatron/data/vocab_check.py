@@ -32,12 +32,16 @@ def scan_problem(directory: Path, index: DatasetIndex, vocab: int) -> str | None
     for s in index.shards:
         if not s.tokens:
             continue
-        data = np.memmap(Path(directory) / s.file, dtype=index.dtype, mode="r", shape=(s.tokens,))
-        for start in range(0, s.tokens, _CHUNK):
-            chunk = data[start: start + _CHUNK]
-            if int(chunk.max()) >= vocab:
-                at = int(np.argmax(chunk >= vocab))
-                return _message(directory, s.file, start + at, int(chunk[at]), vocab)
+        # Read in chunks, not memory-mapped: a shard truncated during the scan is then a short read, not a SIGBUS.
+        dtype = np.dtype(index.dtype)
+        with open(Path(directory) / s.file, "rb") as f:
+            for start in range(0, s.tokens, _CHUNK):
+                chunk = np.frombuffer(f.read(min(_CHUNK, s.tokens - start) * dtype.itemsize), dtype=dtype)
+                if not chunk.size:
+                    break  # shorter than the index says: the loader names it at its read
+                if int(chunk.max()) >= vocab:
+                    at = int(np.argmax(chunk >= vocab))
+                    return _message(directory, s.file, start + at, int(chunk[at]), vocab)
     return None
 
 

@@ -42,6 +42,8 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -203,6 +205,10 @@ class CommRecorder(Protocol):
 
     def issued(self, recs: list[Any], async_op: bool) -> Any: ...
 
+    def enter_outside(self, comm: Comm, op: str) -> Any: ...
+
+    def leave_outside(self, rec: Any) -> None: ...
+
 
 class Comm:
     """The comm layer bound to one ParallelContext. `dim` names a mesh dimension ("dp", "tp", …,
@@ -323,6 +329,19 @@ class Comm:
             dist.barrier(group=group)
             if rec is not None:
                 self.recorder.issued([rec], False).after_wait()
+
+    @contextmanager
+    def outside(self, op: str) -> Iterator[None]:
+        """Collective work that does not go through this layer — DCP's checkpoint save runs its own gathers and
+        barriers on the default group — shown to the flight recorder as one world op for its duration, so that
+        a rank stopped or killed meanwhile is a pending op the hang watchdog names, as it names one mid-step."""
+        recorder = self.recorder
+        rec = recorder.enter_outside(self, op) if recorder is not None and self.ctx.world_size > 1 else None
+        try:
+            yield
+        finally:
+            if rec is not None:
+                recorder.leave_outside(rec)
 
     # ------------------------------------------------------------------ point to point
     def send(self, tensor: torch.Tensor, dim: str, dst: int) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -111,7 +112,10 @@ def launch_local_ranks(nproc: int, argv: list[str], nnodes: int = 1, node_rank: 
         for agreed in (2, 3, 143):
             if any(c == agreed for c in codes.values()) and all(c == agreed or c < 0 for c in codes.values()):
                 return agreed
-        for rank, code in sorted(codes.items()):
+        # A rank killed by a signal other than the agent's SIGTERM (kill -9, the OOM killer, a crash) is the cause;
+        # the others failed because it was gone (quietly: runner.peer_lost) or were stopped by the agent after it.
+        killed = {rank: code for rank, code in codes.items() if code < 0 and code != -signal.SIGTERM}
+        for rank, code in sorted((killed or codes).items()):
             print(f"pentatron: rank {rank} exited with code {code}" +
                   (" (killed by a signal)" if code < 0 else ""), file=sys.stderr)
         return 1

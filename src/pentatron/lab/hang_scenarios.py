@@ -1,6 +1,7 @@
 """Distributed bugs on real gloo ranks, each run through the real `Comm` with the flight recorder:
-a rank that skips an all-reduce, and a rank that stops (SIGSTOP). Used by `pentatron lab collective`
-and by tests/observe.
+a rank that skips an all-reduce, a rank that stops (SIGSTOP) mid-step, and one that stops inside a
+checkpoint save (DCP's collectives, outside the comm layer). Used by `pentatron lab collective` and by
+tests/observe.
 
 Each scenario function runs on every rank (see lab/ranks.RankGroup) and mimics a training loop:
 per step a "gradient" all-reduce then a "loss" all-reduce, both of 8 floats, from two lines.
@@ -55,5 +56,34 @@ def loop_until_stopped(rank: int, world: int, run_dir: str, timeout_s: float, st
         if step == 3:
             (Path(run_dir) / f"rank{rank}.step3").write_text("")
         time.sleep(0.02)
+    if dog is not None:
+        dog.stop()
+
+
+def stop_in_checkpoint_save(rank: int, world: int, run_dir: str, timeout_s: float, stop_rank: int) -> None:
+    """A step, then a checkpoint save through the trainer's `CheckpointStore` (watched as the trainer watches
+    it); `stop_rank` SIGSTOPs itself in the save once the `.tmp` directory is there, so the other ranks wait in
+    DCP's own collectives, which the comm layer never sees (they stalled until the process group's timeout)."""
+    import os
+    import signal
+
+    import pentatron.checkpoint.store as store_module
+    from pentatron.checkpoint.store import CheckpointStore
+
+    ctx = ParallelContext.from_layout(ParallelLayout(dp=world), "cpu")
+    flight = Path(run_dir) / "flight"
+    dog = attach_flight_recorder(ctx, flight, timeout_s, check=False)
+    while not (flight / f"rank{rank}.heartbeat.json").exists():  # the watched rank's heartbeat is known
+        time.sleep(0.05)
+    note_step(ctx.comm, 1)
+    ctx.comm.all_reduce(torch.ones(8), "dp")
+    if rank == stop_rank:
+        def write_pieces_then_stop(*args: object) -> None:
+            (Path(run_dir) / f"rank{rank}.stopping").write_text("")
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+        store_module.write_pieces = write_pieces_then_stop
+    store = CheckpointStore(Path(run_dir) / "ck", barrier=ctx.comm.barrier, watch=ctx.comm.outside)
+    store.save(1, {"model": {"w": torch.full((64,), float(rank))}}, {"step": 1}, pieces={})
     if dog is not None:
         dog.stop()

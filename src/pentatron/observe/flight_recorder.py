@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 DEFAULT_CAPACITY = 512
 # Frames in these files are the comm machinery, not the caller worth naming.
-_MACHINERY = ("distributed/comm.py", "observe/flight_recorder.py", "observe/collective_check.py")
+_MACHINERY = ("distributed/comm.py", "observe/flight_recorder.py", "observe/collective_check.py", "/contextlib.py")
 
 
 class FlightRecord:
@@ -109,6 +109,7 @@ class FlightRecorder:
         self._in_flight: deque[tuple[Any, list[FlightRecord]]] = deque()  # (event, records), issue order
         # With device completions the watchdog's thread marks records done too: the counters take a lock.
         self._lock = threading.Lock()
+        self.outside: FlightRecord | None = None  # collective work outside the comm layer in progress (a save)
 
     # ------------------------------------------------------------------ recording (hot path)
     def enter(self, comm: Comm, op: str, dim: str, tensor: torch.Tensor | None,
@@ -139,6 +140,32 @@ class FlightRecorder:
         if self.timer is not None:
             self.timer.open(rec)
         return rec
+
+    def enter_outside(self, comm: Comm, op: str) -> FlightRecord:
+        """Collective work of every rank that bypasses the comm layer (DCP's checkpoint save; see
+        `Comm.outside`), recorded as one pending world op until `leave_outside`. Its inner progress is not
+        visible here, so a slow write must not look like a hang: while it is pending the watchdog calls
+        `alive()` as long as the rank it watches keeps its heartbeat, and only a stopped or dead rank stalls it."""
+        with self._lock:
+            seq = self.entered.get("world", 0) + 1
+            rec = FlightRecord(seq, op, "world", tuple(range(comm.ctx.world_size)), None, (), "-", self.step,
+                               self.micro, call_site(), time.time())
+            self.entered["world"] = seq
+            self.records.append(rec)
+            self.pending += 1
+            self.last_progress = time.monotonic()
+            self.outside = rec
+        return rec
+
+    def leave_outside(self, rec: FlightRecord) -> None:
+        self.outside = None
+        self.done(rec)
+
+    def alive(self) -> None:
+        """The watchdog's word that the work outside the comm layer still progresses (see `enter_outside`)."""
+        with self._lock:
+            if self.outside is not None:
+                self.last_progress = time.monotonic()
 
     def issued(self, recs: list[FlightRecord], async_op: bool) -> _WaitHooks:
         """The op(s) have been handed to the backend; the returned hooks run around their wait."""

@@ -20,6 +20,11 @@ files, the ones NCCL itself writes on its timeout: see `distributed.launch.torch
 the watchdog ends the ranks before the process group's timeout, so NCCL would never get to dump.
 `diagnosis.txt` names those files.
 
+Work that does not go through the comm layer — a checkpoint save, whose collectives are DCP's own — is one
+pending op for its duration (`Comm.outside`). How far it got is not visible, so it counts as progressing while
+the next rank (r+1 mod world, each rank watching one) keeps rewriting its heartbeat: a slow disk is no hang,
+a rank stopped or killed during the save is, and is named as a rank stopped mid-step is.
+
 The process group's own timeout is set longer (`process_group_timeout`), so the watchdog speaks first.
 On several nodes, `log.dir` must be on a shared filesystem (checked at start: a warning otherwise).
 """
@@ -118,6 +123,7 @@ class Watchdog:
         self.poll_s = min(1.0, max(0.05, timeout_s / 10))
         self.grace_s = max(1.0, 5 * self.poll_s)
         self.heartbeat_s = max(self.poll_s, min(timeout_s / 4, 30.0))
+        self._peer_beat: tuple[int, float] | None = None  # the watched rank's heartbeat: (mtime_ns, seen at)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"pentatron-watchdog-{self.rank}", daemon=True)
 
@@ -141,6 +147,10 @@ class Watchdog:
             while not self._stop.wait(self.poll_s):
                 if (self.dir / REQUEST).exists():
                     self._conclude(requested_by_me=False)
+                if self.recorder.outside is None:
+                    self._peer_beat = None
+                elif self._peer_alive():
+                    self.recorder.alive()
                 if self.recorder.stalled_for() > self.timeout_s:
                     _create_exclusive(self.dir / REQUEST, json.dumps({"rank": self.rank, "time": time.time()}))
                     self._conclude(requested_by_me=True)
@@ -151,6 +161,23 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - a broken watchdog must not kill a healthy run
             print(f"pentatron: rank {self.rank}: hang watchdog failed, continuing without it:\n"
                   f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+
+    def _peer_alive(self) -> bool:
+        """Whether the rank this one watches (the next) has rewritten its heartbeat lately: within two heartbeat
+        periods of the last change seen here (local clock only: no comparison across hosts). Unknown — no
+        shared directory, no heartbeat yet — counts as alive: the process group's timeout remains behind it."""
+        peer = (self.rank + 1) % self.world_size
+        if not self.shared_dir or peer == self.rank:
+            return True
+        try:
+            mtime = os.stat(self.dir / f"rank{peer}.heartbeat.json").st_mtime_ns
+        except OSError:
+            return True
+        now = time.monotonic()
+        if self._peer_beat is None or self._peer_beat[0] != mtime:
+            self._peer_beat = (mtime, now)
+            return True
+        return now - self._peer_beat[1] <= 2 * self.heartbeat_s + self.poll_s
 
     def _dump(self, reason: str) -> dict[str, Any]:
         d = self.recorder.snapshot(reason)

@@ -78,8 +78,8 @@ class Trainer:
             self.step = 0
             self.lr_schedule = LrSchedule(tr)  # a resume may re-shape it (`_resume`)
             self.guard = NonFiniteGuard(tr.nonfinite)
-            self.store = CheckpointStore(Path(cfg.checkpoint.dir), keep=cfg.checkpoint.keep,
-                                         barrier=self.comm.barrier) if cfg.checkpoint.dir else None
+            self.store = CheckpointStore(Path(cfg.checkpoint.dir), keep=cfg.checkpoint.keep, barrier=self.comm.barrier,
+                                         watch=self.comm.outside) if cfg.checkpoint.dir else None
             if self.store is not None:
                 self.store.clean_stale()
                 if cfg.checkpoint.resume:
