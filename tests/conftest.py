@@ -47,6 +47,14 @@ def default_dataset(tmp_path_factory):
                                   max_bytes=SMALL_CORPUS_BYTES, progress=False)
 
 
+@pytest.fixture(scope="session")
+def documents_dataset(tmp_path_factory):
+    """Short packed documents (tests/documents_data.py): the document-masking parity data."""
+    from tests.documents_data import write_documents_dataset
+
+    return write_documents_dataset(tmp_path_factory.mktemp("documents") / "ds")
+
+
 @pytest.fixture
 def unreadable(monkeypatch):
     """`deny(path)`: make a file unreadable (mode 000). Root ignores permission bits, so under root opening a

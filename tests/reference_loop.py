@@ -7,6 +7,12 @@ model definition and the data loader (whose global batch does not depend on the 
     ref = reference_run(dataset_dir, steps=10, seq_len=32, global_batch=8, lr=1e-3, eps=1e-4, ...)
     ref["losses"][k], ref["norms"][k], ref["grads"][name] (step-1 gradients, after clipping)
 
+`documents=True` is the reference of document masking: each sample is cut into its documents (a document
+starts at the sample's first token and at each end-of-document input token, data/documents.py's
+convention, re-derived here) and each is run alone, unpacked, through the plain model with positions from 0;
+the loss is the sum of every document's per-token losses over the batch's token count. No mask, no shared
+document code: only the packing is undone.
+
 A run is computed once per test session for each set of arguments (`once_per_session`): the parity tests of
 several files compare against the same few references.
 """
@@ -72,7 +78,8 @@ def adamw(named: list[tuple[str, torch.nn.Parameter]], *, lr: float, eps: float,
 def reference_run(dataset_dir: Path, *, model: str = "debug", steps: int, seq_len: int, global_batch: int,
                   lr: float, eps: float, warmup: int, clip: float = 1.0, weight_decay: float = 0.1,
                   min_ratio: float = 0.1, seed: int = 0, n_layers: int | None = None,
-                  dtype: torch.dtype = torch.float32, micro_batch: int | None = None) -> dict[str, Any]:
+                  dtype: torch.dtype = torch.float32, micro_batch: int | None = None,
+                  documents: bool = False) -> dict[str, Any]:
     """`dtype`: the model, gradients, optimizer state and loss (float64: the exact parity suite);
     `micro_batch`: accumulate the global batch over micro-batches of this size (another summation order)."""
     torch.manual_seed(seed)
@@ -92,9 +99,12 @@ def reference_run(dataset_dir: Path, *, model: str = "debug", steps: int, seq_le
         opt.zero_grad(set_to_none=True)
         loss = torch.zeros((), dtype=torch.float64)
         for x, y in batches:
-            logits = net(x)
-            logits = logits if logits.dtype == torch.float64 else logits.float()
-            micro_loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / len(batches)
+            if documents:
+                micro_loss = _per_document_loss(net, x, y, loader.dataset.eos_id) / len(batches)
+            else:
+                logits = net(x)
+                logits = logits if logits.dtype == torch.float64 else logits.float()
+                micro_loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / len(batches)
             micro_loss.backward()
             loss += micro_loss.detach()
         norm = _clip_grad_norm(net.parameters(), clip)
@@ -107,6 +117,17 @@ def reference_run(dataset_dir: Path, *, model: str = "debug", steps: int, seq_le
         out["norms"].append(float(norm))
     out["params"] = {n: p.detach().numpy().copy() for n, p in named}
     return out
+
+
+def _per_document_loss(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """The mean per-token loss of a micro-batch with every document run alone (see the module docstring)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for row_x, row_y in zip(x, y, strict=True):
+        cuts = [0] + [j for j in range(1, len(row_x)) if int(row_x[j]) == eos_id] + [len(row_x)]
+        for start, end in zip(cuts, cuts[1:], strict=False):
+            logits = net(row_x[start:end].unsqueeze(0))[0]
+            total = total + F.cross_entropy(logits.double(), row_y[start:end], reduction="sum")
+    return total / y.numel()
 
 
 def _clip_grad_norm(params: Any, max_norm: float) -> torch.Tensor:

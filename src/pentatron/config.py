@@ -245,6 +245,15 @@ class DataConfig:
     """Where the built-in default corpus is tokenized and cached."""
     default_corpus_bytes: int = 6_000_000
     """[bytes] How much of the built-in corpus's text to tokenize."""
+    document_mask: bool = False
+    """Train the packed documents as documents: attention is causal within each document and sees nothing
+    across (every layout, context parallelism included). A document starts at each end-of-document token the
+    tokenizer wrote (that token opens the next document, data/documents.py). Off by default: the unmasked run
+    trains on the same tokens with cross-document context, and the planner's attention time assumes the dense
+    causal work."""
+    document_positions: bool = True
+    """With data.document_mask: RoPE positions restart at 0 at each document (as Llama 3 trains); false keeps
+    the sample's positions 0..seq_len−1. Without document_mask positions are always the sample's."""
 
 
 @dataclass

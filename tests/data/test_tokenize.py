@@ -234,6 +234,12 @@ def test_parquet_documents(tmp_path, capfd):
     with pytest.raises(DataError, match=r"cannot read Parquet file .*broken.parquet"):
         tokenize_to_shards([broken], tmp_path / "x3", settings(), progress=False)
     assert capfd.readouterr().err == ""  # no library's own line ahead of ours (datasets logged one)
+    # the command, progress on (its default) into a log (not a terminal): the error is its one line
+    from pentatron.cli import main
+
+    assert main(["tokenize", str(broken), "--out", str(tmp_path / "x4")]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith("pentatron tokenize: error: cannot read Parquet file") and err.count("\n") == 1, err
     assert no_leftovers(tmp_path)
 
 

@@ -17,3 +17,19 @@ def references(default_dataset) -> dict[str, dict[str, Any]]:
     match."""
     common = dict(steps=STEPS, seq_len=SEQ, global_batch=GLOBAL, lr=LR, eps=EPS, warmup=WARMUP, dtype=torch.float64)
     return {m: reference_run(default_dataset, model=m, **common) for m in ("debug", "debug-untied", "debug-qwen3")}
+
+
+def _common() -> dict[str, Any]:
+    return dict(steps=STEPS, seq_len=SEQ, global_batch=GLOBAL, lr=LR, eps=EPS, warmup=WARMUP, dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
+def document_reference(documents_dataset) -> dict[str, Any]:
+    """Each packed document of tests/documents_data.py run alone (the document-masking reference)."""
+    return reference_run(documents_dataset, documents=True, **_common())
+
+
+@pytest.fixture(scope="session")
+def unmasked_document_reference(documents_dataset) -> dict[str, Any]:
+    """The same data trained packed, without masking: its first step (the loss before any update)."""
+    return reference_run(documents_dataset, **{**_common(), "steps": 1})

@@ -50,6 +50,11 @@ def test_regions_follow_the_collectives():
     split = apply_compile(_model(1), True, CPU, split_backward=True).regions  # zb: no GEMM in a region
     assert split == ["layers.0.attn_norm", "layers.0.attn.rotate", "layers.0.attn.core", "layers.0.mlp_norm",
                      "layers.0.mlp.activate"]
+    # document masking: the core's documents change per micro-batch, so it (and so no whole block) is compiled
+    masked = apply_compile(_model(1), True, CPU, eager_attention=True).regions
+    assert masked == ["layers.0.attn_norm", "layers.0.attn.rotate", "layers.0.mlp_norm", "layers.0.mlp"]
+    masked = apply_compile(_model(1), True, CPU, split_backward=True, eager_attention=True).regions
+    assert masked == ["layers.0.attn_norm", "layers.0.attn.rotate", "layers.0.mlp_norm", "layers.0.mlp.activate"]
 
 
 def test_a_failure_is_one_line_or_falls_back_when_asked():

@@ -149,3 +149,20 @@ def test_zigzag_token_index_covers_the_sequence_once() -> None:
     # Ring of 2: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
     assert cp_token_index(8, 2, 1, 0, 0).tolist() == [0, 1, 6, 7]
     assert cp_token_index(8, 2, 1, 1, 0).tolist() == [2, 3, 4, 5]
+
+
+def test_masked_ring_computes_only_shared_documents():
+    """Document masking's ring plan (`_pieces`, host-side): seq 16 over ring 2 (chunks of 4: rank 0 holds
+    positions 0-3 and 12-15, rank 1 4-11), one sample of documents [0, 6), [6, 14), [14, 16). Rank 0's diagonal
+    block is one causal piece per document; at step 1 its second chunk meets rank 1's K/V and shares only
+    [6, 14): queries 12-13 on keys 6-11, one full piece. With documents [0, 4), [4, 12), [12, 16) rank 1's
+    queries (4-11) share nothing with rank 0's first chunk (0-3): the block is skipped."""
+    from pentatron.models.documents import Documents
+    from pentatron.parallel.ring_attention import _pieces
+
+    docs = Documents(((0, 6, 14),), 16)
+    diagonal, causal = _pieces(docs, 0, 0, 2, 4)
+    assert causal and [(p[1].start, p[1].stop) for p in diagonal] == [(0, 4), (4, 6), (6, 8)]
+    (piece,), causal = _pieces(docs, 1, 0, 2, 4)
+    assert not causal and (piece[1].start, piece[1].stop, piece[2].start, piece[2].stop) == (4, 6, 2, 8)
+    assert _pieces(Documents(((0, 4, 12),), 16), 1, 1, 2, 4) == ([], False)

@@ -6,6 +6,12 @@ shards span dp×cp); cp × pp; and the 8-rank cp2 × tp2 × dp2. Each run trains
 loss and gradient norm, every parameter's step-1 gradient and the final parameters, with every replica
 bitwise identical — the harness of `test_composition_parity.py`. Both sides run in float64, so the bar is
 `EXACT_RTOL` (1e-10 relative; rounding sits near 1e-15, a wrong shard or a dropped 1/cp shows at ≥ 1e-6).
+
+The "docs" cases train with document masking on short packed documents (tests/documents_data.py: documents of
+1–3 tokens, shorter than a ring chunk — 16 tokens at cp2, 8 in the hybrid —, ones crossing sample boundaries,
+samples that are one document) and must equal every document trained alone (`reference_run(documents=True)`):
+ring (masked block pieces, skipped pairs), Ulysses, hybrid, composed with tp+sp and pp, and without cp: dp ×
+ZeRO-2, pp zero-bubble × dp ZeRO-3 (MoE + EP: the "docs" case of test_moe_parity.py).
 """
 
 from __future__ import annotations
@@ -49,16 +55,32 @@ CASES: dict[int, dict[str, list[str]]] = {
                                          "parallel.zero=2"],
     },
 }
+DOCS = ["data.document_mask=true"]
+CASES[2] |= {"docs cp2 ring": [*RING2, *M4, *DOCS], "docs cp2 ulysses": [*ULY2, *M4, *DOCS],
+             "docs dp2 zero2": ["parallel.dp=2", "parallel.zero=2", *DOCS]}  # launched here to share the ranks
+CASES[4] |= {
+    "docs cp4 hybrid (ulysses 2 × ring 2) selective": ["parallel.cp=4", "parallel.cp_mode='hybrid'",
+                                                       "parallel.cp_ulysses=2", "train.recompute=selective",
+                                                       *M4, *DOCS],
+    "docs cp2 ring × tp2 sp full recompute": [*RING2, "parallel.tp=2", "parallel.sp=true", "train.recompute=full", *M4,
+                                              *DOCS],
+    "docs cp2 ulysses × pp2 1f1b": [*ULY2, "parallel.pp=2", *DOCS],
+    "docs pp2 zb × dp2 zero3": ["parallel.pp=2", "parallel.pp_schedule=zb", "parallel.dp=2", "parallel.zero=3", *DOCS],
+}
 
 
-def _ranks(rank: int, world: int, dataset_dir: Path, log_dir: str) -> dict[str, dict[str, Any]]:
-    return {label: _train(_config(world, extra, log_dir), dataset_dir) for label, extra in CASES[world].items()}
+def _ranks(rank: int, world: int, dataset_dir: Path, documents_dir: Path, log_dir: str
+           ) -> dict[str, dict[str, Any]]:
+    return {label: _train(_config(world, extra, log_dir), documents_dir if label.startswith("docs") else dataset_dir)
+            for label, extra in CASES[world].items()}
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
-def test_context_parallel_equals_a_plain_loop(world, references, default_dataset, tmp_path):
-    runs, ref = run_ranks(_ranks, world, args=(default_dataset, str(tmp_path)), timeout=900), references["debug"]
+def test_context_parallel_equals_a_plain_loop(world, references, document_reference, default_dataset,
+                                              documents_dataset, tmp_path):
+    runs = run_ranks(_ranks, world, args=(default_dataset, documents_dataset, str(tmp_path)), timeout=900)
     for label in CASES[world]:
+        ref = document_reference if label.startswith("docs") else references["debug"]
         for rank, res in enumerate(runs):
             assert len(res[label]["losses"]) == STEPS
             np.testing.assert_allclose(res[label]["losses"], ref["losses"], rtol=EXACT_RTOL,

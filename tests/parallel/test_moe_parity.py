@@ -13,6 +13,9 @@ drops — capacity is over the whole micro-batch, so under cp (ring, Ulysses, hy
 are chosen across the ranks sharing it — checked by the same parity and by every layer's dropped fraction
 per step. Under sp (tp2, × ep2, × cp2) each tp rank routes its sequence shard: the same parity shows the
 counts, the capacity and the MoE gradients summed over tp.
+
+The "docs" cases train with document masking on short packed documents (tests/documents_data.py) against the
+one-process masked MoE run (`moe_reference_run(documents=True)`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ CASES: dict[int, dict[str, list[str]]] = {
         # layer's gradients (and so the balancing losses') summed over tp
         "tp2 sp aux-loss": ["parallel.tp=2", "parallel.sp=true"],
         "tp2 sp capacity 1.0": ["parallel.tp=2", "parallel.sp=true", *CAPACITY],
+        "docs ep2 zero1 aux-loss": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=1", "data.document_mask=true"],
     },
     4: {
         "ep4 zero1 aux-loss": ["parallel.dp=4", "parallel.ep=4", "parallel.zero=1"],
@@ -79,7 +83,10 @@ CASES: dict[int, dict[str, list[str]]] = {
 def _model(extra: list[str]) -> str:
     """The reference a case is compared with: its model, with " capacity" when it sets a capacity factor."""
     model = "debug-moe-auxfree" if any("auxfree" in e for e in extra) else "debug-moe"
-    return model + (" capacity" if CAPACITY[0] in extra else "")
+    return model + (" capacity" if CAPACITY[0] in extra else "") + (" docs" if DOCS in extra else "")
+
+
+DOCS = "data.document_mask=true"
 
 
 def _config(world: int, extra: list[str], log_dir: str) -> Config:
@@ -111,8 +118,10 @@ def _train(cfg: Config, dataset_dir: Path) -> dict[str, Any]:
     return out
 
 
-def _ranks(rank: int, world: int, dataset_dir: Path, log_dir: str) -> dict[str, dict[str, Any]]:
-    return {label: _train(_config(world, extra, log_dir), dataset_dir) for label, extra in CASES[world].items()}
+def _ranks(rank: int, world: int, dataset_dir: Path, documents_dir: Path, log_dir: str
+           ) -> dict[str, dict[str, Any]]:
+    return {label: _train(_config(world, extra, log_dir), documents_dir if DOCS in extra else dataset_dir)
+            for label, extra in CASES[world].items()}
 
 
 def _merged(runs: list[dict[str, Any]], label: str, key: str) -> dict[str, np.ndarray]:
@@ -128,13 +137,15 @@ def _merged(runs: list[dict[str, Any]], label: str, key: str) -> dict[str, np.nd
 
 
 @pytest.fixture(scope="module")
-def references(default_dataset) -> dict[str, dict[str, Any]]:
+def references(default_dataset, documents_dataset) -> dict[str, dict[str, Any]]:
     common = dict(seq_len=SEQ, global_batch=GLOBAL, micro_batch=MICRO, lr=LR, eps=EPS, warmup=WARMUP,
                   dtype=torch.float64)
     refs = {m: moe_reference_run(default_dataset, model=m, steps=STEPS, **common)
             for m in ("debug-moe", "debug-moe-auxfree")}
     refs["debug-moe capacity"] = moe_reference_run(default_dataset, model="debug-moe", steps=CAP_STEPS,
                                                    capacity_factor=1.0, **common)
+    refs["debug-moe docs"] = moe_reference_run(documents_dataset, model="debug-moe", steps=STEPS, documents=True,
+                                               **common)
     return refs
 
 
@@ -168,7 +179,7 @@ def test_reference_balancing_terms_are_live(references) -> None:
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
-def test_moe_parallel_equals_plain_loop(world, references, default_dataset, tmp_path):
-    runs = run_ranks(_ranks, world, args=(default_dataset, str(tmp_path)), timeout=900)
+def test_moe_parallel_equals_plain_loop(world, references, default_dataset, documents_dataset, tmp_path):
+    runs = run_ranks(_ranks, world, args=(default_dataset, documents_dataset, str(tmp_path)), timeout=900)
     for label, extra in CASES[world].items():
         check_parity(runs, label, references[_model(extra)])

@@ -21,9 +21,11 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from pentatron.data.documents import find_documents
 from pentatron.data.errors import DataError
 from pentatron.data.index import DatasetIndex, check_shards, read_index
 from pentatron.data.vocab_check import check_sample
+from pentatron.models.documents import Documents
 
 STATE_VERSION = 1
 
@@ -223,6 +225,10 @@ class TokenLoader:
         mb = self.micro_batch
         return [(tokens[j:j + mb, :-1].contiguous(), tokens[j:j + mb, 1:].contiguous())
                 for j in range(0, self.local_batch, mb)]
+
+    def documents(self, inputs: torch.Tensor) -> Documents:
+        """Where the documents of a micro-batch's samples start (its inputs; data/documents.py)."""
+        return find_documents(inputs, self.dataset.eos_id)
 
     def __iter__(self) -> TokenLoader:
         return self

@@ -279,9 +279,9 @@ def _build(files: list[Path], tmp: Path, settings: TokenizeSettings, fingerprint
     empty = DataError(f"no text found in inputs: {', '.join(map(str, inputs))}; every document is empty"
                       + (f" (records read from field {settings.text_field!r})" if records else ""))
 
-    def bar(desc: str) -> tqdm:
-        return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, disable=not progress,
-                    file=sys.stderr, dynamic_ncols=True)
+    def bar(desc: str) -> tqdm:  # drawn on a terminal only: in a log, its redraws are lines of noise
+        return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True,
+                    disable=not (progress and sys.stderr.isatty()), file=sys.stderr, dynamic_ncols=True)
 
     if settings.tokenizer_path is not None:
         tok = load_tokenizer(settings.tokenizer_path)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pentatron.models.config import ModelConfig, RopeScaling
+from pentatron.models.documents import Documents, document_attention
 from pentatron.models.loss import DEFAULT_CHUNK_TOKENS, linear_cross_entropy
 from pentatron.models.moe import MoE, Router
 from pentatron.models.param_init import ParamInit, fill_slice, param_seed
@@ -92,13 +93,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class AttentionCore(nn.Module):
-    """softmax(QKᵀ/√d)V with a causal mask. Its own module so that selective recompute can wrap it
-    and context parallelism can replace it. Inputs are [b, s, heads, head_dim]."""
+    """softmax(QKᵀ/√d)V with a causal mask — within each document when `documents` are given
+    (models/documents.py). Its own module so that selective recompute can wrap it and context parallelism
+    can replace it. Inputs are [b, s, heads, head_dim]."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        gqa = k.shape[1] != q.shape[1]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if documents is None:
+            gqa = k.shape[1] != q.shape[1]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out = document_attention(q, k, v, documents)
         return out.transpose(1, 2)
 
 
@@ -115,7 +121,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.core = AttentionCore()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # Head counts come from the (possibly sharded) projection widths, not from the config.
         q = self.q_proj(x).view(b, s, -1, self.head_dim)
@@ -124,7 +131,7 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotate(q, k, cos, sin)
-        out = self.core(q, k, v)
+        out = self.core(q, k, v) if documents is None else self.core(q, k, v, documents)
         return self.o_proj(out.reshape(b, s, -1))
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -170,8 +177,10 @@ class DecoderBlock(nn.Module):
         else:
             self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        attn_in = self.attn_norm(x)
+        x = x + (self.attn(attn_in, cos, sin) if documents is None else self.attn(attn_in, cos, sin, documents))
         ffn = self.moe if hasattr(self, "moe") else self.mlp
         return x + ffn(self.mlp_norm(x))
 
@@ -210,27 +219,30 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+                targets: torch.Tensor | None = None, documents: Documents | None = None) -> torch.Tensor:
         """tokens: [b, s] int64 → logits [b, s, vocab], or with `targets` [b, s] the mean cross-entropy
-        (the head's chunked loss). `positions` defaults to 0..s-1 (context parallelism passes the global
-        positions of its sequence shard)."""
+        (the head's chunked loss). `positions` ([s] or per sample [b, s]) defaults to 0..s-1 (context
+        parallelism passes the global positions of its sequence shard; document masking each token's
+        position in its document); `documents`: attention stays within each (models/documents.py)."""
         return decoder_forward(tokens, positions, self.rotary, self.layers, self.embed, self.norm, self.lm_head,
-                               targets)
+                               targets, documents)
 
 
 def decoder_forward(x: torch.Tensor, positions: torch.Tensor | None, rotary: Rotary, layers: Iterable[nn.Module],
                     embed: nn.Module | None, norm: nn.Module | None, lm_head: nn.Module | None,
-                    targets: torch.Tensor | None = None) -> torch.Tensor:
+                    targets: torch.Tensor | None = None, documents: Documents | None = None) -> torch.Tensor:
     """The decoder, written once for the whole model and for any contiguous part of it (a pipeline
     stage): [embed] → layers → [norm → lm_head]. `x` is token ids when `embed` is given, else the hidden
-    state; `positions` default to 0..s-1 of `x`; with `targets` the head returns the loss, not logits."""
+    state; `positions` default to 0..s-1 of `x`; with `targets` the head returns the loss, not logits;
+    `documents` (of the whole sequences) reach every attention core. Without documents the layers are
+    called exactly as before (a compiled block sees no new argument)."""
     if positions is None:
         positions = torch.arange(x.shape[1], device=x.device)
     cos, sin = rotary(positions)
     if embed is not None:
         x = embed(x)
     for layer in layers:
-        x = layer(x, cos, sin)
+        x = layer(x, cos, sin) if documents is None else layer(x, cos, sin, documents)
     if lm_head is not None:
         x = lm_head(norm(x)) if targets is None else lm_head(norm(x), targets)
     return x

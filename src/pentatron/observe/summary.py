@@ -68,7 +68,11 @@ def build_summary(trainer: Any, records: list[dict[str, Any]], wall_s: float, pe
         "tokens_per_s": {"mean_all_ranks": mean_tps, "mean_per_rank": mean_tps / trainer.world_size,
                          "steps_averaged": [timed[0]["step"], timed[-1]["step"]]},
         "mfu": {"mean": sum(mfus) / len(mfus) if mfus else None, "max": max(mfus) if mfus else None,
-                "peak_flops_per_device": trainer.peak_flops, "peak_source": trainer.peak_source},
+                "peak_flops_per_device": trainer.peak_flops, "peak_source": trainer.peak_source,
+                # the numerator's convention (plan/flops.py), and under document masking the share of it
+                # attention really computed (rank 0's documents, mean over the steps)
+                "convention": "dense: attention over the full seq x seq square (plan/flops.py)",
+                "masked_attention_pairs": _mean_pairs(records)},
         "memory": {"peak_bytes_max_over_ranks": peak_mem_bytes,
                    "peak_reserved_bytes_max_over_ranks": peak_reserved_bytes,
                    "setup_peak_bytes_max_over_ranks": setup_peak_bytes,
@@ -83,6 +87,11 @@ def build_summary(trainer: Any, records: list[dict[str, Any]], wall_s: float, pe
                   "dataset": str(trainer.dataset.path),
                   "pp_trace": str(run_dir / "pp_trace") if cfg.log.pp_trace and par.pp > 1 else None},
     }
+
+
+def _mean_pairs(records: list[dict[str, Any]]) -> float | None:
+    shares = [r["documents"]["attention_pairs"] for r in records if "documents" in r]
+    return sum(shares) / len(shares) if shares else None
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -106,6 +115,9 @@ def format_summary(s: dict[str, Any]) -> str:
     if mfu["mean"] is not None:
         rows.append(("MFU", f"{100 * mfu['mean']:.1f} % mean, {100 * mfu['max']:.1f} % best step, against "
                             f"{mfu['peak_flops_per_device'] / 1e12:.4g} TFLOP/s per rank ({mfu['peak_source']})"))
+        if mfu.get("masked_attention_pairs") is not None:
+            rows.append(("", f"model FLOPs count attention densely (the full seq×seq square); document masking "
+                             f"computed {100 * mfu['masked_attention_pairs']:.1f} % of the dense causal pairs"))
     rows += [
         ("peak memory", _peak_text(mem)),
         ("model state", mem["model_state_per_rank"]),

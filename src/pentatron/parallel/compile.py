@@ -13,6 +13,8 @@ structurally on each block after tensor/context/expert parallelism replaced its 
   (`Attention.rotate`), the MLP's activation (`MLP.activate`) or a whole MLP that does not communicate,
   an MoE layer's shared experts; bare (column/row-parallel) linears gain nothing and stay eager. The
   routed experts and the router stay eager: their shapes follow the routing (data-dependent).
+* with document masking (`eager_attention`) the attention core stays eager, and so no block is compiled
+  whole: its documents are host-side offsets that change every micro-batch (a graph per batch otherwise).
 * under the zero-bubble schedule (split backward) only weight-free elementwise regions and the norms are
   compiled: a compiled region's backward is one autograd node that yields input and weight gradients
   together, so a region holding a GEMM would run its whole backward again in W.
@@ -169,7 +171,8 @@ def _backend(backend: str | Callable[..., Any]) -> str | Callable[..., Any]:
 
 
 def _communicates(m: nn.Module) -> bool:
-    return any(hasattr(x, "comm") or isinstance(x, MoE) for x in m.modules())
+    """Holds a module that must stay eager: a collective's, an MoE layer, or a core marked `eager_only`."""
+    return any(hasattr(x, "comm") or isinstance(x, MoE) or getattr(x, "eager_only", False) for x in m.modules())
 
 
 def _hooked_inside(m: nn.Module) -> bool:
@@ -184,7 +187,7 @@ def _install(m: nn.Module, attr: str, name: str, report: CompileReport) -> None:
 def _elementwise(m: nn.Module, name: str, report: CompileReport) -> None:
     """The weight-free regions (and the norms) of `m`'s subtree."""
     for sub_name, sub in m.named_modules(prefix=name):
-        if isinstance(sub, RMSNorm) or type(sub) is AttentionCore:
+        if isinstance(sub, RMSNorm) or (type(sub) is AttentionCore and not getattr(sub, "eager_only", False)):
             _install(sub, "forward", sub_name, report)
         elif isinstance(sub, Attention):
             _install(sub, "rotate", f"{sub_name}.rotate", report)
@@ -214,12 +217,15 @@ def _regions(m: nn.Module, name: str, report: CompileReport) -> None:
 
 def apply_compile(model: nn.Module, setting: bool | str, device: torch.device,
                   backend: str | Callable[..., Any] = "inductor",
-                  split_backward: bool = False) -> CompileReport | None:
+                  split_backward: bool = False, eager_attention: bool = False) -> CompileReport | None:
     """Compile the regions of every decoder block of `model` (a pipeline rank's stages keep their layers in a
     dict); None when train.compile is off on this device. Call after tensor/context/expert parallelism and
-    before activation checkpointing."""
+    before activation checkpointing. `eager_attention`: leave every attention core eager (document masking)."""
     if not compile_enabled(setting, device.type):
         return None
+    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for block in blocks if eager_attention else ():
+        block.attn.core.eager_only = True
     if hasattr(aot_config, _EAGER_BACKWARD):  # process-wide, but only compiling pays: the same work, earlier
         setattr(aot_config, _EAGER_BACKWARD, True)
         if split_backward:

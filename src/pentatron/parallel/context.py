@@ -16,6 +16,11 @@ How attention is shared (`ContextParallelAttention`, replacing each block's `Att
     ring      K/V blocks around the ring, partial outputs merged by log-sum-exp.
     hybrid    Ulysses inside (gathering the ring rank's two chunks), ring across.
 
+Document masking: the cores get the micro-batch's `Documents` (of the whole sequences, the same on every
+rank). Ulysses holds whole sequences, so it runs the one-process kernel (`document_attention`); the ring cuts
+the documents at its blocks (`ring_attention.py`). RoPE positions restarting per document are sliced by the
+step runner like the tokens.
+
 Gradients of parameters are averaged over dp×cp (every cp rank holds every parameter and the loss is
 the mean of the cp ranks' equal-sized shares); the step runner slices the batches and averages the loss.
 """
@@ -29,20 +34,16 @@ from torch import nn
 from pentatron.distributed.comm import Comm
 from pentatron.distributed.functional import heads_to_seq, seq_to_heads
 from pentatron.layout import ParallelLayout
+from pentatron.models.documents import Documents, document_attention
 from pentatron.parallel.attention_kernels import BlockKernel, block_kernel
-from pentatron.parallel.ring_attention import AttentionCount, ring_attention
+from pentatron.parallel.ring_attention import AttentionCount, ring_attention, zigzag_positions
 
 RING, ULYSSES = "cp_ring", "cp_ulysses"  # the comm layer's names for the two sub-groups of cp
 
 
 def cp_token_index(seq_len: int, ring: int, ulysses: int, ring_rank: int, ulysses_rank: int) -> torch.Tensor:
     """Positions (0..seq_len−1) of the tokens held by the cp rank at (ring_rank, ulysses_rank)."""
-    if ring == 1:
-        local = torch.arange(seq_len)
-    else:
-        c = seq_len // (2 * ring)
-        local = torch.cat([torch.arange(ring_rank * c, (ring_rank + 1) * c),
-                           torch.arange((2 * ring - 1 - ring_rank) * c, (2 * ring - ring_rank) * c)])
+    local = torch.arange(seq_len) if ring == 1 else torch.from_numpy(zigzag_positions(seq_len, ring, ring_rank))
     piece = local.numel() // ulysses
     return local[ulysses_rank * piece: (ulysses_rank + 1) * piece]
 
@@ -71,7 +72,8 @@ class ContextParallelAttention(nn.Module):
         self.kernel = kernel or block_kernel("fused")
         self.count = AttentionCount()  # what this rank's ring attention computed (tests, benchmarks)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
         u = self.ulysses
         if u > 1:
             if k.shape[2] < u:  # fewer kv heads than Ulysses ranks: each rank gets a copy of its group's
@@ -79,7 +81,9 @@ class ContextParallelAttention(nn.Module):
             q, k, v = (seq_to_heads(t, self.comm, ULYSSES) for t in (q, k, v))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.ring > 1:
-            out = ring_attention(q, k, v, self.comm, RING, self.kernel, self.count)
+            out = ring_attention(q, k, v, self.comm, RING, self.kernel, self.count, documents)
+        elif documents is not None:
+            out = document_attention(q, k, v, documents)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         out = out.transpose(1, 2)

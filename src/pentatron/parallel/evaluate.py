@@ -13,15 +13,18 @@ What a training step carries from forward to the optimizer is left untouched: no
 set aside and restored, so the aux-free bias update and the `moe` metrics see training's forwards only,
 and the balancing losses never enter the loss (they reach training only through backward); the data
 loader is not read. ZeRO-3's gathered parameters are freed at the end (`release_gathered`).
+With document masking (`documents`: a micro-batch's inputs → its `Documents`) the held-out batches are
+scored as training scores its own: attention within each document, positions restarting per document.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from pentatron.models.documents import Documents
 from pentatron.models.moe import moe_layers
 from pentatron.parallel.pipeline.engine import PipelineEngine
 from pentatron.schedules import forward_only
@@ -47,7 +50,8 @@ class Evaluator:
                                                 head_loss=r.head_loss)
         return self._pipelines[m]
 
-    def mean_loss(self, steps: Iterable[Sequence[Batch]]) -> torch.Tensor:
+    def mean_loss(self, steps: Iterable[Sequence[Batch]],
+                  documents: Callable[[torch.Tensor], Documents] | None = None) -> torch.Tensor:
         """The mean loss over every micro-batch of `steps` (each this rank's share of one global batch),
         over all data-parallel replicas: the same 0-dim tensor on every rank (collective)."""
         r = self.runner
@@ -58,7 +62,7 @@ class Evaluator:
         try:
             with torch.no_grad():
                 for micro_batches in steps:
-                    total += self._step_loss(micro_batches)
+                    total += self._step_loss(micro_batches, documents)
                     count += 1
         finally:
             for m, stats in zip(layers, kept, strict=True):
@@ -69,19 +73,22 @@ class Evaluator:
         r.comm.all_reduce(total, "dp" if r.layout.cp == 1 else "dp_cp")
         return total / (count * r.layout.dp * r.layout.cp)
 
-    def _step_loss(self, micro_batches: Sequence[Batch]) -> torch.Tensor:
+    def _step_loss(self, micro_batches: Sequence[Batch],
+                   documents: Callable[[torch.Tensor], Documents] | None) -> torch.Tensor:
         """One global batch's mean loss on this replica (as `StepRunner.forward_backward` takes it)."""
         r = self.runner
-        batches, positions = r.placed(micro_batches)
+        docs = [documents(x) for x, _ in micro_batches] if documents is not None else None
+        batches, positions = r.placed(micro_batches, docs)
         if r.pipeline is not None:
-            result = self._pipeline(len(batches)).step(batches, positions)
+            result = self._pipeline(len(batches)).step(batches, positions, docs)
             loss = (result.loss.to(r.loss_dtype) if result.loss is not None
                     else torch.zeros((), dtype=r.loss_dtype, device=r.device))
             r.comm.broadcast(loss, "pp", src=r.layout.pp - 1)
             return loss
         loss = torch.zeros((), dtype=r.loss_dtype, device=r.device)
-        for inputs, targets in batches:
-            step_loss = (r.model(inputs, positions, targets) if r.head_loss
-                         else r.loss_fn(r.model(inputs, positions), targets))
+        for i, (inputs, targets) in enumerate(batches):
+            extra = () if docs is None else (docs[i],)  # unmasked: the model called as in training
+            step_loss = (r.model(inputs, positions[i], targets, *extra) if r.head_loss
+                         else r.loss_fn(r.model(inputs, positions[i], None, *extra), targets))
             loss += step_loss.to(r.loss_dtype)
         return loss / len(batches)

@@ -137,7 +137,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
     compiled = apply_compile(module, cfg.train.compile, ctx.device, cfg.train.compile_backend,
                              split_backward=layout.pp > 1 and make_schedule(layout.pp_schedule, layout.pp,
                                                                             layout.microbatches, layout.virtual
-                                                                            ).split_backward)
+                                                                            ).split_backward,
+                             eager_attention=cfg.data.document_mask)
     apply_recompute(module, cfg.train.recompute)
     for part in stages or [model]:
         materialize_buffers(part, ctx.device)
@@ -150,7 +151,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
     for part in stages or [model]:
         register_grad_hooks(part)
     set_loss_chunk_tokens(module, cfg.train.loss_chunk_tokens)
-    runner = StepRunner(module, engine, ctx, layout, _loss_fn(ctx), stages, model.cfg.hidden_size, cfg.train)
+    runner = StepRunner(module, engine, ctx, layout, _loss_fn(ctx), stages, model.cfg.hidden_size, cfg.train,
+                        cfg.data)
     runner.compiled = compiled
     return runner
 

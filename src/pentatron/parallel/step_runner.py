@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pentatron.config import TrainConfig
+from pentatron.config import DataConfig, TrainConfig
 from pentatron.distributed.context import ParallelContext
 from pentatron.layout import ParallelLayout
+from pentatron.models.documents import Documents
 from pentatron.models.moe import finish_step, moe_layers, set_aux_loss_scale
 from pentatron.optim import AdamW
 from pentatron.parallel.compile import CompileReport
@@ -53,8 +54,11 @@ def host_scalars(*scalars: torch.Tensor) -> list[float]:
 
 class StepRunner:
     def __init__(self, model: nn.Module, engine: DataParallelBase, ctx: ParallelContext, layout: ParallelLayout,
-                 loss_fn: LossFn, stages: Sequence[PipelineStage] | None, hidden: int, train: TrainConfig) -> None:
+                 loss_fn: LossFn, stages: Sequence[PipelineStage] | None, hidden: int, train: TrainConfig,
+                 data: DataConfig | None = None) -> None:
         self.model, self.engine, self.ctx, self.layout, self.loss_fn = model, engine, ctx, layout, loss_fn
+        # Document masking (micro-batches come with their `Documents`): RoPE positions restart per document.
+        self.restart_positions = data is not None and data.document_mask and data.document_positions
         # train.loss_chunk_tokens > 0: the LM head computes the loss in chunks from the targets (the full
         # logits never exist); 0: the model returns logits and `loss_fn` takes them.
         self.head_loss = train.loss_chunk_tokens > 0
@@ -86,24 +90,30 @@ class StepRunner:
         return self.engine.placements
 
     # ------------------------------------------------------------------ one step
-    def placed(self, micro_batches: Sequence[Batch]) -> tuple[list[Batch], torch.Tensor | None]:
+    def placed(self, micro_batches: Sequence[Batch], documents: Sequence[Documents] | None = None
+               ) -> tuple[list[Batch], list[torch.Tensor | None]]:
         """The micro-batches on this rank's device, cut to its context-parallel share of each sequence, and
-        those tokens' positions (None without cp: 0 … seq-1)."""
+        each one's RoPE positions (`positions`)."""
+        if documents is not None and len(documents) != len(micro_batches):
+            raise ValueError(f"{len(documents)} Documents for {len(micro_batches)} micro-batches")
         batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
-        if self.shard is None:
-            return batches, None
-        return [(self.shard.take(x), self.shard.take(y)) for x, y in batches], self.shard.positions
+        if self.shard is not None:
+            batches = [(self.shard.take(x), self.shard.take(y)) for x, y in batches]
+        return batches, self.positions(documents, len(batches))
 
     def forward_backward(self, micro_batches: Sequence[Batch],
-                         on_micro_batch: Callable[[int], None] | None = None) -> torch.Tensor:
+                         on_micro_batch: Callable[[int], None] | None = None,
+                         documents: Sequence[Documents] | None = None) -> torch.Tensor:
         """Every micro-batch's forward and backward (each loss divided by their number), gradients
         reduced over their data-parallel groups and tied copies summed; returns the step's mean loss over
         all micro-batches of all data-parallel replicas (the same number on every rank).
-        `on_micro_batch(i)` is called before micro-batch i (without pp; diagnostics number them)."""
+        `on_micro_batch(i)` is called before micro-batch i (without pp; diagnostics number them).
+        `documents[i]`: where micro-batch i's documents start (of its whole sequences): attention stays
+        inside each, on every layout (the context-parallel cores and every pipeline stage get them)."""
         self.engine.zero_grad()
-        batches, positions = self.placed(micro_batches)
+        batches, positions = self.placed(micro_batches, documents)
         if self.pipeline is not None:
-            result = self.pipeline.step(batches, positions)
+            result = self.pipeline.step(batches, positions, documents)
             self.last_pipeline = result
             # Only the last stage computes the loss: every pipeline rank logs the same number.
             loss = (wide(result.loss.detach()) if result.loss is not None
@@ -116,8 +126,9 @@ class StepRunner:
                     on_micro_batch(i)
                 # Only the last micro-step's backward synchronises gradients (DDP, ZeRO-1).
                 self.engine.before_backward(0, last=i == len(batches) - 1)
-                step_loss = (self.model(inputs, positions, targets) if self.head_loss
-                             else self.loss_fn(self.model(inputs, positions), targets))
+                docs = () if documents is None else (documents[i],)  # unmasked: the model called as before
+                step_loss = (self.model(inputs, positions[i], targets, *docs) if self.head_loss
+                             else self.loss_fn(self.model(inputs, positions[i], None, *docs), targets))
                 (step_loss / len(batches)).backward()
                 self.engine.after_backward(0)
                 loss += step_loss.detach()
@@ -128,6 +139,18 @@ class StepRunner:
         # every sequence: their mean is the step's loss.
         self.comm.all_reduce(loss, "dp" if self.layout.cp == 1 else "dp_cp")
         return loss / (self.layout.dp * self.layout.cp)
+
+    def positions(self, documents: Sequence[Documents] | None, n: int) -> list[torch.Tensor | None]:
+        """Each micro-batch's RoPE positions of the tokens this rank holds: None (0..s−1), this cp rank's
+        shard of them, or per sample [b, s_local] when positions restart at each document."""
+        held = self.shard.positions if self.shard is not None else None
+        if documents is None or not self.restart_positions:
+            return [held] * n
+        out: list[torch.Tensor | None] = []
+        for docs in documents:
+            p = docs.positions(self.device)
+            out.append(p if held is None else p[:, held])
+        return out
 
     def clip_grads(self, max_norm: float) -> torch.Tensor:
         """Clip by the global norm of the full gradient; returns the norm before clipping."""

@@ -17,6 +17,7 @@ from pentatron.config import Config
 from pentatron.data.eval_split import eval_set, training_tokens
 from pentatron.data.loader import TokenDataset, TokenLoader
 from pentatron.data.tokenize import ensure_default_dataset
+from pentatron.models.documents import documents_record
 from pentatron.observe.metrics import COMM_LEGEND, MetricsLogger
 from pentatron.observe.report import layout_key
 from pentatron.observe.run_observer import RunObserver
@@ -72,7 +73,8 @@ class Trainer:
                                       seed=tr.seed, train_tokens=training_tokens(cfg.eval, len(self.dataset)))
             self.validation = Validation(cfg.eval, tr, eval_set(cfg.eval, self.dataset, tr.seq_len,
                                                                 self.model_cfg.vocab_size),
-                                         self.runner, self.dp_rank, self.dp) if cfg.eval.every > 0 else None
+                                         self.runner, self.dp_rank, self.dp,
+                                         cfg.data.document_mask) if cfg.eval.every > 0 else None
             self.step = 0
             self.lr_schedule = LrSchedule(tr)  # a resume may re-shape it (`_resume`)
             self.guard = NonFiniteGuard(tr.nonfinite)
@@ -101,7 +103,9 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         self.comm.ledger.begin_step()
         self.observer.begin_step(self.step + 1)
-        loss = self.runner.forward_backward(self.loader.next_step(), on_micro_batch=self.observer.micro)
+        batches = self.loader.next_step()
+        documents = [self.loader.documents(x) for x, _ in batches] if self.cfg.data.document_mask else None
+        loss = self.runner.forward_backward(batches, on_micro_batch=self.observer.micro, documents=documents)
         self.observer.after_backward()
         norm = self.runner.clip_grads(self.cfg.train.clip)
         lr = self.lr_schedule.at(self.step)
@@ -115,6 +119,8 @@ class Trainer:
         extra = self.runner.step_stats()
         self._write_pp_trace()
         self.last_comm = comm = self.comm.ledger.end_step()
+        if documents is not None:  # what masked attention computed (MFU still counts the dense convention)
+            extra["documents"] = documents_record(documents)
         return {"step": self.step, "loss": loss_value, "grad_norm": norm_value, "lr": lr,
                 "comm_bytes": comm.bytes_map(), "comm_calls": comm.calls_map(), **extra,
                 "skipped_steps": self.guard.skipped, **({"nonfinite": problem} if problem else {})}

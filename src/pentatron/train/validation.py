@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from pentatron.config import EvalConfig, TrainConfig
+from pentatron.data.documents import find_documents
 from pentatron.data.eval_split import EvalSet
 from pentatron.parallel.evaluate import Evaluator
 from pentatron.parallel.step_runner import StepRunner, host_scalars
@@ -30,8 +31,10 @@ def perplexity(loss: float) -> float:
 
 class Validation:
     def __init__(self, ev: EvalConfig, train: TrainConfig, data: EvalSet, runner: StepRunner,
-                 dp_rank: int, dp_size: int) -> None:
+                 dp_rank: int, dp_size: int, document_mask: bool = False) -> None:
         self.ev, self.train, self.data = ev, train, data
+        eos = data.dataset.eos_id  # the held-out data's own tokenizer (eval.path may be another dataset)
+        self.documents = (lambda x: find_documents(x, eos)) if document_mask else None
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.evaluator = Evaluator(runner)
 
@@ -43,6 +46,6 @@ class Validation:
         start = time.perf_counter()
         tr = self.train
         steps = self.data.steps(self.ev.batches, tr.global_batch, tr.micro_batch, self.dp_rank, self.dp_size)
-        (loss,) = host_scalars(self.evaluator.mean_loss(steps))
+        (loss,) = host_scalars(self.evaluator.mean_loss(steps, self.documents))
         return {"loss": loss, "perplexity": perplexity(loss), "tokens": self.ev.batches * tr.global_batch * tr.seq_len,
                 "batches": self.ev.batches, "time_s": time.perf_counter() - start}

@@ -36,6 +36,7 @@ import torch
 
 from pentatron.device_clock import DeviceClock
 from pentatron.distributed.comm import P2P, Comm, Work
+from pentatron.models.documents import Documents
 from pentatron.parallel.pipeline.split_backward import SplitBackward
 from pentatron.parallel.pipeline.stages import PipelineStage
 from pentatron.schedules import (
@@ -128,18 +129,24 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-             positions: torch.Tensor | None = None) -> PipelineStepResult:
+             positions: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
+             documents: Sequence[Documents] | None = None) -> PipelineStepResult:
         """Forward and backward every micro-batch as the schedule orders; gradients accumulate in the
         stages' parameters (each micro-batch's loss divided by m, as the non-pipelined path does).
-        `positions`: the sequence's token positions (default 0..s-1 of the token ids). The caller zeroes
-        gradients before and runs the optimizer after."""
+        `positions`: the sequence's token positions (default 0..s-1 of the token ids), or one entry per
+        micro-batch; `documents[i]`: micro-batch i's (document masking), handed to every stage that runs
+        it — each pipeline rank holds the micro-batches' tokens, so boundaries need no message. The caller
+        zeroes gradients before and runs the optimizer after."""
         s = self.schedule
         if len(micro_batches) != s.m:
             raise ValueError(f"the schedule is for {s.m} micro-batches per step, got {len(micro_batches)}")
         self._mbs = micro_batches
         self._device = self.stages[0].rotary.cos.device
         seq = micro_batches[0][0].shape[1]
-        self._positions = positions if positions is not None else torch.arange(seq, device=self._device)
+        if positions is None or isinstance(positions, torch.Tensor):
+            positions = [positions] * s.m
+        self._positions = [p if p is not None else torch.arange(seq, device=self._device) for p in positions]
+        self._documents = list(documents) if documents is not None else None
         self._shape = self.act_shape(micro_batches[0][0])
         self._buffers: dict[MsgKey, torch.Tensor] = {}  # posted receives' buffers, until consumed
         self._recv_work: dict[MsgKey, Work] = {}
@@ -183,7 +190,8 @@ class PipelineEngine:
             losses = self._losses
         finally:
             self._send_work, self._saved, self._buffers, self._mbs, self._outbox = {}, {}, {}, [], {}
-            self._losses, self._local, self._recv_work, self._positions = [], {}, {}, None
+            self._losses, self._local, self._recv_work, self._positions = [], {}, {}, []
+            self._documents = None
         times = timer.seconds([m for _, t0, t1 in marks for m in (t0, t1)])
         slots = [Slot(self.rank, a, times[2 * k], times[2 * k + 1]) for k, (a, _, _) in enumerate(marks)]
         loss = torch.stack(losses).mean() if losses else None
@@ -197,7 +205,10 @@ class PipelineEngine:
             x = self._receive(("act", st, a.microbatch)).requires_grad_()
         t0 = self._timer.mark()
         targets = self._mbs[a.microbatch][1].to(self._device) if stage.is_last else None
-        out = stage(x, self._positions, targets) if stage.is_last and self.head_loss else stage(x, self._positions)
+        positions = self._positions[a.microbatch]
+        docs = () if self._documents is None else (self._documents[a.microbatch],)
+        out = (stage(x, positions, targets, *docs) if stage.is_last and self.head_loss
+               else stage(x, positions, None, *docs))
         sent = None
         if stage.is_last:
             loss = out if self.head_loss else self.loss_fn(out, targets)

@@ -25,6 +25,7 @@ from torch import nn
 
 from pentatron.distributed.comm import P2P, Comm
 from pentatron.models.config import ModelConfig
+from pentatron.models.documents import Documents
 from pentatron.models.llama import Llama, decoder_forward
 from pentatron.parallel.pipeline.partition import PartitionError, StageCosts, partition
 
@@ -71,11 +72,12 @@ class PipelineStage(nn.Module):
         return [int(k) for k in self.layers]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+                targets: torch.Tensor | None = None, documents: Documents | None = None) -> torch.Tensor:
         """`positions`: of the whole sequence (a received hidden state may be a sequence-parallel slice);
-        `targets` (last stage): return the head's chunked loss instead of the logits."""
+        `targets` (last stage): return the head's chunked loss instead of the logits; `documents`: the
+        micro-batch's (document masking: every stage's attention needs them)."""
         return decoder_forward(x, positions, self.rotary, self.layers.values(), getattr(self, "embed", None),
-                               getattr(self, "norm", None), getattr(self, "lm_head", None), targets)
+                               getattr(self, "norm", None), getattr(self, "lm_head", None), targets, documents)
 
 
 def build_stages(model: Llama, pp: int, pp_rank: int, ranges: Sequence[range]) -> list[PipelineStage]:
