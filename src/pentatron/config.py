@@ -377,6 +377,8 @@ class Config:
         out = self.to_dict()
         model = self.model_config()
         out["model"].update({k: getattr(model, k) for k in out["model"] if k not in ("name", "hf_config")})
+        if model.attn_head_dim is None:  # unset: the head width is derived (hidden / heads), nothing to resolve
+            del out["model"]["attn_head_dim"]
         if model.moe is not None:
             out["moe"] = {k: getattr(model.moe, k) for k in out["moe"]}
         out["parallel"]["dp"] = self.layout(world_size).dp
