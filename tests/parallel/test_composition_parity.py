@@ -66,7 +66,9 @@ def _config(world: int, extra: list[str], log_dir: str) -> Config:
                               "log.tensorboard=false", f"log.dir={log_dir!r}", FP64, *extra], world_size=world)
 
 
-def _train(cfg: Config, dataset_dir: Path) -> dict[str, Any]:
+def _train(cfg: Config, dataset_dir: Path, validate: bool = False) -> dict[str, Any]:
+    """Losses, norms, step-1 gradients, final parameters; with `validate`, the validation `fit` runs after
+    the last step ("val")."""
     from pentatron.train.trainer import Trainer
 
     trainer = Trainer(cfg, dataset_dir=dataset_dir)
@@ -78,6 +80,8 @@ def _train(cfg: Config, dataset_dir: Path) -> dict[str, Any]:
         if step == 0:
             out["grads"] = {n: g.double().numpy() for n, g in trainer.runner.full_gradients().items()}
     out["params"] = {n: t.double().numpy() for n, t in trainer.runner.full_parameters().items()}
+    if validate:
+        out["val"] = trainer.validation.run()  # as `fit` runs it after the last step
     trainer.engine.close()
     return out
 

@@ -22,40 +22,16 @@ import torch
 from pentatron.data.loader import TokenDataset
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
-from tests.multiprocess import rank_threads
-from tests.parallel.test_composition_parity import GLOBAL, SEQ, STEPS, _config
+from tests.parallel.test_composition_parity import GLOBAL, SEQ, STEPS, _config, _train
 from tests.reference_loop import EXACT_RTOL, _per_document_loss, relative_error
 
 DOCS = ["data.document_mask=true"]
 
 
-def _train(cfg: Any, dataset_dir: Any) -> dict[str, Any]:
-    """test_composition_parity's `_train`, then the validation `fit` runs after the last step."""
-    from pentatron.train.trainer import Trainer
-
-    trainer = Trainer(cfg, dataset_dir=dataset_dir)
-    out: dict[str, Any] = {"losses": [], "norms": []}
-    for step in range(STEPS):
-        record = trainer.train_step()
-        out["losses"].append(record["loss"])
-        out["norms"].append(record["grad_norm"])
-        if step == 0:
-            out["grads"] = {n: g.double().numpy() for n, g in trainer.runner.full_gradients().items()}
-    out["params"] = {n: t.double().numpy() for n, t in trainer.runner.full_parameters().items()}
-    out["val"] = trainer.validation.run()  # as `fit` runs it after the last step
-    trainer.engine.close()
-    return out
-
-
 @pytest.fixture(scope="module")
 def masked_run(documents_dataset, tmp_path_factory) -> dict[str, Any]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(rank_threads())  # as the ranks run: 1 intra-op thread unless set (no idle spinning)
-    try:
-        val = [f"eval.every={STEPS}", f"eval.path={str(documents_dataset)!r}"]  # eval.batches: 1
-        return _train(_config(1, [*DOCS, *val], str(tmp_path_factory.mktemp("logs"))), documents_dataset)
-    finally:
-        torch.set_num_threads(threads)
+    val = [f"eval.every={STEPS}", f"eval.path={str(documents_dataset)!r}"]  # eval.batches: 1
+    return _train(_config(1, [*DOCS, *val], str(tmp_path_factory.mktemp("logs"))), documents_dataset, validate=True)
 
 
 def test_one_process_masked_run_equals_each_document_alone(masked_run, document_reference):
