@@ -63,7 +63,7 @@ def test_layer_times_match_korthikanti_table_4(recompute, sp, forward_ms, backwa
     """A layer-level check independent of the end-to-end rows: Korthikanti et al. 2022 Table 4 measured
     one layer of their 22B GPT (tp 8, micro-batch 4, seq 2048, A100) forward and backward; the planner's
     per-layer phase times (whole model / 48 layers, so the LM head's ~1.4 % share is included) stay within
-    10 % of each (they are within 0 … -4 % of the sums as merged: BENCHMARKS.md)."""
+    10 % of each (they are within 0 … -4 % of the sums as merged)."""
     from dataclasses import replace
 
     from pentatron.plan.search import predict
