@@ -41,6 +41,14 @@ def test_device_clock_sums_spans_per_name_on_cpu():
     assert clock.collect() == {}  # collected once
 
 
+def _resident_bytes() -> int:
+    """VmRSS: the resident set now (Linux)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
 def test_peak_memory_excludes_the_set_up_peak_on_cpu():
     blob = torch.ones(256 * 2**20 // 4)  # 256 MiB touched during "set-up"
     del blob
@@ -52,8 +60,14 @@ def test_peak_memory_excludes_the_set_up_peak_on_cpu():
     if mem.since_training:  # Linux lets a process reset its peak: the set-up's 256 MiB are gone
         assert got["peak_mem_bytes"] <= mem.setup_peak_bytes - 200 * 2**20, (got, mem.setup_peak_bytes)
         assert "since training began" in mem.kind
+        # The peak follows the resident set after the reset. Compared with VmRSS rather than with the
+        # 128 MiB asked for: in a long-lived worker the allocator may serve part of it from pages
+        # already resident (seen once in the full suite: the peak stayed put, so did, presumably, RSS).
+        rss_before = _resident_bytes()
         big = torch.ones(128 * 2**20 // 4)
-        assert mem.read()["peak_mem_bytes"] >= got["peak_mem_bytes"] + 100 * 2**20
+        rss_after, peak = _resident_bytes(), mem.read()["peak_mem_bytes"]
+        assert peak >= rss_after - 2**20, (peak, rss_after)
+        assert peak >= got["peak_mem_bytes"] + (rss_after - rss_before) - 2**20, (got, peak, rss_before, rss_after)
         del big
     else:
         assert "since the process started" in mem.kind
