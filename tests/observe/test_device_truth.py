@@ -43,7 +43,7 @@ def test_device_clock_sums_spans_per_name_on_cpu():
 
 def _resident_bytes() -> int:
     """VmRSS: the resident set now (Linux)."""
-    for line in open("/proc/self/status"):
+    for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS in /proc/self/status")

@@ -3,15 +3,15 @@
 
 One 4-rank gloo launch builds the model (`ModelState`, as training does) in several layouts — dp2×tp2+sp
 ZeRO-3, tp2×pp2 (tied, both pipeline ends), dp2×pp2 ZeRO-3 untied, dp2×tp2 ep2 ZeRO-3 MoE — with the init
-chunk cut to 4096 values. A dispatch mode records every floating-point storage created while building;
-apart from the rank's persistent state (its parameters and the engines' flat buffers) none may exceed one
-chunk (or one row of dim 0 when a row is larger), so no full-size copy of a sharded parameter ever
-exists. Then each local tensor, or ZeRO-3 piece, is compared bit for bit with the same slice of
-`build_model` (the 1-process model).
+tiles cut to 8 × 64 values. A dispatch mode records every floating-point storage created while building;
+apart from the rank's persistent state (its parameters and the engines' flat buffers) none may exceed
+4096 values, so no full-size copy of a sharded parameter ever exists. Then each local tensor, or ZeRO-3
+piece, is compared bit for bit with the same slice of `build_model` (the 1-process model).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from typing import Any
@@ -21,10 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from pentatron.models import param_init
-from pentatron.models.param_init import ParamInit, chunk_rows, fill_slice
+from pentatron.models.param_init import ParamInit, fill_slice, param_seed
 from tests.multiprocess import run_ranks
 
-CHUNK = 4096
+CHUNK = 4096  # fp32 values a transient may hold while building: well below a shard, above one tile
 CASES = {
     "dp2×tp2+sp zero3": ["parallel.dp=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero=3"],
     "tp2×pp2 zero0 tied": ["parallel.tp=2", "parallel.pp=2"],
@@ -35,20 +35,22 @@ CASES = {
 }
 
 
-def test_chunked_draws_equal_one_draw() -> None:
-    """torch's CPU normal sampler is chunk-stable under `chunk_rows`' rule, and any box / range of the
-    flattened box that `fill_slice` writes is exactly that part of one full draw."""
+def test_any_slice_equals_that_part_of_the_whole_and_draws_only_its_tiles(monkeypatch) -> None:
+    """Any box / range of the flattened box that `fill_slice` writes is exactly that part of the whole
+    parameter's draw, and it draws only the tiles the box overlaps (counter-based: no tile before it)."""
+    monkeypatch.setattr(param_init, "TILE_ROWS", 3)
+    monkeypatch.setattr(param_init, "TILE_COLS", 5)
+    monkeypatch.setattr(param_init, "TILE_1D", 7)
+    drawn: list[tuple[int, ...]] = []
+    real_draw = param_init.draw_tile
+    monkeypatch.setattr(param_init, "draw_tile",
+                        lambda i, s, index: drawn.append(tuple(index)) or real_draw(i, s, index))
     rng = random.Random(0)
     for _ in range(300):
-        shape = tuple(rng.randint(1, 40) for _ in range(rng.choice((2, 3))))
-        chunk = rng.choice((16, 48, 100, 1000))
+        shape = tuple(rng.randint(1, 24) for _ in range(rng.choice((1, 2, 3))))
         init = ParamInit(ones=False, std=0.5, seed=rng.randint(0, 99))
-        g = torch.Generator().manual_seed(init.seed)
-        full = torch.randn(shape, generator=g).mul(0.5)
-        g = torch.Generator().manual_seed(init.seed)
-        rows = [torch.randn((e - s, *shape[1:]), generator=g) for s, e in chunk_rows(shape[0], math.prod(shape[1:]),
-                                                                                     chunk)]
-        assert torch.equal(torch.cat(rows).mul(0.5), full), (shape, chunk)
+        full = torch.empty(shape, dtype=torch.float64)
+        fill_slice(full, init, shape)
         box = []
         for n in shape:
             a = rng.randint(0, n - 1)
@@ -56,9 +58,30 @@ def test_chunked_draws_equal_one_draw() -> None:
         want = full[tuple(slice(a, a + n) for a, n in box)].flatten()
         lo = rng.randint(0, want.numel() - 1)
         hi = rng.randint(lo + 1, want.numel())
-        out = torch.empty(hi - lo, dtype=torch.bfloat16)
-        fill_slice(out, init, shape, box, lo, hi, chunk_numel=chunk)
-        assert torch.equal(out, want[lo:hi].to(torch.bfloat16)), (shape, box, lo, hi, chunk)
+        out = torch.full((hi - lo,), float("nan"), dtype=torch.bfloat16)
+        drawn.clear()
+        fill_slice(out, init, shape, box, lo, hi)
+        assert torch.equal(out, want[lo:hi].to(torch.bfloat16)), (shape, box, lo, hi)
+        tile = param_init.tile_shape(shape)
+        in_box = {tuple(i // t for i, t in zip(idx, tile, strict=True))
+                  for idx in itertools.product(*(range(a, a + n) for a, n in box))}
+        assert set(drawn) <= in_box, (shape, box, sorted(set(drawn) - in_box))
+    # a [64, 64] matrix in 3x5 tiles: a tp shard of columns 40..47 draws 22 row tiles x 2 column tiles, of 13
+    drawn.clear()
+    fill_slice(torch.empty(64, 8), ParamInit(ones=False, std=1.0, seed=1), (64, 64), ((0, 64), (40, 8)))
+    assert len(drawn) == 22 * 2
+
+
+def test_the_draw_is_a_normal_sample_with_independent_tiles() -> None:
+    """Tiles seeded from (parameter, index) hashes: the whole is N(0, std) and no two tiles repeat."""
+    init = ParamInit(ones=False, std=0.02, seed=param_seed(0, "layers.0.mlp.up_proj.weight"))
+    w = torch.empty(512, 4096)
+    fill_slice(w, init, w.shape)
+    assert abs(w.mean().item()) < 3 * 0.02 / math.sqrt(w.numel()) and abs(w.std().item() / 0.02 - 1) < 0.01
+    tiles = w.unfold(0, param_init.TILE_ROWS, param_init.TILE_ROWS).unfold(1, param_init.TILE_COLS,
+                                                                             param_init.TILE_COLS)
+    firsts = tiles.reshape(-1, param_init.TILE_ROWS * param_init.TILE_COLS)[:, :4]
+    assert len({tuple(r.tolist()) for r in firsts}) == firsts.shape[0]
 
 
 class _Allocations(TorchDispatchMode):
@@ -104,12 +127,11 @@ def _check(label: str, extra: list[str], log_dir: str) -> dict[str, Any]:
     cfg = load_config(None, ["train.seq_len=32", "train.micro_batch=2", "train.global_batch=8",
                              "log.progress=false", "log.tensorboard=false", f"log.dir={log_dir!r}", *extra],
                       world_size=4)
-    rows = max(math.prod(p.shape[1:]) for p in build_model(cfg.model_config()).parameters())
     with _Allocations() as seen:
         state = ModelState(cfg, flight_recorder=False)
     keep = _persistent_storages(state)
     transient = max((b for b, ptr, _ in seen.seen if ptr not in keep), default=0)
-    bound = 4 * max(CHUNK + 16, rows)
+    bound = 4 * CHUNK
     assert transient <= bound, f"{label}: a transient of {transient} B during build (bound {bound} B)"
 
     full = dict(build_model(cfg.model_config(), seed=cfg.train.seed).named_parameters(remove_duplicate=False))
@@ -131,7 +153,7 @@ def _check(label: str, extra: list[str], log_dir: str) -> dict[str, Any]:
 
 
 def _ranks(rank: int, world: int, log_dir: str) -> dict[str, dict[str, Any]]:
-    param_init.CHUNK_NUMEL = CHUNK  # this process only
+    param_init.TILE_ROWS, param_init.TILE_COLS, param_init.TILE_1D = 8, 64, 512  # this process only
     return {label: _check(label, extra, log_dir) for label, extra in CASES.items()}
 
 

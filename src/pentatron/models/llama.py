@@ -284,7 +284,7 @@ def materialize_buffers(model: nn.Module, device: torch.device | str) -> None:
 
 @torch.no_grad()
 def init_weights(model: Llama, seed: int) -> None:
-    """Deterministic init of a materialised model (`param_init`), each parameter drawn in bounded chunks."""
+    """Deterministic init of a materialised model (`param_init`), each parameter drawn tile by tile."""
     for name, p in model.named_parameters():
         fill_slice(p.data, param_init(model.cfg, seed, name, p.ndim), p.shape)
     model.rotary.reset_parameters()

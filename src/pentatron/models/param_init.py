@@ -1,36 +1,38 @@
-"""Any slice of a parameter's initial value, without ever holding the whole parameter.
+"""Any slice of a parameter's initial value, drawn in time and memory proportional to the slice.
 
-A parameter starts from (seed, its name) alone: norm gains at 1, every matrix ~ N(0, std) drawn from a
-CPU `torch.Generator` seeded by `param_seed(seed, name)`, in row-major order. `fill_slice` writes any
-box of that full tensor (a tensor-parallel shard, an ep rank's experts), or any range of the flattened
-box (a ZeRO-3 piece), by drawing the full parameter in chunks of whole rows of dim 0 and keeping only
-what falls in the box, so a rank's peak is its own share plus one chunk.
+A parameter starts from (seed, its name) alone: norm gains at 1, every matrix ~ N(0, std). The full
+tensor is cut into fixed tiles (`tile_shape`: TILE_ROWS × TILE_COLS over its last two dims, one index
+of every earlier dim), and each tile is drawn from its own CPU `torch.Generator`, keyed by
+(parameter seed, tile index) through a SplitMix64 hash: a counter-based scheme, so any tile can be drawn
+without drawing the ones before it. `fill_slice` writes any box of the full tensor (a tensor-parallel
+shard along any dim, an ep rank's experts) or any range of the flattened box (a ZeRO-3 piece) by
+drawing only the tiles that overlap it: a rank's work is its own share (plus the tiles its edges cut),
+and its peak beyond the share is one tile. The 1-process build draws every tile the same way, so
+every layout starts from bit-identical weights.
 
-Chunk stability (checked by tests/models/test_param_init.py): torch's CPU normal sampler fills 16
-values at a time (Box–Muller on 8 + 8 uniforms) and, when the count is not a multiple of 16, redraws
-the last 16 with fresh uniforms; tensors under 16 values take a scalar path. So successive draws from
-one generator concatenate to exactly one big draw when every chunk but the last holds a multiple of 16
-values and the last at least 16 (or the whole tensor is drawn at once). Chunks are sized to that rule;
-a chunk is at most `chunk_numel` values, or one row of dim 0 when a row is larger (one expert's matrix
-for stacked expert weights). Rows after the box's last row are never drawn.
+The tile shape is part of the scheme (other tiles, other values); tests shrink it through the module
+attributes to make a small model span many tiles.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-CHUNK_NUMEL = 4 * 2**20  # values per chunk (16 MiB of fp32): the bound on what init holds beyond the share
+TILE_ROWS, TILE_COLS = 128, 256  # a tile of a matrix (128 KiB of fp32): shards of real models align to 256 columns
+TILE_1D = 65536  # a tile of a vector
 Box = Sequence[tuple[int, int]]  # (start, length) along each dim of the full tensor
+_MASK64 = 2**64 - 1
 
 
 @dataclass(frozen=True)
 class ParamInit:
-    """How one parameter starts: all ones (norm gains), or N(0, std) from generator seed `seed`."""
+    """How one parameter starts: all ones (norm gains), or N(0, std) keyed by `seed`."""
 
     ones: bool
     std: float = 0.0
@@ -43,57 +45,97 @@ def param_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
-def chunk_rows(rows: int, row_numel: int, chunk_numel: int) -> list[tuple[int, int]]:
-    """[start, end) row ranges whose successive draws equal one draw of the whole [rows, …] tensor."""
-    if rows * row_numel <= max(chunk_numel, 16):
-        return [(0, rows)]
-    step = 16 // math.gcd(row_numel, 16)  # rows per chunk must hold a multiple of 16 values
-    k = max(step, chunk_numel // row_numel // step * step)
-    out, r = [], 0
-    while r < rows:
-        end = min(rows, r + k)
-        if (rows - end) * row_numel < 16:  # a short tail would take the scalar path: draw it now
-            end = rows
-        out.append((r, end))
-        r = end
-    return out
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def tile_seed(seed: int, index: Sequence[int]) -> int:
+    """The generator seed of one tile: the parameter's seed and the tile's index along each dim, hashed
+    (nearby tiles get unrelated streams, unlike seed + counter)."""
+    h = _splitmix64(seed)
+    for i in index:
+        h = _splitmix64(h ^ i)
+    return h % (2**63)
+
+
+def tile_shape(full_shape: Sequence[int]) -> tuple[int, ...]:
+    """Tile extent along each dim (never more than the dim)."""
+    if len(full_shape) == 1:
+        return (min(full_shape[0], TILE_1D),)
+    lead = tuple(1 for _ in full_shape[:-2])
+    return (*lead, min(full_shape[-2], TILE_ROWS), min(full_shape[-1], TILE_COLS))
+
+
+def draw_tile(init: ParamInit, full_shape: Sequence[int], index: Sequence[int]) -> torch.Tensor:
+    """Tile `index` of the parameter's full initial value (fp32; edge tiles are cut to the tensor)."""
+    tile = tile_shape(full_shape)
+    shape = [min(t, n - i * t) for t, n, i in zip(tile, full_shape, index, strict=True)]
+    g = torch.Generator(device="cpu").manual_seed(tile_seed(init.seed, index))
+    return torch.randn(shape, generator=g, dtype=torch.float32).mul_(init.std)
+
+
+def flat_range_boxes(lengths: Sequence[int], lo: int, hi: int) -> Iterator[tuple[int, tuple[tuple[int, int], ...]]]:
+    """Cut elements [lo, hi) of a row-major tensor of `lengths` into boxes, each contiguous in that order:
+    yields (offset from lo, box as (start, length) per dim). At most 2·ndim − 1 boxes."""
+    if hi <= lo:
+        return
+    if len(lengths) == 1:
+        yield 0, ((lo, hi - lo),)
+        return
+    inner = math.prod(lengths[1:])
+    full_inner = tuple((0, n) for n in lengths[1:])
+    r0, r1 = lo // inner, (hi - 1) // inner
+    if r0 == r1:  # inside one row: recurse into it
+        for off, box in flat_range_boxes(lengths[1:], lo - r0 * inner, hi - r0 * inner):
+            yield off, ((r0, 1), *box)
+        return
+    pos, first_full = lo, r0
+    if lo % inner:  # the first row's tail
+        yield from ((off, ((r0, 1), *box)) for off, box in flat_range_boxes(lengths[1:], lo % inner, inner))
+        pos, first_full = (r0 + 1) * inner, r0 + 1
+    last_full = r1 + 1 if hi % inner == 0 else r1  # rows [first_full, last_full) are whole
+    if last_full > first_full:
+        yield pos - lo, ((first_full, last_full - first_full), *full_inner)
+    if hi % inner:  # the last row's head
+        yield from ((r1 * inner - lo + off, ((r1, 1), *box)) for off, box in flat_range_boxes(lengths[1:], 0,
+                                                                                               hi - r1 * inner))
+
+
+@torch.no_grad()
+def fill_box(out: torch.Tensor, init: ParamInit, full_shape: Sequence[int], box: Box) -> None:
+    """Write the `box` of the full initial value into `out` (box-shaped), drawing only overlapping tiles."""
+    tile = tile_shape(full_shape)
+    ranges = [range(s // t, (s + n - 1) // t + 1) for (s, n), t in zip(box, tile, strict=True)]
+    for index in itertools.product(*ranges):
+        values = draw_tile(init, full_shape, index)
+        src, dst = [], []
+        for (s, n), t, i in zip(box, tile, index, strict=True):
+            a, z = max(s, i * t), min(s + n, (i + 1) * t)
+            src.append(slice(a - i * t, z - i * t))
+            dst.append(slice(a - s, z - s))
+        out[tuple(dst)].copy_(values[tuple(src)])
 
 
 @torch.no_grad()
 def fill_slice(out: torch.Tensor, init: ParamInit, full_shape: Sequence[int], box: Box | None = None,
-               lo: int = 0, hi: int | None = None, chunk_numel: int | None = None) -> None:
+               lo: int = 0, hi: int | None = None) -> None:
     """Write elements [lo, hi) of the flattened `box` of the parameter's full initial value into `out`
     (a flat or box-shaped tensor of hi − lo elements, any device and dtype). `box`: None for the whole
-    tensor; [lo, hi) defaults to the whole box; `chunk_numel` defaults to the module's `CHUNK_NUMEL`."""
+    tensor; [lo, hi) defaults to the whole box."""
     full_shape = tuple(full_shape)
     box = tuple(box) if box is not None else tuple((0, s) for s in full_shape)
-    box_numel = math.prod(n for _, n in box)
-    hi = box_numel if hi is None else hi
+    lengths = [n for _, n in box]
+    hi = math.prod(lengths) if hi is None else hi
     flat = out.view(-1)
     if flat.numel() != hi - lo:
         raise ValueError(f"fill_slice: out holds {flat.numel()} elements, the range [{lo}, {hi}) {hi - lo}")
-    if hi <= lo:
-        return
     if init.ones:
         flat.fill_(1.0)
         return
-    rows, row0 = full_shape[0], box[0][0]
-    row_numel = math.prod(full_shape[1:])
-    local_row = box_numel // box[0][1]  # elements of one dim-0 row of the box
-    first, last = row0 + lo // local_row, row0 + (hi - 1) // local_row + 1  # full rows holding [lo, hi)
-    g = torch.Generator(device="cpu").manual_seed(init.seed)
-    for start, end in chunk_rows(rows, row_numel, CHUNK_NUMEL if chunk_numel is None else chunk_numel):
-        if start >= last:
-            break  # nothing after the box's last needed row is drawn
-        chunk = torch.randn((end - start, *full_shape[1:]), generator=g, dtype=torch.float32)
-        a, z = max(start, first), min(end, last)
-        if a >= z:
-            continue
-        part = chunk[a - start: z - start]
-        for d, (s, n) in enumerate(box[1:], start=1):
-            part = part.narrow(d, s, n)
-        # flat positions of these rows in the box, clipped to [lo, hi)
-        p_lo, p_hi = (a - row0) * local_row, (z - row0) * local_row
-        c_lo, c_hi = max(p_lo, lo), min(p_hi, hi)
-        values = part.reshape(-1)[c_lo - p_lo: c_hi - p_lo].mul(init.std)
-        flat[c_lo - lo: c_hi - lo].copy_(values)
+    for offset, sub in flat_range_boxes(lengths, lo, hi):
+        numel = math.prod(n for _, n in sub)
+        target = flat[offset: offset + numel].view([n for _, n in sub])
+        fill_box(target, init, full_shape, [(b0 + s, n) for (b0, _), (s, n) in zip(box, sub, strict=True)])

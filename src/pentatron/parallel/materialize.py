@@ -9,9 +9,9 @@ exactly the values the 1-process model starts from:
 - under ZeRO-1/2/3, the engine fills its own flat storage (ZeRO-3: only this rank's pieces) through
   `LocalInit.fill`, never allocating the local tensor.
 
-Values come from `models.param_init.fill_slice`: the full parameter drawn from (seed, init name) in
-bounded chunks on the CPU generator, only the box (or range of it) kept and copied to the device. A
-rank's peak while building is its share plus one chunk (`param_init.CHUNK_NUMEL`).
+Values come from `models.param_init.fill_slice`: only the tiles of the full parameter that the box (or
+range of it) overlaps are drawn, each from a CPU generator keyed by (seed, init name, tile index), and
+copied to the device. A rank's work is its share; its peak while building is its share plus one tile.
 
 A meta tensor cannot take storage through `p.data = …` (incompatible tensor types), so a parameter is
 given storage with `torch.utils.swap_tensors`, which keeps the Parameter object (ties, the engines'
