@@ -121,6 +121,14 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--seq", type=int, help="sequence length (default min(4096, model max))")
     w.add_argument("--global-batch-tokens", help="tokens per optimizer step, e.g. 4M (= 4*2^20)")
     w.add_argument("--global-batch", type=int, help="sequences per optimizer step (instead of tokens)")
+    w.add_argument("--mean-doc-tokens", type=float, metavar="TOKENS",
+                   help="packed documents trained with data.document_mask: their mean length in tokens (a "
+                        "document cut by a sample's edge counts once per sample); attention's FLOPs and time "
+                        "follow them (each sample's causal pairs: the sum over its documents of L(L+1)/2). "
+                        "A run measures it: documents.mean_tokens in metrics.jsonl")
+    w.add_argument("--mean-sq-doc-tokens", type=float, metavar="TOKENS2",
+                   help="with --mean-doc-tokens: the mean of the squared document lengths (a run's "
+                        "documents.mean_sq_tokens); default: every document of the mean length")
     w.add_argument("--gpus", type=int, help="number of GPUs")
     w.add_argument("--gpu", default="h100", help="catalogue GPU (default h100); see --list-gpus")
     w.add_argument("--hardware", help="user-defined hardware TOML (overrides --gpu)")
@@ -300,7 +308,29 @@ def _workload(args: argparse.Namespace, cfg: Any, moe: Any) -> Any:
             raise InputError(f"--global-batch-tokens {tokens:,} is not a multiple of --seq {seq} "
                              f"(e.g. {max(1, tokens // seq) * seq:,})")
         gb = tokens // seq
-    return Workload(cfg, seq, gb, moe)
+    return Workload(cfg, seq, gb, moe, _documents(args, seq))
+
+
+def _documents(args: argparse.Namespace, seq: int) -> Any:
+    """--mean-doc-tokens / --mean-sq-doc-tokens as the workload's document lengths (None without them)."""
+    from pentatron.plan.flops import DocumentLengths
+
+    mean, sq = args.mean_doc_tokens, args.mean_sq_doc_tokens
+    if mean is None:
+        if sq is not None:
+            raise InputError("--mean-sq-doc-tokens needs --mean-doc-tokens (the mean length)")
+        return None
+    docs = DocumentLengths(mean, sq)
+    if probs := docs.problems():
+        raise InputError("--mean-doc-tokens/--mean-sq-doc-tokens: " + "; ".join(probs))
+    if mean > seq:
+        raise InputError(f"--mean-doc-tokens {mean:g} exceeds --seq {seq}: a sample holds at most {seq} tokens of "
+                         "a document (each sample's piece counts as a document, as a run measures): give at most "
+                         f"{seq}")
+    if sq is not None and sq > seq * mean * (1 + 1e-9):
+        raise InputError(f"--mean-sq-doc-tokens {sq:g} exceeds --seq x --mean-doc-tokens = {seq * mean:g}: no "
+                         f"document is longer than the sample's {seq} tokens")
+    return docs
 
 
 def run_plan(args: argparse.Namespace) -> int:

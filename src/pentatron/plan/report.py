@@ -8,7 +8,7 @@ from typing import Any
 
 from pentatron.hardware.catalogue import GiB, GPUSpec
 from pentatron.plan.comm import bytes_by_dim
-from pentatron.plan.flops import matmul_params, total_params
+from pentatron.plan.flops import MFU_CONVENTION, matmul_params, total_params
 from pentatron.plan.layout import Workload, compute_dtype
 from pentatron.plan.memory import COMPONENTS
 from pentatron.plan.search import Prediction, SearchResult, memory_budget
@@ -76,6 +76,11 @@ def header(w: Workload, gpu: GPUSpec, gpus: int | None) -> str:
          f"L={cfg.n_layers} h={cfg.hidden_size} heads={cfg.n_heads}/{cfg.n_kv_heads} ffn={cfg.ffn_hidden_size} "
          f"vocab={cfg.vocab_size}")
     s += f"\nworkload: seq {w.seq_len}, global batch {w.global_batch} sequences = {w.tokens_per_step:,} tokens"
+    if (d := w.documents) is not None:
+        s += (f"\ndocuments: masked, mean {d.mean_tokens:,.0f} tokens"
+              + (f", mean square {d.mean_sq_tokens:,.0f}" if d.mean_sq_tokens is not None else " each")
+              + f": attention computes {100 * d.pair_share(w.seq_len):.1f} % of the sample's causal pairs "
+                f"({d.causal_keys(w.seq_len):,.1f} keys per token instead of {(w.seq_len + 1) / 2:,.1f})")
     if gpus:
         s += f"\nhardware: {gpus} x {gpu.name} ({gpu.hbm_bytes / GiB:.0f} GiB, {gpu.gpus_per_node}/node)"
         if gpu.headroom:
@@ -102,6 +107,7 @@ def detail(w: Workload, p: Prediction, gpu: GPUSpec, *, train_tokens: float | No
     out.append(f"FLOPs per token: model {_si(rate.model_flops_per_token, 'FLOP')} (MFU numerator), hardware "
                f"{_si(rate.hardware_flops_per_token, 'FLOP')} (with recompute); per step "
                f"{_si(rate.model_flops_per_token * w.tokens_per_step, 'FLOP')}")
+    out.append(f"  {MFU_CONVENTION}")
     out.append("communication per GPU per step:")
     by_dim = bytes_by_dim(list(st.collectives))
     times: dict[str, float] = {}
@@ -211,7 +217,11 @@ def plan_json(w: Workload, gpu: GPUSpec, gpus: int | None, preds: list[Predictio
                      "hbm_bytes": gpu.hbm_bytes, "headroom": gpu.headroom,
                      "memory_budget_bytes": memory_budget(gpu), "peak_flops": dict(gpu.peak_flops),
                      "source": gpu.source},
-        "workload": {"seq_len": w.seq_len, "global_batch": w.global_batch, "global_batch_tokens": w.tokens_per_step},
+        "workload": {"seq_len": w.seq_len, "global_batch": w.global_batch, "global_batch_tokens": w.tokens_per_step,
+                     "documents": None if w.documents is None else {
+                         "mean_tokens": w.documents.mean_tokens, "mean_sq_tokens": w.documents.mean_sq_tokens,
+                         "causal_pair_share": w.documents.pair_share(w.seq_len)}},
+        "mfu_convention": MFU_CONVENTION,
         "predictions": [prediction_json(w, p, i, train_tokens=train_tokens, price=price, gpu=gpu)
                         for i, p in enumerate(preds, 1)],
         "problems": list(problems or []),
