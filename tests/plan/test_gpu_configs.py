@@ -19,7 +19,8 @@ from pentatron.plan.recipes import kernels_for_compile
 from pentatron.plan.search import memory_budget, predict
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs" / "gpu").glob("*.toml"))
-HEADER = re.compile(r"# written by `pentatron plan` for (\S+) on (\d+) x (\S+): (.+)\n# predicted .* ([\d.]+) GiB per GPU")
+HEADER = re.compile(r"# written by `pentatron plan` for (\S+) on (\d+) x (\S+): (.+)\n"
+                    r"# predicted .* ([\d.]+) GiB per GPU")
 
 
 def test_the_examples_cover_a_dense_8b_70b_a_qwen3_and_an_moe():
