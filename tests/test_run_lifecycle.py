@@ -9,6 +9,7 @@ from pathlib import Path
 from pentatron.cli import main
 from pentatron.config import config_from_dict, load_config
 from pentatron.observe.peak import cpu_peak_flops, machine_key
+from pentatron.plan.flops import MFU_CONVENTION, DocumentLengths, model_flops_per_token
 from tests.launchers import pentatron_nproc
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
@@ -65,7 +66,10 @@ def test_resumed_run_continues_its_logs_without_repeating_steps(tmp_path, defaul
 
 
 def test_summary_on_console_and_in_summary_json(tmp_path, default_dataset, capsys):
-    assert main(["train", CONFIG, *_flags(tmp_path, default_dataset, "--set=train.steps=3")]) == 0
+    """(With document masking on: the summary and the report state the MFU numerator's convention, in the
+    planner's words, and its numerator follows the documents each step trained.)"""
+    assert main(["train", CONFIG, *_flags(tmp_path, default_dataset, "--set=train.steps=3",
+                                          "--set=data.document_mask=true")]) == 0
     out = capsys.readouterr().out
     for label in ("run summary", "loss", "final", "min", "tokens/s for the whole job", "per rank", "MFU",
                   "peak memory", "process peak resident set", "wall clock", "metrics", "TensorBoard",
@@ -88,6 +92,17 @@ def test_summary_on_console_and_in_summary_json(tmp_path, default_dataset, capsy
     assert "tp=1 pp=1 cp=1 ep=1 zero=0" in out  # the banner and the summary name all five degrees
     # the report takes the run's directory or log.dir (its newest run)
     assert main(["report", str(tmp_path / "runs")]) == 0 and (run / "report.md").is_file()
+    # the MFU numerator's convention, in the same words in the summary, the report and the planner
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert s["mfu"]["convention"] == MFU_CONVENTION and MFU_CONVENTION in out
+    report = (run / "report.md").read_text()
+    assert MFU_CONVENTION in report and "the prediction uses them" in report
+    loaded = load_config(CONFIG)
+    cfg, s_len = loaded.model_config(), loaded.train.seq_len
+    for r in records:  # each step's numerator: attention over the squares of the documents it trained
+        docs = DocumentLengths(r["documents"]["mean_tokens"], r["documents"]["mean_sq_tokens"])
+        assert r["model_flops_per_token"] == model_flops_per_token(cfg, s_len, documents=docs) and r["mfu"] <= 1
+    assert any(r["documents"]["attention_pairs"] < 1 for r in records)  # the data holds several documents
 
 
 def test_the_cpu_peak_is_a_fixed_calibration_remeasured_only_after_a_busy_one(tmp_path, monkeypatch):

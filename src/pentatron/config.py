@@ -249,8 +249,9 @@ class DataConfig:
     """Train the packed documents as documents: attention is causal within each document and sees nothing
     across (every layout, context parallelism included). A document starts at each end-of-document token the
     tokenizer wrote (that token opens the next document, data/documents.py). Off by default: the unmasked run
-    trains on the same tokens with cross-document context, and the planner's attention time assumes the dense
-    causal work."""
+    trains on the same tokens with cross-document context. The planner takes the lengths a run logs
+    (`pentatron plan --mean-doc-tokens/--mean-sq-doc-tokens`), and MFU counts attention over each document's
+    square (plan/flops.py)."""
     document_positions: bool = True
     """With data.document_mask: RoPE positions restart at 0 at each document (as Llama 3 trains); false keeps
     the sample's positions 0..seq_len−1. Without document_mask positions are always the sample's."""

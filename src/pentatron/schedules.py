@@ -27,6 +27,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import lru_cache
 from math import inf, isfinite
 from typing import Literal
 
@@ -614,6 +615,7 @@ def peak_in_flight_closed(name: str, p: int, m: int, v: int = 1, all_warmup: boo
     raise ScheduleError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
 
 
+@lru_cache(maxsize=4096)  # the unequal-group case simulates the schedule: the planner asks per layout and rank
 def last_stage_awaiting_backward_closed(name: str, p: int, m: int, v: int = 1, all_warmup: bool = True) -> int:
     """`peak_awaiting_backward` of the last stage (rank p-1, chunk v-1), which holds the loss: AFAB m;
     1F1B and ZB-H1 1 (B follows F at once); interleaved 1, or m when m == p (all forwards first), read off

@@ -90,7 +90,7 @@ def test_layout_that_does_not_fit_explains(capsys):
               "--cp", "1", "--zero", "0", "--micro-batch", "1", "--recompute", "none"])
     out = capsys.readouterr().out
     assert rc == 1
-    assert "needs" in out and "h100-sxm has 80 GiB: try" in out and "zero=" in out
+    assert "needs" in out and "h100-sxm has 80 GiB (76.2 GiB with the 5% headroom): try" in out and "zero=" in out
 
 
 def test_explicit_shape_and_model_file(capsys, tmp_path):

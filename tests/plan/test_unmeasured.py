@@ -53,9 +53,8 @@ def test_the_text_output_says_unmeasured_and_below_the_band_the_range_follows_th
     # measured ground: a `pentatron bench` profile of the machine, or another framework's recipe (not ours)
     assert unmeasured(p, replace(h100, profile=Profile())) is None
     assert unmeasured(replace(p, layout=replace(p.layout, recipe=get_recipe("megatron"))), h100) is None
-    # --headroom renames the GPU, not its family
-    renamed = replace(h100, name="h100-sxm less 10% headroom")
-    assert unmeasured(p, renamed) == replace(u, gpu=renamed.name)
+    # --headroom is the plan's margin, not another GPU: the same band
+    assert unmeasured(p, replace(h100, headroom=0.1)) == u
     # a B200 has no band: labelled, without a range
     b200 = get_gpu("b200")
     ub = unmeasured(search(w, b200, 8, top=1).ranked[0], b200)

@@ -75,6 +75,9 @@ class GPUSpec:
     efficiency: Efficiency = field(default_factory=Efficiency)
     profile: Profile | None = None  # measured by `pentatron bench` (hardware/profile.py); None = datasheet only
     source: str = ""
+    # The planner's memory margin (`pentatron plan --headroom`), not the device's: a layout fits only if its
+    # predicted memory x (1 + headroom) <= hbm_bytes (`plan.search.memory_budget`). 0 outside the plan command.
+    headroom: float = 0.0
 
     @property
     def device_type(self) -> str:

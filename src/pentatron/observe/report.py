@@ -25,6 +25,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from pentatron.plan.flops import MFU_CONVENTION
+
 RUN_INFO = "run.json"
 REFERENCE_GPU = "h100-sxm"
 BENCH_PROFILE = Path("hardware-profile.toml")  # where `pentatron bench` writes by default
@@ -102,6 +104,11 @@ def measured(records: list[dict[str, Any]]) -> dict[str, Any]:
     bubbles = [r["bubble"] for r in steady if "bubble" in r]
     if bubbles:
         out["bubble"] = statistics.median(bubbles)
+    mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+    out["mfu"] = statistics.median(mfus) if mfus else None
+    docs = [r["documents"] for r in steady if "documents" in r]
+    if docs:  # document masking: the lengths rank 0 trained on (mean over the steps), which the prediction uses
+        out["documents"] = {k: statistics.fmean(d[k] for d in docs) for k in ("mean_tokens", "mean_sq_tokens")}
     return out
 
 
@@ -197,10 +204,15 @@ def builtin_cpu(info: dict[str, Any]) -> tuple[Any, str, bool]:
                   f"and gloo nominal; `pentatron bench` writes a measured profile)"), True
 
 
-def predicted(info: dict[str, Any], profile: Path | None) -> dict[str, Any]:
-    """The planner's numbers for the run's layout, or {"error": why} when it cannot evaluate it."""
+def predicted(info: dict[str, Any], profile: Path | None, documents: dict[str, float] | None = None
+              ) -> dict[str, Any]:
+    """The planner's numbers for the run's layout (with the document lengths the run measured, under
+    document masking), or {"error": why} when it cannot evaluate it."""
+    from dataclasses import replace
+
     from pentatron.config import config_from_dict
     from pentatron.plan.comm import bytes_by_dim
+    from pentatron.plan.flops import DocumentLengths
     from pentatron.plan.memory import memory_for_rank
     from pentatron.plan.recipes import kernels_for_compile
     from pentatron.plan.search import predict
@@ -210,6 +222,8 @@ def predicted(info: dict[str, Any], profile: Path | None) -> dict[str, Any]:
     try:
         cfg = config_from_dict(info["config"], info.get("world_size", 1))  # the saved config, defaults filled
         lay, w = planner_layout(cfg, info.get("world_size", 1), device)
+        if documents is not None:
+            w = replace(w, documents=DocumentLengths(documents["mean_tokens"], documents["mean_sq_tokens"]))
         kernels = kernels_for_compile(cfg.train.compile, device)  # the kernels the run used
         p = predict(w, lay, gpu, kernels=kernels)
         rank0 = memory_for_rank(w, lay, gpu, 0, kernels)
@@ -336,8 +350,8 @@ def write_report(run_dir: Path, hardware_profile: Path | None = None) -> Path:
     info = json.loads(info_path.read_text()) if info_path.is_file() else None
     meas = measured(records)
     meas.update(profiled_tensor_peak(run_dir))
-    pred = predicted(info, hardware_profile) if info else {"error": f"no {RUN_INFO} in {run_dir} (run older "
-                                                                    "than the report): nothing to predict from"}
+    pred = (predicted(info, hardware_profile, meas.get("documents")) if info else
+            {"error": f"no {RUN_INFO} in {run_dir} (run older than the report): nothing to predict from"})
     plots = _plots(run_dir, records)
     (run_dir / "report.json").write_text(json.dumps({"measured": meas, "predicted": pred}, indent=1))
     lines = [f"# Run report: {run_dir}", ""]
@@ -353,6 +367,11 @@ def write_report(run_dir: Path, hardware_profile: Path | None = None) -> Path:
                         else "") + "; median "
                      f"step {meas['step_time_s']:.4f} s, {meas['tokens_per_s']:,.0f} tokens/s.")
         lines.append("")
+    if meas["mfu"] is not None:
+        lines += [f"MFU: median {100 * meas['mfu']:.1f} % over steps {meas['compared_steps']}; {MFU_CONVENTION}.", ""]
+    if (docs := meas.get("documents")) is not None:
+        lines += [f"Documents (masked; rank 0's, mean over those steps): mean {docs['mean_tokens']:,.1f} tokens, "
+                  f"mean square {docs['mean_sq_tokens']:,.1f}; the prediction uses them.", ""]
     lines += ["## Predicted vs measured", ""]
     if "error" in pred:
         lines.append(f"The planner could not evaluate this run: {pred['error']}.")

@@ -12,6 +12,7 @@ import torch
 
 from pentatron.observe.memory import memory_kind
 from pentatron.observe.system import bounded_mfu
+from pentatron.plan.flops import MFU_CONVENTION
 
 SUMMARY_FILE = "summary.json"
 
@@ -50,8 +51,8 @@ def build_summary(trainer: Any, records: list[dict[str, Any]], wall_s: float, pe
     mean_tps = sum(r["tokens_per_s"] for r in timed) / len(timed)
     # Against the one peak the summary names: the run's final one, which no step's rate exceeds (a faster
     # step raised it), computed as the trainer did so that the fastest step's is exactly 1 at most.
-    mfus = [bounded_mfu(r["tokens_per_s"] * trainer.flops_per_token / trainer.world_size, trainer.peak_flops)[0]
-            for r in timed]
+    mfus = [bounded_mfu(r["tokens_per_s"] * r.get("model_flops_per_token", trainer.flops_per_token)
+                        / trainer.world_size, trainer.peak_flops)[0] for r in timed]
     run_dir = Path(cfg.log.dir)
     latest = trainer.store.latest() if trainer.store is not None else None
     memory = trainer.observer.memory
@@ -69,9 +70,10 @@ def build_summary(trainer: Any, records: list[dict[str, Any]], wall_s: float, pe
                          "steps_averaged": [timed[0]["step"], timed[-1]["step"]]},
         "mfu": {"mean": sum(mfus) / len(mfus) if mfus else None, "max": max(mfus) if mfus else None,
                 "peak_flops_per_device": trainer.peak_flops, "peak_source": trainer.peak_source,
-                # the numerator's convention (plan/flops.py), and under document masking the share of it
-                # attention really computed (rank 0's documents, mean over the steps)
-                "convention": "dense: attention over the full seq x seq square (plan/flops.py)",
+                # the numerator's convention (plan/flops.py, the planner's and the run report's words), and
+                # under document masking the share of the sample's causal pairs attention computed (rank 0's
+                # documents, mean over the steps)
+                "convention": MFU_CONVENTION,
                 "masked_attention_pairs": _mean_pairs(records)},
         "memory": {"peak_bytes_max_over_ranks": peak_mem_bytes,
                    "peak_reserved_bytes_max_over_ranks": peak_reserved_bytes,
@@ -115,9 +117,10 @@ def format_summary(s: dict[str, Any]) -> str:
     if mfu["mean"] is not None:
         rows.append(("MFU", f"{100 * mfu['mean']:.1f} % mean, {100 * mfu['max']:.1f} % best step, against "
                             f"{mfu['peak_flops_per_device'] / 1e12:.4g} TFLOP/s per rank ({mfu['peak_source']})"))
+        rows.append(("", mfu["convention"]))
         if mfu.get("masked_attention_pairs") is not None:
-            rows.append(("", f"model FLOPs count attention densely (the full seq×seq square); document masking "
-                             f"computed {100 * mfu['masked_attention_pairs']:.1f} % of the dense causal pairs"))
+            rows.append(("", f"document masking computed {100 * mfu['masked_attention_pairs']:.1f} % of the "
+                             "samples' causal pairs (rank 0's documents)"))
     rows += [
         ("peak memory", _peak_text(mem)),
         ("model state", mem["model_state_per_rank"]),

@@ -143,6 +143,8 @@ def training_config_text(w: Workload, lay: Layout, header: str = "", kernels: st
     }
     for section, name, what in _PLACEHOLDERS:
         sections.setdefault(section, {})[name] = PLACEHOLDER + what
+    if w.documents is not None:  # planned with packed documents masked: train them so
+        sections["data"]["document_mask"] = True
     if step_s:
         every = max(1, min(int(steps["steps"]), round(CHECKPOINT_EVERY_S / step_s)))
         sections["checkpoint"]["every"] = every

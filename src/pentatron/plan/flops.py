@@ -17,6 +17,16 @@ Convention (the one the trainer's MFU uses): **PaLM / Megatron / torchtitan**,
 
 The work a fused causal kernel really executes (FlashAttention skips the masked half, and its backward
 re-computes QK^T) is in `executed_phase_flops`; the time model uses that, MFU/HFU use the convention.
+
+**Packed documents** (`data.document_mask`: attention causal within each document, nothing across). A sample
+of s tokens holding documents of lengths L_1 … L_n (Σ L_i = s) has Σ L_i(L_i+1)/2 causal query·key pairs per
+head and layer (a document cut by the sample's edge counts as a document of that sample). Per token that is
+(E[L²]/E[L] + 1)/2 keys, E[L] and E[L²] the mean and mean square of the lengths (`DocumentLengths`); one
+document per sample gives (s+1)/2, the plain causal count. The convention above applied per document counts
+each document's full L×L square, E[L²]/E[L] keys per token instead of s (`MFU_CONVENTION`, the same words in
+the planner, the run summary and the run report): under masking the MFU numerator follows the work done, so
+short documents at a long sequence cannot push MFU past what the device did, and a sample that is one
+document is the usual 12·L·h·s.
 """
 
 from __future__ import annotations
@@ -35,6 +45,44 @@ Recompute = Literal["none", "selective", "full", "selective-op", "full-alternate
 # evaluated for published runs and advice, never recommended (training cannot run them).
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full", "selective-op", "full-alternate")
 TRAINABLE_RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+
+
+# What the MFU numerator counts for attention, in the words every report uses (planner, run summary, run report).
+MFU_CONVENTION = ("MFU counts attention over each document's full square (Σ L² per sample: one document per "
+                  "sample is the usual full seq×seq square of the PaLM/Megatron convention)")
+
+
+@dataclass(frozen=True)
+class DocumentLengths:
+    """The lengths of the packed documents attention sees (`data.document_mask`), in tokens: their mean and
+    mean square (None: every document `mean_tokens` long, E[L²] = E[L]²). A run measures both
+    (`models/documents.documents_record`); `pentatron plan --mean-doc-tokens/--mean-sq-doc-tokens` takes them."""
+
+    mean_tokens: float
+    mean_sq_tokens: float | None = None
+
+    def problems(self) -> list[str]:
+        out = []
+        if not (math.isfinite(self.mean_tokens) and self.mean_tokens >= 1):
+            out.append(f"mean document length must be >= 1 token, got {self.mean_tokens}")
+        elif self.mean_sq_tokens is not None and not (math.isfinite(self.mean_sq_tokens)
+                                                      and self.mean_sq_tokens >= self.mean_tokens ** 2 * (1 - 1e-9)):
+            out.append(f"the mean squared document length ({self.mean_sq_tokens:g}) must be >= the mean length "
+                       f"squared ({self.mean_tokens ** 2:g}): a mean of squares is never below the square of the mean")
+        return out
+
+    def square_keys(self, seq_len: int) -> float:
+        """Keys per query over each document's full square: E[L²]/E[L] (Σ L² / s), at most s."""
+        sq = self.mean_tokens ** 2 if self.mean_sq_tokens is None else self.mean_sq_tokens
+        return min(float(seq_len), sq / self.mean_tokens)
+
+    def causal_keys(self, seq_len: int) -> float:
+        """Keys per query that causal attention within the documents computes: Σ L(L+1)/2 / s."""
+        return (self.square_keys(seq_len) + 1) / 2
+
+    def pair_share(self, seq_len: int) -> float:
+        """The causal pairs within the documents as a share of the sample's causal pairs s(s+1)/2."""
+        return self.causal_keys(seq_len) / ((seq_len + 1) / 2)
 
 
 @dataclass(frozen=True)
@@ -153,35 +201,45 @@ class FlopBreakdown:
 
 
 def flop_breakdown(cfg: ModelConfig, seq_len: int, *, causal: bool = False,
-                   moe: MoESpec | None = None) -> FlopBreakdown:
+                   moe: MoESpec | None = None, documents: DocumentLengths | None = None) -> FlopBreakdown:
     """Forward FLOPs per token. `causal=True` counts only the unmasked half of the score square
-    (the mean key count over positions 1..s is (s+1)/2), i.e. what a block-skipping kernel does."""
+    (the mean key count over positions 1..s is (s+1)/2), i.e. what a block-skipping kernel does.
+    `documents`: attention within packed documents (the module docstring): E[L²]/E[L] keys per token,
+    (E[L²]/E[L] + 1)/2 causal."""
     if seq_len <= 0:
         raise ValueError(f"seq_len must be > 0, got {seq_len}")
     moe = moe_of(cfg, moe)
     layers = sum(lp.attn + lp.mlp_active for lp in (layer_params(cfg, i, moe) for i in range(cfg.n_layers)))
-    keys = (seq_len + 1) / 2 if causal else seq_len
+    if documents is None:
+        keys = (seq_len + 1) / 2 if causal else seq_len
+    else:
+        keys = documents.causal_keys(seq_len) if causal else documents.square_keys(seq_len)
     hq = cfg.n_heads * cfg.head_dim
     return FlopBreakdown(layers_matmul=2.0 * layers, attention=4.0 * cfg.n_layers * hq * keys,
                          lm_head=2.0 * cfg.hidden_size * cfg.vocab_size)
 
 
-def forward_flops_per_token(cfg: ModelConfig, seq_len: int, *, moe: MoESpec | None = None) -> float:
-    return flop_breakdown(cfg, seq_len, moe=moe).forward
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int, *, moe: MoESpec | None = None,
+                            documents: DocumentLengths | None = None) -> float:
+    return flop_breakdown(cfg, seq_len, moe=moe, documents=documents).forward
 
 
-def backward_flops_per_token(cfg: ModelConfig, seq_len: int, *, moe: MoESpec | None = None) -> float:
-    return flop_breakdown(cfg, seq_len, moe=moe).backward
+def backward_flops_per_token(cfg: ModelConfig, seq_len: int, *, moe: MoESpec | None = None,
+                             documents: DocumentLengths | None = None) -> float:
+    return flop_breakdown(cfg, seq_len, moe=moe, documents=documents).backward
 
 
-def model_flops_per_token(cfg: ModelConfig, seq_len: int, *, moe: MoESpec | None = None) -> float:
-    """Training FLOPs per token (fwd + bwd = 3x fwd) = 6*N_matmul + 12*L*h*s. The MFU numerator."""
-    return flop_breakdown(cfg, seq_len, moe=moe).training
+def model_flops_per_token(cfg: ModelConfig, seq_len: int, *, moe: MoESpec | None = None,
+                          documents: DocumentLengths | None = None) -> float:
+    """Training FLOPs per token (fwd + bwd = 3x fwd) = 6*N_matmul + 12*L*h*s (packed documents: s becomes
+    E[L²]/E[L], `MFU_CONVENTION`). The MFU numerator."""
+    return flop_breakdown(cfg, seq_len, moe=moe, documents=documents).training
 
 
 def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Recompute, *,
                               causal: bool = False, moe: MoESpec | None = None,
-                              attention: str = "flash", early_stop: bool = False) -> float:
+                              attention: str = "flash", early_stop: bool = False,
+                              documents: DocumentLengths | None = None) -> float:
     """Extra forward work replayed in backward.
     selective (checkpointed `attn.core`): with a fused kernel (`attention="flash"`, GPU) the whole
     attention forward reruns; with the math path (meta/CPU) only QK^T does (PV's output is not saved).
@@ -200,7 +258,7 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Recompu
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
     if attention not in ("flash", "math"):
         raise ValueError(f"attention must be 'flash' or 'math', got {attention!r}")
-    fb = flop_breakdown(cfg, seq_len, causal=causal, moe=moe)
+    fb = flop_breakdown(cfg, seq_len, causal=causal, moe=moe, documents=documents)
     if recompute == "none":
         return 0.0
     if recompute == "selective":
@@ -268,29 +326,33 @@ def loss_recompute_flops_per_token(cfg: ModelConfig, cross_entropy: str = "eager
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: Recompute = "none", *,
                              moe: MoESpec | None = None, attention: str = "flash", early_stop: bool = False,
                              cross_entropy: str = "eager", split_backward: bool = False,
-                             loss_tokens: float = 0.0, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> float:
+                             loss_tokens: float = 0.0, chunk_tokens: int = LOSS_CHUNK_TOKENS,
+                             documents: DocumentLengths | None = None) -> float:
     """Model FLOPs plus recomputation (the layers' and the chunked loss's head, for micro-batches of
     `loss_tokens` rows), same counting convention: the HFU numerator."""
-    return (model_flops_per_token(cfg, seq_len, moe=moe)
-            + recompute_flops_per_token(cfg, seq_len, recompute, moe=moe, attention=attention, early_stop=early_stop)
+    return (model_flops_per_token(cfg, seq_len, moe=moe, documents=documents)
+            + recompute_flops_per_token(cfg, seq_len, recompute, moe=moe, attention=attention, early_stop=early_stop,
+                                        documents=documents)
             + loss_recompute_flops_per_token(cfg, cross_entropy, split_backward, tokens=loss_tokens,
                                              chunk_tokens=chunk_tokens))
 
 
 def executed_phase_flops(cfg: ModelConfig, seq_len: int, recompute: Recompute = "none", *,
                          moe: MoESpec | None = None, cross_entropy: str = "eager", loss_tokens: float = 0.0,
-                         chunk_tokens: int = LOSS_CHUNK_TOKENS) -> tuple[float, float, float]:
+                         chunk_tokens: int = LOSS_CHUNK_TOKENS,
+                         documents: DocumentLengths | None = None) -> tuple[float, float, float]:
     """(F, B, W) FLOPs per token that a FlashAttention-style causal kernel really executes: half the
     score square; its backward does 5 score-sized matmuls (dQ, dK, dV, dP and a re-computed QK^T) against
     2 in forward. Recomputation (the layers' and the chunked loss's head GEMM) is charged to B, where it
     runs. The time model uses these."""
-    fb = flop_breakdown(cfg, seq_len, causal=True, moe=moe)
+    fb = flop_breakdown(cfg, seq_len, causal=True, moe=moe, documents=documents)
     f = fb.forward
     b = fb.layers_matmul + 2.5 * fb.attention + fb.lm_head
-    b += recompute_flops_per_token(cfg, seq_len, recompute, causal=True, moe=moe)
+    b += recompute_flops_per_token(cfg, seq_len, recompute, causal=True, moe=moe, documents=documents)
     b += loss_recompute_flops_per_token(cfg, cross_entropy, tokens=loss_tokens, chunk_tokens=chunk_tokens)
     return f, b, fb.backward_weight
 
 
-def model_flops_per_step(cfg: ModelConfig, seq_len: int, tokens: int, *, moe: MoESpec | None = None) -> float:
-    return model_flops_per_token(cfg, seq_len, moe=moe) * tokens
+def model_flops_per_step(cfg: ModelConfig, seq_len: int, tokens: int, *, moe: MoESpec | None = None,
+                         documents: DocumentLengths | None = None) -> float:
+    return model_flops_per_token(cfg, seq_len, moe=moe, documents=documents) * tokens

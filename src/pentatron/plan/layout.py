@@ -17,7 +17,7 @@ from pentatron.hardware.catalogue import GPUSpec
 from pentatron.kept_hash import kept_hash, state_without_kept_hash
 from pentatron.layout import ParallelLayout, tensor_parallel_problems
 from pentatron.models.config import ModelConfig
-from pentatron.plan.flops import MoESpec, Recompute, moe_of
+from pentatron.plan.flops import DocumentLengths, MoESpec, Recompute, moe_of
 from pentatron.plan.recipes import PENTATRON, TRAINING_ATTENTION, Recipe, not_ours
 
 # Our knobs are typed on `Layout` and the recipe's on `Recipe`: both are checked by the config loader's
@@ -30,7 +30,7 @@ from pentatron.plan.recipes import PENTATRON, TRAINING_ATTENTION, Recipe, not_ou
 KNOBS: tuple[str, ...] = ("recompute", "precision", "fp8_scaling", "attention")
 
 
-_WORKLOAD_FIELDS = attrgetter("cfg", "seq_len", "global_batch", "moe")  # its compared fields, in order
+_WORKLOAD_FIELDS = attrgetter("cfg", "seq_len", "global_batch", "moe", "documents")  # its compared fields, in order
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,9 @@ class Workload:
     seq_len: int
     global_batch: int  # sequences per optimizer step
     moe: MoESpec | None = None
+    # packed documents under document masking: attention's FLOPs and time follow their lengths (None: each
+    # sample is one sequence, attention over the whole of it)
+    documents: DocumentLengths | None = None
 
     @property
     def tokens_per_step(self) -> int:

@@ -8,10 +8,10 @@ from typing import Any
 
 from pentatron.hardware.catalogue import GiB, GPUSpec
 from pentatron.plan.comm import bytes_by_dim
-from pentatron.plan.flops import matmul_params, total_params
+from pentatron.plan.flops import MFU_CONVENTION, matmul_params, total_params
 from pentatron.plan.layout import Workload, compute_dtype
 from pentatron.plan.memory import COMPONENTS
-from pentatron.plan.search import Prediction, SearchResult
+from pentatron.plan.search import Prediction, SearchResult, memory_budget
 from pentatron.plan.unmeasured import unmeasured
 
 SCHEMA = "pentatron.plan/1"
@@ -76,8 +76,16 @@ def header(w: Workload, gpu: GPUSpec, gpus: int | None) -> str:
          f"L={cfg.n_layers} h={cfg.hidden_size} heads={cfg.n_heads}/{cfg.n_kv_heads} ffn={cfg.ffn_hidden_size} "
          f"vocab={cfg.vocab_size}")
     s += f"\nworkload: seq {w.seq_len}, global batch {w.global_batch} sequences = {w.tokens_per_step:,} tokens"
+    if (d := w.documents) is not None:
+        s += (f"\ndocuments: masked, mean {d.mean_tokens:,.0f} tokens"
+              + (f", mean square {d.mean_sq_tokens:,.0f}" if d.mean_sq_tokens is not None else " each")
+              + f": attention computes {100 * d.pair_share(w.seq_len):.1f} % of the sample's causal pairs "
+                f"({d.causal_keys(w.seq_len):,.1f} keys per token instead of {(w.seq_len + 1) / 2:,.1f})")
     if gpus:
         s += f"\nhardware: {gpus} x {gpu.name} ({gpu.hbm_bytes / GiB:.0f} GiB, {gpu.gpus_per_node}/node)"
+        if gpu.headroom:
+            s += (f"; memory headroom {gpu.headroom:.0%}: a layout fits if predicted x {1 + gpu.headroom:g} <= "
+                  f"{gpu.hbm_bytes / GiB:.0f} GiB, i.e. <= {memory_budget(gpu) / GiB:.1f} GiB predicted")
     return s
 
 
@@ -94,10 +102,12 @@ def detail(w: Workload, p: Prediction, gpu: GPUSpec, *, train_tokens: float | No
         out.append(f"  {c:<18} {_gib(getattr(mem, c)):>8} GiB")
     verdict = ("fits only without the fragmentation margin (tight)" if p.tight else "fits") if p.fits \
         else "DOES NOT FIT"
-    out.append(f"  {'total':<18} {_gib(mem.total):>8} GiB  of {gpu.hbm_bytes / GiB:.0f} GiB -> {verdict}")
+    room = f" ({_gib(memory_budget(gpu))} GiB with the {gpu.headroom:.0%} headroom)" if gpu.headroom else ""
+    out.append(f"  {'total':<18} {_gib(mem.total):>8} GiB  of {gpu.hbm_bytes / GiB:.0f} GiB{room} -> {verdict}")
     out.append(f"FLOPs per token: model {_si(rate.model_flops_per_token, 'FLOP')} (MFU numerator), hardware "
                f"{_si(rate.hardware_flops_per_token, 'FLOP')} (with recompute); per step "
                f"{_si(rate.model_flops_per_token * w.tokens_per_step, 'FLOP')}")
+    out.append(f"  {MFU_CONVENTION}")
     out.append("communication per GPU per step:")
     by_dim = bytes_by_dim(list(st.collectives))
     times: dict[str, float] = {}
@@ -204,8 +214,14 @@ def plan_json(w: Workload, gpu: GPUSpec, gpus: int | None, preds: list[Predictio
                   "tie_embeddings": cfg.tie_embeddings,
                   "moe": None if w.moe_spec is None else vars(w.moe_spec)},
         "hardware": {"name": gpu.name, "gpus": gpus, "gpus_per_node": gpu.gpus_per_node,
-                     "hbm_bytes": gpu.hbm_bytes, "peak_flops": dict(gpu.peak_flops), "source": gpu.source},
-        "workload": {"seq_len": w.seq_len, "global_batch": w.global_batch, "global_batch_tokens": w.tokens_per_step},
+                     "hbm_bytes": gpu.hbm_bytes, "headroom": gpu.headroom,
+                     "memory_budget_bytes": memory_budget(gpu), "peak_flops": dict(gpu.peak_flops),
+                     "source": gpu.source},
+        "workload": {"seq_len": w.seq_len, "global_batch": w.global_batch, "global_batch_tokens": w.tokens_per_step,
+                     "documents": None if w.documents is None else {
+                         "mean_tokens": w.documents.mean_tokens, "mean_sq_tokens": w.documents.mean_sq_tokens,
+                         "causal_pair_share": w.documents.pair_share(w.seq_len)}},
+        "mfu_convention": MFU_CONVENTION,
         "predictions": [prediction_json(w, p, i, train_tokens=train_tokens, price=price, gpu=gpu)
                         for i, p in enumerate(preds, 1)],
         "problems": list(problems or []),
@@ -239,6 +255,8 @@ def memory_chart(preds: list[Prediction], gpu: GPUSpec, path: str | Path, title:
     ax.axhline(gpu.hbm_bytes / GiB, color="black", linestyle="--", linewidth=1)
     ax.text(len(preds) - 0.5, gpu.hbm_bytes / GiB, f" {gpu.name} {gpu.hbm_bytes / GiB:.0f} GiB", va="bottom",
             ha="right", fontsize=8)
+    if gpu.headroom:
+        ax.axhline(memory_budget(gpu) / GiB, color="gray", linestyle=":", linewidth=1)
     ax.set_xticks(range(len(preds)), labels, fontsize=6)
     ax.set_ylabel("GiB per GPU")
     ax.set_title(title or "memory per GPU")

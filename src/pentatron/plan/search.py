@@ -63,17 +63,20 @@ class Scored:
     the search reads it only where it can change the outcome, bounded above by `ceiling` (the rate at
     `timing.step_time_floor`), so most layouts never pay for the full step-time model."""
 
-    __slots__ = ("layout", "fits", "ceiling", "_est", "_compute", "_memory", "_compute_memory")
+    __slots__ = ("layout", "fits", "ceiling", "floor", "_est", "_compute", "_memory", "_compute_memory")
 
     def __init__(self, layout: Layout, memory_total: float | None, fits: bool, est_tokens_per_s: float | None = None,
                  *, ceiling: float | None = None, compute: Callable[[], float] | None = None,
-                 compute_memory: Callable[[], float] | None = None) -> None:
+                 compute_memory: Callable[[], float] | None = None, floor: float | None = None) -> None:
         if (est_tokens_per_s is None and compute is None) or (memory_total is None and compute_memory is None):
             raise ValueError("Scored needs est_tokens_per_s and memory_total, or ways to compute them")
         self.layout, self.fits = layout, fits
         self._est, self._compute = est_tokens_per_s, compute
         self._memory, self._compute_memory = memory_total, compute_memory
         self.ceiling = est_tokens_per_s if ceiling is None else ceiling
+        # a lower bound on memory_total (`memory.memory_floor`), known without computing it; the total itself
+        # when given
+        self.floor = memory_total if memory_total is not None else (0.0 if floor is None else floor)
 
     @property
     def memory_total(self) -> float:
@@ -112,6 +115,18 @@ def best_first(scored: list[Scored]) -> Iterator[Scored]:
         heapq.heappush(heap, (_rank_key(scored[i]), scored[i].memory_total, i))
     while heap:
         yield scored[heapq.heappop(heap)[2]]
+
+
+def least_memory(scored: list[Scored]) -> float:
+    """min(s.memory_total for s in scored), computing totals only while a floor could beat the least so far
+    (most of a pool that does not fit was ruled out by its floor: its totals, each a pipeline simulation for
+    the activations, would otherwise all be computed to print one "needs >= X GiB")."""
+    least = float("inf")
+    for s in sorted(scored, key=attrgetter("floor")):
+        if s.floor >= least:
+            break
+        least = min(least, s.memory_total)
+    return least
 
 
 def best_estimate(scored: list[Scored]) -> float:
@@ -163,7 +178,9 @@ def cp_handicapped(lay: Layout, tokens_per_s: float) -> float:
 
 
 def memory_budget(gpu: GPUSpec) -> float:
-    return float(gpu.hbm_bytes)
+    """The most predicted memory a layout may need to fit: hbm / (1 + headroom), i.e. predicted x (1 +
+    headroom) <= hbm (`GPUSpec.headroom`, `--headroom`). Every fit, recommendation and suggestion reads it."""
+    return gpu.hbm_bytes / (1 + gpu.headroom)
 
 
 def predict(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str | None = None, exact: bool = True,
@@ -177,7 +194,7 @@ def predict(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str | None = Non
     notes = warnings(w, lay, gpu)
     budget = memory_budget(gpu)
     if mem.required <= budget < mem.total:
-        notes.append(f"tight: {mem.required / GiB:.1f} GiB of tensors fit in {budget / GiB:.0f} GiB, but not with "
+        notes.append(f"tight: {mem.required / GiB:.1f} GiB of tensors fit in {budget / GiB:.1f} GiB, but not with "
                      f"the {100 * FRAGMENTATION:.0f}% allocator-fragmentation margin ({mem.total / GiB:.1f} GiB); "
                      "the search recommends only layouts that fit with it")
     if lay.pp > 1 and lay.pp <= lay.microbatches(w) < 2 * lay.pp:
@@ -299,8 +316,10 @@ def _search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | Non
         if key in stop_rc and fixed.get("recompute") is None:
             continue
         n_valid += 1
-        if memory_floor(w, lay, gpu, kernels) > budget * (1 + 1e-9):  # cannot fit (margin: rounding)
-            pool.append(Scored(lay, None, False, 0.0, compute_memory=_memory_total(w, lay, gpu, kernels)))
+        floor_mem = memory_floor(w, lay, gpu, kernels)
+        if floor_mem > budget * (1 + 1e-9):  # cannot fit (margin: rounding)
+            pool.append(Scored(lay, None, False, 0.0, compute_memory=_memory_total(w, lay, gpu, kernels),
+                               floor=floor_mem))
             continue
         mem = memory_per_gpu(w, lay, gpu, kernels)
         fits = mem.total <= budget
@@ -416,8 +435,8 @@ def reasons_for(best: Layout, pool: list[Scored], gpu: GPUSpec, fixed: dict[str,
                 parts.append(f"{other}: {slower:.1f}% slower" if slower >= 0 else
                              f"{other}: {-slower:.1f}% faster by the closed-form estimate, slower when simulated")
             else:
-                need = min(s.memory_total for s in group)
-                parts.append(f"{other}: needs >= {need / GiB:.1f} GiB > {gpu.hbm_bytes / GiB:.0f} GiB")
+                need = least_memory(group)
+                parts.append(f"{other}: needs >= {need / GiB:.1f} GiB > {memory_budget(gpu) / GiB:.1f} GiB")
         out.append(f"{knob}={val}: vs " + "; ".join(parts[:4]) + ("; ..." if len(parts) > 4 else ""))
     return out
 

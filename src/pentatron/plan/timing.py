@@ -143,8 +143,9 @@ def _elementwise_bytes(w: Workload, lay: Layout, kernels: str) -> float:
 
 
 def attention_times(w: Workload, lay: Layout, gpu: GPUSpec) -> tuple[float, float]:
-    """Causal attention over the whole sequence, this GPU's share (1/cp of the query-key pairs with
-    load balancing, 1/tp of the heads): forward and backward seconds per layer and micro-batch.
+    """Causal attention over the whole sequence (within its packed documents: `Workload.documents`), this
+    GPU's share (1/cp of the query-key pairs with load balancing, 1/tp of the heads): forward and backward
+    seconds per layer and micro-batch.
     Fused kernels (flash2/flash3/cudnn) skip the masked half at the kernel's fraction of peak
     (`GPUSpec.attention`); the math path runs QK^T and PV as batched GEMMs over the full square and
     the softmax as memory traffic over the scores. fp8 runs attention in bf16."""
@@ -156,13 +157,17 @@ def attention_times(w: Workload, lay: Layout, gpu: GPUSpec) -> tuple[float, floa
     if lay.attention == "math":
         a = act_bytes(prec)
         batch = heads * lay.micro_batch
-        qk = batch * gemm_time(gpu, s_q, w.seq_len, cfg.head_dim, peak, a)  # scores [s_q, s]
-        pv = batch * gemm_time(gpu, s_q, cfg.head_dim, w.seq_len, peak, a)
-        scores = batch * s_q * w.seq_len
+        # scores [s_q, s]; within packed documents each document's own square, E[L²]/E[L] keys per query
+        kv = w.seq_len if w.documents is None else w.documents.square_keys(w.seq_len)
+        qk = batch * gemm_time(gpu, s_q, kv, cfg.head_dim, peak, a)
+        pv = batch * gemm_time(gpu, s_q, cfg.head_dim, kv, peak, a)
+        scores = batch * s_q * kv
         bw = gpu.hbm_bandwidth * gpu.efficiency.hbm
         fwd = qk + pv + scores * a * MATH_SOFTMAX_BYTES[0] / bw
         return fwd, 2 * (qk + pv) + scores * a * MATH_SOFTMAX_BYTES[1] / bw
-    flops = 4 * heads * cfg.head_dim * lay.micro_batch * w.seq_len * (w.seq_len + 1) / 2 / lay.cp
+    # causal pairs of a sample: s(s+1)/2, or within its packed documents s·(E[L²]/E[L] + 1)/2
+    keys = (w.seq_len + 1) / 2 if w.documents is None else w.documents.causal_keys(w.seq_len)
+    flops = 4 * heads * cfg.head_dim * lay.micro_batch * w.seq_len * keys / lay.cp
     # ring attention calls the kernel per step and per zigzag half-chunk: 2 launches per ring step
     # instead of one call
     _, ring = cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)
@@ -752,8 +757,8 @@ class Throughput:
 def throughput(w: Workload, lay: Layout, gpu: GPUSpec, st: StepTime) -> Throughput:
     tps = w.tokens_per_step / st.step
     peak = gpu.flops(compute_dtype(lay.precision))
-    mf = model_flops_per_token(w.cfg, w.seq_len, moe=w.moe_spec)
-    hf = hardware_flops_per_token(w.cfg, w.seq_len, lay.recompute, moe=w.moe_spec,
+    mf = model_flops_per_token(w.cfg, w.seq_len, moe=w.moe_spec, documents=w.documents)
+    hf = hardware_flops_per_token(w.cfg, w.seq_len, lay.recompute, moe=w.moe_spec, documents=w.documents,
                                   cross_entropy=lay.recipe.cross_entropy, split_backward=split_backward(lay),
                                   loss_tokens=lay.micro_batch * w.seq_len / lay.cp,
                                   chunk_tokens=lay.recipe.loss_chunk_tokens)

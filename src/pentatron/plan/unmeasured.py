@@ -92,8 +92,7 @@ def unmeasured(p: Prediction, gpu: GPUSpec) -> Unmeasured | None:
     """None where the prediction is measured ground (another framework's recipe, or a measured profile)."""
     if p.layout.recipe.name != "pentatron" or measured_on(gpu):
         return None
-    family = gpu.name.split(" ")[0]  # "h100-sxm less 10% headroom" (--headroom) is still an H100
-    band = BANDS.get(family) if compute_dtype(p.layout.precision) in BAND_DTYPES else None
+    band = BANDS.get(gpu.name) if compute_dtype(p.layout.precision) in BAND_DTYPES else None
     if band is None or p.rate.mfu <= 0:
         return Unmeasured(gpu.name, band, None, None)
     top = min(p.rate.mfu, band.high)

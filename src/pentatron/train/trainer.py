@@ -24,7 +24,7 @@ from pentatron.observe.run_observer import RunObserver
 from pentatron.observe.system import bounded_mfu, peak_flops
 from pentatron.parallel.pipeline.trace import write_rank_trace
 from pentatron.parallel.step_runner import host_scalars
-from pentatron.plan.flops import model_flops_per_token
+from pentatron.plan.flops import DocumentLengths, model_flops_per_token
 from pentatron.train.lr_schedule import LrSchedule, resumed_schedule
 from pentatron.train.model_state import ModelState
 from pentatron.train.nonfinite import NonFiniteGuard, NonFiniteStop
@@ -119,11 +119,21 @@ class Trainer:
         extra = self.runner.step_stats()
         self._write_pp_trace()
         self.last_comm = comm = self.comm.ledger.end_step()
-        if documents is not None:  # what masked attention computed (MFU still counts the dense convention)
+        if documents is not None:  # what masked attention computed; the MFU numerator follows it
             extra["documents"] = documents_record(documents)
         return {"step": self.step, "loss": loss_value, "grad_norm": norm_value, "lr": lr,
                 "comm_bytes": comm.bytes_map(), "comm_calls": comm.calls_map(), **extra,
                 "skipped_steps": self.guard.skipped, **({"nonfinite": problem} if problem else {})}
+
+    def _flops_per_token(self, record: dict[str, Any]) -> float:
+        """The MFU numerator of this step (`plan.flops.MFU_CONVENTION`): under document masking attention is
+        counted over each document's square, from this rank's documents of the step (rank 0's on rank 0,
+        which logs); otherwise the run's constant."""
+        docs = record.get("documents")
+        if docs is None:
+            return self.flops_per_token
+        return model_flops_per_token(self.model_cfg, self.cfg.train.seq_len,
+                                     documents=DocumentLengths(docs["mean_tokens"], docs["mean_sq_tokens"]))
 
     def _raise_peak(self, achieved: float) -> None:
         """This step did more model FLOP/s per rank than the peak MFU divides by: that peak was low, and the
@@ -179,12 +189,14 @@ class Trainer:
                     torch.cuda.synchronize(self.device)
                 elapsed = time.perf_counter() - start
                 tokens_per_s = self.tokens_per_step / elapsed
-                mfu, peak = bounded_mfu(tokens_per_s * self.flops_per_token / self.world_size, self.peak_flops)
+                flops_per_token = self._flops_per_token(record)
+                mfu, peak = bounded_mfu(tokens_per_s * flops_per_token / self.world_size, self.peak_flops)
                 if peak > self.peak_flops:
                     self._raise_peak(peak)
                 record.update(
                     tokens_per_s=tokens_per_s,
                     mfu=mfu,
+                    model_flops_per_token=flops_per_token,
                     step_time_s=elapsed,
                     **self.observer.peak_memory(),  # since training began (set-up excluded)
                     **segment,

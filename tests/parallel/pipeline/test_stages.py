@@ -128,3 +128,34 @@ def test_single_stage_keeps_one_tied_parameter():
     (stage,) = build_stages(model, 1, 0, stage_layers(model.cfg, 1, 1, 16))
     assert stage.embed.weight is stage.lm_head.weight
     assert tied_parameter([stage]) is None
+
+
+def _scan_partition(n_layers: int, n_stages: int, costs: StageCosts) -> list[int]:
+    """The reference: the dynamic programme over every cut (O(stages · layers²)); the smallest cut wins ties."""
+    def cost(s: int, lo: int, hi: int) -> float:
+        return (hi - lo) * costs.layer + (costs.embed if s == 0 else 0) + (costs.head if s == n_stages - 1 else 0)
+    best = [[float("inf")] * (n_layers + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n_layers + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for i in range(s, n_layers - (n_stages - s) + 1):
+            for j in range(s - 1, i):
+                if (val := max(best[s - 1][j], cost(s - 1, j, i))) < best[s][i]:
+                    best[s][i], cut[s][i] = val, j
+    counts, i = [], n_layers
+    for s in range(n_stages, 0, -1):
+        counts.append(i - cut[s][i])
+        i = cut[s][i]
+    return counts[::-1]
+
+
+@pytest.mark.parametrize("name", ["llama3.1-405b", "qwen3-moe-30b-a3b", "debug"])
+def test_bisected_partition_equals_the_scan_over_every_cut(name):
+    """`_balanced` bisects for each stage's cut (the planner partitions 126 layers over up to 126 stages);
+    it must split exactly as the full scan does."""
+    cfg = get_model_config(name)
+    for seq in (2048, 8192):
+        costs = StageCosts.of(cfg, seq)
+        for stages in sorted({2, 3, 7, 13, 21, cfg.n_layers} & set(range(2, cfg.n_layers + 1))):
+            want = _scan_partition(cfg.n_layers, stages, costs)
+            assert [len(r) for r in partition(cfg.n_layers, stages, costs=costs)] == want, (seq, stages)
