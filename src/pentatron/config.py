@@ -265,8 +265,8 @@ class DataConfig:
     source's tail and validated per source. Set data.path or data.sources, not both."""
     on_exhausted: Literal["wrap", "stop"] = "wrap"
     """A source (or data.path) whose samples have all been trained: "wrap" starts its next epoch (a new
-    shuffle), "stop" ends the run before the step that would reuse one (checkpoint saved, exit 0). Said in
-    one console line either way."""
+    shuffle), "stop" ends the run before the step that would reuse one: the step before is validated and saved
+    as a run's last (exit 0; a resume of it stops at once, exit 2). Said in one console line either way."""
     cache_dir: str = ".cache/data"
     """Where the built-in default corpus is tokenized and cached."""
     default_corpus_bytes: int = 6_000_000

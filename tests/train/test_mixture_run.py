@@ -22,8 +22,9 @@ from tests.reference_loop import FP64
 
 def _cfg(root: Path, *extra: str):
     sources = (f"data.sources=[{{path='{root}/web', weight=3}}, {{path='{root}/code', weight=1, name='py'}}]")
-    return load_config(None, [FP64, sources, "data.on_exhausted='stop'", "train.steps=20", "train.warmup=0",
-                              "train.seq_len=32", "train.micro_batch=4", "train.global_batch=8",
+    return load_config(None, [FP64, sources, "data.on_exhausted='stop'", "eval.every=50",
+                              "eval.holdout_tokens=257", "train.steps=20", "train.warmup=0", "train.seq_len=32",
+                              "train.micro_batch=4", "train.global_batch=8",
                               "train.peak_tflops=1.0", "log.progress=false", "log.tensorboard=false",
                               f"log.dir='{root}/log'", f"checkpoint.dir='{root}/ck'", *extra], world_size=1)
 
@@ -31,8 +32,9 @@ def _cfg(root: Path, *extra: str):
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory):
     root = tmp_path_factory.mktemp("mixrun")
-    write_documents_dataset(root / "web", total_tokens=32 * 40 + 1, seed=0)  # 40 samples
-    write_documents_dataset(root / "code", total_tokens=32 * 6 + 1, seed=1)  # 6 samples: runs out first
+    # 257 tokens of each held out (8 validation sequences): 31 and 5 training samples; code runs out first
+    write_documents_dataset(root / "web", total_tokens=32 * 40 + 1, seed=0)
+    write_documents_dataset(root / "code", total_tokens=32 * 14 + 1, seed=1)
     return root
 
 
@@ -44,11 +46,14 @@ def test_a_stop_ends_the_run_before_a_source_is_reused_saved_and_said(stopped, c
     last = records[-1]["step"]
     assert 1 < last < 20 and trainer.step == last
     tokens = records[-1]["data_tokens"]
-    assert tokens["py"] <= 6 * 32 < tokens["py"] + 8 * 32 and sum(tokens.values()) == last * 8 * 32
+    assert tokens["py"] <= 5 * 32 < tokens["py"] + 8 * 32 and sum(tokens.values()) == last * 8 * 32
     said = [line for line in out.splitlines() if line.startswith("pentatron: data source")]
-    assert said == [f"pentatron: data source 'py' ran out at step {last + 1}: its 6 samples (192 tokens) were all "
+    assert said == [f"pentatron: data source 'py' ran out at step {last + 1}: its 5 samples (160 tokens) were all "
                     f"trained once; data.on_exhausted = \"stop\": the run ends after step {last}"]
     assert f"pentatron: data by step {last}: web {tokens['web']:,} tokens" in out
+    # the last step is validated as a run's last is (eval.every = 50 never came), per source
+    assert [r["step"] for r in records if "val" in r] == [last] and set(records[-1]["val"]["sources"]) == {"web", "py"}
+    assert out.index(f"validation at step {last}") < out.index(said[0])
     # the checkpoint of the last step holds the counts; the summary and metrics.jsonl say them
     (ck,) = sorted((stopped / "ck").glob("step_*"))
     assert ck.name == f"step_{last:08d}"
@@ -77,4 +82,4 @@ def test_preflight_names_a_mixtures_data_problems(stopped, tmp_path):
                               "train.seq_len=32", "train.global_batch=8", "train.micro_batch=4", "eval.every=2",
                               "eval.holdout=0.5"], world_size=1)
     (p,) = data_problems(held, build_default_data=True)
-    assert p.startswith("data source 'code': the held-out split holds 96 tokens")
+    assert p.startswith("data source 'code': the held-out split holds 224 tokens")

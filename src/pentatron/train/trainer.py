@@ -68,7 +68,6 @@ class Trainer:
             self.validation = Validation(cfg.eval, tr, sets, self.runner, self.dp_rank, self.dp,
                                          cfg.data.document_mask) if cfg.eval.every > 0 else None
             self.stopped_by: list[str] = []  # data.on_exhausted = "stop": the lines that ended the run early
-            self._saved_step = -1
             self.step = 0
             self.lr_schedule = LrSchedule(tr)  # a resume may re-shape it (`_resume`)
             self.guard = NonFiniteGuard(tr.nonfinite)
@@ -204,8 +203,8 @@ class Trainer:
         segment = {"layout": layout_key(cfg, self.world_size), "start_step": self.step}
         try:
             while self.step < cfg.train.steps:
-                if self._data_ran_out(is_main, first=not records):
-                    break
+                if not records:  # this start's first step (later ones are asked at the end of the step before)
+                    self._say(self._ran_out(first=True), is_main)
                 start = time.perf_counter()
                 record = self.train_step()
                 if self.device.type == "cuda":
@@ -226,11 +225,15 @@ class Trainer:
                     record["memory"] = self.runner.memory().to_dict()
                 record.update(self.observer.end_step(record))
                 stopping = "nonfinite" in record and self.guard.action == "stop"
-                if self.validation is not None and self.validation.due(self.step) and not stopping:
+                # data.on_exhausted: the next step would start a source's new epoch — said after this step's
+                # row; with "stop" this step is the run's last (validated and saved as the last one is)
+                ran_out = self._ran_out(first=False) if self.step < cfg.train.steps else []
+                ending = bool(self.stopped_by)
+                if self.validation is not None and (self.validation.due(self.step) or ending) and not stopping:
                     record["val"] = self.validation.run()  # after the step's timing: not in tokens/s or MFU
                 records.append(record)
                 if logger is not None:
-                    console = self.step % cfg.log.every == 0 or self.step == cfg.train.steps
+                    console = self.step % cfg.log.every == 0 or self.step == cfg.train.steps or ending
                     logger.log(record, console=console)
                     # The comm table: on the first step, and again whenever the pattern changes.
                     table = self.last_comm.table()
@@ -243,14 +246,16 @@ class Trainer:
                     raise NonFiniteStop(self.guard.stop_message(record["nonfinite"]))
                 if self.step == cfg.train.steps and self.guard.never_updated:  # 'skip' skipped every step
                     raise NonFiniteStop(self.guard.never_updated_message(self.step - segment["start_step"]))
+                self._say(ran_out, is_main)
                 stop = self.sigterm is not None and self.sigterm.agreed(self.comm, self.world_size, self.device)
                 # a periodic save waits for the job's first update: until then the model is what it started from
-                if self.store is not None and ((self._checkpoint_due() and not self.guard.never_updated) or stop):
+                if self.store is not None and (((self._checkpoint_due() or ending) and not self.guard.never_updated)
+                                               or stop):
                     self.save_checkpoint()
                 if stop:
                     raise Terminated(f"stopped by SIGTERM after step {self.step}, saved in {self.cfg.checkpoint.dir}")
-            if self.stopped_by and self.store is not None and self._saved_step != self.step:
-                self.save_checkpoint()  # the run ends here: its last step is kept as a finished run's
+                if ending:
+                    break
         finally:
             if self.sigterm is not None:
                 self.sigterm.close()
@@ -263,17 +268,22 @@ class Trainer:
             raise CheckpointWriteError(f"the run's last {self.async_saver.failed[-1]}")
         return records
 
-    def _data_ran_out(self, is_main: bool, first: bool) -> bool:
-        """data.on_exhausted: a source (or data.path) runs out within the next step — say so; True: stop here."""
+    def _ran_out(self, first: bool) -> list[str]:
+        """data.on_exhausted: the lines for sources (or data.path) that run out within the next step; with "stop"
+        `stopped_by` keeps them (the run ends before that step) — at this start's first step nothing was trained,
+        so that is an error instead."""
         lines, stop = exhaustion(self.loader, self.step + 1, self.cfg.data.on_exhausted)
-        if stop and first:  # not one step trained: nothing to save, nothing to summarize
+        if stop and first:
             raise DataError(f"{lines[0]}: no step can be trained; add data, lower train.global_batch or set "
                             "data.on_exhausted = \"wrap\"")
+        self.stopped_by = lines if stop else []
+        return lines
+
+    @staticmethod
+    def _say(lines: list[str], is_main: bool) -> None:
         if is_main:
             for line in lines:
                 print(f"pentatron: {line}", flush=True)
-        self.stopped_by = lines if stop else []
-        return stop
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_due(self) -> bool:
@@ -295,7 +305,6 @@ class Trainer:
         else:
             path = self.store.save(self.step, state, meta, pieces)
         self.save_blocked_s.append(time.perf_counter() - start)
-        self._saved_step = self.step
         if self.rank == 0:
             kind = "async: staging" if path is None else "sync"
             print(f"pentatron: checkpoint of step {self.step} blocked training {self.save_blocked_s[-1]:.3f} s "
