@@ -52,7 +52,9 @@ def test_a_stop_ends_the_run_before_a_source_is_reused_saved_and_said(stopped, c
                     f"trained once; data.on_exhausted = \"stop\": the run ends after step {last}"]
     assert f"pentatron: data by step {last}: web {tokens['web']:,} tokens" in out
     # the last step is validated as a run's last is (eval.every = 50 never came), per source
-    assert [r["step"] for r in records if "val" in r] == [last] and set(records[-1]["val"]["sources"]) == {"web", "py"}
+    val = records[-1]["val"]
+    assert [r["step"] for r in records if "val" in r] == [last] and set(val["sources"]) == {"web", "py"}
+    assert val["loss"] == pytest.approx((3 * val["sources"]["web"] + val["sources"]["py"]) / 4, rel=1e-15)
     assert out.index(f"validation at step {last}") < out.index(said[0])
     # the checkpoint of the last step holds the counts; the summary and metrics.jsonl say them
     (ck,) = sorted((stopped / "ck").glob("step_*"))

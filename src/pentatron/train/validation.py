@@ -6,12 +6,10 @@ reads the same `eval.batches` global batches of held-out data (data/eval_split.p
     {"loss": mean cross-entropy, "perplexity": exp(loss), "tokens": targets scored, "batches": M,
      "time_s": wall seconds}
 
-(with a mixture's per-source holdouts also "sources": {name: that source's loss}, and "loss" their mean
-weighted as data.sources weighs them)
-
 — the step record's `val` (metrics.jsonl, TensorBoard `val/*`, the console, the summary, the report).
 It runs after the step's timing is taken, so tokens/s and MFU are training's alone, and changes
-nothing training reads next (parallel/evaluate.py).
+nothing training reads next (parallel/evaluate.py). A mixture's per-source holdouts (data.sources) add
+"sources": {name: that source's loss}, and "loss" is their mean weighted as data.sources weighs them.
 """
 
 from __future__ import annotations
