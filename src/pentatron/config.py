@@ -235,12 +235,38 @@ class TrainConfig:
 
 
 @dataclass
-class DataConfig:
-    """[data]: the tokenized dataset."""
+class DataSource:
+    """One `[[data.sources]]` table: a tokenized directory and its share of the training samples."""
 
     path: str = ""
-    """A directory written by `pentatron tokenize`; empty: the built-in default corpus (Python's standard
-    library, tokenized into data.cache_dir)."""
+    """A directory written by `pentatron tokenize` (the same tokenizer as every other source)."""
+    weight: float = 1.0
+    """Relative share of the training samples (> 0; the weights need not sum to 1)."""
+    name: str = ""
+    """What logs, the summary and the checkpoint call it; empty: the directory's name (names must differ)."""
+
+    def label(self) -> str:
+        return self.name or Path(self.path).name or self.path
+
+
+@dataclass
+class DataConfig:
+    """[data]: the tokenized dataset, or a weighted mixture of them (data/mixture.py)."""
+
+    path: str = ""
+    """A directory written by `pentatron tokenize`; empty (and no data.sources): the built-in default corpus
+    (Python's standard library, tokenized into data.cache_dir)."""
+    sources: list[DataSource] = field(default_factory=list)
+    """A weighted mixture instead of data.path: `[[data.sources]]` tables with `path`, `weight` (relative share,
+    > 0) and an optional `name` (default: the directory's name). Each training sample's source is drawn by
+    weight from the seed and the sample's global position (the same in every layout, exact at a resume); each
+    source is read in its own shuffled order, its tokens consumed logged (metrics.jsonl `data_tokens`, the
+    console at log steps), in the summary and saved in the checkpoint. A holdout ([eval]) is carved from each
+    source's tail and validated per source. Set data.path or data.sources, not both."""
+    on_exhausted: Literal["wrap", "stop"] = "wrap"
+    """A source (or data.path) whose samples have all been trained: "wrap" starts its next epoch (a new
+    shuffle), "stop" ends the run before the step that would reuse one: the step before is validated and saved
+    as a run's last (exit 0; a resume of it stops at once, exit 2). Said in one console line either way."""
     cache_dir: str = ".cache/data"
     """Where the built-in default corpus is tokenized and cached."""
     default_corpus_bytes: int = 6_000_000
@@ -276,9 +302,11 @@ class EvalConfig:
     from the rest only: fewer samples, so another shuffled order than the same config without a holdout.
     Held out whenever set, even with every = 0, so turning evaluation on or off never changes what is
     trained on; 0 (with holdout_tokens = 0): the whole stream, exactly as before [eval] existed. A resume
-    with another holdout is refused (the order would change)."""
+    with another holdout is refused (the order would change). With data.sources each source holds out its
+    own tail and is validated apart (the validation loss: their mean weighted as the sources are)."""
     holdout_tokens: int = 0
-    """[tokens] As `holdout`, a token count instead of a share (set one of the two)."""
+    """[tokens] As `holdout`, a token count instead of a share (set one of the two; per source for
+    data.sources)."""
     path: str = ""
     """A directory written by `pentatron tokenize` to validate on instead of a holdout (the same tokenizer as
     the training data); the training data is then used whole."""
@@ -453,6 +481,11 @@ def _check_value(path: str, value: Any, tp: Any, problems: list[str]) -> Any:
         if not isinstance(value, str):
             problems.append(f"{path} must be a string, got {value!r}")
         return value
+    if dataclasses.is_dataclass(tp):  # a table inside a section (`[[data.sources]]`)
+        if not isinstance(value, dict):
+            problems.append(f"{path} must be a table, got {value!r}")
+            return value
+        return _build_section(tp, path, value, problems, table=True)
     if origin is list:
         if not isinstance(value, list):
             problems.append(f"{path} must be a list, got {value!r}")
@@ -486,8 +519,8 @@ def _type_hints(cls: type) -> dict[str, Any]:
     return get_type_hints(cls)
 
 
-def _build_section(cls: type, name: str, data: Any, problems: list[str]) -> Any:
-    if not isinstance(data, dict):
+def _build_section(cls: type, name: str, data: Any, problems: list[str], table: bool = False) -> Any:
+    if not table and not isinstance(data, dict):
         problems.append(f"[{name}] must be a table, got {data!r}")
         return cls()
     hints = get_type_hints(cls)
@@ -632,6 +665,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
 
     if cfg.data.path and not cfg.data.path.startswith(PLACEHOLDER) and not Path(cfg.data.path).exists():
         p.append(f"data.path {cfg.data.path!r} does not exist (create it with `pentatron tokenize`)")
+    p += sources_problems(cfg.data)
     if cfg.data.default_corpus_bytes <= 0:
         p.append(f"data.default_corpus_bytes must be > 0, got {cfg.data.default_corpus_bytes}")
     p += eval_problems(cfg.eval)
@@ -657,6 +691,30 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     # beyond ~31 years a timeout overflows the process group's timedelta; nobody waits that long
     if problem := number_problem("distributed.timeout_s", cfg.distributed.timeout_s, gt=0, le=1e9):
         p.append(problem)
+    return p
+
+
+def sources_problems(data: DataConfig) -> list[str]:
+    """data.sources' own rules (their datasets against each other: `data/mixture.py`, checked at preflight)."""
+    if not data.sources:
+        return []
+    p = []
+    if data.path:
+        p.append(f"data.path and data.sources are both set: train on one directory (data.path = {data.path!r}) "
+                 f"or on the mixture of {len(data.sources)} data.sources, not both")
+    for i, src in enumerate(data.sources):
+        at = f"data.sources[{i}]"
+        if not src.path:
+            p.append(f"{at}.path is empty: give the directory `pentatron tokenize` wrote")
+        elif not src.path.startswith(PLACEHOLDER) and not Path(src.path).exists():
+            p.append(f"{at}.path {src.path!r} does not exist (create it with `pentatron tokenize`)")
+        if not src.weight > 0:  # weights are finite (the float check); 0 would be a source never read
+            p.append(f"{at}.weight must be > 0 (a relative share of the samples), got {src.weight}; drop the "
+                     "source instead of weighting it 0")
+    labels = [s.label() for s in data.sources]
+    for label in sorted({x for x in labels if labels.count(x) > 1}):
+        at = ", ".join(f"data.sources[{i}]" for i, x in enumerate(labels) if x == label)
+        p.append(f"{at} are all named {label!r}: give each a distinct `name`")
     return p
 
 

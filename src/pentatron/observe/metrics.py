@@ -63,6 +63,8 @@ class MetricsLogger:
                                            "reserved r0")))
                 self._header_done = True
             self._bar.write(self._row(self._cells(record)))
+            if "data_tokens" in record:  # a mixture (data.sources): what each source has given so far
+                self._bar.write(data_tokens_line(record["step"], record["data_tokens"]))
         if val is not None:  # every evaluation is shown, logged row or not
             self._bar.write(validation_line(record["step"], val))
 
@@ -89,7 +91,16 @@ class MetricsLogger:
 def validation_line(step: int, val: dict[str, Any]) -> str:
     return (f"pentatron: validation at step {step}: loss {val['loss']:.4f}, perplexity {val['perplexity']:.2f} "
             f"({val['batches']} batch{'es' if val['batches'] != 1 else ''}, {val['tokens']:,} tokens, "
-            f"{val['time_s']:.2f} s)")
+            f"{val['time_s']:.2f} s)"
+            + ("; per source: " + ", ".join(f"{k} {v:.4f}" for k, v in val["sources"].items())
+               if val.get("sources") else ""))
+
+
+def data_tokens_line(step: int, tokens: dict[str, int]) -> str:
+    """A mixture's tokens trained per source by `step` (and each one's share of them)."""
+    total = sum(tokens.values()) or 1
+    return (f"pentatron: data by step {step}: "
+            + ", ".join(f"{k} {v:,} tokens ({100 * v / total:.1f} %)" for k, v in tokens.items()))
 
 
 def _keep_steps_up_to(path: Path, last_step: int) -> None:
