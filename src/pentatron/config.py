@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import functools
 import sys
 import types
@@ -216,6 +217,15 @@ class TrainConfig:
     planner's default kernels follow it, plan/recipes.py)."""
     compile_backend: Literal["inductor", "aot_eager"] = "inductor"
     """torch.compile's backend: inductor (generated kernels) or aot_eager (graphs without codegen: debug)."""
+    fp8: Literal["off", "tensorwise", "rowwise"] = "off"
+    """FP8 GEMMs in the decoder's linear layers (attention projections, dense MLPs; parallel/fp8.py): torchao's
+    tensorwise recipe (one scale per tensor) or rowwise (a scale per row; power-of-two scales). The LM head,
+    embedding, norms and the MoE router and experts stay in train.precision. With precision fp64 (the exact-parity
+    mode) the same FP8 operands are multiplied in float64. Every converted GEMM dimension must divide by 16; not
+    with train.compile on ("auto" compiles nothing under fp8)."""
+    fp8_skip: list[str] = field(default_factory=list)
+    """Decoder linear layers kept out of train.fp8, as module-path patterns (`*` any layer index), e.g.
+    ["layers.0.*", "layers.31.*"] for the first and last layer, or ["layers.*.attn.o_proj"]."""
     seed: int = 0
     """Seeds the parameter initialisation (each parameter's from (seed, its name): the same in every layout)
     and the data order."""
@@ -654,6 +664,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"train.clip must be ≥ 0 (0 disables clipping), got {tr.clip}")
     if type(tr.compile) is int or type(tr.compile) is float:  # 1 == True passes the Literal check
         p.append(f"train.compile must be true, false, \"auto\" or \"try\", got {tr.compile!r}")
+    if model is not None and not model.problems():
+        p += fp8_problems(tr, model, layout)
     if tr.loss_chunk_tokens < 0:
         p.append(f"train.loss_chunk_tokens must be ≥ 0 (0: the loss from full logits), got {tr.loss_chunk_tokens}")
     if problem := number_problem("train.seed", tr.seed, ge=0, le=INT64_MAX):  # what torch and numpy seed with
@@ -715,6 +727,41 @@ def sources_problems(data: DataConfig) -> list[str]:
     for label in sorted({x for x in labels if labels.count(x) > 1}):
         at = ", ".join(f"data.sources[{i}]" for i, x in enumerate(labels) if x == label)
         p.append(f"{at} are all named {label!r}: give each a distinct `name`")
+    return p
+
+
+def fp8_problems(tr: TrainConfig, model: ModelConfig, layout: ParallelLayout) -> list[str]:
+    """train.fp8's rules: a precision it composes with, no compile, every converted GEMM dimension (a rank's
+    weight shard, a micro-batch's tokens) divisible by 16 (torch._scaled_mm's rule on CUDA)."""
+    if tr.fp8 == "off":
+        return [f"train.fp8_skip={tr.fp8_skip!r} is set but train.fp8 is off"] if tr.fp8_skip else []
+    p = []
+    if tr.compile is True or tr.compile == "try":
+        p.append(f"train.fp8={tr.fp8!r} does not compose with train.compile={tr.compile!r} yet: set "
+                 "train.compile=false (or \"auto\", which compiles nothing under fp8)")
+    align, tp = 16, max(layout.tp, 1)
+    kv_local = (model.n_kv_heads // tp if model.n_kv_heads % tp == 0 else 1) * model.head_dim  # tp > kv: replicas
+    dims = [("model.hidden_size", model.hidden_size, model.hidden_size),
+            ("the attention width (n_heads × head_dim)", model.n_heads * model.head_dim,
+             model.n_heads * model.head_dim // tp),
+            ("the kv width (n_kv_heads × head_dim)", model.kv_dim, kv_local)]
+    if model.moe is None or model.moe.first_dense_layers > 0:
+        dims.append(("model.ffn_hidden_size", model.ffn_hidden_size, model.ffn_hidden_size // tp))
+    for what, full, local in dims:
+        if local % align:
+            shard = f" per tp rank ({full} / tp={tp})" if local != full else ""
+            p.append(f"train.fp8 needs every FP8 GEMM dimension divisible by {align}: {what} is {local}{shard}")
+    linears = [f"layers.{i}.{m}" for i in range(model.n_layers)
+               for m in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
+                         *(() if model.is_moe_layer(i) else ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")))]
+    for pattern in tr.fp8_skip:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in linears):
+            p.append(f"train.fp8_skip pattern {pattern!r} matches none of the FP8 layers (e.g. layers.0.attn.q_proj, "
+                     "layers.*.mlp.down_proj)")
+    tokens = tr.micro_batch * tr.seq_len // max(layout.cp, 1)
+    if tokens % align:
+        p.append(f"train.fp8 needs the tokens of a micro-batch per cp rank divisible by {align} (the weight "
+                 f"gradient's GEMM dimension): train.micro_batch × train.seq_len / cp = {tokens}")
     return p
 
 
