@@ -22,6 +22,7 @@ tensorwise recipe; tp2 + sp and cp2 for rowwise (where tp splits a rowwise scale
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ def test_one_process_fp8_linear_is_torchaos_float8_linear(recipe):
 
     from pentatron.models.llama import build_model
     from pentatron.models.registry import get_model_config
+    from pentatron.observe.numerics import LayerNumerics
     from pentatron.parallel.fp8 import Fp8Linear, apply_fp8, fp8_gemms, recipe_config
 
     cfg = get_model_config("debug")
@@ -72,15 +74,25 @@ def test_one_process_fp8_linear_is_torchaos_float8_linear(recipe):
     names = apply_fp8(ours, recipe)
     assert len(names) == 7 * cfg.n_layers and all(isinstance(ours.get_submodule(n), Fp8Linear) for n in names)
     convert_to_float8_training(theirs, config=recipe_config(recipe), module_filter_fn=lambda _, fqn: fqn in names)
+    numerics = LayerNumerics(ours)
+    numerics.begin(active=True)
     tokens = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     for model in (ours, theirs):
         model(tokens).float().square().mean().backward()
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
     assert torch.equal(ours(tokens), theirs(tokens))
-    amax = fp8_gemms(ours)["layers.0.attn.q_proj"].last_amax  # the numerics log's source: every cast recorded
-    assert set(amax) == {"input", "weight", "grad_output", "weight_for_grad_input", "grad_output_for_grad_weight",
-                         "input_for_grad_weight"} and all(float(a) > 0 for a in amax.values())
+    # the numerics log (log.numerics_every): per FP8 layer and operand the step's largest amax and smallest scale
+    record = numerics.gradients([(p, p.grad) for p in ours.parameters()])
+    keys = {f"{n}.{op}" for n in names for op in ("x", "w", "dy")}
+    assert set(record["fp8_amax"]) == set(record["fp8_scale"]) == keys
+    assert set(fp8_gemms(ours)) == set(names)
+    w = ours.layers[1].mlp.down_proj.weight
+    amax, scale = record["fp8_amax"]["layers.1.mlp.down_proj.w"], record["fp8_scale"]["layers.1.mlp.down_proj.w"]
+    if recipe == "tensorwise":  # one scale: e4m3's largest value over the whole weight's amax
+        assert (amax, scale) == (w.abs().max().item(), (448.0 / w.abs().max().double()).float().item())
+    else:  # per output row, rounded down to a power of two: the smallest is the largest row's
+        assert amax == w.abs().max().item() and scale == 2.0 ** math.floor(math.log2(448.0 / amax))
 
 
 def test_fp8_layouts_equal_the_one_process_fp8_run(references, default_dataset, tmp_path):

@@ -36,7 +36,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -91,16 +91,23 @@ _AXES: dict[str, tuple[tuple[str, str], int]] = {
 }
 
 
+# the operand each cast reads (the numerics log's keys): x, w or dy
+OPERAND = {"input": "x", "input_for_grad_weight": "x", "weight": "w", "weight_for_grad_input": "w",
+           "grad_output": "dy", "grad_output_for_grad_weight": "dy"}
+
+
 @dataclass
 class Fp8Gemm:
-    """One linear layer's FP8 GEMM: the recipe, the mesh dims each cast's amax is reduced over, and the last
-    amax of each cast (the whole tensor's; for a rowwise cast the largest row's) for the numerics log."""
+    """One linear layer's FP8 GEMM: the recipe and the mesh dims each cast's amax is reduced over. `step_amax`
+    and `step_scale` keep, per operand (x, w, dy), the largest amax and the smallest scale its casts used since
+    the numerics log last cleared them (a rowwise cast: its largest row's): the log's per-layer statistics."""
 
     config: Float8LinearConfig
     mm_config: LinearMMConfig
     reduce: dict[str, tuple[str, ...]]  # role → mesh dims
     comm: Comm | None
-    last_amax: dict[str, torch.Tensor]
+    step_amax: dict[str, torch.Tensor] = field(default_factory=dict)
+    step_scale: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return _Fp8Matmul.apply(x, weight, self)
@@ -113,8 +120,10 @@ class Fp8Gemm:
         amax = tensor_to_amax(t, scaling_granularity=cast.scaling_granularity, axiswise_dim=dim)
         for d in self.reduce[role]:
             self.comm.all_reduce(amax, d, op="max")
-        self.last_amax[role] = amax.detach().max()
         scale = amax_to_scale(amax, cast.target_dtype, self.config.round_scales_to_power_of_2)
+        op, top, low = OPERAND[role], amax.max(), scale.min()
+        self.step_amax[op] = torch.maximum(self.step_amax[op], top) if op in self.step_amax else top
+        self.step_scale[op] = torch.minimum(self.step_scale[op], low) if op in self.step_scale else low
         gemm_role = (GemmInputRole.INPUT if role.startswith("input") else
                      GemmInputRole.WEIGHT if role.startswith("weight") else GemmInputRole.GRAD_OUTPUT)
         return hp_tensor_and_scale_to_float8(t, scale, cast.target_dtype, self.mm_config, gemm_role, dim)
@@ -217,7 +226,7 @@ def apply_fp8(model: nn.Module, recipe: str, comm: Comm | None = None, cp: int =
             rowwise = getattr(config, f"cast_config_{role}").scaling_granularity is ScalingGranularity.AXISWISE
             spanned = [axes[dim]] if rowwise else list(axes)
             reduce[role] = tuple(sorted({d for a in spanned for d in split[a]}))
-        gemm = Fp8Gemm(config, mm_config, reduce, comm, {})
+        gemm = Fp8Gemm(config, mm_config, reduce, comm)
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module.gemm = gemm
         else:
