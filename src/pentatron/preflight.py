@@ -50,7 +50,14 @@ def device_problems(cfg: Config) -> list[str]:
         if local_ranks > gpus:
             return [f"{local_ranks} processes on this host but only {gpus} CUDA device(s): NCCL needs one GPU "
                     "per process; launch at most that many per node"]
+        if cfg.train.fp8 != "off" and torch.cuda.get_device_capability() < FP8_CAPABILITY:
+            major, minor = torch.cuda.get_device_capability()
+            return [f"train.fp8={cfg.train.fp8!r} needs FP8 tensor cores (compute capability ≥ 8.9: Ada, Hopper, "
+                    f"Blackwell); {torch.cuda.get_device_name()} is sm_{major}{minor}: set train.fp8=off"]
     return []
+
+
+FP8_CAPABILITY = (8, 9)  # torch._scaled_mm's FP8 kernels: Ada (8.9) and later
 
 
 def environment_problems() -> list[str]:
