@@ -14,9 +14,9 @@ accumulation the values differ by ~1e-7 relative, against an e4m3 spacing of 2�
 10⁶ flips by one fp8 step — one flip every step or so on this model, which is why these runs use
 train.precision = "fp64": the fp8 operands are multiplied in float64, values differ by ~1e-16, a flip
 becomes a ~1e-15 event per element, and everything is held to EXACT_RTOL (1e-10) as the rest of the parity
-suite. Every layout of one `run_ranks` launch on 2 ranks: dp2 ZeRO-1 and ZeRO-3, tp2 + sp, pp2 zero-bubble
-(its split backward asks our autograd Function for one gradient at a time), cp2 ring, MoE ep2, for the
-tensorwise recipe; tp2 + sp and cp2 for rowwise (where tp splits a rowwise scale's axis, and cp does not).
+suite. Every layout of one `run_ranks` launch on 2 ranks (2-layer model): dp2 ZeRO-3, tp2 + sp, pp2
+zero-bubble (its split backward asks our autograd Function for one gradient at a time), cp2 ring, MoE ep2,
+for the tensorwise recipe; tp2 + sp for rowwise (where tp splits a rowwise scale's axis).
 """
 
 from __future__ import annotations
@@ -38,20 +38,22 @@ from tests.strict_comm import strict_comm_fixture
 strict_comm = strict_comm_fixture("module")
 
 MOE = ["model.name='debug-moe'"]
+# Left out for the test-time budget, each passed at EXACT_RTOL when run (2026-12-03, 4 layers): tensorwise dp2
+# ZeRO-1 (its forward and casts are DDP's; ZeRO-3 below also gathers the parameters) and rowwise cp2 (its only
+# cp-reduced casts are the weight gradient's, which dropping the reduction moves by 1e-9: docs/testing.md).
 CASES: dict[tuple[str, str], list[str]] = {
-    ("tensorwise", "dp2 zero1"): ["parallel.dp=2", "parallel.zero=1"],
     ("tensorwise", "dp2 zero3"): ["parallel.dp=2", "parallel.zero=3"],
     ("tensorwise", "tp2 sp"): ["parallel.tp=2", "parallel.sp=true"],
     ("tensorwise", "pp2 zb"): ["parallel.pp=2", "parallel.pp_schedule='zb'"],
     ("tensorwise", "cp2 ring"): ["parallel.cp=2"],
     ("tensorwise", "moe ep2"): [*MOE, "parallel.ep=2"],
     ("rowwise", "tp2 sp"): ["parallel.tp=2", "parallel.sp=true"],
-    ("rowwise", "cp2 ring"): ["parallel.cp=2"],
 }
 
 
 def _fp8_config(world: int, recipe: str, extra: list[str], log_dir: str) -> Config:
-    return _config(world, [f"train.fp8='{recipe}'", *extra], log_dir)
+    """The composition tests' fp64 config with 2 layers (pp2: one per stage; the test-time budget)."""
+    return _config(world, ["model.n_layers=2", f"train.fp8='{recipe}'", *extra], log_dir)
 
 
 def _ranks(rank: int, world: int, dataset_dir: Path, log_dir: str) -> dict[tuple[str, str], dict[str, Any]]:
@@ -95,14 +97,14 @@ def test_one_process_fp8_linear_is_torchaos_float8_linear(recipe):
         assert amax == w.abs().max().item() and scale == 2.0 ** math.floor(math.log2(448.0 / amax))
 
 
-def test_fp8_layouts_equal_the_one_process_fp8_run(references, default_dataset, tmp_path):
+def test_fp8_layouts_equal_the_one_process_fp8_run(default_dataset, tmp_path):
     one = {}
     for key, extra in CASES.items():
         base = (key[0], MOE[0] if "moe" in key[1] else "")
         if base not in one:
             one[base] = _train(_fp8_config(1, key[0], [e for e in extra if e in MOE], str(tmp_path)), default_dataset)
-    # FP8 is really on: the 1-process FP8 run is not the plain float64 loop (quantisation moves the loss ~1e-3)
-    plain = references["debug"]["losses"]
+    # FP8 is really on: the 1-process FP8 run is not the same run without it (quantisation moves the loss ~1e-4)
+    plain = _train(_config(1, ["model.n_layers=2"], str(tmp_path)), default_dataset)["losses"]
     for recipe in ("tensorwise", "rowwise"):
         assert max(abs(a - b) / b for a, b in zip(one[(recipe, "")]["losses"], plain)) > 1e-5, recipe
     runs = run_ranks(_ranks, 2, args=(default_dataset, str(tmp_path)), timeout=900)
