@@ -18,6 +18,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -365,30 +366,37 @@ def _build(files: list[Path], work: Path, settings: TokenizeSettings, fingerprin
     skip, num_docs, new_tokens = state.documents, state.documents, 0
     start = time.perf_counter()
 
-    def encode(batch: list[str]) -> None:
+    def write(n_docs: int, encoded: list[Any]) -> None:
         nonlocal num_docs, new_tokens
         parts: list[np.ndarray] = []
-        for enc in tok.encode_batch(batch, add_special_tokens=False):
+        for enc in encoded:
             parts += (np.asarray(enc.ids, dtype=np.uint32), eos)
         ids = np.concatenate(parts)
         shards = len(writer.shards)
         writer.add(ids)
-        num_docs += len(batch)
+        num_docs += n_docs
         new_tokens += ids.size
         if len(writer.shards) > shards:  # a shard completed: checkpoint (tokenize_resume.py)
             state.documents, state.shards, state.max_id = num_docs, writer.shards, writer.max_id
             state.save(work, writer.buf[:writer.fill])
 
-    with bar("tokenizing") as pb:
-        batch: list[str] = []
-        for doc in itertools.islice(documents(pb.update), skip, None):  # the first `skip` are in already
-            batch.append(doc)
-            if len(batch) >= settings.batch_docs:
-                encode(batch)
-                batch = []
+    def batches() -> Iterator[list[str]]:
+        docs = itertools.islice(documents(pb.update), skip, None)  # the first `skip` are in already
+        while batch := list(itertools.islice(docs, settings.batch_docs)):
+            yield batch
+
+    # One batch encodes (in Rust, on every core, without the GIL) while this thread reads the next batch and
+    # writes the previous one; batches are written in order, so checkpoints and bytes are as without overlap.
+    with bar("tokenizing") as pb, ThreadPoolExecutor(1, thread_name_prefix="encode") as pool:
+        pending: tuple[int, Future] | None = None
+        for batch in batches():
+            ahead = (len(batch), pool.submit(tok.encode_batch, batch, add_special_tokens=False))
+            if pending is not None:
+                write(pending[0], pending[1].result())
                 pb.set_postfix_str(f"{new_tokens / (time.perf_counter() - start):,.0f} tokens/s", refresh=False)
-        if batch:
-            encode(batch)
+            pending = ahead
+        if pending is not None:
+            write(pending[0], pending[1].result())
     writer.flush()
     if stats is not None:
         stats.update(tokens=new_tokens, documents=num_docs - skip, seconds=time.perf_counter() - start,
