@@ -55,3 +55,20 @@ def test_missing_package_is_one_clear_error(tmp_path, default_dataset, monkeypat
     err = capsys.readouterr().err
     assert "log.wandb = true but the wandb package is not installed: pip install 'pentatron[wandb]'" in err
     assert "Traceback" not in err and not (tmp_path / "runs").exists()
+
+
+def test_online_without_a_login_is_one_clear_error(tmp_path, default_dataset, monkeypatch, capsys):
+    """No key anywhere W&B looks (an empty home; a local address that refuses, were one found): W&B refuses to
+    start an online run before any upload, and the run says what to do, exit 2."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "home" / "wandb"))
+    assert main(["train", CONFIG, *_flags(tmp_path, default_dataset, "--set=train.steps=2",
+                                          '--set=log.wandb_mode="online"')]) == 2
+    err = capsys.readouterr().err
+    assert "log.wandb: W&B could not start the run (UsageError: No API key configured" in err, err
+    assert "run `wandb login` or set WANDB_API_KEY, or log offline" in err and "Traceback" not in err

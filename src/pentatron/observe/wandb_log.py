@@ -31,17 +31,27 @@ def run_id(run_dir: Path) -> str:
     return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
 
 
+class WandbSetupError(RuntimeError):
+    """W&B refused to start the run (no login for an online run, ...): one line, exit 2."""
+
+
 class WandbRun:
     """Rank 0's W&B run: `log` each step's scalars, `finish` with the summary (or as failed)."""
 
     def __init__(self, run_dir: Path, project: str, name: str, mode: str, config: dict[str, Any]) -> None:
         import wandb
 
-        self._run = wandb.init(
-            project=project, name=name or Path(run_dir).name, dir=str(run_dir), id=run_id(run_dir),
-            resume="allow", mode=mode or None, config=config,
-            # the trainer's console is its own (rows, bars, the summary): W&B does not wrap stdout
-            settings=wandb.Settings(console="off"))
+        try:
+            self._run = wandb.init(
+                project=project, name=name or Path(run_dir).name, dir=str(run_dir), id=run_id(run_dir),
+                resume="allow", mode=mode or None, config=config,
+                # the trainer's console is its own (rows, bars, the summary): W&B does not wrap stdout
+                settings=wandb.Settings(console="off"))
+        except wandb.errors.Error as e:  # e.g. online without a login: W&B says so before any upload
+            raise WandbSetupError(
+                f"log.wandb: W&B could not start the run ({type(e).__name__}: {e}); run `wandb login` or set "
+                "WANDB_API_KEY, or log offline (log.wandb_mode = \"offline\" or WANDB_MODE=offline; `wandb sync` "
+                "uploads the run later)") from None
         # The next step W&B accepts: on a resumed W&B run, after the last one it holds.
         self._next = self._run.step
 
