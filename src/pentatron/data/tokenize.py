@@ -379,6 +379,7 @@ def _build(files: list[Path], work: Path, settings: TokenizeSettings, fingerprin
         if len(writer.shards) > shards:  # a shard completed: checkpoint (tokenize_resume.py)
             state.documents, state.shards, state.max_id = num_docs, writer.shards, writer.max_id
             state.save(work, writer.buf[:writer.fill])
+        pb.set_postfix_str(f"{new_tokens / (time.perf_counter() - start):,.0f} tokens/s")
 
     def batches() -> Iterator[list[str]]:
         docs = itertools.islice(documents(pb.update), skip, None)  # the first `skip` are in already
@@ -393,7 +394,6 @@ def _build(files: list[Path], work: Path, settings: TokenizeSettings, fingerprin
             ahead = (len(batch), pool.submit(tok.encode_batch, batch, add_special_tokens=False))
             if pending is not None:
                 write(pending[0], pending[1].result())
-                pb.set_postfix_str(f"{new_tokens / (time.perf_counter() - start):,.0f} tokens/s", refresh=False)
             pending = ahead
         if pending is not None:
             write(pending[0], pending[1].result())

@@ -3,8 +3,9 @@ writes to TensorBoard — the same flattened scalars of each step's record (`met
 included — plus the resolved config at start and the run summary's numbers at the end.
 
 The W&B run lives in `<run dir>/wandb` and its id is derived from the run directory, so a run resumed from its
-checkpoint (which continues in the same run directory) continues the same W&B run. Steps a resume redoes after
-its checkpoint were already sent, with the same values (resume is exact): W&B keeps the first copy.
+checkpoint (which continues in the same run directory) continues the same W&B run online (offline, each start
+writes its own offline-run directory under that id). Steps a resume redoes after its checkpoint were already
+sent, with the same values (resume is exact): W&B keeps the first copy.
 `WANDB_MODE=offline` (or `log.wandb_mode = "offline"`) writes the run to disk only; `wandb sync` uploads it later.
 """
 
