@@ -1,7 +1,8 @@
 """Hugging Face `datasets` sources held locally, read through `datasets` itself: a directory written by
 `Dataset.save_to_disk` / `DatasetDict.save_to_disk` (memory-mapped Arrow: rows stream from disk, a corpus larger
-than memory is fine) and `.json` record files (`load_dataset("json", streaming=True)`: read in chunks, never
-whole). Nothing is downloaded: offline mode is forced before `datasets` is imported."""
+than memory is fine) and `.json` record files (`load_dataset("json", streaming=True)`: JSON Lines content is read
+in chunks; a file holding one JSON array is parsed whole by `datasets`, so a corpus larger than memory belongs in
+JSON Lines, Parquet or a saved dataset). Nothing is downloaded: offline mode is forced before `datasets` is imported."""
 
 from __future__ import annotations
 
