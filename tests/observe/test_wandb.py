@@ -22,6 +22,7 @@ def _flags(tmp: Path, dataset: Path, *extra: str) -> list[str]:
 def test_offline_run_holds_the_config_metrics_validation_and_summary(tmp_path, default_dataset, monkeypatch):
     # offline twice over (the environment and the config), and W&B's own settings kept inside the test
     monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")  # no crash reports sent anywhere either
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
     flags = _flags(tmp_path, default_dataset, "--set=train.steps=4", "--set=eval.every=2", "--set=eval.holdout=0.1",
@@ -65,6 +66,7 @@ def test_online_without_a_login_is_one_clear_error(tmp_path, default_dataset, mo
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "home" / "wandb"))
     assert main(["train", CONFIG, *_flags(tmp_path, default_dataset, "--set=train.steps=2",
