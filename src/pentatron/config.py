@@ -360,6 +360,16 @@ class LogConfig:
     """[optimizer steps] Print a console row every this many steps (metrics.jsonl has every step)."""
     tensorboard: bool = True
     """Also write TensorBoard event files (<run>/tensorboard)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (rank 0: the config, each step's TensorBoard scalars, validation, the run
+    summary) into <run>/wandb; needs `pip install 'pentatron[wandb]'`. A resumed run continues its W&B run."""
+    wandb_project: str = "pentatron"
+    """W&B project of the run."""
+    wandb_name: str = ""
+    """W&B display name of the run; empty: the run directory's name."""
+    wandb_mode: str = ""
+    """"online", "offline" (written to <run>/wandb only; `wandb sync` uploads it later) or empty: W&B's own
+    choice (the WANDB_MODE environment variable, else online)."""
     progress: bool = True
     """A live progress bar on a terminal."""
     pp_trace: bool = False
@@ -698,6 +708,10 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"log.every must be ≥ 1, got {cfg.log.every}")
     if cfg.log.numerics_every < 0:
         p.append(f"log.numerics_every must be ≥ 0 (0 disables), got {cfg.log.numerics_every}")
+    if cfg.log.wandb_mode not in ("", "online", "offline"):
+        p.append(f"log.wandb_mode must be \"online\", \"offline\" or empty (W&B's default), got {cfg.log.wandb_mode!r}")
+    if cfg.log.wandb and not cfg.log.wandb_project:
+        p.append("log.wandb_project must name a W&B project (default \"pentatron\")")
     if cfg.log.profile and profile_steps(cfg.log.profile) is None:
         p.append(f"log.profile must look like \"a:b\" with 1 ≤ a ≤ b (steps to trace), got {cfg.log.profile!r}")
     # beyond ~31 years a timeout overflows the process group's timedelta; nobody waits that long

@@ -215,11 +215,14 @@ LOG_SPACE_BYTES = 64 << 20  # a run's metrics, TensorBoard events, flight dumps 
 
 
 def log_problems(cfg: Config) -> list[str]:
-    """log.dir a directory (or creatable), writable, with room for a run's logs."""
+    """log.dir a directory (or creatable), writable, with room for a run's logs; W&B installed if asked for."""
     import shutil
 
     from pentatron.checkpoint.space import existing_ancestor, writable_problem
+    from pentatron.observe.wandb_log import wandb_problem
 
+    if problem := wandb_problem(cfg.log.wandb):
+        return [problem]
     path = Path(cfg.log.dir)
     if path.exists() and not path.is_dir():
         return [f"log.dir {cfg.log.dir!r} is a file, not a directory"]

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from pentatron.observe.memory import memory_kind
+from pentatron.observe.metrics import scalars_of
 from pentatron.observe.system import bounded_mfu
 from pentatron.plan.flops import MFU_CONVENTION
 
@@ -29,7 +30,10 @@ def finish_run(trainer: Any, records: list[dict[str, Any]], wall_s: float) -> di
     trainer.comm.all_reduce(peak, "world", op="max")
     if trainer.rank != 0:
         return None
+    wandb = getattr(trainer, "wandb", None)
     if not records:
+        if wandb is not None:
+            wandb.finish([])  # nothing ran: the W&B run ends with nothing to summarise
         print(f"pentatron: nothing to train: the checkpoint is at step {trainer.step} = train.steps; raise "
               "train.steps to continue, or start over with --force-new (or another checkpoint.dir)", flush=True)
         return None
@@ -39,6 +43,8 @@ def finish_run(trainer: Any, records: list[dict[str, Any]], wall_s: float) -> di
     summary["paths"]["summary"] = str(path)
     path.write_text(json.dumps(summary, indent=1))
     print(format_summary(summary), flush=True)
+    if wandb is not None:  # the summary's numbers, flattened as the step scalars are (summary/loss/final, ...)
+        wandb.finish(scalars_of(summary, "summary"))
     return summary
 
 
@@ -86,6 +92,7 @@ def build_summary(trainer: Any, records: list[dict[str, Any]], wall_s: float, pe
                    is not None else None,
         "paths": {"run_dir": str(run_dir), "metrics": str(run_dir / "metrics.jsonl"),
                   "tensorboard": str(run_dir / "tensorboard") if cfg.log.tensorboard else None,
+                  "wandb": str(run_dir / "wandb") if cfg.log.wandb else None,
                   "checkpoint": str(latest) if latest is not None else None,
                   "dataset": str(trainer.dataset.path),
                   "pp_trace": str(run_dir / "pp_trace") if cfg.log.pp_trace and par.pp > 1 else None},
@@ -133,6 +140,8 @@ def format_summary(s: dict[str, Any]) -> str:
     if paths["tensorboard"]:
         rows.append(("TensorBoard", f"{paths['tensorboard']}  (view: tensorboard --logdir "
                                     f"{Path(paths['run_dir']).parent})"))
+    if paths.get("wandb"):
+        rows.append(("W&B", paths["wandb"]))
     if paths["pp_trace"]:
         rows.append(("pipeline traces", paths["pp_trace"]))
     rows.append(("checkpoint", paths["checkpoint"] or "none (set checkpoint.dir to save)"))

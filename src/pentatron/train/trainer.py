@@ -24,6 +24,7 @@ from pentatron.observe.metrics import COMM_LEGEND, MetricsLogger
 from pentatron.observe.report import layout_key
 from pentatron.observe.run_observer import RunObserver
 from pentatron.observe.system import bounded_mfu, peak_flops
+from pentatron.observe.wandb_log import WandbRun
 from pentatron.parallel.pipeline.trace import write_rank_trace
 from pentatron.parallel.step_runner import host_scalars
 from pentatron.plan.flops import DocumentLengths, model_flops_per_token
@@ -87,6 +88,8 @@ class Trainer:
             self._stated_peak = ""  # the peak as stated, once a faster step has raised it (`_raise_peak`)
             self.observer = RunObserver(cfg, self.ctx, self.model, self.engine, self.loader, self.watchdog,
                                         model_state=lambda: self.runner.memory().total)
+            self.wandb: WandbRun | None = None  # log.wandb: rank 0's W&B run, opened by fit, finished by the summary
+
 
     def _data(self, dataset_dir: Path | None) -> tuple[TokenLoader | MixtureLoader, Any]:
         """The training loader and the validation data: data.path's (or the built-in corpus) or data.sources'.
@@ -123,6 +126,8 @@ class Trainer:
 
     def close(self) -> None:
         """The run is over on this rank (after its summary): see `ModelState.close`."""
+        if self.wandb is not None:  # still open: the run did not reach its summary
+            self.wandb.finish(None)
         self.state.close()
 
     # ------------------------------------------------------------------ one optimizer step
@@ -191,8 +196,11 @@ class Trainer:
     def fit(self) -> list[dict[str, Any]]:
         cfg = self.cfg
         is_main = self.rank == 0
+        if is_main and cfg.log.wandb and self.wandb is None:
+            self.wandb = WandbRun(Path(cfg.log.dir), cfg.log.wandb_project, cfg.log.wandb_name, cfg.log.wandb_mode,
+                                  cfg.resolved_dict(self.world_size))
         logger = MetricsLogger(Path(cfg.log.dir), cfg.train.steps, cfg.log.tensorboard,
-                               cfg.log.progress, start_step=self.step) if is_main else None
+                               cfg.log.progress, start_step=self.step, wandb=self.wandb) if is_main else None
         if is_main:
             print(f"pentatron: {self.model_cfg.name} ({self.n_params / 1e6:.2f}M parameters), "
                   f"world={self.world_size} dp={self.dp} tp={cfg.parallel.tp}{' +sp' if cfg.parallel.sp else ''} "
