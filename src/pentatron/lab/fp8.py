@@ -153,10 +153,11 @@ def fp8_edges(out: Path, quick: bool) -> Verdict:
     plot = save_plot(out / "lab_fp8_edges.png", "FP8 in the first/last decoder layers (debug model)", [
         {"title": f"training loss ({train_steps} steps)", "xlabel": "step", "ylabel": "loss",
          "series": {k: (xs, v) for k, v in runs.items()}},
-        {"title": f"KL(fp32 ‖ FP8) of the {steps}-step model's outputs", "xlabel": "layers kept fp32",
+        {"title": f"KL(fp32 ‖ FP8) of the {steps}-step fp32 model's outputs", "xlabel": "decoder layer",
          "ylabel": "nats / token", "logy": True,
-         "series": {"FP8 everywhere / edges kept / middle kept": ([0, 1, 2], [kl["everywhere"], kl["first/last fp32"],
-                                                                              kl["middle fp32"]])}}])
+         "series": {"FP8 in this layer only": (list(range(4)), [kl[f"layer {i} only"] for i in range(4)]),
+                    **{f"FP8 {k}": ([0, 3], [kl[k], kl[k]]) for k in ("everywhere", "first/last fp32",
+                                                                       "middle fp32")}}}])
     per_layer = ", ".join(f"{i}: {kl[f'layer {i} only']:.1e}" for i in range(4))
     sig = ("larger than" if significant else "within") + f" the seed-to-seed gap of fp32 ({noise:.3f})"
     text = (f"training {train_steps} steps, mean of the last {tail} losses: fp32 {final['fp32']:.3f}, FP8 "
