@@ -50,7 +50,7 @@ def fp8_outlier(out: Path, quick: bool) -> Verdict:
     results: dict[str, dict[str, list[float]]] = {}
     for recipe in ("tensorwise", "rowwise"):
         gemm = local_gemm(recipe)
-        sub, zero, err = [], [], []
+        sub, zero, err = [], [], []  # sub: subnormal or zero
         for ratio in OUTLIER_RATIOS:
             x = x0.clone()
             if ratio:
@@ -74,12 +74,12 @@ def fp8_outlier(out: Path, quick: bool) -> Verdict:
                                           for k in ("subnormal", "zero")}},
         {"title": "GEMM error on the other tokens vs fp64", "xlabel": "log10(outlier / median |x|), 0 = none",
          "ylabel": "‖y − ref‖ / ‖ref‖", "logy": True, "series": {r: (xs, results[r]["err"]) for r in results}}])
-    sweep = ", ".join(f"{r:.0e}: {100 * s:.0f}%/{e:.3f}" for r, s, e in zip(OUTLIER_RATIOS[1:], tw["subnormal"][1:],
+    sweep = ", ".join(f"{r:.0e}: {100 * s:.1f}%/{e:.3f}" for r, s, e in zip(OUTLIER_RATIOS[1:], tw["subnormal"][1:],
                                                                         tw["err"][1:]))
     text = (f"{LAYER} input ({x0.shape[0]} tokens × {x0.shape[1]}), one element of token 0 set to "
             f"{HEADLINE_RATIO:.0e} × the median |x| ({median:.3f}): tensorwise leaves {100 * tw['subnormal'][i]:.1f}% "
-            f"of the other tokens' elements subnormal ({100 * tw['zero'][i]:.1f}% zero) and their GEMM error is "
-            f"{tw['err'][i]:.3f}; rowwise {100 * rw['subnormal'][i]:.2f}% subnormal, error {rw['err'][i]:.4f} "
+            f"of the other tokens' elements subnormal or zero ({100 * tw['zero'][i]:.1f}% zero) and their GEMM error"
+            f" is {tw['err'][i]:.3f}; rowwise {100 * rw['subnormal'][i]:.2f}%, error {rw['err'][i]:.4f} "
             f"({tw['err'][i] / rw['err'][i]:.0f}×; no outlier: {tw['err'][0]:.4f} / {rw['err'][0]:.4f}). "
             f"Tensorwise sweep (ratio: subnormal/error) {sweep}; its error "
             + (f"first doubles at {breaks:.0e} × the median" if breaks else "never doubles"))
