@@ -123,7 +123,7 @@ def fp8_edges(out: Path, quick: bool) -> Verdict:
     number of GEMMs kept — with the two middle layers kept fp32; KL(fp32 ‖ FP8) per token. The verdict is (2):
     the edges are the trap if keeping them high precision removes at least twice as much of the FP8 error as
     keeping the middle layers does."""
-    from pentatron.parallel.fp8 import apply_fp8
+    from pentatron.parallel.fp8 import Fp8Linear, apply_fp8, local_gemm
 
     steps, train_steps = (60, 20) if quick else (60, 60)
     held = MarkovCorpus(seed=0, stream=12345).batch(16, 64)
@@ -146,6 +146,13 @@ def fp8_edges(out: Path, quick: bool) -> Verdict:
             apply_fp8(model, "tensorwise", skip=skip)
             q = model(held[0]).double().log_softmax(-1)
             kl[name] = float((ref.exp() * (ref - q)).sum(-1).mean())
+        # the LM head in FP8 (train.fp8 never converts it; measured for comparison), decoder fp32
+        model = copy.deepcopy(base)
+        model.lm_head = Fp8Linear(model.lm_head.weight, local_gemm("tensorwise"))
+        logits = model(held[0]).double()
+        kl["lm head only"] = float((ref.exp() * (ref - logits.log_softmax(-1))).sum(-1).mean())
+        exact = base(held[0]).double()
+        head_logit_err = float((logits - exact).norm() / exact.norm())
     cut_edges = kl["everywhere"] / kl["first/last fp32"]
     cut_middle = kl["everywhere"] / kl["middle fp32"]
     reproduced = cut_edges > 2 * cut_middle
@@ -165,8 +172,10 @@ def fp8_edges(out: Path, quick: bool) -> Verdict:
             + ("" if significant else ": not significant at this scale") +
             f". Output KL of the {steps}-step fp32 model with FP8 GEMMs: everywhere {kl['everywhere']:.2e}, first/"
             f"last kept fp32 {kl['first/last fp32']:.2e} ({cut_edges:.1f}× less), middle kept fp32 "
-            f"{kl['middle fp32']:.2e} ({cut_middle:.1f}× less); FP8 in one layer only: {per_layer}")
+            f"{kl['middle fp32']:.2e} ({cut_middle:.1f}× less); FP8 in one layer only: {per_layer}; the LM head "
+            f"alone in FP8 (never converted by train.fp8): {kl['lm head only']:.1e}, logit error "
+            f"{head_logit_err:.4f} (relative)")
     return Verdict("fp8-edges", reproduced, text,
                    {"final": final, "seed_gap": noise, "gap_all": gap_all, "gap_skip": gap_skip,
-                    "significant": significant, "kl": kl, "cut_edges": cut_edges, "cut_middle": cut_middle,
-                    "steps": steps, "train_steps": train_steps}, plot)
+                    "significant": significant, "kl": kl, "head_logit_err": head_logit_err, "cut_edges": cut_edges,
+                    "cut_middle": cut_middle, "steps": steps, "train_steps": train_steps}, plot)
