@@ -12,6 +12,7 @@ from pentatron.lab import cli as lab_cli
 from pentatron.lab.collective import collective_mismatch
 from pentatron.lab.common import Verdict
 from pentatron.lab.divergence import lr_spike
+from pentatron.lab.fp8 import fp8_outlier
 from pentatron.lab.precision import grad_accumulation, loss_scaling, master_weights
 from pentatron.lab.scaling import grad_scale
 from pentatron.observe.watchdog import HANG_EXIT_CODE
@@ -69,6 +70,24 @@ def test_collective(tmp_path: Path):
     assert n["check_codes"] == [1, 1] and n["watchdog_codes"] == [HANG_EXIT_CODE, HANG_EXIT_CODE]
     assert n["stuck"] == "1" and "rank 1 has not entered dp all_reduce #8" in v.text
     assert v.reproduced
+
+
+def test_fp8_outlier(tmp_path: Path):
+    v = fp8_outlier(tmp_path, quick=True)
+    n = v.numbers
+    i, none = n["ratios"].index(n["headline"]), n["ratios"].index(0.0)
+    # no outlier: both recipes are e4m3's own rounding, and rowwise never sees the outlier's row
+    assert abs(n["tensorwise_err"][none] - n["rowwise_err"][none]) < 0.01 and max(n["rowwise_subnormal"]) < 0.01
+    assert n["tensorwise_subnormal"][i] > 0.9 and n["tensorwise_err"][i] > 10 * n["rowwise_err"][i]
+    assert n["tensorwise_subnormal"] == sorted(n["tensorwise_subnormal"])  # the larger the outlier, the worse
+    assert v.reproduced and v.plot is not None and v.plot.stat().st_size > 0
+
+
+def test_groups_and_defaults():
+    table = lab_cli.experiments()
+    assert lab_cli.selected("fp8", table) == ["fp8-outlier", "fp8-edges"]
+    assert "fp8-outlier" in lab_cli.selected(None, table) and "fp8-edges" not in lab_cli.selected(None, table)
+    assert lab_cli.selected("fp8-edges", table) == ["fp8-edges"] and lab_cli.selected("fp9", table) is None
 
 
 def test_file_init_method_is_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -48,13 +48,15 @@ def debug_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> Llama:
 class MarkovCorpus:
     """Batches of (inputs, targets) from a fixed random Markov chain (seeded, so runs are comparable)."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, stream: int | None = None) -> None:
+        """`seed` fixes the chain and, unless `stream` is given, the sample stream: a held-out set of the same
+        chain is MarkovCorpus(seed, stream=another)."""
         g = torch.Generator().manual_seed(seed)
         self.next_tokens = torch.randint(0, USED_TOKENS, (USED_TOKENS, SUCCESSORS), generator=g)
         probs = torch.tensor([0.55, 0.25, 0.12, 0.08])
         self.probs = probs
         self.entropy = float(-(probs * probs.log()).sum())
-        self._g = torch.Generator().manual_seed(seed + 1)
+        self._g = torch.Generator().manual_seed(seed + 1 if stream is None else stream)
 
     def batch(self, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = torch.empty(batch, seq_len + 1, dtype=torch.long)

@@ -193,6 +193,12 @@ def _mm_config(config: Float8LinearConfig) -> LinearMMConfig:
                             for g in gemms))
 
 
+def local_gemm(recipe: str) -> Fp8Gemm:
+    """One unsharded FP8 GEMM of a recipe (no amax reduction): what the failure lab casts and multiplies with."""
+    config = recipe_config(recipe)
+    return Fp8Gemm(config, _mm_config(config), {role: () for role in _ROLES}, None)
+
+
 def fp8_targets(model: nn.Module, skip: Sequence[str] = ()) -> list[str]:
     """The names of the linear modules train.fp8 converts: attention projections and dense MLPs, not skipped."""
     out = []
