@@ -271,7 +271,8 @@ def _knob_variants(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any], 
         for sp in sps:
             for sched, v in scheds:
                 for cp_mode, cp_u in modes:
-                    for shard in hsdp_shards(zero, dp, tp, cp, ep, gpu.gpus_per_node):
+                    shards = hsdp_shards(zero, dp, tp, cp, ep, gpu.gpus_per_node)
+                    for shard in shards if fixed.get("dp_shard") is None else (fixed["dp_shard"],):
                         par = ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp, pp_schedule=sched,
                                              pp_virtual=v, micro_batch=mb, cp_mode=cp_mode, cp_ulysses=cp_u,
                                              pp_layers=split, dp_shard=shard)
