@@ -62,6 +62,7 @@ def test_int_is_accepted_for_float_fields(tmp_path):
     # HSDP: a shard degree dividing dp, for a ZeRO stage, over dp alone
     ("[parallel]\nzero = 3\ndp_shard = 3", (), 4, "parallel.dp_shard=3 must divide parallel.dp=4"),
     ("[parallel]\ndp_shard = 2", (), 4, "parallel.dp_shard=2 < dp=4 (HSDP) needs parallel.zero=1, 2 or 3"),
+    ("[parallel]\nzero = 3\ndp_shard = 8", (), 4, "parallel.dp_shard=8 must divide parallel.dp=4"),
     ("[parallel]\nzero = 3\ndp_shard = -1", (), 4, "parallel.dp_shard must be an integer ≥ 0"),
     ("[parallel]\nzero = 3\ndp_shard = 1\ncp = 2", (), 4, "(HSDP) is not supported with parallel.cp=2"),
     # an explicit pipeline split (the debug model has 4 layers; global batch 8 of 2 → 4 micro-batches)

@@ -169,11 +169,11 @@ class ParallelLayout:
         s = self.dp_shard
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
             return [f"parallel.dp_shard must be an integer ≥ 0 (0: shard over all of dp), got {s!r}"]
-        if not self.hsdp:
-            return []
-        if self.dp % s:
+        if s and self.dp % s:  # also a shard degree above dp
             return [f"parallel.dp_shard={s} must divide parallel.dp={self.dp} (HSDP: dp / dp_shard replicas of a "
                     f"{s}-rank shard group)"]
+        if not self.hsdp:
+            return []
         p = []
         if self.zero == 0:
             p.append(f"parallel.dp_shard={s} < dp={self.dp} (HSDP) needs parallel.zero=1, 2 or 3: with zero=0 "
