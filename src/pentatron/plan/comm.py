@@ -516,7 +516,8 @@ def _zero_collectives(lay: Layout, gpu: GPUSpec, g: Group, params: float, m: int
 def report_dim(dim: str) -> str:
     """The dimension traffic is reported under: gradient reductions over dp x cp or the expert groups
     count as dp, context parallelism's ring and Ulysses groups as cp (training's ledger uses both names)."""
-    return {"dp_cp": "dp", "edp": "dp", "dp_replicate": "dp", "cp_ring": "cp", "cp_ulysses": "cp"}.get(dim, dim)
+    return {"dp_cp": "dp", "edp": "dp", "dp_shard": "dp", "dp_replicate": "dp", "cp_ring": "cp",
+            "cp_ulysses": "cp"}.get(dim, dim)
 
 
 def bytes_by_dim(colls: list[Collective]) -> dict[str, float]:
