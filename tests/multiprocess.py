@@ -33,8 +33,9 @@ from pentatron.distributed.comm import STRICT_ENV
 from pentatron.distributed.launch import file_init_method, shutdown_distributed
 
 # Imported once by the fork server (torch.distributed.nn before any process group, as init_distributed
-# wants); everything else a rank needs is imported on first use, as under spawn. torch._dynamo: torch's
-# optimizers import it on construction (~0.6 s CPU per rank); DCP: the trainer imports it only to save or load.
+# wants); everything else a rank needs is imported on first use, as under spawn. torch._dynamo: the
+# train.compile cases import it (~1.4 s CPU per rank; nothing else does, tests/test_imports.py); DCP: the
+# trainer imports it only to save or load.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.nn", "torch._dynamo", "torch.distributed.checkpoint",
            "numpy", "pentatron.train.trainer", "tests.reference_loop"]
 

@@ -75,6 +75,23 @@ def test_int_is_accepted_for_float_fields(tmp_path):
     ("[parallel]\npp = 2\npp_layers = [1, 1, 2]\n[train]\nmicro_batch = 2", (), 2,
      "parallel.pp_layers lists 3 stages but there are 2 pipeline stages (pp=2)"),
     ("[parallel]\npp_layers = [4]", (), 1, "parallel.pp_layers=[4] needs parallel.pp > 1"),
+    # train.fp8: the recipes, compile, GEMM dimensions (a tp shard's, a micro-batch's tokens), skip patterns
+    ("[train]\nfp8 = 'blockwise'", (), None, "train.fp8 must be one of 'off', 'tensorwise', 'rowwise'"),
+    ("[train]\nfp8 = 'rowwise'\ncompile = true", (), None,
+     "train.fp8='rowwise' does not compose with train.compile=True yet: set train.compile=false"),
+    ("[train]\nfp8 = 'tensorwise'\n[model]\nhidden_size = 96\n[parallel]\ntp = 2", (), 2,
+     "train.fp8 needs every FP8 GEMM dimension divisible by 16: the kv width (n_kv_heads × head_dim) is 24 per "
+     "tp rank (48 / tp=2)"),
+    ("[train]\nfp8 = 'tensorwise'\n[model]\nhidden_size = 72\nn_heads = 4\nn_kv_heads = 4", (), None,
+     "train.fp8 needs every FP8 GEMM dimension divisible by 16: model.hidden_size is 72"),
+    ("[train]\nfp8 = 'tensorwise'\nffn_hidden_size = 1", (), None, "unknown key train.ffn_hidden_size"),
+    ("[train]\nfp8 = 'tensorwise'\n[model]\nffn_hidden_size = 200\n[parallel]\ntp = 2", (), 2,
+     "model.ffn_hidden_size is 100 per tp rank (200 / tp=2)"),
+    ("[train]\nfp8 = 'tensorwise'\nmicro_batch = 1\nseq_len = 24", (), None,
+     "train.micro_batch × train.seq_len / cp = 24"),
+    ("[train]\nfp8 = 'tensorwise'\nfp8_skip = ['layers.9.*']", (), None,
+     "train.fp8_skip pattern 'layers.9.*' matches none of the FP8 layers"),
+    ("[train]\nfp8_skip = ['layers.0.*']", (), None, "train.fp8_skip=['layers.0.*'] is set but train.fp8 is off"),
     # --resume-from without a directory to resume from (trained from scratch, silently)
     ("", ("checkpoint.resume_from='4'",), None, "checkpoint.resume_from='4' (--resume-from) needs checkpoint.dir"),
 ])

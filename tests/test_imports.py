@@ -7,6 +7,9 @@ Imports are read from the source: every `import` statement, also those inside fu
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "pentatron"
@@ -88,3 +91,27 @@ def test_hardware_imports_no_consumer():
            for m, deps in _graph().items() if m.startswith("pentatron.hardware")}
     bad = {m: v for m, v in bad.items() if v}
     assert not bad, f"hardware/ imports a consumer: {bad}"
+
+
+def test_a_training_start_does_not_import_torch_dynamo():
+    """Building the model on meta and stepping AdamW leave torch._dynamo unimported: it costs every rank
+    ~1.4 s of CPU at start-up (nn.Embedding's own init on meta and torch.optim.AdamW's construction
+    imported it). A fresh interpreter, as a rank is."""
+    code = """
+import sys, torch
+from pentatron.config import TrainConfig
+from pentatron.models.llama import build_meta_model, build_model
+from pentatron.models.registry import get_model_config
+from pentatron.optim import AdamW, param_slots
+build_meta_model(get_model_config("debug-moe"))
+model = build_model(get_model_config("debug"))
+params = list(model.parameters())
+for p in params:
+    p.main_grad = torch.ones_like(p)
+AdamW(param_slots(params, [str(i) for i in range(len(params))], torch.float32), TrainConfig()).step(1e-3)
+print("torch._dynamo" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(PKG.parent)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False", "a training start imports torch._dynamo again"

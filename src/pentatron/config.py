@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import functools
 import sys
 import types
@@ -220,6 +221,15 @@ class TrainConfig:
     planner's default kernels follow it, plan/recipes.py)."""
     compile_backend: Literal["inductor", "aot_eager"] = "inductor"
     """torch.compile's backend: inductor (generated kernels) or aot_eager (graphs without codegen: debug)."""
+    fp8: Literal["off", "tensorwise", "rowwise"] = "off"
+    """FP8 GEMMs in the decoder's linear layers (attention projections, dense MLPs; parallel/fp8.py): torchao's
+    tensorwise recipe (one scale per tensor) or rowwise (a scale per row; power-of-two scales). The LM head,
+    embedding, norms and the MoE router and experts stay in train.precision. With precision fp64 (the exact-parity
+    mode) the same FP8 operands are multiplied in float64. Every converted GEMM dimension must divide by 16; not
+    with train.compile on ("auto" compiles nothing under fp8)."""
+    fp8_skip: list[str] = field(default_factory=list)
+    """Decoder linear layers kept out of train.fp8, as module-path patterns (`*` any layer index), e.g.
+    ["layers.0.*", "layers.31.*"] for the first and last layer, or ["layers.*.attn.o_proj"]."""
     seed: int = 0
     """Seeds the parameter initialisation (each parameter's from (seed, its name): the same in every layout)
     and the data order."""
@@ -239,12 +249,38 @@ class TrainConfig:
 
 
 @dataclass
-class DataConfig:
-    """[data]: the tokenized dataset."""
+class DataSource:
+    """One `[[data.sources]]` table: a tokenized directory and its share of the training samples."""
 
     path: str = ""
-    """A directory written by `pentatron tokenize`; empty: the built-in default corpus (Python's standard
-    library, tokenized into data.cache_dir)."""
+    """A directory written by `pentatron tokenize` (the same tokenizer as every other source)."""
+    weight: float = 1.0
+    """Relative share of the training samples (> 0; the weights need not sum to 1)."""
+    name: str = ""
+    """What logs, the summary and the checkpoint call it; empty: the directory's name (names must differ)."""
+
+    def label(self) -> str:
+        return self.name or Path(self.path).name or self.path
+
+
+@dataclass
+class DataConfig:
+    """[data]: the tokenized dataset, or a weighted mixture of them (data/mixture.py)."""
+
+    path: str = ""
+    """A directory written by `pentatron tokenize`; empty (and no data.sources): the built-in default corpus
+    (Python's standard library, tokenized into data.cache_dir)."""
+    sources: list[DataSource] = field(default_factory=list)
+    """A weighted mixture instead of data.path: `[[data.sources]]` tables with `path`, `weight` (relative share,
+    > 0) and an optional `name` (default: the directory's name). Each training sample's source is drawn by
+    weight from the seed and the sample's global position (the same in every layout, exact at a resume); each
+    source is read in its own shuffled order, its tokens consumed logged (metrics.jsonl `data_tokens`, the
+    console at log steps), in the summary and saved in the checkpoint. A holdout ([eval]) is carved from each
+    source's tail and validated per source. Set data.path or data.sources, not both."""
+    on_exhausted: Literal["wrap", "stop"] = "wrap"
+    """A source (or data.path) whose samples have all been trained: "wrap" starts its next epoch (a new
+    shuffle), "stop" ends the run before the step that would reuse one: the step before is validated and saved
+    as a run's last (exit 0; a resume of it stops at once, exit 2). Said in one console line either way."""
     cache_dir: str = ".cache/data"
     """Where the built-in default corpus is tokenized and cached."""
     default_corpus_bytes: int = 6_000_000
@@ -280,9 +316,11 @@ class EvalConfig:
     from the rest only: fewer samples, so another shuffled order than the same config without a holdout.
     Held out whenever set, even with every = 0, so turning evaluation on or off never changes what is
     trained on; 0 (with holdout_tokens = 0): the whole stream, exactly as before [eval] existed. A resume
-    with another holdout is refused (the order would change)."""
+    with another holdout is refused (the order would change). With data.sources each source holds out its
+    own tail and is validated apart (the validation loss: their mean weighted as the sources are)."""
     holdout_tokens: int = 0
-    """[tokens] As `holdout`, a token count instead of a share (set one of the two)."""
+    """[tokens] As `holdout`, a token count instead of a share (set one of the two; per source for
+    data.sources)."""
     path: str = ""
     """A directory written by `pentatron tokenize` to validate on instead of a holdout (the same tokenizer as
     the training data); the training data is then used whole."""
@@ -326,6 +364,16 @@ class LogConfig:
     """[optimizer steps] Print a console row every this many steps (metrics.jsonl has every step)."""
     tensorboard: bool = True
     """Also write TensorBoard event files (<run>/tensorboard)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (rank 0: the config, each step's TensorBoard scalars, validation, the run
+    summary) into <run>/wandb; needs `pip install 'pentatron[wandb]'`. A resumed run continues its W&B run."""
+    wandb_project: str = "pentatron"
+    """W&B project of the run."""
+    wandb_name: str = ""
+    """W&B display name of the run; empty: the run directory's name."""
+    wandb_mode: str = ""
+    """"online", "offline" (written to <run>/wandb only; `wandb sync` uploads it later) or empty: W&B's own
+    choice (the WANDB_MODE environment variable, else online)."""
     progress: bool = True
     """A live progress bar on a terminal."""
     pp_trace: bool = False
@@ -458,6 +506,11 @@ def _check_value(path: str, value: Any, tp: Any, problems: list[str]) -> Any:
         if not isinstance(value, str):
             problems.append(f"{path} must be a string, got {value!r}")
         return value
+    if dataclasses.is_dataclass(tp):  # a table inside a section (`[[data.sources]]`)
+        if not isinstance(value, dict):
+            problems.append(f"{path} must be a table, got {value!r}")
+            return value
+        return _build_section(tp, path, value, problems, table=True)
     if origin is list:
         if not isinstance(value, list):
             problems.append(f"{path} must be a list, got {value!r}")
@@ -491,8 +544,8 @@ def _type_hints(cls: type) -> dict[str, Any]:
     return get_type_hints(cls)
 
 
-def _build_section(cls: type, name: str, data: Any, problems: list[str]) -> Any:
-    if not isinstance(data, dict):
+def _build_section(cls: type, name: str, data: Any, problems: list[str], table: bool = False) -> Any:
+    if not table and not isinstance(data, dict):
         problems.append(f"[{name}] must be a table, got {data!r}")
         return cls()
     hints = get_type_hints(cls)
@@ -626,6 +679,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"train.clip must be ≥ 0 (0 disables clipping), got {tr.clip}")
     if type(tr.compile) is int or type(tr.compile) is float:  # 1 == True passes the Literal check
         p.append(f"train.compile must be true, false, \"auto\" or \"try\", got {tr.compile!r}")
+    if model is not None and not model.problems():
+        p += fp8_problems(tr, model, layout)
     if tr.loss_chunk_tokens < 0:
         p.append(f"train.loss_chunk_tokens must be ≥ 0 (0: the loss from full logits), got {tr.loss_chunk_tokens}")
     if problem := number_problem("train.seed", tr.seed, ge=0, le=INT64_MAX):  # what torch and numpy seed with
@@ -637,6 +692,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
 
     if cfg.data.path and not cfg.data.path.startswith(PLACEHOLDER) and not Path(cfg.data.path).exists():
         p.append(f"data.path {cfg.data.path!r} does not exist (create it with `pentatron tokenize`)")
+    p += sources_problems(cfg.data)
     if cfg.data.default_corpus_bytes <= 0:
         p.append(f"data.default_corpus_bytes must be > 0, got {cfg.data.default_corpus_bytes}")
     p += eval_problems(cfg.eval)
@@ -657,11 +713,74 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"log.every must be ≥ 1, got {cfg.log.every}")
     if cfg.log.numerics_every < 0:
         p.append(f"log.numerics_every must be ≥ 0 (0 disables), got {cfg.log.numerics_every}")
+    if cfg.log.wandb_mode not in ("", "online", "offline"):
+        p.append(f"log.wandb_mode must be \"online\", \"offline\" or empty (W&B's default), got {cfg.log.wandb_mode!r}")
+    if cfg.log.wandb and not cfg.log.wandb_project:
+        p.append("log.wandb_project must name a W&B project (default \"pentatron\")")
     if cfg.log.profile and profile_steps(cfg.log.profile) is None:
         p.append(f"log.profile must look like \"a:b\" with 1 ≤ a ≤ b (steps to trace), got {cfg.log.profile!r}")
     # beyond ~31 years a timeout overflows the process group's timedelta; nobody waits that long
     if problem := number_problem("distributed.timeout_s", cfg.distributed.timeout_s, gt=0, le=1e9):
         p.append(problem)
+    return p
+
+
+def sources_problems(data: DataConfig) -> list[str]:
+    """data.sources' own rules (their datasets against each other: `data/mixture.py`, checked at preflight)."""
+    if not data.sources:
+        return []
+    p = []
+    if data.path:
+        p.append(f"data.path and data.sources are both set: train on one directory (data.path = {data.path!r}) "
+                 f"or on the mixture of {len(data.sources)} data.sources, not both")
+    for i, src in enumerate(data.sources):
+        at = f"data.sources[{i}]"
+        if not src.path:
+            p.append(f"{at}.path is empty: give the directory `pentatron tokenize` wrote")
+        elif not src.path.startswith(PLACEHOLDER) and not Path(src.path).exists():
+            p.append(f"{at}.path {src.path!r} does not exist (create it with `pentatron tokenize`)")
+        if not src.weight > 0:  # weights are finite (the float check); 0 would be a source never read
+            p.append(f"{at}.weight must be > 0 (a relative share of the samples), got {src.weight}; drop the "
+                     "source instead of weighting it 0")
+    labels = [s.label() for s in data.sources]
+    for label in sorted({x for x in labels if labels.count(x) > 1}):
+        at = ", ".join(f"data.sources[{i}]" for i, x in enumerate(labels) if x == label)
+        p.append(f"{at} are all named {label!r}: give each a distinct `name`")
+    return p
+
+
+def fp8_problems(tr: TrainConfig, model: ModelConfig, layout: ParallelLayout) -> list[str]:
+    """train.fp8's rules: a precision it composes with, no compile, every converted GEMM dimension (a rank's
+    weight shard, a micro-batch's tokens) divisible by 16 (torch._scaled_mm's rule on CUDA)."""
+    if tr.fp8 == "off":
+        return [f"train.fp8_skip={tr.fp8_skip!r} is set but train.fp8 is off"] if tr.fp8_skip else []
+    p = []
+    if tr.compile is True or tr.compile == "try":
+        p.append(f"train.fp8={tr.fp8!r} does not compose with train.compile={tr.compile!r} yet: set "
+                 "train.compile=false (or \"auto\", which compiles nothing under fp8)")
+    align, tp = 16, max(layout.tp, 1)
+    kv_local = (model.n_kv_heads // tp if model.n_kv_heads % tp == 0 else 1) * model.head_dim  # tp > kv: replicas
+    dims = [("model.hidden_size", model.hidden_size, model.hidden_size),
+            ("the attention width (n_heads × head_dim)", model.n_heads * model.head_dim,
+             model.n_heads * model.head_dim // tp),
+            ("the kv width (n_kv_heads × head_dim)", model.kv_dim, kv_local)]
+    if model.moe is None or model.moe.first_dense_layers > 0:
+        dims.append(("model.ffn_hidden_size", model.ffn_hidden_size, model.ffn_hidden_size // tp))
+    for what, full, local in dims:
+        if local % align:
+            shard = f" per tp rank ({full} / tp={tp})" if local != full else ""
+            p.append(f"train.fp8 needs every FP8 GEMM dimension divisible by {align}: {what} is {local}{shard}")
+    linears = [f"layers.{i}.{m}" for i in range(model.n_layers)
+               for m in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
+                         *(() if model.is_moe_layer(i) else ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")))]
+    for pattern in tr.fp8_skip:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in linears):
+            p.append(f"train.fp8_skip pattern {pattern!r} matches none of the FP8 layers (e.g. layers.0.attn.q_proj, "
+                     "layers.*.mlp.down_proj)")
+    tokens = tr.micro_batch * tr.seq_len // max(layout.cp, 1)
+    if tokens % align:
+        p.append(f"train.fp8 needs the tokens of a micro-batch per cp rank divisible by {align} (the weight "
+                 f"gradient's GEMM dimension): train.micro_batch × train.seq_len / cp = {tokens}")
     return p
 
 

@@ -60,6 +60,8 @@ def type_name(hint: Any) -> str:
         return " \\| ".join(_value(v) for v in get_args(hint))
     if origin is list:
         return f"list of {type_name(get_args(hint)[0])}"
+    if dataclasses.is_dataclass(hint):
+        return "table"
     return {bool: "true/false", str: "string"}.get(hint, getattr(hint, "__name__", str(hint)))
 
 
@@ -92,6 +94,14 @@ def reference_markdown() -> str:
                 "|---|---|---|---|---|"]
         out += [f"| `{n}` | {t} | `{d}` | {u} | {text} |" for n, t, d, u, text in section_rows(cls)]
         out.append("")
+        for f in dataclasses.fields(cls):  # a list of tables (`[[data.sources]]`): its keys, one table below
+            inner = get_args(get_type_hints(cls)[f.name])
+            if inner and dataclasses.is_dataclass(inner[0]):
+                doc = " ".join((inspect.getdoc(inner[0]) or "").split())
+                out += [f"### [[{section.name}.{f.name}]]", "", doc, "",
+                        "| key | type | default | unit | what it does |", "|---|---|---|---|---|"]
+                out += [f"| `{n}` | {t} | `{d}` | {u} | {text} |" for n, t, d, u, text in section_rows(inner[0])]
+                out.append("")
     return "\n".join(out)
 
 

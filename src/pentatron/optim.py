@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.optim.adam import adam
 
 from pentatron.config import TrainConfig
 
@@ -47,7 +48,11 @@ class AdamW:
 
     `impl` is torch's fused kernel by default (`adamw_impl`: foreach only where fused is unsupported);
     "foreach" forces the multi-tensor path (the benchmark's A/B). Both are torch's AdamW formula; the
-    fused kernel rounds a few operations differently (last bits, measured in BENCHMARKS.md)."""
+    fused kernel rounds a few operations differently (last bits, measured in BENCHMARKS.md).
+
+    The step is torch's functional `torch.optim.adam.adam` (decoupled weight decay: AdamW), called on
+    state kept here, as `torch.optim.AdamW.step` calls it on its own: the same kernels, without the
+    class, whose construction imports torch._dynamo (~1.4 s of CPU in every rank's start-up)."""
 
     def __init__(self, slots: list[Slot], cfg: TrainConfig, impl: str | None = None) -> None:
         self.slots = slots
@@ -55,23 +60,34 @@ class AdamW:
         self.impl = impl or adamw_impl(self.master)
         if self.impl not in ("fused", "foreach"):
             raise ValueError(f"AdamW impl must be 'fused' or 'foreach', not {self.impl!r}")
-        groups = [{"params": [s.master for s in slots if s.decay], "weight_decay": cfg.weight_decay},
-                  {"params": [s.master for s in slots if not s.decay], "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]] or [{"params": [torch.zeros(0)], "weight_decay": 0.0}]
-        fused = self.impl == "fused"
-        self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                       fused=fused, foreach=not fused)
+        self.betas, self.eps, self.weight_decay = (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay
+        self.state: list[dict[str, torch.Tensor]] = [{} for _ in slots]  # per slot, created at first use
+
+    def _slot_state(self, i: int) -> dict[str, torch.Tensor]:
+        state, master = self.state[i], self.slots[i].master
+        if not state:
+            # where torch's own lazy init puts the step counter: on the master's device (fp32) for the
+            # fused kernel, which reads it there; a CPU scalar of the default dtype for foreach
+            step = (torch.zeros((), dtype=torch.float32, device=master.device) if self.impl == "fused"
+                    else torch.tensor(0.0))
+            state.update(step=step, exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master))
+        return state
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        for g in self.inner.param_groups:
-            g["lr"] = lr
+        fused = self.impl == "fused"
+        for decay in (True, False):  # torch's two parameter groups: decayed matrices, undecayed gains
+            idx = [i for i, s in enumerate(self.slots) if s.decay == decay]
+            if not idx:
+                continue
+            states = [self._slot_state(i) for i in idx]
+            adam([self.slots[i].master for i in idx], [self.slots[i].grad for i in idx],
+                 [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states], [],
+                 [st["step"] for st in states], foreach=not fused, fused=fused, capturable=False,
+                 differentiable=False, grad_scale=None, found_inf=None, has_complex=False,
+                 decoupled_weight_decay=True, amsgrad=False, beta1=self.betas[0], beta2=self.betas[1], lr=lr,
+                 weight_decay=self.weight_decay if decay else 0.0, eps=self.eps, maximize=False)
         for s in self.slots:
-            s.master.grad = s.grad
-        self.inner.step()
-        for s in self.slots:
-            # Drop the alias: autograd must never accumulate into main_grad through `.grad`.
-            s.master.grad = None
             if s.model is not None:
                 s.model.copy_(s.master)
 
@@ -80,15 +96,8 @@ class AdamW:
         checkpoint does not depend on parameter order. Tensors are the live state: loading into
         them in place restores the optimizer. Fresh state is created (zeros, step 0) if needed."""
         out: dict[str, torch.Tensor] = {}
-        for s in self.slots:
-            state = self.inner.state[s.master]
-            if not state:
-                # The step counter where torch's own lazy init puts it: on the master's device for the
-                # fused kernel (which reads it there), a CPU scalar for foreach.
-                step = (torch.zeros((), dtype=torch.float32, device=s.master.device) if self.impl == "fused"
-                        else torch.tensor(0.0))
-                state.update(step=step, exp_avg=torch.zeros_like(s.master),
-                             exp_avg_sq=torch.zeros_like(s.master))
+        for i, s in enumerate(self.slots):
+            state = self._slot_state(i)
             for key in ("step", "exp_avg", "exp_avg_sq"):
                 out[f"{s.key}.{key}"] = state[key]
             if s.model is not None:
@@ -107,11 +116,10 @@ class AdamW:
         return sum(s.master.numel() * s.master.element_size() for s in self.slots if s.model is not None)
 
     def state_bytes(self) -> int:
-        """Bytes of the Adam moments: measured once torch has allocated them (at the first step),
-        before that the two fp32 tensors per slot that step will allocate."""
+        """Bytes of the Adam moments: measured once allocated (at the first step or a restore), before
+        that the two tensors per slot that the step will allocate."""
         total = 0
-        for s in self.slots:
-            state = self.inner.state.get(s.master)
+        for s, state in zip(self.slots, self.state, strict=True):
             if state:
                 total += sum(state[k].numel() * state[k].element_size() for k in ("exp_avg", "exp_avg_sq"))
             else:

@@ -50,7 +50,14 @@ def device_problems(cfg: Config) -> list[str]:
         if local_ranks > gpus:
             return [f"{local_ranks} processes on this host but only {gpus} CUDA device(s): NCCL needs one GPU "
                     "per process; launch at most that many per node"]
+        if cfg.train.fp8 != "off" and torch.cuda.get_device_capability() < FP8_CAPABILITY:
+            major, minor = torch.cuda.get_device_capability()
+            return [f"train.fp8={cfg.train.fp8!r} needs FP8 tensor cores (compute capability ≥ 8.9: Ada, Hopper, "
+                    f"Blackwell); {torch.cuda.get_device_name()} is sm_{major}{minor}: set train.fp8=off"]
     return []
+
+
+FP8_CAPABILITY = (8, 9)  # torch._scaled_mm's FP8 kernels: Ada (8.9) and later
 
 
 def environment_problems() -> list[str]:
@@ -71,29 +78,33 @@ def environment_problems() -> list[str]:
 
 
 def data_problems(cfg: Config, build_default_data: bool) -> list[str]:
-    from pentatron.data.eval_split import eval_data_problems
+    from pentatron.data.eval_split import mixture_eval_problems
     from pentatron.data.loader import TokenDataset, too_short_problem
+    from pentatron.data.mixture import mixture_problems
     from pentatron.train.trainer import resolve_dataset
 
-    if not cfg.data.path and not build_default_data:
+    if not cfg.data.path and not cfg.data.sources and not build_default_data:
         return []  # the built-in corpus is prepared (and checked) by rank 0
     vocab = cfg.model_config().vocab_size
+    names = [s.label() for s in cfg.data.sources] or [""]
     try:
-        dataset = TokenDataset(resolve_dataset(cfg, vocab))
-        dataset.check_vocab(vocab)
+        datasets = ([TokenDataset(Path(s.path)) for s in cfg.data.sources] if cfg.data.sources
+                    else [TokenDataset(resolve_dataset(cfg, vocab))])
+        for ds in datasets:
+            ds.check_vocab(vocab)
     except DataError as e:
         return [str(e)]
-    short = too_short_problem(dataset, cfg.train.seq_len)
-    if short:
-        return [short]
-    held = eval_data_problems(cfg.eval, dataset, cfg.train.seq_len, cfg.train.global_batch, vocab)
+    if len(datasets) > 1 and (mixed := mixture_problems(datasets, names)):
+        return mixed
+    if short := [p for ds in datasets if (p := too_short_problem(ds, cfg.train.seq_len))]:
+        return short
+    held = mixture_eval_problems(cfg.eval, datasets, names, cfg.train.seq_len, cfg.train.global_batch, vocab)
     if held:
         return held
     if build_default_data:  # the launcher or rank 0 reads every token id once (data/vocab_check.py)
         from pentatron.data.vocab_check import scan_problem
 
-        found = scan_problem(dataset.path, dataset.index, vocab)
-        return [found] if found else []
+        return [found for ds in datasets if (found := scan_problem(ds.path, ds.index, vocab))]
     return []
 
 
@@ -204,11 +215,14 @@ LOG_SPACE_BYTES = 64 << 20  # a run's metrics, TensorBoard events, flight dumps 
 
 
 def log_problems(cfg: Config) -> list[str]:
-    """log.dir a directory (or creatable), writable, with room for a run's logs."""
+    """log.dir a directory (or creatable), writable, with room for a run's logs; W&B installed if asked for."""
     import shutil
 
     from pentatron.checkpoint.space import existing_ancestor, writable_problem
+    from pentatron.observe.wandb_log import wandb_problem
 
+    if problem := wandb_problem(cfg.log.wandb):
+        return [problem]
     path = Path(cfg.log.dir)
     if path.exists() and not path.is_dir():
         return [f"log.dir {cfg.log.dir!r} is a file, not a directory"]

@@ -106,6 +106,7 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
         shutdown_distributed,
     )
     from pentatron.distributed.lifeline import die_with_parent
+    from pentatron.observe.wandb_log import WandbSetupError
     from pentatron.parallel.compile import CompileError
     from pentatron.preflight import environment_problems
     from pentatron.train.nonfinite import EXIT_CODE as NONFINITE_EXIT
@@ -169,6 +170,8 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
         return 1
     except DataError as e:
         return input_error(f"rank {rank}: {e}")
+    except WandbSetupError as e:  # rank 0 only (the others stop when it leaves)
+        return input_error(str(e))
     except CompileError as e:  # one line, not torch's pages of logging hints; the user sets train.compile
         if _first_to_say(store, "compile_error"):  # every rank compiling the same region fails alike
             print(f"pentatron: rank {rank}: error: {e}", file=sys.stderr, flush=True)

@@ -278,7 +278,9 @@ def test_empty_corpus_and_bad_inputs_are_clear_errors(tmp_path):
     assert not (tmp_path / "o").exists() and no_leftovers(tmp_path)
 
 
-def test_crash_midway_leaves_no_dataset(tmp_path, monkeypatch):
+def test_crash_midway_leaves_no_dataset_but_its_work_to_continue(tmp_path, monkeypatch):
+    """A failed write (here: a full disk) publishes nothing and keeps the work done in a hidden directory
+    named by the fingerprint; tests/data/test_tokenize_sources.py continues such jobs."""
     files = write_texts(tmp_path / "in")
     calls = []
 
@@ -290,9 +292,13 @@ def test_crash_midway_leaves_no_dataset(tmp_path, monkeypatch):
 
     original = tk._ShardWriter.flush
     monkeypatch.setattr(tk._ShardWriter, "flush", failing_flush)
-    with pytest.raises(WriteError, match=r"cannot write the dataset .*ds': disk full \(simulated\)"):
+    with pytest.raises(WriteError, match=r"cannot write the dataset .*ds': disk full \(simulated\); the work done "
+                                         r"is kept in .*\.ds\.partial-[0-9a-f]{16}: run the same command again"):
         tokenize_to_shards(files, tmp_path / "ds", settings(shard_tokens=300), progress=False)
-    assert not (tmp_path / "ds").exists() and no_leftovers(tmp_path)
+    assert not (tmp_path / "ds").exists()
+    (partial,) = [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    # one batch: the first shard was written, the checkpoint after its batch never came (the rerun redoes it)
+    assert sorted(p.name for p in partial.iterdir()) == ["lock", "progress.json", "shard_00000.bin", "tokenizer.json"]
 
 
 def test_existing_output_is_reused_or_refused(tmp_path):

@@ -161,6 +161,23 @@ def test_the_prediction_uses_the_runs_parallel_modes(world: int, extra: list[str
     assert pred["comm_bytes_per_step"] != pytest.approx(comm(replace(lay, par=replace(lay.par, **{field: default}))))
 
 
+def test_an_fp8_run_is_predicted_as_the_planners_fp8_on_a_gpu():
+    """train.fp8 on CUDA is priced with the planner's FP8 GEMMs and casts at the run's scaling; on CPU (no FP8
+    units to model) at the run's precision; its records are keyed apart from the same run without FP8."""
+    from pentatron.observe.report import layout_key, planner_layout, predicted
+
+    common = ["train.seq_len=64", "train.micro_batch=1", "train.global_batch=8", "train.precision='bf16'"]
+    cfg = load_config(None, [*common, "train.fp8='rowwise'"], world_size=1)
+    lay, _ = planner_layout(cfg, 1, "cuda")
+    assert (lay.precision, lay.fp8_scaling) == ("fp8", "rowwise")
+    assert planner_layout(cfg, 1, "cpu")[0].precision == "bf16"
+    info = {"config": cfg.to_dict(), "world_size": 1, "device": "cuda", "device_name": "NVIDIA H100 80GB HBM3"}
+    fp8_time = predicted(info, None)["step_time_s"]
+    bf16 = load_config(None, common, world_size=1)
+    assert fp8_time != predicted({**info, "config": bf16.to_dict()}, None)["step_time_s"]
+    assert layout_key(cfg, 1) != layout_key(bf16, 1) and "fp8:rowwise" in layout_key(cfg, 1)
+
+
 def test_an_fp64_run_is_not_priced_by_the_planner():
     """The planner prices bf16/fp32/fp8 runs; an fp64 run (the parity tests' mode) gets no prediction rather
     than one of a 2-byte run."""

@@ -44,7 +44,7 @@ def test_any_slice_equals_that_part_of_the_whole_and_draws_only_its_tiles(monkey
     drawn: list[tuple[int, ...]] = []
     real_draw = param_init.draw_tile
     monkeypatch.setattr(param_init, "draw_tile",
-                        lambda i, s, index: drawn.append(tuple(index)) or real_draw(i, s, index))
+                        lambda i, s, index, d: drawn.append(tuple(index)) or real_draw(i, s, index, d))
     rng = random.Random(0)
     for _ in range(300):
         shape = tuple(rng.randint(1, 24) for _ in range(rng.choice((1, 2, 3))))

@@ -42,11 +42,27 @@ def test_the_emitted_config_of_a_recommendation_trains_on_its_ranks(tmp_path, de
 
 def test_an_untrainable_layout_is_not_emitted(tmp_path, capsys):
     path = tmp_path / "run.toml"
-    # the smallest search that recommends an fp8 layout (llama3-8b on 16 GPUs searched 12 s CPU for the same refusal)
-    rc = run(["plan", "--model", "debug", "--gpus", "2", "--precision", "fp8", "--emit-config", str(path)])
+    # the smallest search that recommends an fp16 layout (llama3-8b on 16 GPUs searched 12 s CPU for the same refusal)
+    rc = run(["plan", "--model", "debug", "--gpus", "2", "--precision", "fp16", "--emit-config", str(path)])
     err = capsys.readouterr().err
-    assert rc == 2 and "train.precision must be one of 'auto', 'fp32', 'bf16', 'fp64', got 'fp8'" in err
+    assert rc == 2 and "train.precision must be one of 'auto', 'fp32', 'bf16', 'fp64', got 'fp16'" in err
     assert not path.exists()
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_an_fp8_plan_is_emitted_as_a_config_training_accepts_with_fp8_on(tmp_path, default_dataset, capsys, scaling):
+    """--precision fp8 is trained as bf16 weights with train.fp8 = the plan's scaling (eager: no compile); the
+    emitted file passes the trainer's config validation and the run's preflight for its 2 ranks."""
+    from pentatron.preflight import preflight_problems
+
+    path = tmp_path / "run.toml"
+    assert run(["plan", "--model", "debug", "--gpus", "2", "--gpu", "h100", "--seq", "64", "--global-batch", "8",
+                "--precision", "fp8", "--fp8-scaling", scaling, "--emit-config", str(path)]) == 0, \
+        capsys.readouterr().err
+    cfg = load_config(path, [f"data.path={json.dumps(str(default_dataset))}", 'checkpoint.dir=""',
+                             f"log.dir={json.dumps(str(tmp_path / 'log'))}"], world_size=2)
+    assert (cfg.train.fp8, cfg.train.precision, cfg.train.compile) == (scaling, "bf16", False)
+    assert preflight_problems(cfg, world_size=2, build_default_data=False) == []
 
 
 def test_either_loss_training_runs_is_emitted_with_its_chunk(tmp_path, capsys):

@@ -60,7 +60,9 @@ def test_rowwise_fp8_needs_a_measured_gpu():
      "does not divide model.n_layers=80"),  # 80 layers over 24 chunks, as Llama 3 405B's 126 on pp16
     ({"zero": 3, "pp": 2, "dp": 128}, "re-gathers each stage", None),  # trainable since ZeRO-3 x pp landed
     ({"cp": 8, "dp": 32}, None, None),  # trainable since context parallelism landed
-    ({"precision": "fp8"}, None, "train.precision must be one of 'auto', 'fp32', 'bf16', 'fp64', got 'fp8'"),
+    ({"precision": "fp8"}, None, None),  # trainable since train.fp8 landed (bf16 weights + FP8 GEMMs)
+    ({"precision": "fp8", "micro_batch": 1, "dp": 256}, None, None),
+    ({"precision": "fp16"}, None, "train.precision must be one of 'auto', 'fp32', 'bf16', 'fp64', got 'fp16'"),
     ({"recompute": "selective-op"}, None, "train.recompute must be one of 'none', 'selective', 'full', got "
                                           "'selective-op'"),
     ({"tp": 8, "dp": 32, "sp": True, "cross_entropy": "loss_parallel"}, None,
@@ -96,15 +98,15 @@ def test_the_planner_refuses_with_the_training_validators_words():
 
 
 def test_the_search_recommends_only_trainable_layouts():
-    """Issue 15: what the planner models but training cannot run (fp8 today) is never ranked by the
+    """Issue 15: what the planner models but training cannot run (fp16 today) is never ranked by the
     search; pinning it still evaluates it, with a note."""
     from pentatron.plan.search import search
 
     w = Workload(get_model_config("llama3-8b"), 8192, 64)
     res = search(w, H100, 16, top=5)
     assert res.ranked and all(not trainable_problems(w, p.layout, 16) for p in res.ranked)
-    pinned = search(w, H100, 16, fixed={"precision": "fp8"}, top=2)
-    assert pinned.ranked and pinned.ranked[0].layout.precision == "fp8"
+    pinned = search(w, H100, 16, fixed={"precision": "fp16"}, top=2)
+    assert pinned.ranked and pinned.ranked[0].layout.precision == "fp16"
     assert any("training cannot run this yet" in n for n in pinned.ranked[0].notes)
 
 

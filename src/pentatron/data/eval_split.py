@@ -10,6 +10,10 @@ Validation samples pack the held-out tokens from `split` on, in order, without s
 [split + j·L, split + j·L + L + 1). An evaluation reads the first `batches` × global_batch of them, each
 global batch cut over data-parallel ranks and micro-batches as a training step is — the same sequences at
 every evaluation, in every layout, after any resume (nothing about them is state).
+
+A mixture (data.sources) is held out per source: each source's stream keeps its own tail (`holdout` of its
+length, or `holdout_tokens` of it) and is validated on it apart — a loss per source, and their weighted mean
+as the run's validation loss (the mixture's expected loss). eval.path is one set for the whole mixture.
 """
 
 from __future__ import annotations
@@ -82,6 +86,26 @@ def eval_set(ev: EvalConfig, train: TokenDataset, seq_len: int, vocab_size: int)
         other.check_vocab(vocab_size)
         return EvalSet(other, 0, seq_len)
     return EvalSet(train, training_tokens(ev, len(train)), seq_len)
+
+
+def eval_sets(ev: EvalConfig, train: list[TokenDataset], names: list[str], weights: list[float], seq_len: int,
+              vocab_size: int) -> list[tuple[str, float, EvalSet]]:
+    """(name, weight, samples) per validation set: each source's held-out tail, or eval.path's one set."""
+    if ev.path or len(train) == 1:
+        return [(names[0] if not ev.path else "eval.path", 1.0, eval_set(ev, train[0], seq_len, vocab_size))]
+    return [(n, w, eval_set(ev, ds, seq_len, vocab_size)) for ds, n, w in zip(train, names, weights, strict=True)]
+
+
+def mixture_eval_problems(ev: EvalConfig, train: list[TokenDataset], names: list[str], seq_len: int,
+                          global_batch: int, vocab_size: int) -> list[str]:
+    """`eval_data_problems` for each source of a mixture, each named (said once when they are eval.path's)."""
+    out: list[str] = []
+    for ds, name in zip(train, names, strict=True):
+        for p in eval_data_problems(ev, ds, seq_len, global_batch, vocab_size):
+            said = p if p.startswith("eval.path") or len(train) == 1 else f"data source {name!r}: {p}"
+            if said not in out:
+                out.append(said)
+    return out
 
 
 def eval_data_problems(ev: EvalConfig, train: TokenDataset, seq_len: int, global_batch: int, vocab_size: int

@@ -140,8 +140,10 @@ class TokenLoader:
 
     def __init__(self, dataset: TokenDataset, seq_len: int, micro_batch: int, global_batch: int,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, consumed_samples: int = 0,
-                 train_tokens: int | None = None) -> None:
-        """`train_tokens`: read only this prefix of the stream (the rest is held out: data/eval_split.py)."""
+                 train_tokens: int | None = None, stream: int | None = None) -> None:
+        """`train_tokens`: read only this prefix of the stream (the rest is held out: data/eval_split.py).
+        `stream`: a mixture's source number, mixed into the epoch permutations' seed (data/mixture.py) so two
+        sources of the same size are not shuffled alike; None (data.path) keeps the order `[seed, epoch]`."""
         problems = [f"{name} must be a positive integer, got {v!r}"
                     for name, v in (("seq_len", seq_len), ("micro_batch", micro_batch),
                                     ("global_batch", global_batch), ("dp_size", dp_size))
@@ -166,6 +168,7 @@ class TokenLoader:
         self.dp_size = dp_size
         self.seed = seed
         self.consumed_samples = consumed_samples
+        self.stream = stream
         self.num_samples = ((len(dataset) if train_tokens is None else train_tokens) - 1) // seq_len
         short = too_short_problem(dataset, seq_len) or (None if self.num_samples > 0 else
                                                         f"a holdout leaves {train_tokens} training tokens, "
@@ -193,7 +196,8 @@ class TokenLoader:
             # A step straddles at most a few epochs and reads them in increasing order: keep the newest two.
             while len(self._orders) >= 2:
                 del self._orders[min(self._orders)]
-            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            key = [self.seed, epoch] if self.stream is None else [self.seed, epoch, self.stream]
+            self._orders[epoch] = np.random.default_rng(key).permutation(self.num_samples)
         return self._orders[epoch]
 
     def sample_ids(self, position: int, count: int) -> np.ndarray:
@@ -230,6 +234,19 @@ class TokenLoader:
         """Where the documents of a micro-batch's samples start (its inputs; data/documents.py)."""
         return find_documents(inputs, self.dataset.eos_id)
 
+    # The one-source case of data/mixture.py's interface (the trainer's exhaustion and accounting read it).
+    @property
+    def source_names(self) -> list[str]:
+        return [self.dataset.path.name]
+
+    @property
+    def source_num_samples(self) -> list[int]:
+        return [self.num_samples]
+
+    def source_samples(self, position: int) -> np.ndarray:
+        """Samples each source has given by global position `position`: all of them are this one's."""
+        return np.array([position], dtype=np.int64)
+
     def __iter__(self) -> TokenLoader:
         return self
 
@@ -252,6 +269,9 @@ class TokenLoader:
             fingerprint = state.get("dataset_fingerprint")
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"data loader state is malformed ({type(e).__name__}: {e})") from e
+        if "sources" in state:
+            raise DataError(f"the checkpoint was saved by a run on a mixture of {len(state['sources'])} data.sources, "
+                            f"this run reads data.path {str(self.dataset.path)!r}: resume with the same data.sources")
         if seq_len != self.seq_len:
             raise DataError(f"data loader state was saved with seq_len={seq_len} but this run uses "
                             f"seq_len={self.seq_len}; the sample order would differ, so resuming is refused")

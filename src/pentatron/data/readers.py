@@ -1,5 +1,6 @@
-"""Input documents for tokenization: plain text files (one document each), JSONL (one document per line)
-and local Parquet files (one document per row), with errors that say which file and line is wrong."""
+"""Input documents for tokenization: plain text files (one document each), JSONL (one document per line),
+local Parquet files (one document per row) and, through `datasets` (data/hf_sources.py), `save_to_disk`
+directories and `.json` record files; errors say which file (and line) is wrong. Every reader streams."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from pentatron.data.errors import DataError
+from pentatron.data.hf_sources import JSON_SUFFIXES, is_saved_dataset, json_documents, saved_dataset_documents
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 
 
 def expand_inputs(inputs: Sequence[Path], exclude: Path | None = None) -> list[Path]:
-    """Files in the given order; directories expanded recursively, sorted, hidden entries skipped.
+    """Files in the given order; directories expanded recursively, sorted, hidden entries skipped; a directory
+    written by `save_to_disk` is one input (its Arrow files are not text).
 
     `exclude` (the output directory) is never read back as input, so tokenizing `data/` into
     `data/tok` twice does not swallow the first run's shards.
@@ -22,14 +25,18 @@ def expand_inputs(inputs: Sequence[Path], exclude: Path | None = None) -> list[P
     excluded = exclude.resolve() if exclude is not None else None
     files: list[Path] = []
     for p in map(Path, inputs):
-        if p.is_dir():
+        if is_saved_dataset(p):
+            files.append(p)
+        elif p.is_dir():
             found = []
             for f in p.rglob("*"):
                 rel = f.relative_to(p)
-                if any(part.startswith(".") for part in rel.parts) or not f.is_file():
+                if any(part.startswith(".") for part in rel.parts) or not (f.is_file() or is_saved_dataset(f)):
                     continue
                 if excluded is not None and f.resolve().is_relative_to(excluded):
                     continue
+                if any(is_saved_dataset(d) for d in list(f.parents)[:len(rel.parts) - 1]):
+                    continue  # inside a saved dataset: read whole, through `datasets`
                 found.append(f)
             files.extend(sorted(found, key=lambda f: f.relative_to(p).as_posix()))
         elif p.is_file():
@@ -112,11 +119,16 @@ def _parquet_documents(path: Path, text_field: str, batch: int) -> Iterator[str]
 
 
 def iter_documents(files: Sequence[Path], text_field: str = "text", batch_docs: int = 1024,
-                   advance: Callable[[int], None] = lambda n: None) -> Iterator[str]:
-    """Non-empty documents of every file, in order; `advance(n)` reports n input bytes consumed."""
+                   advance: Callable[[int], None] = lambda n: None, split: str = "") -> Iterator[str]:
+    """Non-empty documents of every input, in order; `advance(n)` reports n input bytes consumed; `split`: the
+    split of a saved DatasetDict."""
     for path in files:
         suffix = path.suffix.lower()
-        if suffix in JSONL_SUFFIXES:
+        if path.is_dir():
+            yield from saved_dataset_documents(path, text_field, split, batch_docs, advance)
+        elif suffix in JSON_SUFFIXES:
+            yield from json_documents(path, text_field, batch_docs, advance)
+        elif suffix in JSONL_SUFFIXES:
             yield from _jsonl_documents(path, text_field, advance)
         elif suffix in PARQUET_SUFFIXES:
             yield from _parquet_documents(path, text_field, batch_docs)

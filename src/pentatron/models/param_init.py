@@ -2,13 +2,13 @@
 
 A parameter starts from (seed, its name) alone: norm gains at 1, every matrix ~ N(0, std). The full
 tensor is cut into fixed tiles (`tile_shape`: TILE_ROWS × TILE_COLS over its last two dims, one index
-of every earlier dim), and each tile is drawn from its own CPU `torch.Generator`, keyed by
-(parameter seed, tile index) through a SplitMix64 hash: a counter-based scheme, so any tile can be drawn
-without drawing the ones before it. `fill_slice` writes any box of the full tensor (a tensor-parallel
-shard along any dim, an ep rank's experts) or any range of the flattened box (a ZeRO-3 piece) by
-drawing only the tiles that overlap it: a rank's work is its own share (plus the tiles its edges cut),
-and its peak beyond the share is one tile. The 1-process build draws every tile the same way, so
-every layout starts from bit-identical weights.
+of every earlier dim), and each tile is drawn from its own `torch.Generator`, keyed by (parameter seed,
+tile index) through a SplitMix64 hash — a counter-based scheme, so any tile can be drawn without drawing
+the ones before it — on the CPU, or on the CUDA device being filled (`draw_device`). `fill_slice` writes
+any box of the full tensor (a tensor-parallel shard along any dim, an ep rank's experts) or any range of
+the flattened box (a ZeRO-3 piece) by drawing only the tiles that overlap it: a rank's work is its own
+share (plus the tiles its edges cut), and its peak beyond the share is one tile. The 1-process build
+draws every tile the same way, so every layout starts from bit-identical weights.
 
 The tile shape is part of the scheme (other tiles, other values); tests shrink it through the module
 attributes to make a small model span many tiles.
@@ -69,12 +69,22 @@ def tile_shape(full_shape: Sequence[int]) -> tuple[int, ...]:
     return (*lead, min(full_shape[-2], TILE_ROWS), min(full_shape[-1], TILE_COLS))
 
 
-def draw_tile(init: ParamInit, full_shape: Sequence[int], index: Sequence[int]) -> torch.Tensor:
-    """Tile `index` of the parameter's full initial value (fp32; edge tiles are cut to the tensor)."""
+def draw_device(out: torch.Tensor) -> torch.device:
+    """Where tiles for `out` are drawn: on a CUDA device itself (its Philox generator, so start-up is not
+    bound by a host generator feeding the GPU), else on the CPU. CUDA draws are not the CPU's values, but
+    they are the same on every rank and layout of a run (one GPU model, one torch build)."""
+    return out.device if out.device.type == "cuda" else torch.device("cpu")
+
+
+def draw_tile(init: ParamInit, full_shape: Sequence[int], index: Sequence[int],
+              device: torch.device | None = None) -> torch.Tensor:
+    """Tile `index` of the parameter's full initial value (fp32 on `device`, CPU by default; edge tiles
+    are cut to the tensor)."""
     tile = tile_shape(full_shape)
     shape = [min(t, n - i * t) for t, n, i in zip(tile, full_shape, index, strict=True)]
-    g = torch.Generator(device="cpu").manual_seed(tile_seed(init.seed, index))
-    return torch.randn(shape, generator=g, dtype=torch.float32).mul_(init.std)
+    device = torch.device("cpu") if device is None else device
+    g = torch.Generator(device=device).manual_seed(tile_seed(init.seed, index))
+    return torch.randn(shape, generator=g, dtype=torch.float32, device=device).mul_(init.std)
 
 
 def flat_range_boxes(lengths: Sequence[int], lo: int, hi: int) -> Iterator[tuple[int, tuple[tuple[int, int], ...]]]:
@@ -109,8 +119,9 @@ def fill_box(out: torch.Tensor, init: ParamInit, full_shape: Sequence[int], box:
     """Write the `box` of the full initial value into `out` (box-shaped), drawing only overlapping tiles."""
     tile = tile_shape(full_shape)
     ranges = [range(s // t, (s + n - 1) // t + 1) for (s, n), t in zip(box, tile, strict=True)]
+    device = draw_device(out)
     for index in itertools.product(*ranges):
-        values = draw_tile(init, full_shape, index)
+        values = draw_tile(init, full_shape, index, device)
         src, dst = [], []
         for (s, n), t, i in zip(box, tile, index, strict=True):
             a, z = max(s, i * t), min(s + n, (i + 1) * t)

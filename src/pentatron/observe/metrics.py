@@ -1,4 +1,4 @@
-"""Per-step metrics to JSONL, TensorBoard and the console (rank 0 only)."""
+"""Per-step metrics to JSONL, TensorBoard, Weights & Biases and the console (rank 0 only)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from pentatron.observe.wandb_log import WandbRun
 
 # Printed with the comm table (the ledger's columns, see distributed/comm.py).
 COMM_LEGEND = ("(payload = bytes of the tensors this rank hands to the op; wire bytes/rank = bytes it sends "
@@ -24,7 +26,7 @@ class MetricsLogger:
               "allocator; CPU: process resident set, no reserved figure)")
 
     def __init__(self, log_dir: Path, total_steps: int, tensorboard: bool, progress: bool,
-                 start_step: int = 0) -> None:
+                 start_step: int = 0, wandb: WandbRun | None = None) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.path = log_dir / "metrics.jsonl"
         # A resumed run redoes the steps after its checkpoint: drop their old records, so every step
@@ -42,6 +44,7 @@ class MetricsLogger:
             self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir),
                                      purge_step=start_step + 1 if start_step else None)
         # disable=None: a live bar on a terminal only; piped output keeps just the table rows.
+        self._wandb = wandb  # owned by the trainer: it stays open for the run summary
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                          disable=None if progress else True, dynamic_ncols=True, leave=False)
         self._header_done = False
@@ -50,10 +53,15 @@ class MetricsLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         val = record.get("val")
+        # One set of scalars for TensorBoard and W&B: train/<field> (nested: train/numerics/...), val/<field>.
+        scalars = [(key, value) for key, value in
+                   scalars_of({k: v for k, v in record.items() if k != "val"}, "train") + scalars_of(val, "val")
+                   if key != "train/step"]
         if self._tb is not None:
-            for key, value in _scalars({k: v for k, v in record.items() if k != "val"}, "train") + _scalars(val, "val"):
-                if key != "train/step":
-                    self._tb.add_scalar(key, value, record["step"])
+            for key, value in scalars:
+                self._tb.add_scalar(key, value, record["step"])
+        if self._wandb is not None:
+            self._wandb.log(record["step"], scalars)
         self._bar.update(1)
         self._bar.set_postfix(loss=f"{record['loss']:.4f}")
         if console or not self._header_done:  # the first step is always shown
@@ -63,6 +71,8 @@ class MetricsLogger:
                                            "reserved r0")))
                 self._header_done = True
             self._bar.write(self._row(self._cells(record)))
+            if "data_tokens" in record:  # a mixture (data.sources): what each source has given so far
+                self._bar.write(data_tokens_line(record["step"], record["data_tokens"]))
         if val is not None:  # every evaluation is shown, logged row or not
             self._bar.write(validation_line(record["step"], val))
 
@@ -89,7 +99,16 @@ class MetricsLogger:
 def validation_line(step: int, val: dict[str, Any]) -> str:
     return (f"pentatron: validation at step {step}: loss {val['loss']:.4f}, perplexity {val['perplexity']:.2f} "
             f"({val['batches']} batch{'es' if val['batches'] != 1 else ''}, {val['tokens']:,} tokens, "
-            f"{val['time_s']:.2f} s)")
+            f"{val['time_s']:.2f} s)"
+            + ("; per source: " + ", ".join(f"{k} {v:.4f}" for k, v in val["sources"].items())
+               if val.get("sources") else ""))
+
+
+def data_tokens_line(step: int, tokens: dict[str, int]) -> str:
+    """A mixture's tokens trained per source by `step` (and each one's share of them)."""
+    total = sum(tokens.values()) or 1
+    return (f"pentatron: data by step {step}: "
+            + ", ".join(f"{k} {v:,} tokens ({100 * v / total:.1f} %)" for k, v in tokens.items()))
 
 
 def _keep_steps_up_to(path: Path, last_step: int) -> None:
@@ -108,10 +127,10 @@ def _keep_steps_up_to(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
-def _scalars(value: Any, prefix: str) -> list[tuple[str, float]]:
+def scalars_of(value: Any, prefix: str) -> list[tuple[str, float]]:
     """Finite numbers of a record, nested dicts flattened ("numerics/grad_norm/layers.0")."""
     if isinstance(value, dict):
-        return [kv for k, v in value.items() for kv in _scalars(v, f"{prefix}/{k}")]
+        return [kv for k, v in value.items() for kv in scalars_of(v, f"{prefix}/{k}")]
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return [(prefix, float(value))]
     return []

@@ -6,6 +6,12 @@ reduction (all of them without ZeRO; its shard with ZeRO ≥ 1), its tensor-para
 pipeline stage's layers. The trainer logs rank 0's (first stage, tp shard 0). A layer is the
 parameter name up to the block index ("layers.3") or its first component ("embed", "norm", …).
 
+Under train.fp8, `fp8_amax` and `fp8_scale` give, per FP8 linear layer and operand ("layers.0.attn.q_proj.x",
+… ".w", ".dy": input, weight, output gradient), the largest amax and the smallest scale its casts used during
+the step (parallel/fp8.py; rowwise: the largest row's). The scale is fp8's largest value ÷ amax: an amax
+growing by orders of magnitude, or a scale collapsing, is an overflow coming, and an operand whose amax is
+far above its typical values leaves those values in fp8's subnormals or at zero.
+
 A non-finite number is written as the string "nan" / "inf" (JSON has no NaN). `nonfinite_acts` lists
 the blocks whose output was not finite, in forward order: the first is where a NaN appeared in the
 forward pass. `nonfinite_grads` lists the layers whose gradient is not finite (after a forward NaN,
@@ -58,6 +64,8 @@ class LayerNumerics:
         self._act: dict[str, torch.Tensor] = {}
         self._before: dict[nn.Parameter, torch.Tensor] = {}
         self._hooks = [m.register_forward_hook(self._hook(name)) for name, m in self._blocks(model)]
+        # train.fp8's GEMMs (parallel/fp8.py's Fp8Gemm, found by its statistics: no torchao import here)
+        self.fp8 = {name: m.gemm for name, m in model.named_modules() if hasattr(getattr(m, "gemm", None), "step_amax")}
 
     @staticmethod
     def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -79,6 +87,9 @@ class LayerNumerics:
         self.active = active
         self._act = {}
         self._before = {}
+        for gemm in self.fp8.values():
+            gemm.step_amax.clear()
+            gemm.step_scale.clear()
 
     def gradients(self, owned: list[tuple[nn.Parameter, torch.Tensor]]) -> dict[str, Any]:
         """After the gradient sync: per-layer gradient and parameter norms; snapshot for the update ratio."""
@@ -88,11 +99,22 @@ class LayerNumerics:
         order = list(dict.fromkeys(self.names.values()))
         bad = [layer for layer in order if layer in grads and not math.isfinite(grads[layer])]
         acts = dict(zip(self._act, torch.stack(list(self._act.values())).tolist())) if self._act else {}
-        return {"grad_norm": {k: _num(v) for k, v in grads.items()},
+        fp8 = self._fp8() if self.active else {}
+        return {**fp8, "grad_norm": {k: _num(v) for k, v in grads.items()},
                 "param_norm": {k: _num(v) for k, v in params.items()},
                 "act_max": {k: _num(v) for k, v in acts.items()},
                 "nonfinite_acts": [k for k, v in acts.items() if not math.isfinite(v)],
                 "nonfinite_grads": bad}
+
+    def _fp8(self) -> dict[str, Any]:
+        """fp8_amax / fp8_scale by "<module>.<operand>" (one device→host copy for both)."""
+        keys = [(f"{name}.{op}", g.step_amax[op], g.step_scale[op]) for name, g in self.fp8.items()
+                for op in g.step_amax]
+        if not keys:
+            return {}
+        values = torch.stack([t.float() for _, a, s in keys for t in (a, s)]).tolist()
+        return {"fp8_amax": {k: _num(values[2 * i]) for i, (k, _, _) in enumerate(keys)},
+                "fp8_scale": {k: _num(values[2 * i + 1]) for i, (k, _, _) in enumerate(keys)}}
 
     def updates(self) -> dict[str, Any]:
         """After the optimizer step: ‖Δw‖ / ‖w‖ per layer (Adam's is about lr / typical |w|)."""

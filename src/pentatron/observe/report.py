@@ -50,8 +50,9 @@ def layout_key(cfg: Any, world_size: int) -> str:
     depends on. A run resumed in another layout appends records under another key, and the report
     compares the prediction (for the layout of run.json, the last start's) with that layout's steps only."""
     tr = cfg.train
+    fp8 = getattr(tr, "fp8", "off")  # named only when on: the keys of runs without it are unchanged
     return (f"{cfg.layout(world_size).short()} mb{tr.micro_batch} gb{tr.global_batch} seq{tr.seq_len} "
-            f"rc:{tr.recompute} {tr.precision} compile:{tr.compile}")
+            f"rc:{tr.recompute} {tr.precision}{f' fp8:{fp8}' if fp8 != 'off' else ''} compile:{tr.compile}")
 
 
 def compared_records(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -155,8 +156,11 @@ def planner_layout(c: Any, world_size: int, device: str) -> tuple[Any, Any]:
     if precision == "fp64":  # the parity tests' mode: an fp64 run is never priced as a 2-byte one
         raise ReportError("the planner models bf16, fp32 and fp8 training; train.precision='fp64' (the exact "
                           "parity mode) is not predicted")
+    fp8 = getattr(tr, "fp8", "off")
+    if fp8 != "off" and device == "cuda":  # the planner's FP8 GEMMs and casts (its model is a GPU's; on CPU the
+        precision = "fp8"                  # FP8 casts are priced as the run's precision: no FP8 units to model)
     lay = Layout(c.layout(world_size), recompute=tr.recompute, precision=precision,
-                 recipe=training_recipe(tr.loss_chunk_tokens))
+                 fp8_scaling=fp8 if fp8 != "off" else "tensorwise", recipe=training_recipe(tr.loss_chunk_tokens))
     return lay, Workload(c.model_config(), tr.seq_len, tr.global_batch)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from pentatron.observe.memory import memory_kind
+from pentatron.observe.metrics import scalars_of
 from pentatron.observe.system import bounded_mfu
 from pentatron.plan.flops import MFU_CONVENTION
 
@@ -29,7 +30,10 @@ def finish_run(trainer: Any, records: list[dict[str, Any]], wall_s: float) -> di
     trainer.comm.all_reduce(peak, "world", op="max")
     if trainer.rank != 0:
         return None
+    wandb = getattr(trainer, "wandb", None)
     if not records:
+        if wandb is not None:
+            wandb.finish([])  # nothing ran: the W&B run ends with nothing to summarise
         print(f"pentatron: nothing to train: the checkpoint is at step {trainer.step} = train.steps; raise "
               "train.steps to continue, or start over with --force-new (or another checkpoint.dir)", flush=True)
         return None
@@ -39,6 +43,8 @@ def finish_run(trainer: Any, records: list[dict[str, Any]], wall_s: float) -> di
     summary["paths"]["summary"] = str(path)
     path.write_text(json.dumps(summary, indent=1))
     print(format_summary(summary), flush=True)
+    if wandb is not None:  # the summary's numbers, flattened as the step scalars are (summary/loss/final, ...)
+        wandb.finish(scalars_of(summary, "summary"))
     return summary
 
 
@@ -66,6 +72,7 @@ def build_summary(trainer: Any, records: list[dict[str, Any]], wall_s: float, pe
                   "resumed_from": records[0]["step"] - 1 if records[0]["step"] > 1 else None},
         "loss": {"first": losses[0][0], "final": losses[-1][0], "min": min(losses)[0], "min_step": min(losses)[1]},
         "validation": validation_summary(records),
+        "data": data_summary(trainer, records),
         "tokens_per_s": {"mean_all_ranks": mean_tps, "mean_per_rank": mean_tps / trainer.world_size,
                          "steps_averaged": [timed[0]["step"], timed[-1]["step"]]},
         "mfu": {"mean": sum(mfus) / len(mfus) if mfus else None, "max": max(mfus) if mfus else None,
@@ -85,6 +92,7 @@ def build_summary(trainer: Any, records: list[dict[str, Any]], wall_s: float, pe
                    is not None else None,
         "paths": {"run_dir": str(run_dir), "metrics": str(run_dir / "metrics.jsonl"),
                   "tensorboard": str(run_dir / "tensorboard") if cfg.log.tensorboard else None,
+                  "wandb": str(run_dir / "wandb") if cfg.log.wandb else None,
                   "checkpoint": str(latest) if latest is not None else None,
                   "dataset": str(trainer.dataset.path),
                   "pp_trace": str(run_dir / "pp_trace") if cfg.log.pp_trace and par.pp > 1 else None},
@@ -111,6 +119,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("loss", f"final {loss['final']:.4f}, min {loss['min']:.4f} at step {loss['min_step']} "
                  f"(first logged {loss['first']:.4f})"),
         *([("validation", validation_text(s["validation"]))] if s.get("validation") else []),
+        *([("data", data_text(s["data"]))] if s.get("data") else []),
         ("throughput", f"{tps['mean_all_ranks']:,.0f} tokens/s for the whole job = {tps['mean_per_rank']:,.0f} "
                        f"per rank (mean of steps {a}–{b})"),
     ]
@@ -131,6 +140,8 @@ def format_summary(s: dict[str, Any]) -> str:
     if paths["tensorboard"]:
         rows.append(("TensorBoard", f"{paths['tensorboard']}  (view: tensorboard --logdir "
                                     f"{Path(paths['run_dir']).parent})"))
+    if paths.get("wandb"):
+        rows.append(("W&B", paths["wandb"]))
     if paths["pp_trace"]:
         rows.append(("pipeline traces", paths["pp_trace"]))
     rows.append(("checkpoint", paths["checkpoint"] or "none (set checkpoint.dir to save)"))
@@ -138,6 +149,30 @@ def format_summary(s: dict[str, Any]) -> str:
     rows.append(("summary", paths.get("summary", "")))
     width = max(len(k) for k, _ in rows)
     return "pentatron: run summary\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def data_summary(trainer: Any, records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A mixture's tokens per source by the last step (with its weight's share) and, when data.on_exhausted =
+    "stop" ended the run, why; None for a data.path run that ran to train.steps."""
+    stopped = getattr(trainer, "stopped_by", [])
+    if "data_tokens" not in records[-1] and not stopped:
+        return None
+    out: dict[str, Any] = {"stopped": stopped or None}
+    if "data_tokens" in records[-1]:
+        tokens = records[-1]["data_tokens"]
+        weights = dict(zip(trainer.loader.source_names, trainer.loader.weights, strict=True))
+        total, wsum = sum(tokens.values()) or 1, sum(weights.values())
+        out["sources"] = {n: {"tokens": t, "share": t / total, "weight_share": weights[n] / wsum}
+                          for n, t in tokens.items()}
+    return out
+
+
+def data_text(d: dict[str, Any]) -> str:
+    parts = [f"{n} {v['tokens']:,} tokens ({100 * v['share']:.1f} %, weight {100 * v['weight_share']:.1f} %)"
+             for n, v in (d.get("sources") or {}).items()]
+    if d.get("stopped"):
+        parts.append("stopped early: " + "; ".join(d["stopped"]))
+    return ", ".join(parts)
 
 
 def validation_summary(records: list[dict[str, Any]]) -> dict[str, Any] | None:

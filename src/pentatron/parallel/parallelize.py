@@ -1,6 +1,6 @@
 """The one function that turns a plain model into a parallel one, in a fixed and visible order.
 
-    split into pipeline stages → tensor/sequence parallel → context parallel → expert parallel
+    split into pipeline stages → tensor/sequence parallel → FP8 GEMMs → context parallel → expert parallel
     → MoE layers on a share of the micro-batch (cp, sp) → activation checkpointing
     → materialise this rank's pieces → data parallel / ZeRO → step runner
 
@@ -124,7 +124,11 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
         for part in stages or [model]:
             apply_tensor_parallel(part, ctx, ctx.comm, sp=layout.sp)
             tp_shards.update(part.tensor_parallel.shards)
-    for part in stages or [model]:
+    for part in stages or [model]:  # after TP: a sharded linear's FP8 casts reduce their amax over its split
+        if cfg.train.fp8 != "off":
+            from pentatron.parallel.fp8 import apply_fp8  # torchao: imported by FP8 runs only (seconds)
+
+            apply_fp8(part, cfg.train.fp8, ctx.comm, layout.cp, cfg.train.fp8_skip)
         apply_context_parallel(part, ctx.comm, layout)
     module = LocalStages(stages) if stages else model  # collected after TP replaced embedding and head
     ep_shards = apply_expert_parallel(module, ctx)
@@ -134,7 +138,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
     for name, shard in ep_shards.items():  # expert weights: a slice of the experts, reduced over edp
         placements[name].expert, placements[name].grad_dims = shard, ("edp",)
     # compiled regions between the collectives, before checkpointing wraps them (parallel/compile.py)
-    compiled = apply_compile(module, cfg.train.compile, ctx.device, cfg.train.compile_backend,
+    # train.fp8: compile is refused by the config, and "auto" compiles nothing (the casts' collectives)
+    compile_setting = False if cfg.train.fp8 != "off" else cfg.train.compile
+    compiled = apply_compile(module, compile_setting, ctx.device, cfg.train.compile_backend,
                              split_backward=layout.pp > 1 and make_schedule(layout.pp_schedule, layout.pp,
                                                                             layout.microbatches, layout.virtual
                                                                             ).split_backward,

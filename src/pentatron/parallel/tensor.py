@@ -89,7 +89,10 @@ class ColumnParallelLinear(nn.Linear):
     """y_local = x · W_localᵀ with W split along its output features; the output stays split.
 
     With `communicate_input`, the layer enters the parallel region itself (f, or the sequence
-    all-gather under SP); inside a block the region's pre-hook does it once for q/k/v instead."""
+    all-gather under SP); inside a block the region's pre-hook does it once for q/k/v instead.
+    `gemm` is the local product (train.fp8 puts an FP8 one here: parallel/fp8.py)."""
+
+    gemm = staticmethod(F.linear)
 
     def __init__(self, weight: nn.Parameter, comm: Comm, *, sequence_parallel: bool = False,
                  communicate_input: bool = True) -> None:
@@ -102,7 +105,7 @@ class ColumnParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.communicate_input:
             x = _enter(x, self.comm, self.sequence_parallel)
-        return F.linear(x, self.weight)
+        return self.gemm(x, self.weight)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out_local={self.out_features}, sp={self.sequence_parallel}, "
@@ -143,7 +146,9 @@ class VocabParallelHead(ColumnParallelLinear):
 class RowParallelLinear(nn.Linear):
     """y = Σ_ranks x_local · W_localᵀ with W split along its input features: the input is the split
     output of a column-parallel layer; the partial products are all-reduced (g) or, under SP,
-    reduce-scattered along the sequence."""
+    reduce-scattered along the sequence. `gemm`: the local product, as ColumnParallelLinear's."""
+
+    gemm = staticmethod(F.linear)
 
     def __init__(self, weight: nn.Parameter, comm: Comm, *, sequence_parallel: bool = False) -> None:
         nn.Module.__init__(self)
@@ -153,7 +158,7 @@ class RowParallelLinear(nn.Linear):
         self.comm, self.sequence_parallel = comm, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _leave(F.linear(x, self.weight), self.comm, self.sequence_parallel)
+        return _leave(self.gemm(x, self.weight), self.comm, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         return f"in_local={self.in_features}, out={self.out_features}, sp={self.sequence_parallel}"

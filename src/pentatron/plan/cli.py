@@ -148,7 +148,8 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="override one field of the recipe (repeatable), e.g. pp_p2p=blocking, tp_overlap=true, "
                         "grad_precision=bf16; the fields are plan/recipes.py's Recipe")
     w.add_argument("--precision", choices=_choices("precision"), default="bf16",
-                   help="fp8 and fp16 are evaluated, not trained by `pentatron train` (bf16/fp32)")
+                   help="fp16 is evaluated, not trained by `pentatron train`; fp8 trains as bf16 weights with "
+                        "train.fp8 = --fp8-scaling (tensorwise, rowwise)")
     w.add_argument("--fp8-scaling", choices=_choices("fp8_scaling"), default="tensorwise",
                    help="with --precision fp8: one scale per tensor (default) or per row (torchao's rowwise "
                         "recipe, costed from its measured H100 table)")

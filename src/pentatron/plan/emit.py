@@ -5,7 +5,8 @@ The file is checked with the training side's own loader (`pentatron.config.load_
 layout's world size) before it is reported as written, so what the planner emits is what training
 accepts. A layout training cannot run yet (`plan.layout.trainable_problems`) is refused with the reasons;
 a recipe other than ours is refused with one message. The kernels the plan assumed are written as
-`train.compile` (fused: true, eager: false).
+`train.compile` (fused: true, eager: false). `--precision fp8` is written as bf16 weights with
+`train.fp8` = the plan's `--fp8-scaling` (tensorwise or rowwise), eager (fp8 does not compile yet).
 
 Beside the layout: the schedule (train.steps from the tokens to train — `--train-tokens`, else 20 per
 parameter — with a warmup and a starting LR), placeholders for what only the user knows (data.path,
@@ -137,10 +138,15 @@ def training_config_text(w: Workload, lay: Layout, header: str = "", kernels: st
         "parallel": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero": lay.zero,
                      "sp": lay.sp, "pp_schedule": lay.pp_schedule, "pp_virtual": lay.pp_virtual},
         "train": {**steps, "seq_len": w.seq_len, "micro_batch": lay.micro_batch, "global_batch": w.global_batch,
-                  "precision": lay.precision, "recompute": lay.recompute,
+                  "precision": "bf16" if lay.precision == "fp8" else lay.precision, "recompute": lay.recompute,
                   "compile": compile_for_kernels(resolve_kernels(lay.recipe, kernels)),
                   "loss_chunk_tokens": loss_chunk_tokens_of(lay.recipe)},
     }
+    if lay.precision == "fp8":  # bf16 weights, fp32 masters, FP8 GEMMs in the decoder's linears (parallel/fp8.py)
+        sections["train"]["fp8"] = lay.fp8_scaling
+        if sections["train"]["compile"]:
+            sections["train"]["compile"] = False
+            comments["compile"] = "train.fp8 runs eagerly: the fused kernels the plan costed are not what trains"
     for section, name, what in _PLACEHOLDERS:
         sections.setdefault(section, {})[name] = PLACEHOLDER + what
     if w.documents is not None:  # planned with packed documents masked: train them so

@@ -289,7 +289,7 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
     ours is trained: `recipes.not_ours`), and our knobs' values checked by the config's typed checker
     against the `train` fields they set. The one place the planner asks "can we train this?"; the
     search recommends only layouts for which it is empty."""
-    from pentatron.config import TrainConfig, field_problems
+    from pentatron.config import TrainConfig, field_problems, fp8_problems
 
     pl = parallel_layout(w, lay)
     out = [*_training_rules(pl, w.cfg, gpus)]
@@ -298,6 +298,10 @@ def trainable_problems(w: Workload, lay: Layout, gpus: int | None = None) -> lis
         out.append(why)
     else:
         for knob in ("precision", "recompute"):  # the train fields our knobs set
+            if knob == "precision" and lay.precision == "fp8":  # trained as bf16 weights + train.fp8 = scaling
+                out += fp8_problems(TrainConfig(seq_len=w.seq_len, micro_batch=lay.micro_batch, fp8=lay.fp8_scaling,
+                                                compile=False), w.cfg, pl)
+                continue
             out += [f"{p} (`pentatron train` has no {getattr(lay, knob)!r})"
                     for p in field_problems(TrainConfig, knob, getattr(lay, knob), f"train.{knob}")]
     if w.moe_spec is not None and w.cfg.moe is None:

@@ -14,14 +14,17 @@ from pentatron.checkpoint.errors import CheckpointWriteError
 from pentatron.checkpoint.resume import resume_target
 from pentatron.checkpoint.store import CheckpointStore
 from pentatron.config import Config
-from pentatron.data.eval_split import eval_set, training_tokens
+from pentatron.data.errors import DataError
+from pentatron.data.eval_split import eval_set, eval_sets, training_tokens
 from pentatron.data.loader import TokenDataset, TokenLoader
+from pentatron.data.mixture import MixtureLoader, exhaustion, mixture_problems
 from pentatron.data.tokenize import ensure_default_dataset
 from pentatron.models.documents import documents_record
 from pentatron.observe.metrics import COMM_LEGEND, MetricsLogger
 from pentatron.observe.report import layout_key
 from pentatron.observe.run_observer import RunObserver
 from pentatron.observe.system import bounded_mfu, peak_flops
+from pentatron.observe.wandb_log import WandbRun
 from pentatron.parallel.pipeline.trace import write_rank_trace
 from pentatron.parallel.step_runner import host_scalars
 from pentatron.plan.flops import DocumentLengths, model_flops_per_token
@@ -41,6 +44,9 @@ def resolve_dataset(cfg: Config, vocab_size: int) -> Path:
 
 class Trainer:
     def __init__(self, cfg: Config, dataset_dir: Path | None = None) -> None:
+        """`dataset_dir`: data.path's directory when already resolved (tests); a mixture reads data.sources."""
+        if dataset_dir is not None and cfg.data.sources:
+            raise ValueError("Trainer(dataset_dir=...) is data.path's directory; this config trains on data.sources")
         self.cfg = cfg
         tr = cfg.train
         self.state = ModelState(cfg)
@@ -59,22 +65,10 @@ class Trainer:
             self.optimizer = self.runner.optimizer
             self.memory = self.runner.memory()
 
-            if dataset_dir is None:
-                # Rank 0 tokenizes the default corpus once; the others wait rather than race on the cache.
-                if self.rank == 0:
-                    dataset_dir = resolve_dataset(cfg, self.model_cfg.vocab_size)
-                self.comm.barrier()
-                dataset_dir = dataset_dir or resolve_dataset(cfg, self.model_cfg.vocab_size)
-            self.dataset = TokenDataset(dataset_dir)
-            self.dataset.check_vocab(self.model_cfg.vocab_size)
-            # [eval]: a held-out tail of the stream is never trained on (data/eval_split.py)
-            self.loader = TokenLoader(self.dataset, seq_len=tr.seq_len, micro_batch=tr.micro_batch,
-                                      global_batch=tr.global_batch, dp_rank=self.dp_rank, dp_size=self.dp,
-                                      seed=tr.seed, train_tokens=training_tokens(cfg.eval, len(self.dataset)))
-            self.validation = Validation(cfg.eval, tr, eval_set(cfg.eval, self.dataset, tr.seq_len,
-                                                                self.model_cfg.vocab_size),
-                                         self.runner, self.dp_rank, self.dp,
+            self.loader, sets = self._data(dataset_dir)
+            self.validation = Validation(cfg.eval, tr, sets, self.runner, self.dp_rank, self.dp,
                                          cfg.data.document_mask) if cfg.eval.every > 0 else None
+            self.stopped_by: list[str] = []  # data.on_exhausted = "stop": the lines that ended the run early
             self.step = 0
             self.lr_schedule = LrSchedule(tr)  # a resume may re-shape it (`_resume`)
             self.guard = NonFiniteGuard(tr.nonfinite)
@@ -94,9 +88,46 @@ class Trainer:
             self._stated_peak = ""  # the peak as stated, once a faster step has raised it (`_raise_peak`)
             self.observer = RunObserver(cfg, self.ctx, self.model, self.engine, self.loader, self.watchdog,
                                         model_state=lambda: self.runner.memory().total)
+            self.wandb: WandbRun | None = None  # log.wandb: rank 0's W&B run, opened by fit, finished by the summary
+
+
+    def _data(self, dataset_dir: Path | None) -> tuple[TokenLoader | MixtureLoader, Any]:
+        """The training loader and the validation data: data.path's (or the built-in corpus) or data.sources'.
+        A holdout ([eval]) is never trained on (data/eval_split.py): per source for a mixture."""
+        cfg, tr, vocab = self.cfg, self.cfg.train, self.model_cfg.vocab_size
+        shape = dict(seq_len=tr.seq_len, micro_batch=tr.micro_batch, global_batch=tr.global_batch,
+                     dp_rank=self.dp_rank, dp_size=self.dp, seed=tr.seed)
+        if cfg.data.sources:
+            datasets = [TokenDataset(Path(s.path)) for s in cfg.data.sources]
+            names, weights = [s.label() for s in cfg.data.sources], [s.weight for s in cfg.data.sources]
+            for ds in datasets:
+                ds.check_vocab(vocab)
+            if problems := mixture_problems(datasets, names):
+                raise DataError("; ".join(problems))
+            self.dataset = datasets[0]  # its tokenizer is the run's (`pentatron generate`)
+            loader = MixtureLoader(datasets, names, weights, **shape,
+                                   train_tokens=[training_tokens(cfg.eval, len(d)) for d in datasets])
+            return loader, eval_sets(cfg.eval, datasets, names, weights, tr.seq_len, vocab)
+        if dataset_dir is None:
+            # Rank 0 tokenizes the default corpus once; the others wait rather than race on the cache.
+            if self.rank == 0:
+                dataset_dir = resolve_dataset(cfg, vocab)
+            self.comm.barrier()
+            dataset_dir = dataset_dir or resolve_dataset(cfg, vocab)
+        self.dataset = TokenDataset(dataset_dir)
+        self.dataset.check_vocab(vocab)
+        loader = TokenLoader(self.dataset, **shape, train_tokens=training_tokens(cfg.eval, len(self.dataset)))
+        return loader, eval_set(cfg.eval, self.dataset, tr.seq_len, vocab)
+
+    def data_tokens(self) -> dict[str, int]:
+        """Tokens trained per source so far (a mixture's accounting; restored with the loader at a resume)."""
+        counts = self.loader.source_samples(self.loader.consumed_samples)
+        return {n: int(c) * self.cfg.train.seq_len for n, c in zip(self.loader.source_names, counts, strict=True)}
 
     def close(self) -> None:
         """The run is over on this rank (after its summary): see `ModelState.close`."""
+        if self.wandb is not None:  # still open: the run did not reach its summary
+            self.wandb.finish(None)
         self.state.close()
 
     # ------------------------------------------------------------------ one optimizer step
@@ -121,6 +152,8 @@ class Trainer:
         self.last_comm = comm = self.comm.ledger.end_step()
         if documents is not None:  # what masked attention computed; the MFU numerator follows it
             extra["documents"] = documents_record(documents)
+        if isinstance(self.loader, MixtureLoader):
+            extra["data_tokens"] = self.data_tokens()
         return {"step": self.step, "loss": loss_value, "grad_norm": norm_value, "lr": lr,
                 "comm_bytes": comm.bytes_map(), "comm_calls": comm.calls_map(), **extra,
                 "skipped_steps": self.guard.skipped, **({"nonfinite": problem} if problem else {})}
@@ -163,8 +196,11 @@ class Trainer:
     def fit(self) -> list[dict[str, Any]]:
         cfg = self.cfg
         is_main = self.rank == 0
+        if is_main and cfg.log.wandb and self.wandb is None:
+            self.wandb = WandbRun(Path(cfg.log.dir), cfg.log.wandb_project, cfg.log.wandb_name, cfg.log.wandb_mode,
+                                  cfg.resolved_dict(self.world_size))
         logger = MetricsLogger(Path(cfg.log.dir), cfg.train.steps, cfg.log.tensorboard,
-                               cfg.log.progress, start_step=self.step) if is_main else None
+                               cfg.log.progress, start_step=self.step, wandb=self.wandb) if is_main else None
         if is_main:
             print(f"pentatron: {self.model_cfg.name} ({self.n_params / 1e6:.2f}M parameters), "
                   f"world={self.world_size} dp={self.dp} tp={cfg.parallel.tp}{' +sp' if cfg.parallel.sp else ''} "
@@ -172,8 +208,10 @@ class Trainer:
                   + f"cp={cfg.parallel.cp}{f' ({cfg.parallel.cp_mode})' if cfg.parallel.cp > 1 else ''} "
                   f"ep={cfg.parallel.ep} zero={cfg.parallel.zero}, device={self.device}, "
                   f"precision={self.policy.name}, recompute={cfg.train.recompute}, "
-                  f"{len(self.dataset):,} tokens in dataset, "
-                  f"peak {self.peak_flops / 1e12:.2f} TFLOP/s ({self.peak_source})", flush=True)
+                  + (f"{sum(len(s.dataset) for s in self.loader.sources):,} tokens in {len(self.loader.sources)} "
+                     "data sources, " if isinstance(self.loader, MixtureLoader)
+                     else f"{len(self.dataset):,} tokens in dataset, ")
+                  + f"peak {self.peak_flops / 1e12:.2f} TFLOP/s ({self.peak_source})", flush=True)
             print(f"pentatron: model state per rank (ZeRO-{cfg.parallel.zero}, dp={self.dp}): "
                   f"{self.memory.describe()}", flush=True)
         records = []
@@ -183,6 +221,8 @@ class Trainer:
         segment = {"layout": layout_key(cfg, self.world_size), "start_step": self.step}
         try:
             while self.step < cfg.train.steps:
+                if not records:  # this start's first step (later ones are asked at the end of the step before)
+                    self._say(self._ran_out(first=True), is_main)
                 start = time.perf_counter()
                 record = self.train_step()
                 if self.device.type == "cuda":
@@ -205,11 +245,15 @@ class Trainer:
                     record["memory"] = self.runner.memory().to_dict()
                 record.update(self.observer.end_step(record))
                 stopping = "nonfinite" in record and self.guard.action == "stop"
-                if self.validation is not None and self.validation.due(self.step) and not stopping:
+                # data.on_exhausted: the next step would start a source's new epoch — said after this step's
+                # row; with "stop" this step is the run's last (validated and saved as the last one is)
+                ran_out = self._ran_out(first=False) if self.step < cfg.train.steps else []
+                ending = bool(self.stopped_by)
+                if self.validation is not None and (self.validation.due(self.step) or ending) and not stopping:
                     record["val"] = self.validation.run()  # after the step's timing: not in tokens/s or MFU
                 records.append(record)
                 if logger is not None:
-                    console = self.step % cfg.log.every == 0 or self.step == cfg.train.steps
+                    console = self.step % cfg.log.every == 0 or self.step == cfg.train.steps or ending
                     logger.log(record, console=console)
                     # The comm table: on the first step, and again whenever the pattern changes.
                     table = self.last_comm.table()
@@ -222,12 +266,16 @@ class Trainer:
                     raise NonFiniteStop(self.guard.stop_message(record["nonfinite"]))
                 if self.step == cfg.train.steps and self.guard.never_updated:  # 'skip' skipped every step
                     raise NonFiniteStop(self.guard.never_updated_message(self.step - segment["start_step"]))
+                self._say(ran_out, is_main)
                 stop = self.sigterm is not None and self.sigterm.agreed(self.comm, self.world_size, self.device)
                 # a periodic save waits for the job's first update: until then the model is what it started from
-                if self.store is not None and ((self._checkpoint_due() and not self.guard.never_updated) or stop):
+                if self.store is not None and (((self._checkpoint_due() or ending) and not self.guard.never_updated)
+                                               or stop):
                     self.save_checkpoint()
                 if stop:
                     raise Terminated(f"stopped by SIGTERM after step {self.step}, saved in {self.cfg.checkpoint.dir}")
+                if ending:
+                    break
         finally:
             if self.sigterm is not None:
                 self.sigterm.close()
@@ -239,6 +287,23 @@ class Trainer:
         if self.async_saver is not None and self.async_saver.last_failed:  # a run never ends on a lost save
             raise CheckpointWriteError(f"the run's last {self.async_saver.failed[-1]}")
         return records
+
+    def _ran_out(self, first: bool) -> list[str]:
+        """data.on_exhausted: the lines for sources (or data.path) that run out within the next step; with "stop"
+        `stopped_by` keeps them (the run ends before that step) — at this start's first step nothing was trained,
+        so that is an error instead."""
+        lines, stop = exhaustion(self.loader, self.step + 1, self.cfg.data.on_exhausted)
+        if stop and first:
+            raise DataError(f"{lines[0]}: no step can be trained; add data, lower train.global_batch or set "
+                            "data.on_exhausted = \"wrap\"")
+        self.stopped_by = lines if stop else []
+        return lines
+
+    @staticmethod
+    def _say(lines: list[str], is_main: bool) -> None:
+        if is_main:
+            for line in lines:
+                print(f"pentatron: {line}", flush=True)
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_due(self) -> bool:
