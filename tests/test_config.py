@@ -59,6 +59,12 @@ def test_int_is_accepted_for_float_fields(tmp_path):
     ("[parallel]\ncp = 2\ncp_mode = 'tree'", (), 2, "parallel.cp_mode must be one of 'ring', 'ulysses', 'hybrid'"),
     ("[parallel]\ncp = 2\ntp = 4\nsp = true\n[train]\nseq_len = 36", (), 8,
      "parallel.sp=true needs the tokens per cp rank (train.seq_len / cp = 36/2 = 18) to be divisible by parallel.tp=4"),
+    # HSDP: a shard degree dividing dp, for a ZeRO stage, over dp alone
+    ("[parallel]\nzero = 3\ndp_shard = 3", (), 4, "parallel.dp_shard=3 must divide parallel.dp=4"),
+    ("[parallel]\ndp_shard = 2", (), 4, "parallel.dp_shard=2 < dp=4 (HSDP) needs parallel.zero=1, 2 or 3"),
+    ("[parallel]\nzero = 3\ndp_shard = 8", (), 4, "parallel.dp_shard=8 must divide parallel.dp=4"),
+    ("[parallel]\nzero = 3\ndp_shard = -1", (), 4, "parallel.dp_shard must be an integer ≥ 0"),
+    ("[parallel]\nzero = 3\ndp_shard = 1\ncp = 2", (), 4, "(HSDP) is not supported with parallel.cp=2"),
     # an explicit pipeline split (the debug model has 4 layers; global batch 8 of 2 → 4 micro-batches)
     ("[parallel]\npp = 2\npp_layers = 3\n[train]\nmicro_batch = 2", (), 2, "parallel.pp_layers must be a list, got 3"),
     ("[parallel]\npp = 2\npp_layers = [1, 'x']", (), 2, "parallel.pp_layers[1] must be an integer, got 'x'"),

@@ -160,6 +160,10 @@ class ParallelConfig:
     pp_layers: list[int] | None = None
     """Decoder layers per pipeline stage (per chunk when interleaving), in stage order, e.g. [15, 17, 17, 15]
     to leave room for the embedding on the first stage and the head on the last; unset: the runtime's split."""
+    dp_shard: int = 0
+    """[ranks] HSDP (hybrid sharded data parallelism): ZeRO (parallel.zero = 1, 2 or 3) shards over groups of this
+    many consecutive dp ranks (one node) instead of all of dp; the dp / dp_shard groups are replicas whose
+    gradient shards are all-reduced across nodes. Must divide dp; 0: shard over all of dp (plain ZeRO)."""
     bucket_mb: float = 25.0
     """[MiB] Size of the gradient buckets data parallelism reduces while backward still runs (overlap)."""
 
@@ -442,6 +446,7 @@ class Config:
         return ParallelLayout(dp=dp or 1, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero, sp=par.sp,
                               pp_schedule=par.pp_schedule, pp_virtual=par.pp_virtual,
                               zero3_gather=par.zero3_gather, cp_mode=par.cp_mode, cp_ulysses=par.cp_ulysses,
+                              dp_shard=par.dp_shard,
                               pp_layers=None if par.pp_layers is None else tuple(par.pp_layers),
                               micro_batch=tr.micro_batch,
                               global_batch=tr.global_batch, seq_len=tr.seq_len)

@@ -39,7 +39,10 @@ class ParallelLayout:
     (all-to-all from sequence- to head-sharded) or "hybrid" (Ulysses over `cp_ulysses` ranks inside,
     ring over cp / cp_ulysses across). `pp_layers`: decoder layers of each pipeline stage (chunk) in
     stage order, e.g. fewer on the first and the last stage, which also hold the embedding and the head;
-    None: the runtime's own split (equal chunks when interleaving, else balanced by cost)."""
+    None: the runtime's own split (equal chunks when interleaving, else balanced by cost).
+    `dp_shard` (HSDP): the dp ranks ZeRO shards over, consecutive dp ranks (one node); the other
+    dp / dp_shard are replicas of that shard group, and the shards' reduced gradients are all-reduced
+    across them. 0 (or dp): ZeRO shards over all of dp."""
 
     dp: int = 1
     tp: int = 1
@@ -57,6 +60,7 @@ class ParallelLayout:
     global_batch: int = 1
     seq_len: int = 1
     pp_layers: tuple[int, ...] | None = None
+    dp_shard: int = 0
 
     # ------------------------------------------------------------------ derived
     @property
@@ -77,6 +81,20 @@ class ParallelLayout:
     def cp_ring_degree(self) -> int:
         """Ranks of a cp group that pass K/V blocks around a ring."""
         return self.cp // max(1, self.cp_ulysses_degree)
+
+    @property
+    def shard_degree(self) -> int:
+        """The dp ranks ZeRO shards parameters, gradients and optimizer state over (all of dp without HSDP)."""
+        return self.dp_shard or self.dp
+
+    @property
+    def replicate_degree(self) -> int:
+        """HSDP: the replicas of each shard group (1 without HSDP)."""
+        return max(1, self.dp // max(1, self.shard_degree))
+
+    @property
+    def hsdp(self) -> bool:
+        return self.shard_degree < self.dp
 
     @property
     def n_stages(self) -> int:
@@ -100,7 +118,7 @@ class ParallelLayout:
             s += f" ep{self.ep}"
         if self.pp > 1:
             s += f" {self.pp_schedule}" + (f"/v{self.virtual}" if self.virtual > 1 else "")
-        return s + f" zero{self.zero}"
+        return s + f" zero{self.zero}" + (f" hsdp{self.replicate_degree}x{self.shard_degree}" if self.hsdp else "")
 
     # ------------------------------------------------------------------ the rules
     def problems(self, model: ModelConfig | None = None, world_size: int | None = None) -> list[str]:
@@ -129,6 +147,7 @@ class ParallelLayout:
             p.append(f"train.global_batch={self.global_batch} is not divisible by train.micro_batch="
                      f"{self.micro_batch} × dp={self.dp}")
         p += self.context_problems(model)
+        p += self.hsdp_problems()
         if model is not None:
             # Under cp each rank holds seq_len / cp tokens: that is what sequence parallelism splits.
             per_rank = f"the tokens per cp rank (train.seq_len / cp = {self.seq_len}/{self.cp})"
@@ -144,6 +163,28 @@ class ParallelLayout:
         if any(isinstance(getattr(self, n), int) and getattr(self, n) < 1 for n in ("dp", "cp")):
             return self.problems(world_size=world_size)
         return replace(self, micro_batch=1, global_batch=self.dp, seq_len=2 * self.cp).problems(world_size=world_size)
+
+    def hsdp_problems(self) -> list[str]:
+        """HSDP's shard degree: a divisor of dp, used by a ZeRO stage, over dp alone."""
+        s = self.dp_shard
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            return [f"parallel.dp_shard must be an integer ≥ 0 (0: shard over all of dp), got {s!r}"]
+        if s and self.dp % s:  # also a shard degree above dp
+            return [f"parallel.dp_shard={s} must divide parallel.dp={self.dp} (HSDP: dp / dp_shard replicas of a "
+                    f"{s}-rank shard group)"]
+        if not self.hsdp:
+            return []
+        p = []
+        if self.zero == 0:
+            p.append(f"parallel.dp_shard={s} < dp={self.dp} (HSDP) needs parallel.zero=1, 2 or 3: with zero=0 "
+                     "nothing is sharded")
+        if self.cp > 1:
+            p.append(f"parallel.dp_shard={s} < dp={self.dp} (HSDP) is not supported with parallel.cp={self.cp} "
+                     "(ZeRO then shards over dp×cp): set dp_shard=0 or cp=1")
+        if self.ep > 1:
+            p.append(f"parallel.dp_shard={s} < dp={self.dp} (HSDP) is not supported with parallel.ep={self.ep} "
+                     "(expert weights shard over dp×cp / ep): set dp_shard=0 or ep=1")
+        return p
 
     def context_problems(self, model: ModelConfig | None) -> list[str]:
         """The context-parallel mode, its degrees, and the sequence / heads they split."""

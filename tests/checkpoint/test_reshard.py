@@ -2,7 +2,8 @@
 resume to step 4 in another — dp2 ZeRO-1 → tp2×pp2, tp2 → dp4 ZeRO-3, pp2 → 1 process, and out of and into
 context parallelism (cp2 ZeRO-1 → dp4 ZeRO-2, dp2 → cp2 Ulysses × dp2 ZeRO-3), the 8-rank
 dp2 × tp2 × pp2 ZeRO-2 (SP) → dp4 ZeRO-3, and MoE models into and out of expert parallelism (ep2 × dp2
-ZeRO-1 → tp2 × dp2 ZeRO-2 with the aux-free router biases; pp2 → ep4 × dp4 ZeRO-3), and a weighted mixture
+ZeRO-1 → tp2 × dp2 ZeRO-2 with the aux-free router biases; pp2 → ep4 × dp4 ZeRO-3), HSDP to and from plain
+ZeRO-3 (dp2 ZeRO-3 → 2 replicas × 2 shards; 2 × 2 shards × tp2 → dp4 ZeRO-3), and a weighted mixture
 of two sources (data.sources, document masking, per-source validation) dp2 ZeRO-1 → tp2 × pp2, whose
 validation losses match too. Every run is float64
 (model, gradients, optimizer state, collectives): the four losses and the final parameters match an
@@ -48,6 +49,11 @@ MOVES = {
                                                4, [AUXFREE, "parallel.tp=2", "parallel.dp=2", "parallel.zero=2"]),
     "moe pp2 -> ep4 dp4 zero3": (2, [MOE, "parallel.pp=2"], 4, [MOE, "parallel.dp=4", "parallel.ep=4",
                                                                   "parallel.zero=3"]),
+    # HSDP (2 replicas × 2-rank shard groups) from and to plain ZeRO-3; the source composes it with tp2
+    "dp2 zero3 -> hsdp dp4 2x2 zero3": (2, ["parallel.dp=2", "parallel.zero=3"], 4,
+                                        ["parallel.dp=4", "parallel.zero=3", "parallel.dp_shard=2"]),
+    "hsdp dp4 2x2 tp2 zero3 -> dp4 zero3": (8, ["parallel.dp=4", "parallel.tp=2", "parallel.zero=3",
+                                                "parallel.dp_shard=2"], 4, ["parallel.dp=4", "parallel.zero=3"]),
     "mixture dp2 zero1 -> tp2 pp2": (2, [*MIX, "parallel.dp=2", "parallel.zero=1"], 4,
                                      [*MIX, "parallel.tp=2", "parallel.pp=2"]),
 }

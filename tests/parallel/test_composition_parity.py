@@ -48,6 +48,12 @@ CASES: dict[int, dict[str, list[str]]] = {
         # Qwen3's q/k norms: one gain per head_dim shared by the heads each tp rank splits, so its gradient is
         # summed over tp (SP or not: the same hook); one case, for the test-time budget
         "qwen3 tp2×pp2 sp": [*QWEN3, "parallel.tp=2", "parallel.pp=2", "parallel.sp=true"],
+        # HSDP: ZeRO-3 and ZeRO-2 over 2-rank shard groups, 2 replicas all-reducing their shards; and ZeRO-1
+        # under pp2 with 1-rank shard groups (replicated optimizer state, gradients all-reduced across replicas)
+        "hsdp dp4 = 2 replicas × 2 shards zero3": ["parallel.dp=4", "parallel.zero=3", "parallel.dp_shard=2"],
+        "hsdp dp4 = 2 replicas × 2 shards zero2 accumulating": ["parallel.dp=4", "parallel.zero=2",
+                                                                "parallel.dp_shard=2", "train.micro_batch=1"],
+        "hsdp dp2 = 2 replicas × 1 shard ×pp2 zero1 tied": [*DP2PP2, "parallel.zero=1", "parallel.dp_shard=1"],
     },
     8: {
         "dp2×tp2×pp2 zero2 sp full recompute": [*DP2TP2PP2, "parallel.zero=2", "train.recompute=full"],
@@ -78,6 +84,7 @@ def _train(cfg: Config, dataset_dir: Path, validate: bool = False) -> dict[str, 
         out["losses"].append(record["loss"])
         out["norms"].append(record["grad_norm"])
         if step == 0:
+            out["comm"] = record["comm_calls"]
             out["grads"] = {n: g.double().numpy() for n, g in trainer.runner.full_gradients().items()}
     out["params"] = {n: t.double().numpy() for n, t in trainer.runner.full_parameters().items()}
     if validate:
@@ -113,6 +120,12 @@ def test_every_composition_equals_a_plain_loop(world, references, default_datase
                                        err_msg=f"{label} rank {rank}: losses")
             np.testing.assert_allclose(res[label]["norms"], ref["norms"], rtol=TOL,
                                        err_msg=f"{label} rank {rank}: grad norms")
+        if "hsdp" in label:  # the shards reduce-scattered within a shard group, all-reduced across replicas
+            comm = runs[0][label]["comm"]
+            assert comm["dp_replicate"]["all_reduce"] >= 1, (label, comm)
+            assert set(comm.get("dp", {})) <= {"all_reduce"}, (label, comm)  # over all of dp: the loss average only
+            if "2 shards" in label:
+                assert comm["dp_shard"]["reduce_scatter"] >= 1 and comm["dp_shard"]["all_gather"] >= 1, (label, comm)
         for key, ref_key in (("grads", "grads"), ("params", "params")):
             got = _merged(runs, label, key, tied)
             assert got.keys() == ref[ref_key].keys(), label

@@ -187,3 +187,27 @@ def test_tensor_parallel_collectives_per_micro_batch():
     assert counts[(True, "all_gather", "layers fwd+bwd (SP)")] == (m * 18, act)
     assert counts[(True, "reduce_scatter", "layers fwd+bwd (SP)")] == (m * 18, act)
     assert counts[(True, "all_reduce", "norm weight gradients (SP)")] == (m * (2 * 4 + 1), 4096 * 2)
+
+
+def test_hsdp_shards_over_a_node_and_all_reduces_one_shard_across_nodes():
+    """dp16 = 2 replicas × 8-rank shard groups (ZeRO-3): the model states of dp8 ZeRO-3 (sharded 8 ways), the
+    reduce-scatters and all-gathers inside a node, and one all-reduce of 1/8 of the fp32 gradients per step over
+    2 ranks on 2 nodes, fully exposed (training issues it after the last reduce-scatter)."""
+    from pentatron.plan.memory import memory_per_gpu
+
+    w = Workload(get_model_config("llama3-8b"), 4096, 64)
+    hsdp, plain8 = Layout(dp=16, zero=3, dp_shard=8), Layout(dp=8, zero=3)
+    mh, m8 = memory_per_gpu(w, hsdp, H100), memory_per_gpu(w, plain8, H100)
+    for part in ("parameters", "gradients", "master_weights", "optimizer"):
+        assert getattr(mh, part) == getattr(m8, part), part
+    assert memory_per_gpu(w, Layout(dp=16, zero=3), H100).optimizer == pytest.approx(m8.optimizer / 2)
+    assert (group_of(hsdp, "dp_shard", H100).nodes, group_of(hsdp, "dp_replicate", H100).nodes) == (1, 2)
+    st = step_time(w, hsdp, H100)
+    dp = [c for c in st.collectives if c.dim == "dp_cp" and c.kind.name.startswith("ZERO3")]
+    assert {c.op for c in dp} == {"reduce_scatter", "all_gather"}
+    assert all(c.wire == pytest.approx(c.payload * 7 / 8) for c in dp)  # 8 ranks, inside one node
+    (rep,) = [c for c in st.collectives if c.dim == "dp_replicate"]
+    # the reduce-scatters: every micro-batch's fp32 gradients of all the rank's parameters
+    n_params = sum(c.payload * c.count for c in dp if c.op == "reduce_scatter") / 4 / hsdp.microbatches(w)
+    assert (rep.op, rep.count) == ("all_reduce", 1) and rep.payload == pytest.approx(n_params * 4 / 8)
+    assert st.dp_exposed >= rep.time

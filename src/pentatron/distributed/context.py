@@ -7,6 +7,9 @@ tensor-parallel group sits on consecutive ranks (one node), pp outermost. Expert
 its ranks from dp×cp and so is not a mesh dimension of its own: numbering a dp×cp group's ranks
 q = dp·cp_size + cp, "ep" groups are consecutive blocks of ep of them (experts sharded), "edp" (expert
 data parallel) the ranks holding the same experts, q ≡ q' (mod ep) — Megatron's order, ep innermost.
+HSDP splits the dp group as dp = dp_replicate × dp_shard with the shard ranks innermost (consecutive dp
+coordinates, one node): "dp_shard" is the group ZeRO shards over, "dp_replicate" the ranks holding the
+same shard (stride dp_shard). Without HSDP "dp_shard" is the dp group and "dp_replicate" has size 1.
 Context parallelism in "hybrid" mode
 splits its cp group once more, `cp = cp_ring × cp_ulysses` with the Ulysses ranks innermost (adjacent
 ranks, one node): the "cp_ulysses" group exchanges heads by all-to-all, the "cp_ring" group passes K/V
@@ -25,7 +28,8 @@ from pentatron.distributed.comm import Comm, CommLedger
 from pentatron.layout import ParallelLayout
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
-DERIVED_DIMS: tuple[str, ...] = ("dp_cp", "cp_ring", "cp_ulysses", "ep", "edp")  # groups made of mesh dimensions
+# groups made of mesh dimensions
+DERIVED_DIMS: tuple[str, ...] = ("dp_cp", "cp_ring", "cp_ulysses", "ep", "edp", "dp_shard", "dp_replicate")
 
 
 def mesh_shape(layout: ParallelLayout) -> tuple[int, ...]:
@@ -83,6 +87,8 @@ class ParallelContext:
             groups["cp_ring"], groups["cp_ulysses"] = _cp_sub_groups(layout, dist.get_rank())
         groups["ep"], groups["edp"] = (None, groups["dp_cp"]) if layout.ep == 1 else \
             _expert_groups(layout, dist.get_rank())
+        groups["dp_shard"], groups["dp_replicate"] = _hsdp_groups(layout, dist.get_rank()) if layout.hsdp \
+            else (groups["dp"], None)
         return cls(layout, dist.get_rank(), device, groups, mesh)
 
     # ------------------------------------------------------------------ coordinates
@@ -114,6 +120,10 @@ class ParallelContext:
             return [self.rank_of(cp=(c // u) * u + i) for i in range(self.size(dim))]
         if dim == "dp_cp":  # group rank dp · cp + cp, as `local_rank` numbers it
             return [self.rank_of(dp=i // self.layout.cp, cp=i % self.layout.cp) for i in range(self.size(dim))]
+        if dim in ("dp_shard", "dp_replicate"):
+            s, d = self.layout.shard_degree, self.coords["dp"]
+            return [self.rank_of(dp=(d // s) * s + i if dim == "dp_shard" else i * s + d % s)
+                    for i in range(self.size(dim))]
         if dim in ("ep", "edp"):  # carved from dp_cp: ep blocks of consecutive group ranks, edp strides
             flat = self.group_ranks("dp_cp")
             q, ep = self.local_rank("dp_cp"), self.layout.ep
@@ -149,6 +159,10 @@ class ParallelContext:
             return self.layout.cp_ulysses_degree
         if dim == "edp":
             return self.layout.dp * self.layout.cp // self.layout.ep
+        if dim == "dp_shard":
+            return self.layout.shard_degree
+        if dim == "dp_replicate":
+            return self.layout.replicate_degree
         return getattr(self.layout, dim)
 
     def local_rank(self, dim: str) -> int:
@@ -158,6 +172,10 @@ class ParallelContext:
             return self.coords["cp"] // self.layout.cp_ulysses_degree
         if dim == "cp_ulysses":
             return self.coords["cp"] % self.layout.cp_ulysses_degree
+        if dim == "dp_shard":
+            return self.coords["dp"] % self.layout.shard_degree
+        if dim == "dp_replicate":
+            return self.coords["dp"] // self.layout.shard_degree
         if dim in ("ep", "edp"):
             q = self.local_rank("dp_cp")
             return q % self.layout.ep if dim == "ep" else q // self.layout.ep
@@ -189,6 +207,28 @@ def _flat_group(layout: ParallelLayout, rank: int) -> dist.ProcessGroup:
                 mine = g
     assert mine is not None
     return mine
+
+
+def _hsdp_groups(layout: ParallelLayout, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's (shard, replicate) groups: dp coordinate = replica index · dp_shard + shard index. Every
+    rank creates every group, in the same order (`new_group` is collective)."""
+    s, r = layout.shard_degree, layout.replicate_degree
+    grid = torch.arange(layout.world).view(mesh_shape(layout))  # [pp, dp, cp, tp]
+    shard = rep = None
+    for pp in range(layout.pp):
+        for cp in range(layout.cp):
+            for tp in range(layout.tp):
+                dps = grid[pp, :, cp, tp].tolist()
+                for i in range(r):
+                    ranks = dps[i * s: (i + 1) * s]
+                    g = dist.new_group(ranks)
+                    shard = g if rank in ranks else shard
+                for j in range(s):
+                    ranks = dps[j::s]
+                    g = dist.new_group(ranks)
+                    rep = g if rank in ranks else rep
+    assert shard is not None and rep is not None
+    return shard, rep
 
 
 def _cp_sub_groups(layout: ParallelLayout, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

@@ -70,6 +70,7 @@ class DataParallelBase:
             raise NotImplementedError(f"one data-parallel engine reduces over one group; got {sorted(groups)}")
         self.reduce_dim = "_".join(groups.pop())
         self.dp, self.dp_rank = ctx.size(self.reduce_dim), ctx.local_rank(self.reduce_dim)
+        self.shard_dim = self.reduce_dim  # the group a sharded engine shards over (HSDP: a part of it)
         # Reduced gradients are sums over the group, divided by the replicas of the batch (dp×cp): for
         # expert weights ("edp") the ep ranks' tokens already met in the experts, so still dp×cp.
         self.grad_divisor = ctx.size("dp_cp") if self.reduce_dim == "edp" else self.dp
@@ -166,7 +167,7 @@ class DataParallelBase:
             for w, grads in by_weight.items():
                 sq += grad_norm_squared(grads, self.ctx.device, self.norm_dtype) * w
         if self.sharded_grads:
-            self.comm.all_reduce(sq, self.reduce_dim)
+            self.comm.all_reduce(sq, self.shard_dim)  # HSDP: each replica holds the whole gradient
         return sq
 
     def sync_tied_grads(self) -> None:

@@ -222,8 +222,9 @@ class StepRunner:
         out = {}
         for p, f in flat.items():
             pl = engine.place[p]
-            if pl.zero is not None:  # pieces are disjoint over the parameter's group: the sum assembles it
-                self.comm.all_reduce(f, "_".join(pl.grad_dims))
+            if pl.zero is not None:  # pieces are disjoint over the group ZeRO shards over: the sum assembles it
+                # ("dp_shard" is that group under dp: all of dp, or HSDP's shard group)
+                self.comm.all_reduce(f, "dp_shard" if pl.grad_dims == ("dp",) else "_".join(pl.grad_dims))
             out[pl.name] = gather_experts(gather_full_tensor(f.view(pl.local_shape), pl.tp, self.comm),
                                           pl.expert, self.comm)
         return out

@@ -22,6 +22,14 @@ Communication per step for Ψ parameters and N ranks (ring): ZeRO-1/2 (N−1)/N�
 (N−1)/N·Ψ all-gather ≈ 2Ψ; ZeRO-3 adds the second all-gather ≈ 3Ψ (times the micro-steps for the
 parts that run per micro-step).
 
+HSDP (`parallel.dp_shard` < dp): the engine shards over the "dp_shard" group (consecutive dp ranks, one
+node) instead of all of dp, every reduce-scatter and all-gather above running there; the dp / dp_shard
+shard groups are replicas. Each rank's reduced gradient shard is then all-reduced over "dp_replicate" (the
+ranks holding the same shard, across nodes) once per step in `finish_grad_sync`, after the last
+reduce-scatter — once per step, not per micro-step, because ZeRO-2/3 accumulate into the shard — and
+divided by all of dp. The same choice serves ZeRO-1/2 (optimizer state, and gradients, sharded within a
+node and replicated across: DeepSpeed's hierarchical partitioning idea) and ZeRO-3.
+
 Checkpoints: optimizer state (and ZeRO-3's parameters) are saved per piece, keyed
 "<param key>[lo:hi]" (a range of the flattened local parameter; just "<param key>" when a rank holds all
 of it; the key is the name, or "<name>|tp<i>/<n>" for a tensor-parallel shard), so each rank writes only
@@ -68,6 +76,30 @@ class _ShardedBase(DataParallelBase):
 
     sharded_grads = True
 
+    def __init__(self, model: nn.Module, ctx: ParallelContext, policy: PrecisionPolicy, bucket_mb: float,
+                 placements: dict[str, Placement] | None = None, only: Collection[str] | None = None) -> None:
+        super().__init__(model, ctx, policy, bucket_mb, placements, only)
+        # HSDP: shard within the "dp_shard" group, all-reduce the shards across "dp_replicate". The gradient
+        # is still averaged over all of dp (`grad_divisor`, set from the whole group above).
+        self.replicate_dim: str | None = None
+        if self.reduce_dim == "dp" and ctx.size("dp_shard") < ctx.size("dp"):
+            self.shard_dim, self.replicate_dim = "dp_shard", "dp_replicate"
+            self.dp, self.dp_rank = ctx.size("dp_shard"), ctx.local_rank("dp_shard")
+
+    def _reduce_replicas(self) -> None:
+        """HSDP: sum each reduced gradient shard over the replicas holding the same shard."""
+        if self.replicate_dim is None:
+            return
+        works = [self.comm.all_reduce(g, self.replicate_dim, async_op=True) for g in self.owned_grads()]
+        for w in works:
+            w.wait()
+
+    def _broadcast_replicas(self, t: torch.Tensor) -> None:
+        """Make `t` identical on every rank of the (whole) data-parallel group, from its rank 0."""
+        self.comm.broadcast(t, self.shard_dim, src=0)
+        if self.replicate_dim is not None:
+            self.comm.broadcast(t, self.replicate_dim, src=0)
+
     def _build_slots(self, param_store: torch.Tensor, store_is_global: bool, grad_of: Any) -> None:
         """`param_store`: where the model's copy of each piece lives (indexed by global offset when
         `store_is_global`, else by local offset); `grad_of(piece)`: the piece's fp32 gradient."""
@@ -101,7 +133,10 @@ class _ShardedBase(DataParallelBase):
         return self.place[pc.param].piece_key(pc.lo, pc.hi)
 
     def layout_meta(self) -> dict[str, Any]:
-        return {"zero": self.stage, "dp": self.dp, "buckets": [b.padded for b in self.layout.buckets]}
+        meta = {"zero": self.stage, "dp": self.dp, "buckets": [b.padded for b in self.layout.buckets]}
+        if self.replicate_dim is not None:
+            meta["replicas"] = self.ctx.size(self.replicate_dim)
+        return meta
 
     def _optim_memory(self, optimizer: AdamW) -> tuple[int, int]:
         return optimizer.state_bytes(), _nbytes(self.master_shard)
@@ -134,7 +169,7 @@ class ZeroDataParallel(_ShardedBase):
                     view.copy_(p)
                 give_storage(p, view)
             if any_meta:  # replicas are identical by construction; the broadcast makes it a guarantee
-                self.comm.broadcast(self.param_flat, self.reduce_dim, src=0)
+                self._broadcast_replicas(self.param_flat)
         self.grads = GradBuffer(self.params, policy.grad_dtype, self._grad_ready, self.layout,
                                 persistent=stage == 1)
         self.grad_shard = None if stage == 1 else torch.zeros(self.layout.shard_numel, dtype=policy.grad_dtype,
@@ -172,12 +207,12 @@ class ZeroDataParallel(_ShardedBase):
         """ZeRO-1: reduce-scatter bucket b in place in the persistent buffer (asynchronously)."""
         self._launched.add(b.index)
         data = self.grads.bucket_data(b)
-        self._works.append(self.comm.reduce_scatter(data[self._own(b)], data, self.reduce_dim, async_op=True))
+        self._works.append(self.comm.reduce_scatter(data[self._own(b)], data, self.shard_dim, async_op=True))
 
     def _reduce_transient(self, b: Bucket) -> None:
         data = self.grads.bucket_data(b)
         self.grads.release(b)  # the next gradients of this bucket go to a fresh buffer
-        work = self.comm.reduce_scatter(data[self._own(b)], data, self.reduce_dim, async_op=True)
+        work = self.comm.reduce_scatter(data[self._own(b)], data, self.shard_dim, async_op=True)
         self._in_flight.append((b, data, work))
         self._transient_peak = max(self._transient_peak, self.grads.transient_bytes
                                    + sum(_nbytes(d) for _, d, _ in self._in_flight))
@@ -204,6 +239,7 @@ class ZeroDataParallel(_ShardedBase):
             for w in self._works:
                 w.wait()
             self._works.clear()
+            self._reduce_replicas()
             if self.grad_divisor > 1:
                 for g in self.owned_grads():
                     g.div_(self.grad_divisor)
@@ -212,6 +248,7 @@ class ZeroDataParallel(_ShardedBase):
                 if self._remaining[b.index] != len(b.params):
                     self._reduce_transient(b)
             self._drain(0)
+            self._reduce_replicas()
             if self.grad_divisor > 1:
                 self.grad_shard.div_(self.grad_divisor)
         self._reset_counts(self.layout)
@@ -226,7 +263,7 @@ class ZeroDataParallel(_ShardedBase):
         works = []
         for b in self.layout.buckets:
             full = self.param_flat[b.start: b.end]
-            works.append(self.comm.all_gather(full, full[self._own(b)], self.reduce_dim, async_op=True))
+            works.append(self.comm.all_gather(full, full[self._own(b)], self.shard_dim, async_op=True))
         for w in works:
             w.wait()
 
@@ -369,7 +406,7 @@ class FullyShardedDataParallel(_ShardedBase):
             u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
         u.held = True
         lo, hi = self.layout.local_range(u.bucket)
-        u.work = self.comm.all_gather(u.full, self.param_shard[lo:hi], self.reduce_dim, async_op=True)
+        u.work = self.comm.all_gather(u.full, self.param_shard[lo:hi], self.shard_dim, async_op=True)
         self._note_transient()
 
     def _ensure(self, u: _Unit) -> None:
@@ -479,7 +516,7 @@ class FullyShardedDataParallel(_ShardedBase):
         data = self.grads.bucket_data(b)
         self.grads.release(b)
         lo, hi = self.layout.shard_range(b, self.dp_rank)
-        work = self.comm.reduce_scatter(data[lo - b.start: hi - b.start], data, self.reduce_dim, async_op=True)
+        work = self.comm.reduce_scatter(data[lo - b.start: hi - b.start], data, self.shard_dim, async_op=True)
         self._in_flight.append((b, data, work))
         self._note_transient()
         u.grads_pending = False
@@ -507,6 +544,7 @@ class FullyShardedDataParallel(_ShardedBase):
             u.backwards_due = 0
             u.forward_pending = set()
         self._drain(0)
+        self._reduce_replicas()
         if self.grad_divisor > 1:
             self.grad_shard.div_(self.grad_divisor)
         self._reset_counts(self.layout)

@@ -19,7 +19,7 @@ from pentatron.plan.recipes import PENTATRON, RECIPES, TRAINING_ATTENTION, not_o
 
 RECIPE_NAMES = tuple(RECIPES)
 KNOB_FLAGS = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "pp_virtual", "micro_batch", "recompute",
-              "cp_mode", "cp_ulysses", "pp_layers")
+              "cp_mode", "cp_ulysses", "pp_layers", "dp_shard")
 
 
 class InputError(ValueError):
@@ -180,6 +180,8 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--cp-mode", choices=field_choices(ParallelConfig, "cp_mode"),
                    help="context parallelism: ring attention, Ulysses all-to-all, or Ulysses inside a node x ring")
     k.add_argument("--cp-ulysses", type=int, help="hybrid: the Ulysses degree (ring degree = cp / cp-ulysses)")
+    k.add_argument("--dp-shard", type=int, help="HSDP: the dp ranks ZeRO shards over (a node's), replicated dp / "
+                                                 "dp-shard times; 0 = ZeRO over all of dp")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
     o.add_argument("--json", action="store_true", help="print JSON (schema pentatron.plan/1) instead of text")
@@ -620,4 +622,5 @@ def requested_layout(fixed: dict[str, Any], gpus: int) -> Any:
                   micro_batch=fixed.get("micro_batch", 1), recompute=fixed.get("recompute", "none"),
                   precision=fixed.get("precision", "bf16"), attention=fixed.get("attention", TRAINING_ATTENTION),
                   fp8_scaling=fixed.get("fp8_scaling", "tensorwise"), recipe=fixed.get("recipe", PENTATRON),
-                  cp_mode=fixed.get("cp_mode", "ring"), cp_ulysses=fixed.get("cp_ulysses", 1))
+                  cp_mode=fixed.get("cp_mode", "ring"), cp_ulysses=fixed.get("cp_ulysses", 1),
+                  dp_shard=fixed.get("dp_shard", 0))

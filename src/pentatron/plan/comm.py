@@ -39,12 +39,13 @@ __all__ = ["Collective", "Group", "LayerComm", "Traffic", "collective_time", "dp
 
 def group_of(lay: Layout, dim: str, gpu: GPUSpec) -> Group:
     """Placement of one group of `dim` in the (pp, dp, cp, tp) rank order (tp innermost)."""
-    return _group(dim, lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.cp_mode, lay.cp_ulysses, gpu.gpus_per_node)
+    return _group(dim, lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.cp_mode, lay.cp_ulysses, gpu.gpus_per_node,
+                  lay.par.shard_degree)
 
 
 @lru_cache(maxsize=4096)  # the search asks for the same few groups ~10^5 times
 def _group(dim: str, dp: int, tp: int, pp: int, cp: int, ep: int, cp_mode: str, cp_ulysses: int,
-           gpus_per_node: int) -> Group:
+           gpus_per_node: int, shard: int) -> Group:
     u, r = cp_degrees(cp, cp_mode, cp_ulysses)
     size, stride = {
         "tp": (tp, 1),
@@ -53,6 +54,8 @@ def _group(dim: str, dp: int, tp: int, pp: int, cp: int, ep: int, cp_mode: str, 
         "cp_ring": (r, tp * u),  # ... and the ring over those groups
         "dp": (dp, tp * cp),
         "dp_cp": (dp * cp, tp),  # dense gradients reduce over dp x cp
+        "dp_shard": (shard, tp * cp),  # HSDP: ZeRO's shard group, consecutive dp ranks ...
+        "dp_replicate": (max(1, dp // shard), tp * cp * shard),  # ... and the replicas of a shard
         "ep": (ep, tp),  # experts borrow consecutive ranks of dp x cp
         "edp": (max(1, dp * cp // ep), tp * ep),  # expert gradients
         "pp": (pp, dp * cp * tp),
@@ -116,6 +119,7 @@ class Traffic(Enum):
     STAGE = "stage boundary"
     TIED = "tied embedding gradient"
     GRADIENTS = "gradients"
+    GRADIENTS_REPLICAS = "gradient shards across HSDP replicas"
     PARAMETERS = "updated parameters"
     GRADIENTS_PER_MICROBATCH = "gradients per micro-batch"
     ZERO3_GRADIENTS_PER_STEP = "gradients per layer, once per step"
@@ -454,7 +458,7 @@ SP_NORMS_WHERE = Traffic.SP_NORMS.value
 def tied_grad_bytes(params: float, lay: Layout) -> float:
     """Bytes of the tied weight's gradient one rank sends its peer stage: the gradient buffer's dtype,
     only the piece it owns under ZeRO >= 1 (sharded over dp x cp)."""
-    shard = lay.dp * lay.cp if lay.zero >= 1 else 1
+    shard = lay.zero_group if lay.zero >= 1 else 1
     return params * lay.grad_bytes / shard
 
 
@@ -465,10 +469,28 @@ def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a
     per step;
     ZeRO-2: gradients are sharded, so each micro-batch's are reduce-scattered; ZeRO-3: parameters are
     all-gathered layer by layer for forward and again for backward of every micro-batch, and gradients
-    reduce-scattered layer by layer: one call per layer, so its latency is paid `layers` times."""
+    reduce-scattered layer by layer: one call per layer, so its latency is paid `layers` times.
+    HSDP (dense gradients, dp_shard < dp): all of it within the shard group (consecutive ranks, inside a
+    node when it fits), plus one all-reduce per step of the 1/shard of the gradients this rank holds,
+    over the replicas (across nodes)."""
     g = group_of(lay, dim, gpu)
-    if g.size <= 1 or params <= 0:
+    if params <= 0:
         return []
+    replicas: list[Collective] = []
+    if dim == "dp_cp" and lay.par.hsdp:
+        g = replace(group_of(lay, "dp_shard", gpu), dim=dim)  # reported and overlapped as the dp traffic
+        r = group_of(lay, "dp_replicate", gpu)
+        replicas = [_coll(gpu, r, "all_reduce", params * lay.grad_bytes / g.size, 1, Traffic.GRADIENTS_REPLICAS,
+                          dp_in_step_time)] if r.size > 1 else []
+        if g.size <= 1:
+            return replicas
+    if g.size <= 1:
+        return []
+    return _zero_collectives(lay, gpu, g, params, m, a, layers) + replicas
+
+
+def _zero_collectives(lay: Layout, gpu: GPUSpec, g: Group, params: float, m: int, a: int,
+                      layers: int) -> list[Collective]:
     grads, weights = params * lay.grad_bytes, params * a
 
     def after_compute(op: str, payload: float, count: float, kind: Traffic) -> Collective:
@@ -494,7 +516,8 @@ def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a
 def report_dim(dim: str) -> str:
     """The dimension traffic is reported under: gradient reductions over dp x cp or the expert groups
     count as dp, context parallelism's ring and Ulysses groups as cp (training's ledger uses both names)."""
-    return {"dp_cp": "dp", "edp": "dp", "cp_ring": "cp", "cp_ulysses": "cp"}.get(dim, dim)
+    return {"dp_cp": "dp", "edp": "dp", "dp_shard": "dp", "dp_replicate": "dp", "cp_ring": "cp",
+            "cp_ulysses": "cp"}.get(dim, dim)
 
 
 def bytes_by_dim(colls: list[Collective]) -> dict[str, float]:

@@ -157,6 +157,8 @@ def training_config_text(w: Workload, lay: Layout, header: str = "", kernels: st
         comments["every"] = f"steps: about {CHECKPOINT_EVERY_S / 3600:g} h at the predicted {step_s:.3g} s per step"
     if lay.zero == 3 and lay.pp > 1:
         sections["parallel"]["zero3_gather"] = lay.zero3_gather
+    if lay.par.hsdp:
+        sections["parallel"]["dp_shard"] = lay.dp_shard
     if lay.pp_layers is not None:
         sections["parallel"]["pp_layers"] = list(lay.pp_layers)
     if lay.cp > 1:  # training's names (parallel.cp_mode, parallel.cp_ulysses)

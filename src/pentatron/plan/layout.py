@@ -60,7 +60,7 @@ class Workload:
 
 
 _PARALLEL_FIELDS: tuple[str, ...] = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "pp_virtual",
-                                     "zero3_gather", "cp_mode", "cp_ulysses", "micro_batch", "pp_layers")
+                                     "zero3_gather", "cp_mode", "cp_ulysses", "micro_batch", "pp_layers", "dp_shard")
 
 
 _DEGREES = attrgetter(*_PARALLEL_FIELDS)
@@ -117,10 +117,16 @@ class Layout:
         cp_ulysses: int
         micro_batch: int
         pp_layers: tuple[int, ...] | None
+        dp_shard: int
 
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def zero_group(self) -> int:
+        """The ranks ZeRO shards the dense model states over: dp × cp, or HSDP's shard group (dp_shard)."""
+        return self.par.shard_degree * self.cp
 
     @property
     def grad_bytes(self) -> int:
@@ -140,7 +146,8 @@ class Layout:
             s += f" ep{self.ep}"
         if self.pp > 1:
             s += f" {self.pp_schedule}" + (f"/v{self.pp_virtual}" if self.pp_schedule == "interleaved" else "")
-        s += f" z{self.zero} mb{self.micro_batch} rc:{self.recompute}"
+        s += f" z{self.zero}" + (f"/hsdp{self.par.replicate_degree}x{self.dp_shard}" if self.par.hsdp else "")
+        s += f" mb{self.micro_batch} rc:{self.recompute}"
         return s + (f" layers:{_run_length(self.pp_layers)}" if self.pp_layers is not None else "")
 
     def to_dict(self) -> dict[str, Any]:

@@ -488,7 +488,7 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     a = act_bytes(lay.precision)
     tokens = lay.micro_batch * (w.seq_len // lay.cp)
     rp = rank_params(w, lay, rank)
-    dpcp = lay.dp * lay.cp
+    dpcp = lay.zero_group  # HSDP: the shard group
     dense, expert = _states(rp, prec, lay.zero, dpcp, lay.ep)
     if lay.zero == 3 and lay.recipe.param_shard == "fp32" and prec.master:  # FSDP2: the master is the parameter
         dense, expert = replace(dense, parameters=0.0), replace(expert, parameters=0.0)
@@ -594,7 +594,7 @@ def memory_floor(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "eager",
     with the fragmentation margin on them, and the runtime's reserve (every other term is >= 0). The search
     decides "does not fit" by it for most layouts, without their full breakdown."""
     prec = state_precision(lay)
-    dense, expert = _states(rank_params(w, lay, 0), prec, lay.zero, lay.dp * lay.cp, lay.ep)
+    dense, expert = _states(rank_params(w, lay, 0), prec, lay.zero, lay.zero_group, lay.ep)
     states = dense.total + expert.total
     if lay.zero == 3 and lay.recipe.param_shard == "fp32" and prec.master:  # FSDP2: the master is the parameter
         states -= dense.parameters + expert.parameters

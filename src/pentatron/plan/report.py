@@ -9,7 +9,7 @@ from typing import Any
 from pentatron.hardware.catalogue import GiB, GPUSpec
 from pentatron.plan.comm import bytes_by_dim
 from pentatron.plan.flops import MFU_CONVENTION, matmul_params, total_params
-from pentatron.plan.layout import Workload, compute_dtype
+from pentatron.plan.layout import Layout, Workload, compute_dtype
 from pentatron.plan.memory import COMPONENTS
 from pentatron.plan.search import Prediction, SearchResult, memory_budget
 from pentatron.plan.unmeasured import unmeasured
@@ -35,6 +35,11 @@ def _mode(p: Prediction) -> str:
     return lay.pp_schedule + (f"/v{lay.pp_virtual}" if lay.pp_schedule == "interleaved" else "")
 
 
+def _zero(lay: Layout) -> str:
+    """The ZeRO stage, with HSDP's replicas x shard group when it is on (`3 hsdp2x8`)."""
+    return f"{lay.zero} hsdp{lay.par.replicate_degree}x{lay.dp_shard}" if lay.par.hsdp else str(lay.zero)
+
+
 def ranked_table(w: Workload, preds: list[Prediction]) -> str:
     head = ["#", "dp", "tp", "sp", "pp", "sched", "cp", "ep", "zero", "mb", "m", "recompute", "mem GiB",
             "step s", "tok/s/GPU", "MFU", "bubble"]
@@ -42,7 +47,7 @@ def ranked_table(w: Workload, preds: list[Prediction]) -> str:
     for i, p in enumerate(preds, 1):
         lay = p.layout
         rows.append([str(i), str(lay.dp), str(lay.tp), "y" if lay.sp else "-", str(lay.pp), _mode(p), str(lay.cp),
-                     str(lay.ep), str(lay.zero), str(lay.micro_batch), str(lay.microbatches(w)), lay.recompute,
+                     str(lay.ep), _zero(lay), str(lay.micro_batch), str(lay.microbatches(w)), lay.recompute,
                      _gib(p.memory.total), f"{p.step.step:.2f}", f"{p.rate.tokens_per_s_per_gpu:,.0f}",
                      f"{100 * p.rate.mfu:.1f}%", f"{100 * p.step.bubble_fraction:.1f}%"])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]

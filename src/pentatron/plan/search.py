@@ -271,17 +271,30 @@ def _knob_variants(w: Workload, gpu: GPUSpec, gpus: int, fixed: dict[str, Any], 
         for sp in sps:
             for sched, v in scheds:
                 for cp_mode, cp_u in modes:
-                    par = ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp, pp_schedule=sched,
-                                         pp_virtual=v, micro_batch=mb, cp_mode=cp_mode, cp_ulysses=cp_u,
-                                         pp_layers=split)
-                    # `quick_problems` in two parts: the held layout's rules once for its recompute variants
-                    if quick_parallel_problems(w, par, gpus):
-                        continue
-                    for rc in recs:
-                        lay = Layout(par, recompute=rc, precision=precision, attention=attention,
-                                     fp8_scaling=fp8_scaling, recipe=recipe)
-                        if not knob_problems(w, lay, gpu):
-                            yield lay
+                    shards = hsdp_shards(zero, dp, tp, cp, ep, gpu.gpus_per_node)
+                    for shard in shards if fixed.get("dp_shard") is None else (fixed["dp_shard"],):
+                        par = ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp, pp_schedule=sched,
+                                             pp_virtual=v, micro_batch=mb, cp_mode=cp_mode, cp_ulysses=cp_u,
+                                             pp_layers=split, dp_shard=shard)
+                        # `quick_problems` in two parts: the held layout's rules once for its recompute variants
+                        if quick_parallel_problems(w, par, gpus):
+                            continue
+                        for rc in recs:
+                            lay = Layout(par, recompute=rc, precision=precision, attention=attention,
+                                         fp8_scaling=fp8_scaling, recipe=recipe)
+                            if not knob_problems(w, lay, gpu):
+                                yield lay
+
+
+def hsdp_shards(zero: int, dp: int, tp: int, cp: int, ep: int, gpus_per_node: int) -> tuple[int, ...]:
+    """`dp_shard` values the search evaluates: 0 (ZeRO over all of dp) and, for a ZeRO stage whose dp group
+    spans nodes, HSDP with one node's dp ranks as the shard group (the one shard degree that keeps ZeRO's
+    gathers and reduce-scatters on NVLink while sharding as widely as that allows; smaller ones shard less
+    over the same link, larger ones cross nodes)."""
+    s = gpus_per_node // tp
+    if zero >= 1 and cp == 1 and ep == 1 and 1 < s < dp and dp % s == 0:
+        return (0, s)
+    return (0,)
 
 
 def search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | None = None, top: int = 10,
@@ -312,7 +325,7 @@ def _search(w: Workload, gpu: GPUSpec, gpus: int, *, fixed: dict[str, Any] | Non
     for lay in enumerate_layouts(w, gpu, gpus, fixed):
         n_enum += 1
         key = (lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.sp, lay.pp_schedule, lay.pp_virtual,
-               lay.micro_batch, lay.cp_mode, lay.cp_ulysses)
+               lay.micro_batch, lay.cp_mode, lay.cp_ulysses, lay.dp_shard)
         if key in stop_rc and fixed.get("recompute") is None:
             continue
         n_valid += 1
@@ -438,7 +451,37 @@ def reasons_for(best: Layout, pool: list[Scored], gpu: GPUSpec, fixed: dict[str,
                 need = least_memory(group)
                 parts.append(f"{other}: needs >= {need / GiB:.1f} GiB > {memory_budget(gpu) / GiB:.1f} GiB")
         out.append(f"{knob}={val}: vs " + "; ".join(parts[:4]) + ("; ..." if len(parts) > 4 else ""))
+    if w is not None:
+        line = _hsdp_reason(w, best, gpu, gpus, kernels, ref)
+        if line:
+            out.append(line)
     return out
+
+
+def _hsdp_reason(w: Workload, best: Layout, gpu: GPUSpec, gpus: int | None, kernels: str, ref: float) -> str | None:
+    """Why HSDP (parallel.dp_shard) is on or off in a ZeRO layout: the same layout the other way, timed."""
+    if best.zero == 0:
+        return None
+    if best.par.hsdp:
+        alt, what = best.with_(dp_shard=0), f"ZeRO-{best.zero} over all {best.dp} dp ranks"
+    else:
+        shards = [s for s in hsdp_shards(best.zero, best.dp, best.tp, best.cp, best.ep, gpu.gpus_per_node) if s]
+        if not shards:
+            return None
+        alt, what = best.with_(dp_shard=shards[0]), f"HSDP with {shards[0]}-rank shard groups"
+    if problems(w, alt, gpu, gpus):
+        return None
+    s = _score(w, alt, gpu, kernels)
+    if best.par.hsdp:
+        head = (f"dp_shard={best.dp_shard}: HSDP, {best.par.replicate_degree} replicas × {best.dp_shard}-rank shard "
+                f"groups inside a node (ZeRO-{best.zero}'s reduce-scatters and all-gathers inside the node, one "
+                f"all-reduce of 1/{best.dp_shard} of the gradients across nodes)")
+    else:
+        head = f"dp_shard=0: ZeRO-{best.zero} over all {best.dp} dp ranks"
+    if not s.fits:
+        return f"{head}; vs {what}: needs {s.memory_total / GiB:.1f} GiB > {memory_budget(gpu) / GiB:.1f} GiB"
+    slower = 100 * (1 - s.est_tokens_per_s / ref) if ref else 0.0
+    return f"{head}; vs {what}: {slower:.1f}% slower"
 
 
 def suggest_fixes(w: Workload, lay: Layout, gpu: GPUSpec, gpus: int) -> list[str]:

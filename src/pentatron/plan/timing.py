@@ -595,6 +595,12 @@ def _dp_exposed(w: Workload, lay: Layout, traffic: list[Collective], phases: lis
     emb_share = w.cfg.vocab_size * w.cfg.hidden_size / lay.tp / dense if dense else 0.0
     dp_exposed = 0.0
     for c in traffic:
+        if c.dim == "dp_replicate":
+            # HSDP: the gradient shard's all-reduce across the replicas, issued once after the last
+            # reduce-scatter (parallel/zero.py `_reduce_replicas`): nothing left to hide it behind
+            dp_exposed += c.time_per_step
+            acc.add("dp", c.time_per_step)
+            continue
         if c.dim not in ("dp_cp", "edp"):
             continue
         total = c.time_per_step
@@ -630,7 +636,7 @@ def _dp_exposed(w: Workload, lay: Layout, traffic: list[Collective], phases: lis
 def _optimizer_time(w: Workload, lay: Layout, gpu: GPUSpec, rank: _Rank) -> float:
     """The optimizer step over the rank's (ZeRO-sharded) parameters, exposed."""
     prec = STATE_PRECISIONS[lay.precision]
-    shard = lay.dp * lay.cp if lay.zero >= 1 else 1
+    shard = lay.zero_group if lay.zero >= 1 else 1
     rp = rank.params
     local = rp.dense / shard + rp.expert / (max(1, lay.dp * lay.cp // lay.ep) if lay.zero >= 1 else 1)
     per_param = OPTIMIZER_BYTES_PER_PARAM * (prec.param / 2 if lay.precision == "fp32" else 1)
