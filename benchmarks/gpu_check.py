@@ -11,6 +11,8 @@ Parts (each one reports on its own; a failing part does not stop the others):
                 mem-efficient, cuDNN or math); on CPU the ATen op it dispatched to
   ring_kernel   ring attention's fused block kernel against the math reference in fp64: outputs,
                 log-sum-exp and dQ/dK/dV, causal and not, fp32 and bf16
+  documents     document-masked attention as training runs it (CUDA bf16: one varlen flash call) against
+                the per-segment loop in fp64, output and dQ/dK/dV; forward time of both
   stage_startup start-up of one pipeline rank's share of Llama-3.1-70B (pp 8, the stage with the most
                 parameters): built on meta, only that stage materialised on the device and initialised;
                 the measured peak beside the stage's parameter bytes
@@ -299,6 +301,49 @@ def ring_kernel_part(size: Sizes, device: torch.device) -> dict[str, Any]:
             "all_ok": ok, "cases": cases}
 
 
+def documents_part(size: Sizes, device: torch.device) -> dict[str, Any]:
+    """Document masking's attention as training runs it (CUDA bf16: one varlen flash call; elsewhere the
+    per-segment loop) against the loop in fp64: output and dQ/dK/dV, documents of mean length seq/8."""
+    from pentatron.models.documents import Documents, _varlen_applies, document_attention, segment_loop_attention
+
+    b, h, s, d = size.ring
+    rng = np.random.default_rng(7)
+    starts = tuple(tuple(sorted({0, *rng.integers(1, s, size=7).tolist()})) for _ in range(b))
+    docs = Documents(starts, s)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(99)
+    q, k, v, dout = (torch.randn(b, h, s, d, generator=g).to(device, dtype) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = document_attention(*leaves, docs)
+    out.backward(dout)
+    ref_leaves = [t.double().detach().requires_grad_() for t in (q, k, v)]
+    ref = segment_loop_attention(*ref_leaves, docs)
+    ref.backward(dout.double())
+    errs = {"out": _rel(out.detach(), ref.detach()),
+            **{n: _rel(a.grad, r.grad) for n, a, r in zip(("dq", "dk", "dv"), leaves, ref_leaves)}}
+    tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-4
+
+    def timed(fn: Callable[[], torch.Tensor]) -> float:
+        best = float("inf")
+        for _ in range(5):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    with torch.no_grad():
+        kernel_s = timed(lambda: document_attention(q, k, v, docs))
+        loop_s = timed(lambda: segment_loop_attention(q, k, v, docs))
+    return {"kernel": "varlen flash" if _varlen_applies(q) else "per-segment SDPA loop",
+            "shape_bhsd": [b, h, s, d], "documents": sum(len(r) for r in starts), "dtype": str(dtype),
+            "max_rel_err": errs, "tolerance": tolerance, "all_ok": all(e <= tolerance for e in errs.values()),
+            "forward_ms_kernel": round(1e3 * kernel_s, 3), "forward_ms_loop": round(1e3 * loop_s, 3)}
+
+
 # ---------------------------------------------------------------------------- (d) one pipeline stage of 70B
 def stage_startup_part(size: Sizes, device: torch.device) -> dict[str, Any]:
     from pentatron.models import llama
@@ -378,6 +423,7 @@ def run(toy: bool, work: Path) -> dict[str, Any]:
     if cuda:
         torch.cuda.empty_cache()
     parts["ring_kernel"] = part(ring_kernel_part, size, device)
+    parts["documents"] = part(documents_part, size, device)
     parts["stage_startup"] = part(stage_startup_part, size, device)
     result["wall_s"] = round(time.perf_counter() - started, 1)
     return result
@@ -409,6 +455,9 @@ def table(result: dict[str, Any]) -> str:
         f"{'ok' if r['all_ok'] else 'MISMATCH'}; worst rel err " + ", ".join(
             f"{c['dtype']}{' causal' if c['causal'] else ''} {max(c['max_rel_err'].values()):.1e}"
             for c in r["cases"])))
+    add("(c2) document masking", "documents", lambda r: (
+        f"{'ok' if r['all_ok'] else 'MISMATCH'} ({r['kernel']}, {r['documents']} documents); worst rel err "
+        f"{max(r['max_rel_err'].values()):.1e}; forward {r['forward_ms_kernel']} ms vs loop {r['forward_ms_loop']} ms"))
     add("(d) stage start-up", "stage_startup", lambda r: (
         f"{r['model']} pp{r['pp']} stage {r['stage']} (layers {r['layers'][0]}-{r['layers'][1] - 1}, "
         f"{r['stage_param_gib']} GiB fp32): {r['startup_s']} s, peak {r['peak_gib']} GiB = "

@@ -16,7 +16,7 @@ gpu_check = importlib.util.module_from_spec(_spec)
 sys.modules["gpu_check"] = gpu_check
 _spec.loader.exec_module(gpu_check)
 
-PARTS = {"train", "sdpa_backend", "ring_kernel", "stage_startup", "syncs", "compile"}
+PARTS = {"train", "sdpa_backend", "ring_kernel", "documents", "stage_startup", "syncs", "compile"}
 
 
 def _number(x: object) -> bool:
@@ -42,13 +42,17 @@ def test_every_part_runs_at_toy_size_with_real_numbers(tmp_path: Path, capsys):
     ring = p["ring_kernel"]
     assert ring["all_ok"] and len(ring["cases"]) == 4
     assert all(_number(e) and e < c["tolerance"] for c in ring["cases"] for e in c["max_rel_err"].values())
+    docs = p["documents"]  # CPU: the per-segment loop in fp32 against itself in fp64
+    assert docs["all_ok"] and docs["kernel"] == "per-segment SDPA loop" and docs["documents"] > 1
+    assert all(_number(e) and e < docs["tolerance"] for e in docs["max_rel_err"].values())
     st = p["stage_startup"]
     assert st["weights_finite"] and _number(st["startup_s"]) and st["stage_parameters"] > 0
     # Only the stage is materialised: its peak is about its own parameters, far from the whole model's.
     assert 0.5 < st["peak_over_stage_params"] < 3 and st["stage_param_gib"] < st["full_model_fp32_gib"]
     assert _number(p["syncs"]["syncs_per_step"]) and p["syncs"]["syncs_per_step"] > 0
     printed = capsys.readouterr().out
-    for label in ("(a) training", "(b) SDPA backend", "(c) ring block kernel", "(d) stage start-up",
+    for label in ("(a) training", "(b) SDPA backend", "(c) ring block kernel", "(c2) document masking",
+                  "(d) stage start-up",
                   "(e) syncs per step", "(f) compiled vs eager", "toy sizes"):
         assert label in printed, label
 

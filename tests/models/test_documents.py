@@ -58,3 +58,23 @@ def test_a_sample_holding_one_document_is_the_unmasked_causal_run(model):
     docs = find_documents(x, EOS)
     assert docs.single
     assert torch.equal(model(x, docs.positions(), None, docs), model(x))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's varlen flash path; on CPU the loop is the kernel")
+def test_the_cuda_varlen_kernel_equals_the_segment_loop():
+    """On CUDA in bf16, document masking's attention is one varlen flash call: it must equal the
+    per-segment loop (fp64) to bf16's flash tolerance, output and gradients."""
+    from pentatron.models.documents import _varlen_applies, document_attention, segment_loop_attention
+
+    docs = Documents(((0, 5, 40, 41, 100), (0, 77)), 128)
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(2, heads, 128, 64, generator=g).cuda().bfloat16() for heads in (4, 2, 2, 4))  # GQA
+    assert _varlen_applies(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    document_attention(*leaves, docs).backward(dout)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = segment_loop_attention(*ref_leaves, docs)
+    ref.backward(dout.double())
+    got = document_attention(q, k, v, docs)
+    for a, b in [(got, ref), *((x.grad, y.grad) for x, y in zip(leaves, ref_leaves))]:
+        assert (a.double() - b).abs().max() <= 3e-2 * b.abs().max()

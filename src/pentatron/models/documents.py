@@ -8,15 +8,18 @@ micro-batch from the tokens, `data/documents.py`); with document masking every l
 `document_attention` is the one-process kernel: per sample, one causal SDPA call per document (a varlen
 loop over segments). It never builds a seq×seq mask, it computes only the pairs a document holds (Σ nᵢ²/2
 instead of s²/2), it is exact in float64 (each segment is the very SDPA call an unpacked run of that document
-makes), and a micro-batch whose samples are each one document is the unmasked causal call itself. The same
-code runs on every device; on CUDA a varlen/flex kernel would avoid the per-segment launches (not built).
+makes), and a micro-batch whose samples are each one document is the unmasked causal call itself. On CUDA
+in bf16/fp16, where torch has it, the whole micro-batch is one `torch.nn.attention.varlen.varlen_attn` call
+instead (flash attention over the documents as variable-length sequences: one launch, no per-segment loop);
+its numerics are flash attention's, checked against the loop by `benchmarks/gpu_check.py` (part documents).
 Context parallelism cuts the same segments at its block boundaries (`parallel/ring_attention.py`).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 import numpy as np
 import torch
@@ -53,6 +56,17 @@ class Documents:
         for i, row in enumerate(self.starts):
             out[i, list(row[1:])] = 1
         return out.cumsum(1)
+
+    @cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """[n_documents + 1] int32 on the host: where each document starts in the micro-batch's tokens laid
+        end to end (sample i at i·seq_len), then the total — varlen attention's cumulative lengths."""
+        starts = [i * self.seq_len + s for i, row in enumerate(self.starts) for s in row]
+        return torch.tensor([*starts, len(self.starts) * self.seq_len], dtype=torch.int32)
+
+    @cached_property
+    def longest(self) -> int:
+        return max(e - s for i in range(len(self.starts)) for s, e in self.spans(i))
 
     def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[b, seq_len] int64: each token's position inside its document (RoPE restarting at each start)."""
@@ -92,9 +106,52 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docume
     if q.shape[0] != len(documents.starts) or q.shape[2] != documents.seq_len:
         raise ValueError(f"documents describe {len(documents.starts)}×{documents.seq_len} tokens, attention "
                          f"got {q.shape[0]}×{q.shape[2]}")
+    if _varlen_applies(q):
+        return _varlen_documents(q, k, v, documents, gqa)
+    return segment_loop_attention(q, k, v, documents)
+
+
+def segment_loop_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents
+                           ) -> torch.Tensor:
+    """One causal SDPA call per document of each sample (any device and dtype)."""
+    gqa = k.shape[1] != q.shape[1]
     rows = []
     for i in range(q.shape[0]):
         rows.append(torch.cat([F.scaled_dot_product_attention(q[i:i + 1, :, s:e], k[i:i + 1, :, s:e],
                                                               v[i:i + 1, :, s:e], is_causal=True, enable_gqa=gqa)
                                for s, e in documents.spans(i)], dim=2))
     return torch.cat(rows)
+
+
+@cache
+def _varlen_causal_kwargs() -> dict[str, object] | None:
+    """How this torch's `varlen_attn` is asked for causal attention (`is_causal` in its first release, a
+    (-1, 0) window later), or None where it has neither (then the per-segment loop runs)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "is_causal" in params:
+        return {"is_causal": True}
+    if "window_size" in params:
+        return {"window_size": (-1, 0)}
+    return None
+
+
+def _varlen_applies(q: torch.Tensor) -> bool:
+    """Flash varlen runs on CUDA in half precision only."""
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_causal_kwargs() is not None
+
+
+def _varlen_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents, gqa: bool
+                      ) -> torch.Tensor:
+    """Every document of the micro-batch as one variable-length sequence of one varlen flash call."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    b, h, s, d = q.shape
+    cu = documents.cu_seqlens.to(q.device, non_blocking=True)
+    flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]  # [tokens, heads, d]
+    out = varlen_attn(*flat, cu, cu, documents.longest, documents.longest, enable_gqa=gqa,
+                      **_varlen_causal_kwargs())
+    return out.reshape(b, s, h, d).transpose(1, 2)
