@@ -135,7 +135,24 @@ def too_short_problem(dataset: TokenDataset, seq_len: int) -> str | None:
             "one sample; use a shorter train.seq_len or more data")
 
 
-class TokenLoader:
+class StepShape:
+    """A loader's step in samples: its `global_batch`, `dp_size` and `micro_batch` attributes."""
+
+    global_batch: int
+    dp_size: int
+    micro_batch: int
+
+    @property
+    def local_batch(self) -> int:
+        """Samples per step on this rank."""
+        return self.global_batch // self.dp_size
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return self.local_batch // self.micro_batch
+
+
+class TokenLoader(StepShape):
     """Yields, per optimizer step, this DP rank's micro-batches of (inputs, targets) int64 tensors."""
 
     def __init__(self, dataset: TokenDataset, seq_len: int, micro_batch: int, global_batch: int,
@@ -176,15 +193,6 @@ class TokenLoader:
         if short:
             raise DataError(short)
         self._orders: dict[int, np.ndarray] = {}
-
-    @property
-    def local_batch(self) -> int:
-        """Samples per step on this rank."""
-        return self.global_batch // self.dp_size
-
-    @property
-    def micro_batches_per_step(self) -> int:
-        return self.local_batch // self.micro_batch
 
     @property
     def epoch(self) -> int:

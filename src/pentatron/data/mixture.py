@@ -29,7 +29,7 @@ import torch
 
 from pentatron.data.documents import find_documents
 from pentatron.data.errors import DataError
-from pentatron.data.loader import TokenDataset, TokenLoader
+from pentatron.data.loader import StepShape, TokenDataset, TokenLoader
 from pentatron.models.documents import Documents
 
 STATE_VERSION = 1
@@ -37,7 +37,7 @@ BLOCK = 4096  # positions per block of uniforms: a step draws one or two blocks,
 MIX_SALT = 0x4D4958  # "MIX": the source draws never share a stream with an epoch permutation
 
 
-class MixtureLoader:
+class MixtureLoader(StepShape):
     """Yields, per optimizer step, this DP rank's micro-batches of (inputs, targets) drawn from the sources."""
 
     def __init__(self, datasets: list[TokenDataset], names: list[str], weights: list[float], seq_len: int,
@@ -66,14 +66,6 @@ class MixtureLoader:
         self.consumed_samples = 0
         self._blocks: dict[int, np.ndarray] = {}
         self._anchors: dict[int, np.ndarray] = {0: np.zeros(len(datasets), dtype=np.int64)}
-
-    @property
-    def local_batch(self) -> int:
-        return self.global_batch // self.dp_size
-
-    @property
-    def micro_batches_per_step(self) -> int:
-        return self.local_batch // self.micro_batch
 
     # ---------------------------------------------------------------- which source each position reads
     def _block(self, b: int) -> np.ndarray:
