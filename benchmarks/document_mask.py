@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from context_parallel import _blocks, _setup
+from context_parallel import _blocks, _model_cfg, _setup
 from ranks import best_of, run_on_ranks
 
 
@@ -105,6 +105,25 @@ def main() -> None:
         r, base = best[label], best[label.replace("masked", "unmasked") if masked else label]
         print(f"| {label} | {world} | {r['step_s']:.3f} | {base['step_s'] / r['step_s']:.2f}× | "
               f"{r['max_err']:.1e} | {r['pairs']} |")
+    _planner_line(args, docs, best["cp1 unmasked"]["step_s"] / best["cp1 masked"]["step_s"])
+
+
+def _planner_line(args: argparse.Namespace, docs: Any, measured: float) -> None:
+    """The planner's attention term for these documents (plan/flops.py, from the run's measured E[L], E[L²] as a
+    run records them, and from the mean alone) against the counted pairs, and the speed-up its FLOPs predict for
+    the blocks (no LM head here) against the measured one-process speed-up."""
+    from pentatron.models.documents import documents_record
+    from pentatron.plan.flops import DocumentLengths, flop_breakdown
+
+    cfg, rec = _model_cfg(args, args.seq_len), documents_record([docs])
+    dense = flop_breakdown(cfg, args.seq_len, causal=True)
+    for name, lengths in (("measured E[L], E[L²]", DocumentLengths(rec["mean_tokens"], rec["mean_sq_tokens"])),
+                          ("--mean-doc-tokens alone", DocumentLengths(args.mean_doc))):
+        masked = flop_breakdown(cfg, args.seq_len, causal=True, documents=lengths)
+        blocks = (masked.training - 3 * masked.lm_head, dense.training - 3 * dense.lm_head)
+        print(f"planner ({name}): attention pairs {lengths.pair_share(args.seq_len):.3f} of dense causal "
+              f"(counted {rec['attention_pairs']:.3f}); block FLOPs predict {blocks[1] / blocks[0]:.2f}× "
+              f"(cp1 measured {measured:.2f}×)")
 
 
 if __name__ == "__main__":
