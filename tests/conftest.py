@@ -1,9 +1,12 @@
 import os
+import shutil
+import uuid
 
 import pytest
 import torch
 
 from tests.multiprocess import rank_threads
+from tests.shared_runs import shared_dir
 
 # Every test process computes with the ranks' intra-op threads (1 unless PENTATRON_TEST_RANK_THREADS says), and
 # so do the commands the tests start (OMP_NUM_THREADS): `make test` runs 2 workers on 2 cores, and a process of
@@ -29,6 +32,20 @@ LONGEST_FIRST = (
     "tests/checkpoint/test_convert.py", "tests/test_run_lifecycle.py", "tests/parallel/pipeline/test_engine.py",
     "tests/plan/test_emit.py", "tests/checkpoint/test_integrity.py", "tests/train/test_trainer.py",
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The controller fixes xdist's run id (which every worker reads as PYTEST_XDIST_TESTRUNUID), so that it
+    # knows which directory of shared results (tests/shared_runs.py) to remove when the run ends.
+    if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None) \
+            and getattr(config.option, "testrunuid", "") is None:
+        config.option.testrunuid = uuid.uuid4().hex
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    run_id = getattr(config.option, "testrunuid", None)
+    if not hasattr(config, "workerinput") and run_id:
+        shutil.rmtree(shared_dir(run_id), ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -3,7 +3,8 @@
 Starting gloo ranks is the expensive part on the 2-core CI machine, so one `run_ranks` call per world
 size runs every configuration in sequence inside the ranks (ZeRO 0–3 × with/without gradient
 accumulation, plus the overlap probes, checkpoint round trips and bf16 memory accounting) and the
-results are cached for the whole session; test_data.py and test_zero.py read them.
+results are cached for the whole test run (shared by the xdist workers: tests/shared_runs.py); test_data.py
+and test_zero.py read them.
 
 The runs train in float64 (`train.precision='fp64'`: parameters, gradients, optimizer state and the
 collectives) and are compared with the plain-loop reference (`tests/reference_loop.py`, which shares no
@@ -13,7 +14,6 @@ CPU, a real defect at 1e-6 or more. Element sizes in the byte and memory formula
 
 from __future__ import annotations
 
-import atexit
 import functools
 import json
 import os
@@ -27,6 +27,7 @@ import torch
 from pentatron.config import Config, load_config
 from tests.multiprocess import run_ranks
 from tests.reference_loop import EXACT_RTOL, FP64, reference_run
+from tests.shared_runs import shared
 
 STEPS = 4  # exact (float64) parity: a defect shows from the first steps (docs/testing.md)
 SEQ_LEN = 32
@@ -210,10 +211,16 @@ def _rank_main(rank: int, world: int, dataset: str, root: str) -> dict[str, Any]
 
 @functools.cache
 def dp_runs(world: int, dataset: str) -> list[dict[str, Any]]:
-    """Every rank's results for `world` ranks (computed once per test session)."""
-    root = tempfile.mkdtemp(prefix=f"pentatron-dp{world}-")
-    atexit.register(shutil.rmtree, root, True)
-    return run_ranks(_rank_main, world, args=(dataset, root), timeout=600)
+    """Every rank's results for `world` ranks, computed once per test run whichever worker asks first
+    (tests/shared_runs.py; the dataset directory is named by its content's hash, so the key names the data)."""
+    def compute() -> list[dict[str, Any]]:
+        root = tempfile.mkdtemp(prefix=f"pentatron-dp{world}-")
+        try:
+            return run_ranks(_rank_main, world, args=(dataset, root), timeout=600)
+        finally:
+            shutil.rmtree(root, True)
+
+    return shared(f"dp_runs-{world}-{Path(dataset).name}", compute)
 
 
 @functools.cache
