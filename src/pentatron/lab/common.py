@@ -90,8 +90,8 @@ def save_plot(path: Path, title: str, panels: list[dict[str, Any]]) -> Path:
 def plot_figure(title: str, panels: list[dict[str, Any]]) -> Any:
     """Side-by-side panels, one kind each, as the x axis is numeric or not:
     - "line" (the default): {"title", "xlabel", "ylabel", "series": {label: (xs, ys)}, "logx", "logy",
-      "expected": [labels of series drawn dashed, as a reference]}; xs are numbers (steps, sizes, ratios)
-      — categories go in a bar panel;
+      "expected": [labels of series drawn dashed, as a reference], "lines": {label: y} (optional horizontal
+      references)}; xs are numbers (steps, sizes, ratios) — categories go in a bar panel;
     - "bar": {"kind": "bar", "title", "ylabel", "categories": [name, ...], "series": {label: [one value per
       category]}, "lines": {label: y} (optional horizontal references), "logy"}: grouped bars, each value
       written on its bar.
@@ -128,9 +128,16 @@ def _lines(ax: Any, panel: dict[str, Any]) -> None:
             ax.plot(xs, ys, label=label, ls="--", color="0.35", zorder=1)
         else:
             ax.plot(xs, ys, label=label, marker="o" if len(xs) < 12 else None, zorder=2)
+    _references(ax, panel)
     ax.set_xlabel(panel["xlabel"])
     if panel.get("logx"):
         ax.set_xscale("log", base=2)
+
+
+def _references(ax: Any, panel: dict[str, Any]) -> None:
+    """The panel's "lines": {label: y}, horizontal references (a timeout, a baseline) in black, each its style."""
+    for j, (label, y) in enumerate(panel.get("lines", {}).items()):
+        ax.axhline(y, color="k", ls=("--", ":", "-.")[j % 3], lw=1, label=label)
 
 
 def _bars(ax: Any, panel: dict[str, Any]) -> None:
@@ -143,8 +150,7 @@ def _bars(ax: Any, panel: dict[str, Any]) -> None:
         xs = [c - 0.4 + width * (i + 0.5) for c in range(len(names))]
         bars = ax.bar(xs, values, width * 0.9, label=label, color=f"C{i}")
         ax.bar_label(bars, fmt="%.3g", fontsize=8)
-    for j, (label, y) in enumerate(panel.get("lines", {}).items()):
-        ax.axhline(y, color="k", ls=("--", ":", "-.")[j % 3], lw=1, label=label)
+    _references(ax, panel)
     long = len(names) * max(map(len, names)) > 60  # ~60 characters fit under a panel: beyond, slanted
     ax.set_xticks(range(len(names)), names, rotation=25 if long else 0, ha="right" if long else "center")
     ax.margins(y=0.12)  # room for the values written on the bars

@@ -69,13 +69,15 @@ def fp8_outlier(out: Path, quick: bool) -> Verdict:
     i = OUTLIER_RATIOS.index(HEADLINE_RATIO)
     breaks = next((r for r, e in zip(OUTLIER_RATIOS, tw["err"]) if e > 2 * tw["err"][0]), None)
     reproduced = tw["err"][i] > 10 * rw["err"][i] and tw["subnormal"][i] > 0.9 and rw["subnormal"][i] < 0.01
-    xs = [math.log10(r) if r else 0.0 for r in OUTLIER_RATIOS]
+    # the sweep on a log axis; the no-outlier case (ratio 0, not a point of that axis) as reference lines
+    xs = [math.log10(r) for r in OUTLIER_RATIOS[1:]]
     plot = save_plot(out / "lab_fp8_outlier.png", "FP8 cast of an activation with one outlier (e4m3)", [
-        {"title": "other tokens' elements subnormal or zero", "xlabel": "log10(outlier / median |x|), 0 = none",
-         "ylabel": "fraction", "series": {f"{r}: {k}": (xs, results[r][k]) for r in results
+        {"title": "other tokens' elements subnormal or zero", "xlabel": "log10(outlier / median |x|)",
+         "ylabel": "fraction", "series": {f"{r}: {k}": (xs, results[r][k][1:]) for r in results
                                           for k in ("subnormal", "zero")}},
-        {"title": "GEMM error on the other tokens vs fp64", "xlabel": "log10(outlier / median |x|), 0 = none",
-         "ylabel": "‖y − ref‖ / ‖ref‖", "logy": True, "series": {r: (xs, results[r]["err"]) for r in results}}])
+        {"title": "GEMM error on the other tokens vs fp64", "xlabel": "log10(outlier / median |x|)",
+         "ylabel": "‖y − ref‖ / ‖ref‖", "logy": True, "series": {r: (xs, results[r]["err"][1:]) for r in results},
+         "lines": {f"{r}, no outlier": results[r]["err"][0] for r in results}}])
     sweep = ", ".join(f"{r:.0e}: {100 * s:.1f}%/{e:.3f}" for r, s, e in zip(OUTLIER_RATIOS[1:], tw["subnormal"][1:],
                                                                         tw["err"][1:]))
     text = (f"{LAYER} input ({x0.shape[0]} tokens × {x0.shape[1]}), one element of token 0 set to "
