@@ -9,6 +9,7 @@ import pytest
 from pentatron.cli import main
 from pentatron.distributed.launch import file_init_method
 from pentatron.lab import cli as lab_cli
+from pentatron.lab import common
 from pentatron.lab.collective import collective_mismatch
 from pentatron.lab.common import Verdict
 from pentatron.lab.divergence import lr_spike
@@ -18,8 +19,23 @@ from pentatron.lab.scaling import grad_scale
 from pentatron.observe.watchdog import HANG_EXIT_CODE
 
 
-def test_master_weights(tmp_path: Path):
+@pytest.fixture
+def drawn(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The panel kinds of each figure an experiment draws (categories must be bars, numbers lines)."""
+    kinds: list[list[str]] = []
+    real = common.plot_figure
+
+    def record(title: str, panels: list[dict]):
+        kinds.append([p.get("kind", "line") for p in panels])
+        return real(title, panels)
+
+    monkeypatch.setattr(common, "plot_figure", record)
+    return kinds
+
+
+def test_master_weights(tmp_path: Path, drawn: list[list[str]]):
     v = master_weights(tmp_path, quick=True)
+    assert drawn == [["line", "bar"]]  # loss per step; the share of unchanged weights per run
     n = v.numbers
     assert n["unchanged_bf16"] > 0.5 and n["unchanged_fp32"] < 0.01  # most bf16 updates round away
     assert n["drop_fp32"] > 0 and n["progress_ratio"] < 0.5
@@ -44,7 +60,7 @@ def test_loss_scaling(tmp_path: Path):
     assert v.reproduced
 
 
-def test_grad_scale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_grad_scale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, drawn: list[list[str]]):
     # A relative directory, as `pentatron lab`'s default --out runs/lab: its FileStore URL must not read
     # "runs" as a host name (the ranks then waited 300 s for a store no one creates).
     monkeypatch.chdir(tmp_path)
@@ -53,7 +69,7 @@ def test_grad_scale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     # Exactly m and dp, on any CPU: m and dp are powers of two, and scaling by one is exact in binary floating
     # point through every product and sum of the backward and the norm (same kernels on both sides).
     assert n["m_ratios"] == [float(m) for m in n["m"]] and n["dp_ratio"] == n["dp"]
-    assert v.reproduced
+    assert v.reproduced and drawn == [["line", "bar"]]  # ratio over m; the norms summed / averaged
 
 
 def test_lr_spike(tmp_path: Path):
@@ -64,8 +80,9 @@ def test_lr_spike(tmp_path: Path):
     assert v.reproduced
 
 
-def test_collective(tmp_path: Path):
+def test_collective(tmp_path: Path, drawn: list[list[str]]):
     v = collective_mismatch(tmp_path, quick=True)
+    assert drawn == [["bar"]]  # the time to a named failure in each mode
     n = v.numbers
     assert n["check_codes"] == [1, 1] and n["watchdog_codes"] == [HANG_EXIT_CODE, HANG_EXIT_CODE]
     assert n["stuck"] == "1" and "rank 1 has not entered dp all_reduce #8" in v.text

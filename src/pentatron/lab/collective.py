@@ -32,9 +32,9 @@ def collective_mismatch(out: Path, quick: bool) -> Verdict:
     reproduced = (chk["codes"] == [1, 1] and "rank 1 calls dp all_reduce #3" in mismatch
                   and dog["codes"] == [HANG_EXIT_CODE] * 2 and stuck == "1")
     plot = save_plot(out / "lab_collective.png", "a skipped all-reduce on 2 gloo ranks", [
-        {"title": "time to a named failure", "xlabel": "mode (0 = check mode, 1 = watchdog)", "ylabel": "seconds",
-         "series": {"wall time": ([0, 1], [chk["seconds"], dog["seconds"]]),
-                    "watchdog timeout": ([0, 1], [timeout_s, timeout_s])}}])
+        {"kind": "bar", "title": "time to a named failure", "ylabel": "seconds (wall, incl. start-up)",
+         "categories": ["check mode", "hang watchdog"], "series": {"wall time": [chk["seconds"], dog["seconds"]]},
+         "lines": {f"watchdog timeout ({timeout_s:g} s)": timeout_s}}])
     text = (f"rank 1 skips its gradient all-reduce at step 2 of {STEPS}. Check mode: both ranks stop at once "
             f"(exit codes {chk['codes']}, {chk['seconds']:.1f} s incl. start-up):\n{mismatch}\n"
             f"Without check mode the run goes on with wrong sums ({'; '.join(f'rank {r}: {s}' for r, s in sums)}) "

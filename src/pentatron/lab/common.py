@@ -81,28 +81,76 @@ def finite(x: float) -> bool:
 
 
 def save_plot(path: Path, title: str, panels: list[dict[str, Any]]) -> Path:
-    """Side-by-side panels: each {"title", "xlabel", "ylabel", "series": {label: (xs, ys)}, "logy"}."""
-    import matplotlib
+    """`plot_figure(title, panels)` written to `path` (PNG)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plot_figure(title, panels).savefig(path, dpi=100)
+    return path
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
-        for label, (xs, ys) in panel["series"].items():
-            ax.plot(xs, ys, label=label, marker="o" if len(xs) < 12 else None)
+def plot_figure(title: str, panels: list[dict[str, Any]]) -> Any:
+    """Side-by-side panels, one kind each, as the x axis is numeric or not:
+    - "line" (the default): {"title", "xlabel", "ylabel", "series": {label: (xs, ys)}, "logx", "logy",
+      "expected": [labels of series drawn dashed, as a reference], "lines": {label: y} (optional horizontal
+      references)}; xs are numbers (steps, sizes, ratios) — categories go in a bar panel;
+    - "bar": {"kind": "bar", "title", "ylabel", "categories": [name, ...], "series": {label: [one value per
+      category]}, "lines": {label: y} (optional horizontal references), "logy"}: grouped bars, each value
+      written on its bar.
+    One Figure on the Agg canvas (no pyplot state: experiments run in one process, one after another)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5.5 * len(panels), 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    for ax, panel in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        kind = panel.get("kind", "line")
+        if kind == "bar":
+            _bars(ax, panel)
+        elif kind == "line":
+            _lines(ax, panel)
+        else:
+            raise ValueError(f"panel {panel['title']!r}: kind {kind!r} is neither 'line' nor 'bar'")
         ax.set_title(panel["title"])
-        ax.set_xlabel(panel["xlabel"])
         ax.set_ylabel(panel["ylabel"])
         if panel.get("logy"):
             ax.set_yscale("log")
-        if panel.get("logx"):
-            ax.set_xscale("log", base=2)
-        ax.grid(alpha=0.3)
-        ax.legend()
+        ax.grid(alpha=0.3, axis="y" if kind == "bar" else "both")
+        if len(panel["series"]) + len(panel.get("lines", {})) > 1:
+            ax.legend(fontsize=9)
     fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def _lines(ax: Any, panel: dict[str, Any]) -> None:
+    for label, (xs, ys) in panel["series"].items():
+        if any(isinstance(x, str) for x in xs):
+            raise ValueError(f"panel {panel['title']!r}: x values {list(xs)} are categories: use a bar panel")
+        if label in panel.get("expected", ()):  # what theory says: dashed, under the measured points
+            ax.plot(xs, ys, label=label, ls="--", color="0.35", zorder=1)
+        else:
+            ax.plot(xs, ys, label=label, marker="o" if len(xs) < 12 else None, zorder=2)
+    _references(ax, panel)
+    ax.set_xlabel(panel["xlabel"])
+    if panel.get("logx"):
+        ax.set_xscale("log", base=2)
+
+
+def _references(ax: Any, panel: dict[str, Any]) -> None:
+    """The panel's "lines": {label: y}, horizontal references (a timeout, a baseline) in black, each its style."""
+    for j, (label, y) in enumerate(panel.get("lines", {}).items()):
+        ax.axhline(y, color="k", ls=("--", ":", "-.")[j % 3], lw=1, label=label)
+
+
+def _bars(ax: Any, panel: dict[str, Any]) -> None:
+    names, series = panel["categories"], panel["series"]
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series.items()):
+        if len(values) != len(names):
+            raise ValueError(f"panel {panel['title']!r}: {label!r} has {len(values)} values for {len(names)} "
+                             "categories")
+        xs = [c - 0.4 + width * (i + 0.5) for c in range(len(names))]
+        bars = ax.bar(xs, values, width * 0.9, label=label, color=f"C{i}")
+        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+    _references(ax, panel)
+    long = len(names) * max(map(len, names)) > 60  # ~60 characters fit under a panel: beyond, slanted
+    ax.set_xticks(range(len(names)), names, rotation=25 if long else 0, ha="right" if long else "center")
+    ax.margins(y=0.12)  # room for the values written on the bars

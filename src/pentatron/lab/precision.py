@@ -47,8 +47,8 @@ def master_weights(out: Path, quick: bool) -> Verdict:
     plot = save_plot(out / "lab_master_weights.png", f"AdamW lr={lr:g}: bf16 weights without fp32 masters", [
         {"title": "held-out loss", "xlabel": "step", "ylabel": "loss",
          "series": {k: (xs, v) for k, v in curves.items()}},
-        {"title": "weights unchanged by a step", "xlabel": "run", "ylabel": "fraction of elements",
-         "series": {k: ([0, 1], [v, v]) for k, v in lost.items()}}])
+        {"kind": "bar", "title": "weights unchanged by a step (mean over steps)", "ylabel": "fraction of elements",
+         "categories": list(lost), "series": {"unchanged": list(lost.values())}}])
     text = (f"lr={lr:g}, {steps} steps: with bf16 weights {100 * lost16:.1f}% of weight elements are left "
             f"unchanged by each step (fp32: {100 * lost['fp32 master weights']:.4f}%); held-out loss fell by "
             f"{drop16:.4f} vs {drop32:.4f} with fp32 masters ({ratio:.2f}× the progress)")

@@ -49,9 +49,11 @@ def grad_scale(out: Path, quick: bool) -> Verdict:
     dp_ratio = d["summed"] / d["averaged"]
     plot = save_plot(out / "lab_grad_scale.png", "gradient norm with the bug / without", [
         {"title": "loss not divided by m (pipeline)", "xlabel": "micro-batches m", "ylabel": "norm ratio",
-         "series": {"measured": (ms, ratios), "m": (ms, [float(m) for m in ms])}},
-        {"title": f"dp={dp} gradients summed, not averaged", "xlabel": "", "ylabel": "gradient norm",
-         "series": {"summed": ([0, 1], [d["summed"]] * 2), "averaged": ([0, 1], [d["averaged"]] * 2)}}])
+         "logx": True, "series": {"measured": (ms, ratios), "expected: = m": (ms, [float(m) for m in ms])},
+         "expected": ["expected: = m"]},
+        {"kind": "bar", "title": f"dp={dp} gradients summed, not averaged", "ylabel": "gradient norm",
+         "categories": ["rank 0's own", "summed over dp (the bug)", "averaged over dp"],
+         "series": {"‖g‖": [d["local"], d["summed"], d["averaged"]]}}])
     reproduced = all(abs(r - m) < 1e-3 * m for r, m in zip(ratios, ms)) and abs(dp_ratio - dp) < 1e-3 * dp
     text = (f"gradient norm without ÷m over norm with it, for m={ms}: {', '.join(f'{r:.4f}' for r in ratios)} "
             f"(= m); dp={dp} real gloo ranks, all-reduce sum vs average: {d['summed']:.4f} / {d['averaged']:.4f}"

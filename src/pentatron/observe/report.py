@@ -1,6 +1,6 @@
-"""The run report — predict, then measure: `report.md`, `report.json` and `report.png` (loss, with the
-validation loss of each evaluation under [eval]; gradient norm, throughput, memory, communication bytes by
-dimension) in the run directory, written at the end of every run (rank 0) and by `pentatron report RUN_DIR`.
+"""The run report — predict, then measure: `report.md`, `report.json` and `report.png` (the curves:
+`observe/report_figure.py`), for an MoE run `expert_load.png` (`observe/moe_heatmap.py`) linked from
+report.md, in the run directory, written at the end of every run (rank 0) and by `pentatron report RUN_DIR`.
 
 Measured numbers come from `metrics.jsonl` (rank 0's records): the communication bytes are the
 ledger's own per-step numbers, copied, not recomputed. The prediction is the planner's
@@ -25,6 +25,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from pentatron.observe.moe_heatmap import HEATMAP, write_expert_heatmap
+from pentatron.observe.report_figure import comm_sent_series, write_report_png
 from pentatron.plan.flops import MFU_CONVENTION
 
 RUN_INFO = "run.json"
@@ -296,54 +298,12 @@ def comparison_rows(meas: dict[str, Any], pred: dict[str, Any]) -> list[tuple[st
     return rows
 
 
-def comm_sent_series(records: list[dict[str, Any]]) -> dict[str, list[float]]:
-    """Per step, the bytes rank 0 sent by dimension under the planner's names (receives left out): what the
-    table's measured comm rows average, drawn in the PNG."""
-    from pentatron.plan.comm import report_dim
-
-    dims = sorted({report_dim(d) for r in records for d in r.get("comm_bytes", {})})
-    out: dict[str, list[float]] = {d: [0.0] * len(records) for d in dims}
-    for i, r in enumerate(records):
-        for dim, ops in r.get("comm_bytes", {}).items():
-            out[report_dim(dim)][i] += sum(b for op, b in ops.items() if op != "recv")
-    return out
-
-
-def _plots(run_dir: Path, records: list[dict[str, Any]]) -> list[str]:
-    """One PNG, one panel per curve (a single figure: this runs at the end of every training run)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    steps = [r["step"] for r in records]
-    vals = [r for r in records if "val" in r]  # [eval]: the validation curve beside the training loss
-    loss = {"training": [r["loss"] for r in records]}
-    loss_steps = {"validation": [r["step"] for r in vals]} if vals else {}
-    if vals:
-        loss["validation"] = [r["val"]["loss"] for r in vals]
-    panels: list[tuple[str, str, dict[str, list[float]]]] = [
-        ("loss", "loss", loss),
-        ("gradient norm (before clipping)", "‖g‖", {"grad norm": [r["grad_norm"] for r in records]}),
-        ("throughput", "tokens/s", {"tokens/s": [r["tokens_per_s"] for r in records]}),
-        ("peak memory, rank 0", "MiB", {"peak": [r["peak_mem_bytes"] / 2**20 for r in records]})]
-    series = comm_sent_series(records)
-    if series:
-        panels.append(("comm bytes sent per step (ledger, rank 0)", "MiB",
-                       {d: [b / 2**20 for b in ys] for d, ys in series.items()}))
-    fig = Figure(figsize=(4 * len(panels), 3.2))
-    FigureCanvasAgg(fig)
-    for i, (title, ylabel, series) in enumerate(panels):
-        ax = fig.add_subplot(1, len(panels), i + 1)
-        for label, ys in series.items():
-            xs = loss_steps.get(label, steps) if i == 0 else steps
-            ax.plot(xs, ys, label=label, marker="o" if len(xs) < len(steps) else None)
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        if len(series) > 1:
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(run_dir / "report.png", dpi=80)
-    return ["report.png"]
+def _plots(run_dir: Path, records: list[dict[str, Any]], info: dict[str, Any] | None) -> list[str]:
+    """The report's pictures, written beside it: report.png (the curves), and for an MoE run
+    expert_load.png (each layer's load per expert over the whole run: every step in metrics.jsonl)."""
+    pictures = [write_report_png(run_dir, records, info).name]
+    heatmap = write_expert_heatmap(run_dir, records)
+    return pictures + ([heatmap.name] if heatmap is not None else [])
 
 
 def write_report(run_dir: Path, hardware_profile: Path | None = None) -> Path:
@@ -356,7 +316,7 @@ def write_report(run_dir: Path, hardware_profile: Path | None = None) -> Path:
     meas.update(profiled_tensor_peak(run_dir))
     pred = (predicted(info, hardware_profile, meas.get("documents")) if info else
             {"error": f"no {RUN_INFO} in {run_dir} (run older than the report): nothing to predict from"})
-    plots = _plots(run_dir, records)
+    plots = _plots(run_dir, records, info)
     (run_dir / "report.json").write_text(json.dumps({"measured": meas, "predicted": pred}, indent=1))
     lines = [f"# Run report: {run_dir}", ""]
     if info:
@@ -390,7 +350,11 @@ def write_report(run_dir: Path, hardware_profile: Path | None = None) -> Path:
               "| dim | op | bytes |", "|---|---|---|"]
     last = meas["comm_bytes_last_step"]
     lines += [f"| {d} | {o} | {b:,} |" for d in sorted(last) for o, b in sorted(last[d].items())] or ["| - | - | 0 |"]
-    lines += ["", "## Curves", ""] + [f"![{p}]({p})" for p in plots]
+    lines += ["", "## Curves", "", f"![{plots[0]}]({plots[0]})"]
+    if HEATMAP in plots:
+        lines += ["", "## Expert load", "", "Each MoE layer's share of its routed assignments per expert, summed "
+                  "over every step of the run (a balanced layer is a flat row at 1/experts).", "",
+                  f"![{HEATMAP}]({HEATMAP})"]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -31,7 +31,6 @@ from torch import nn
 
 from pentatron.observe.flight_recorder import note_micro, note_step
 from pentatron.observe.memory import PeakMemory
-from pentatron.observe.moe_heatmap import write_expert_heatmap
 from pentatron.observe.numerics import LayerNumerics, SpikeDetector
 from pentatron.observe.profiler import StepProfiler
 from pentatron.observe.report import write_report, write_run_info
@@ -147,7 +146,6 @@ class RunObserver:
             self.watchdog.stop()
         if self.ctx.rank == 0 and records:
             try:
-                write_expert_heatmap(Path(self.cfg.log.dir), records)  # MoE runs only
                 path = write_report(Path(self.cfg.log.dir))
                 print(f"pentatron: run report in {path}", flush=True)
             except Exception as e:  # noqa: BLE001 - a report problem must not fail a finished run

@@ -243,31 +243,46 @@ def plan_json(w: Workload, gpu: GPUSpec, gpus: int | None, preds: list[Predictio
 
 # ---------------------------------------------------------------- chart
 def memory_chart(preds: list[Prediction], gpu: GPUSpec, path: str | Path, title: str = "") -> Path:
-    """Stacked bars of the per-GPU memory breakdown of each prediction, with the HBM line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """`memory_figure` written to `path` (PNG)."""
     path = Path(path)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(preds) + 3), 4.8))
-    labels = [f"#{i}\n{p.layout.short().replace(' z', chr(10) + 'z', 1)}" for i, p in enumerate(preds, 1)]
-    bottom = [0.0] * len(preds)
-    for comp in COMPONENTS:
-        vals = [getattr(p.memory, comp) / GiB for p in preds]
-        ax.bar(range(len(preds)), vals, bottom=bottom, label=comp.replace("_", " "))
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    ax.axhline(gpu.hbm_bytes / GiB, color="black", linestyle="--", linewidth=1)
-    ax.text(len(preds) - 0.5, gpu.hbm_bytes / GiB, f" {gpu.name} {gpu.hbm_bytes / GiB:.0f} GiB", va="bottom",
-            ha="right", fontsize=8)
-    if gpu.headroom:
-        ax.axhline(memory_budget(gpu) / GiB, color="gray", linestyle=":", linewidth=1)
-    ax.set_xticks(range(len(preds)), labels, fontsize=6)
-    ax.set_ylabel("GiB per GPU")
-    ax.set_title(title or "memory per GPU")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    memory_figure(preds, gpu, title).savefig(path, dpi=120)
     return path
+
+
+def memory_figure(preds: list[Prediction], gpu: GPUSpec, title: str = "") -> Any:
+    """Horizontal stacked bars of each ranked layout's per-GPU memory (#1 on top, its layout written beside
+    it: long labels never overlap), the total at each bar's end, the HBM and the headroom budget as lines;
+    components no layout uses left out of the legend, which sits below the bars. One Figure, Agg canvas."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    n = len(preds)
+    fig = Figure(figsize=(11.0, 2.4 + 0.42 * n), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    rows = range(n)
+    left = [0.0] * n
+    for i, comp in enumerate(COMPONENTS):
+        vals = [getattr(p.memory, comp) / GiB for p in preds]
+        if any(v > 0 for v in vals):
+            ax.barh(rows, vals, left=left, height=0.7, color=f"C{i}", label=comp.replace("_", " "))
+        left = [b + v for b, v in zip(left, vals, strict=True)]
+    for row, total in zip(rows, left, strict=True):
+        ax.text(total, row, f" {total:.1f}", va="center", ha="left", fontsize=8)
+    hbm = gpu.hbm_bytes / GiB
+    ax.axvline(hbm, color="black", linestyle="--", linewidth=1, label=f"{gpu.name} HBM {hbm:.0f} GiB")
+    if gpu.headroom:
+        ax.axvline(memory_budget(gpu) / GiB, color="gray", linestyle=":", linewidth=1.2,
+                   label=f"fits below {memory_budget(gpu) / GiB:.1f} GiB ({100 * gpu.headroom:g} % headroom)")
+    ax.set_yticks(list(rows), [f"#{i} {p.layout.short()}" for i, p in enumerate(preds, 1)], fontsize=8)
+    ax.invert_yaxis()  # the best layout on top, as in the table
+    ax.set_xlim(0, 1.12 * max(hbm, *left))
+    ax.set_xlabel("GiB per GPU (predicted, the busiest pipeline rank)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(title or "memory per GPU")
+    handles, labels = ax.get_legend_handles_labels()
+    order = sorted(range(len(handles)), key=lambda i: not hasattr(handles[i], "patches"))  # bars, then lines
+    fig.legend([handles[i] for i in order], [labels[i] for i in order], loc="outside lower center", ncols=5,
+               fontsize=8, frameon=False)
+    return fig
