@@ -21,11 +21,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if ! $(PY) -c "import torch" 2>/dev/null; then \
-	  spec="$$(TORCH_CPU_INDEX='$(TORCH_CPU_INDEX)' bash scripts/torch_build.sh)" && $(PY) -m pip install --no-compile $$spec; \
+	  spec="$$(TORCH_CPU_INDEX='$(TORCH_CPU_INDEX)' bash scripts/torch_build.sh)" && $(PY) -m pip install $$spec; \
 	fi
-	$(PY) -m pip install --no-compile -e '.[test]'
-	@# pip byte-compiles each file on one core (~40 CPU-s here); compileall does the same on every core
-	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
+	$(PY) -m pip install -e '.[test]'
 	@touch $(STAMP)
 
 demo: $(STAMP)
