@@ -637,3 +637,22 @@ def bubble_fraction(name: str, p: int, m: int, v: int = 1, *, t_f: float = 1.0, 
     """Simulated bubble (idle share, `Timeline.bubble_fraction`) of a named schedule with uniform per-stage
     costs (per chunk for interleaved)."""
     return simulate(make_schedule(name, p, m, v), t_f, t_b, t_w, comm).bubble_fraction
+
+
+IDLE_WARNING_SHARE = 0.5  # at least half of every step idle: more stages than the micro-batches can fill
+
+
+def idle_warning(name: str, p: int, m: int, v: int, dp: int, micro_batch: int) -> str | None:
+    """One line when a pipeline of `p` stages idles at least IDLE_WARNING_SHARE of each step (its simulated
+    bubble) with `m` micro-batches per step, saying what gives it enough (4·p micro-batches); None otherwise.
+    Not an error: a test or a debug run may want it; a user who did not ask for it pays for every idle stage."""
+    if p < 2:
+        return None
+    share = bubble_fraction(name, p, m, v)
+    if share < IDLE_WARNING_SHARE:
+        return None
+    want = 4 * p
+    return (f"warning: the pipeline idles {100 * share:.0f}% of each step: pp={p} ({name}) with {m} "
+            f"micro-batch{'es' if m > 1 else ''} per step (train.global_batch / (dp x train.micro_batch)); "
+            f"{want} would keep it under {100 * bubble_fraction(name, p, want, v):.0f}%, e.g. "
+            f"train.global_batch={want * dp * micro_batch}")

@@ -28,6 +28,7 @@ from pentatron.observe.wandb_log import WandbRun
 from pentatron.parallel.pipeline.trace import write_rank_trace
 from pentatron.parallel.step_runner import host_scalars
 from pentatron.plan.flops import DocumentLengths, model_flops_per_token
+from pentatron.schedules import idle_warning
 from pentatron.train.lr_schedule import LrSchedule, resumed_schedule
 from pentatron.train.model_state import ModelState
 from pentatron.train.nonfinite import NonFiniteGuard, NonFiniteStop
@@ -214,6 +215,9 @@ class Trainer:
                   + f"peak {self.peak_flops / 1e12:.2f} TFLOP/s ({self.peak_source})", flush=True)
             print(f"pentatron: model state per rank (ZeRO-{cfg.parallel.zero}, dp={self.dp}): "
                   f"{self.memory.describe()}", flush=True)
+            lay = cfg.layout(self.world_size)
+            if idle := idle_warning(lay.pp_schedule, lay.pp, lay.microbatches, lay.virtual, lay.dp, lay.micro_batch):
+                print(f"pentatron: {idle}", flush=True)
         records = []
         last_table = None
         # every record names its layout and where this start began: the report compares a prediction

@@ -255,3 +255,16 @@ def test_interleaving_runs_any_m_of_at_least_p():
     # p | m: micro-batches 0..p-1 go through chunk 0, then chunk 1 (the classic order)
     first = [a for a in interleaved_1f1b(2, 4, 2).actions[0] if a.kind == F][:4]
     assert [(a.microbatch, a.chunk) for a in first] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+
+
+def test_a_pipeline_idle_half_of_each_step_is_said_with_what_fills_it():
+    """pp2 with one micro-batch per step idles half of it (the trainer prints this line at start); the line
+    names the batch that fills the stages, and that batch's own bubble is below the warning's share."""
+    from pentatron.schedules import IDLE_WARNING_SHARE, idle_warning
+
+    line = idle_warning("1f1b", 2, 1, 1, 1, 2)
+    assert line is not None and "idles 50%" in line and "train.global_batch=16" in line
+    assert bubble_fraction("1f1b", 2, 8) < IDLE_WARNING_SHARE
+    assert idle_warning("1f1b", 2, 2, 1, 1, 2) is None  # 1/3 idle: said by the report, not warned
+    assert idle_warning("1f1b", 1, 1, 1, 1, 2) is None  # no pipeline
+    assert "idles 75%" in idle_warning("afab", 4, 1, 1, 2, 1)
