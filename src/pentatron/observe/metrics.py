@@ -23,7 +23,8 @@ class MetricsLogger:
     LEGEND = ("pentatron: columns: loss = mean over the global batch; tokens/s = whole job (all ranks "
               "together); MFU = model FLOP/s ÷ (peak per device × devices); peak mem / reserved = rank 0's "
               "peak since training began, set-up excluded (CUDA: allocated tensors / reserved by the caching "
-              "allocator; CPU: process resident set, no reserved figure)")
+              "allocator; CPU: process resident set, no reserved figure); ETA = steps left × the mean step time "
+              "of this start's last 20 steps (the live bar shows only on a terminal; a log file has this column)")
 
     def __init__(self, log_dir: Path, total_steps: int, tensorboard: bool, progress: bool,
                  start_step: int = 0, wandb: WandbRun | None = None) -> None:
@@ -48,6 +49,7 @@ class MetricsLogger:
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                          disable=None if progress else True, dynamic_ncols=True, leave=False)
         self._header_done = False
+        self._total, self._times = total_steps, []  # this start's step times, for the ETA
 
     def log(self, record: dict[str, Any], console: bool) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -63,14 +65,16 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(record["step"], scalars)
         self._bar.update(1)
+        if "step_time_s" in record:
+            self._times.append(record["step_time_s"])
         self._bar.set_postfix(loss=f"{record['loss']:.4f}")
         if console or not self._header_done:  # the first step is always shown
             if not self._header_done:
                 self._bar.write(self.LEGEND)
                 self._bar.write(self._row(("step", "loss", "grad_norm", "lr", "tokens/s all", "MFU", "peak mem r0",
-                                           "reserved r0")))
+                                           "reserved r0", "ETA")))
                 self._header_done = True
-            self._bar.write(self._row(self._cells(record)))
+            self._bar.write(self._row((*self._cells(record), eta(self._times, self._total - record["step"]))))
             if "data_tokens" in record:  # a mixture (data.sources): what each source has given so far
                 self._bar.write(data_tokens_line(record["step"], record["data_tokens"]))
         if val is not None:  # every evaluation is shown, logged row or not
@@ -86,7 +90,7 @@ class MetricsLogger:
 
     @staticmethod
     def _row(cells: tuple[str, ...]) -> str:
-        widths = (6, 9, 10, 10, 12, 8, 12, 12)
+        widths = (6, 9, 10, 10, 12, 8, 12, 12, 9)
         return " ".join(c.rjust(w) for c, w in zip(cells, widths))
 
     def close(self) -> None:
@@ -94,6 +98,16 @@ class MetricsLogger:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def eta(step_times: list[float], steps_left: int) -> str:
+    """h:mm:ss for `steps_left` steps at the mean of the last 20 step times ("-" before any, or a first step
+    alone when more followed: it carries the start-up and compile time)."""
+    recent = step_times[-20:] if len(step_times) < 2 or len(step_times) > 20 else step_times[1:]
+    if not recent:
+        return "-"
+    seconds = round(max(0, steps_left) * sum(recent) / len(recent))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def validation_line(step: int, val: dict[str, Any]) -> str:
