@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,9 @@ from pentatron.observe.wandb_log import WandbRun
 COMM_LEGEND = ("(payload = bytes of the tensors this rank hands to the op; wire bytes/rank = bytes it sends "
                "on a ring of n ranks: 2(n-1)/n × payload for all_reduce, (n-1)/n × payload for all_gather, "
                "reduce_scatter and broadcast, the payload for send/recv)")
+
+
+CONSOLE_WIDTH = 110  # the legends wrap here: a log viewer or an 80-column terminal reads them whole
 
 
 class MetricsLogger:
@@ -70,7 +74,7 @@ class MetricsLogger:
         self._bar.set_postfix(loss=f"{record['loss']:.4f}")
         if console or not self._header_done:  # the first step is always shown
             if not self._header_done:
-                self._bar.write(self.LEGEND)
+                self._bar.write("\n".join(textwrap.wrap(self.LEGEND, CONSOLE_WIDTH, subsequent_indent="  ")))
                 self._bar.write(self._row(("step", "loss", "grad_norm", "lr", "tokens/s all", "MFU", "peak mem r0",
                                            "reserved r0", "ETA")))
                 self._header_done = True
