@@ -560,7 +560,8 @@ def dtype_from_name(name: str) -> torch.dtype:
 def add_convert_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `pentatron convert {hf-roundtrip, verify}` (sets `func=run_convert`)."""
     p = subparsers.add_parser(
-        "convert", help="Hugging Face checkpoint import/export and validation",
+        "convert", help="check a Hugging Face directory against transformers (verify, hf-roundtrip); "
+                        "training checkpoints to and from Hugging Face: pentatron checkpoint",
         description="Check the Hugging Face Llama / Qwen3 / Mixtral interop on a directory: `verify` compares "
                     "logits with "
                     "transformers, `hf-roundtrip` imports and exports it again. Training checkpoints to and from "
