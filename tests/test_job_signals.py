@@ -54,9 +54,11 @@ def _flags(tmp: Path, dataset: Path, *extra: str) -> list[str]:
 
 
 @contextmanager
-def _training(tmp: Path, dataset: Path, *extra: str) -> Iterator[tuple[subprocess.Popen, list[int]]]:
-    """The launcher and its 2 ranks once they are training; whatever is left of them is killed on exit."""
-    launcher, ranks = _start_training(tmp, dataset, *extra)
+def _training(tmp: Path, dataset: Path, *extra: str, session: bool = False
+              ) -> Iterator[tuple[subprocess.Popen, list[int]]]:
+    """The launcher and its 2 ranks once they are training (`session`: in a process group of their own, as a
+    terminal's job is); whatever is left of them is killed on exit."""
+    launcher, ranks = _start_training(tmp, dataset, *extra, session=session)
     try:
         yield launcher, ranks
     finally:
@@ -66,12 +68,14 @@ def _training(tmp: Path, dataset: Path, *extra: str) -> Iterator[tuple[subproces
             launcher.kill()
 
 
-def _start_training(tmp: Path, dataset: Path, *extra: str) -> tuple[subprocess.Popen, list[int]]:
+def _start_training(tmp: Path, dataset: Path, *extra: str, session: bool = False
+                    ) -> tuple[subprocess.Popen, list[int]]:
     """The launcher and its 2 ranks, once they are training (a step has been logged)."""
     tmp.mkdir(parents=True, exist_ok=True)
     launcher = subprocess.Popen([sys.executable, "-m", "pentatron.cli", "train", *_flags(tmp, dataset, *extra),
                                  "--nproc=2"],
-                                cwd=tmp, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                cwd=tmp, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=session)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         if list((tmp / "runs").rglob("metrics.jsonl")) and any(
@@ -113,18 +117,26 @@ def test_sigterm_stops_every_rank_and_a_second_job_is_refused_meanwhile(tmp_path
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux-only")
-@pytest.mark.parametrize("target", ["launcher", "rank 0"])
+@pytest.mark.parametrize("target", ["launcher", "rank 0", "ctrl-c"])
 def test_sigterm_with_save_on_sigterm_saves_the_last_step_then_exits_143(tmp_path, default_dataset, target):
-    """To the launcher (a scheduler's notice) or to one rank alone (a node's): the job saves and exits 143."""
+    """To the launcher (a scheduler's notice) or to one rank alone (a node's): the job saves and exits 143.
+    Ctrl-C (SIGINT to the terminal's process group: the launcher and every rank, then the agent's own SIGINT to
+    the ranks) saves too, and exits 130."""
     from pentatron.checkpoint import manifest
 
-    with _training(tmp_path / "a", default_dataset, "--set=checkpoint.save_on_sigterm=true") as (launcher, ranks):
-        os.kill(launcher.pid if target == "launcher" else _rank_pid(ranks, int(target[-1])), signal.SIGTERM)
+    ctrl_c = target == "ctrl-c"
+    with _training(tmp_path / "a", default_dataset, "--set=checkpoint.save_on_sigterm=true",
+                   session=ctrl_c) as (launcher, ranks):
+        if ctrl_c:
+            os.killpg(launcher.pid, signal.SIGINT)
+        else:
+            os.kill(launcher.pid if target == "launcher" else _rank_pid(ranks, int(target[-1])), signal.SIGTERM)
         out, _ = launcher.communicate(timeout=60)
-        assert launcher.returncode == 143, out[-2000:]
+        name = "SIGINT" if ctrl_c else "SIGTERM"
+        assert launcher.returncode == (130 if ctrl_c else 143), out[-2000:]
         assert _wait_gone(ranks, 10) == []
-        assert out.count("stopped by SIGTERM after step") == 1, out[-2000:]
-        step = int(out.split("stopped by SIGTERM after step ")[1].split(",")[0])
+        assert out.count(f"stopped by {name} after step") == 1, out[-2000:]
+        step = int(out.split(f"stopped by {name} after step ")[1].split(",")[0])
         ck = tmp_path / "a" / "ck"
         latest = ck / (ck / "latest").read_text()
         manifest.verify(latest)  # complete and intact

@@ -349,8 +349,9 @@ class CheckpointConfig:
     resume_from: str = ""
     """A step directory of dir to resume ("step_00000100" or "100"); empty: what `latest` names."""
     save_on_sigterm: bool = False
-    """SIGTERM (a scheduler's preemption notice, or to the launcher): finish the current step, save, exit 143.
-    Off: the ranks stop at once and the run resumes from the last periodic checkpoint."""
+    """SIGTERM (a scheduler's preemption notice, or to the launcher) or Ctrl-C (SIGINT): finish the current step,
+    save, exit 143 (130 after Ctrl-C). Off: the ranks stop at once and the run resumes from the last periodic
+    checkpoint."""
 
 
 @dataclass

@@ -111,7 +111,6 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
     from pentatron.preflight import environment_problems
     from pentatron.train.nonfinite import EXIT_CODE as NONFINITE_EXIT
     from pentatron.train.nonfinite import NonFiniteStop
-    from pentatron.train.sigterm import EXIT_CODE as SIGTERM_EXIT
     from pentatron.train.sigterm import Terminated
 
     die_with_parent()  # no rank outlives the launcher (or torchrun) that started it
@@ -185,7 +184,7 @@ def run_in_this_process(cfg: Config, problems_of: Callable[[int, int], list[str]
         if rank == 0:
             print(f"pentatron: {e}", file=sys.stderr, flush=True)
         finished = True
-        return SIGTERM_EXIT
+        return e.exit_code
     except KeyboardInterrupt:
         print(f"pentatron: rank {rank} interrupted", file=sys.stderr)
         return 130

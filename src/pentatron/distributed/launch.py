@@ -107,9 +107,9 @@ def launch_local_ranks(nproc: int, argv: list[str], nnodes: int = 1, node_rank: 
         elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
-        # 2: a user error, 3: stopped on a non-finite loss/norm/state, 143: stopped after a step by SIGTERM
-        # (checkpoint.save_on_sigterm) — every rank agreed and rank 0 has said it; the agent stopped the rest
-        for agreed in (2, 3, 143):
+        # 2: a user error, 3: stopped on a non-finite loss/norm/state, 143 / 130: stopped after a step by SIGTERM /
+        # SIGINT (checkpoint.save_on_sigterm) — every rank agreed and rank 0 has said it; the agent stopped the rest
+        for agreed in (2, 3, 143, 130):
             if any(c == agreed for c in codes.values()) and all(c == agreed or c < 0 for c in codes.values()):
                 return agreed
         # A rank killed by a signal other than the agent's SIGTERM (kill -9, the OOM killer, a crash) is the cause;

@@ -33,7 +33,7 @@ from pentatron.schedules import idle_warning
 from pentatron.train.lr_schedule import LrSchedule, resumed_schedule
 from pentatron.train.model_state import ModelState
 from pentatron.train.nonfinite import NonFiniteGuard, NonFiniteStop
-from pentatron.train.sigterm import SigtermWatch, Terminated
+from pentatron.train.sigterm import SigtermWatch
 from pentatron.train.validation import Validation
 
 
@@ -278,7 +278,7 @@ class Trainer:
                                                or stop):
                     self.save_checkpoint()
                 if stop:
-                    raise Terminated(f"stopped by SIGTERM after step {self.step}, saved in {self.cfg.checkpoint.dir}")
+                    raise self.sigterm.stopped(self.step, self.cfg.checkpoint.dir)
                 if ending:
                     break
         finally:
