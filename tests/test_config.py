@@ -193,5 +193,8 @@ def test_qwen3_fields_override_and_resolve():
     assert load_config(None, ["model.name='qwen3-8b'"]).model_config().qk_norm
     resolved = cfg.resolved_dict(1)["model"]
     assert (resolved["qk_norm"], resolved["attn_head_dim"]) == (True, 48)
+    assert "moe" not in cfg.resolved_dict(1)  # a dense model's config.json has no [moe] of nulls
+    moe = load_config(None, ["model.name='debug-moe'"]).resolved_dict(1)["moe"]
+    assert (moe["n_experts"], moe["top_k"], moe["capacity_factor"]) == (8, 2, None)  # None: dropless
     with pytest.raises(ConfigError, match="attn_head_dim"):
         load_config(None, ["model.attn_head_dim=47"])

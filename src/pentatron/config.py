@@ -426,7 +426,7 @@ class Config:
 
     def resolved_dict(self, world_size: int) -> dict[str, Any]:
         """`to_dict()` with what the run resolves written in: the model's shape (the registry's or
-        model.hf_config's, with the overrides) in [model] and, for an MoE, [moe]; parallel.dp from the
+        model.hf_config's, with the overrides) in [model] and, for an MoE, [moe] (a dense model has none); parallel.dp from the
         world size. It loads back as the same run (the config.json of a run directory)."""
         out = self.to_dict()
         model = self.model_config()
@@ -435,6 +435,8 @@ class Config:
             del out["model"]["attn_head_dim"]
         if model.moe is not None:
             out["moe"] = {k: getattr(model.moe, k) for k in out["moe"]}
+        elif not any(v is not None for v in out["moe"].values()):  # a dense model: no [moe] of nulls
+            del out["moe"]
         out["parallel"]["dp"] = self.layout(world_size).dp
         return out
 
