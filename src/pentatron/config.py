@@ -426,8 +426,8 @@ class Config:
 
     def resolved_dict(self, world_size: int) -> dict[str, Any]:
         """`to_dict()` with what the run resolves written in: the model's shape (the registry's or
-        model.hf_config's, with the overrides) in [model] and, for an MoE, [moe] (a dense model has none); parallel.dp from the
-        world size. It loads back as the same run (the config.json of a run directory)."""
+        model.hf_config's, with the overrides) in [model] and, for an MoE, [moe] (a dense model has none);
+        parallel.dp from the world size. It loads back as the same run (the config.json of a run directory)."""
         out = self.to_dict()
         model = self.model_config()
         out["model"].update({k: getattr(model, k) for k in out["model"] if k not in ("name", "hf_config")})
