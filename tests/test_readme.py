@@ -1,6 +1,7 @@
 """The README's tour, replayed: every command of its first ```bash block under "A short tour" runs (with
-small sizes), so the README cannot drift from the code. And `pentatron demo` (what `make demo` runs),
-shortened.
+small sizes), then every command of the fine-tuning walkthrough's block (as written: its config is already
+small) on a tiny random Qwen3 built here with `transformers`, so the README cannot drift from the code. And
+`pentatron demo` (what `make demo` runs), shortened.
 
 A tour command that starts processes (`--nproc`, torchrun) runs as a subprocess, as the user types it; the
 others call the CLI's `main` in this process (tests/launchers.in_process: the same code, without ~3 s of a
@@ -21,20 +22,28 @@ from tests.reference_loop import EXACT_RTOL, FP64
 SMALL = ["--set=train.steps=2", "--set=train.warmup=1", "--set=log.progress=false"]
 
 
-def tour_commands() -> list[str]:
+WALKTHROUGH = "### Fine-tuning a Hugging Face model"
+
+
+def _commands(heading: str) -> list[str]:
+    """The lines of the first ```bash block after `heading`."""
     text = (ROOT / "README.md").read_text()
-    tour = text[text.index("## A short tour"):]
-    block = re.search(r"```bash\n(.*?)```", tour, re.S)
-    assert block is not None, "README: no ```bash block under 'A short tour'"
+    assert heading in text, f"README: no {heading!r}"
+    block = re.search(r"```bash\n(.*?)```", text[text.index(heading):], re.S)
+    assert block is not None, f"README: no ```bash block under {heading!r}"
     return [line for line in block.group(1).splitlines() if line.strip()]
 
 
-def _argv(line: str, dataset: Path, hf_dir: Path) -> list[str]:
-    """The command's words after the program (`pentatron` or `torchrun`), sized down."""
+def tour_commands() -> list[str]:
+    return _commands("## A short tour")
+
+
+def _argv(line: str, dataset: Path, hf_dir: Path, small: bool = True) -> list[str]:
+    """The command's words after the program (`pentatron` or `torchrun`); `small`: sized down."""
     words = shlex.split(line, comments=True)
     assert words[0] in ("pentatron", "torchrun"), f"README tour command must start with pentatron or torchrun: {line}"
-    argv = [str(hf_dir) if w == "path/to/hf_llama_checkpoint" else w for w in words[1:]]
-    if "train" in words:
+    argv = [w.replace("path/to/hf_qwen3", str(hf_dir)) for w in words[1:]]
+    if "train" in words and small:
         argv += SMALL
         if not any(w.startswith("data.path=") for w in words):
             argv.append(f"--set=data.path={json.dumps(str(dataset))}")
@@ -52,33 +61,73 @@ def _run(line: str, argv: list[str], cwd: Path) -> tuple[int, str, str]:
 
 
 def _workdir(tmp: Path) -> None:
-    """What the tour assumes: the repository's configs, a corpus of text files, a HF checkpoint."""
+    """What the tour assumes: the repository's configs, two directories of text files."""
     (tmp / "configs").symlink_to(ROOT / "configs")
-    corpus = tmp / "my_corpus"
+    corpus, notes = tmp / "my_corpus", tmp / "my_notes"
     corpus.mkdir()
+    notes.mkdir()
     for f in sorted((ROOT / "src" / "pentatron").rglob("*.py"))[:25]:
         shutil.copy(f, corpus / f"{f.parent.name}_{f.name}.txt")
+    for f in sorted((ROOT / "docs").glob("*.md"))[:4]:
+        shutil.copy(f, notes / f.name)
+
+
+def _hf_qwen3(out: Path) -> None:
+    """A tiny random Qwen3 (q/k norms, head_dim 24 ≠ 64 / 4 heads, tied) saved as Hugging Face saves one; its
+    vocabulary is the tour tokenizer's (4096)."""
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen3Config(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                   max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1e6,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
+
+
+def _check(line: str, out: str) -> None:
+    """What each kind of README command must print besides exiting 0."""
+    words = line.split()
+    if " train " in f" {line} " and "torchrun" not in line:
+        assert "run summary" in out, line
+    if words[1] == "tokenize":
+        assert "train on it:" in out and "model.vocab_size" in out
+    if words[1:3] == ["convert", "verify"]:
+        assert "PASS" in out, out
 
 
 def test_every_readme_tour_command_runs(tmp_path, default_dataset):
-    from pentatron.models.hf import export_hf
-    from pentatron.models.llama import build_model
-    from pentatron.models.registry import get_model_config
-
     _workdir(tmp_path)
-    hf_dir = tmp_path / "hf"
-    export_hf(build_model(get_model_config("debug")), hf_dir)
+    hf_dir = tmp_path / "hf_qwen3"
+    _hf_qwen3(hf_dir)
     commands = tour_commands()
-    assert len(commands) >= 8
+    assert len(commands) >= 6
     for line in commands:
         code, out, everything = _run(line, _argv(line, default_dataset, hf_dir), tmp_path)
         assert code == 0, f"README command failed: {line}\n{everything[-3000:]}"
-        if " train " in f" {line} " and "torchrun" not in line:
-            assert "run summary" in out, line
-        if line.split()[1] == "tokenize":
-            assert "train on it:" in out and "model.vocab_size" in out
-        if line.split()[1:3] == ["convert", "verify"]:
-            assert "PASS" in out or "NOT CHECKED" in out, out
+        _check(line, out)
+    # The walkthrough, on the tour's data/my_corpus: import → 2 ranks (dp2) on the mixture with validation → resume
+    # in tp2 + sp → export → transformers' logits against ours
+    walk = _commands(WALKTHROUGH)
+    assert [w.split()[1:3] for w in walk] == [["checkpoint", "import-hf"], ["tokenize", "my_notes/"],
+                                              ["train", "configs/finetune.toml"], ["train", "configs/finetune.toml"],
+                                              ["checkpoint", "export-hf"], ["convert", "verify"]], walk
+    outs = []
+    for line in walk:
+        code, out, everything = _run(line, _argv(line, default_dataset, hf_dir, small=False), tmp_path)
+        assert code == 0, f"README walkthrough command failed: {line}\n{everything[-3000:]}"
+        _check(line, out)
+        outs.append(out)
+    first, resumed = outs[2], outs[3]
+    for out in (first, resumed):  # the mixture's per-source tokens and the validation loss, per source too
+        assert re.search(r"validation   loss final \S+ \(perplexity", out), out[-3000:]
+        assert re.search(r"data +my_corpus [\d,]+ tokens .*my_notes [\d,]+ tokens", out), out[-3000:]
+        assert re.search(r"validation at step \d+: .*per source: my_corpus \S+, my_notes", out), out[-3000:]
+    assert "world=2 (dp=2 tp=1 pp=1" in first and "steps        1 … 10" in first, first[-3000:]
+    assert "world=2 (dp=1 tp=2+sp pp=1" in resumed and "steps        11 … 20 (resumed after step 10)" in resumed, \
+        resumed[-3000:]
+    assert "Qwen3ForCausalLM" in (tmp_path / "runs" / "finetune" / "hf" / "config.json").read_text()
 
 
 # The demo's layout (configs/demo.toml) at test size: 4 steps (all of them in the parity check) of 2 micro-batches

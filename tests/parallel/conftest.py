@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.parallel.test_composition_parity import EPS, GLOBAL, LR, SEQ, STEPS, WARMUP
+from tests.parallel.moe_reference import moe_reference_run
+from tests.parallel.test_composition_parity import EPS, GLOBAL, LR, MICRO, SEQ, STEPS, WARMUP
 from tests.reference_loop import reference_run
 
 
@@ -17,6 +18,13 @@ def references(default_dataset) -> dict[str, dict[str, Any]]:
     match."""
     common = dict(steps=STEPS, seq_len=SEQ, global_batch=GLOBAL, lr=LR, eps=EPS, warmup=WARMUP, dtype=torch.float64)
     return {m: reference_run(default_dataset, model=m, **common) for m in ("debug", "debug-untied", "debug-qwen3")}
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_reference(default_dataset) -> dict[str, Any]:
+    """debug-qwen3-moe's reference: the MoE loop over the compositions' micro-batches (its balancing loss is per
+    forward); apart from `references`, whose other users need not pay for it."""
+    return moe_reference_run(default_dataset, model="debug-qwen3-moe", micro_batch=MICRO, **_common())
 
 
 def _common() -> dict[str, Any]:

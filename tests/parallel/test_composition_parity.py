@@ -1,7 +1,8 @@
 """Every composition of the parallel dimensions equals a plain single-process PyTorch loop.
 
 dp × ZeRO-0/1/2/3 × tp (± sp) × pp (1F1B, interleaved, zero-bubble) × recompute, tied and untied
-embeddings, Qwen3's q/k norms (tp2 × sp × pp2) — including the compositions that used to be refused:
+embeddings, Qwen3's q/k norms (tp2 × sp × pp2), Qwen3-MoE (ep2 × tp2 + sp, ep2 × pp2) — including the
+compositions that used to be refused:
 ZeRO-3 under pipeline parallelism (both gather choices), ZeRO-2 under pp with a tied embedding,
 and the 8-rank dp2×tp2×pp2 layouts.
 Each run trains 4 steps in float64 (`train.precision='fp64'`) through the real `Trainer` on real gloo
@@ -35,6 +36,7 @@ TOL = EXACT_RTOL
 
 DP2PP2 = ["parallel.dp=2", "parallel.pp=2"]
 QWEN3 = ["model.name=debug-qwen3"]
+QWEN3_MOE = ["model.name=debug-qwen3-moe"]
 DP2TP2PP2 = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.sp=true"]
 CASES: dict[int, dict[str, list[str]]] = {
     4: {
@@ -48,6 +50,11 @@ CASES: dict[int, dict[str, list[str]]] = {
         # Qwen3's q/k norms: one gain per head_dim shared by the heads each tp rank splits, so its gradient is
         # summed over tp (SP or not: the same hook); one case, for the test-time budget
         "qwen3 tp2×pp2 sp": [*QWEN3, "parallel.tp=2", "parallel.pp=2", "parallel.sp=true"],
+        # Qwen3-MoE (q/k norms in MoE blocks, untied): ep2 borrowed from dp2 × tp2 + sp (the q/k norm gains summed
+        # over tp, each tp rank routing its sequence shard) and ep2 × pp2; against the micro-batched MoE loop
+        "qwen3-moe untied ep2 (from dp2)×tp2 sp": [*QWEN3_MOE, "parallel.dp=2", "parallel.tp=2", "parallel.sp=true",
+                                                  "parallel.ep=2"],
+        "qwen3-moe untied ep2×pp2": [*QWEN3_MOE, *DP2PP2, "parallel.ep=2"],
         # HSDP: ZeRO-3 and ZeRO-2 over 2-rank shard groups, 2 replicas all-reducing their shards; and ZeRO-1
         # under pp2 with 1-rank shard groups (replicated optimizer state, gradients all-reduced across replicas)
         "hsdp dp4 = 2 replicas × 2 shards zero3": ["parallel.dp=4", "parallel.zero=3", "parallel.dp_shard=2"],
@@ -109,12 +116,21 @@ def _merged(runs: list[dict[str, Any]], label: str, key: str, tied: bool) -> dic
     return merged
 
 
+def _reference(label: str, tied: bool) -> str:
+    """The `references` entry (conftest.py) a case is compared with."""
+    if "qwen3-moe" in label:
+        return "debug-qwen3-moe"
+    return "debug-qwen3" if "qwen3" in label else "debug" if tied else "debug-untied"
+
+
 @pytest.mark.parametrize("world", sorted(CASES))
-def test_every_composition_equals_a_plain_loop(world, references, default_dataset, tmp_path):
+def test_every_composition_equals_a_plain_loop(world, references, default_dataset, tmp_path, request):
+    if any("qwen3-moe" in label for label in CASES[world]):  # the MoE loop's reference only where a case needs it
+        references = {**references, "debug-qwen3-moe": request.getfixturevalue("qwen3_moe_reference")}
     runs = run_ranks(_ranks, world, args=(default_dataset, str(tmp_path)), timeout=900)
     for label in CASES[world]:
         tied = "untied" not in label
-        ref = references["debug-qwen3" if "qwen3" in label else "debug" if tied else "debug-untied"]
+        ref = references[_reference(label, tied)]
         for rank, res in enumerate(runs):
             np.testing.assert_allclose(res[label]["losses"], ref["losses"], rtol=TOL,
                                        err_msg=f"{label} rank {rank}: losses")

@@ -63,6 +63,13 @@ MODELS: dict[str, ModelConfig] = {
     "debug-qwen3": ModelConfig(vocab_size=4096, hidden_size=128, n_layers=4, n_heads=4, n_kv_heads=2,
                                ffn_hidden_size=256, max_seq_len=512, rope_theta=1e6, norm_eps=1e-6,
                                tie_embeddings=True, qk_norm=True, attn_head_dim=48),
+    # A tiny Qwen3-MoE of debug-moe's size, with the conventions `models/hf_moe.py` imports (Qwen3MoeForCausalLM):
+    # q/k norms with a decoupled head_dim, every layer MoE (no shared expert, no dense first layer), softmax top-k
+    # renormalised (norm_topk_prob), the Switch aux loss (router_aux_loss_coef; no z-loss), untied embeddings.
+    "debug-qwen3-moe": ModelConfig(vocab_size=4096, hidden_size=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                                   ffn_hidden_size=256, max_seq_len=512, rope_theta=1e6, norm_eps=1e-6,
+                                   qk_norm=True, attn_head_dim=48,
+                                   moe=MoEConfig(n_experts=8, top_k=2, expert_ffn_size=64, aux_loss_coef=0.01)),
     # mistralai/Mixtral-8x7B-v0.1 config.json: 46.7B parameters, 12.9B active.
     "mixtral-8x7b": ModelConfig(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                                 ffn_hidden_size=14336, max_seq_len=32768, rope_theta=1e6,
