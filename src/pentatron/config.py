@@ -211,7 +211,8 @@ class TrainConfig:
     """The global gradient-norm clip (over all parameters of all ranks); 0 disables."""
     precision: Literal["auto", "fp32", "bf16", "fp64"] = "auto"
     """auto: bf16 on CUDA, fp32 on CPU; bf16: bf16 parameters and compute with fp32 gradients and master
-    weights; fp64: everything float64 (exact parity tests, CPU)."""
+    weights; fp32 on CUDA runs its matmuls on TF32 tensor cores (the peak its MFU is taken against);
+    fp64: everything float64 (exact parity tests, CPU)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation in backward: none, selective (the attention core, whose intermediates grow
     with seq_len²) or full (each block's forward again): less activation memory for more compute."""

@@ -87,9 +87,15 @@ class AdamW:
                  differentiable=False, grad_scale=None, found_inf=None, has_complex=False,
                  decoupled_weight_decay=True, amsgrad=False, beta1=self.betas[0], beta2=self.betas[1], lr=lr,
                  weight_decay=self.weight_decay if decay else 0.0, eps=self.eps, maximize=False)
-        for s in self.slots:
-            if s.model is not None:
-                s.model.copy_(s.master)
+        self._refresh_models()
+
+    def _refresh_models(self) -> None:
+        """The model's lower-precision copies from the masters, as one multi-tensor copy (the same rounding
+        as a `copy_` per slot; on CUDA a few kernels for all slots instead of one launch per slot)."""
+        pairs = [(s.model, s.master) for s in self.slots if s.model is not None]
+        if pairs:
+            models, masters = zip(*pairs, strict=True)
+            torch._foreach_copy_(list(models), list(masters))
 
     def named_state(self) -> dict[str, torch.Tensor]:
         """The optimizer state as {"<slot key>.<field>": tensor}, keyed by parameter name so a
@@ -107,9 +113,7 @@ class AdamW:
     @torch.no_grad()
     def load_named_state(self, state: dict[str, torch.Tensor] | None = None) -> None:
         """Finish a restore done in place into `named_state()`'s tensors: refresh the model copies."""
-        for s in self.slots:
-            if s.model is not None:
-                s.model.copy_(s.master)
+        self._refresh_models()
 
     def master_bytes(self) -> int:
         """Bytes of the fp32 masters kept apart from the model's (bf16) parameters."""

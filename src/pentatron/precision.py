@@ -45,3 +45,20 @@ def resolve_precision(name: str, device: torch.device) -> PrecisionPolicy:
     if name == "fp64":
         return PrecisionPolicy("fp64", torch.float64, torch.float64, torch.float64)
     raise ValueError(f"train.precision must be auto, fp32, fp64 or bf16, got {name!r}")
+
+
+def fp32_matmul_precision(policy: PrecisionPolicy, device: torch.device) -> str | None:
+    """The `torch.set_float32_matmul_precision` an fp32 run on CUDA takes: "high", TF32 tensor cores (10-bit
+    mantissa products, fp32 accumulation), which the planner and MFU price it at (`peak_flops["tf32"]`);
+    torch's default ("highest") runs fp32 matmuls at the CUDA-core fp32 rate, several times lower. None:
+    leave it (CPU, where the setting changes nothing the run relies on; bf16, whose matmuls are bf16; fp64,
+    exact by design)."""
+    return "high" if device.type == "cuda" and policy.param_dtype == torch.float32 else None
+
+
+def apply_matmul_precision(policy: PrecisionPolicy, device: torch.device) -> None:
+    """Set `fp32_matmul_precision`'s choice for this process (process-wide: torch has no per-module setting).
+    Through `set_float32_matmul_precision`, which keeps torch's legacy `allow_tf32` flag and its newer
+    `fp32_precision` settings consistent (setting one of them directly makes reading the other raise)."""
+    if (mode := fp32_matmul_precision(policy, device)) is not None:
+        torch.set_float32_matmul_precision(mode)

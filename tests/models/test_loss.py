@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pentatron.models import loss as loss_module
 from pentatron.models.llama import LMHead
 from pentatron.models.loss import linear_cross_entropy
 from tests.reference_loop import EXACT_RTOL, FP64
@@ -170,6 +171,49 @@ def test_peak_memory_is_one_chunk_of_logits_not_the_full_logits():
     # the chunk's logits (+ the matmul's transient), the fp32 dW accumulator, per-token vectors, the inputs' grads
     assert meter.peak <= 2 * one_chunk + 2 * dw + 64 * 2 * n + 2 * x.numel() * 4
     assert meter.peak < full / 10
+
+
+def test_bf16_dw_is_added_in_vocabulary_blocks_with_one_blocks_temporary(monkeypatch):
+    """Under bf16 dW's per-chunk product is a temporary beside the fp32 accumulator: added WGRAD_ROWS
+    vocabulary rows at a time it is one block's, not [V, h] (the largest matmul output, and a lower peak);
+    the gradients are bitwise the unblocked ones."""
+    n, h, v, chunk = 64, 64, 4096, 16
+    x, w, t = _case(n=n, h=h, v=v, dtype=torch.bfloat16)
+
+    class Largest(_Live):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            # dW's products [rows, h] (and dX's, [chunk, h]: fewer rows)
+            if func.overloadpacket is torch.ops.aten.mm and out.shape[1] == h:
+                self.largest = max(self.largest, out.shape[0])
+            return out
+
+    def run(rows: int) -> tuple[Largest, list[torch.Tensor]]:
+        monkeypatch.setattr(loss_module, "WGRAD_ROWS", rows)
+        with Largest() as meter:
+            grads = torch.autograd.grad(linear_cross_entropy(x, w, t, chunk), [x, w])
+        return meter, grads
+
+    whole, (gx, gw) = run(v)
+    blocked, (bx, bw) = run(256)
+    assert torch.equal(bx, gx) and torch.equal(bw, gw)
+    assert (whole.largest, blocked.largest) == (v, 256)
+    assert blocked.peak < whole.peak
+
+
+def test_on_cuda_bf16_logits_come_out_of_the_matmul_in_fp32(monkeypatch):
+    """The decision (CUDA and bf16/fp16 only), and the CUDA call's signature and result checked on meta
+    tensors (torch's meta kernels carry its dtype rules); the CUDA kernel itself is unrun without a GPU."""
+    cuda = torch.empty(0, dtype=torch.bfloat16, device="meta")
+    assert not loss_module._fp32_out(cuda)  # meta is not CUDA
+    assert not loss_module._fp32_out(torch.empty(0, dtype=torch.bfloat16))  # CPU widens
+    monkeypatch.setattr(loss_module, "_fp32_out", lambda x: x.dtype in (torch.bfloat16, torch.float16))
+    x, w = torch.empty(8, 16, dtype=torch.bfloat16, device="meta"), torch.empty(50, 16, dtype=torch.bfloat16,
+                                                                                 device="meta")
+    logits = loss_module._logits(x, w)
+    assert logits.dtype == torch.float32 and logits.shape == (8, 50)
 
 
 def test_a_split_backward_gets_dx_from_b_and_dw_from_w_each_once():

@@ -41,6 +41,7 @@ strict_comm = strict_comm_fixture("module")  # NCCL's ordering and device rules 
 STEPS, SEQ, MICRO, GLOBAL, LR, EPS, WARMUP = 4, 32, 2, 8, 1e-3, 1e-4, 2
 CAP_STEPS = 3
 CAPACITY = ["moe.capacity_factor=1.0", f"train.steps={CAP_STEPS}"]  # drops ~15 % of a layer's assignments
+CHECK = "distributed.check_collectives=true"
 
 CASES: dict[int, dict[str, list[str]]] = {
     2: {
@@ -48,7 +49,9 @@ CASES: dict[int, dict[str, list[str]]] = {
         "dp2 zero0 aux-free": ["parallel.dp=2", "model.name='debug-moe-auxfree'"],
         "tp2 aux-loss (experts replicated over tp)": ["parallel.tp=2"],
         "pp2 aux-loss": ["parallel.pp=2"],
-        "ep2 zero0 aux-loss": ["parallel.dp=2", "parallel.ep=2"],
+        # check mode on (each collective's descriptor compared across its group first): the uneven
+        # token all-to-all is accepted, and the run is the same
+        "ep2 zero0 aux-loss": ["parallel.dp=2", "parallel.ep=2", CHECK],
         "ep2 zero2 aux-free": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=2", "model.name='debug-moe-auxfree'"],
         # cp: each rank routes its half of every sequence; the balancing loss counts assignments over the
         # whole sequences (summed over cp), so it equals the single-process loss
@@ -56,7 +59,7 @@ CASES: dict[int, dict[str, list[str]]] = {
         "cp2 aux-loss": ["parallel.dp=1", "parallel.cp=2"],
         # capacity over the micro-batch: the cp ranks choose the kept assignments together
         "cp2 ring capacity 1.0": ["parallel.dp=1", "parallel.cp=2", *CAPACITY],
-        "cp2 ulysses capacity 1.0": ["parallel.dp=1", "parallel.cp=2", "parallel.cp_mode='ulysses'", *CAPACITY],
+        "cp2 ulysses capacity 1.0": ["parallel.dp=1", "parallel.cp=2", "parallel.cp_mode='ulysses'", *CAPACITY, CHECK],
         # sp: each tp rank routes its sequence shard; counts and capacity over the micro-batch, the MoE
         # layer's gradients (and so the balancing losses') summed over tp
         "tp2 sp aux-loss": ["parallel.tp=2", "parallel.sp=true"],

@@ -83,3 +83,28 @@ def test_fp64_policy_keeps_every_state_in_float64_and_wide_never_rounds_it():
     assert wide(x.bfloat16()).dtype == wide(x.float()).dtype == torch.float32
     assert [wide_dtype(d) for d in (torch.bfloat16, torch.float32, torch.float64)] == [
         torch.float32, torch.float32, torch.float64]
+
+
+def test_model_copies_refreshed_by_one_foreach_copy_are_bitwise_the_per_slot_copy():
+    """After the step the bf16 parameters (whole, and ZeRO-like views of one flat buffer) are the fp32
+    masters rounded exactly as `copy_` rounds them; fp32 parameters (master is the parameter) untouched."""
+    torch.manual_seed(0)
+    flat = torch.zeros(40, dtype=torch.bfloat16)
+    params = [nn.Parameter(torch.randn(6, 5).bfloat16()), nn.Parameter(torch.randn(7).bfloat16()),
+              nn.Parameter(flat[:24].view(4, 6)), nn.Parameter(flat[24:].view(16)), nn.Parameter(torch.randn(3, 3))]
+    with torch.no_grad():
+        params[2].normal_(), params[3].normal_()
+    for p in params:
+        p.main_grad = torch.randn(p.shape)
+    opt = MixedPrecisionAdamW(params, TrainConfig(lr=0.3, weight_decay=0.1), torch.float32)
+    assert [s.model is not None for s in opt.slots] == [True, True, True, True, False]
+    opt.step(0.3)
+    for s in opt.slots:
+        expected = torch.empty_like(s.master, dtype=torch.bfloat16).copy_(s.master)
+        if s.model is not None:
+            assert torch.equal(s.model, expected) and not torch.equal(s.model.float(), s.master)
+    assert torch.equal(flat, torch.cat([opt.slots[2].master.flatten(), opt.slots[3].master]).bfloat16())
+    with torch.no_grad():  # a restore into the masters refreshes the copies the same way
+        torch._foreach_add_(opt.master, 1.0)
+    opt.load_named_state()
+    assert all(torch.equal(s.model, s.master.bfloat16()) for s in opt.slots if s.model is not None)

@@ -279,11 +279,23 @@ def init_distributed(device: torch.device, store: dist.Store | None = None, time
     import torch.distributed.nn  # noqa: F401
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    bound = process_group_device(device)
     if store is None:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **bound)
     else:
         dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s),
+                                **bound)
+
+
+def process_group_device(device: torch.device) -> dict[str, torch.device]:
+    """`init_process_group`'s device binding: on CUDA `device_id`, so NCCL creates the world communicator
+    at once (eagerly, where a hang or a bad network shows at start-up, not in the first training
+    collective) and later groups can be split from it (`ncclCommSplit`, cheaper than a new
+    communicator each); the CPU (gloo) path binds nothing, as before."""
+    if device.type != "cuda":
+        return {}
+    return {"device_id": device if device.index is not None else torch.device("cuda", torch.cuda.current_device())}
 
 
 def file_init_method(store: str | Path) -> str:

@@ -10,6 +10,9 @@ price is one more head matmul per chunk but the last: forward keeps the last chu
 (computed last, it is the chunk alive when backward starts, which takes it first and in place, so the
 peak stays one chunk) and backward recomputes only the others. With the tokens in one chunk nothing is
 recomputed. A split backward (zero-bubble B then W) hands the kept chunk to its first half only.
+On CUDA under bf16/fp16 the head's matmul writes the fp32 logits itself (`out_dtype`: no low-precision
+logits and no copy; unrun on a GPU so far); elsewhere they are widened. Under mixed dtypes dW's
+per-chunk product is added WGRAD_ROWS vocabulary rows at a time (a block's temporary, not [V, h]).
 
 Vocabulary sharding (tensor parallelism) is not known here: a `VocabShards` object (the tp layer's)
 says which slice of the vocabulary `weight` holds and all-reduces the per-token statistics: one max
@@ -41,8 +44,38 @@ class VocabShards(Protocol):
 DEFAULT_CHUNK_TOKENS = 1024  # train.loss_chunk_tokens' default: at vocab 128k one chunk's fp32 logits are 0.5 GiB
 
 
+# Vocabulary rows per dW product when dW (fp32) and the operands (bf16) differ in dtype: the product is a
+# temporary beside the accumulator, [rows, h] instead of [V, h] (1 GiB in bf16 at vocab 128k, h 4096),
+# at the end of forward, where activation memory peaks.
+WGRAD_ROWS = 8192
+
+
 def _chunks(n: int, size: int) -> range:
     return range(0, n, max(size, 1))
+
+
+def _fp32_out(x: torch.Tensor) -> bool:
+    """Whether the head's matmul writes fp32 itself (`torch.mm(..., out_dtype=float32)`, CUDA only in torch
+    2.13): bf16/fp16 operands on CUDA. Elsewhere the logits come out in the operands' dtype and are widened
+    (a second tensor, a copy)."""
+    return x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One chunk's logits in the wide dtype; forward and backward's recompute share it (same values)."""
+    if _fp32_out(x):
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return wide(F.linear(x, weight))
+
+
+def _add_wgrad(grad_w: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> None:
+    """grad_w += gᵀ·x. Same dtype: in place (addmm). Else the product rounds to g's dtype and is added in
+    blocks of `WGRAD_ROWS` vocabulary rows, so its temporary is one block's."""
+    if g.dtype == grad_w.dtype:
+        grad_w.addmm_(g.t(), x)
+        return
+    for lo in range(0, grad_w.shape[0], WGRAD_ROWS):
+        grad_w[lo:lo + WGRAD_ROWS].add_(g[:, lo:lo + WGRAD_ROWS].t() @ x)
 
 
 def _will_run(node: Any) -> bool:
@@ -71,7 +104,7 @@ class _LinearCrossEntropy(Function):
         kept: tuple[int, torch.Tensor, torch.Tensor] | None = None  # the last chunk: (lo, exp(logit − max), max)
         for lo in _chunks(n, chunk):
             hi = min(lo + chunk, n)
-            logits = wide(F.linear(x[lo:hi], weight))
+            logits = _logits(x[lo:hi], weight)
             m = logits.amax(dim=-1)
             row_max[lo:hi] = m
             target_logit[lo:hi] = logits.gather(-1, local_t[lo:hi].unsqueeze(-1)).squeeze(-1)
@@ -118,7 +151,7 @@ class _LinearCrossEntropy(Function):
                 kept = None
                 g.mul_((m - lse[lo:hi]).exp_().unsqueeze(-1))  # exp(logit − max) · exp(max − lse)
             else:
-                g = wide(F.linear(x[lo:hi], weight))
+                g = _logits(x[lo:hi], weight)
                 g.sub_(lse[lo:hi].unsqueeze(-1)).exp_()
             rows = torch.arange(hi - lo, device=g.device)
             g[rows, local_t[lo:hi]] -= hit[lo:hi].to(g.dtype)
@@ -127,10 +160,7 @@ class _LinearCrossEntropy(Function):
             if grad_x is not None:
                 torch.mm(g, weight, out=grad_x[lo:hi])
             if grad_w is not None:
-                if g.dtype == grad_w.dtype:
-                    grad_w.addmm_(g.t(), x[lo:hi])
-                else:
-                    grad_w.add_(g.t() @ x[lo:hi])
+                _add_wgrad(grad_w, g, x[lo:hi])
             del g
         return (grad_x, grad_w.to(weight.dtype) if grad_w is not None else None, None, None, None, None)
 

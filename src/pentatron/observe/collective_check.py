@@ -26,7 +26,7 @@ from pentatron.observe.flight_recorder import FlightRecord, format_site
 if TYPE_CHECKING:
     from pentatron.distributed.comm import Comm
 
-_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "barrier")
+_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "barrier", "all_to_all")
 _DTYPES = ("-", "float32", "bfloat16", "float16", "float64", "int64", "int32", "int8", "uint8", "bool")
 _MAX_DIMS = 4
 _SITE_BYTES = 64
@@ -67,6 +67,14 @@ def _say(rank: int, dim: str, d: dict, peer: str = "") -> str:
 _COMPARED = ("seq", "op", "dtype", "numel", "shape", "step", "micro", "site")
 
 
+def _compared(d: dict) -> tuple:
+    """What must agree across the group. An all-to-all's ranks each send their own number of rows (MoE
+    dispatch: the tokens each routed), so there only the row's shape is compared, not the row count."""
+    if d["op"] == "all_to_all":
+        return (*(d[k] for k in _COMPARED if k not in ("numel", "shape")), tuple(d["shape"][1:]))
+    return tuple(d[k] for k in _COMPARED)
+
+
 class CollectiveChecker:
     """Verifies each collective against the other ranks of its group.
 
@@ -86,7 +94,7 @@ class CollectiveChecker:
         dist.all_gather_into_tensor(rows, mine, group=group)
         seen = [_decode(r) for r in rows.view(n, _LEN).tolist()]
         me = seen[rec.ranks.index(comm.ctx.rank)]
-        odd = [i for i, d in enumerate(seen) if any(d[k] != me[k] for k in _COMPARED)]
+        odd = [i for i, d in enumerate(seen) if _compared(d) != _compared(me)]
         if odd:
             lines = [_say(rec.ranks[i], rec.dim, d) for i, d in enumerate(seen)]
             raise CollectiveMismatch(

@@ -113,8 +113,9 @@ def main_thread_stack(limit: int = 6) -> list[str]:
 
 class Watchdog:
     def __init__(self, recorder: FlightRecorder, world_size: int, dump_dir: Path, timeout_s: float,
-                 shared_dir: bool = True) -> None:
+                 shared_dir: bool = True, device: torch.device | str = "cpu") -> None:
         self.recorder = recorder
+        self.device = torch.device(device)  # the rank's: the thread queries its CUDA events there
         self.rank = recorder.rank
         self.world_size = world_size
         self.dir = dump_dir
@@ -144,6 +145,7 @@ class Watchdog:
     def _run(self) -> None:
         last_beat = 0.0
         try:
+            bind_thread_device(self.device)
             while not self._stop.wait(self.poll_s):
                 if (self.dir / REQUEST).exists():
                     self._conclude(requested_by_me=False)
@@ -237,6 +239,14 @@ class Watchdog:
         return self._per_rank(".heartbeat.json")
 
 
+def bind_thread_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device. A new thread starts on device 0 whatever the
+    main thread set, so its first CUDA call (the watchdog's event query) would create a context on GPU 0
+    in every rank: hundreds of MB each on one GPU, and on a rank not using it. Nothing on CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def dump_torch_trace(path: Path, timeout_s: float) -> bool:
     """Write PyTorch's flight-recorder trace of this process (a pickle, what `torchfrtrace` reads) to
     `path`; on NCCL with the communicators' state. First without stack traces (instant), then with
@@ -299,7 +309,7 @@ def attach_flight_recorder(ctx: ParallelContext, dump_dir: Path, timeout_s: floa
         print(f"pentatron: warning: {dump_dir} is not shared by all ranks (another node?): a hang "
               "diagnosis will only see this node's ranks; put log.dir on a shared filesystem",
               file=sys.stderr, flush=True)
-    dog = Watchdog(recorder, ctx.world_size, dump_dir, timeout_s, shared)
+    dog = Watchdog(recorder, ctx.world_size, dump_dir, timeout_s, shared, device=ctx.device)
     if start:
         dog.start()
     return dog

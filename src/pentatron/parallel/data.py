@@ -246,7 +246,12 @@ class DataParallel(DataParallelBase):
 
     def _launch(self, b: Bucket) -> None:
         self._launched.add(b.index)
-        self._works.append(self.comm.all_reduce(self.grads.bucket_data(b), self.reduce_dim, async_op=True))
+        data = self.grads.bucket_data(b)
+        if self.grad_divisor > 1:
+            # Averaged before the sum, bucket by bucket as backward readies them (Megatron scales its
+            # buckets so too), not the whole buffer in one pass after the last wait, on the step's tail.
+            data.div_(self.grad_divisor)
+        self._works.append(self.comm.all_reduce(data, self.reduce_dim, async_op=True))
 
     def zero_grad(self) -> None:
         self.grads.zero()
@@ -258,8 +263,6 @@ class DataParallel(DataParallelBase):
         for w in self._works:
             w.wait()
         self._works.clear()
-        if self.grad_divisor > 1:
-            self.grads.data.div_(self.grad_divisor)
         self._reset_counts(self.layout)
 
     def owned_grads(self) -> list[torch.Tensor]:

@@ -26,7 +26,7 @@ from pentatron.models.llama import build_meta_model
 from pentatron.observe.run_observer import start_flight_recorder
 from pentatron.observe.watchdog import Watchdog
 from pentatron.parallel.parallelize import parallelize
-from pentatron.precision import resolve_precision
+from pentatron.precision import apply_matmul_precision, resolve_precision
 from pentatron.train.nonfinite import NonFiniteStop, local_nonfinite_count
 
 
@@ -46,6 +46,7 @@ class ModelState:
         with self.closed_on_error():
             self.watchdog = start_flight_recorder(cfg, self.ctx) if flight_recorder else None
             self.policy = resolve_precision(tr.precision, self.device)
+            apply_matmul_precision(self.policy, self.device)  # fp32 on CUDA: TF32, as MFU and the planner assume
             torch.manual_seed(tr.seed)
             self.model_cfg = cfg.model_config()
             # Built on meta: no rank ever holds more than its own pieces (parallelize materialises them,
