@@ -166,6 +166,11 @@ class ParallelConfig:
     gradient shards are all-reduced across nodes. Must divide dp; 0: shard over all of dp (plain ZeRO)."""
     bucket_mb: float = 25.0
     """[MiB] Size of the gradient buckets data parallelism reduces while backward still runs (overlap)."""
+    overlap_param_gather: bool = True
+    """ZeRO-1/2: after the optimizer step the updated parameters' all-gathers are issued asynchronously, in
+    forward order, in buckets of parallel.bucket_mb of parameters, and each is waited just before the first
+    module using it, so only the first is exposed and the rest run behind the forward; false: all waited
+    right after the step (exposed)."""
 
 
 @dataclass

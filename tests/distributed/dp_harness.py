@@ -138,6 +138,36 @@ def _prefetch_probe(world: int, dataset: str) -> dict[str, Any]:
     return seen
 
 
+def _param_gather_probe(world: int, dataset: str, zero: int) -> dict[str, Any]:
+    """ZeRO-1/2 overlapped parameter gather: over two steps of two micro-batches, the order of the gather
+    buckets' issues and waits (the engine's events) and of every top-level module's forward pre-hook
+    (registered after the engine's, so a wait in a module's hook comes before that module's entry)."""
+    from pentatron.parallel.zero import _hook_modules
+    from pentatron.train.trainer import Trainer
+
+    trainer = Trainer(make_config(world, zero, micro_batch(world, True), "parallel.bucket_mb=0.25"),
+                      dataset_dir=Path(dataset))
+    engine = trainer.engine
+    events: list[tuple[str, Any]] = []
+    engine.on_gather_event = lambda kind, g: events.append((kind, g))
+    names = {id(m): n for n, m in trainer.model.named_modules()}
+    modules = _hook_modules(trainer.model)
+    handles = [m.register_forward_pre_hook(lambda m, a: events.append(("module", names[id(m)]))) for m in modules]
+    group_of = {p: g for g, bs in enumerate(engine.gather_buckets) for b in bs for p in b.params}
+    uses = {names[id(m)]: sorted({group_of[p] for p in m.parameters() if p in group_of}) for m in modules}
+    for _ in range(2):
+        trainer.train_step()
+        events.append(("step", None))
+    for h in handles:
+        h.remove()
+    in_flight_at_end = len(engine._gathers)
+    trainer.runner.wait_param_gather()
+    engine.close()
+    return {"events": events, "uses": uses, "in_flight_at_end": in_flight_at_end,
+            "groups": [[b.padded for b in bs] for bs in engine.gather_buckets],
+            "grad_buckets": [b.padded for b in engine.layout.buckets]}
+
+
 def _checkpoint_round_trips(world: int, dataset: str, root: Path) -> dict[str, Any]:
     """Each stage: 4 straight steps vs 2 steps + save + resume + 2 steps (same layout). Then a ZeRO-1
     checkpoint opened by a ZeRO-2 run must fail with a clear message."""
@@ -203,6 +233,10 @@ def _rank_main(rank: int, world: int, dataset: str, root: str) -> dict[str, Any]
         results["recompute"] = _train(make_config(world, 3, micro_batch(world, True), "train.recompute='full'"),
                                       dataset, want_params=rank == 0)
         results["overlap"] = _overlap_probe(world, dataset)
+        # ZeRO-1 with the parameter gather waited right after the step (the switch off): the same numbers
+        cfg = make_config(world, 1, micro_batch(world, True), "parallel.overlap_param_gather=false")
+        results["gather_off"] = _train(cfg, dataset, want_params=rank == 0)
+        results["param_gather"] = {zero: _param_gather_probe(world, dataset, zero) for zero in (1, 2)}
         results["prefetch"] = _prefetch_probe(world, dataset)
         results["checkpoint"] = _checkpoint_round_trips(world, dataset, Path(root))
         results["bf16_memory"] = _bf16_memory(world, dataset)

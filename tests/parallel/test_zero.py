@@ -153,3 +153,64 @@ def test_zero3_units_are_layers_plus_embedding_norm_and_a_tied_head_joins_the_em
     assert len(zero3_units(untied)) == untied.cfg.n_layers + 3
     all_params = [p for _, ps in zero3_units(untied) for p in ps]
     assert len(all_params) == len(list(untied.parameters()))
+
+
+def test_zero12_parity_with_the_parameter_gather_waited_after_the_step(ds):
+    """parallel.overlap_param_gather=false (ZeRO-1, two micro-batches): the same float64 numbers."""
+    assert_parity(dp_runs(2, ds)[0]["gather_off"], reference(ds))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_parameter_gather_overlaps_the_next_forward(ds, stage):
+    """After a step every gather bucket's all-gather is issued (in forward order) before the next forward
+    starts, and each is waited in the forward pre-hook of the first module using it, just before that
+    module runs — once per step, in the first of its two micro-batches; the last step's are still in
+    flight until `wait_param_gather`."""
+    probe = dp_runs(2, ds)[0]["param_gather"][stage]
+    events, uses = probe["events"], probe["uses"]
+    n = len(probe["groups"])
+    assert n > 3 and sum(map(len, probe["groups"])) == len(probe["grad_buckets"])
+    ends = [i for i, e in enumerate(events) if e[0] == "step"]
+    first, second = events[:ends[0]], events[ends[0] + 1: ends[1]]
+    for step in (first, second):  # the step's issues: all of them, in order, after its last forward
+        assert step[-n:] == [("issue", g) for g in range(n)]
+        assert not any(e[0] == "issue" for e in step[:-n])
+    assert not any(e[0] == "wait" for e in first)  # nothing was in flight before the first step
+    forward = second[:-n]
+    assert sorted(g for kind, g in forward if kind == "wait") == list(range(n)), "each bucket waited once"
+    modules = [m for kind, m in forward if kind == "module"]
+    per_micro = len(modules) // 2
+    assert modules[:per_micro] == modules[per_micro:], "two micro-batches, the same module order"
+    waited: set[int] = set()
+    for i, e in enumerate(forward):
+        if e[0] != "module":
+            continue
+        due = sorted(set(uses[e[1]]) - waited)  # this module's buckets not waited yet: waited just before it
+        before = []
+        j = i - 1
+        while j >= 0 and forward[j][0] == "wait":
+            before.append(forward[j][1])
+            j -= 1
+        assert sorted(before) == due, (e[1], before, due)
+        waited |= set(due)
+    last_wait = max(i for i, e in enumerate(forward) if e[0] == "wait")
+    second_micro = [i for i, e in enumerate(forward) if e == ("module", modules[0])][1]
+    assert last_wait < second_micro, "all waits in the first micro-batch"
+    assert len({g for m in modules for g in uses[m]}) == n  # every bucket has a module that waits it
+    # only the first bucket is waited before the first module with parameters (exposed); the others were
+    # issued before the forward started and are waited modules later
+    first = next(i for i, e in enumerate(forward) if e[0] == "module" and uses[e[1]])
+    assert [e for e in forward[:first] if e[0] == "wait"] == [("wait", 0)]
+    assert probe["in_flight_at_end"] == n
+
+
+def test_gather_buckets_hold_bucket_mb_of_parameters():
+    """bf16 parameters, 1 MiB buckets: a gradient bucket holds 256 Ki fp32 elements, a gather bucket 512 Ki
+    bf16 elements, i.e. two gradient buckets, in forward order (the gradient layout is in backward order)."""
+    from pentatron.parallel.zero import _gather_buckets
+
+    params = [torch.nn.Parameter(torch.zeros(2**18)) for _ in range(6)]
+    layout = FlatLayout.by_size(list(reversed(params)), 2**18, shards=2)
+    groups = _gather_buckets(layout.buckets, 2**20 // 2)
+    assert [[b.params[0] for b in g] for g in groups] == [[params[0], params[1]], [params[2], params[3]],
+                                                          [params[4], params[5]]]

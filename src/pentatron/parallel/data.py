@@ -199,6 +199,10 @@ class DataParallelBase:
         """Make the parameters current after the optimizer stepped `slots` (nothing when it stepped them
         in place)."""
 
+    def wait_param_gather(self) -> None:
+        """Wait the parameter all-gathers still in flight (ZeRO-1/2 overlapped gather): before reading the
+        weights outside a forward; nothing to do for the other engines."""
+
     def release_gathered(self) -> None:
         """After a forward-only pass (validation): free whatever its forwards gathered (ZeRO-3), as the end of
         a step would; nothing to do for engines that hold their parameters."""

@@ -63,6 +63,10 @@ class GroupedDataParallel:
         for e in self.engines:
             e.after_optimizer_step()
 
+    def wait_param_gather(self) -> None:
+        for e in self.engines:
+            e.wait_param_gather()
+
     def release_gathered(self) -> None:
         for e in self.engines:
             e.release_gathered()

@@ -200,7 +200,7 @@ def _engine(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Precisi
         return DataParallel(model, ctx, policy, par.bucket_mb, placements, only=only)
     if par.zero in (1, 2):
         return ZeroDataParallel(model, ctx, policy, par.bucket_mb, stage=par.zero, placements=placements, only=only,
-                                 init=init)
+                                 init=init, overlap_param_gather=par.overlap_param_gather)
     if par.zero == 3:
         return FullyShardedDataParallel(model, ctx, policy, par.bucket_mb, placements,
                                         chunks=list(stages) if stages else None, gather=par.zero3_gather,

@@ -162,6 +162,11 @@ class StepRunner:
         if self.has_moe:
             self.moe_metrics = finish_step(self.model, self._sum_over_replicas)
 
+    def wait_param_gather(self) -> None:
+        """Wait ZeRO-1/2's parameter all-gathers still in flight after `step` (the next forward waits them
+        module by module): before reading the weights outside a forward, and at the end of training."""
+        self.engine.wait_param_gather()
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Checkpoint tensors: the model's (keyed by name, tp shard and ZeRO range) and the optimizer's;

@@ -10,6 +10,17 @@ shard is a set of global offsets). Each rank's optimizer steps only its `Piece`s
 - ZeRO-2: gradient buckets are transient: a bucket is reduce-scattered as soon as it is complete, on
   *every* micro-step (keeping only the shard is the point, so accumulation cannot wait), its shard
   added into the persistent fp32 gradient shard, and the bucket freed. Parameters as ZeRO-1.
+- ZeRO-1/2 parameter gather (`overlap_param_gather`, Megatron's overlapped param gather idea): the
+  gradient buckets are grouped, in forward order, into gather buckets sized for the *parameter* dtype
+  (`bucket_mb` of parameters: a bf16 gather bucket spans two fp32 gradient buckets). After the step every
+  gather bucket's all-gathers are issued asynchronously, in forward order, and nothing waits; a forward
+  pre-hook on each top-level module (each decoder layer, the embedding, the final norm, the head: never
+  inside a compiled region) waits the gather buckets holding its parameters that are still in flight. So
+  only the first bucket's gather is exposed; the rest run behind the forward of the modules before theirs.
+  The waits happen once per step (the first micro-batch; later forwards find nothing in flight), and
+  anything that reads the weights outside a forward waits first (`wait_param_gather`: checkpoint state,
+  full parameters, the next step's gradient sync for a module that never ran, `close`). Off: all gathers
+  waited at the end of `after_optimizer_step` (exposed).
 - ZeRO-3: one bucket per unit (each decoder layer; embedding, final norm and head as units of their
   own, a tied head sharing the embedding's unit). Each rank keeps only its parameter shard; a unit is
   all-gathered before its forward and again before its backward and freed after each, the next unit's
@@ -147,7 +158,8 @@ class ZeroDataParallel(_ShardedBase):
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, policy: PrecisionPolicy,
                  bucket_mb: float, stage: int, placements: dict[str, Placement] | None = None,
-                 only: Collection[str] | None = None, init: LocalInit | None = None) -> None:
+                 only: Collection[str] | None = None, init: LocalInit | None = None,
+                 overlap_param_gather: bool = True) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements ZeRO-1 and ZeRO-2, got stage {stage}")
         super().__init__(model, ctx, policy, bucket_mb, placements, only)
@@ -160,8 +172,7 @@ class ZeroDataParallel(_ShardedBase):
         any_meta = False
         with torch.no_grad():
             for p in self.params:
-                off = self.layout.offset(p)
-                view = self.param_flat[off: off + p.numel()].view(p.shape)
+                view = _alias(self.param_flat, self.layout.offset(p), p.shape)
                 if p.is_meta:
                     _needs(init).fill(self.place[p], view)
                     any_meta = True
@@ -179,6 +190,13 @@ class ZeroDataParallel(_ShardedBase):
         self._works: list[Work] = []
         self._transient_peak = 0
         self._reset_counts(self.layout)
+        self.overlap_param_gather = overlap_param_gather
+        self.gather_buckets = _gather_buckets(self.layout.buckets,
+                                              max(1, int(bucket_mb * 2**20) // policy.param_dtype.itemsize))
+        self._gathers: dict[int, list[Work]] = {}  # gather bucket index -> its all-gathers still in flight
+        self._hooks = (_wait_hooks(model, self.gather_buckets, self.layout, self._wait_gathers)
+                       if overlap_param_gather else [])
+        self.on_gather_event: Any = None  # tests: called with ("issue" | "wait", gather bucket index)
 
     def _piece_grad(self, pc: Piece) -> torch.Tensor:
         if self.grad_shard is None:
@@ -232,6 +250,7 @@ class ZeroDataParallel(_ShardedBase):
             self.grad_shard.zero_()
 
     def finish_grad_sync(self) -> None:
+        self.wait_param_gather()  # a module that did not run this step: its gather ends before the optimizer
         if self.stage == 1:
             for b in self.layout.buckets:
                 if b.index not in self._launched:
@@ -259,13 +278,46 @@ class ZeroDataParallel(_ShardedBase):
         return [self.grads.data[slice(*self.layout.shard_range(b, self.dp_rank))] for b in self.layout.buckets]
 
     # ------------------------------------------------------------------ parameters
+    def _issue(self, b: Bucket) -> Work:
+        full = self.param_flat[b.start: b.end]
+        return self.comm.all_gather(full, full[self._own(b)], self.shard_dim, async_op=True)
+
     def after_optimizer_step(self) -> None:
-        works = []
-        for b in self.layout.buckets:
-            full = self.param_flat[b.start: b.end]
-            works.append(self.comm.all_gather(full, full[self._own(b)], self.shard_dim, async_op=True))
-        for w in works:
-            w.wait()
+        if not self.overlap_param_gather:  # every bucket gathered and waited here: exposed
+            works = [self._issue(b) for b in self.layout.buckets]
+            for w in works:
+                w.wait()
+            return
+        self.wait_param_gather()  # (none left normally: the forward waited them all)
+        for g, buckets in enumerate(self.gather_buckets):  # forward order: the first needed is issued first
+            self._gathers[g] = [self._issue(b) for b in buckets]
+            if self.on_gather_event is not None:
+                self.on_gather_event("issue", g)
+
+    def _wait_gathers(self, groups: Collection[int]) -> None:
+        """Wait the gather buckets `groups` still in flight (a module's forward pre-hook)."""
+        if not self._gathers:  # the usual case after the first micro-batch: one test per module call
+            return
+        for g in sorted(groups):
+            works = self._gathers.pop(g, None)
+            if works is None:
+                continue
+            for w in works:
+                w.wait()
+            if self.on_gather_event is not None:
+                self.on_gather_event("wait", g)
+
+    def wait_param_gather(self) -> None:
+        self._wait_gathers(list(self._gathers))
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        self.wait_param_gather()  # a checkpoint (save or load) reads / writes complete parameters
+        return super().model_state()
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        self.wait_param_gather()
+        return super().full_parameters()
 
     def memory(self, optimizer: AdamW) -> MemoryReport:
         optim, master = self._optim_memory(optimizer)
@@ -273,7 +325,65 @@ class ZeroDataParallel(_ShardedBase):
         return MemoryReport(_nbytes(self.param_flat), grads, optim, master, self._transient_peak)
 
     def close(self) -> None:
+        self.wait_param_gather()  # no gather left in flight at teardown
         self.grads.remove_hooks()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def _alias(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
+    """`flat[offset:].view(shape)` as a tensor of its own on the same storage, not an autograd view: with a
+    version counter of its own. A view would share `flat`'s, and gloo's gather threads bump that counter
+    when they finish writing a bucket, so a gather finishing during the forward (overlapped) would fail the
+    version check of weights other modules already saved for backward."""
+    return torch.empty(0, dtype=flat.dtype, device=flat.device).set_(
+        flat.untyped_storage(), flat.storage_offset() + offset, shape)
+
+
+def _gather_buckets(buckets: list[Bucket], numel: int) -> list[list[Bucket]]:
+    """Consecutive gradient buckets, in forward order (the layout is in backward order), grouped until a
+    group holds at least `numel` elements: `bucket_mb` of parameters rather than of fp32 gradients. Each
+    gradient bucket stays one in-place all-gather (its shards are where the optimizer wrote them); a group
+    is issued and waited together."""
+    groups: list[list[Bucket]] = [[]]
+    filled = 0
+    for b in reversed(buckets):
+        if filled >= numel:
+            groups.append([])
+            filled = 0
+        groups[-1].append(b)
+        filled += b.padded
+    return [g for g in groups if g]
+
+
+def _hook_modules(model: nn.Module) -> list[nn.Module]:
+    """Where the gather waits hook: each decoder layer and every other top-level child (the units ZeRO-3
+    hooks too, outside any compiled region)."""
+    out: list[nn.Module] = []
+    for name, child in model.named_children():
+        if name == "layers":  # a ModuleList, or a pipeline rank's ModuleDict keyed by global index
+            out += list(child.values()) if isinstance(child, nn.ModuleDict) else list(child)
+        else:
+            out.append(child)
+    return out
+
+
+def _wait_hooks(model: nn.Module, groups: list[list[Bucket]], layout: FlatLayout, wait: Any) -> list[Any]:
+    """Forward pre-hooks: each module waits the gather buckets holding any of its parameters; the root
+    waits those of parameters no child holds."""
+    group_of = {p: g for g, buckets in enumerate(groups) for b in buckets for p in b.params}
+    hooks, covered = [], set()
+    for m in _hook_modules(model):
+        params = [p for p in m.parameters() if p in group_of]
+        covered.update(params)
+        if params:
+            mine = frozenset(group_of[p] for p in params)
+            hooks.append(m.register_forward_pre_hook(lambda _m, _a, g=mine: wait(g)))
+    rest = frozenset(group_of[p] for p in layout.params if p not in covered)
+    if rest:
+        hooks.append(model.register_forward_pre_hook(lambda _m, _a, g=rest: wait(g)))
+    return hooks
 
 
 class _Unit:

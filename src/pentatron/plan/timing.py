@@ -10,7 +10,8 @@ Overlap rules (what hides behind what):
   `pp_p2p="blocking"` (DeepSpeed's pipeline engine, nanotron) also holds the sender for the transfer.
 * DP gradient reduction overlaps the last micro-batch's backward (bucketed); the last bucket never
   hides. ZeRO-2 reduce-scatters each micro-batch behind that micro-batch's backward. ZeRO-1/2
-  parameter all-gathers after the optimizer hide behind the next step's first forward. ZeRO-3 gathers
+  parameter all-gathers after the optimizer hide behind the next step's first forward, but for the first
+  bucket (waited before the first layer). ZeRO-3 gathers
   each layer behind the previous layer's compute (prefetch). With `dp_overlap=False` the gradient
   reduction and the ZeRO-1/2 gathers are all exposed.
 * The optimizer step is memory-bound and exposed.
@@ -618,8 +619,11 @@ def _dp_exposed(w: Workload, lay: Layout, traffic: list[Collective], phases: lis
             # (all of its chunks: f + b + w); only the last one has just its own backward to hide behind
             window = sum(phases[ch * lay.pp].total for ch in range(lay.pp_virtual))
             e = (c.count - 1) * max(0.0, c.time - window) + max(0.0, c.time - tail - last_bwd) + tail
-        elif c.op == "all_gather":  # updated parameters, behind the next step's first forward
-            e = max(0.0, total - first_fwd)
+        elif c.op == "all_gather":  # updated parameters, bucket by bucket behind the next step's first forward
+            # (parallel.overlap_param_gather): the first bucket (DP_BUCKET of parameters) is waited before
+            # the first layer runs, exposed; the rest hide behind that forward up to its duration
+            head = c.time * min(1.0, DP_BUCKET / c.payload) if c.payload else 0.0
+            e = head + max(0.0, total - head - first_fwd)
         else:  # gradient all-reduce / reduce-scatter: all but the last bucket behind the last backward
             e = max(0.0, total - tail - last_bwd) + tail
         dp_exposed += e

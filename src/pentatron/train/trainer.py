@@ -147,6 +147,8 @@ class Trainer:
         problem = self.guard.check(self.step + 1, loss_value, norm_value)
         if problem is None:
             self.runner.step(lr)
+            if self.observer.numerics is not None and self.observer.numerics.active:
+                self.runner.wait_param_gather()  # ‖Δw‖ reads the weights their all-gathers still write
         self.observer.after_optimizer()
         self.step += 1
         extra = self.runner.step_stats()
@@ -281,6 +283,7 @@ class Trainer:
                     raise self.sigterm.stopped(self.step, self.cfg.checkpoint.dir)
                 if ending:
                     break
+            self.runner.wait_param_gather()  # no ZeRO-1/2 parameter all-gather left in flight after the last step
         finally:
             if self.sigterm is not None:
                 self.sigterm.close()
