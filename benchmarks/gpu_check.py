@@ -18,6 +18,9 @@ Parts (each one reports on its own; a failing part does not stop the others):
                 the measured peak beside the stage's parameter bytes
   syncs         device→host synchronisations per training step, from torch.cuda.set_sync_debug_mode("warn");
                 on CPU the calls that would sync on CUDA (item, tolist, float(t), cpu(), ...), counted
+  fp8           FP8 GEMMs (train.fp8 tensorwise and rowwise) against bf16 on an 8B-shaped stack (h 4096, ffn
+                14336, 32/8 heads, 4 layers, vocab 32000, seq 4096, micro-batch 2), each 10 steps through the
+                Trainer, all eager (train.fp8 does not compile yet): tokens/s of each and the ratios to bf16
   compile       the training part's run (train.compile "auto": compiled blocks on CUDA) against the same run
                 with train.compile=false: tokens/s of each, the ratio, compile seconds and recompiles.
                 CUDA only: on a CPU "auto" is eager, and benchmarks/compile_speed.py compares the two there
@@ -70,10 +73,19 @@ GPU = Sizes(model=dict(vocab_size=32000, hidden_size=2048, n_layers=16, n_heads=
                        ffn_hidden_size=5632, max_seq_len=4096, tie_embeddings=False),
             base="llama3-8b", seq_len=4096, micro_batch=4, global_batch=8, steps=30, profile_steps=4,
             ring=(1, 8, 2048, 128), stage_model="llama3.1-70b", stage_pp=8)
+# the fp8 part: Llama-3-8B's layer shape, 4 layers (~1.1B parameters with a 32000 vocabulary: fits with its
+# fp32 masters and Adam states, three runs well under a minute on an H200)
+FP8_GPU = Sizes(model=dict(vocab_size=32000, hidden_size=4096, n_layers=4, n_heads=32, n_kv_heads=8,
+                           ffn_hidden_size=14336, max_seq_len=4096, tie_embeddings=False),
+                base="llama3-8b", seq_len=4096, micro_batch=2, global_batch=2, steps=10, profile_steps=0,
+                ring=GPU.ring, stage_model=GPU.stage_model, stage_pp=GPU.stage_pp)
 TOY = Sizes(model=dict(vocab_size=512, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_size=128,
                        max_seq_len=64, tie_embeddings=False),
             base="debug", seq_len=32, micro_batch=2, global_batch=4, steps=3, profile_steps=2,
             ring=(1, 2, 64, 16), stage_model="debug", stage_pp=2)
+FP8_TOY = Sizes(model={**TOY.model, "n_layers": 1}, base=TOY.base, seq_len=TOY.seq_len, micro_batch=TOY.micro_batch,
+                global_batch=TOY.micro_batch, steps=2, profile_steps=0, ring=TOY.ring,
+                stage_model=TOY.stage_model, stage_pp=TOY.stage_pp)
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -269,6 +281,35 @@ def compile_part(size: Sizes, device: torch.device, work: Path, compiled: dict[s
             "recompiles": compiled["compiled"]["recompiles"], "graphs": compiled["compiled"]["graphs"]}
 
 
+# ---------------------------------------------------------------------------- (g) FP8 vs bf16
+FP8_RUNS = ("bf16", "tensorwise", "rowwise")
+
+
+def fp8_part(size: Sizes, device: torch.device, work: Path) -> dict[str, Any]:
+    """Tokens/s of the same stack, data and seed in bf16 and with train.fp8 tensorwise / rowwise (the trainer's
+    FP8 path, parallel/fp8.py), one run after the other, each eager; the median of the steps after the first 3."""
+    runs: dict[str, Any] = {}
+    for run in FP8_RUNS:
+        trainer = make_trainer(size, device, work / f"fp8_{run}", "train.compile=false",
+                               f"train.fp8={_toml('off' if run == 'bf16' else run)}")
+        try:
+            records = trainer.fit()
+        finally:
+            trainer.close()
+            del trainer
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        steady = records[min(3, len(records) - 1):]
+        runs[run] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+                     "step_time_s": statistics.median(r["step_time_s"] for r in steady),
+                     "final_loss": records[-1]["loss"], "steps": len(records),
+                     "peak_allocated_gib": _gib(max(r["peak_mem_bytes"] for r in records))}
+    base = runs["bf16"]["tokens_per_s"]
+    return {"shape": {**size.model, "seq_len": size.seq_len, "micro_batch": size.micro_batch}, "runs": runs,
+            "speedup": {r: runs[r]["tokens_per_s"] / base for r in FP8_RUNS[1:]}}
+
+
 # ---------------------------------------------------------------------------- (c) ring attention's block kernel
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
@@ -418,6 +459,10 @@ def run(toy: bool, work: Path) -> dict[str, Any]:
             gc.collect()  # the 1B model, its gradients and optimizer state: gone before the 70B stage
             if cuda:
                 torch.cuda.empty_cache()
+    parts["fp8"] = part(fp8_part, FP8_GPU if cuda else FP8_TOY, device, work)
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
     parts["compile"] = part(compile_part, size, device, work, parts["train"])
     gc.collect()
     if cuda:
@@ -466,6 +511,10 @@ def table(result: dict[str, Any]) -> str:
     add("(f) compiled vs eager", "compile", lambda r: (
         f"{r['compiled_tokens_per_s']:,.0f} vs {r['eager_tokens_per_s']:,.0f} tokens/s = {r['speedup']:.2f}×; "
         f"{r['compile_s']} s compiling, {r['recompiles']} recompiles"))
+    add("(g) FP8 vs bf16", "fp8", lambda r: (
+        f"h {r['shape']['hidden_size']} × {r['shape']['n_layers']} layers, {r['shape']['micro_batch']}×"
+        f"{r['shape']['seq_len']} tokens: bf16 {r['runs']['bf16']['tokens_per_s']:,.0f} tokens/s; " + ", ".join(
+            f"{k} {r['runs'][k]['tokens_per_s']:,.0f} ({v:.2f}×)" for k, v in r["speedup"].items())))
     width = max(len(r[0]) for r in rows)
     head = f"pentatron gpu_check on {result['device']}, torch {result['torch']}" + \
            (" (toy sizes)" if result["toy"] else "") + f", {result['wall_s']} s"

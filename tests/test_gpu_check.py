@@ -16,7 +16,7 @@ gpu_check = importlib.util.module_from_spec(_spec)
 sys.modules["gpu_check"] = gpu_check
 _spec.loader.exec_module(gpu_check)
 
-PARTS = {"train", "sdpa_backend", "ring_kernel", "documents", "stage_startup", "syncs", "compile"}
+PARTS = {"train", "sdpa_backend", "ring_kernel", "documents", "stage_startup", "syncs", "fp8", "compile"}
 
 
 def _number(x: object) -> bool:
@@ -50,10 +50,15 @@ def test_every_part_runs_at_toy_size_with_real_numbers(tmp_path: Path, capsys):
     # Only the stage is materialised: its peak is about its own parameters, far from the whole model's.
     assert 0.5 < st["peak_over_stage_params"] < 3 and st["stage_param_gib"] < st["full_model_fp32_gib"]
     assert _number(p["syncs"]["syncs_per_step"]) and p["syncs"]["syncs_per_step"] > 0
+    fp8 = p["fp8"]  # the same stack, data and seed in bf16 and through train.fp8: real speeds, the same training
+    assert set(fp8["runs"]) == {"bf16", "tensorwise", "rowwise"} and set(fp8["speedup"]) == {"tensorwise", "rowwise"}
+    for run in fp8["runs"].values():
+        assert run["steps"] == gpu_check.FP8_TOY.steps and _number(run["tokens_per_s"]) and run["tokens_per_s"] > 0
+        assert abs(run["final_loss"] - fp8["runs"]["bf16"]["final_loss"]) < 0.05
     printed = capsys.readouterr().out
     for label in ("(a) training", "(b) SDPA backend", "(c) ring block kernel", "(c2) document masking",
                   "(d) stage start-up",
-                  "(e) syncs per step", "(f) compiled vs eager", "toy sizes"):
+                  "(e) syncs per step", "(f) compiled vs eager", "(g) FP8 vs bf16", "toy sizes"):
         assert label in printed, label
 
 

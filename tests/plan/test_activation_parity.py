@@ -1,7 +1,8 @@
 """Issue 9 item 6: the planner's activation memory is the runtime's formula, and both match the bytes
 autograd really keeps for one decoder layer under real tensor parallelism (gloo ranks), tp in {1, 2, 4}
-with and without sequence parallelism; and the loss's peak is the planner's, measured (F.cross_entropy,
-our vocab-parallel loss, torch's loss_parallel)."""
+with and without sequence parallelism, also in bf16 with FP8 GEMMs (train.fp8 tensorwise / rowwise: the
+planner's --precision fp8); and the loss's peak is the planner's, measured (F.cross_entropy, our
+vocab-parallel loss, torch's loss_parallel)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ from tests.multiprocess import run_ranks
 B, S = 2, 32
 
 
-def _traced(model: torch.nn.Module, local_s: int, hidden: int) -> int:
-    cos, sin = model.rotary(torch.arange(S))
-    x = torch.randn(B, local_s, hidden, generator=torch.Generator().manual_seed(3)).requires_grad_()
+def _traced(model: torch.nn.Module, local_s: int, hidden: int, dtype: torch.dtype = torch.float32) -> int:
+    cos, sin = model.rotary(torch.arange(S))  # fp32 tables in every precision, as the trainer keeps them
+    x = torch.randn(B, local_s, hidden, generator=torch.Generator().manual_seed(3)).to(dtype).requires_grad_()
     with SavedTensorMeter(exclude=[*model.parameters(), cos, sin]) as meter:
         y = model.layers[0](x, cos, sin)
     del y
@@ -40,9 +41,12 @@ def _traced(model: torch.nn.Module, local_s: int, hidden: int) -> int:
 
 
 MODELS = ("debug", "debug-qwen3")  # Qwen3: q/k norms per local head, head_dim decoupled from hidden/heads
+RECIPES = ("off", "tensorwise", "rowwise")  # train.fp8, traced in bf16
 
 
 def _rank(rank: int, world: int) -> dict[tuple[str, bool], int]:
+    from pentatron.parallel.fp8 import apply_fp8
+
     out = {}
     for name in MODELS:
         cfg = get_model_config(name)
@@ -50,6 +54,15 @@ def _rank(rank: int, world: int) -> dict[tuple[str, bool], int]:
             ctx = ParallelContext.from_layout(ParallelLayout(tp=world), "cpu")
             model = apply_tensor_parallel(build_model(cfg, seed=0), ctx, sp=sp)
             out[name, sp] = _traced(model, S // world if sp else S, cfg.hidden_size)
+            if name != "debug":
+                continue
+            for recipe in RECIPES:  # bf16 weights (the rotary tables stay fp32), FP8 GEMMs as the trainer applies them
+                model = apply_tensor_parallel(build_model(cfg, seed=0), ctx, sp=sp)
+                for p in model.parameters():
+                    p.data = p.data.to(torch.bfloat16)
+                if recipe != "off":
+                    apply_fp8(model, recipe, ctx.comm)
+                out[recipe, sp] = _traced(model, S // world if sp else S, cfg.hidden_size, torch.bfloat16)
     return out
 
 
@@ -70,6 +83,18 @@ def test_planner_activation_memory_is_the_runtime_formula_and_the_traced_bytes(t
     planner = llama_layer_activation_bytes(cfg, B * S, S, precision="fp32", tp=tp, sp=sp).saved
     assert planner == runtime
     assert traced[tp][name, sp] == planner, (name, tp, sp, traced[tp][name, sp], planner)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize(("tp", "sp"), [(1, False), (2, False), (2, True), (4, True)])
+def test_fp8_keeps_what_the_planner_counts(traced, tp, sp, recipe):
+    """FP8 GEMMs keep for backward their high-precision input and weight (the same storages a bf16 linear
+    keeps: the FP8 copies are cast again in backward), so --precision fp8 counts bf16's bytes, measured."""
+    cfg = get_model_config("debug")
+    planner = llama_layer_activation_bytes(cfg, B * S, S, precision="bf16" if recipe == "off" else "fp8", tp=tp,
+                                           sp=sp).saved
+    assert planner == layer_activation_bytes(cfg, S, B, tp, sp, act_bytes=2)
+    assert traced[tp][recipe, sp] == planner, (recipe, tp, sp, traced[tp][recipe, sp], planner)
 
 
 def _peak_bytes(fn: Callable[[], object]) -> int:

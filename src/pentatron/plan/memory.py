@@ -57,6 +57,15 @@ class StatePrecision:
 # Our trainer (train/precision.py, grad_buffer.py): bf16 weights, fp32 gradient accumulation buffer,
 # fp32 master weights, fp32 Adam moments -> 18 bytes/param. fp8 keeps the bf16 recipe's states (the fp8
 # copies of weights are transient). fp32: no master copy -> 16.
+# What train.fp8 (parallel/fp8.py, torchao's casts) keeps, measured (tests/plan/test_activation_parity.py):
+# between forward and backward each FP8 GEMM saves only its bf16 input and weight, the very storages a bf16
+# linear saves (the norm output, the attention output, the SwiGLU product, the parameter): the FP8 copies and
+# their scales are made in forward, used by the GEMM and dropped, and made again from the saved bf16 tensors in
+# backward (dynamic scaling: no amax history between steps). So --precision fp8 counts the bf16 activations,
+# states and buffers. Kept across steps: the numerics log's amax and scale per operand (x, w, dy), six scalars
+# per FP8 linear (18 bytes in bf16), not counted. Not modelled: each cast's transients (fp32 product with the
+# scale, the clamp, the 1-byte copy), live only inside one GEMM; the loss's transient exceeds them on the last
+# pipeline stage (measured on CPU, one debug-shaped layer: +5 MB forward peak at 512 tokens × 1024 ffn).
 STATE_PRECISIONS: dict[str, StatePrecision] = {
     "bf16": StatePrecision("bf16", 2, 4, 4, 8),
     "fp8": StatePrecision("fp8", 2, 4, 4, 8),
