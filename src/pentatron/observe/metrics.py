@@ -22,6 +22,11 @@ COMM_LEGEND = ("(payload = bytes of the tensors this rank hands to the op; wire 
 CONSOLE_WIDTH = 110  # the legends wrap here: a log viewer or an 80-column terminal reads them whole
 
 
+def wrapped(text: str) -> str:
+    """A long console line folded at CONSOLE_WIDTH, its continuation lines indented."""
+    return textwrap.fill(text, CONSOLE_WIDTH, subsequent_indent="  ")
+
+
 class MetricsLogger:
     COLUMNS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_bytes", "peak_mem_reserved_bytes")
     LEGEND = ("pentatron: columns: loss = mean over the global batch; tokens/s = whole job (all ranks "
@@ -74,7 +79,7 @@ class MetricsLogger:
         self._bar.set_postfix(loss=f"{record['loss']:.4f}")
         if console or not self._header_done:  # the first step is always shown
             if not self._header_done:
-                self._bar.write("\n".join(textwrap.wrap(self.LEGEND, CONSOLE_WIDTH, subsequent_indent="  ")))
+                self._bar.write(wrapped(self.LEGEND))
                 self._bar.write(self._row(("step", "loss", "grad_norm", "lr", "tokens/s all", "MFU", "peak mem r0",
                                            "reserved r0", "ETA")))
                 self._header_done = True

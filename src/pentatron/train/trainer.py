@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from pentatron.data.loader import TokenDataset, TokenLoader
 from pentatron.data.mixture import MixtureLoader, exhaustion, mixture_problems
 from pentatron.data.tokenize import ensure_default_dataset
 from pentatron.models.documents import documents_record
-from pentatron.observe.metrics import COMM_LEGEND, CONSOLE_WIDTH, MetricsLogger
+from pentatron.observe.metrics import COMM_LEGEND, MetricsLogger, wrapped
 from pentatron.observe.report import layout_key
 from pentatron.observe.run_observer import RunObserver
 from pentatron.observe.system import bounded_mfu, peak_flops
@@ -214,8 +213,8 @@ class Trainer:
                   f"precision={self.policy.name}, recompute={cfg.train.recompute}", flush=True)
             data = (f"{sum(len(s.dataset) for s in self.loader.sources):,} tokens in {len(self.loader.sources)} data "
                     "sources" if isinstance(self.loader, MixtureLoader) else f"{len(self.dataset):,} tokens in dataset")
-            print(textwrap.fill(f"pentatron: {data}; peak {self.peak_flops / 1e12:.2f} TFLOP/s ({self.peak_source})",
-                                CONSOLE_WIDTH, subsequent_indent="  "), flush=True)
+            print(wrapped(f"pentatron: {data}; peak {self.peak_flops / 1e12:.2f} TFLOP/s ({self.peak_source})"),
+                  flush=True)
             print(f"pentatron: model state per rank (ZeRO-{cfg.parallel.zero}, dp={self.dp}): "
                   f"{self.memory.describe()}", flush=True)
             lay = cfg.layout(self.world_size)
@@ -267,7 +266,7 @@ class Trainer:
                     # (the pattern of ops and calls: an uneven all-to-all's bytes differ every step)
                     if console and self.last_comm.calls_map() != last_table:
                         head = f"pentatron: communication per rank, step {self.step} {COMM_LEGEND}:"
-                        print(textwrap.fill(head, CONSOLE_WIDTH, subsequent_indent="  ") + f"\n{table}", flush=True)
+                        print(wrapped(head) + f"\n{table}", flush=True)
                         last_table = self.last_comm.calls_map()
                 if "nonfinite" in record and self.guard.action == "stop":  # after logging: the record shows it
                     raise NonFiniteStop(self.guard.stop_message(record["nonfinite"]))
