@@ -94,11 +94,8 @@ def report_figure(records: list[dict[str, Any]], info: dict[str, Any] | None) ->
 
     # loss: every step faint, the trailing mean bold, the validation points
     ax = axes[0]
-    loss = [r["loss"] for r in records]
-    k = smoothing_window(len(loss))
-    ax.plot(steps, loss, color="C0", alpha=RAW_ALPHA if k > 1 else 1.0, lw=1, label="training, each step")
-    if k > 1:
-        ax.plot(steps, trailing_mean(loss, k), color="C0", lw=2, label=f"training, mean of the last {k} steps")
+    k = smoothing_window(len(records))
+    _raw_and_mean(ax, steps, [r["loss"] for r in records], k, "C0", "training, ")
     vals = [r for r in records if "val" in r]
     if vals:
         ax.plot([r["step"] for r in vals], [r["val"]["loss"] for r in vals], "o-", color="C3", ms=4,
@@ -122,10 +119,7 @@ def report_figure(records: list[dict[str, Any]], info: dict[str, Any] | None) ->
     _finish(ax, "gradient norm", "‖g‖ (global)", resumes, legend=bool(clip))
 
     ax = axes[3]
-    tps = [r["tokens_per_s"] for r in records]
-    ax.plot(steps, tps, color="C4", alpha=RAW_ALPHA if k > 1 else 1.0, lw=1, label="each step")
-    if k > 1:
-        ax.plot(steps, trailing_mean(tps, k), color="C4", lw=2, label=f"mean of the last {k} steps")
+    _raw_and_mean(ax, steps, [r["tokens_per_s"] for r in records], k, "C4", "")
     _finish(ax, "throughput (whole job)", "tokens/s", resumes, legend=k > 1)
 
     ax = axes[4]
@@ -155,6 +149,13 @@ def report_figure(records: list[dict[str, Any]], info: dict[str, Any] | None) ->
         extra.set_visible(False)
     fig.suptitle(title_lines(records, info), fontsize=11)
     return fig
+
+
+def _raw_and_mean(ax: Any, steps: list[int], ys: list[float], k: int, color: str, prefix: str) -> None:
+    """Each step's value (faint when smoothed) and, with k > 1, its trailing mean over k steps (bold)."""
+    ax.plot(steps, ys, color=color, alpha=RAW_ALPHA if k > 1 else 1.0, lw=1, label=f"{prefix}each step")
+    if k > 1:
+        ax.plot(steps, trailing_mean(ys, k), color=color, lw=2, label=f"{prefix}mean of the last {k} steps")
 
 
 def _finish(ax: Any, title: str, ylabel: str, resumes: list[tuple[float, str]], legend: bool = False) -> None:
