@@ -35,14 +35,12 @@ class Terminated(Exception):  # noqa: N818 - a stop, not an error
 
 class SigtermWatch:
     def __init__(self) -> None:
-        self.received = 0
-        self.first: signal.Signals | None = None
+        self.first: signal.Signals | None = None  # this rank's first SIGTERM or SIGINT (None: none yet)
         self._previous: dict[signal.Signals, Any] = {}
         if threading.current_thread() is threading.main_thread():  # signals reach only the main thread
             self._previous = {sig: signal.signal(sig, self._note) for sig in SIGNALS}
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
-        self.received += 1
         self.first = self.first or signal.Signals(signum)
 
     def stopped(self, step: int, where: str) -> Terminated:
@@ -51,10 +49,10 @@ class SigtermWatch:
         return Terminated(f"stopped by {sig.name} after step {step}, saved in {where}", 128 + int(sig))
 
     def agreed(self, comm: Any, world_size: int, device: torch.device) -> bool:
-        """Every rank: whether any rank has received a SIGTERM (the same answer everywhere)."""
+        """Every rank: whether any rank has received a SIGTERM or SIGINT (the same answer everywhere)."""
         if world_size == 1:
-            return self.received > 0
-        flag = torch.tensor([float(self.received > 0)], device=device)
+            return self.first is not None
+        flag = torch.tensor([float(self.first is not None)], device=device)
         comm.all_reduce(flag, "world", op="max")
         return bool(flag.item())
 
