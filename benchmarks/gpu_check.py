@@ -111,6 +111,13 @@ def _toml(value: Any) -> str:
     return json.dumps(value) if isinstance(value, str) else str(value)
 
 
+def release_memory(device: torch.device) -> None:
+    """Between parts: what the last one dropped is collected, and on CUDA returned by the caching allocator."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def part(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
     """Run one part; its exception becomes its status, so that the other parts still run."""
     start = time.perf_counter()
@@ -297,9 +304,7 @@ def fp8_part(size: Sizes, device: torch.device, work: Path) -> dict[str, Any]:
         finally:
             trainer.close()
             del trainer
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            release_memory(device)
         steady = records[min(3, len(records) - 1):]
         runs[run] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
                      "step_time_s": statistics.median(r["step_time_s"] for r in steady),
@@ -456,17 +461,11 @@ def run(toy: bool, work: Path) -> dict[str, Any]:
         finally:
             trainer.close()
             del trainer
-            gc.collect()  # the 1B model, its gradients and optimizer state: gone before the 70B stage
-            if cuda:
-                torch.cuda.empty_cache()
+            release_memory(device)  # the 1B model, its gradients and optimizer state: gone before the 70B stage
     parts["fp8"] = part(fp8_part, FP8_GPU if cuda else FP8_TOY, device, work)
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    release_memory(device)
     parts["compile"] = part(compile_part, size, device, work, parts["train"])
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    release_memory(device)
     parts["ring_kernel"] = part(ring_kernel_part, size, device)
     parts["documents"] = part(documents_part, size, device)
     parts["stage_startup"] = part(stage_startup_part, size, device)
