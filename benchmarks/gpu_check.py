@@ -9,8 +9,10 @@ Parts (each one reports on its own; a failing part does not stop the others):
                 beside the planner's prediction for the same layout (`observe.report.predicted`'s inputs)
   sdpa_backend  the attention kernel SDPA actually ran in one training step (profiler kernel names: flash,
                 mem-efficient, cuDNN or math); on CPU the ATen op it dispatched to
-  ring_kernel   ring attention's fused block kernel against the math reference in fp64: outputs,
-                log-sum-exp and dQ/dK/dV, causal and not, fp32 and bf16
+  ring_kernel   ring attention's block kernels (on CUDA: fused, i.e. what training picks, and flash,
+                memory-efficient and cuDNN each) against the math reference in fp64, with GQA (4 query heads
+                per kv head): outputs, log-sum-exp and dQ/dK/dV, causal and not, fp32 and bf16 (flash and
+                cuDNN bf16 only); forward + backward time of each (best of 5)
   documents     document-masked attention as training runs it (CUDA bf16: one varlen flash call) against
                 the per-segment loop in fp64, output and dQ/dK/dV; forward time of both
   stage_startup start-up of one pipeline rank's share of Llama-3.1-70B (pp 8, the stage with the most
@@ -65,6 +67,7 @@ class Sizes:
     steps: int
     profile_steps: int  # extra steps: the SDPA profile (1) and the sync count (the rest)
     ring: tuple[int, int, int, int]  # b, heads, s, d of the block kernel check
+    ring_kv: int  # its kv heads (GQA)
     stage_model: str
     stage_pp: int
 
@@ -72,19 +75,19 @@ class Sizes:
 GPU = Sizes(model=dict(vocab_size=32000, hidden_size=2048, n_layers=16, n_heads=16, n_kv_heads=8,
                        ffn_hidden_size=5632, max_seq_len=4096, tie_embeddings=False),
             base="llama3-8b", seq_len=4096, micro_batch=4, global_batch=8, steps=30, profile_steps=4,
-            ring=(1, 8, 2048, 128), stage_model="llama3.1-70b", stage_pp=8)
+            ring=(1, 8, 2048, 128), ring_kv=2, stage_model="llama3.1-70b", stage_pp=8)
 # the fp8 part: Llama-3-8B's layer shape, 4 layers (~1.1B parameters with a 32000 vocabulary: fits with its
 # fp32 masters and Adam states, three runs well under a minute on an H200)
 FP8_GPU = Sizes(model=dict(vocab_size=32000, hidden_size=4096, n_layers=4, n_heads=32, n_kv_heads=8,
                            ffn_hidden_size=14336, max_seq_len=4096, tie_embeddings=False),
                 base="llama3-8b", seq_len=4096, micro_batch=2, global_batch=2, steps=10, profile_steps=0,
-                ring=GPU.ring, stage_model=GPU.stage_model, stage_pp=GPU.stage_pp)
+                ring=GPU.ring, ring_kv=GPU.ring_kv, stage_model=GPU.stage_model, stage_pp=GPU.stage_pp)
 TOY = Sizes(model=dict(vocab_size=512, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_size=128,
                        max_seq_len=64, tie_embeddings=False),
             base="debug", seq_len=32, micro_batch=2, global_batch=4, steps=3, profile_steps=2,
-            ring=(1, 2, 64, 16), stage_model="debug", stage_pp=2)
+            ring=(1, 4, 64, 16), ring_kv=1, stage_model="debug", stage_pp=2)
 FP8_TOY = Sizes(model={**TOY.model, "n_layers": 1}, base=TOY.base, seq_len=TOY.seq_len, micro_batch=TOY.micro_batch,
-                global_batch=TOY.micro_batch, steps=2, profile_steps=0, ring=TOY.ring,
+                global_batch=TOY.micro_batch, steps=2, profile_steps=0, ring=TOY.ring, ring_kv=TOY.ring_kv,
                 stage_model=TOY.stage_model, stage_pp=TOY.stage_pp)
 
 
@@ -320,31 +323,68 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def ring_kernel_part(size: Sizes, device: torch.device) -> dict[str, Any]:
-    from pentatron.parallel.attention_kernels import block_kernel
+def _best_time(fn: Callable[[], Any], device: torch.device, repeats: int = 5) -> float:
+    """Seconds of the fastest of `repeats` calls, the device synchronised around each."""
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
-    fused, math_ = block_kernel("fused"), block_kernel("math")
+
+def _kernel_case(kernel: Any, inputs: tuple[torch.Tensor, ...], causal: bool, scale: float,
+                 refs: tuple[torch.Tensor, ...], tolerance: float, device: torch.device) -> dict[str, Any]:
+    """One block kernel against the fp64 references (out, lse, dq, dk, dv), and its forward + backward time."""
+    q, k, v, dout = inputs
+    case: dict[str, Any] = {"kernel": kernel.name, "causal": causal, "tolerance": tolerance}
+
+    def step() -> tuple[torch.Tensor, ...]:
+        out, lse = kernel.forward(q, k, v, causal, scale)
+        return out, lse, *kernel.backward(dout, q, k, v, out, lse, causal, scale)
+
+    try:
+        got = step()
+        case["max_rel_err"] = {n: _rel(a, r) for n, a, r in zip(("out", "lse", "dq", "dk", "dv"), got, refs)}
+        case["ok"] = all(e <= tolerance for e in case["max_rel_err"].values())
+        case["fwd_bwd_ms"] = round(1e3 * _best_time(step, device, 5 if device.type == "cuda" else 1), 3)
+    except Exception as e:  # a kernel this GPU or build lacks: reported, the others still run
+        case.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
+    return case
+
+
+def ring_kernel_part(size: Sizes, device: torch.device) -> dict[str, Any]:
+    from pentatron.parallel.attention_kernels import CUDA_ONLY, FusedKernel, block_kernel
+
+    math_ = block_kernel("math")
     b, h, s, d = size.ring
-    scale = d ** -0.5
+    hk, scale = size.ring_kv, d ** -0.5
     tolerance = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
-    cases, ok = [], True
+    names = ("fused", *CUDA_ONLY) if device.type == "cuda" else ("fused",)
+    cases, ok, chosen = [], True, {}
     for dtype in (torch.float32, torch.bfloat16):
         for causal in (False, True):
             g = torch.Generator(device="cpu").manual_seed(1234 + causal)
-            q, k, v, dout = (torch.randn(b, h, s, d, generator=g).to(device, dtype) for _ in range(4))
-            out, lse = fused.forward(q, k, v, causal, scale)
-            grads = fused.backward(dout, q, k, v, out, lse, causal, scale)
+            q, dout = (torch.randn(b, h, s, d, generator=g).to(device, dtype) for _ in range(2))
+            k, v = (torch.randn(b, hk, s, d, generator=g).to(device, dtype) for _ in range(2))
             q64, k64, v64, do64 = (t.double() for t in (q, k, v, dout))
             ref_out, ref_lse = math_.forward(q64, k64, v64, causal, scale)
-            ref_grads = math_.backward(do64, q64, k64, v64, ref_out, ref_lse, causal, scale)
-            errs = {"out": _rel(out, ref_out), "lse": _rel(lse, ref_lse),
-                    **{n: _rel(gr, rg) for n, gr, rg in zip(("dq", "dk", "dv"), grads, ref_grads)}}
-            good = all(e <= tolerance[dtype] for e in errs.values())
-            ok &= good
-            cases.append({"dtype": str(dtype).removeprefix("torch."), "causal": causal, "max_rel_err": errs,
-                          "tolerance": tolerance[dtype], "ok": good})
-    return {"shape_bhsd": [b, h, s, d], "device": str(device), "reference": "math kernel in fp64",
-            "all_ok": ok, "cases": cases}
+            refs = (ref_out, ref_lse, *math_.backward(do64, q64, k64, v64, ref_out, ref_lse, causal, scale))
+            chosen[f"{dtype}{' causal' if causal else ''}".removeprefix("torch.")] = FusedKernel().choose(
+                q, k, causal).name
+            for name in names:
+                if name in ("flash", "cudnn") and dtype == torch.float32:
+                    continue  # fp16/bf16 kernels
+                case = _kernel_case(block_kernel(name), (q, k, v, dout), causal, scale, refs, tolerance[dtype],
+                                    device)
+                ok &= case["ok"]
+                cases.append({"dtype": str(dtype).removeprefix("torch."), **case})
+    return {"shape_bhsd": [b, h, s, d], "kv_heads": hk, "device": str(device), "reference": "math kernel in fp64",
+            "fused_chooses": chosen, "all_ok": ok, "cases": cases}
 
 
 def documents_part(size: Sizes, device: torch.device) -> dict[str, Any]:
@@ -369,21 +409,9 @@ def documents_part(size: Sizes, device: torch.device) -> dict[str, Any]:
             **{n: _rel(a.grad, r.grad) for n, a, r in zip(("dq", "dk", "dv"), leaves, ref_leaves)}}
     tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-4
 
-    def timed(fn: Callable[[], torch.Tensor]) -> float:
-        best = float("inf")
-        for _ in range(5):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - t0)
-        return best
-
     with torch.no_grad():
-        kernel_s = timed(lambda: document_attention(q, k, v, docs))
-        loop_s = timed(lambda: segment_loop_attention(q, k, v, docs))
+        kernel_s = _best_time(lambda: document_attention(q, k, v, docs), device)
+        loop_s = _best_time(lambda: segment_loop_attention(q, k, v, docs), device)
     return {"kernel": "varlen flash" if _varlen_applies(q) else "per-segment SDPA loop",
             "shape_bhsd": [b, h, s, d], "documents": sum(len(r) for r in starts), "dtype": str(dtype),
             "max_rel_err": errs, "tolerance": tolerance, "all_ok": all(e <= tolerance for e in errs.values()),
@@ -496,9 +524,10 @@ def table(result: dict[str, Any]) -> str:
     add("(b) SDPA backend", "sdpa_backend", lambda r: f"{r['backend']} ({r['from']}: "
         f"{', '.join(r['attention_names'][:3]) or '-'})")
     add("(c) ring block kernel", "ring_kernel", lambda r: (
-        f"{'ok' if r['all_ok'] else 'MISMATCH'}; worst rel err " + ", ".join(
-            f"{c['dtype']}{' causal' if c['causal'] else ''} {max(c['max_rel_err'].values()):.1e}"
-            for c in r["cases"])))
+        f"{'ok' if r['all_ok'] else 'MISMATCH'}; fused picks {', '.join(sorted(set(r['fused_chooses'].values())))}; "
+        + ", ".join(f"{c['kernel']} {c['dtype']}{' causal' if c['causal'] else ''} "
+                    + (f"{max(c['max_rel_err'].values()):.1e} {c['fwd_bwd_ms']} ms" if "error" not in c else "ERROR")
+                    for c in r["cases"])))
     add("(c2) document masking", "documents", lambda r: (
         f"{'ok' if r['all_ok'] else 'MISMATCH'} ({r['kernel']}, {r['documents']} documents); worst rel err "
         f"{max(r['max_rel_err'].values()):.1e}; forward {r['forward_ms_kernel']} ms vs loop {r['forward_ms_loop']} ms"))

@@ -295,7 +295,7 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
     import torch.distributed as dist
 
     from pentatron.distributed.context import ParallelContext
-    from pentatron.distributed.launch import shutdown_distributed
+    from pentatron.distributed.launch import process_group_device, shutdown_distributed
     from pentatron.layout import ParallelLayout
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -306,7 +306,9 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, max_b
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # *_tensor collective names, torch >= 2.12
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world)
+    # bound to the GPU as training's group is (eager NCCL communicator): the same collectives are timed
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world,
+                            **process_group_device(device))
     finished = False
     contexts: list[ParallelContext] = []
     try:

@@ -12,9 +12,13 @@ exactly half of the full block to compute, whatever (i, j):
 
 so every rank does the same work (a contiguous split would give the last rank r× the first's). Each
 block's output is merged into the running output through the log-sum-exp. The backward pass sends the
-K/V around the ring again, with each block's dK/dV accumulator (fp32) travelling beside it; after r
-steps every accumulator is back home. Per rank and layer: forward (r−1) K/V sends, backward (r−1) K/V
-plus r dK/dV sends. K/V travel with their own (un-expanded) kv heads; GQA is expanded only locally.
+K/V around the ring again, with each K/V's dK/dV accumulator (fp32) travelling one step behind it: at step
+t a rank computes its block's dK/dV first, then waits for the accumulator its predecessor sent at step
+t−1, adds, and sends it on, so that the exchange overlaps the block's kernels (as the forward's K/V
+exchange does), in the same two fp32 buffers as a waited-at-once exchange (the one sent, the one
+arriving); after r sends every accumulator is back home. Per rank and layer: forward (r−1) K/V
+sends, backward (r−1) K/V plus r dK/dV sends. K/V travel with their own kv heads and reach the block
+kernel so (GQA without a copy per step: attention_kernels.py).
 
 Point-to-point under NCCL's rules (per rank, batches complete in issue order; a send may wait for its
 receive): every transfer is one batch holding this rank's send to the next rank *and* its receive from
@@ -67,18 +71,6 @@ class AttentionCount:
         self.blocks.append((sq, sk, causal))
 
 
-def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
-
-
-def _fold(g: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of `_expand`: sum over each kv head's query group."""
-    if groups == 1:
-        return g
-    b, h, s, d = g.shape
-    return g.view(b, h // groups, groups, s, d).sum(2)
-
-
 def _block(t: int, i: int, r: int, c: int) -> tuple[slice, slice, bool]:
     """(query rows, key rows, causal) of ring step t on rank i, with chunks of c tokens."""
     j = (i - t) % r
@@ -129,18 +121,17 @@ class _RingExchange:
         return incoming, work
 
 
-def _geometry(q: torch.Tensor, k: torch.Tensor, comm: Comm, dim: str
-              ) -> tuple[int, int, _RingExchange, int, int, float, torch.dtype]:
-    """(ring size, rank, exchange, query heads per kv head, chunk length, softmax scale, accumulator dtype)."""
-    return (comm.ctx.size(dim), comm.ctx.local_rank(dim), _RingExchange(comm, dim), q.shape[1] // k.shape[1],
-            q.shape[2] // 2, q.shape[3] ** -0.5, torch.float64 if q.dtype == torch.float64 else torch.float32)
+def _geometry(q: torch.Tensor, comm: Comm, dim: str) -> tuple[int, int, _RingExchange, int, float, torch.dtype]:
+    """(ring size, rank, exchange, chunk length, softmax scale, accumulator dtype)."""
+    return (comm.ctx.size(dim), comm.ctx.local_rank(dim), _RingExchange(comm, dim), q.shape[2] // 2,
+            q.shape[3] ** -0.5, torch.float64 if q.dtype == torch.float64 else torch.float32)
 
 
 class _RingAttention(Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, dim: str,
                 kernel: BlockKernel, count: AttentionCount | None, documents: Documents | None) -> torch.Tensor:
-        r, i, ring, groups, c, scale, acc_dtype = _geometry(q, k, comm, dim)
+        r, i, ring, c, scale, acc_dtype = _geometry(q, comm, dim)
         h = q.shape[1]
         plan = [_pieces(documents, t, i, r, c) for t in range(r)]
         out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
@@ -151,7 +142,7 @@ class _RingAttention(Function):
             pieces, causal = plan[t]
             for n, rows, cols in pieces:
                 qb = q[n, :, rows]
-                kb, vb = (_expand(x[n, :, cols], groups) for x in kv)
+                kb, vb = kv[0][n, :, cols], kv[1][n, :, cols]
                 o_b, lse_b = kernel.forward(qb, kb, vb, causal, scale)
                 if count is not None:
                     count.add(qb.shape[2], kb.shape[2], causal, qb.shape[0] * h)
@@ -174,27 +165,36 @@ class _RingAttention(Function):
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         comm, dim, kernel, plan = ctx.comm, ctx.dim, ctx.kernel, ctx.plan
-        r, i, ring, groups, c, scale, acc_dtype = _geometry(q, k, comm, dim)
+        r, i, ring, c, scale, acc_dtype = _geometry(q, comm, dim)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)  # travels with the K/V it belongs to
+        arriving = None  # the held K/V's dK/dV accumulator, on its way from the previous rank
         for t in range(r):
             pending = ring.start(kv) if t < r - 1 else None
             pieces, causal = plan[t]
+            grads = []  # this block's dK/dV, added once the accumulator is here
             for n, rows, cols in pieces:
-                kb, vb = (_expand(x[n, :, cols], groups) for x in kv)
-                dq_b, dk_b, dv_b = kernel.backward(dout[n, :, rows], q[n, :, rows], kb, vb, out[n, :, rows],
-                                                   lse[n, :, rows], causal, scale)
+                dq_b, dk_b, dv_b = kernel.backward(dout[n, :, rows], q[n, :, rows], kv[0][n, :, cols],
+                                                   kv[1][n, :, cols], out[n, :, rows], lse[n, :, rows], causal, scale)
                 dq[n, :, rows] += dq_b.to(acc_dtype)
-                dkv[0][n, :, cols] += _fold(dk_b.to(acc_dtype), groups)
-                dkv[1][n, :, cols] += _fold(dv_b.to(acc_dtype), groups)
-            if r > 1:  # pass the accumulator on; after the last step it arrives at its owner
-                dkv, work = ring.start(dkv)
+                grads.append((n, cols, dk_b, dv_b))
+            if arriving is None:
+                dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
+            else:  # waited only now: it travelled while this block's kernels ran
+                dkv, work, _ = arriving
                 work.wait()
+            for n, cols, dk_b, dv_b in grads:
+                dkv[0][n, :, cols] += dk_b
+                dkv[1][n, :, cols] += dv_b
+            if r > 1:  # on to the next rank; after the last step it arrives at its owner
+                arriving = (*ring.start(dkv), dkv)  # the sent buffer kept until its batch is waited
             if pending is not None:
                 kv, work = pending
                 work.wait()
+        if arriving is not None:
+            dkv, work, _ = arriving
+            work.wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
