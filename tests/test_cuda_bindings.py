@@ -79,3 +79,25 @@ def test_the_watchdog_thread_sets_its_cuda_device_before_polling(monkeypatch, tm
     # On the watchdog's own thread, once, before its first poll of the recorder's events.
     bound = [("pentatron-watchdog-0", CUDA1)] if device.type == "cuda" else []
     assert calls == [*bound, ("first poll", CPU)]
+
+
+@pytest.mark.parametrize("device", [CUDA1, CPU])
+def test_the_step_end_waits_for_the_compute_stream_not_the_collectives(monkeypatch, device):
+    """The trainer's step-end wait (`wait_for_compute`) syncs the host with the rank's compute stream only: a
+    device-wide synchronize would also drain the ZeRO-1/2 parameter all-gathers issued after the optimizer,
+    which the next forward waits bucket by bucket."""
+    from pentatron.device_clock import wait_for_compute
+
+    calls: list[tuple[str, torch.device]] = []
+
+    class Stream:
+        def __init__(self, d: torch.device) -> None:
+            self.device = d
+
+        def synchronize(self) -> None:
+            calls.append(("stream", self.device))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: Stream(d))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: calls.append(("device", d)))
+    wait_for_compute(device)
+    assert calls == ([("stream", CUDA1)] if device.type == "cuda" else [])

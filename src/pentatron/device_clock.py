@@ -71,3 +71,13 @@ class DeviceClock:
             for name, start, end in spans:
                 out[name] += end - start
         return dict(out)
+
+
+def wait_for_compute(device: torch.device) -> None:
+    """The host waits for the work queued on `device`'s current (compute) stream — the end of a training step
+    on the host's clock — and not for the collectives still in flight on the communication library's own
+    streams: ZeRO-1/2's parameter all-gathers, issued after the optimizer, go on while the next step's data and
+    first kernels are prepared, and the forward waits them bucket by bucket (a device-wide synchronize would
+    drain them here, exposing every one). Nothing to wait for on CPU, where every op has returned."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

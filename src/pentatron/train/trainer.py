@@ -7,8 +7,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pentatron.checkpoint.async_save import AsyncCheckpointer
 from pentatron.checkpoint.errors import CheckpointWriteError
 from pentatron.checkpoint.resume import resume_target
@@ -19,6 +17,7 @@ from pentatron.data.eval_split import eval_set, eval_sets, training_tokens
 from pentatron.data.loader import TokenDataset, TokenLoader
 from pentatron.data.mixture import MixtureLoader, exhaustion, mixture_problems
 from pentatron.data.tokenize import ensure_default_dataset
+from pentatron.device_clock import wait_for_compute
 from pentatron.models.documents import documents_record
 from pentatron.observe.metrics import COMM_LEGEND, MetricsLogger, wrapped
 from pentatron.observe.report import layout_key
@@ -231,8 +230,7 @@ class Trainer:
                     self._say(self._ran_out(first=True), is_main)
                 start = time.perf_counter()
                 record = self.train_step()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                wait_for_compute(self.device)  # not the parameter all-gathers in flight: they overlap the next step
                 elapsed = time.perf_counter() - start
                 tokens_per_s = self.tokens_per_step / elapsed
                 flops_per_token = self._flops_per_token(record)
