@@ -26,8 +26,9 @@ one's `Placement.tp_partial`) and the step runner sums them over tp once per ste
 data-parallel reduction and before the gradient norm — the owned pieces of all of them concatenated
 into ONE all-reduce (`sum_partial_grads`; Megatron-Core's deferred layernorm all-reduce in
 `finalize_model_grads`). Summing after the dp reduction is exact in math (sums commute), and every
-tp rank of a dp rank owns the same pieces (equal local shapes give equal flat layouts). Per-layer hooks
-cost 2 latency-bound all-reduces of h numbers per layer per micro-batch, which backward waited for.
+tp rank of a dp rank owns the same pieces (equal local shapes give equal flat layouts). A hook per
+weight would cost 2 latency-bound all-reduces of h numbers per layer per micro-batch, each one waited
+for by backward.
 The k/v projections of a kv head replicated on tp/n_kv ranks (each rank used it for its own query
 heads only) keep a gradient hook (`_sum_over_replicas`): their sum runs over a subset of tp. A plain
 tensor-parallel model trained without the step runner calls `sum_partial_param_grads(model)` after
