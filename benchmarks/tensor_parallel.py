@@ -81,7 +81,7 @@ def _run(impl: str, rank: int, world: int, args: argparse.Namespace) -> dict[str
     from pentatron.distributed.context import ParallelContext
     from pentatron.layout import ParallelLayout
     from pentatron.models.llama import build_model
-    from pentatron.parallel.tensor import apply_tensor_parallel
+    from pentatron.parallel.tensor import apply_tensor_parallel, sum_partial_param_grads
 
     torch.set_num_threads(args.threads)
     cfg = _model_cfg(args)
@@ -123,6 +123,8 @@ def _run(impl: str, rank: int, world: int, args: argparse.Namespace) -> dict[str
     def step(x: torch.Tensor) -> None:
         model.zero_grad(set_to_none=True)
         run(model, x[:, local].requires_grad_()).pow(2).mean().backward()
+        if impl.startswith("ours"):  # the norm weights' partial gradients (SP): one all-reduce per step
+            sum_partial_param_grads(model)
 
     for x in inputs[: args.warmup]:
         step(x)

@@ -28,6 +28,7 @@ from pentatron.models.registry import get_model_config
 from pentatron.parallel.tensor import (
     apply_tensor_parallel,
     gather_full_params,
+    sum_partial_param_grads,
     vocab_parallel_cross_entropy,
 )
 from tests.multiprocess import run_ranks
@@ -51,6 +52,7 @@ def _train(model: torch.nn.Module, dataset_dir: Path, loss_fn: Any, norm_sq_fn: 
             loss = loss_fn(model(inputs), targets) / len(micro)
             loss.backward()
             total += float(loss.detach())
+        sum_partial_param_grads(model)  # the norms' partial gradients (SP), summed over tp once per step
         grads = [p.grad for p in params]
         norm = norm_sq_fn(params, grads).sqrt()
         scale = (CLIP / (norm + 1e-6)).clamp(max=1.0)

@@ -7,7 +7,15 @@ import pytest
 from pentatron.distributed.comm import ring_bytes
 from pentatron.hardware.catalogue import get_gpu, with_profile
 from pentatron.models.registry import get_model_config
-from pentatron.plan.comm import bus_bandwidth, bytes_by_dim, collective_time, group_of, step_collectives, wire_bytes
+from pentatron.plan.comm import (
+    NORM_GRADS_WHERE,
+    bus_bandwidth,
+    bytes_by_dim,
+    collective_time,
+    group_of,
+    step_collectives,
+    wire_bytes,
+)
 from pentatron.plan.layout import Layout, Workload, layers_per_chunk, problems
 from pentatron.plan.timing import Phase, gemm_time, pipeline_makespan, step_time, throughput
 from pentatron.schedules import make_schedule, simulate
@@ -174,8 +182,8 @@ def test_the_embedding_gradient_is_reduced_after_the_backward():
 def test_tensor_parallel_collectives_per_micro_batch():
     """What training's ledger records per micro-batch (tests/observe/test_report.py checks it byte for
     byte): without SP 4 all-reduces per layer, the embedding's forward and the head input's backward one;
-    under SP each of those becomes an all-gather and a reduce-scatter, and each norm weight's gradient
-    (2 per layer and the final norm) is all-reduced."""
+    under SP each of those becomes an all-gather and a reduce-scatter, and the norm weights' gradients
+    (2 per layer and the final norm, fp32) are summed over tp in one all-reduce per step."""
     w = Workload(get_model_config("llama3-8b"), 4096, 8)
     act = 4096 * 4096 * 2  # one micro-batch of 1 sequence, bf16
     counts = {}
@@ -186,7 +194,9 @@ def test_tensor_parallel_collectives_per_micro_batch():
     assert counts[(False, "all_reduce", "layers fwd+bwd")] == (m * (4 * 4 + 1 + 1), act)
     assert counts[(True, "all_gather", "layers fwd+bwd (SP)")] == (m * 18, act)
     assert counts[(True, "reduce_scatter", "layers fwd+bwd (SP)")] == (m * 18, act)
-    assert counts[(True, "all_reduce", "norm weight gradients (SP)")] == (m * (2 * 4 + 1), 4096 * 2)
+    norms = NORM_GRADS_WHERE
+    assert counts[(True, "all_reduce", norms)] == (1, (2 * 4 + 1) * 4096 * 4)
+    assert (False, "all_reduce", norms) not in counts  # no q/k norms: nothing partial without SP
 
 
 def test_hsdp_shards_over_a_node_and_all_reduces_one_shard_across_nodes():

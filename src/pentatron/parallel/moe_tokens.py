@@ -13,9 +13,10 @@ mean what they mean on one process:
   means of equal shares: nothing more to do. Under sp the MoE layer's parameters (router, experts, shared
   experts) are replicated over tp — each tp rank runs its own tokens through the same (or, under ep,
   the same slice of) experts, no compute repeated — so each rank's gradient covers its tokens only and
-  the full one is their sum over tp: a gradient hook all-reduces it over tp before it is accumulated,
-  as for the sequence-parallel norms (`tensor.py`). The routing losses' own gradient is then summed
-  too, so each tp rank's router carries 1/tp of it (`Router.loss_share`).
+  the full one is their sum over tp: a gradient hook all-reduces it over tp before it is accumulated
+  (the sequence-parallel norms are summed once per step instead, `tensor.sum_partial_grads`; these
+  hooks could join that sum too). The routing losses' own gradient is then summed too, so each tp
+  rank's router carries 1/tp of it (`Router.loss_share`).
 
 Why replicate rather than shard the experts over tp: an expert's rows are few and uneven, so splitting
 its ffn over tp would add an all-reduce of every routed token per layer and leave each rank a thin GEMM;

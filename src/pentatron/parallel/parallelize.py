@@ -120,10 +120,12 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
     init = LocalInit(model.cfg, cfg.train.seed, init_names(model), policy.param_dtype, ctx.device)
     stages = split_pipeline(model, ctx, layout)
     tp_shards: dict[str, TPShard] = {}
+    tp_partial: set[str] = set()  # replicated over tp, gradient partial per rank: summed once per step
     if layout.tp > 1:
         for part in stages or [model]:
             apply_tensor_parallel(part, ctx, ctx.comm, sp=layout.sp)
             tp_shards.update(part.tensor_parallel.shards)
+            tp_partial.update(part.tensor_parallel.partial)
     for part in stages or [model]:  # after TP: a sharded linear's FP8 casts reduce their amax over its split
         if cfg.train.fp8 != "off":
             from pentatron.parallel.fp8 import apply_fp8  # torchao: imported by FP8 runs only (seconds)
@@ -135,6 +137,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
     for part in stages or [model]:  # MoE layers on a share of the micro-batch (cp, sp): after ep's new weights
         apply_moe_token_shards(part, ctx.comm, layout)
     placements = _placements(module, stages, tp_shards, layout)
+    for name in tp_partial:
+        placements[name].tp_partial = True
     for name, shard in ep_shards.items():  # expert weights: a slice of the experts, reduced over edp
         placements[name].expert, placements[name].grad_dims = shard, ("edp",)
     # compiled regions between the collectives, before checkpointing wraps them (parallel/compile.py)

@@ -7,7 +7,10 @@ tensors or flags on engines:
   stage, the peer pipeline rank whose copy must receive the same gradient (and which copy the global
   norm counts);
 - tensor parallelism: the axis it is split along, this rank's shard index and the number of distinct
-  shards (a kv head replicated on tp/n_kv ranks: fewer shards than ranks);
+  shards (a kv head replicated on tp/n_kv ranks: fewer shards than ranks); and, for a replicated weight
+  whose gradient each tp rank computes from its share of the work only (the norms under sequence
+  parallelism, Qwen3's q/k norm gains), that its gradient is partial over tp (`tp_partial`): summed over
+  tp once per step, after the data-parallel reduction (`tensor.sum_partial_grads`);
 - expert parallelism: for an MoE layer's stacked expert weights, which slice of the experts (dim 0)
   this ep rank holds; their gradients are then reduced over the expert-data group ("edp") only;
 - data parallelism / ZeRO: the mesh dimensions its gradient is averaged over and, when sharded, the
@@ -57,6 +60,7 @@ class Placement:
     grad_dims: tuple[str, ...] = ("dp",)  # mesh dimensions the gradient is averaged over
     zero: tuple[ZeroPiece, ...] | None = None  # owned ranges when ZeRO shards it over dp (None: not sharded)
     expert: tuple[int, int] | None = None  # (ep rank, ep size): this rank's slice of the experts (dim 0)
+    tp_partial: bool = False  # replicated over tp, each rank's gradient a partial sum: the full one is their sum
 
     @property
     def full_shape(self) -> tuple[int, ...]:

@@ -6,7 +6,8 @@ and its average over data-parallel ranks, the gradient synchronisation (includin
 exchange between the first and last stage), clipping and the optimizer step — so the trainer has no
 branch on any parallel dimension:
 
-    loss = runner.forward_backward(micro_batches)   # gradients reduced; loss averaged over the replicas
+    loss = runner.forward_backward(micro_batches)   # gradients reduced (and summed over tp where partial);
+                                                     # loss averaged over the replicas
     norm = runner.clip_grads(max_norm)
     loss, norm = host_scalars(loss, norm)            # the step's one device→host copy of the two
     runner.step(lr)
@@ -38,7 +39,7 @@ from pentatron.parallel.memory import MemoryReport
 from pentatron.parallel.pipeline.engine import PipelineEngine, PipelineStepResult, measured_bubble
 from pentatron.parallel.pipeline.stages import PipelineStage
 from pentatron.parallel.placement import Placement
-from pentatron.parallel.tensor import gather_full_tensor
+from pentatron.parallel.tensor import gather_full_tensor, sum_partial_grads
 from pentatron.precision import wide, wide_dtype
 from pentatron.schedules import make_schedule
 
@@ -76,6 +77,7 @@ class StepRunner:
         # MoE layers: their balancing losses are scaled like each micro-batch's loss; after the step
         # their loads are summed over the data-parallel replicas (biases, metrics).
         self.has_moe = bool(moe_layers(model))
+        self.has_partial = any(pl.tp_partial for pl in engine.placements.values())
         self.moe_metrics: dict[str, Any] = {}
         set_aux_loss_scale(model, 1 / layout.microbatches)
         if self.stages:
@@ -135,10 +137,19 @@ class StepRunner:
             loss = loss / len(batches)
         self.engine.finish_grad_sync()
         self.engine.sync_tied_grads()
+        self.sum_partial_grads()
         # Each data-parallel replica saw an equal share of the batch, and each cp rank an equal share of
         # every sequence: their mean is the step's loss.
         self.comm.all_reduce(loss, "dp" if self.layout.cp == 1 else "dp_cp")
         return loss / (self.layout.dp * self.layout.cp)
+
+    def sum_partial_grads(self) -> None:
+        """Sum the reduced gradients of the `Placement.tp_partial` parameters (the norms under SP, Qwen3's
+        q/k norms) over tp: this rank's owned pieces of all of them in one all-reduce, once per step, before
+        the gradient norm (which counts each of them 1/tp per tp rank)."""
+        if self.has_partial:
+            place = self.engine.place
+            sum_partial_grads([g for p, g in self.engine.owned_param_grads() if place[p].tp_partial], self.comm)
 
     def positions(self, documents: Sequence[Documents] | None, n: int) -> list[torch.Tensor | None]:
         """Each micro-batch's RoPE positions of the tokens this rank holds: None (0..s−1), this cp rank's

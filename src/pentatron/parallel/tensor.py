@@ -19,13 +19,21 @@ along the sequence under SP), the LM head is column-parallel over the vocabulary
 embedding's Parameter when tied), and `vocab_parallel_cross_entropy` computes the loss from the
 vocab-sharded logits with three all-reduces of b·s numbers, never materialising the full logits.
 
-Replicated parameters whose gradients are partial per rank get a gradient hook that sums them over
-tp before they are accumulated, so every optimizer/DP/ZeRO wrapper downstream sees complete grads:
-the norm weights under SP (each rank saw only its sequence slice), Qwen3's q/k norm weights (SP or
-not: each rank normalised its own heads with the shared gain), and the k/v projections of a kv
-head that is replicated on tp/n_kv ranks (each rank used it for its own query heads only). The plan
-returned records, per parameter name, a `TPShard` saying how the local tensor relates to the full
-one; `parallelize` copies it into each parameter's `Placement`.
+Some replicated parameters get a gradient that is partial per rank: the norm weights under SP (each
+rank saw only its sequence slice) and Qwen3's q/k norm weights (SP or not: each rank normalised its own
+heads with the shared gain). They are not hooked: the plan lists them (`partial`, copied into each
+one's `Placement.tp_partial`) and the step runner sums them over tp once per step, after the
+data-parallel reduction and before the gradient norm — the owned pieces of all of them concatenated
+into ONE all-reduce (`sum_partial_grads`; Megatron-Core's deferred layernorm all-reduce in
+`finalize_model_grads`). Summing after the dp reduction is exact in math (sums commute), and every
+tp rank of a dp rank owns the same pieces (equal local shapes give equal flat layouts). A hook per
+weight would cost 2 latency-bound all-reduces of h numbers per layer per micro-batch, each one waited
+for by backward.
+The k/v projections of a kv head replicated on tp/n_kv ranks (each rank used it for its own query
+heads only) keep a gradient hook (`_sum_over_replicas`): their sum runs over a subset of tp. A plain
+tensor-parallel model trained without the step runner calls `sum_partial_param_grads(model)` after
+its backward passes. The plan returned records, per parameter name, a `TPShard` saying how the local
+tensor relates to the full one; `parallelize` copies it into each parameter's `Placement`.
 
 The model code needs no change: attention derives its local head count from the projection widths.
 Initialisation: on a meta model (the runtime's way) the shards stay meta and `parallel/materialize.py`
@@ -40,7 +48,7 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -254,6 +262,8 @@ class TensorParallelPlan:
     kv_replicas: int  # tp ranks sharing one kv head (1: kv heads are split, not replicated)
     comm: Comm
     shards: dict[str, TPShard]  # by parameter name: how each local tensor relates to the full one
+    # replicated parameters whose gradient is partial per tp rank, by name: summed over tp once per step
+    partial: frozenset[str] = frozenset()
 
 
 TP_STYLES = ("region", "colwise", "colwise_heads", "rowwise", "sequence_norm", "head_norm", "vocab_embedding",
@@ -286,6 +296,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, comm: Comm | N
 
     handles: list[Any] = []
     grad_hooks: list[tuple[nn.Parameter, Any]] = []  # registered once the parameters have storage
+    partial: list[nn.Parameter] = []  # gradients summed over tp once per step (`sum_partial_grads`)
     made: _Made = {}
     new_of: dict[nn.Parameter, nn.Parameter] = {}  # full parameter → this rank's shard (ties follow)
     kv_replicas = 1
@@ -298,10 +309,10 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, comm: Comm | N
             continue
         if style == "sequence_norm":
             if sp:  # under SP each rank's grad covers its sequence slice only: the full grad is their sum
-                grad_hooks.append((module.weight, lambda g: _sum_grad(g, comm)))
+                partial.append(module.weight)
             continue
         if style == "head_norm":  # one gain over head_dim shared by all heads; each rank saw its heads only
-            grad_hooks.append((module.weight, lambda g: _sum_grad(g, comm)))
+            partial.append(module.weight)
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -331,7 +342,8 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, comm: Comm | N
         setattr(parent, attr, new)
     # Anything not sharded above is replicated over tp (and kept in sync).
     shards = {n: made.get(p, TPShard(None, 0, 1, tp)) for n, p in model.named_parameters()}
-    model.tensor_parallel = TensorParallelPlan(tp, rank, sp, kv_replicas, comm, shards)
+    partial_names = frozenset(n for n, p in model.named_parameters() if any(p is q for q in partial))
+    model.tensor_parallel = TensorParallelPlan(tp, rank, sp, kv_replicas, comm, shards, partial_names)
     model._tensor_parallel_hooks = handles
     model._tensor_parallel_grad_hooks = grad_hooks
     if not any(p.is_meta for p, _ in grad_hooks):
@@ -358,10 +370,33 @@ def _region_entry(comm: Comm, sp: bool) -> Any:
     return hook
 
 
-def _sum_grad(g: torch.Tensor, comm: Comm) -> torch.Tensor:
-    g = g.contiguous().clone()
-    comm.all_reduce(g, TP)
-    return g
+@torch.no_grad()
+def sum_partial_grads(grads: Sequence[torch.Tensor], comm: Comm) -> None:
+    """Sum `grads` over tp in place with ONE all-reduce of their concatenation (nothing when empty).
+    Every tp rank must pass tensors of the same sizes in the same order: the owned pieces of the
+    `Placement.tp_partial` parameters, which sit at the same offsets on every tp rank of a dp rank."""
+    if not grads:
+        return
+    if len(grads) == 1 and grads[0].is_contiguous():
+        comm.all_reduce(grads[0], TP)
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, TP)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def sum_partial_param_grads(model: nn.Module) -> None:
+    """A plain tensor-parallel model trained without the step runner (tests, benchmarks): sum the `.grad`
+    of its partial-gradient parameters over tp, once after the step's backward passes. Nothing to do on
+    a model that is not tensor-parallel."""
+    plan = getattr(model, "tensor_parallel", None)
+    if plan is None:
+        return
+    grads = [p.grad for n, p in model.named_parameters() if n in plan.partial and p.grad is not None]
+    sum_partial_grads(grads, plan.comm)
 
 
 def _sum_over_replicas(comm: Comm, tp: int, rank: int, replicas: int) -> Any:

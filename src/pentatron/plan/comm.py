@@ -106,8 +106,7 @@ class Traffic(Enum):
     LAYERS = "layers fwd+bwd"  # TP all-reduces of the f/g operators
     SP_LAYERS = "layers fwd+bwd (SP)"
     SP_REGATHER = "block inputs again in bwd (SP, sharded inputs)"
-    SP_NORMS = "norm weight gradients (SP)"
-    HEAD_NORMS = "q/k norm weight gradients (TP, Qwen3)"
+    NORM_GRADS = "norm weight gradients summed over tp, once per step (SP norms, Qwen3 q/k norms)"
     LOSS = "vocab-parallel loss"
     CP_KV_GATHER = "ring attention K/V (all-gather)"
     CP_KV = "ring attention K/V"
@@ -173,7 +172,6 @@ class LayerComm:
     sp_regather: float = 0.0  # one backward all-gather of a block input (sp_inputs="sharded"), x2 per layer
     sp_all_gather: float = 0.0  # one SP all-gather of a block input (2 per layer forward, 2 backward)
     sp_reduce_scatter: float = 0.0  # one SP reduce-scatter of a block output (likewise)
-    sp_norm_grads: float = 0.0  # backward: the two norm weights' gradients summed over tp (SP), per layer
 
 
 def layer_comm(w: Workload, lay: Layout, gpu: GPUSpec, layer_is_moe: bool) -> LayerComm:
@@ -196,12 +194,10 @@ def layer_comm(w: Workload, lay: Layout, gpu: GPUSpec, layer_is_moe: bool) -> La
         routed = moe_tokens(tokens, lay) * moe.top_k * cfg.hidden_size * a
         ep_fwd = 2 * collective_time(gpu, "all_to_all", routed, g)  # dispatch + combine
         ep_bwd = ep_fwd
-    regather = norm_grads = 0.0
-    if lay.tp > 1 and lay.sp:
-        norm_grads = 2 * collective_time(gpu, "all_reduce", sp_norm_grad_bytes(w, lay), tp_g)
-        if lay.recipe.sp_inputs == "sharded":
-            regather = collective_time(gpu, "all_gather", act, tp_g)
-    return LayerComm(tp_fwd, tp_fwd, ep_fwd, ep_bwd, regather, ag, rs, norm_grads)
+    regather = 0.0
+    if lay.tp > 1 and lay.sp and lay.recipe.sp_inputs == "sharded":
+        regather = collective_time(gpu, "all_gather", act, tp_g)
+    return LayerComm(tp_fwd, tp_fwd, ep_fwd, ep_bwd, regather, ag, rs)
 
 
 def moe_tokens(tokens: int, lay: Layout) -> int:
@@ -227,10 +223,18 @@ def moe_sp_collectives(w: Workload, lay: Layout, gpu: GPUSpec, m: int, moe_layer
             _coll(gpu, g, "all_reduce", per_tensor, m * moe_layers * tensors, Traffic.MOE_SP)]
 
 
-def sp_norm_grad_bytes(w: Workload, lay: Layout) -> float:
-    """One norm weight's gradient: under SP each tp rank's covers its sequence shard only, so every norm
-    weight's gradient is all-reduced over tp after each backward (parallel/tensor.py `_sum_grad`)."""
-    return w.cfg.hidden_size * act_bytes(lay.precision)
+def norm_grad_bytes(w: Workload, lay: Layout, layers: int, last: bool) -> float:
+    """The norm weights' gradients a rank sums over tp once per step, in one all-reduce after the
+    data-parallel reduction (parallel/tensor.py `sum_partial_grads`): under SP every norm (2 per layer, the
+    final norm on the last stage; each rank's gradient covers its sequence shard), with Qwen3's q/k norms
+    the two head_dim gains per layer (each rank's covers its heads), SP or not. The gradient buffer's
+    dtype, and under ZeRO >= 1 only the pieces this rank owns (1/(dp×cp) of them on average)."""
+    if lay.tp == 1:
+        return 0.0
+    elements = (2 * layers + (1 if last else 0)) * w.cfg.hidden_size if lay.sp else 0
+    if w.cfg.qk_norm:
+        elements += 2 * layers * w.cfg.head_dim
+    return elements * lay.grad_bytes / (lay.zero_group if lay.zero >= 1 else 1)
 
 
 def _ulysses_payloads(w: Workload, lay: Layout) -> tuple[float, float]:
@@ -350,13 +354,11 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
             if lay.recipe.sp_inputs == "sharded":
                 out.append(_coll(gpu, g, "all_gather", act, m * 2 * layers_on_rank, Traffic.SP_REGATHER))
             out.append(_coll(gpu, g, "reduce_scatter", act, m * per_mb, Traffic.SP_LAYERS))
-            norms = 2 * layers_on_rank + (1 if last else 0)
-            out.append(_coll(gpu, g, "all_reduce", sp_norm_grad_bytes(w, lay), m * norms, Traffic.SP_NORMS))
         else:
             out.append(_coll(gpu, g, "all_reduce", act, m * per_mb, Traffic.LAYERS))
-        if w.cfg.qk_norm:  # each rank's q/k norm gradient covers its own heads: summed over tp (SP or not)
-            out.append(_coll(gpu, g, "all_reduce", w.cfg.head_dim * act_bytes(lay.precision),
-                             m * 2 * layers_on_rank, Traffic.HEAD_NORMS))
+        norms = norm_grad_bytes(w, lay, layers_on_rank, last)
+        if norms:  # once per step, after the dp reduction: exposed before the optimizer
+            out.append(_coll(gpu, g, "all_reduce", norms, 1, Traffic.NORM_GRADS))
         if last and lay.recipe.cross_entropy != "fused":
             loss = loss_all_reduces(tokens, lay.recipe.cross_entropy)
             out.append(_coll(gpu, g, "all_reduce", sum(loss) / len(loss), m * len(loss), Traffic.LOSS))
@@ -452,7 +454,7 @@ def step_scalars(lay: Layout, gpu: GPUSpec, moe_layers: int = 0, n_experts: int 
 TIED_WHERE = Traffic.TIED.value
 SP_REGATHER_WHERE = Traffic.SP_REGATHER.value
 SP_LAYERS_WHERE = Traffic.SP_LAYERS.value
-SP_NORMS_WHERE = Traffic.SP_NORMS.value
+NORM_GRADS_WHERE = Traffic.NORM_GRADS.value
 
 
 def tied_grad_bytes(params: float, lay: Layout) -> float:

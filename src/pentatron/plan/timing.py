@@ -37,7 +37,6 @@ from pentatron.plan.comm import (
     loss_all_reduces,
     pp_hop_time,
     report_dim,
-    sp_norm_grad_bytes,
     step_collectives,
 )
 from pentatron.plan.context import cp_degrees
@@ -217,7 +216,7 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
         (tp_f, tp_b), _ = tp_overlap_split(lc, tp, qkv, proj, up, down)
     f = ph.f + attn_f + elem + tp_f + lc.ep_fwd + cp.fwd_exposed
     b = ph.b + attn_b + 2 * elem + tp_b + lc.ep_bwd + cp.bwd_exposed
-    b += sum(sp_regather_split(lc, qkv, up)[0]) + lc.sp_norm_grads
+    b += sum(sp_regather_split(lc, qkv, up)[0])
     if lay.recompute == "selective":  # the attention core replays, its context-parallel exchange included
         b += attn_f + cp.fwd_exposed
     elif lay.recompute == "selective-op":  # torchtitan's op SAC: every elementwise op and some matmuls replay
@@ -338,16 +337,14 @@ def split_backward(lay: Layout) -> bool:
 
 def _head_tp(w: Workload, lay: Layout, gpu: GPUSpec) -> tuple[float, float]:
     """The LM head's TP collectives, forward and backward: under SP the all-gather of the sequence shards
-    and its reduce-scatter (plus the final norm's gradient all-reduce); without, the f operator's
-    all-reduce of the input gradient, backward only."""
+    and its reduce-scatter; without, the f operator's all-reduce of the input gradient, backward only."""
     if lay.tp == 1:
         return 0.0, 0.0
     g = group_of(lay, "tp", gpu)
     act = lay.micro_batch * w.seq_len / lay.cp * w.cfg.hidden_size * act_bytes(lay.precision)
     if not lay.sp:
         return 0.0, collective_time(gpu, "all_reduce", act, g)
-    norm = collective_time(gpu, "all_reduce", sp_norm_grad_bytes(w, lay), g)
-    return collective_time(gpu, "all_gather", act, g), collective_time(gpu, "reduce_scatter", act, g) + norm
+    return collective_time(gpu, "all_gather", act, g), collective_time(gpu, "reduce_scatter", act, g)
 
 
 def embed_phase(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused") -> Phase:
@@ -512,12 +509,14 @@ class StepTime:
     collectives: tuple[Collective, ...]
     exposed_by_dim: dict[str, float]
     tied_grads: float = 0.0  # the tied embedding's gradient swapped between first and last stage
+    norm_grads: float = 0.0  # the norm weights' partial gradients summed over tp, one all-reduce per step
     scalars: float = 0.0  # the step's one-number collectives (loss, gradient norm, pipeline statistics)
 
 
 def step_time_floor(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused") -> float:
     """The closed-form pipeline time alone: `step_time(..., exact=False).step` is this plus terms that are
-    all >= 0 (exposed DP traffic, optimizer, SM contention, tied gradients, step scalars), so never less.
+    all >= 0 (exposed DP traffic, optimizer, SM contention, tied and norm gradients, step scalars), so never
+    less.
     The search skips the full estimate of a layout whose floor already ranks it out."""
     gpu = gpu.sharing(lay.world)
     phases = stage_phases(w, lay, gpu, kernels)
@@ -527,7 +526,8 @@ def step_time_floor(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "f
 
 def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", exact: bool = True) -> StepTime:
     """One optimizer step on the busiest rank: the pipeline of all micro-batches, then what the data
-    parallel traffic leaves exposed, the optimizer, SM contention, the tied gradient swap and the scalars."""
+    parallel traffic leaves exposed, the optimizer, SM contention, the tied gradient swap, the norm weights'
+    gradient sum over tp and the scalars."""
     gpu = gpu.sharing(lay.world)  # CPU profiles: ranks on one node share its cores (no-op on datasheets)
     m = lay.microbatches(w)
     phases = stage_phases(w, lay, gpu, kernels)
@@ -550,12 +550,14 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
     optimizer = _optimizer_time(w, lay, gpu, rank)
     tied = _pipeline_exposed(w, lay, gpu, traffic, rank, m, hop, kernels, acc)
     contention = acc.hidden * min(1.0, NCCL_CHANNELS / gpu.sm_count)
+    # after the dp reduction, before the norm: nothing left to hide it behind (its tp exposure: above)
+    norm_grads = sum(c.time_per_step for c in traffic if c.kind is Traffic.NORM_GRADS)
     sync = sum(c.time_per_step for c in scalars)
     for c in scalars:
         acc.add(report_dim(c.dim), c.time_per_step)
-    step = pipe + dp_exposed + optimizer + contention + tied + sync
+    step = pipe + dp_exposed + optimizer + contention + tied + norm_grads + sync
     return StepTime(step, pipe, bubble, dp_exposed, optimizer, contention, tuple(phases), tuple(colls), acc.by_dim,
-                    tied, sync)
+                    tied, norm_grads, sync)
 
 
 @dataclass(frozen=True)
