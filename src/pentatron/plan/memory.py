@@ -26,6 +26,7 @@ from pentatron.plan.flops import (
     sac_op_replayed_matmuls,
 )
 from pentatron.plan.layout import Layout, Workload, chunk_layers, kv_heads_per_tp_rank
+from pentatron.plan.loss_memory import DeviceType, chunked_loss_bytes
 from pentatron.plan.memo import Without
 from pentatron.schedules import (
     ScheduleError,
@@ -255,7 +256,8 @@ def loss_kept_bytes(cfg: ModelConfig, tokens: float, tp: int, cross_entropy: str
 
 def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, precision: str = "bf16",
                  tp: int = 1, sp: bool = False, cross_entropy: str = "eager",
-                 loss_chunk_tokens: int = LOSS_CHUNK_TOKENS, sp_inputs: str = "gathered") -> tuple[float, float]:
+                 loss_chunk_tokens: int = LOSS_CHUNK_TOKENS, sp_inputs: str = "gathered",
+                 device: DeviceType = "cuda") -> tuple[float, float]:
     """(saved, transient) bytes outside the decoder layers for one micro-batch: the token ids the
     embedding keeps (and its 1-byte mask under tp: parallel/tensor.py `VocabParallelEmbedding`, first
     stage); the final RMSNorm, LM-head input and the loss's fp32 log-softmax (softmax, for our
@@ -266,12 +268,8 @@ def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, prec
     traces) its saved input is a·h per token; "sharded" (Megatron) keeps the shard, a·h/tp.
     cross_entropy="fused" (flash-attn's kernel): the low-precision logits and an fp32 logsumexp per token
     are kept, and the logits' gradient (same dtype) is the transient.
-    cross_entropy="chunked" (ours, models/loss.py, `loss_chunk_tokens` at a time): per token the fp32
-    log-sum-exp, the int64 local target and two masks are kept (the targets themselves are not), and the
-    last chunk's fp32 exp(logit − max) with its max, which backward takes first, in place; the transient
-    beside it is that chunk's low-precision matmul output / cast and, in backward, the fp32 dW
-    accumulator (a recomputed chunk later reuses the kept chunk's room), measured by
-    tests/plan/test_chunked_loss_memory.py."""
+    cross_entropy="chunked" (ours, models/loss.py, `loss_chunk_tokens` at a time): plan/loss_memory.py on
+    `device` (the hardware planned for: its CUDA and CPU forms differ in dW's blocked accumulation)."""
     h, a, v = cfg.hidden_size, act_bytes(precision), cfg.vocab_size / tp
     hs = h / tp if sp else h
     head_in = h if sp_inputs == "gathered" else hs  # what the head keeps of its input
@@ -284,10 +282,9 @@ def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, prec
             saved += tokens * (a * v + 4 + 8)
             transient += tokens * a * v
         elif cross_entropy == "chunked":
-            low = a if a < 4 else 0  # bf16: the matmul's own output beside its fp32 copy
-            kept = min(tokens, loss_chunk_tokens)
-            saved += tokens * (4 + 8 + 2) + loss_kept_bytes(cfg, tokens, tp, cross_entropy, loss_chunk_tokens)
-            transient += kept * v * low + v * h * 4  # its fp32 part is the kept chunk, counted as saved
+            kept, peak = chunked_loss_bytes(tokens, v, h, loss_chunk_tokens, a, device)
+            saved += kept
+            transient += peak
         else:  # under tp ours (`vocab_parallel_cross_entropy`) keeps its two 1-byte target masks too
             saved += tokens * (4 * v + 8 + (2 if tp > 1 and cross_entropy == "eager" else 0))
             transient += tokens * loss_transient_per_entry(cross_entropy, a, tp) * v
@@ -514,7 +511,7 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     dense, expert = _states(rp, prec, lay.zero, dpcp, lay.ep)
     if lay.zero == 3 and lay.recipe.param_shard == "fp32" and prec.master:  # FSDP2: the master is the parameter
         dense, expert = replace(dense, parameters=0.0), replace(expert, parameters=0.0)
-    act = _activation_terms(w, Without(lay, _NOT_IN_ACTIVATIONS), rank, kernels, norm)
+    act = _activation_terms(w, Without(lay, _NOT_IN_ACTIVATIONS), rank, kernels, norm, gpu.device_type)
     extra_transient = act.extra_transient
     comm = act.comm
     buckets = 0.0
@@ -566,9 +563,11 @@ _NOT_IN_ACTIVATIONS = frozenset({"zero"})
 
 
 @lru_cache(maxsize=16384)
-def _activation_terms(w: Workload, key: Without, rank: int, kernels: str, norm: str | None) -> _ActivationTerms:
+def _activation_terms(w: Workload, key: Without, rank: int, kernels: str, norm: str | None,
+                      device: DeviceType) -> _ActivationTerms:
     """Activations, loss and activation-sized buffers of pipeline rank `rank` of the layout `key` stands
-    for: they do not depend on the ZeRO stage, so the search's four ZeRO variants of a layout share them."""
+    for: they do not depend on the ZeRO stage, so the search's four ZeRO variants of a layout share them.
+    `device`: the planned hardware's device type (the loss's form)."""
     lay: Layout = key.obj
     cfg, moe = w.cfg, w.moe_spec
     a = act_bytes(lay.precision)
@@ -601,7 +600,7 @@ def _activation_terms(w: Workload, key: Without, rank: int, kernels: str, norm: 
     extra_saved, extra_transient = stage_extras(cfg, tokens, first=first, last=last, precision=lay.precision,
                                                 tp=lay.tp, sp=lay.sp, cross_entropy=lay.recipe.cross_entropy,
                                                 loss_chunk_tokens=lay.recipe.loss_chunk_tokens,
-                                                sp_inputs=lay.recipe.sp_inputs)
+                                                sp_inputs=lay.recipe.sp_inputs, device=device)
     n_rank_layers = [per_chunk[c * lay.pp + rank] for c in range(lay.pp_virtual)]
     acts = _layers_in_flight(*sched, rank, tuple(n_rank_layers), in_flight, lay.recipe.pp_all_warmup)
     acts *= layer_act.saved
@@ -631,7 +630,7 @@ def memory_floor(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "eager",
     states = dense.total + expert.total
     if lay.zero == 3 and lay.recipe.param_shard == "fp32" and prec.master:  # FSDP2: the master is the parameter
         states -= dense.parameters + expert.parameters
-    acts = _activation_terms(w, Without(lay, _NOT_IN_ACTIVATIONS), 0, kernels, norm).activations
+    acts = _activation_terms(w, Without(lay, _NOT_IN_ACTIVATIONS), 0, kernels, norm, gpu.device_type).activations
     return RUNTIME_RESERVED + (states + acts) * (1 + FRAGMENTATION)
 
 
