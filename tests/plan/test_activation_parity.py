@@ -54,10 +54,32 @@ def _moe_layer(name: str) -> int:
     return moe.first_dense_layers
 
 
+def _traced_ep(name: str, world: int) -> tuple[int, int]:
+    """(bytes, rows received) of one MoE layer under ep = world (experts split, tokens sent by all-to-all):
+    the planner takes the received rows as T·k (balanced); the rows each rank really got are read here."""
+    from pentatron.parallel.expert import apply_expert_parallel
+
+    ctx = ParallelContext.from_layout(ParallelLayout(dp=world, ep=world), "cpu")
+    model = build_model(get_model_config(name), seed=0)
+    apply_expert_parallel(model, ctx)
+    layer = model.layers[_moe_layer(name)]
+    hook, received = layer.moe.expert_parallel, []
+
+    def plan(counts: torch.Tensor):
+        splits = type(hook).plan(hook, counts)
+        received.append(sum(splits.out_splits))
+        return splits
+
+    hook.plan = plan
+    return _traced(model, S, model.cfg.hidden_size, layer=_moe_layer(name)), received[0]
+
+
 def _rank(rank: int, world: int) -> dict[tuple[str, bool], int]:
     from pentatron.parallel.fp8 import apply_fp8
 
     out = {}
+    for name in MOE_MODELS if world == 2 else ():
+        out[f"{name}/ep2", False], out[f"{name}/ep2 rows", False] = _traced_ep(name, world)
     for name in MOE_MODELS if world <= 2 else ():
         cfg = get_model_config(name)
         for sp in ((False, True) if world > 1 else (False,)):
@@ -118,6 +140,19 @@ def test_an_moe_layer_keeps_what_the_planner_counts(traced, tp, sp, dtype, name)
     planner = llama_layer_activation_bytes(cfg, B * S, S, precision=precision, tp=tp, sp=sp, layer=layer).saved
     assert planner == layer_activation_bytes(cfg, S, B, tp, sp, act_bytes=a, layer=layer)
     assert traced[tp][f"{name}/{dtype}", sp] == planner, (name, tp, sp, dtype, traced[tp][f"{name}/{dtype}", sp])
+
+
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_an_moe_layer_under_expert_parallelism_keeps_what_the_planner_counts_per_row(traced, name):
+    """ep 2 (rank 0): the local experts' grouped GEMMs keep the rows received, regrouped by expert, and the
+    regrouping and its inverse their int64 indices (+16 bytes per row). The planner takes the rows received as
+    T·k; with the rows this rank really received in their place the count is exact."""
+    cfg = get_model_config(name)
+    assert cfg.moe is not None
+    per_row = 4 * cfg.hidden_size + 4 * 4 * cfg.moe.expert_ffn_size + 16  # fp32: rows, SwiGLU, two indices
+    rows = traced[2][f"{name}/ep2 rows", False]
+    planner = llama_layer_activation_bytes(cfg, B * S, S, precision="fp32", layer=_moe_layer(name), ep=2).saved
+    assert traced[2][f"{name}/ep2", False] == planner + (rows - B * S * cfg.moe.top_k) * per_row
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

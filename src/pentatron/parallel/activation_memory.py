@@ -43,9 +43,10 @@ by the router's (`wide` copies nothing); otherwise by nothing.
     shared   its SwiGLU, 4·e·T·f_s
 
 Under expert parallelism (ep > 1) the local experts run on the rows received (taken as R: balanced
-routing) regrouped by expert, and the regrouping and its inverse keep 8 bytes per row each (+16·R;
-derived from parallel/expert.py, not traced). The experts' terms are `torch._grouped_mm`'s (CPU; CUDA bf16 on
-sm90+); where it is unsupported (fp32 on CUDA, fp64) the padded batched matmul keeps other tensors.
+routing) regrouped by expert, and the regrouping and its inverse keep 8 bytes per row each (+16·R); the
+gathered rows e·R·h are then the regrouped received ones (traced at ep 2 with each rank's received rows).
+The experts' terms are `torch._grouped_mm`'s (CPU; CUDA bf16 on sm90+); where it is unsupported (fp32 on
+CUDA, fp64) the padded batched matmul keeps other tensors.
 """
 
 from __future__ import annotations

@@ -580,6 +580,7 @@ def _activation_terms(w: Workload, key: Without, rank: int, kernels: str, norm: 
     sched = (lay.pp_schedule, lay.pp, m, lay.pp_virtual)
     in_flight = schedule_in_flight(*sched, lay.recipe.pp_all_warmup)[rank] if lay.pp > 1 else 1
     norm_kind = norm or lay.recipe.norm or ("fused" if kernels == "fused" else "eager")
+
     def one_layer(i: int) -> LayerActivation:
         return llama_layer_activation_bytes(cfg, tokens, seq_local, precision=lay.precision, tp=lay.tp,
                                             sp=lay.sp, recompute=lay.recompute, layer=i, moe=moe, norm=norm_kind,
