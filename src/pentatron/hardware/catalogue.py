@@ -84,7 +84,8 @@ class GPUSpec:
     @property
     def device_type(self) -> DeviceType:
         """"cpu" for a CPU (the built-in calibration or a CPU `pentatron bench` profile), else "cuda": what
-        train.compile's "auto" decides on (config.compile_enabled)."""
+        train.compile's "auto" decides on (config.compile_enabled) and which form of the chunked loss the
+        planner's memory counts (plan/loss_memory.py)."""
         return "cpu" if self.name in ("cpu", "bench-cpu") else "cuda"
 
     @cached_property
