@@ -1,8 +1,8 @@
 """Issue 9 item 6: the planner's activation memory is the runtime's formula, and both match the bytes
 autograd really keeps for one decoder layer under real tensor parallelism (gloo ranks), tp in {1, 2, 4}
-with and without sequence parallelism, also in bf16 with FP8 GEMMs (train.fp8 tensorwise / rowwise: the
-planner's --precision fp8); and the loss's peak is the planner's, measured (F.cross_entropy, our
-vocab-parallel loss, torch's loss_parallel)."""
+with and without sequence parallelism (an MoE layer: tp 1 in fp32 and bf16, tp 2 ± SP), also in bf16
+with FP8 GEMMs (train.fp8 tensorwise / rowwise: the planner's --precision fp8); and the loss's peak is
+the planner's, measured (F.cross_entropy, our vocab-parallel loss, torch's loss_parallel)."""
 
 from __future__ import annotations
 
@@ -31,23 +31,65 @@ from tests.multiprocess import run_ranks
 B, S = 2, 32
 
 
-def _traced(model: torch.nn.Module, local_s: int, hidden: int, dtype: torch.dtype = torch.float32) -> int:
+def _traced(model: torch.nn.Module, local_s: int, hidden: int, dtype: torch.dtype = torch.float32,
+            layer: int = 0) -> int:
     cos, sin = model.rotary(torch.arange(S))  # fp32 tables in every precision, as the trainer keeps them
     x = torch.randn(B, local_s, hidden, generator=torch.Generator().manual_seed(3)).to(dtype).requires_grad_()
     with SavedTensorMeter(exclude=[*model.parameters(), cos, sin]) as meter:
-        y = model.layers[0](x, cos, sin)
+        y = model.layers[layer](x, cos, sin)
     del y
     return meter.bytes
 
 
 MODELS = ("debug", "debug-qwen3")  # Qwen3: q/k norms per local head, head_dim decoupled from hidden/heads
+# one MoE layer (replicated over tp, on the SP shard under SP): debug-moe's shared expert, aux and z losses;
+# Qwen3-MoE's q/k norms, no shared expert (so in bf16 nothing keeps the layer's bf16 input)
+MOE_MODELS = ("debug-moe", "debug-qwen3-moe")
 RECIPES = ("off", "tensorwise", "rowwise")  # train.fp8, traced in bf16
+
+
+def _moe_layer(name: str) -> int:
+    moe = get_model_config(name).moe
+    assert moe is not None
+    return moe.first_dense_layers
+
+
+def _traced_ep(name: str, world: int) -> tuple[int, int]:
+    """(bytes, rows received) of one MoE layer under ep = world (experts split, tokens sent by all-to-all):
+    the planner takes the received rows as T·k (balanced); the rows each rank really got are read here."""
+    from pentatron.parallel.expert import apply_expert_parallel
+
+    ctx = ParallelContext.from_layout(ParallelLayout(dp=world, ep=world), "cpu")
+    model = build_model(get_model_config(name), seed=0)
+    apply_expert_parallel(model, ctx)
+    layer = model.layers[_moe_layer(name)]
+    hook, received = layer.moe.expert_parallel, []
+
+    def plan(counts: torch.Tensor):
+        splits = type(hook).plan(hook, counts)
+        received.append(sum(splits.out_splits))
+        return splits
+
+    hook.plan = plan
+    return _traced(model, S, model.cfg.hidden_size, layer=_moe_layer(name)), received[0]
 
 
 def _rank(rank: int, world: int) -> dict[tuple[str, bool], int]:
     from pentatron.parallel.fp8 import apply_fp8
 
     out = {}
+    for name in MOE_MODELS if world == 2 else ():
+        out[f"{name}/ep2", False], out[f"{name}/ep2 rows", False] = _traced_ep(name, world)
+    for name in MOE_MODELS if world <= 2 else ():
+        cfg = get_model_config(name)
+        for sp in ((False, True) if world > 1 else (False,)):
+            ctx = ParallelContext.from_layout(ParallelLayout(tp=world), "cpu")
+            for dtype in (torch.float32, torch.bfloat16) if world == 1 else (torch.float32,):
+                model = apply_tensor_parallel(build_model(cfg, seed=0), ctx, sp=sp)
+                for p in model.parameters():
+                    p.data = p.data.to(dtype)
+                out[f"{name}/{dtype}", sp] = _traced(model, S // world if sp else S, cfg.hidden_size, dtype,
+                                                     _moe_layer(name))
     for name in MODELS:
         cfg = get_model_config(name)
         for sp in ((False, True) if world > 1 else (False,)):
@@ -83,6 +125,34 @@ def test_planner_activation_memory_is_the_runtime_formula_and_the_traced_bytes(t
     planner = llama_layer_activation_bytes(cfg, B * S, S, precision="fp32", tp=tp, sp=sp).saved
     assert planner == runtime
     assert traced[tp][name, sp] == planner, (name, tp, sp, traced[tp][name, sp], planner)
+
+
+@pytest.mark.parametrize("name", MOE_MODELS)
+@pytest.mark.parametrize(("tp", "sp", "dtype"), [(1, False, torch.float32), (1, False, torch.bfloat16),
+                                                 (2, False, torch.float32), (2, True, torch.float32)])
+def test_an_moe_layer_keeps_what_the_planner_counts(traced, tp, sp, dtype, name):
+    """The router's scores, ids and weights, the dispatch's indices and gathered rows, the grouped GEMMs'
+    SwiGLU, the combine's outputs and weights and the shared experts (parallel/activation_memory.py
+    `moe_activation_bytes`), byte for byte."""
+    cfg = get_model_config(name)
+    precision, a = ("fp32", 4) if dtype == torch.float32 else ("bf16", 2)
+    layer = _moe_layer(name)
+    planner = llama_layer_activation_bytes(cfg, B * S, S, precision=precision, tp=tp, sp=sp, layer=layer).saved
+    assert planner == layer_activation_bytes(cfg, S, B, tp, sp, act_bytes=a, layer=layer)
+    assert traced[tp][f"{name}/{dtype}", sp] == planner, (name, tp, sp, dtype, traced[tp][f"{name}/{dtype}", sp])
+
+
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_an_moe_layer_under_expert_parallelism_keeps_what_the_planner_counts_per_row(traced, name):
+    """ep 2 (rank 0): the local experts' grouped GEMMs keep the rows received, regrouped by expert, and the
+    regrouping and its inverse their int64 indices (+16 bytes per row). The planner takes the rows received as
+    T·k; with the rows this rank really received in their place the count is exact."""
+    cfg = get_model_config(name)
+    assert cfg.moe is not None
+    per_row = 4 * cfg.hidden_size + 4 * 4 * cfg.moe.expert_ffn_size + 16  # fp32: rows, SwiGLU, two indices
+    rows = traced[2][f"{name}/ep2 rows", False]
+    planner = llama_layer_activation_bytes(cfg, B * S, S, precision="fp32", layer=_moe_layer(name), ep=2).saved
+    assert traced[2][f"{name}/ep2", False] == planner + (rows - B * S * cfg.moe.top_k) * per_row
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pentatron.hardware.fp8_rowwise import H100_ROWWISE, SpeedupGrid
 from pentatron.hardware.profile import PROFILE_KEYS, PROFILE_SCHEMA, BusBwTable, Profile, interp_log, profile_from_dict
@@ -23,7 +23,9 @@ from pentatron.user_files import read_json, read_toml
 
 __all__ = ["GB", "GiB", "TFLOPS", "US", "BusBwTable", "Efficiency", "GPUSpec", "detect_gpu", "get_gpu",
            "gpu_names", "hardware_from_data", "hardware_from_dict", "interp_log", "load_hardware_toml",
-           "with_overrides", "with_profile"]
+           "with_overrides", "with_profile", "DeviceType"]
+
+DeviceType = Literal["cpu", "cuda"]  # what a plan is for: a CPU (its calibration or profile) or a CUDA GPU
 
 TFLOPS = 1e12
 GB = 1e9
@@ -80,9 +82,10 @@ class GPUSpec:
     headroom: float = 0.0
 
     @property
-    def device_type(self) -> str:
+    def device_type(self) -> DeviceType:
         """"cpu" for a CPU (the built-in calibration or a CPU `pentatron bench` profile), else "cuda": what
-        train.compile's "auto" decides on (config.compile_enabled)."""
+        train.compile's "auto" decides on (config.compile_enabled) and which form of the chunked loss the
+        planner's memory counts (plan/loss_memory.py)."""
         return "cpu" if self.name in ("cpu", "bench-cpu") else "cuda"
 
     @cached_property

@@ -26,6 +26,7 @@ from pentatron.plan.flops import (
     sac_op_replayed_matmuls,
 )
 from pentatron.plan.layout import Layout, Workload, chunk_layers, kv_heads_per_tp_rank
+from pentatron.plan.loss_memory import DeviceType, chunked_loss_bytes
 from pentatron.plan.memo import Without
 from pentatron.schedules import (
     ScheduleError,
@@ -133,7 +134,8 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
                                  tp: int = 1, sp: bool = False, recompute: str = "none", layer: int = 0,
                                  moe: MoESpec | None = None, norm: str = "eager", swiglu: str = "eager",
                                  sp_inputs: str = "gathered", cp_ulysses_degree: int = 1,
-                                 qkv_saved: str = "separate") -> LayerActivation:
+                                 qkv_saved: str = "separate", moe_tp: str = "replicated",
+                                 ep: int = 1) -> LayerActivation:
     """Saved tensors of one `DecoderBlock` of models/llama.py for `tokens` local tokens (micro_batch *
     seq/cp) of sequences `seq_len/cp` long. Per token, a = activation bytes:
       RMSNorm x2: fp32 copy of the input (4h), rstd (4), normalised a*h, gain product = next matmul's
@@ -155,7 +157,11 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
     the k|v copy attention reads: 2*a*kv more (nothing with GQA, where the q copy is made apart).
     selective-op (torchtitan op-level SAC): the block input, the odd-numbered matmul outputs (q, v, gate,
     down; q, v, up for a 2-matmul MLP; MoE layers half of them), the attention output and logsumexp.
-    full-alternate: every second block fully recomputed, so per layer the mean of none and full."""
+    full-alternate: every second block fully recomputed, so per layer the mean of none and full.
+    An MoE layer with moe_tp="replicated" (ours: the layer whole on every tp rank, on the SP shard under
+    SP) keeps the runtime's `moe_activation_bytes` (router, dispatch, grouped GEMMs, combine, shared
+    experts; traced exactly by tests/plan/test_activation_parity.py); moe_tp="sharded" (Megatron-style
+    expert tp) keeps the estimate of its routed rows and their MLPs."""
     h, a = cfg.hidden_size, act_bytes(precision)
     hd = cfg.head_dim
     hq = cfg.n_heads * hd / tp
@@ -168,19 +174,27 @@ def llama_layer_activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, *,
     per_f = 2 if cfg.mlp != "swiglu" else (3 if swiglu == "fused" else 4)
     # The dense layer without recompute is the runtime's own formula (tested against autograd at tp in
     # {1, 2, 4} with and without SP); the variants below are deltas on it. tokens = micro_batch * seq_len.
-    full_layer = float(layer_activation_bytes(cfg, seq_len, tokens // seq_len, tp=tp, sp=sp, act_bytes=a))
+    ours_moe = bool(lp.expert_total) and moe_tp == "replicated" and cfg.is_moe_layer(layer)
+    full_layer = float(layer_activation_bytes(cfg, seq_len, tokens // seq_len, tp=tp, sp=sp, act_bytes=a,
+                                              layer=layer if ours_moe else 0, ep=ep))
     if norm == "fused":  # each of the two norms drops its fp32 copy of the input (4h) and keeps a*h
         full_layer -= tokens * 2 * 4 * hs
     if swiglu == "fused" and cfg.mlp == "swiglu":  # silu(gate) is not kept
-        full_layer -= tokens * a * cfg.ffn_hidden_size / tp
+        if ours_moe and moe is not None:  # the routed rows' and the shared experts' (tokens on this tp rank)
+            full_layer -= tokens / (tp if sp else 1) * a * (moe.top_k * moe.expert_ffn_hidden_size
+                                                             + moe.n_shared_experts * moe.shared_ffn)
+        else:
+            full_layer -= tokens * a * cfg.ffn_hidden_size / tp
     if sp and tp > 1 and sp_inputs == "sharded":
         full_layer -= tokens * 2 * a * h * (1 - 1 / tp)
     full_layer += ulysses_kv_replication_bytes(tokens, kv_heads_per_tp_rank(cfg, tp), hd, cp_ulysses_degree, a)
     if qkv_saved == "packed" and cfg.n_kv_heads == cfg.n_heads:
         full_layer += tokens * 2 * a * kv
-    if lp.expert_total and moe is not None:
-        # Routed tokens: top_k copies of the input plus each expert's MLP internals; router logits and
-        # probabilities in fp32. Approximation until the MoE code exists (no capacity padding).
+    if ours_moe and moe is not None:
+        mlp = (moe.top_k * moe.expert_ffn_hidden_size + moe.n_shared_experts * moe.shared_ffn) * per_f * a
+    elif lp.expert_total and moe is not None:
+        # Expert tp (others' MoE code): top_k copies of the input plus each expert's MLP internals; router
+        # logits and probabilities in fp32 (an estimate: their routing's own tensors are not traced here).
         routed = moe.top_k * (a * h + per_f * a * moe.expert_ffn_hidden_size / tp)
         shared = moe.n_shared_experts * per_f * a * moe.shared_ffn / tp
         full_layer += tokens * (routed + shared + 8 * moe.num_experts - per_f * a * cfg.ffn_hidden_size / tp)
@@ -242,7 +256,8 @@ def loss_kept_bytes(cfg: ModelConfig, tokens: float, tp: int, cross_entropy: str
 
 def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, precision: str = "bf16",
                  tp: int = 1, sp: bool = False, cross_entropy: str = "eager",
-                 loss_chunk_tokens: int = LOSS_CHUNK_TOKENS, sp_inputs: str = "gathered") -> tuple[float, float]:
+                 loss_chunk_tokens: int = LOSS_CHUNK_TOKENS, sp_inputs: str = "gathered",
+                 device: DeviceType = "cuda") -> tuple[float, float]:
     """(saved, transient) bytes outside the decoder layers for one micro-batch: the token ids the
     embedding keeps (and its 1-byte mask under tp: parallel/tensor.py `VocabParallelEmbedding`, first
     stage); the final RMSNorm, LM-head input and the loss's fp32 log-softmax (softmax, for our
@@ -253,12 +268,8 @@ def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, prec
     traces) its saved input is a·h per token; "sharded" (Megatron) keeps the shard, a·h/tp.
     cross_entropy="fused" (flash-attn's kernel): the low-precision logits and an fp32 logsumexp per token
     are kept, and the logits' gradient (same dtype) is the transient.
-    cross_entropy="chunked" (ours, models/loss.py, `loss_chunk_tokens` at a time): per token the fp32
-    log-sum-exp, the int64 local target and two masks are kept (the targets themselves are not), and the
-    last chunk's fp32 exp(logit − max) with its max, which backward takes first, in place; the transient
-    beside it is that chunk's low-precision matmul output / cast and, in backward, the fp32 dW
-    accumulator (a recomputed chunk later reuses the kept chunk's room), measured by
-    tests/plan/test_chunked_loss_memory.py."""
+    cross_entropy="chunked" (ours, models/loss.py, `loss_chunk_tokens` at a time): plan/loss_memory.py on
+    `device` (the hardware planned for: its CUDA and CPU forms differ in dW's blocked accumulation)."""
     h, a, v = cfg.hidden_size, act_bytes(precision), cfg.vocab_size / tp
     hs = h / tp if sp else h
     head_in = h if sp_inputs == "gathered" else hs  # what the head keeps of its input
@@ -271,10 +282,9 @@ def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, prec
             saved += tokens * (a * v + 4 + 8)
             transient += tokens * a * v
         elif cross_entropy == "chunked":
-            low = a if a < 4 else 0  # bf16: the matmul's own output beside its fp32 copy
-            kept = min(tokens, loss_chunk_tokens)
-            saved += tokens * (4 + 8 + 2) + loss_kept_bytes(cfg, tokens, tp, cross_entropy, loss_chunk_tokens)
-            transient += kept * v * low + v * h * 4  # its fp32 part is the kept chunk, counted as saved
+            kept, peak = chunked_loss_bytes(tokens, v, h, loss_chunk_tokens, a, device)
+            saved += kept
+            transient += peak
         else:  # under tp ours (`vocab_parallel_cross_entropy`) keeps its two 1-byte target masks too
             saved += tokens * (4 * v + 8 + (2 if tp > 1 and cross_entropy == "eager" else 0))
             transient += tokens * loss_transient_per_entry(cross_entropy, a, tp) * v
@@ -501,7 +511,7 @@ def memory_for_rank(w: Workload, lay: Layout, gpu: GPUSpec, rank: int, kernels: 
     dense, expert = _states(rp, prec, lay.zero, dpcp, lay.ep)
     if lay.zero == 3 and lay.recipe.param_shard == "fp32" and prec.master:  # FSDP2: the master is the parameter
         dense, expert = replace(dense, parameters=0.0), replace(expert, parameters=0.0)
-    act = _activation_terms(w, Without(lay, _NOT_IN_ACTIVATIONS), rank, kernels, norm)
+    act = _activation_terms(w, Without(lay, _NOT_IN_ACTIVATIONS), rank, kernels, norm, gpu.device_type)
     extra_transient = act.extra_transient
     comm = act.comm
     buckets = 0.0
@@ -553,9 +563,11 @@ _NOT_IN_ACTIVATIONS = frozenset({"zero"})
 
 
 @lru_cache(maxsize=16384)
-def _activation_terms(w: Workload, key: Without, rank: int, kernels: str, norm: str | None) -> _ActivationTerms:
+def _activation_terms(w: Workload, key: Without, rank: int, kernels: str, norm: str | None,
+                      device: DeviceType) -> _ActivationTerms:
     """Activations, loss and activation-sized buffers of pipeline rank `rank` of the layout `key` stands
-    for: they do not depend on the ZeRO stage, so the search's four ZeRO variants of a layout share them."""
+    for: they do not depend on the ZeRO stage, so the search's four ZeRO variants of a layout share them.
+    `device`: the planned hardware's device type (the loss's form)."""
     lay: Layout = key.obj
     cfg, moe = w.cfg, w.moe_spec
     a = act_bytes(lay.precision)
@@ -568,16 +580,28 @@ def _activation_terms(w: Workload, key: Without, rank: int, kernels: str, norm: 
     sched = (lay.pp_schedule, lay.pp, m, lay.pp_virtual)
     in_flight = schedule_in_flight(*sched, lay.recipe.pp_all_warmup)[rank] if lay.pp > 1 else 1
     norm_kind = norm or lay.recipe.norm or ("fused" if kernels == "fused" else "eager")
-    layer_act = llama_layer_activation_bytes(cfg, tokens, seq_local, precision=lay.precision, tp=lay.tp,
-                                             sp=lay.sp, recompute=lay.recompute, moe=moe, norm=norm_kind,
-                                             swiglu="fused" if kernels == "fused" else "eager",
-                                             sp_inputs=lay.recipe.sp_inputs, qkv_saved=lay.recipe.qkv_saved,
-                                             cp_ulysses_degree=cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)[0])
+
+    def one_layer(i: int) -> LayerActivation:
+        return llama_layer_activation_bytes(cfg, tokens, seq_local, precision=lay.precision, tp=lay.tp,
+                                            sp=lay.sp, recompute=lay.recompute, layer=i, moe=moe, norm=norm_kind,
+                                            swiglu="fused" if kernels == "fused" else "eager",
+                                            sp_inputs=lay.recipe.sp_inputs, qkv_saved=lay.recipe.qkv_saved,
+                                            cp_ulysses_degree=cp_degrees(lay.cp, lay.cp_mode, lay.cp_ulysses)[0],
+                                            moe_tp=lay.recipe.moe_tp, ep=lay.ep)
+
+    # dense and MoE layers (first_dense_layers) keep different bytes: the mean over this rank's layers
+    # (exact when its chunks are equally in flight), the larger recompute working space
+    held = [i for r in rank_layers(per_chunk, lay.pp, lay.pp_virtual, rank) for i in r] or [0]
+    dense = sum(1 for i in held if moe is None or i < moe.first_dense_layers)
+    kinds = [(one_layer(0), dense)] if dense else []
+    if dense < len(held):
+        kinds.append((one_layer(held[-1]), len(held) - dense))
+    layer_act = LayerActivation(sum(k.saved * n for k, n in kinds) / len(held), max(k.working for k, _ in kinds))
     first, last = rank == 0, rank == lay.pp - 1
     extra_saved, extra_transient = stage_extras(cfg, tokens, first=first, last=last, precision=lay.precision,
                                                 tp=lay.tp, sp=lay.sp, cross_entropy=lay.recipe.cross_entropy,
                                                 loss_chunk_tokens=lay.recipe.loss_chunk_tokens,
-                                                sp_inputs=lay.recipe.sp_inputs)
+                                                sp_inputs=lay.recipe.sp_inputs, device=device)
     n_rank_layers = [per_chunk[c * lay.pp + rank] for c in range(lay.pp_virtual)]
     acts = _layers_in_flight(*sched, rank, tuple(n_rank_layers), in_flight, lay.recipe.pp_all_warmup)
     acts *= layer_act.saved
@@ -607,7 +631,7 @@ def memory_floor(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "eager",
     states = dense.total + expert.total
     if lay.zero == 3 and lay.recipe.param_shard == "fp32" and prec.master:  # FSDP2: the master is the parameter
         states -= dense.parameters + expert.parameters
-    acts = _activation_terms(w, Without(lay, _NOT_IN_ACTIVATIONS), 0, kernels, norm).activations
+    acts = _activation_terms(w, Without(lay, _NOT_IN_ACTIVATIONS), 0, kernels, norm, gpu.device_type).activations
     return RUNTIME_RESERVED + (states + acts) * (1 + FRAGMENTATION)
 
 
