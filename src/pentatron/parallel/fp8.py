@@ -61,8 +61,9 @@ def _quiet_import() -> None:
 
 
 _quiet_import()
-from torchao.float8.config import Float8LinearConfig, ScalingGranularity  # noqa: E402
+from torchao.float8.config import Float8LinearConfig, ScalingGranularity, ScalingType  # noqa: E402
 from torchao.float8.float8_training_tensor import (  # noqa: E402
+    Float8TrainingTensor,
     GemmInputRole,
     LinearMMConfig,
     ScaledMMConfig,
@@ -73,7 +74,9 @@ from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax  # noqa: E
 from pentatron.models.llama import MLP, Attention  # noqa: E402
 from pentatron.parallel.tensor import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 
-FP8_RECIPES = ("tensorwise", "rowwise")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp")
+# our name → torchao's Float8LinearRecipeName (rowwise_gw_hp: torchtitan's "rowwise_with_gw_hp")
+_TORCHAO_RECIPE = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise_gw_hp": "rowwise_with_gw_hp"}
 FP8_TARGETS = ("layers.*.attn.q_proj", "layers.*.attn.k_proj", "layers.*.attn.v_proj", "layers.*.attn.o_proj",
                "layers.*.mlp.gate_proj", "layers.*.mlp.up_proj", "layers.*.mlp.down_proj")
 FP8_ALIGN = 16  # torch._scaled_mm's (CUDA) rule for every GEMM dimension; kept on CPU so a config moves as is
@@ -113,8 +116,11 @@ class Fp8Gemm:
         return _Fp8Matmul.apply(x, weight, self)
 
     def cast(self, t: torch.Tensor, role: str) -> Any:
-        """`t` as a Float8TrainingTensor scaled for `role` (torchao's steps, the amax reduced over the split)."""
+        """`t` as a Float8TrainingTensor scaled for `role` (torchao's steps, the amax reduced over the split);
+        `t` itself where the recipe keeps that cast in high precision (ScalingType.DISABLED)."""
         cast = getattr(self.config, f"cast_config_{role}")
+        if cast.scaling_type is ScalingType.DISABLED:
+            return t
         rowwise = cast.scaling_granularity is ScalingGranularity.AXISWISE
         dim = _AXES[role][1] if rowwise else None
         amax = tensor_to_amax(t, scaling_granularity=cast.scaling_granularity, axiswise_dim=dim)
@@ -130,7 +136,11 @@ class Fp8Gemm:
 
 
 def _mm(a: Any, b: Any) -> torch.Tensor:
-    """a @ b of two Float8TrainingTensors: torch._scaled_mm (torchao's dispatch), or in float64 for fp64 runs."""
+    """a @ b of two Float8TrainingTensors: torch._scaled_mm (torchao's dispatch), or in float64 for fp64 runs;
+    of two plain tensors (a GEMM the recipe keeps in high precision: torchao's config forbids a mixed pair),
+    the plain GEMM in their dtype."""
+    if not isinstance(a, Float8TrainingTensor):
+        return a @ b
     if a._orig_dtype == torch.float64:
         return a.to_original_precision() @ b.to_original_precision()
     return torch.mm(a, b)
@@ -180,10 +190,11 @@ class Fp8Linear(nn.Module):
 
 
 def recipe_config(recipe: str) -> Float8LinearConfig:
-    """torchao's published recipe by name (tensorwise: torchtitan's default; rowwise: its rowwise recipe)."""
+    """torchao's published recipe by name (tensorwise: torchtitan's default; rowwise and rowwise_gw_hp: its
+    rowwise recipes, the latter with the weight-gradient GEMM in high precision)."""
     if recipe not in FP8_RECIPES:
-        raise ValueError(f"train.fp8 must be off, {' or '.join(FP8_RECIPES)}, got {recipe!r}")
-    return Float8LinearConfig.from_recipe_name(recipe)
+        raise ValueError(f"train.fp8 must be off, {', '.join(FP8_RECIPES)}, got {recipe!r}")
+    return Float8LinearConfig.from_recipe_name(_TORCHAO_RECIPE[recipe])
 
 
 def _mm_config(config: Float8LinearConfig) -> LinearMMConfig:
@@ -211,12 +222,13 @@ def fp8_targets(model: nn.Module, skip: Sequence[str] = ()) -> list[str]:
     return out
 
 
-def apply_fp8(model: nn.Module, recipe: str, comm: Comm | None = None, cp: int = 1,
+def apply_fp8(model: nn.Module, recipe: str | Float8LinearConfig, comm: Comm | None = None, cp: int = 1,
               skip: Sequence[str] = ()) -> list[str]:
     """Give the decoder's linear layers FP8 GEMMs (after tensor parallelism: a column- or row-parallel layer
     keeps its collectives and gets the FP8 GEMM inside). Parameters are untouched (same objects, names,
-    placements). Returns the converted module names."""
-    config = recipe_config(recipe)
+    placements). `recipe`: a train.fp8 name, or any torchao config (research ablations). Returns the converted
+    module names."""
+    config = recipe if isinstance(recipe, Float8LinearConfig) else recipe_config(recipe)
     mm_config = _mm_config(config)
     names = fp8_targets(model, skip)
     for name in names:
@@ -229,8 +241,10 @@ def apply_fp8(model: nn.Module, recipe: str, comm: Comm | None = None, cp: int =
         reduce = {}
         for role in _ROLES:
             axes, dim = _AXES[role]
-            rowwise = getattr(config, f"cast_config_{role}").scaling_granularity is ScalingGranularity.AXISWISE
-            spanned = [axes[dim]] if rowwise else list(axes)
+            cast = getattr(config, f"cast_config_{role}")
+            rowwise = cast.scaling_granularity is ScalingGranularity.AXISWISE
+            # a high-precision cast has no amax, so nothing to reduce
+            spanned = [] if cast.scaling_type is ScalingType.DISABLED else [axes[dim]] if rowwise else list(axes)
             reduce[role] = tuple(sorted({d for a in spanned for d in split[a]}))
         gemm = Fp8Gemm(config, mm_config, reduce, comm)
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
