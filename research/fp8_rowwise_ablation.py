@@ -121,9 +121,10 @@ DEFAULT = [v for v in VARIANTS if v not in ("rowwise", "tensorwise")]
 def grad_error(variants: list[str], seed: int, pre_steps: int, batches: int = 4) -> list[str]:
     """Each variant's quantisation error without a trajectory: the debug model in float64 (train.precision
     fp64's FP8 path: fp8 operands, GEMM in fp64), its loss and gradient on Markov-corpus batches against the
-    same model without FP8, after `pre_steps` fp64 AdamW steps. Returns table rows: the gradient's relative
-    error ‖g − g_ref‖ / ‖g_ref‖ and its component along g_ref (g·g_ref / ‖g_ref‖² − 1: a shrink or growth
-    of the step), means over the batches."""
+    same model without FP8, after `pre_steps` fp64 AdamW steps. Returns table rows, means over the batches:
+    the loss's error |Δ| and signed Δ (relative: a bias shows as signed ≈ |Δ|), the gradient's relative error
+    ‖g − g_ref‖ / ‖g_ref‖ and its component along g_ref (g·g_ref / ‖g_ref‖² − 1: a shrink or growth of the
+    step)."""
     import copy
 
     import torch
@@ -151,17 +152,41 @@ def grad_error(variants: list[str], seed: int, pre_steps: int, batches: int = 4)
 
     ref = grads(model)
     rows = [f"float64, debug model after {pre_steps} AdamW steps (seed {seed}), {batches} batches of 8×64",
-            "| variant | loss rel err | grad rel err | grad along ref − 1 |", "|---|---:|---:|---:|"]
+            "| variant | loss rel err | loss signed | grad rel err | grad along ref − 1 |", "|---|---:|---:|---:|---:|"]
     for v in variants:
         m = copy.deepcopy(model)
         apply_fp8(m, VARIANTS[v]())
         got = grads(m)
         n = len(held)
         loss_err = sum(abs(a - r) / r for (a, _), (r, _) in zip(got, ref)) / n
+        loss_signed = sum((a - r) / r for (a, _), (r, _) in zip(got, ref)) / n
         rel = sum(float((g - r).norm() / r.norm()) for (_, g), (_, r) in zip(got, ref)) / n
         along = sum(float(g @ r / (r @ r)) - 1 for (_, g), (_, r) in zip(got, ref)) / n
-        rows.append(f"| {v} | {loss_err:.2e} | {rel:.4f} | {along:+.4f} |")
+        rows.append(f"| {v} | {loss_err:.2e} | {loss_signed:+.2e} | {rel:.4f} | {along:+.4f} |")
         print(rows[-1], file=sys.stderr, flush=True)
+    return rows
+
+
+def summary(paths: list[Path]) -> list[str]:
+    """Per benchmark --json (one seed each): the split yardstick and each recipe's max / mean gap, and over the
+    seeds how often rowwise's gap exceeds tensorwise's (a paired comparison needs no yardstick)."""
+    rows = ["| curves | split max / mean | bound max / mean | tensorwise max / mean | rowwise max / mean "
+            "| verdicts tw / rw |", "|---|---:|---:|---:|---:|---|"]
+    worse, tw_sum, rw_sum = [0, 0], [0.0, 0.0], [0.0, 0.0]
+    for path in paths:
+        c = json.loads(path.read_text())["debug"]
+        split = fp8_loss.gaps(c["bf16 split"], c["bf16"])
+        bound = tuple(fp8_loss.FACTOR * x for x in split)
+        tw, rw = (fp8_loss.gaps(c[f"fp8 {r}"], c["bf16"]) for r in ("tensorwise", "rowwise"))
+        verdict = ["within" if g[0] <= bound[0] and g[1] <= bound[1] else "outside" for g in (tw, rw)]
+        worse = [w + (rw[i] > tw[i]) for i, w in enumerate(worse)]
+        tw_sum, rw_sum = [a + b for a, b in zip(tw_sum, tw)], [a + b for a, b in zip(rw_sum, rw)]
+        rows.append(f"| {path.stem} | {split[0]:.4f} / {split[1]:.4f} | {bound[0]:.4f} / {bound[1]:.4f} "
+                    f"| {tw[0]:.4f} / {tw[1]:.4f} | {rw[0]:.4f} / {rw[1]:.4f} | {' / '.join(verdict)} |")
+    n = len(paths)
+    rows.append(f"rowwise's gap above tensorwise's in {worse[0]} of {n} (max) and {worse[1]} of {n} (mean); "
+                f"over the seeds, max gap tensorwise {tw_sum[0] / n:.4f}, rowwise {rw_sum[0] / n:.4f}; mean gap "
+                f"tensorwise {tw_sum[1] / n:.4f}, rowwise {rw_sum[1] / n:.4f}")
     return rows
 
 
@@ -174,7 +199,7 @@ def check_emulation(keep: tuple[str, ...] = ("layers.1.attn.q_proj", "layers.1.m
     import torch
 
     from pentatron.lab.common import MarkovCorpus, debug_model, grad_vector, lm_loss
-    from pentatron.parallel.fp8 import apply_fp8, fp8_targets, recipe_config
+    from pentatron.parallel.fp8 import apply_fp8, fp8_targets
 
     base = debug_model(seed=0, dtype=torch.bfloat16)
     batch = MarkovCorpus(seed=0).batch(8, 64)
@@ -194,9 +219,9 @@ def check_emulation(keep: tuple[str, ...] = ("layers.1.attn.q_proj", "layers.1.m
     rows = [f"FP8 in {', '.join(keep)} of the bf16 debug model, one 8×64 batch: relative distance (norm)",
             "| recipe | logits: emulated vs _scaled_mm | logits: FP8 vs none | grad: emulated vs _scaled_mm "
             "| grad: FP8 vs none |", "|---|---:|---:|---:|---:|"]
-    for recipe in ("tensorwise", "rowwise", "rowwise_gw_hp"):
-        real = run(recipe_config(recipe))
-        emu = run(dataclasses.replace(recipe_config(recipe), emulate=True))
+    for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        config = _torchao(recipe)
+        real, emu = run(config), run(dataclasses.replace(config, emulate=True))
         rows.append(f"| {recipe} | {rel(emu[0], real[0]):.1e} | {rel(real[0], hp[0]):.1e} "
                     f"| {rel(emu[1], real[1]):.1e} | {rel(real[1], hp[1]):.1e} |")
     return rows
@@ -222,17 +247,23 @@ def main() -> None:
     p.add_argument("--grad-error", type=int, metavar="STEPS", help="instead: each variant's one-step gradient "
                    "error in float64 after STEPS fp64 steps (no training curves, no --baseline)")
     p.add_argument("--emulate", action="store_true", help="emulated FP8 GEMMs (benchmarks/fp8_loss.py --emulate)")
+    p.add_argument("--summary", type=Path, nargs="+", metavar="JSON", help="instead: tabulate benchmark "
+                   "--json files (one seed each)")
+    p.add_argument("--batches", type=int, default=4, help="--grad-error: batches averaged over")
     p.add_argument("--check-emulation", action="store_true", help="instead: torchao's emulated FP8 GEMM "
                    "against torch._scaled_mm (one layer in FP8, the reference kernel is slow)")
     p.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
     args, rest = p.parse_known_args()
     if args.child:
         sys.exit(child(args.child, args.emulate, rest))
+    if args.summary:
+        print("\n".join(summary(args.summary)))
+        return
     if args.check_emulation:
         print("\n".join(check_emulation()))
         return
     if args.grad_error is not None:
-        print("\n".join(grad_error(args.variants, args.seed, args.grad_error)))
+        print("\n".join(grad_error(args.variants, args.seed, args.grad_error, args.batches)))
         return
     if args.baseline is None:
         p.error("--baseline is required")

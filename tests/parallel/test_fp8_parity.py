@@ -60,10 +60,12 @@ def _ranks(rank: int, world: int, dataset_dir: Path, log_dir: str) -> dict[tuple
     return {key: _train(_fp8_config(world, key[0], extra, log_dir), dataset_dir) for key, extra in CASES.items()}
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_one_process_fp8_linear_is_torchaos_float8_linear(recipe):
-    """Our autograd Function with nothing to reduce is torchao's Float8Linear: bitwise, forward and backward."""
-    from torchao.float8 import convert_to_float8_training
+    """Our autograd Function with nothing to reduce is torchao's Float8Linear: bitwise, forward and backward.
+    rowwise_with_gw_hp is no train.fp8 value: torchao's config given to apply_fp8 as is (the research ablations'
+    way), for its casts in high precision (grad_weight's two operands) and its tensorwise weight_for_grad_input."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     from pentatron.models.llama import build_model
     from pentatron.models.registry import get_model_config
@@ -73,9 +75,10 @@ def test_one_process_fp8_linear_is_torchaos_float8_linear(recipe):
     cfg = get_model_config("debug")
     ours = build_model(cfg, seed=0)
     theirs = copy.deepcopy(ours)
-    names = apply_fp8(ours, recipe)
+    config = recipe_config(recipe) if recipe != "rowwise_with_gw_hp" else Float8LinearConfig.from_recipe_name(recipe)
+    names = apply_fp8(ours, config if recipe == "rowwise_with_gw_hp" else recipe)
     assert len(names) == 7 * cfg.n_layers and all(isinstance(ours.get_submodule(n), Fp8Linear) for n in names)
-    convert_to_float8_training(theirs, config=recipe_config(recipe), module_filter_fn=lambda _, fqn: fqn in names)
+    convert_to_float8_training(theirs, config=config, module_filter_fn=lambda _, fqn: fqn in names)
     numerics = LayerNumerics(ours)
     numerics.begin(active=True)
     tokens = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))

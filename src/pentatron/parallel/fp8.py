@@ -74,9 +74,7 @@ from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax  # noqa: E
 from pentatron.models.llama import MLP, Attention  # noqa: E402
 from pentatron.parallel.tensor import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp")
-# our name → torchao's Float8LinearRecipeName (rowwise_gw_hp: torchtitan's "rowwise_with_gw_hp")
-_TORCHAO_RECIPE = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise_gw_hp": "rowwise_with_gw_hp"}
+FP8_RECIPES = ("tensorwise", "rowwise")
 FP8_TARGETS = ("layers.*.attn.q_proj", "layers.*.attn.k_proj", "layers.*.attn.v_proj", "layers.*.attn.o_proj",
                "layers.*.mlp.gate_proj", "layers.*.mlp.up_proj", "layers.*.mlp.down_proj")
 FP8_ALIGN = 16  # torch._scaled_mm's (CUDA) rule for every GEMM dimension; kept on CPU so a config moves as is
@@ -190,11 +188,10 @@ class Fp8Linear(nn.Module):
 
 
 def recipe_config(recipe: str) -> Float8LinearConfig:
-    """torchao's published recipe by name (tensorwise: torchtitan's default; rowwise and rowwise_gw_hp: its
-    rowwise recipes, the latter with the weight-gradient GEMM in high precision)."""
+    """torchao's published recipe by name (tensorwise: torchtitan's default; rowwise: its rowwise recipe)."""
     if recipe not in FP8_RECIPES:
-        raise ValueError(f"train.fp8 must be off, {', '.join(FP8_RECIPES)}, got {recipe!r}")
-    return Float8LinearConfig.from_recipe_name(_TORCHAO_RECIPE[recipe])
+        raise ValueError(f"train.fp8 must be off, {' or '.join(FP8_RECIPES)}, got {recipe!r}")
+    return Float8LinearConfig.from_recipe_name(recipe)
 
 
 def _mm_config(config: Float8LinearConfig) -> LinearMMConfig:
