@@ -21,7 +21,8 @@ vocab-sharded logits with three all-reduces of b·s numbers, never materialising
 
 Some replicated parameters get a gradient that is partial per rank: the norm weights under SP (each
 rank saw only its sequence slice) and Qwen3's q/k norm weights (SP or not: each rank normalised its own
-heads with the shared gain). They are not hooked: the plan lists them (`partial`, copied into each
+heads with the shared gain); under SP `parallel/moe_tokens.py` adds the MoE layers' parameters (each tp
+rank routed its sequence shard). They are not hooked: the plan lists them (`partial`, copied into each
 one's `Placement.tp_partial`) and the step runner sums them over tp once per step, after the
 data-parallel reduction and before the gradient norm — the owned pieces of all of them concatenated
 into ONE all-reduce (`sum_partial_grads`; Megatron-Core's deferred layernorm all-reduce in
