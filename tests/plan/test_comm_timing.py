@@ -8,9 +8,11 @@ from pentatron.distributed.comm import ring_bytes
 from pentatron.hardware.catalogue import get_gpu, with_profile
 from pentatron.models.registry import get_model_config
 from pentatron.plan.comm import (
+    LAYERS_WHERE,
     LOSS_WHERE,
     MOE_SP_WHERE,
     NORM_GRADS_WHERE,
+    SP_LAYERS_WHERE,
     STEP_SCALARS_WHERE,
     bus_bandwidth,
     bytes_by_dim,
@@ -207,7 +209,7 @@ def test_moe_gradients_under_sp_join_the_one_partial_sum_per_step():
     it joins the norms' one all-reduce per step (parallel/moe_tokens.py), of the fp32 pieces this rank owns
     (dense: 1/(dp×cp) under ZeRO; experts: this ep rank's E/ep, 1/edp under ZeRO), not one per parameter and
     micro-batch. Per micro-batch only the router's E counts are summed (fp32). debug-moe: h 128, E 8, expert
-    ffn 64, one shared expert of 64, layer 0 dense."""
+    ffn 64, one shared expert of 64, layer 0 dense (tests/observe/test_report.py meets the ledger with it)."""
     w = Workload(get_model_config("debug-moe"), 32, 16)
     h, moe_layers, layers = 128, 3, 4
     dense = (2 * layers + 1) * h + moe_layers * (8 * h + 3 * h * 64)  # norms; routers, shared experts
@@ -223,6 +225,11 @@ def test_moe_gradients_under_sp_join_the_one_partial_sum_per_step():
         assert {c[3] for c in tp} == {NORM_GRADS_WHERE, MOE_SP_WHERE, LOSS_WHERE, STEP_SCALARS_WHERE}, tp
         off = step_collectives(w, lay.with_(sp=False), H100, 1e6, experts / lay.ep, layers, moe_layers, True, True)
         assert not [c for c in off if c.where == NORM_GRADS_WHERE]  # without SP each rank routes all tokens
+        # the MoE block runs outside the tp regions: an MoE layer's attention's collectives only (1 each way),
+        # the dense layer's 2, the embedding's and the head's: 12 all-gathers (SP) or all-reduces per micro-batch
+        per_mb = {(c.op, c.where): c.count / m for c in [*colls, *off] if c.dim == "tp"}
+        assert per_mb[("all_gather", SP_LAYERS_WHERE)] == per_mb[("reduce_scatter", SP_LAYERS_WHERE)] == 12
+        assert per_mb[("all_reduce", LAYERS_WHERE)] == 12
 
 
 def test_hsdp_shards_over_a_node_and_all_reduces_one_shard_across_nodes():

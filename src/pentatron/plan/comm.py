@@ -187,7 +187,10 @@ def layer_comm(w: Workload, lay: Layout, gpu: GPUSpec, layer_is_moe: bool) -> La
         tp_one = ag + rs
     else:  # the f/g operators: one all-reduce after attention and one after the MLP
         tp_one = collective_time(gpu, "all_reduce", act, tp_g)
-    tp_fwd = 2 * tp_one if lay.tp > 1 else 0.0
+    # ours runs an MoE layer's MoE block outside the tp regions (whole on every tp rank; under SP on its
+    # sequence shard, parallel/moe_tokens.py): only the attention's collective each way
+    blocks = 1 if layer_is_moe and lay.recipe.moe_tp == "replicated" else 2
+    tp_fwd = blocks * tp_one if lay.tp > 1 else 0.0
     ep_fwd = ep_bwd = 0.0
     moe: MoESpec | None = w.moe_spec
     if layer_is_moe and moe is not None and lay.ep > 1:
@@ -219,8 +222,9 @@ def partial_grad_bytes(w: Workload, lay: Layout, layers: int, moe_layers: int, l
     """The gradients a rank sums over tp once per step, in ONE all-reduce after the data-parallel reduction
     (parallel/step_runner.py `sum_partial_grads`): replicated weights whose gradient each tp rank computed
     from its share of the work. Under SP every norm (2 per layer, the final norm on the last stage; each
-    rank's gradient covers its sequence shard) and every parameter of its `moe_layers` (router, this ep
-    rank's experts, shared experts: each rank routed its sequence shard); with Qwen3's q/k norms the two
+    rank's gradient covers its sequence shard) and, with ours MoE layers replicated over tp
+    (`Recipe.moe_tp`), every parameter of its `moe_layers` (router, this ep rank's experts, shared experts:
+    each rank routed its sequence shard); with Qwen3's q/k norms the two
     head_dim gains per layer (each rank's covers its heads), SP or not. The gradient buffer's dtype, and
     under ZeRO >= 1 only the pieces this rank owns: 1/(dp×cp) of the dense ones on average, 1/edp of the
     experts (their engine shards over the expert-data group)."""
@@ -230,7 +234,7 @@ def partial_grad_bytes(w: Workload, lay: Layout, layers: int, moe_layers: int, l
     dense = experts = 0.0
     if lay.sp:
         dense = (2 * layers + (1 if last else 0)) * cfg.hidden_size
-        if moe is not None and moe_layers:
+        if moe is not None and moe_layers and lay.recipe.moe_tp == "replicated":  # others shard experts over tp
             h = cfg.hidden_size
             shared = 3 * h * moe.shared_ffn * moe.n_shared_experts
             dense += moe_layers * (moe.num_experts * h + shared)
@@ -352,8 +356,11 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
         g = group_of(lay, "tp", gpu)
         # all-reduces per micro-batch without SP: 2 per layer forward and 2 backward (and the forward's
         # again under full recompute), the embedding's forward and the LM head input's backward; SP
-        # turns each into an all-gather and a reduce-scatter (one forward, the other backward)
-        per_mb = (2 + 2 + 2 * recompute_fwd) * layers_on_rank + (1 if first else 0) + (1 if last else 0)
+        # turns each into an all-gather and a reduce-scatter (one forward, the other backward). Ours runs
+        # an MoE layer's MoE block outside the tp regions: its attention's half of them only.
+        outside = moe_layers_on_rank if lay.recipe.moe_tp == "replicated" else 0
+        per_mb = ((2 + 2 + 2 * recompute_fwd) * layers_on_rank - (1 + 1 + recompute_fwd) * outside
+                  + (1 if first else 0) + (1 if last else 0))
         if lay.sp:
             out.append(_coll(gpu, g, "all_gather", act, m * per_mb, Traffic.SP_LAYERS))
             if lay.recipe.sp_inputs == "sharded":
@@ -459,6 +466,7 @@ def step_scalars(lay: Layout, gpu: GPUSpec, moe_layers: int = 0, n_experts: int 
 TIED_WHERE = Traffic.TIED.value
 SP_REGATHER_WHERE = Traffic.SP_REGATHER.value
 SP_LAYERS_WHERE = Traffic.SP_LAYERS.value
+LAYERS_WHERE = Traffic.LAYERS.value
 NORM_GRADS_WHERE = Traffic.NORM_GRADS.value
 MOE_SP_WHERE = Traffic.MOE_SP.value
 
