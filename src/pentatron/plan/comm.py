@@ -222,12 +222,12 @@ def partial_grad_bytes(w: Workload, lay: Layout, layers: int, moe_layers: int, l
     """The gradients a rank sums over tp once per step, in ONE all-reduce after the data-parallel reduction
     (parallel/step_runner.py `sum_partial_grads`): replicated weights whose gradient each tp rank computed
     from its share of the work. Under SP every norm (2 per layer, the final norm on the last stage; each
-    rank's gradient covers its sequence shard) and, with ours MoE layers replicated over tp
+    rank's gradient covers its sequence shard) and, our MoE layers being replicated over tp
     (`Recipe.moe_tp`), every parameter of its `moe_layers` (router, this ep rank's experts, shared experts:
-    each rank routed its sequence shard); with Qwen3's q/k norms the two
-    head_dim gains per layer (each rank's covers its heads), SP or not. The gradient buffer's dtype, and
-    under ZeRO >= 1 only the pieces this rank owns: 1/(dp×cp) of the dense ones on average, 1/edp of the
-    experts (their engine shards over the expert-data group)."""
+    each rank routed its sequence shard); with Qwen3's q/k norms the two head_dim gains per layer (each
+    rank's covers its heads), SP or not. The gradient buffer's dtype, and under ZeRO >= 1 only the pieces
+    this rank owns: 1/(dp×cp) of the dense ones on average, 1/edp of the experts (their engine shards over
+    the expert-data group)."""
     if lay.tp == 1:
         return 0.0
     cfg, moe = w.cfg, w.moe_spec
