@@ -209,7 +209,8 @@ def test_moe_gradients_under_sp_join_the_one_partial_sum_per_step():
     it joins the norms' one all-reduce per step (parallel/moe_tokens.py), of the fp32 pieces this rank owns
     (dense: 1/(dp×cp) under ZeRO; experts: this ep rank's E/ep, 1/edp under ZeRO), not one per parameter and
     micro-batch. Per micro-batch only the router's E counts are summed (fp32). debug-moe: h 128, E 8, expert
-    ffn 64, one shared expert of 64, layer 0 dense (tests/observe/test_report.py meets the ledger with it)."""
+    ffn 64, one shared expert of 64, layer 0 dense (tests/observe/test_report.py meets the ledger with it).
+    A larger model's go in several all-reduces of at most a DP bucket (the runtime's concatenation buffer)."""
     w = Workload(get_model_config("debug-moe"), 32, 16)
     h, moe_layers, layers = 128, 3, 4
     dense = (2 * layers + 1) * h + moe_layers * (8 * h + 3 * h * 64)  # norms; routers, shared experts
@@ -231,6 +232,14 @@ def test_moe_gradients_under_sp_join_the_one_partial_sum_per_step():
         assert per_mb[("all_gather", SP_LAYERS_WHERE)] == per_mb[("reduce_scatter", SP_LAYERS_WHERE)] == 12
         assert per_mb[("all_reduce", LAYERS_WHERE)] == 12
 
+    from pentatron.parallel.tensor import PARTIAL_CHUNK_BYTES
+    from pentatron.plan.memory import DP_BUCKET
+
+    assert PARTIAL_CHUNK_BYTES == DP_BUCKET
+    big = Workload(get_model_config("qwen3-moe-30b-a3b"), 4096, 64)
+    lay = Layout(dp=8, tp=2, sp=True, ep=8, zero=1)
+    (c,) = [c for c in step_time(big, lay, H100).collectives if c.where == NORM_GRADS_WHERE]
+    assert c.count > 1 and c.payload <= DP_BUCKET and c.count == -(-c.payload * c.count // DP_BUCKET)
 
 def test_hsdp_shards_over_a_node_and_all_reduces_one_shard_across_nodes():
     """dp16 = 2 replicas × 8-rank shard groups (ZeRO-3): the model states of dp8 ZeRO-3 (sharded 8 ways), the

@@ -16,9 +16,10 @@ mean what they mean on one process:
   the full one is their sum over tp. They are marked `Placement.tp_partial`, as the sequence-parallel
   norms are, and the step runner sums them over tp once per step, after the data-parallel reduction:
   this rank's owned pieces (its ZeRO pieces under ZeRO, the expert engine's over edp under ep) of all of
-  them in ONE all-reduce with the norms' (`tensor.sum_partial_grads`). A gradient hook per parameter did
-  it after every micro-batch's backward: the whole tensors, m times per step. The routing losses' own
-  gradient is summed too, so each tp rank's router carries 1/tp of it (`Router.loss_share`).
+  them in ONE all-reduce with the norms' (per 25 MiB concatenated: `tensor.sum_partial_grads`). A
+  gradient hook per parameter did it after every micro-batch's backward: the whole tensors, m times per
+  step. The routing losses' own gradient is summed too, so each tp rank's router carries 1/tp of it
+  (`Router.loss_share`).
 
 Why replicate rather than shard the experts over tp: an expert's rows are few and uneven, so splitting
 its ffn over tp would add an all-reduce of every routed token per layer and leave each rank a thin GEMM;

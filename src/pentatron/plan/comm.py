@@ -13,6 +13,7 @@ typed `Traffic` kind that the time model dispatches on.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -31,7 +32,7 @@ from pentatron.plan.context import (
 )
 from pentatron.plan.flops import MoESpec
 from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, nodes_spanned
-from pentatron.plan.memory import act_bytes
+from pentatron.plan.memory import DP_BUCKET, act_bytes
 
 __all__ = ["Collective", "Group", "LayerComm", "Traffic", "collective_time", "dp_in_step_time", "group_of",
            "layer_comm", "p2p_time", "pp_hop_time", "scalar_time", "step_collectives", "wire_bytes"]
@@ -369,8 +370,10 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
         else:
             out.append(_coll(gpu, g, "all_reduce", act, m * per_mb, Traffic.LAYERS))
         partial = partial_grad_bytes(w, lay, layers_on_rank, moe_layers_on_rank, last)
-        if partial:  # once per step, after the dp reduction: exposed before the optimizer
-            out.append(_coll(gpu, g, "all_reduce", partial, 1, Traffic.NORM_GRADS))
+        if partial:  # once per step, after the dp reduction: exposed before the optimizer; in buffers of at
+            # most a DP bucket (tensor.PARTIAL_CHUNK_BYTES: the MoE layers' can be many)
+            calls = math.ceil(partial / DP_BUCKET)
+            out.append(_coll(gpu, g, "all_reduce", partial / calls, calls, Traffic.NORM_GRADS))
         if last and lay.recipe.cross_entropy != "fused":
             loss = loss_all_reduces(tokens, lay.recipe.cross_entropy)
             out.append(_coll(gpu, g, "all_reduce", sum(loss) / len(loss), m * len(loss), Traffic.LOSS))
