@@ -1,5 +1,5 @@
 """The run report on real debug runs (1 process, dp2, tp2 and pp2 with the profiler, tp2 with SP, cp2, MoE
-with ep2): its communication bytes are the ledger's, the planner predicts them byte for byte (the MoE
+with ep2 and with tp2 + SP): its communication bytes are the ledger's, the planner predicts them byte for byte (the MoE
 all-to-alls within 10 %: tokens go where they are routed), and the predicted-vs-measured table is there."""
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ def _train(rank: int, world: int, run_dir: str, dataset: str, extra: list[str]) 
     (2, ["parallel.pp=2", "log.profile='2:3'"]),
     (2, ["parallel.cp=2"]),
     (2, ["model.name='debug-moe'", "parallel.dp=2", "parallel.ep=2"]),
-], ids=["1proc", "dp2", "tp2", "tp2sp", "pp2", "cp2", "moe-ep2"])
+    # each tp rank routes its sequence shard: per micro-batch the router counts and the attention's
+    # collectives of an MoE layer, once per step its gradients' tp sum with the norms'
+    (2, ["model.name='debug-moe'", "parallel.tp=2", "parallel.sp=true"]),
+], ids=["1proc", "dp2", "tp2", "tp2sp", "pp2", "cp2", "moe-ep2", "moe-tp2sp"])
 def test_report_matches_the_ledger(tmp_path: Path, default_dataset, world: int, extra: list[str]):
     run_dir = tmp_path / "run"
     if world == 1:

@@ -27,6 +27,7 @@ from pentatron.parallel.tensor import (
     RowParallelLinear,
     VocabParallelEmbedding,
     apply_tensor_parallel,
+    sum_partial_grads,
     sum_partial_param_grads,
     vocab_parallel_cross_entropy,
 )
@@ -195,12 +196,29 @@ def _measure_layer(model: torch.nn.Module, cfg: Any, local_s: int, dtype: torch.
     return meter.bytes
 
 
+def _partial_sums(ctx: ParallelContext) -> dict[str, Any]:
+    """`sum_partial_grads` with a 2,000-byte buffer over float64 tensors of 10, 300, 20 and a transposed
+    (non-contiguous) 4×5: [10] concatenated, [300] alone in place, [20, 4×5] concatenated: 3 all-reduces,
+    each tensor the exact sum of both ranks' (a + b in float64)."""
+    shapes = [(10,), (300,), (20,), (5, 4)]
+
+    def tensors(rank: int) -> list[torch.Tensor]:
+        out = [_randn(*s, seed=40 + 10 * rank + i, dtype=torch.float64) for i, s in enumerate(shapes)]
+        out[-1] = out[-1].t()
+        return out
+
+    mine = tensors(ctx.local_rank("tp"))
+    ledger = _ledger_of(ctx, lambda: sum_partial_grads(mine, ctx.comm, chunk_bytes=2000))
+    exact = all(torch.equal(g, a + b) for g, a, b in zip(mine, tensors(0), tensors(1), strict=True))
+    return {"calls": ledger["all_reduce"]["calls"], "payload": ledger["all_reduce"]["payload"], "exact": exact}
+
+
 def _tp2_suite(rank: int, world_size: int) -> dict[str, Any]:
     ctx = ParallelContext.from_layout(ParallelLayout(tp=world_size), "cpu")
     errors = {**_layer_checks(ctx, sp=False), **_layer_checks(ctx, sp=True), **_operator_checks(ctx)}
     comm = {sp: _block_comm(ctx, sp) for sp in (False, True)}
     memory = {sp: _activation_bytes(ctx, sp) for sp in (False, True)}
-    return {"errors": errors, "comm": comm, "memory": memory}
+    return {"errors": errors, "comm": comm, "memory": memory, "partial": _partial_sums(ctx)}
 
 
 @pytest.fixture(scope="module")
@@ -256,6 +274,13 @@ def test_sp_layer_moves_the_same_volume_as_gathers_and_scatters(tp2):
         for tp_l, sp_l in ((tp_fwd, fwd), (tp_bwd, bwd)):
             sp_bytes = sp_l["all_gather"]["bytes"] + sp_l["reduce_scatter"]["bytes"]
             assert sp_bytes == tp_l["all_reduce"]["bytes"]
+
+
+def test_partial_gradients_are_summed_in_bounded_buffers(tp2):
+    """The step's tp sum of partial gradients (the MoE layers' under SP can be large) concatenates at most
+    `chunk_bytes` at a time; a larger tensor goes alone, in place; the sums are exact."""
+    for res in tp2:
+        assert res["partial"] == {"calls": 3, "payload": (10 + 300 + 20 + 20) * 8, "exact": True}
 
 
 def test_whole_model_step_ledger_is_exact(tp2):

@@ -8,7 +8,12 @@ from pentatron.distributed.comm import ring_bytes
 from pentatron.hardware.catalogue import get_gpu, with_profile
 from pentatron.models.registry import get_model_config
 from pentatron.plan.comm import (
+    LAYERS_WHERE,
+    LOSS_WHERE,
+    MOE_SP_WHERE,
     NORM_GRADS_WHERE,
+    SP_LAYERS_WHERE,
+    STEP_SCALARS_WHERE,
     bus_bandwidth,
     bytes_by_dim,
     collective_time,
@@ -198,6 +203,43 @@ def test_tensor_parallel_collectives_per_micro_batch():
     assert counts[(True, "all_reduce", norms)] == (1, (2 * 4 + 1) * 4096 * 4)
     assert (False, "all_reduce", norms) not in counts  # no q/k norms: nothing partial without SP
 
+
+def test_moe_gradients_under_sp_join_the_one_partial_sum_per_step():
+    """Under SP each tp rank routes its sequence shard, so every MoE parameter's gradient is partial over tp:
+    it joins the norms' one all-reduce per step (parallel/moe_tokens.py), of the fp32 pieces this rank owns
+    (dense: 1/(dp×cp) under ZeRO; experts: this ep rank's E/ep, 1/edp under ZeRO), not one per parameter and
+    micro-batch. Per micro-batch only the router's E counts are summed (fp32). debug-moe: h 128, E 8, expert
+    ffn 64, one shared expert of 64, layer 0 dense (tests/observe/test_report.py meets the ledger with it).
+    A larger model's go in several all-reduces of at most a DP bucket (the runtime's concatenation buffer)."""
+    w = Workload(get_model_config("debug-moe"), 32, 16)
+    h, moe_layers, layers = 128, 3, 4
+    dense = (2 * layers + 1) * h + moe_layers * (8 * h + 3 * h * 64)  # norms; routers, shared experts
+    experts = moe_layers * 3 * h * 64 * 8
+    for lay, owned in ((Layout(dp=1, tp=2, sp=True, micro_batch=2), dense + experts),
+                       (Layout(dp=4, tp=2, sp=True, ep=2, zero=1, micro_batch=2), dense / 4 + experts / 2 / 2)):
+        m = lay.microbatches(w)
+        colls = step_collectives(w, lay, H100, 1e6, experts / lay.ep, layers, moe_layers, first=True, last=True)
+        tp = [(c.op, c.count, c.payload, c.where) for c in colls if c.dim == "tp" and c.op == "all_reduce"]
+        assert (("all_reduce", 1, owned * 4, NORM_GRADS_WHERE)) in tp, tp
+        assert ("all_reduce", m * moe_layers, 4 * 8, MOE_SP_WHERE) in tp, tp
+        # nothing else: the loss's and the step's scalars (no gradient all-reduce per parameter and micro-batch)
+        assert {c[3] for c in tp} == {NORM_GRADS_WHERE, MOE_SP_WHERE, LOSS_WHERE, STEP_SCALARS_WHERE}, tp
+        off = step_collectives(w, lay.with_(sp=False), H100, 1e6, experts / lay.ep, layers, moe_layers, True, True)
+        assert not [c for c in off if c.where == NORM_GRADS_WHERE]  # without SP each rank routes all tokens
+        # the MoE block runs outside the tp regions: an MoE layer's attention's collectives only (1 each way),
+        # the dense layer's 2, the embedding's and the head's: 12 all-gathers (SP) or all-reduces per micro-batch
+        per_mb = {(c.op, c.where): c.count / m for c in [*colls, *off] if c.dim == "tp"}
+        assert per_mb[("all_gather", SP_LAYERS_WHERE)] == per_mb[("reduce_scatter", SP_LAYERS_WHERE)] == 12
+        assert per_mb[("all_reduce", LAYERS_WHERE)] == 12
+
+    from pentatron.parallel.tensor import PARTIAL_CHUNK_BYTES
+    from pentatron.plan.memory import DP_BUCKET
+
+    assert PARTIAL_CHUNK_BYTES == DP_BUCKET
+    big = Workload(get_model_config("qwen3-moe-30b-a3b"), 4096, 64)
+    lay = Layout(dp=8, tp=2, sp=True, ep=8, zero=1)
+    (c,) = [c for c in step_time(big, lay, H100).collectives if c.where == NORM_GRADS_WHERE]
+    assert c.count > 1 and c.payload <= DP_BUCKET and c.count == -(-c.payload * c.count // DP_BUCKET)
 
 def test_hsdp_shards_over_a_node_and_all_reduces_one_shard_across_nodes():
     """dp16 = 2 replicas × 8-rank shard groups (ZeRO-3): the model states of dp8 ZeRO-3 (sharded 8 ways), the

@@ -9,8 +9,8 @@ The step runner (`parallel/step_runner.py`) drives any stage the same way:
         engine.after_backward(chunk)
     engine.finish_grad_sync()            # wait for the reductions still in flight; average over dp
     engine.sync_tied_grads()             # a tied weight held by two pipeline ranks: sum the two copies
-    (runner.sum_partial_grads())         # the owned pieces of tp-partial gradients (SP / q/k norms): one
-                                         # all-reduce over tp (parallel/tensor.py sum_partial_grads)
+    (runner.sum_partial_grads())         # the owned pieces of tp-partial gradients (SP norms and MoE
+                                         # layers, q/k norms): one all-reduce over tp (tensor.sum_partial_grads)
     norm = engine.clip_grads(max_norm)   # global norm of the full gradient, whatever is sharded
     optimizer.step(lr)                   # an AdamW over `engine.slots`: the elements this rank owns
     engine.after_optimizer_step()        # ZeRO-1/2: all-gather the updated parameter shards

@@ -13,16 +13,19 @@ mean what they mean on one process:
   means of equal shares: nothing more to do. Under sp the MoE layer's parameters (router, experts, shared
   experts) are replicated over tp — each tp rank runs its own tokens through the same (or, under ep,
   the same slice of) experts, no compute repeated — so each rank's gradient covers its tokens only and
-  the full one is their sum over tp: a gradient hook all-reduces it over tp before it is accumulated
-  (the sequence-parallel norms are summed once per step instead, `tensor.sum_partial_grads`; these
-  hooks could join that sum too). The routing losses' own gradient is then summed too, so each tp
-  rank's router carries 1/tp of it (`Router.loss_share`).
+  the full one is their sum over tp. They are marked `Placement.tp_partial`, as the sequence-parallel
+  norms are, and the step runner sums them over tp once per step, after the data-parallel reduction:
+  this rank's owned pieces (its ZeRO pieces under ZeRO, the expert engine's over edp under ep) of all of
+  them in ONE all-reduce with the norms' (per 25 MiB concatenated: `tensor.sum_partial_grads`). A
+  gradient hook per parameter did it after every micro-batch's backward: the whole tensors, m times per
+  step. The routing losses' own gradient is summed too, so each tp rank's router carries 1/tp of it
+  (`Router.loss_share`).
 
 Why replicate rather than shard the experts over tp: an expert's rows are few and uneven, so splitting
 its ffn over tp would add an all-reduce of every routed token per layer and leave each rank a thin GEMM;
 with experts whole, tp under sp acts for the MoE layer like data parallelism over tokens (Megatron-Core's
 expert tensor parallelism of 1). Its cost is the replicated memory (expert parallelism divides it) and
-one all-reduce over tp of the layer's gradients per micro-batch backward.
+the once-per-step tp sum of the owned pieces of the layer's gradients.
 
 The layer's load statistics (`finish_step`) are summed over tp too under sp (the step runner's reduce),
 so the aux-free biases and the metrics are the micro-batch's on every rank.
@@ -30,6 +33,7 @@ so the aux-free biases and the metrics are the micro-batch's on every rank.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -60,15 +64,17 @@ def token_positions(comm: Comm, layout: ParallelLayout) -> torch.Tensor:
     return held[r * piece: (r + 1) * piece]
 
 
-def apply_moe_token_shards(model: nn.Module, comm: Comm, layout: ParallelLayout) -> None:
+def apply_moe_token_shards(model: nn.Module, comm: Comm, layout: ParallelLayout) -> frozenset[str]:
     """Set the hooks above on every MoE layer of `model` (a whole model or a pipeline stage). Call after
-    expert parallelism (its expert weights are new parameters) and before `tensor.register_grad_hooks`,
-    which registers the tp gradient sums this queues on a tensor-parallel model."""
+    expert parallelism (its expert weights are new parameters). Returns the names of the parameters whose
+    gradient is partial over tp (every MoE parameter under sp; none otherwise), for their placements'
+    `tp_partial`; a tensor-parallel model's plan lists them too (`tensor.sum_partial_param_grads`)."""
     dims = sharing_dims(layout)
     layers = moe_layers(model)
     if not dims or not layers:
-        return
+        return frozenset()
     positions = None
+    partial: list[nn.Parameter] = []
     for layer in layers.values():
         layer.router.count_sequences = _sum_over(dims, comm)
         if layer.cfg.capacity_factor is not None:
@@ -78,7 +84,13 @@ def apply_moe_token_shards(model: nn.Module, comm: Comm, layout: ParallelLayout)
                                                       layer.cfg.n_experts, dims)
         if TP in dims:
             layer.router.loss_share = 1.0 / layout.tp
-            model._tensor_parallel_grad_hooks += [(p, _sum_grad_over_tp(comm)) for p in layer.parameters()]
+            partial += layer.parameters()
+    ids = {id(p) for p in partial}
+    names = frozenset(n for n, p in model.named_parameters() if id(p) in ids)
+    plan = getattr(model, "tensor_parallel", None)
+    if plan is not None:
+        model.tensor_parallel = replace(plan, partial=plan.partial | names)
+    return names
 
 
 def _sum_over(dims: tuple[str, ...], comm: Comm) -> Any:
@@ -90,11 +102,3 @@ def _sum_over(dims: tuple[str, ...], comm: Comm) -> Any:
 
     return total
 
-
-def _sum_grad_over_tp(comm: Comm) -> Any:
-    def hook(g: torch.Tensor) -> torch.Tensor:
-        g = g.contiguous().clone()
-        comm.all_reduce(g, TP)
-        return g
-
-    return hook

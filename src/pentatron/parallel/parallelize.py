@@ -135,7 +135,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
     module = LocalStages(stages) if stages else model  # collected after TP replaced embedding and head
     ep_shards = apply_expert_parallel(module, ctx)
     for part in stages or [model]:  # MoE layers on a share of the micro-batch (cp, sp): after ep's new weights
-        apply_moe_token_shards(part, ctx.comm, layout)
+        tp_partial.update(apply_moe_token_shards(part, ctx.comm, layout))  # under sp, every MoE parameter
     placements = _placements(module, stages, tp_shards, layout)
     for name in tp_partial:
         placements[name].tp_partial = True

@@ -8,9 +8,10 @@ tensors or flags on engines:
   norm counts);
 - tensor parallelism: the axis it is split along, this rank's shard index and the number of distinct
   shards (a kv head replicated on tp/n_kv ranks: fewer shards than ranks); and, for a replicated weight
-  whose gradient each tp rank computes from its share of the work only (the norms under sequence
-  parallelism, Qwen3's q/k norm gains), that its gradient is partial over tp (`tp_partial`): summed over
-  tp once per step, after the data-parallel reduction (`tensor.sum_partial_grads`);
+  whose gradient each tp rank computes from its share of the work only (the norms and the MoE layers'
+  parameters under sequence parallelism, Qwen3's q/k norm gains), that its gradient is partial over tp
+  (`tp_partial`): summed over tp once per step, after the data-parallel reduction
+  (`tensor.sum_partial_grads`);
 - expert parallelism: for an MoE layer's stacked expert weights, which slice of the experts (dim 0)
   this ep rank holds; their gradients are then reduced over the expert-data group ("edp") only;
 - data parallelism / ZeRO: the mesh dimensions its gradient is averaged over and, when sharded, the

@@ -144,9 +144,9 @@ class StepRunner:
         return loss / (self.layout.dp * self.layout.cp)
 
     def sum_partial_grads(self) -> None:
-        """Sum the reduced gradients of the `Placement.tp_partial` parameters (the norms under SP, Qwen3's
-        q/k norms) over tp: this rank's owned pieces of all of them in one all-reduce, once per step, before
-        the gradient norm (which counts each of them 1/tp per tp rank)."""
+        """Sum the reduced gradients of the `Placement.tp_partial` parameters (the norms and MoE layers under
+        SP, Qwen3's q/k norms) over tp: this rank's owned pieces of all of them in one all-reduce (per 25 MiB),
+        once per step, before the gradient norm (which counts each of them 1/tp per tp rank)."""
         if self.has_partial:
             place = self.engine.place
             sum_partial_grads([g for p, g in self.engine.owned_param_grads() if place[p].tp_partial], self.comm)

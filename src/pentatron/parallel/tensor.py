@@ -21,10 +21,11 @@ vocab-sharded logits with three all-reduces of b·s numbers, never materialising
 
 Some replicated parameters get a gradient that is partial per rank: the norm weights under SP (each
 rank saw only its sequence slice) and Qwen3's q/k norm weights (SP or not: each rank normalised its own
-heads with the shared gain). They are not hooked: the plan lists them (`partial`, copied into each
+heads with the shared gain); under SP `parallel/moe_tokens.py` adds the MoE layers' parameters (each tp
+rank routed its sequence shard). They are not hooked: the plan lists them (`partial`, copied into each
 one's `Placement.tp_partial`) and the step runner sums them over tp once per step, after the
 data-parallel reduction and before the gradient norm — the owned pieces of all of them concatenated
-into ONE all-reduce (`sum_partial_grads`; Megatron-Core's deferred layernorm all-reduce in
+into ONE all-reduce (per 25 MiB: `sum_partial_grads`; Megatron-Core's deferred layernorm all-reduce in
 `finalize_model_grads`). Summing after the dp reduction is exact in math (sums commute), and every
 tp rank of a dp rank owns the same pieces (equal local shapes give equal flat layouts). A hook per
 weight would cost 2 latency-bound all-reduces of h numbers per layer per micro-batch, each one waited
@@ -370,13 +371,33 @@ def _region_entry(comm: Comm, sp: bool) -> Any:
     return hook
 
 
+# The most bytes `sum_partial_grads` concatenates into one buffer (the default DP bucket, parallel.bucket_mb):
+# the MoE layers' partial gradients under SP are large, so one concatenation of them all would be a transient
+# copy of every owned expert gradient; the norms' all fit in one.
+PARTIAL_CHUNK_BYTES = 25 * 2**20
+
+
 @torch.no_grad()
-def sum_partial_grads(grads: Sequence[torch.Tensor], comm: Comm) -> None:
-    """Sum `grads` over tp in place with ONE all-reduce of their concatenation (nothing when empty).
-    Every tp rank must pass tensors of the same sizes in the same order: the owned pieces of the
+def sum_partial_grads(grads: Sequence[torch.Tensor], comm: Comm, chunk_bytes: int = PARTIAL_CHUNK_BYTES) -> None:
+    """Sum `grads` over tp in place: consecutive tensors concatenated into one all-reduce of at most
+    `chunk_bytes` (one call when they all fit, as the norms' do), a larger tensor all-reduced alone in
+    place. Every tp rank must pass tensors of the same sizes in the same order: the owned pieces of the
     `Placement.tp_partial` parameters, which sit at the same offsets on every tp rank of a dp rank."""
-    if not grads:
-        return
+    group: list[torch.Tensor] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if group and size + nbytes > chunk_bytes:
+            _all_reduce_together(group, comm)
+            group, size = [], 0
+        group.append(g)
+        size += nbytes
+    if group:
+        _all_reduce_together(group, comm)
+
+
+def _all_reduce_together(grads: list[torch.Tensor], comm: Comm) -> None:
+    """One all-reduce over tp of `grads`: in place when it is one contiguous tensor, else concatenated."""
     if len(grads) == 1 and grads[0].is_contiguous():
         comm.all_reduce(grads[0], TP)
         return

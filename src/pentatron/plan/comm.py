@@ -13,6 +13,7 @@ typed `Traffic` kind that the time model dispatches on.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -31,7 +32,7 @@ from pentatron.plan.context import (
 )
 from pentatron.plan.flops import MoESpec
 from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, nodes_spanned
-from pentatron.plan.memory import act_bytes
+from pentatron.plan.memory import DP_BUCKET, act_bytes
 
 __all__ = ["Collective", "Group", "LayerComm", "Traffic", "collective_time", "dp_in_step_time", "group_of",
            "layer_comm", "p2p_time", "pp_hop_time", "scalar_time", "step_collectives", "wire_bytes"]
@@ -106,7 +107,8 @@ class Traffic(Enum):
     LAYERS = "layers fwd+bwd"  # TP all-reduces of the f/g operators
     SP_LAYERS = "layers fwd+bwd (SP)"
     SP_REGATHER = "block inputs again in bwd (SP, sharded inputs)"
-    NORM_GRADS = "norm weight gradients summed over tp, once per step (SP norms, Qwen3 q/k norms)"
+    # replicated weights' partial gradients: the norms', and under SP the MoE layers'
+    NORM_GRADS = "partial gradients summed over tp, once per step (SP norms and MoE layers, Qwen3 q/k norms)"
     LOSS = "vocab-parallel loss"
     CP_KV_GATHER = "ring attention K/V (all-gather)"
     CP_KV = "ring attention K/V"
@@ -114,7 +116,7 @@ class Traffic(Enum):
     ULYSSES_Q = "Ulysses q in, output back"
     ULYSSES_KV = "Ulysses k, v in"
     MOE = "MoE dispatch/combine"
-    MOE_SP = "MoE under SP: router counts, gradients summed over tp"
+    MOE_SP = "MoE under SP: router counts summed over tp"
     STAGE = "stage boundary"
     TIED = "tied embedding gradient"
     GRADIENTS = "gradients"
@@ -186,7 +188,10 @@ def layer_comm(w: Workload, lay: Layout, gpu: GPUSpec, layer_is_moe: bool) -> La
         tp_one = ag + rs
     else:  # the f/g operators: one all-reduce after attention and one after the MLP
         tp_one = collective_time(gpu, "all_reduce", act, tp_g)
-    tp_fwd = 2 * tp_one if lay.tp > 1 else 0.0
+    # ours runs an MoE layer's MoE block outside the tp regions (whole on every tp rank; under SP on its
+    # sequence shard, parallel/moe_tokens.py): only the attention's collective each way
+    blocks = 1 if layer_is_moe and lay.recipe.moe_tp == "replicated" else 2
+    tp_fwd = blocks * tp_one if lay.tp > 1 else 0.0
     ep_fwd = ep_bwd = 0.0
     moe: MoESpec | None = w.moe_spec
     if layer_is_moe and moe is not None and lay.ep > 1:
@@ -208,33 +213,38 @@ def moe_tokens(tokens: int, lay: Layout) -> int:
 
 def moe_sp_collectives(w: Workload, lay: Layout, gpu: GPUSpec, m: int, moe_layers: int) -> list[Collective]:
     """Under SP each tp rank's MoE layers route its sequence shard (parallel/moe_tokens.py): per layer and
-    micro-batch the router's E counts are summed over tp (fp32), and after each backward every MoE
-    parameter's gradient (router, this rank's experts, shared experts: replicated over tp) is summed over
-    tp, one all-reduce per parameter."""
-    moe, h, a = w.moe_spec, w.cfg.hidden_size, act_bytes(lay.precision)
+    micro-batch the router's E counts are summed over tp (fp32). (The layers' gradients, partial per tp
+    rank, join the step's one sum of partial gradients: `partial_grad_bytes`.)"""
     g = group_of(lay, "tp", gpu)
-    params = {"router": moe.num_experts * h,
-              "experts": 3 * h * moe.expert_ffn_hidden_size * moe.num_experts / lay.ep}
-    if moe.n_shared_experts:
-        params["shared"] = 3 * h * moe.shared_ffn * moe.n_shared_experts
-    tensors = 1 + 3 + (3 if moe.n_shared_experts else 0)
-    per_tensor = sum(params.values()) * a / tensors
-    return [_coll(gpu, g, "all_reduce", 4 * moe.num_experts, m * moe_layers, Traffic.MOE_SP),
-            _coll(gpu, g, "all_reduce", per_tensor, m * moe_layers * tensors, Traffic.MOE_SP)]
+    return [_coll(gpu, g, "all_reduce", 4 * w.moe_spec.num_experts, m * moe_layers, Traffic.MOE_SP)]
 
 
-def norm_grad_bytes(w: Workload, lay: Layout, layers: int, last: bool) -> float:
-    """The norm weights' gradients a rank sums over tp once per step, in one all-reduce after the
-    data-parallel reduction (parallel/tensor.py `sum_partial_grads`): under SP every norm (2 per layer, the
-    final norm on the last stage; each rank's gradient covers its sequence shard), with Qwen3's q/k norms
-    the two head_dim gains per layer (each rank's covers its heads), SP or not. The gradient buffer's
-    dtype, and under ZeRO >= 1 only the pieces this rank owns (1/(dp×cp) of them on average)."""
+def partial_grad_bytes(w: Workload, lay: Layout, layers: int, moe_layers: int, last: bool) -> float:
+    """The gradients a rank sums over tp once per step, in ONE all-reduce after the data-parallel reduction
+    (parallel/step_runner.py `sum_partial_grads`): replicated weights whose gradient each tp rank computed
+    from its share of the work. Under SP every norm (2 per layer, the final norm on the last stage; each
+    rank's gradient covers its sequence shard) and, our MoE layers being replicated over tp
+    (`Recipe.moe_tp`), every parameter of its `moe_layers` (router, this ep rank's experts, shared experts:
+    each rank routed its sequence shard); with Qwen3's q/k norms the two head_dim gains per layer (each
+    rank's covers its heads), SP or not. The gradient buffer's dtype, and under ZeRO >= 1 only the pieces
+    this rank owns: 1/(dp×cp) of the dense ones on average, 1/edp of the experts (their engine shards over
+    the expert-data group)."""
     if lay.tp == 1:
         return 0.0
-    elements = (2 * layers + (1 if last else 0)) * w.cfg.hidden_size if lay.sp else 0
-    if w.cfg.qk_norm:
-        elements += 2 * layers * w.cfg.head_dim
-    return elements * lay.grad_bytes / (lay.zero_group if lay.zero >= 1 else 1)
+    cfg, moe = w.cfg, w.moe_spec
+    dense = experts = 0.0
+    if lay.sp:
+        dense = (2 * layers + (1 if last else 0)) * cfg.hidden_size
+        if moe is not None and moe_layers and lay.recipe.moe_tp == "replicated":  # others shard experts over tp
+            h = cfg.hidden_size
+            shared = 3 * h * moe.shared_ffn * moe.n_shared_experts
+            dense += moe_layers * (moe.num_experts * h + shared)
+            experts = moe_layers * 3 * h * moe.expert_ffn_hidden_size * moe.num_experts / lay.ep
+    if cfg.qk_norm:
+        dense += 2 * layers * cfg.head_dim
+    if lay.zero >= 1:
+        dense, experts = dense / lay.zero_group, experts / max(1, lay.dp * lay.cp // lay.ep)
+    return (dense + experts) * lay.grad_bytes
 
 
 def _ulysses_payloads(w: Workload, lay: Layout) -> tuple[float, float]:
@@ -347,8 +357,11 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
         g = group_of(lay, "tp", gpu)
         # all-reduces per micro-batch without SP: 2 per layer forward and 2 backward (and the forward's
         # again under full recompute), the embedding's forward and the LM head input's backward; SP
-        # turns each into an all-gather and a reduce-scatter (one forward, the other backward)
-        per_mb = (2 + 2 + 2 * recompute_fwd) * layers_on_rank + (1 if first else 0) + (1 if last else 0)
+        # turns each into an all-gather and a reduce-scatter (one forward, the other backward). Ours runs
+        # an MoE layer's MoE block outside the tp regions: its attention's half of them only.
+        outside = moe_layers_on_rank if lay.recipe.moe_tp == "replicated" else 0
+        per_mb = ((2 + 2 + 2 * recompute_fwd) * layers_on_rank - (1 + 1 + recompute_fwd) * outside
+                  + (1 if first else 0) + (1 if last else 0))
         if lay.sp:
             out.append(_coll(gpu, g, "all_gather", act, m * per_mb, Traffic.SP_LAYERS))
             if lay.recipe.sp_inputs == "sharded":
@@ -356,9 +369,11 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
             out.append(_coll(gpu, g, "reduce_scatter", act, m * per_mb, Traffic.SP_LAYERS))
         else:
             out.append(_coll(gpu, g, "all_reduce", act, m * per_mb, Traffic.LAYERS))
-        norms = norm_grad_bytes(w, lay, layers_on_rank, last)
-        if norms:  # once per step, after the dp reduction: exposed before the optimizer
-            out.append(_coll(gpu, g, "all_reduce", norms, 1, Traffic.NORM_GRADS))
+        partial = partial_grad_bytes(w, lay, layers_on_rank, moe_layers_on_rank, last)
+        if partial:  # once per step, after the dp reduction: exposed before the optimizer; in buffers of at
+            # most a DP bucket (tensor.PARTIAL_CHUNK_BYTES: the MoE layers' can be many)
+            calls = math.ceil(partial / DP_BUCKET)
+            out.append(_coll(gpu, g, "all_reduce", partial / calls, calls, Traffic.NORM_GRADS))
         if last and lay.recipe.cross_entropy != "fused":
             loss = loss_all_reduces(tokens, lay.recipe.cross_entropy)
             out.append(_coll(gpu, g, "all_reduce", sum(loss) / len(loss), m * len(loss), Traffic.LOSS))
@@ -454,7 +469,9 @@ def step_scalars(lay: Layout, gpu: GPUSpec, moe_layers: int = 0, n_experts: int 
 TIED_WHERE = Traffic.TIED.value
 SP_REGATHER_WHERE = Traffic.SP_REGATHER.value
 SP_LAYERS_WHERE = Traffic.SP_LAYERS.value
+LAYERS_WHERE = Traffic.LAYERS.value
 NORM_GRADS_WHERE = Traffic.NORM_GRADS.value
+MOE_SP_WHERE = Traffic.MOE_SP.value
 
 
 def tied_grad_bytes(params: float, lay: Layout) -> float:

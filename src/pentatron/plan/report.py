@@ -129,7 +129,7 @@ def detail(w: Workload, p: Prediction, gpu: GPUSpec, *, train_tokens: float | No
     out.append(f"step time {st.step:.3f} s = pipeline {st.pipeline:.3f} + exposed DP {st.dp_exposed:.3f} + optimizer "
                f"{st.optimizer:.3f} + SM contention {st.contention:.3f}"
                + (f" + tied-embedding gradients {st.tied_grads:.3f}" if st.tied_grads else "")
-               + (f" + norm gradients over tp {st.norm_grads:.3f}" if st.norm_grads else "")
+               + (f" + partial gradients over tp {st.norm_grads:.3f}" if st.norm_grads else "")
                + (f" + step scalars {st.scalars:.3f}" if st.scalars else ""))
     out.append(f"throughput: {rate.tokens_per_s:,.0f} tokens/s, {rate.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
                f"MFU {100 * rate.mfu:.1f}%, HFU {100 * rate.hfu:.1f}% (peak {compute_dtype(lay.precision)} "

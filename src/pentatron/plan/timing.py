@@ -509,7 +509,7 @@ class StepTime:
     collectives: tuple[Collective, ...]
     exposed_by_dim: dict[str, float]
     tied_grads: float = 0.0  # the tied embedding's gradient swapped between first and last stage
-    norm_grads: float = 0.0  # the norm weights' partial gradients summed over tp, one all-reduce per step
+    norm_grads: float = 0.0  # partial gradients (norms; MoE layers under SP) summed over tp: one all-reduce/step
     scalars: float = 0.0  # the step's one-number collectives (loss, gradient norm, pipeline statistics)
 
 
@@ -526,8 +526,8 @@ def step_time_floor(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "f
 
 def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused", exact: bool = True) -> StepTime:
     """One optimizer step on the busiest rank: the pipeline of all micro-batches, then what the data
-    parallel traffic leaves exposed, the optimizer, SM contention, the tied gradient swap, the norm weights'
-    gradient sum over tp and the scalars."""
+    parallel traffic leaves exposed, the optimizer, SM contention, the tied gradient swap, the sum over tp of
+    the partial gradients (norms; the MoE layers' under SP) and the scalars."""
     gpu = gpu.sharing(lay.world)  # CPU profiles: ranks on one node share its cores (no-op on datasheets)
     m = lay.microbatches(w)
     phases = stage_phases(w, lay, gpu, kernels)
