@@ -243,10 +243,13 @@ class Comm:
         return self.ctx.group(dim), self.ctx.size(dim)
 
     def _enter(self, op: str, dim: str, tensor: torch.Tensor, payload_bytes: int, n: int,
-               wire_bytes: int | None = None) -> Any:
-        """Ledger, and the flight recorder (numbering, check mode) when one is attached."""
+               wire_bytes: int | None = None, output: torch.Tensor | None = None) -> Any:
+        """Ledger, and the flight recorder (numbering, check mode; while profiling it also holds the op's
+        tensors, `output` too, until the backend lets go of them) when one is attached."""
         self.ledger.record(op, dim, tensor.dtype, payload_bytes, n, wire_bytes)
-        return None if self.recorder is None else self.recorder.enter(self, op, dim, tensor)
+        if self.recorder is None:
+            return None
+        return self.recorder.enter(self, op, dim, tensor, tensors=None if output is None else (tensor, output))
 
     def _done(self, work: Any, async_op: bool, rec: Any = None) -> Work | None:
         w = Work(work, None if rec is None or self.recorder is None else self.recorder.issued([rec], async_op))
@@ -276,7 +279,7 @@ class Comm:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
         self._strict_checks("reduce_scatter", dim, group, output, input)
-        rec = self._enter("reduce_scatter", dim, input, _nbytes(input), n)
+        rec = self._enter("reduce_scatter", dim, input, _nbytes(input), n, output=output)
         work = _reduce_scatter(output, input, op=_REDUCE_OPS[op], group=group, async_op=async_op)
         return self._done(work, async_op, rec)
 
@@ -291,7 +294,7 @@ class Comm:
             output.copy_(input.view_as(output))
             return self._done(None, async_op)
         self._strict_checks("all_gather", dim, group, output, input)
-        rec = self._enter("all_gather", dim, input, _nbytes(output), n)
+        rec = self._enter("all_gather", dim, input, _nbytes(output), n, output=output)
         return self._done(_all_gather(output, input, group=group, async_op=async_op), async_op, rec)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, dim: str,
@@ -307,7 +310,8 @@ class Comm:
         row = _nbytes(input) // max(1, input.shape[0])
         own = (input_splits[self.ctx.local_rank(dim)] if input_splits is not None
                else input.shape[0] // n) * row
-        rec = self._enter("all_to_all", dim, input, _nbytes(input), n, wire_bytes=_nbytes(input) - own)
+        rec = self._enter("all_to_all", dim, input, _nbytes(input), n, wire_bytes=_nbytes(input) - own,
+                          output=output)
         work = dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=async_op)
         return self._done(work, async_op, rec)
 

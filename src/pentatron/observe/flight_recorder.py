@@ -25,10 +25,12 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from pentatron.observe import backend_release
 
 if TYPE_CHECKING:
     from pentatron.distributed.comm import Comm
@@ -42,7 +44,7 @@ class FlightRecord:
     """One op as this rank issued it; `done` turns True when its handle has been waited on."""
 
     __slots__ = ("seq", "op", "dim", "ranks", "peer", "shape", "dtype", "step", "micro", "site", "t", "done",
-                 "range")
+                 "range", "held")
 
     def __init__(self, seq: int, op: str, dim: str, ranks: tuple[int, ...], peer: int | None,
                  shape: tuple[int, ...], dtype: str, step: int, micro: int | None,
@@ -51,6 +53,7 @@ class FlightRecord:
         self.shape, self.dtype, self.step, self.micro, self.site, self.t = shape, dtype, step, micro, site, t
         self.done = False
         self.range: Any = None  # profiling: the open record_function range
+        self.held: backend_release.Held | None = None  # profiling: the op's tensors until the backend lets go
 
     @property
     def key(self) -> str:
@@ -113,8 +116,9 @@ class FlightRecorder:
 
     # ------------------------------------------------------------------ recording (hot path)
     def enter(self, comm: Comm, op: str, dim: str, tensor: torch.Tensor | None,
-              peer: int | None = None) -> FlightRecord:
-        """Number and record one op about to be issued; in check mode, verify it against the group first."""
+              peer: int | None = None, tensors: Sequence[torch.Tensor] | None = None) -> FlightRecord:
+        """Number and record one op about to be issued; in check mode, verify it against the group first.
+        `tensors`: every tensor the backend gets (default: `tensor`), held while profiling until it lets go."""
         key = seq_key(dim, op, peer)
         seq = self.entered.get(key, 0) + 1
         ranks = self._ranks.get(dim)
@@ -138,6 +142,7 @@ class FlightRecorder:
                 self.pending += 1
                 self.last_progress = time.monotonic()
         if self.timer is not None:
+            rec.held = backend_release.note([tensor] if tensors is None else tensors)
             self.timer.open(rec)
         return rec
 
@@ -250,6 +255,11 @@ class _WaitHooks:
 
     def after_wait(self) -> None:
         timer = self.recorder.timer
+        for r in self.recs:  # profiling: the backend's references gone before the caller can drop its own
+            if r.held is not None:
+                if not backend_release.wait_released(r.held) and timer is not None:
+                    timer.late += 1
+                r.held = None
         if timer is not None:
             for r in reversed(self.recs):
                 timer.close(r)

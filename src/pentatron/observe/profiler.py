@@ -25,7 +25,9 @@ Memory (`tensor_memory_growth_bytes`): the most bytes of tensors allocated on th
 during the profiled steps and live at once, from the profiler's allocator events. Tensors that were
 live before profiling began (parameters, gradient buffers, optimizer state: `model_state_bytes`) are
 not in it, so on a CPU, where no allocator keeps statistics, model state + growth is the rank's peak
-of tensor memory over those steps.
+of tensor memory over those steps. While profiling, every comm op returns only once the backend has let
+go of its CPU tensors (`backend_release`): a buffer freed on gloo's worker thread would be a free the
+profiler never sees, and would count as live until the end.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from pentatron.device_clock import DeviceClock
+from pentatron.observe import backend_release
 from pentatron.observe.flight_recorder import FlightRecord
 
 PHASES = ("forward", "backward", "optimizer")
@@ -59,6 +62,7 @@ class CommTimer:
         self.phase: str | None = None
         self._open = 0  # ranges open now
         self._start: tuple[str, Any] | None = None  # span name and start of the outermost one, in a step
+        self.late = 0  # ops whose tensors the backend still held after backend_release's timeout
 
     def open(self, rec: FlightRecord, wait: bool = False) -> None:
         rf = record_function(f"comm/{rec.dim}/{rec.op}{'/wait' if wait else ''}")
@@ -190,6 +194,8 @@ class StepProfiler:
         self._prof.export_chrome_trace(str(self.dir / f"rank{self.rank}.trace.json"))
         summary = self.summary()
         summary["tensor_memory_growth_bytes"] = peak_allocation_growth(self._prof, self.device)
+        if self.timer.late:  # their frees may have happened on a backend thread, unseen: growth overstated
+            summary["backend_release_late"] = self.timer.late
         if self.model_state is not None:
             summary["model_state_bytes"] = self.model_state()
         (self.dir / f"rank{self.rank}.summary.json").write_text(json.dumps(summary, indent=1))
@@ -265,4 +271,7 @@ def format_summary(s: dict[str, Any]) -> str:
     if "tensor_memory_growth_bytes" in s:
         lines.append(f"  tensor memory: at most {s['tensor_memory_growth_bytes'] / 2**20:,.1f} MiB allocated during "
                      "these steps and live at once (beyond the tensors that existed before them)")
+    if s.get("backend_release_late"):
+        lines.append(f"  ({s['backend_release_late']} comm ops' tensors were still held by the backend after "
+                     f"{backend_release.RELEASE_TIMEOUT_S:g} s: their frees may be missing, the memory overstated)")
     return "\n".join(lines)
