@@ -202,3 +202,35 @@ def test_zero3_with_pp_gathers_per_micro_batch_or_once_per_step():
     extra = memory_per_gpu(w, per_step, H100).comm_buffers - memory_per_gpu(w, per_mb, H100).comm_buffers
     assert extra > 1e9
     assert step_time(w, per_step, H100).dp_exposed < step_time(w, per_mb, H100).dp_exposed
+
+
+def test_an_moe_layers_expert_gemms_follow_where_the_experts_live(monkeypatch):
+    """Ours (moe_tp="replicated", parallel/moe_tokens.py): every tp rank runs whole experts on its own tokens, the
+    SP shard or, without SP, all of them (tp× one shard's expert work); Megatron-style sharded experts: every
+    token on 1/tp of each expert's width."""
+    from pentatron.plan import timing
+    from pentatron.plan.recipes import MEGATRON
+
+    w = Workload(get_model_config("debug-moe"), 64, 8)
+    moe = w.moe_spec
+    tokens, full = 4 * 64, moe.expert_ffn_hidden_size
+    seen: list[tuple[float, float, float]] = []
+
+    def spy(gpu, m, n_out, n_in, *rest):
+        seen.append((m, n_out, n_in))
+        return _linear(gpu, m, n_out, n_in, *rest)
+
+    monkeypatch.setattr(timing, "_linear", spy)
+
+    def expert_gemms(**kw) -> set[tuple[float, float]]:
+        """(rows, width) of one MoE layer's routed-expert GEMMs (fewer rows than half the tokens: not the shared
+        expert's, nor attention's)."""
+        seen.clear()
+        layer_phase(w, Layout(dp=1, tp=2, micro_batch=4, precision="bf16", **kw), H100, 1)
+        h = w.cfg.hidden_size  # the other side of every expert GEMM
+        return {(m, n if k == h else k) for m, n, k in seen if {n, k} & {full, full / 2} and m < tokens / 2}
+
+    per_expert = tokens * moe.top_k / moe.num_experts
+    assert expert_gemms(sp=False) == {(per_expert, full)}  # all tokens, whole experts
+    assert expert_gemms(sp=True) == {(per_expert / 2, full)}  # the SP shard's tokens
+    assert expert_gemms(sp=True, recipe=MEGATRON) == {(per_expert, full / 2)}  # sharded over tp

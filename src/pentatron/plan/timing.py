@@ -191,15 +191,21 @@ def layer_phase(w: Workload, lay: Layout, gpu: GPUSpec, index: int, kernels: str
     lp = layer_params(cfg, index, moe)
     mats = 3 if cfg.mlp == "swiglu" else 2
     if lp.expert_total and moe is not None:
+        # Experts sharded over tp (Megatron-style): every token, 1/tp of each expert's width. Replicated (ours,
+        # parallel/moe_tokens.py): whole experts on the rank's tokens — its SP shard, or all of them without SP.
+        whole = lay.recipe.moe_tp == "replicated"
+        moe_tokens = tokens / (tp if lay.sp else 1) if whole else tokens
+        width = 1 if whole else tp
         local_experts = moe.num_experts / lay.ep
-        per_expert = tokens * moe.top_k / local_experts  # balanced routing
-        fe = moe.expert_ffn_hidden_size / tp
+        per_expert = moe_tokens * moe.top_k / local_experts  # balanced routing
+        fe = moe.expert_ffn_hidden_size / width
         ex = _linear(gpu, per_expert, fe, h, peak, a, fp8).scale(mats - 1)
         ex = ex + _linear(gpu, per_expert, h, fe, peak, a, fp8)
-        ph = ph + ex.scale(local_experts) + _linear(gpu, tokens, moe.num_experts, h, peak, a, fp8)
+        ph = ph + ex.scale(local_experts) + _linear(gpu, moe_tokens, moe.num_experts, h, peak, a, fp8)
         if moe.n_shared_experts:
-            fs = moe.shared_ffn / tp
-            sh = _linear(gpu, tokens, fs, h, peak, a, fp8).scale(mats - 1) + _linear(gpu, tokens, h, fs, peak, a, fp8)
+            fs = moe.shared_ffn / width
+            sh = (_linear(gpu, moe_tokens, fs, h, peak, a, fp8).scale(mats - 1)
+                  + _linear(gpu, moe_tokens, h, fs, peak, a, fp8))
             ph = ph + sh.scale(moe.n_shared_experts)
     else:
         up, down = lin.up, lin.down
