@@ -18,17 +18,7 @@ from pentatron.observe import backend_release
 from pentatron.observe.flight_recorder import FlightRecorder
 from pentatron.observe.profiler import CommTimer
 from pentatron.observe.watchdog import main_thread_stack
-
-
-class _Ctx:
-    world_size = 2
-
-    def group_ranks(self, dim: str) -> list[int]:
-        return [0, 1]
-
-
-class _Comm:
-    ctx = _Ctx()
+from tests.observe.comm_stub import TwoRankComm
 
 
 def _drop_later(refs: list, seconds: float) -> threading.Thread:
@@ -43,7 +33,7 @@ def test_a_profiled_op_returns_once_the_backend_let_go_of_its_tensors():
     rec.timer = CommTimer(DeviceClock(torch.device("cpu")))
     t = torch.ones(4, requires_grad=True)
     out = torch.zeros(8, requires_grad=True)
-    a = rec.enter(_Comm(), "all_gather", "tp", t, tensors=(t, out))
+    a = rec.enter(TwoRankComm(), "all_gather", "tp", t, tensors=(t, out))
     assert [n for _, n in a.held] == [1, 1]  # before the backend got them
     backend = [t.sin(), out.sin()]  # the backend's references, dropped on its own thread after the wait
     th = _drop_later(backend, 0.05)
@@ -52,7 +42,7 @@ def test_a_profiled_op_returns_once_the_backend_let_go_of_its_tensors():
     assert a.held is None and a.done and rec.timer.late == 0  # the record keeps no tensor
     th.join()
     rec.timer = None
-    b = rec.enter(_Comm(), "all_reduce", "tp", t)  # not profiling: nothing held, nothing waited for
+    b = rec.enter(TwoRankComm(), "all_reduce", "tp", t)  # not profiling: nothing held, nothing waited for
     assert b.held is None
 
 

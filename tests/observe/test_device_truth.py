@@ -24,6 +24,7 @@ from pentatron.observe.memory import PeakMemory, memory_kind, process_peak_rss, 
 from pentatron.observe.profiler import CommTimer, format_summary, split_step_time
 from pentatron.observe.system import bounded_mfu
 from pentatron.observe.watchdog import torch_trace_note
+from tests.observe.comm_stub import TwoRankComm
 
 
 def test_device_clock_sums_spans_per_name_on_cpu():
@@ -92,20 +93,11 @@ class FakeEvent:
         return self.n <= FakeEvent.device_done
 
 
-class _Ctx:
-    world_size = 2
-
-    def group_ranks(self, dim: str) -> list[int]:
-        return [0, 1]
-
-
-class _Comm:
-    ctx = _Ctx()
 
 
 def test_a_waited_collective_counts_as_done_only_when_its_device_event_completes():
     rec = FlightRecorder(0, completion_event=FakeEvent)
-    comm = _Comm()
+    comm = TwoRankComm()
     a = rec.enter(comm, "all_reduce", "dp", torch.ones(4))
     rec.issued([a], async_op=False).after_wait()  # NCCL's wait returned: the stream is ordered, no more
     assert not a.done and rec.pending == 1
@@ -125,7 +117,7 @@ def test_a_waited_collective_counts_as_done_only_when_its_device_event_completes
 def test_on_cpu_a_collective_is_done_when_its_wait_returns():
     assert completion_event_for(torch.device("cpu")) is None
     rec = FlightRecorder(0)
-    a = rec.enter(_Comm(), "all_reduce", "dp", torch.ones(4))
+    a = rec.enter(TwoRankComm(), "all_reduce", "dp", torch.ones(4))
     rec.issued([a], async_op=False).after_wait()
     assert a.done and rec.pending == 0 and rec.stalled_for() == 0.0
 
