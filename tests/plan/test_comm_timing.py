@@ -11,7 +11,7 @@ from pentatron.plan.comm import (
     LAYERS_WHERE,
     LOSS_WHERE,
     MOE_SP_WHERE,
-    NORM_GRADS_WHERE,
+    PARTIAL_GRADS_WHERE,
     SP_LAYERS_WHERE,
     STEP_SCALARS_WHERE,
     bus_bandwidth,
@@ -199,7 +199,7 @@ def test_tensor_parallel_collectives_per_micro_batch():
     assert counts[(False, "all_reduce", "layers fwd+bwd")] == (m * (4 * 4 + 1 + 1), act)
     assert counts[(True, "all_gather", "layers fwd+bwd (SP)")] == (m * 18, act)
     assert counts[(True, "reduce_scatter", "layers fwd+bwd (SP)")] == (m * 18, act)
-    norms = NORM_GRADS_WHERE
+    norms = PARTIAL_GRADS_WHERE
     assert counts[(True, "all_reduce", norms)] == (1, (2 * 4 + 1) * 4096 * 4)
     assert (False, "all_reduce", norms) not in counts  # no q/k norms: nothing partial without SP
 
@@ -220,12 +220,12 @@ def test_moe_gradients_under_sp_join_the_one_partial_sum_per_step():
         m = lay.microbatches(w)
         colls = step_collectives(w, lay, H100, 1e6, experts / lay.ep, layers, moe_layers, first=True, last=True)
         tp = [(c.op, c.count, c.payload, c.where) for c in colls if c.dim == "tp" and c.op == "all_reduce"]
-        assert (("all_reduce", 1, owned * 4, NORM_GRADS_WHERE)) in tp, tp
+        assert (("all_reduce", 1, owned * 4, PARTIAL_GRADS_WHERE)) in tp, tp
         assert ("all_reduce", m * moe_layers, 4 * 8, MOE_SP_WHERE) in tp, tp
         # nothing else: the loss's and the step's scalars (no gradient all-reduce per parameter and micro-batch)
-        assert {c[3] for c in tp} == {NORM_GRADS_WHERE, MOE_SP_WHERE, LOSS_WHERE, STEP_SCALARS_WHERE}, tp
+        assert {c[3] for c in tp} == {PARTIAL_GRADS_WHERE, MOE_SP_WHERE, LOSS_WHERE, STEP_SCALARS_WHERE}, tp
         off = step_collectives(w, lay.with_(sp=False), H100, 1e6, experts / lay.ep, layers, moe_layers, True, True)
-        assert not [c for c in off if c.where == NORM_GRADS_WHERE]  # without SP each rank routes all tokens
+        assert not [c for c in off if c.where == PARTIAL_GRADS_WHERE]  # without SP each rank routes all tokens
         # the MoE block runs outside the tp regions: an MoE layer's attention's collectives only (1 each way),
         # the dense layer's 2, the embedding's and the head's: 12 all-gathers (SP) or all-reduces per micro-batch
         per_mb = {(c.op, c.where): c.count / m for c in [*colls, *off] if c.dim == "tp"}
@@ -238,7 +238,7 @@ def test_moe_gradients_under_sp_join_the_one_partial_sum_per_step():
     assert PARTIAL_CHUNK_BYTES == DP_BUCKET
     big = Workload(get_model_config("qwen3-moe-30b-a3b"), 4096, 64)
     lay = Layout(dp=8, tp=2, sp=True, ep=8, zero=1)
-    (c,) = [c for c in step_time(big, lay, H100).collectives if c.where == NORM_GRADS_WHERE]
+    (c,) = [c for c in step_time(big, lay, H100).collectives if c.where == PARTIAL_GRADS_WHERE]
     assert c.count > 1 and c.payload <= DP_BUCKET and c.count == -(-c.payload * c.count // DP_BUCKET)
 
 def test_hsdp_shards_over_a_node_and_all_reduces_one_shard_across_nodes():

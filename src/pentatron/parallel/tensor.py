@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
+from pentatron.config import ParallelConfig
 from pentatron.distributed.comm import Comm
 from pentatron.distributed.context import ParallelContext
 from pentatron.distributed.functional import (
@@ -374,7 +375,7 @@ def _region_entry(comm: Comm, sp: bool) -> Any:
 # The most bytes `sum_partial_grads` concatenates into one buffer (the default DP bucket, parallel.bucket_mb):
 # the MoE layers' partial gradients under SP are large, so one concatenation of them all would be a transient
 # copy of every owned expert gradient; the norms' all fit in one.
-PARTIAL_CHUNK_BYTES = 25 * 2**20
+PARTIAL_CHUNK_BYTES = int(ParallelConfig.bucket_mb * 2**20)
 
 
 @torch.no_grad()

@@ -108,7 +108,7 @@ class Traffic(Enum):
     SP_LAYERS = "layers fwd+bwd (SP)"
     SP_REGATHER = "block inputs again in bwd (SP, sharded inputs)"
     # replicated weights' partial gradients: the norms', and under SP the MoE layers'
-    NORM_GRADS = "partial gradients summed over tp, once per step (SP norms and MoE layers, Qwen3 q/k norms)"
+    PARTIAL_GRADS = "partial gradients summed over tp, once per step (SP norms and MoE layers, Qwen3 q/k norms)"
     LOSS = "vocab-parallel loss"
     CP_KV_GATHER = "ring attention K/V (all-gather)"
     CP_KV = "ring attention K/V"
@@ -373,7 +373,7 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
         if partial:  # once per step, after the dp reduction: exposed before the optimizer; in buffers of at
             # most a DP bucket (tensor.PARTIAL_CHUNK_BYTES: the MoE layers' can be many)
             calls = math.ceil(partial / DP_BUCKET)
-            out.append(_coll(gpu, g, "all_reduce", partial / calls, calls, Traffic.NORM_GRADS))
+            out.append(_coll(gpu, g, "all_reduce", partial / calls, calls, Traffic.PARTIAL_GRADS))
         if last and lay.recipe.cross_entropy != "fused":
             loss = loss_all_reduces(tokens, lay.recipe.cross_entropy)
             out.append(_coll(gpu, g, "all_reduce", sum(loss) / len(loss), m * len(loss), Traffic.LOSS))
@@ -470,7 +470,7 @@ TIED_WHERE = Traffic.TIED.value
 SP_REGATHER_WHERE = Traffic.SP_REGATHER.value
 SP_LAYERS_WHERE = Traffic.SP_LAYERS.value
 LAYERS_WHERE = Traffic.LAYERS.value
-NORM_GRADS_WHERE = Traffic.NORM_GRADS.value
+PARTIAL_GRADS_WHERE = Traffic.PARTIAL_GRADS.value
 MOE_SP_WHERE = Traffic.MOE_SP.value
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
+from pentatron.config import ParallelConfig
 from pentatron.hardware.catalogue import GiB, GPUSpec
 from pentatron.models.config import ModelConfig
 from pentatron.parallel.activation_memory import layer_activation_bytes
@@ -389,7 +390,7 @@ COMPONENTS = ("parameters", "gradients", "master_weights", "optimizer", "activat
 
 RUNTIME_RESERVED = 1 * GiB  # CUDA context + cuBLAS workspace + NCCL channels (typical, nvidia-smi)
 FRAGMENTATION = 0.05  # caching-allocator slack on top of live tensors
-DP_BUCKET = 25 * MiB  # gradient bucket (ParallelConfig.bucket_mb): ZeRO-2 keeps two in flight
+DP_BUCKET = int(ParallelConfig.bucket_mb * MiB)  # the default gradient bucket: ZeRO-2 keeps two in flight
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ def detail(w: Workload, p: Prediction, gpu: GPUSpec, *, train_tokens: float | No
     out.append(f"step time {st.step:.3f} s = pipeline {st.pipeline:.3f} + exposed DP {st.dp_exposed:.3f} + optimizer "
                f"{st.optimizer:.3f} + SM contention {st.contention:.3f}"
                + (f" + tied-embedding gradients {st.tied_grads:.3f}" if st.tied_grads else "")
-               + (f" + partial gradients over tp {st.norm_grads:.3f}" if st.norm_grads else "")
+               + (f" + partial gradients over tp {st.partial_grads:.3f}" if st.partial_grads else "")
                + (f" + step scalars {st.scalars:.3f}" if st.scalars else ""))
     out.append(f"throughput: {rate.tokens_per_s:,.0f} tokens/s, {rate.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
                f"MFU {100 * rate.mfu:.1f}%, HFU {100 * rate.hfu:.1f}% (peak {compute_dtype(lay.precision)} "
@@ -182,7 +182,7 @@ def prediction_json(w: Workload, p: Prediction, rank: int, *, train_tokens: floa
         "optimizer_s": st.optimizer,
         "contention_s": st.contention,
         "tied_grads_s": st.tied_grads,
-        "norm_grads_s": st.norm_grads,
+        "partial_grads_s": st.partial_grads,
         "step_scalars_s": st.scalars,
         "tokens_per_s": p.rate.tokens_per_s,
         "tokens_per_s_per_gpu": p.rate.tokens_per_s_per_gpu,

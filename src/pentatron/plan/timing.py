@@ -515,7 +515,7 @@ class StepTime:
     collectives: tuple[Collective, ...]
     exposed_by_dim: dict[str, float]
     tied_grads: float = 0.0  # the tied embedding's gradient swapped between first and last stage
-    norm_grads: float = 0.0  # partial gradients (norms; MoE layers under SP) summed over tp: one all-reduce/step
+    partial_grads: float = 0.0  # partial gradients (norms; MoE layers under SP) summed over tp: one all-reduce/step
     scalars: float = 0.0  # the step's one-number collectives (loss, gradient norm, pipeline statistics)
 
 
@@ -557,13 +557,13 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, *, kernels: str = "fused",
     tied = _pipeline_exposed(w, lay, gpu, traffic, rank, m, hop, kernels, acc)
     contention = acc.hidden * min(1.0, NCCL_CHANNELS / gpu.sm_count)
     # after the dp reduction, before the norm: nothing left to hide it behind (its tp exposure: above)
-    norm_grads = sum(c.time_per_step for c in traffic if c.kind is Traffic.NORM_GRADS)
+    partial_grads = sum(c.time_per_step for c in traffic if c.kind is Traffic.PARTIAL_GRADS)
     sync = sum(c.time_per_step for c in scalars)
     for c in scalars:
         acc.add(report_dim(c.dim), c.time_per_step)
-    step = pipe + dp_exposed + optimizer + contention + tied + norm_grads + sync
+    step = pipe + dp_exposed + optimizer + contention + tied + partial_grads + sync
     return StepTime(step, pipe, bubble, dp_exposed, optimizer, contention, tuple(phases), tuple(colls), acc.by_dim,
-                    tied, norm_grads, sync)
+                    tied, partial_grads, sync)
 
 
 @dataclass(frozen=True)
