@@ -45,6 +45,12 @@ from pentatron.hardware.catalogue import DeviceType
 WGRAD_ROWS = 8192
 
 
+def last_chunk_bytes(tokens: float, vocab: float, chunk: int) -> float:
+    """The last chunk's fp32 exp(logit − max) over `vocab` local rows and its fp32 row max, kept from forward
+    (backward takes it first)."""
+    return min(tokens, chunk) * (4 * vocab + 4)
+
+
 def chunked_loss_bytes(tokens: float, vocab: float, hidden: float, chunk: int, act_bytes: int,
                        device: DeviceType) -> tuple[float, float]:
     """(kept, transient) bytes of the chunked loss for `tokens` tokens over `vocab` local vocabulary rows of
@@ -53,7 +59,7 @@ def chunked_loss_bytes(tokens: float, vocab: float, hidden: float, chunk: int, a
     n, v, h, e = tokens, vocab, hidden, act_bytes
     c = min(n, chunk)
     low = e if e < 4 else 0
-    kept = n * (4 + 8 + 2) + c * (4 * v + 4)
+    kept = n * (4 + 8 + 2) + last_chunk_bytes(n, v, chunk)
     whole_backward = e * n * h + 4 * n + 8 * c + 4 * v * h
     if not low:  # a recomputed chunk's row indices are made while the previous chunk's are alive
         return kept, whole_backward + (8 * c if n > c else 0)

@@ -27,7 +27,7 @@ from pentatron.plan.flops import (
     sac_op_replayed_matmuls,
 )
 from pentatron.plan.layout import Layout, Workload, chunk_layers, kv_heads_per_tp_rank
-from pentatron.plan.loss_memory import DeviceType, chunked_loss_bytes
+from pentatron.plan.loss_memory import DeviceType, chunked_loss_bytes, last_chunk_bytes
 from pentatron.plan.memo import Without
 from pentatron.schedules import (
     ScheduleError,
@@ -252,7 +252,7 @@ def loss_kept_bytes(cfg: ModelConfig, tokens: float, tp: int, cross_entropy: str
     takes it first and frees it, before any parameter's gradient exists."""
     if cross_entropy != "chunked":
         return 0.0
-    return min(tokens, loss_chunk_tokens) * (4 * cfg.vocab_size / tp + 4)
+    return last_chunk_bytes(tokens, cfg.vocab_size / tp, loss_chunk_tokens)
 
 
 def stage_extras(cfg: ModelConfig, tokens: int, *, first: bool, last: bool, precision: str = "bf16",
