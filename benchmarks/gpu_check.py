@@ -2,8 +2,14 @@
 
     python benchmarks/gpu_check.py --out gpu_check.json      # on a CUDA host: the real sizes
     python benchmarks/gpu_check.py --toy                     # every part at toy size on CPU (make test runs it)
+    python benchmarks/gpu_check.py --parts kernel_rates,train # some parts only
+
+The JSON is rewritten after each part, so a run cut short keeps what it measured.
 
 Parts (each one reports on its own; a failing part does not stop the others):
+  kernel_rates  each GEMM of the linears of the training part's model, Llama-3-8B and -70B (forward, dX, dW),
+                causal GQA attention by SDPA backend (forward, backward) and an HBM copy, on random bf16
+                operands, beside the seconds the planner's time model gives each on this GPU's catalogue entry
   train         1-GPU bf16 training of a ~1B Llama (16 layers, h 2048, ffn 5632, vocab 32000, seq 4096) for
                 30 steps through the Trainer: tokens/s, MFU, peak allocated / reserved since training began,
                 beside the planner's prediction for the same layout (`observe.report.predicted`'s inputs)
@@ -48,6 +54,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -126,9 +133,11 @@ def part(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         out = fn(*args)
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # a kernel's fault is reported by the part that launched it, not the next one
         out.setdefault("status", "ok")
     except Exception as e:  # noqa: BLE001 - the check reports every part
-        out = {"status": f"failed: {type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
+        out = {"status": f"failed: {type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=-12)}
     out["seconds"] = round(time.perf_counter() - start, 3)
     return out
 
@@ -463,8 +472,146 @@ def stage_startup_part(size: Sizes, device: torch.device) -> dict[str, Any]:
             "weights_finite": finite}
 
 
+# ---------------------------------------------------------------------------- (h) kernel rates against the time model
+# (name, tokens, n_out, n_in): the training part's linears (1B, 4 x 4096 tokens), Llama-3-8B's (2 x 4096) and
+# Llama-3-70B's at tp 1 (1 x 4096), and an M = N = 8192 sweep over K (the planner's small-k term)
+GEMM_SHAPES = (("1b qkv", 16384, 4096, 2048), ("1b o", 16384, 2048, 2048), ("1b gate_up", 16384, 11264, 2048),
+               ("1b down", 16384, 2048, 5632), ("1b head", 16384, 32000, 2048),
+               ("8b qkv", 8192, 6144, 4096), ("8b o", 8192, 4096, 4096), ("8b gate_up", 8192, 28672, 4096),
+               ("8b down", 8192, 4096, 14336), ("8b head", 8192, 128256, 4096),
+               ("70b qkv", 4096, 10240, 8192), ("70b o", 4096, 8192, 8192), ("70b gate_up", 4096, 57344, 8192),
+               ("70b down", 4096, 8192, 28672),
+               ("k1024", 8192, 8192, 1024), ("k4096", 8192, 8192, 4096), ("k16384", 8192, 8192, 16384))
+# (name, batch, heads, kv heads, seq, head dim): causal GQA attention as the models call SDPA
+ATTENTION_SHAPES = (("1b s4096", 4, 16, 8, 4096, 128), ("8b s2048", 8, 32, 8, 2048, 128),
+                    ("8b s4096", 4, 32, 8, 4096, 128), ("8b s8192", 2, 32, 8, 8192, 128),
+                    ("70b s8192", 1, 64, 8, 8192, 128))
+TOY_GEMM_SHAPES = (("toy", 256, 128, 64), ("toy k", 128, 128, 256))
+TOY_ATTENTION_SHAPES = (("toy", 2, 4, 2, 128, 16),)
+SDPA_BACKENDS = ("default", "FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+
+
+def _timed(fn: Callable[[], Any], device: torch.device, budget_s: float = 0.05) -> float:
+    """Mean seconds of `fn` over enough calls to fill `budget_s` (CUDA events on a GPU), after 2 warm-ups."""
+    for _ in range(2):
+        fn()
+    cuda = device.type == "cuda"
+    once = _best_time(fn, device, 1)
+    reps = max(3, min(50, int(budget_s / max(once, 1e-6))))
+    if not cuda:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def _causal_sdpa(qkv: tuple[torch.Tensor, ...], dout: torch.Tensor | None = None) -> None:
+    """Causal GQA attention as the models call it; with `dout`, its backward too."""
+    out = torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=True, enable_gqa=True)
+    if dout is not None:
+        out.backward(dout)
+
+
+def kernel_rates_part(device: torch.device) -> dict[str, Any]:
+    """Each GEMM of a linear (forward, dX, dW) and causal attention (forward, backward) timed on random bf16
+    operands, beside the seconds the planner's time model gives the same kernel on this GPU's catalogue entry
+    (`Speeds.linear`, `Speeds.attention` with the flash2 efficiencies our recipe is priced with). On a CPU
+    (toy) only the measured rates: a datasheet GPU's prediction would not be about this machine."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from pentatron.hardware.catalogue import detect_gpu
+    from pentatron.plan.recipes import TRAINING_ATTENTION
+
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    gpu = detect_gpu(torch.cuda.get_device_name(device)) if cuda else None
+    peak = gpu.flops("bf16") if gpu else None
+    g = torch.Generator(device="cpu").manual_seed(5)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    gemms = []
+    for name, m, n, k in GEMM_SHAPES if cuda else TOY_GEMM_SHAPES:
+        x, w, dy = rand(m, k), rand(n, k), rand(m, n)
+        secs = (_timed(partial(torch.nn.functional.linear, x, w), device), _timed(partial(torch.mm, dy, w), device),
+                _timed(partial(torch.mm, dy.t(), x), device))
+        row: dict[str, Any] = {"name": name, "tokens": m, "n_out": n, "n_in": k,
+                               "ms": [round(1e3 * t, 4) for t in secs],
+                               "tflop_s": [round(2 * m * n * k / t / 1e12, 1) for t in secs]}
+        if gpu:
+            pred = gpu.speeds.linear(m, n, k, peak, 2)
+            row["predicted_ms"] = [round(1e3 * t, 4) for t in pred]
+            row["measured_over_predicted"] = [round(t / p, 3) for t, p in zip(secs, pred)]
+        gemms.append(row)
+        del x, w, dy
+    attention = []
+    for name, b, h, hk, s, d in ATTENTION_SHAPES if cuda else TOY_ATTENTION_SHAPES:
+        q, k, v = rand(b, h, s, d), rand(b, hk, s, d), rand(b, hk, s, d)
+        dout = rand(b, h, s, d)
+        flops = 4 * h * d * b * s * (s + 1) / 2  # the planner's count: causal pairs, forward
+        row = {"name": name, "bhkvsd": [b, h, hk, s, d], "forward_tflop": flops / 1e12, "backends": {}}
+        for backend in SDPA_BACKENDS if cuda else ("default",):
+            ctx = nullcontext() if backend == "default" else sdpa_kernel([getattr(SDPBackend, backend)])
+            leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
+            try:
+                with ctx:
+                    with torch.no_grad():
+                        f = _timed(partial(_causal_sdpa, leaves), device)
+                    fb = _timed(partial(_causal_sdpa, leaves, dout), device)
+            except Exception as e:  # noqa: BLE001 - a backend this build or shape lacks
+                row["backends"][backend] = {"error": f"{type(e).__name__}: {e}"[:200]}
+                continue
+            bwd = max(fb - f, 1e-9)
+            r: dict[str, Any] = {"forward_ms": round(1e3 * f, 4), "backward_ms": round(1e3 * bwd, 4),
+                                 "forward_tflop_s": round(flops / f / 1e12, 1),
+                                 "backward_tflop_s": round(2.5 * flops / bwd / 1e12, 1)}
+            if gpu:
+                pf, pb = gpu.speeds.attention(flops, s, d, "bf16", TRAINING_ATTENTION, peak, 0.0)
+                r["measured_over_predicted"] = [round(f / pf, 3), round(bwd / pb, 3)]
+                r["efficiency"] = [round(flops / f / peak, 3), round(2.5 * flops / bwd / peak, 3)]
+            row["backends"][backend] = r
+        attention.append(row)
+        del q, k, v, dout
+    n = (2**30 if cuda else 2**22) // 2
+    src = torch.empty(n, device=device, dtype=dtype)
+    dst = torch.empty_like(src)
+    copy_s = _timed(lambda: dst.copy_(src), device)
+    copy = {"bytes_moved": 2 * n * src.element_size(), "gb_s": round(2 * n * src.element_size() / copy_s / 1e9, 1)}
+    if gpu:
+        copy["planner_gb_s"] = round(gpu.hbm_bandwidth * gpu.efficiency.hbm / 1e9, 1)
+    out: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "gemms": gemms, "attention": attention,
+                           "copy": copy, "planner_gpu": gpu.name if gpu else None,
+                           "how": "random operands; CUDA events, mean of >= 3 calls filling 50 ms, after 2 warm-ups; "
+                                  "backward = (forward + backward) - forward"}
+    if gpu:
+        ratios = [x for r in gemms for x in r["measured_over_predicted"]]
+        out["gemm_measured_over_predicted_median"] = statistics.median(ratios)
+        for backend in SDPA_BACKENDS:
+            got = [r["backends"][backend]["measured_over_predicted"] for r in attention
+                   if "measured_over_predicted" in r["backends"].get(backend, {})]
+            if got:
+                out.setdefault("attention_measured_over_predicted_median", {})[backend] = [
+                    statistics.median(x[0] for x in got), statistics.median(x[1] for x in got)]
+    return out
+
+
 # ---------------------------------------------------------------------------- the run
-def run(toy: bool, work: Path) -> dict[str, Any]:
+PARTS = ("kernel_rates", "train", "sdpa_backend", "syncs", "fp8", "compile", "ring_kernel", "documents",
+         "stage_startup")
+
+
+def run(toy: bool, work: Path, only: set[str] | None = None,
+        save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every part (or those in `only`), cheapest and most telling first; `save` gets the result after each
+    part, so that a run cut short by a time limit still leaves what it measured."""
     cuda = torch.cuda.is_available() and not toy
     size = GPU if cuda else TOY
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -475,29 +622,49 @@ def run(toy: bool, work: Path) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(device) if cuda else f"CPU ({platform.processor() or platform.machine()})",
         "torch": torch.__version__, "cuda": torch.version.cuda, "toy": not cuda, "parts": {}}
     parts = result["parts"]
-    try:
-        trainer = make_trainer(size, device, work)
-    except Exception as e:  # noqa: BLE001
-        trainer = None
-        failed = {"status": f"failed: {type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
-        parts.update(train=failed, sdpa_backend=failed, syncs=failed)
-    if trainer is not None:
+
+    def wanted(*names: str) -> bool:
+        return only is None or any(n in only for n in names)
+
+    def record(name: str, out: dict[str, Any]) -> None:
+        parts[name] = out
+        result["wall_s"] = round(time.perf_counter() - started, 1)
+        print(f"gpu_check: {name} {out.get('status')} ({out.get('seconds', 0):.1f} s)", flush=True)
+        if save:
+            save(result)
+
+    if wanted("kernel_rates"):
+        record("kernel_rates", part(kernel_rates_part, device))
+        release_memory(device)
+    if wanted("train", "sdpa_backend", "syncs"):
         try:
-            parts["train"] = part(train_part, trainer)
-            parts["sdpa_backend"] = part(sdpa_part, trainer)
-            parts["syncs"] = part(syncs_part, trainer, size.profile_steps - 1)
-        finally:
-            trainer.close()
-            del trainer
-            release_memory(device)  # the 1B model, its gradients and optimizer state: gone before the 70B stage
-    parts["fp8"] = part(fp8_part, FP8_GPU if cuda else FP8_TOY, device, work)
-    release_memory(device)
-    parts["compile"] = part(compile_part, size, device, work, parts["train"])
-    release_memory(device)
-    parts["ring_kernel"] = part(ring_kernel_part, size, device)
-    parts["documents"] = part(documents_part, size, device)
-    parts["stage_startup"] = part(stage_startup_part, size, device)
-    result["wall_s"] = round(time.perf_counter() - started, 1)
+            trainer = make_trainer(size, device, work)
+        except Exception as e:  # noqa: BLE001
+            trainer = None
+            failed = {"status": f"failed: {type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
+            for name in ("train", "sdpa_backend", "syncs"):
+                record(name, failed)
+        if trainer is not None:
+            try:
+                record("train", part(train_part, trainer))
+                record("sdpa_backend", part(sdpa_part, trainer))
+                record("syncs", part(syncs_part, trainer, size.profile_steps - 1))
+            finally:
+                trainer.close()
+                del trainer
+                release_memory(device)  # the 1B model, its gradients and optimizer state: gone before the rest
+    if wanted("fp8"):
+        record("fp8", part(fp8_part, FP8_GPU if cuda else FP8_TOY, device, work))
+        release_memory(device)
+    if wanted("compile"):
+        record("compile", part(compile_part, size, device, work, parts.get("train", {})))
+        release_memory(device)
+    if wanted("ring_kernel"):
+        record("ring_kernel", part(ring_kernel_part, size, device))
+    if wanted("documents"):
+        record("documents", part(documents_part, size, device))
+    if wanted("stage_startup"):
+        record("stage_startup", part(stage_startup_part, size, device))
     return result
 
 
@@ -543,6 +710,14 @@ def table(result: dict[str, Any]) -> str:
         f"h {r['shape']['hidden_size']} × {r['shape']['n_layers']} layers, {r['shape']['micro_batch']}×"
         f"{r['shape']['seq_len']} tokens: bf16 {r['runs']['bf16']['tokens_per_s']:,.0f} tokens/s; " + ", ".join(
             f"{k} {r['runs'][k]['tokens_per_s']:,.0f} ({v:.2f}×)" for k, v in r["speedup"].items())))
+    add("(h) kernel rates", "kernel_rates", lambda r: (
+        f"{len(r['gemms'])} GEMM shapes, measured/predicted median {r['gemm_measured_over_predicted_median']:.2f}; "
+        + ", ".join(f"attention {b.lower().removesuffix('_attention')} fwd {f:.2f} bwd {bw:.2f}"
+                    for b, (f, bw) in r["attention_measured_over_predicted_median"].items())
+        + f"; copy {r['copy']['gb_s']:,} GB/s (planner {r['copy']['planner_gb_s']:,})"
+        if r["planner_gpu"] else
+        f"{len(r['gemms'])} GEMM shapes, {len(r['attention'])} attention shapes, copy {r['copy']['gb_s']} GB/s "
+        "(measured only: no catalogue GPU)"))
     width = max(len(r[0]) for r in rows)
     head = f"pentatron gpu_check on {result['device']}, torch {result['torch']}" + \
            (" (toy sizes)" if result["toy"] else "") + f", {result['wall_s']} s"
@@ -553,11 +728,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--toy", action="store_true", help="toy sizes on CPU (automatic without CUDA)")
     ap.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="where the JSON goes")
+    ap.add_argument("--parts", default="", help="comma-separated parts to run (default: all): " + ", ".join(PARTS))
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="pentatron-gpu-check-") as tmp:
-        result = run(args.toy, Path(tmp))
+    only = {p.strip() for p in args.parts.split(",") if p.strip()} or None
+    if only and only - set(PARTS):
+        print(f"gpu_check: unknown part(s) {', '.join(sorted(only - set(PARTS)))}; known: {', '.join(PARTS)}",
+              file=sys.stderr)
+        return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+
+    def save(result: dict[str, Any]) -> None:
+        args.out.write_text(json.dumps(result, indent=1))
+
+    with tempfile.TemporaryDirectory(prefix="pentatron-gpu-check-") as tmp:
+        result = run(args.toy, Path(tmp), only, save)
+    save(result)
     print(table(result))
     print(f"gpu_check: JSON in {args.out}")
     done = all(r.get("status") == "ok" or r.get("status", "").startswith("skipped") for r in result["parts"].values())

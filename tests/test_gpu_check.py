@@ -16,7 +16,8 @@ gpu_check = importlib.util.module_from_spec(_spec)
 sys.modules["gpu_check"] = gpu_check
 _spec.loader.exec_module(gpu_check)
 
-PARTS = {"train", "sdpa_backend", "ring_kernel", "documents", "stage_startup", "syncs", "fp8", "compile"}
+PARTS = {"kernel_rates", "train", "sdpa_backend", "ring_kernel", "documents", "stage_startup", "syncs", "fp8",
+         "compile"}
 
 
 def _number(x: object) -> bool:
@@ -55,10 +56,15 @@ def test_every_part_runs_at_toy_size_with_real_numbers(tmp_path: Path, capsys):
     for run in fp8["runs"].values():
         assert run["steps"] == gpu_check.FP8_TOY.steps and _number(run["tokens_per_s"]) and run["tokens_per_s"] > 0
         assert abs(run["final_loss"] - fp8["runs"]["bf16"]["final_loss"]) < 0.05
+    rates = p["kernel_rates"]  # CPU: measured only (a datasheet GPU's prediction is not about this machine)
+    assert rates["planner_gpu"] is None and rates["copy"]["gb_s"] > 0 and rates["gemms"] and rates["attention"]
+    assert all(_number(x) and x > 0 for g in rates["gemms"] for x in g["ms"] + g["tflop_s"])
+    assert all(_number(a["backends"]["default"][k]) and a["backends"]["default"][k] > 0 for a in rates["attention"]
+               for k in ("forward_ms", "backward_ms"))
     printed = capsys.readouterr().out
     for label in ("(a) training", "(b) SDPA backend", "(c) ring block kernel", "(c2) document masking",
                   "(d) stage start-up",
-                  "(e) syncs per step", "(f) compiled vs eager", "(g) FP8 vs bf16", "toy sizes"):
+                  "(e) syncs per step", "(f) compiled vs eager", "(g) FP8 vs bf16", "(h) kernel rates", "toy sizes"):
         assert label in printed, label
 
 
@@ -67,3 +73,12 @@ def test_the_backend_is_read_from_kernel_names():
     assert gpu_check.attention_backend(["fmha_cutlassF_bf16_aligned_64x64_rf_sm80"]) == "mem_efficient"
     assert gpu_check.attention_backend(["cudnn_generated_fort_native_sdpa_sm90_flash_fprop"]) == "cudnn"
     assert gpu_check.attention_backend(["aten::bmm", "aten::softmax"]) == "math"
+
+
+def test_some_parts_only_and_the_json_after_each(tmp_path: Path, capsys):
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--toy", "--out", str(out), "--parts", "kernel_rates,documents"]) == 0
+    assert set(json.loads(out.read_text())["parts"]) == {"kernel_rates", "documents"}
+    assert capsys.readouterr().out.count("gpu_check: ") >= 3  # a line per part as it ends, then the JSON's
+    assert gpu_check.main(["--toy", "--out", str(out), "--parts", "kernel_rate"]) == 2
+    assert "unknown part(s) kernel_rate" in capsys.readouterr().err

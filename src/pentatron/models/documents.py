@@ -139,6 +139,14 @@ def _varlen_causal_kwargs() -> dict[str, object] | None:
     return None
 
 
+@cache
+def _varlen_takes_gqa() -> bool:
+    """Whether this torch's `varlen_attn` takes fewer kv heads (`enable_gqa`; torch 2.11's does not)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
 def _varlen_applies(q: torch.Tensor) -> bool:
     """Flash varlen runs on CUDA in half precision only."""
     return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_causal_kwargs() is not None
@@ -152,6 +160,10 @@ def _varlen_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documen
     b, h, s, d = q.shape
     cu = documents.cu_seqlens.to(q.device, non_blocking=True)
     flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]  # [tokens, heads, d]
-    out = varlen_attn(*flat, cu, cu, documents.longest, documents.longest, enable_gqa=gqa,
-                      **_varlen_causal_kwargs())
+    kwargs = dict(_varlen_causal_kwargs() or {})
+    if gqa and _varlen_takes_gqa():
+        kwargs["enable_gqa"] = True
+    elif gqa:  # each kv head repeated for its query heads; autograd sums their gradients back
+        flat[1:] = [t.repeat_interleave(h // t.shape[1], dim=1) for t in flat[1:]]
+    out = varlen_attn(*flat, cu, cu, documents.longest, documents.longest, **kwargs)
     return out.reshape(b, s, h, d).transpose(1, 2)

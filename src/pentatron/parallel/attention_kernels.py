@@ -175,7 +175,9 @@ class _EqualHeads:
 
 class _CudaEfficient(_EqualHeads):
     """CUDA memory-efficient attention (fp32 too). Its log-sum-exp is padded to a multiple of 32 queries:
-    sliced on the way out, re-padded for the backward."""
+    sliced on the way out, re-padded for the backward. Its 16-bit backward computes rowsum(dO∘O) in the kernel,
+    which reads O as [b, s, h, d] in memory whatever its strides say (what its forward returns): O and dO are
+    handed over in that layout (in [b, h, s, d] order, O was read wrong and dQ/dK came out wrong, on an H200)."""
 
     name = "efficient"
 
@@ -186,7 +188,7 @@ class _CudaEfficient(_EqualHeads):
 
     def _backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, causal: bool, scale: float) -> Grads:
-        dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
+        dout, out = (t.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2) for t in (dout, out))
         s = q.shape[-2]
         padded = lse.new_zeros((*lse.shape[:-1], -(-s // 32) * 32), dtype=torch.float32)
         padded[..., :s] = lse
