@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from pentatron.hardware.catalogue import get_gpu
+from pentatron.hardware.catalogue import get_gpu, hardware_from_dict
 from pentatron.hardware.fp8_rowwise import rowwise_seconds
 from pentatron.models.config import ModelConfig
 from pentatron.models.registry import get_model_config
@@ -31,10 +31,26 @@ def test_attention_kernel_choice():
     flops = 4 * 8 * 64 * 1024 * 1025 / 2  # 4 h s (s+1)/2: QK^T and PV over the causal half
     f2, b2 = attention_times(w, Layout(attention="flash2"), H100)
     f3, b3 = attention_times(w, Layout(attention="flash3"), H100)
-    assert f2 == pytest.approx(flops / (989.4e12 * 0.35)) and b2 == pytest.approx(2.5 * flops / (989.4e12 * 0.30))
+    # Hopper's FlashAttention-2 as measured on an H200 by sequence length, clamped below its first point (2048)
+    assert f2 == pytest.approx(flops / (989.4e12 * 0.298)) and b2 == pytest.approx(2.5 * flops / (989.4e12 * 0.204))
     assert f3 == pytest.approx(flops / (989.4e12 * 0.75)) and b3 == pytest.approx(2.5 * flops / (989.4e12 * 0.60))
     # FlashAttention-3 needs Hopper: on an A100 the same request runs FlashAttention-2
-    assert attention_times(w, Layout(attention="flash3"), A100) == attention_times(w, Layout(), A100)
+    assert attention_times(w, Layout(attention="flash3"), A100) == attention_times(w, Layout(attention="flash2"), A100)
+    # "sdpa" (ours, the default) is what torch SDPA runs: cuDNN on Hopper, FlashAttention-2 on an A100
+    assert attention_times(w, Layout(), H100) == attention_times(w, Layout(attention="cudnn"), H100)
+    assert attention_times(w, Layout(), A100) == attention_times(w, Layout(attention="flash2"), A100)
+
+
+def test_measured_attention_is_read_by_sequence_length():
+    assert H100.attention("flash2", 4096) == pytest.approx((0.313, 0.237))
+    assert H100.attention("cudnn", 8192) == pytest.approx((0.616, 0.460))
+    assert H100.attention("cudnn", 131072) == pytest.approx((0.616, 0.460))  # clamped above the last point
+    mid = H100.attention("flash2", (2048 * 4096) ** 0.5)  # halfway on the log axis: the geometric mean
+    assert mid == pytest.approx(((0.298 * 0.313) ** 0.5, (0.204 * 0.237) ** 0.5))
+    assert A100.attention("flash2", 4096) == (0.73, 0.63)  # Dao 2023's figures: no curve measured there
+    # a hardware file's own FlashAttention-2 fractions replace the measured curve
+    own = hardware_from_dict({"name": "h100-own", "base": "h100-sxm", "attention_efficiency": [0.5, 0.4]})
+    assert own.attention("flash2", 4096) == (0.5, 0.4) and own.attention("cudnn", 4096) == H100.attention("cudnn", 4096)
 
 
 def test_unfused_attention_pays_the_softmax_traffic():

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pentatron.hardware.fp8_rowwise import H100_ROWWISE, SpeedupGrid
+from pentatron.hardware.kernel_tables import log_grid_value
 from pentatron.hardware.profile import PROFILE_KEYS, PROFILE_SCHEMA, BusBwTable, Profile, interp_log, profile_from_dict
 from pentatron.hardware.speeds import Speeds, speeds_for
 from pentatron.user_files import read_json, read_toml
@@ -46,6 +47,12 @@ class Efficiency:
     attention: tuple[float, float] = (0.70, 0.55)
     # other attention kernels (flash3, cudnn) where the GPU has them: kernel -> (forward, backward)
     attention_kernels: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # measured by sequence length (head dim 128): kernel -> (seq lengths, forward, backward fractions of peak),
+    # read log-linearly between the points and clamped outside them; beats the scalars above for that kernel
+    attention_by_seq: dict[str, tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]] = field(
+        default_factory=dict)
+    # the kernel torch SDPA dispatches causal bf16 attention to on this GPU (what `pentatron train` runs)
+    sdpa_kernel: str = "flash2"
     hbm: float = 0.90  # streaming (elementwise) kernels of the HBM bandwidth
     # small-k loss of FP8 (1-byte) and 16-bit GEMMs: x k / (k + k0) (a fixed prologue/epilogue per output
     # tile); 0 = not measured for this GPU
@@ -128,12 +135,19 @@ class GPUSpec:
         k0 = {1: self.efficiency.fp8_gemm_k0, 2: self.efficiency.gemm_k0}.get(operand_bytes, 0.0)
         return tiles / (waves * self.sm_count) * (k / (k + k0) if k0 else 1.0)
 
-    def attention(self, kernel: str) -> tuple[float, float]:
-        """(forward, backward) fraction of peak of a fused attention kernel; a kernel this GPU lacks
+    def attention(self, kernel: str, seq: float | None = None) -> tuple[float, float]:
+        """(forward, backward) fraction of peak of a fused attention kernel at this sequence length (where it
+        was measured by length); "sdpa" is the kernel torch SDPA picks on this GPU; a kernel this GPU lacks
         (FlashAttention-3 before Hopper) falls back to FlashAttention-2."""
-        if kernel == "flash2":
-            return self.efficiency.attention
-        return self.efficiency.attention_kernels.get(kernel, self.efficiency.attention)
+        eff = self.efficiency
+        if kernel == "sdpa":
+            kernel = eff.sdpa_kernel
+        if kernel != "flash2" and kernel not in eff.attention_kernels and kernel not in eff.attention_by_seq:
+            kernel = "flash2"
+        if seq and (curve := eff.attention_by_seq.get(kernel)):
+            seqs, fwd, bwd = curve
+            return log_grid_value(fwd, ((seqs, seq),)), log_grid_value(bwd, ((seqs, seq),))
+        return eff.attention if kernel == "flash2" else eff.attention_kernels.get(kernel, eff.attention)
 
     def sharing(self, ranks: int) -> GPUSpec:
         """This device as each of `ranks` processes on one node sees it when all of them compute at once
@@ -204,10 +218,20 @@ _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float3
 #  collective_efficiency: nccl-tests all_reduce bus bandwidth ~ 80% of NVLink/IB line rate at >=256 MB.
 #  sm_count: A100 108, H100 SXM/H200 132 (NVIDIA Hopper/Ampere whitepapers), B200 148 (2 dies x 74).
 #  attention_efficiency (FlashAttention-2, torch SDPA's flash backend): Dao 2023 (arXiv:2307.08691):
-#        A100 fwd up to 73%, bwd up to 63% of peak. On H100 FA2 reaches only ~35% (Shah et al. 2024,
-#        FlashAttention-3, arXiv:2407.08608, abstract); its backward is taken at FA2's A100 bwd/fwd ratio
-#        (63/73): 0.35 * 0.86 = 0.30. flash3 on H100: fwd ~740 TF (75%), bwd ~60% (same paper); cuDNN 9
-#        fused attention on Hopper is taken equal to FA3 (an assumption until measured). B200: H100's.
+#        A100 fwd up to 73%, bwd up to 63% of peak. flash3 on H100: fwd ~740 TF (75%), bwd ~60% (Shah et al.
+#        2024, FlashAttention-3, arXiv:2407.08608). B200: the H100's former datasheet-era figures (FA2 ~35 %
+#        fwd by the FA3 paper's abstract, bwd at FA2's A100 ratio: 0.30; cuDNN taken equal to FA3), unmeasured.
+#  attention_by_seq (H100 SXM, H200): measured on one H200 SXM (700 W, torch 2.11.0+cu130, 2026-12-04,
+#        `python benchmarks/gpu_check.py`, part kernel_rates; BENCHMARKS.md "GPU device check"): causal GQA
+#        attention through torch SDPA, bf16, 32 query / 8 kv heads, head dim 128, batch x seq = 16384 tokens,
+#        random operands, CUDA events; FLOPs counted as the planner does (4·h·d·b·s·(s+1)/2 forward, 2.5x
+#        backward) over the dense bf16 peak 989.4 TF. At seq 2048 / 4096 / 8192:
+#          FLASH_ATTENTION (FlashAttention-2): fwd 0.298 / 0.313 / 0.302, bwd 0.204 / 0.237 / 0.287
+#          CUDNN_ATTENTION:                    fwd 0.552 / 0.570 / 0.616, bwd 0.354 / 0.410 / 0.460
+#        (the 16-head 1B shape at 4096 and the 64-head 70B shape at 8192 read within 4 % of these). The
+#        H100 SXM has the same SM90 die, clocks and power limit: taken alike (inferred).
+#  sdpa_kernel: on the H200 torch 2.11's SDPA ran cuDNN's kernels for `pentatron train`'s attention (gpu_check
+#        part sdpa_backend: cudnn_generated_fort_native_sdpa_sm90_flash_fprop/bprop); before Hopper, flash.
 #  fp8_gemm_k0 (Hopper): FP8 GEMM M=N=8192 sweep over K on an H800 SXM (the H100 SXM's compute die;
 #        tile-lang repository, benchmark/matmul_fp8/README.md): 569, 858, 1129, 1343, 1467, 1507, 1541
 #        TFLOP/s at K = 256 .. 16384. The ratio of the K=16384 and K=1024 points gives k0 = 409 (k/(k + k0)
@@ -223,8 +247,10 @@ _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float3
 #        A100 and H100, Deakin et al.); applied to elementwise traffic, not to GEMM/attention roofs.
 #  HBM capacity is the nominal GiB; torch reports slightly less (e.g. 79.1 GiB on an H100 80GB).
 _A100_EFF = Efficiency(matmul=0.825, attention=(0.73, 0.63))
-_HOPPER_EFF = Efficiency(matmul=0.80, attention=(0.35, 0.30),
-                         attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.75, 0.60)},
+_HOPPER_ATTENTION = {"flash2": ((2048, 4096, 8192), (0.298, 0.313, 0.302), (0.204, 0.237, 0.287)),
+                     "cudnn": ((2048, 4096, 8192), (0.552, 0.570, 0.616), (0.354, 0.410, 0.460))}
+_HOPPER_EFF = Efficiency(matmul=0.80, attention=(0.30, 0.24), attention_by_seq=_HOPPER_ATTENTION, sdpa_kernel="cudnn",
+                         attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.58, 0.41)},
                          fp8_gemm_k0=409.0, gemm_k0=244.0, fp8_rowwise=H100_ROWWISE)
 _B200_EFF = Efficiency(matmul=0.80, attention=(0.35, 0.30),
                        attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.75, 0.60)})
@@ -382,6 +408,8 @@ def _efficiency(d: dict[str, Any], base: Efficiency, where: str, problems: list[
             problems.append(f"{where}: attention_efficiency must be [forward, backward] fractions")
         else:
             kw["attention"] = (float(ae[0]), float(ae[1]))
+            # the given FlashAttention-2 fractions replace its measured curve
+            kw["attention_by_seq"] = {k: v for k, v in base.attention_by_seq.items() if k != "flash2"}
     return replace(base, **kw) if kw else base
 
 

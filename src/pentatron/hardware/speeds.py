@@ -118,7 +118,7 @@ class Roofline:
                   launches: float) -> tuple[float, float]:
         """A fused causal attention kernel of `flops` (forward) at its fraction of peak; backward does
         2.5x the forward's FLOPs (dQ, dK, dV, dP, QK^T again)."""
-        eff_f, eff_b = self.gpu.attention(kernel)
+        eff_f, eff_b = self.gpu.attention(kernel, seq)
         return flops / (peak * eff_f) + launches, 2.5 * flops / (peak * eff_b) + launches
 
     def stream_bandwidth(self, nbytes: float, efficiency: bool = True) -> float:

@@ -154,7 +154,8 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --precision fp8: one scale per tensor (default) or per row (torchao's rowwise "
                         "recipe, costed from its measured H100 table)")
     w.add_argument("--attention", choices=_choices("attention"), default=None,
-                   help="attention kernel (default flash2: what torch SDPA runs, as `pentatron train`); "
+                   help="attention kernel (default sdpa: whichever torch SDPA runs on the GPU, as `pentatron train` does: "
+                        "cuDNN on Hopper, flash2 before it); "
                         "see docs/planner.md")
     w.add_argument("--cross-entropy", choices=_choices("cross_entropy", recipe=True), default=None,
                    help="the loss (default: the recipe's; ours is fp32 PyTorch ops, under tp our vocab-parallel "

@@ -82,7 +82,7 @@ class Layout:
     recompute: Recompute
     precision: Literal["bf16", "fp32", "fp8", "fp16"]  # ours: train.precision's bf16 / fp32
     fp8_scaling: Literal["tensorwise", "rowwise"]  # with precision="fp8"
-    attention: Literal["flash2", "flash3", "cudnn", "math"]  # ours: torch SDPA (flash2)
+    attention: Literal["sdpa", "flash2", "flash3", "cudnn", "math"]  # ours: torch SDPA's pick on the GPU
     recipe: Recipe
 
     def __init__(self, par: ParallelLayout | None = None, recompute: str = "none", precision: str = "bf16",

@@ -252,10 +252,11 @@ def training_kernels(device_type: str = "cuda") -> str:
 
 
 # `pentatron train`'s loss is the chunked LM head + fp32 cross-entropy (vocab-parallel under tp; PENTATRON's
-# cross_entropy above) and its attention is torch SDPA (FlashAttention-2 on CUDA, not a config knob: the
-# layout's attention default below); the optimizer (AdamW over fp32 masters) is the one the time model
+# cross_entropy above) and its attention is torch SDPA, whichever kernel SDPA picks on the GPU ("sdpa":
+# `Efficiency.sdpa_kernel`, cuDNN on Hopper, FlashAttention-2 before it; not a config knob: the layout's
+# attention default below); the optimizer (AdamW over fp32 masters) is the one the time model
 # costs (plan/timing.py OPTIMIZER_BYTES_PER_PARAM).
-TRAINING_ATTENTION = "flash2"
+TRAINING_ATTENTION = "sdpa"
 
 
 def resolve_kernels(recipe: Recipe, kernels: str | None = None, device_type: str = "cuda") -> str:
