@@ -53,6 +53,10 @@ class Efficiency:
         default_factory=dict)
     # the kernel torch SDPA dispatches causal bf16 attention to on this GPU (what `pentatron train` runs)
     sdpa_kernel: str = "flash2"
+    # Pentatron's own step measured on this GPU against this time model (gpu_check): kernels ("fused" compiled
+    # blocks, "eager") -> measured / modelled per-GPU work (the stage phases: what the model does not attribute
+    # yet, e.g. the host syncs and launch gaps); empty = not measured, and `plan` labels our recipe unmeasured
+    our_step: dict[str, float] = field(default_factory=dict)
     hbm: float = 0.90  # streaming (elementwise) kernels of the HBM bandwidth
     # small-k loss of FP8 (1-byte) and 16-bit GEMMs: x k / (k + k0) (a fixed prologue/epilogue per output
     # tile); 0 = not measured for this GPU
@@ -230,6 +234,12 @@ _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float3
 #          CUDNN_ATTENTION:                    fwd 0.552 / 0.570 / 0.616, bwd 0.354 / 0.410 / 0.460
 #        (the 16-head 1B shape at 4096 and the 64-head 70B shape at 8192 read within 4 % of these). The
 #        H100 SXM has the same SM90 die, clocks and power limit: taken alike (inferred).
+#  our_step (H100 SXM, H200): `benchmarks/gpu_check.py` on that H200 (2026-12-04), parts train and compile: 1-GPU
+#        bf16 training of a 0.89B Llama (16 layers, h 2048, 2 micro-batches of 4 x 4096 tokens), step 0.3925 s with
+#        compiled blocks and 0.5127 s eager, where this model gives stage phases of 0.3486 s / 0.4224 s and an
+#        optimizer of 0.0070 s: (measured - optimizer) / phases = 1.106 (fused), 1.197 (eager). Checked on a
+#        run not used for it: the fp8 part's bf16 run (h 4096, 4 layers, eager) measured 0.1305 s, 1.05x the
+#        calibrated model (1.24x without). The H100 SXM is taken alike (same die; inferred).
 #  sdpa_kernel: on the H200 torch 2.11's SDPA ran cuDNN's kernels for `pentatron train`'s attention (gpu_check
 #        part sdpa_backend: cudnn_generated_fort_native_sdpa_sm90_flash_fprop/bprop); before Hopper, flash.
 #  fp8_gemm_k0 (Hopper): FP8 GEMM M=N=8192 sweep over K on an H800 SXM (the H100 SXM's compute die;
@@ -250,6 +260,7 @@ _A100_EFF = Efficiency(matmul=0.825, attention=(0.73, 0.63))
 _HOPPER_ATTENTION = {"flash2": ((2048, 4096, 8192), (0.298, 0.313, 0.302), (0.204, 0.237, 0.287)),
                      "cudnn": ((2048, 4096, 8192), (0.552, 0.570, 0.616), (0.354, 0.410, 0.460))}
 _HOPPER_EFF = Efficiency(matmul=0.80, attention=(0.30, 0.24), attention_by_seq=_HOPPER_ATTENTION, sdpa_kernel="cudnn",
+                         our_step={"fused": 1.106, "eager": 1.197},
                          attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.58, 0.41)},
                          fp8_gemm_k0=409.0, gemm_k0=244.0, fp8_rowwise=H100_ROWWISE)
 _B200_EFF = Efficiency(matmul=0.80, attention=(0.35, 0.30),

@@ -154,8 +154,8 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --precision fp8: one scale per tensor (default) or per row (torchao's rowwise "
                         "recipe, costed from its measured H100 table)")
     w.add_argument("--attention", choices=_choices("attention"), default=None,
-                   help="attention kernel (default sdpa: whichever torch SDPA runs on the GPU, as `pentatron train` does: "
-                        "cuDNN on Hopper, flash2 before it); "
+                   help="attention kernel (default sdpa: whichever torch SDPA runs on the GPU, as `pentatron "
+                        "train` does: cuDNN on Hopper, flash2 before it); "
                         "see docs/planner.md")
     w.add_argument("--cross-entropy", choices=_choices("cross_entropy", recipe=True), default=None,
                    help="the loss (default: the recipe's; ours is fp32 PyTorch ops, under tp our vocab-parallel "
@@ -426,7 +426,7 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
     from pentatron.plan import report
     from pentatron.plan.layout import problems
     from pentatron.plan.search import CP_MARGIN, memory_budget, predict, search, suggest_fixes
-    from pentatron.plan.unmeasured import unmeasured
+    from pentatron.plan.unmeasured import calibration_note, unmeasured
 
     evaluate = any(k in fixed for k in KNOB_FLAGS)
     for name in ("dp", "tp", "pp", "cp", "ep", "pp_virtual", "micro_batch", "cp_ulysses"):
@@ -494,6 +494,8 @@ def _plan(args: argparse.Namespace, w: Any, gpu: Any, fixed: dict[str, Any], tra
     print(report.table_notes(CP_MARGIN))
     if (u := unmeasured(preds[0], gpu)) is not None:
         print(u.table_note())
+    if (note := calibration_note(preds[0], gpu)) is not None:
+        print(note)
     print("\nwhy the best layout:")
     for r in res.reasons:
         print(f"  {r}")

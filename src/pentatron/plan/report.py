@@ -12,7 +12,7 @@ from pentatron.plan.flops import MFU_CONVENTION, matmul_params, total_params
 from pentatron.plan.layout import Layout, Workload, compute_dtype
 from pentatron.plan.memory import COMPONENTS
 from pentatron.plan.search import Prediction, SearchResult, memory_budget
-from pentatron.plan.unmeasured import unmeasured
+from pentatron.plan.unmeasured import calibration_note, unmeasured
 
 SCHEMA = "pentatron.plan/1"
 
@@ -137,6 +137,8 @@ def detail(w: Workload, p: Prediction, gpu: GPUSpec, *, train_tokens: float | No
     u = unmeasured(p, gpu)
     if u is not None:
         out.append(u.line(rate.mfu))
+    if (note := calibration_note(p, gpu)) is not None:
+        out.append(note)
     if train_tokens:
         days, hours, cost = training_cost(rate.tokens_per_s, lay.world, train_tokens, price)
         s = f"training {train_tokens:.3g} tokens: {days:.1f} days, {hours:,.0f} GPU-hours"
@@ -201,6 +203,7 @@ def prediction_json(w: Workload, p: Prediction, rank: int, *, train_tokens: floa
         "gpu": u.gpu, "mfu_range": list(u.mfu) if u.mfu else None,
         "tokens_per_s_per_gpu_range": list(u.tokens_per_s_per_gpu) if u.tokens_per_s_per_gpu else None,
         "band_sources": u.band.sources if u.band else None}
+    d["calibrated"] = calibration_note(p, gpu) if gpu is not None else None
     if train_tokens:
         days, hours, cost = training_cost(p.rate.tokens_per_s, lay.world, train_tokens, price)
         d["train"] = {"tokens": train_tokens, "days": days, "gpu_hours": hours, "cost_usd": cost}

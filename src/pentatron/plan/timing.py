@@ -50,6 +50,7 @@ from pentatron.plan.flops import (
 from pentatron.plan.layout import Layout, Workload, chunk_layers, compute_dtype, kv_heads_per_tp_rank
 from pentatron.plan.memo import Same, Without
 from pentatron.plan.memory import DP_BUCKET, STATE_PRECISIONS, RankParams, act_bytes, rank_layers, rank_params
+from pentatron.plan.recipes import not_ours
 from pentatron.schedules import Schedule, idle_share, make_schedule, simulate
 
 OPTIMIZER_BYTES_PER_PARAM = 34  # AdamW step: read grad 4, r/w master 8, r/w moments 16, write param 2, norm 4
@@ -383,7 +384,15 @@ def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused")
     if split_backward(lay) and lay.recipe.cross_entropy == "chunked":
         last = phases[-1]
         phases[-1] = Phase(last.f, last.b, last.w + head_gemm(w, lay, gpu).f)
+    if (measured := our_step_factor(lay, gpu, kernels)) != 1.0:
+        phases = [ph.scale(measured) for ph in phases]
     return phases
+
+
+def our_step_factor(lay: Layout, gpu: GPUSpec, kernels: str) -> float:
+    """Our recipe's per-GPU work on a GPU where its step was measured against this model (`Efficiency.our_step`,
+    from gpu_check): measured / modelled; 1 for other frameworks' recipes and unmeasured GPUs."""
+    return gpu.efficiency.our_step.get(kernels, 1.0) if not_ours(lay.recipe) is None else 1.0
 
 
 def head_gemm(w: Workload, lay: Layout, gpu: GPUSpec) -> Phase:

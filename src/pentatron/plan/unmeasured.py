@@ -37,6 +37,13 @@ from pentatron.hardware.catalogue import GPUSpec
 from pentatron.plan.layout import compute_dtype
 from pentatron.plan.search import Prediction
 
+# What train.fp8 costs where it runs on a GPU today: eager (no torch.compile), so each cast is several unfused
+# kernels. Measured on one H200 (benchmarks/gpu_check.py part fp8, 2026-12-04; benchmarks/measured/): a 4-layer
+# Llama-3-8B-shaped stack, 2 x 4096 tokens: bf16 62,769 tokens/s, tensorwise 37,825, rowwise 36,511.
+EAGER_FP8_ON_GPU = ("train.fp8 runs eager (its casts are not compiled yet): on an H200 it measured 0.60x "
+                    "(tensorwise) and 0.58x (rowwise) bf16's tokens/s (benchmarks/gpu_check.py, 2026-12-04), "
+                    "so it is slower, not faster, on a GPU for now")
+
 
 @dataclass(frozen=True)
 class Band:
@@ -57,8 +64,22 @@ BAND_DTYPES = ("bf16", "fp16")
 
 def measured_on(gpu: GPUSpec) -> bool:
     """Has Pentatron's own step been measured on this hardware? A `pentatron bench` profile (a CPU's, or
-    one given for a GPU with --hardware-profile) measured it; a datasheet GPU has not."""
-    return gpu.device_type == "cpu" or gpu.profile is not None
+    one given for a GPU with --hardware-profile) measured it, and gpu_check calibrated the GPUs whose catalogue
+    entry carries `Efficiency.our_step`; any other datasheet GPU has not."""
+    return gpu.device_type == "cpu" or gpu.profile is not None or bool(gpu.efficiency.our_step)
+
+
+def calibration_note(p: Prediction, gpu: GPUSpec) -> str | None:
+    """Our recipe on a GPU whose step gpu_check measured: what was measured and what still is the model's."""
+    if p.layout.recipe.name != "pentatron" or not gpu.efficiency.our_step:
+        return None
+    factors = ", ".join(f"{v:.2f}x with {k} kernels" for k, v in gpu.efficiency.our_step.items())
+    note = (f"calibrated: Pentatron's step was measured on one H200 (benchmarks/gpu_check.py, 2026-12-04; "
+            f"{gpu.name} taken alike): its per-GPU work took {factors} this model's, applied here; communication "
+            "between GPUs is the model's (our NCCL path has not been measured)")
+    if p.layout.precision == "fp8":  # the model prices fused casts; ours are not (yet)
+        note += f". FP8: {EAGER_FP8_ON_GPU}, where this model predicts a speed-up"
+    return note
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from pentatron.observe.wandb_log import WandbRun
 from pentatron.parallel.pipeline.trace import write_rank_trace
 from pentatron.parallel.step_runner import host_scalars
 from pentatron.plan.flops import DocumentLengths, model_flops_per_token
+from pentatron.plan.unmeasured import EAGER_FP8_ON_GPU
 from pentatron.schedules import idle_warning
 from pentatron.train.lr_schedule import LrSchedule, resumed_schedule
 from pentatron.train.model_state import ModelState
@@ -219,6 +220,8 @@ class Trainer:
             lay = cfg.layout(self.world_size)
             if idle := idle_warning(lay.pp_schedule, lay.pp, lay.microbatches, lay.virtual, lay.dp, lay.micro_batch):
                 print(f"pentatron: {idle}", flush=True)
+            if cfg.train.fp8 != "off" and self.device.type == "cuda":
+                print(wrapped(f"pentatron: warning: {EAGER_FP8_ON_GPU}"), flush=True)
         records = []
         last_table = None
         # every record names its layout and where this start began: the report compares a prediction
