@@ -15,6 +15,12 @@ Parts (each one reports on its own; a failing part does not stop the others):
                 beside the planner's prediction for the same layout (`observe.report.predicted`'s inputs)
   sdpa_backend  the attention kernel SDPA actually ran in one training step (profiler kernel names: flash,
                 mem-efficient, cuDNN or math); on CPU the ATen op it dispatched to
+  step_profile  where a training step's time goes: 2 steps of the training part's Trainer under torch.profiler
+                (after 1 warm-up step), the device kernels (CPU: ATen ops' self time) in seconds per step by
+                category (gemm, attention, optimizer, compiled, nccl, other), the device-busy seconds
+                (overlapping kernels counted once), the wall seconds and the idle fraction 1 - busy/wall, the
+                top 12 kernels; beside them the planner's GEMM, attention, optimizer and remaining seconds of
+                the same step and, on a catalogue GPU, measured over predicted for each
   ring_kernel   ring attention's block kernels (on CUDA: fused, i.e. what training picks, and flash,
                 memory-efficient and cuDNN each) against the math reference in fp64, with GQA (4 query heads
                 per kv head): outputs, log-sum-exp and dQ/dK/dV, causal and not, fp32 and bf16 (flash and
@@ -42,6 +48,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -151,7 +158,7 @@ def make_trainer(size: Sizes, device: torch.device, work: Path, *extra: str) -> 
     from pentatron.config import load_config
     from pentatron.train.trainer import Trainer
 
-    steps = size.steps + size.profile_steps
+    steps = size.steps + size.profile_steps + sum(STEP_PROFILE)
     sets = [f"model.name={_toml(size.base)}", *(f"model.{k}={_toml(v)}" for k, v in size.model.items()),
             f"train.seq_len={size.seq_len}", f"train.micro_batch={size.micro_batch}",
             f"train.global_batch={size.global_batch}", f"train.steps={size.steps}", "train.warmup=2",
@@ -166,21 +173,44 @@ def make_trainer(size: Sizes, device: torch.device, work: Path, *extra: str) -> 
     return Trainer(cfg, dataset_dir=data)
 
 
-def train_part(trainer: Any) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PlannerInputs:
+    """What the planner is told about a run; `hardware` names the GPU it prices it on."""
+
+    workload: Any
+    layout: Any
+    gpu: Any  # GPUSpec: this device's catalogue entry, else the reference GPU
+    here: bool  # whether `gpu` is this device (False on a CPU or an uncatalogued GPU)
+    kernels: str  # what the run runs: "fused" (compiled blocks) or "eager"
+
+    @property
+    def hardware(self) -> str:
+        return self.gpu.name if self.here else f"{self.gpu.name} (reference: not this device)"
+
+
+def planner_inputs(trainer: Any) -> PlannerInputs:
+    """The planner's view of the trainer's run, as `observe.report.predicted` builds it."""
     from pentatron.hardware.catalogue import detect_gpu, get_gpu
     from pentatron.observe.report import REFERENCE_GPU, layout_and_workload
-    from pentatron.plan.memory import memory_for_rank
     from pentatron.plan.recipes import kernels_for_compile
+
+    device = trainer.device
+    gpu = detect_gpu(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    lay, w = layout_and_workload(trainer.cfg.to_dict(), 1, device.type)
+    return PlannerInputs(w, lay, gpu or get_gpu(REFERENCE_GPU), gpu is not None,
+                         kernels_for_compile(trainer.cfg.train.compile, device.type))
+
+
+def train_part(trainer: Any) -> dict[str, Any]:
+    from pentatron.plan.memory import memory_for_rank
     from pentatron.plan.search import predict
 
     records = trainer.fit()
     steady = records[min(3, len(records) - 1):]  # the first steps pay for allocator and kernel warm-up
-    device = trainer.device
-    gpu = detect_gpu(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    lay, w = layout_and_workload(trainer.cfg.to_dict(), 1, device.type)
-    kernels = kernels_for_compile(trainer.cfg.train.compile, device.type)  # what this run runs
-    pred = predict(w, lay, gpu or get_gpu(REFERENCE_GPU), kernels=kernels)
-    mem = memory_for_rank(w, lay, gpu or get_gpu(REFERENCE_GPU), 0, kernels)
+    pi = planner_inputs(trainer)
+    w, lay, kernels = pi.workload, pi.layout, pi.kernels
+    pred = predict(w, lay, pi.gpu, kernels=kernels)
+    mem = memory_for_rank(w, lay, pi.gpu, 0, kernels)
     reserved = [r["peak_mem_reserved_bytes"] for r in records if r.get("peak_mem_reserved_bytes") is not None]
     return {
         "model_parameters": trainer.n_params, "layout": lay.short(), "steps": len(records),
@@ -194,7 +224,7 @@ def train_part(trainer: Any) -> dict[str, Any]:
         "compiled": trainer.runner.compiled.summary() if trainer.runner.compiled else None,
         "memory_kind": trainer.observer.memory.kind,
         "setup_peak_gib": _gib(trainer.observer.memory.setup_peak_bytes),
-        "planner": {"hardware": gpu.name if gpu else f"{REFERENCE_GPU} (reference: not this device)",
+        "planner": {"hardware": pi.hardware,
                     "tensors_gib": _gib(mem.tensors), "total_gib": _gib(mem.total),
                     "step_time_s": pred.step.step, "kernels": kernels,
                     "note": "tensors ≈ max_memory_allocated; total adds the CUDA context (1 GiB) and 5 % "
@@ -278,6 +308,171 @@ def syncs_part(trainer: Any, steps: int) -> dict[str, Any]:
     return {"syncs_per_step": sum(counts.values()) / steps, "steps": steps,
             "how": "CPU: Tensor calls that would sync on CUDA (" + ", ".join(SYNCING_METHODS) + ")",
             "by_call": dict(counts)}
+
+
+# ---------------------------------------------------------------------------- (i) where a step's time goes
+STEP_PROFILE = (1, 2)  # un-profiled warm-up steps, profiled steps
+# Name fragments (lower case) of each category, tried in this order, the first match wins: Inductor's
+# Triton kernels are compiled code whatever they compute, CUTLASS's fmha kernels are attention before
+# "cutlass" makes them GEMMs. What matches none is "other": elementwise, reductions, copies.
+CATEGORIES = (("nccl", ("nccl", "c10d::", "gloo")),
+              ("compiled", ("triton_",)),
+              ("attention", ("flash", "fmha", "sdpa", "scaled_dot_product", "attention")),
+              ("optimizer", ("multi_tensor_apply", "foreach", "adam")),
+              ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul")))
+# on a CPU the GEMMs are these ATen ops ("mm" alone would match too much)
+CPU_GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::matmul",
+                          "aten::linear", "aten::_addmm_activation", "aten::mv", "aten::addmv", "aten::dot"})
+CATEGORY_NAMES = ("gemm", "attention", "optimizer", "compiled", "nccl", "other")  # as reported
+# kineto activity types that occupy the GPU; a GPU-side user annotation (a record_function range drawn on
+# the device's timeline) or a CUPTI sync record spans other work and idle gaps, and is not counted
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+SYNC_RECORDS = frozenset({"Event Sync", "Stream Wait Event", "Stream Sync", "Context Sync", "Unknown Sync"})
+
+
+def kernel_category(name: str) -> str:
+    """The category of a device kernel's (CUDA) or ATen op's (CPU) name."""
+    if name in CPU_GEMM_OPS:
+        return "gemm"
+    low = name.lower()
+    return next((c for c, frags in CATEGORIES if any(f in low for f in frags)), "other")
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals: kernels that overlap on concurrent streams count once."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def _device_work(event: Any, not_work: set[str]) -> bool:
+    """Whether a CUDA-side profiler event is work on the GPU (a kernel, a copy or a memset); `not_work`: the
+    names of the host's user annotations and of CUPTI's sync records."""
+    kind = getattr(event, "activity_type", None)  # torch builds whose FunctionEvent carries kineto's type
+    if isinstance(kind, str) and kind:
+        return kind in DEVICE_WORK
+    return not getattr(event, "is_user_annotation", False) and event.name not in not_work
+
+
+def profile_seconds(events: list[Any], cuda: bool) -> tuple[list[tuple[str, float]], float]:
+    """(name, seconds) of each device kernel (CUDA) or ATen op (CPU: its self time, so that nested ops count
+    once), and the busy seconds: the union of the kernels' intervals (CUDA) or the sum of the ops' self
+    times, which one thread's ops cannot overlap (CPU)."""
+    DT = torch.autograd.DeviceType
+    if cuda:
+        not_work = SYNC_RECORDS | {e.name for e in events
+                                   if e.device_type == DT.CPU and getattr(e, "is_user_annotation", False)}
+        device = [e for e in events if e.device_type == DT.CUDA]
+        work = [(e.name, e.time_range.start / 1e6, e.time_range.end / 1e6) for e in device if _device_work(e, not_work)]
+        if not work:  # say what the profiler gave rather than report an idle GPU
+            kinds = Counter(str(getattr(e, "activity_type", "?")) for e in device)
+            raise RuntimeError(f"no kernel among {len(device)} CUDA-side profiler events (activity types: "
+                               f"{dict(kinds)})")
+        return [(n, end - start) for n, start, end in work], busy_seconds([(start, end) for _, start, end in work])
+    rows = [(e.name, e.self_cpu_time_total / 1e6) for e in events
+            if e.device_type == DT.CPU and e.name.startswith("aten::") and not getattr(e, "is_user_annotation", False)]
+    return rows, sum(secs for _, secs in rows)
+
+
+def planner_split(pi: PlannerInputs) -> tuple[dict[str, float], dict[str, float] | None, str | None]:
+    """The planner's step for the run (`predict(...).step`) and, where its public pieces give one, its split
+    into GEMMs (the decoder layers' `dense_linears`, the LM head's `head_gemm` and the chunked loss's replay
+    of it), attention (`attention_times`), the optimizer (`StepTime.optimizer`) and the rest (elementwise,
+    loss, embedding, gradient accumulation), in seconds per step. Else None and why."""
+    from pentatron.plan.flops import loss_replayed_tokens
+    from pentatron.plan.search import predict
+    from pentatron.plan.timing import attention_times, dense_linears, head_gemm
+
+    w, lay, gpu = pi.workload, pi.layout, pi.gpu
+    st = predict(w, lay, gpu, kernels=pi.kernels).step
+    step = {"step_s": st.step, "optimizer_s": st.optimizer}
+    # forward GEMMs and attention cores replayed in backward, per recompute mode (plan/timing.py layer_phase)
+    replay = {"none": (0.0, 0.0), "selective": (0.0, 1.0), "full": (1.0, 1.0), "full-alternate": (0.5, 0.5)}
+    if w.moe_spec is not None:
+        return step, None, "MoE layers: their expert GEMMs are not in dense_linears"
+    if lay.world != 1:
+        return step, None, f"{lay.short()}: the split is written for one GPU (no pipeline bubble or collectives)"
+    if lay.recompute not in replay:
+        return step, None, f"recompute {lay.recompute!r}: which matmuls it replays is inside layer_phase"
+    gemm_replay, attn_replay = replay[lay.recompute]
+    lin = dense_linears(w, lay, gpu)
+    layer = lin.qkv + lin.o + lin.up + lin.down
+    head = head_gemm(w, lay, gpu)
+    tokens = lay.micro_batch * w.seq_len / lay.cp
+    head_s = head.total
+    if lay.recipe.cross_entropy == "chunked":
+        head_s += head.f * loss_replayed_tokens(tokens, lay.recipe.loss_chunk_tokens) / tokens
+    attn_f, attn_b = attention_times(w, lay, gpu)
+    m, n = lay.microbatches(w), w.cfg.n_layers
+    gemm = m * (n * (layer.total + gemm_replay * layer.f) + head_s)
+    attention = m * n * (attn_f + attn_b + attn_replay * attn_f)
+    split = {"gemm_s": gemm, "attention_s": attention, "optimizer_s": st.optimizer,
+             "rest_s": st.step - gemm - attention - st.optimizer}
+    return step, split, None
+
+
+def step_profile_part(trainer: Any) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = trainer.device.type == "cuda"
+    warm, steps = STEP_PROFILE
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(trainer.device)
+
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(warm):
+        trainer.train_step()
+    sync()
+    warm_wall = (time.perf_counter() - t0) / warm
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            trainer.train_step()
+        sync()
+        wall = (time.perf_counter() - t0) / steps
+    rows, busy = profile_seconds(list(prof.events()), cuda)
+    busy /= steps
+    cats = dict.fromkeys(CATEGORY_NAMES, 0.0)
+    by_name: dict[str, list[float]] = {}
+    for name, secs in rows:
+        cats[kernel_category(name)] += secs / steps
+        calls_secs = by_name.setdefault(name, [0.0, 0.0])
+        calls_secs[0] += 1 / steps
+        calls_secs[1] += secs / steps
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
+    out: dict[str, Any] = {
+        "from": "CUDA kernels, copies and memsets" if cuda else "ATen ops' self time (CPU)",
+        "steps": steps, "categories_s": cats, "busy_s": busy, "wall_s": wall, "idle_fraction": 1 - busy / wall,
+        "kernel_s": sum(cats.values()), "overlap_s": sum(cats.values()) - busy,
+        "warm_step_wall_s": warm_wall, "idle_fraction_unprofiled": 1 - busy / warm_wall,
+        "top_kernels": [{"name": n[:120], "category": kernel_category(n), "calls_per_step": round(c, 2),
+                         "s_per_step": s} for n, (c, s) in top],
+        "how": (f"{warm} un-profiled warm-up step(s) (its wall: warm_step_wall_s), then {steps} steps under "
+                "torch.profiler, device synchronised before and after; per step. busy: "
+                + ("the union of the kernels' [start, end] on every stream (sorted by start, merged where they "
+                   "overlap); categories sum the kernels' durations, so they exceed busy by overlap_s"
+                   if cuda else "the sum of the ATen ops' self times (the categories' sum)")
+                + "; wall: perf_counter over the profiled steps (the profiler's host overhead included)")}
+    pi = planner_inputs(trainer)
+    step, split, why = planner_split(pi)
+    out["planner"] = {"hardware": pi.hardware, "kernels": pi.kernels, **step}
+    out["planner_split"] = split
+    if split is None:
+        out["planner_split_reason"] = why
+    elif pi.here:  # a datasheet GPU's prediction says nothing about a CPU
+        measured = {"gemm_s": cats["gemm"], "attention_s": cats["attention"], "optimizer_s": cats["optimizer"],
+                    "rest_s": cats["compiled"] + cats["nccl"] + cats["other"]}
+        out["measured_over_predicted"] = {k.removesuffix("_s"): measured[k] / v for k, v in split.items() if v > 0}
+        out["measured_over_predicted"].update(step_wall=wall / step["step_s"],
+                                              step_wall_unprofiled=warm_wall / step["step_s"])
+    return out
 
 
 # ---------------------------------------------------------------------------- (f) compiled vs eager
@@ -604,7 +799,7 @@ def kernel_rates_part(device: torch.device) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- the run
-PARTS = ("kernel_rates", "train", "sdpa_backend", "syncs", "fp8", "compile", "ring_kernel", "documents",
+PARTS = ("kernel_rates", "train", "sdpa_backend", "step_profile", "syncs", "fp8", "compile", "ring_kernel", "documents",
          "stage_startup")
 
 
@@ -636,18 +831,19 @@ def run(toy: bool, work: Path, only: set[str] | None = None,
     if wanted("kernel_rates"):
         record("kernel_rates", part(kernel_rates_part, device))
         release_memory(device)
-    if wanted("train", "sdpa_backend", "syncs"):
+    if wanted("train", "sdpa_backend", "step_profile", "syncs"):
         try:
             trainer = make_trainer(size, device, work)
         except Exception as e:  # noqa: BLE001
             trainer = None
             failed = {"status": f"failed: {type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
-            for name in ("train", "sdpa_backend", "syncs"):
+            for name in ("train", "sdpa_backend", "step_profile", "syncs"):
                 record(name, failed)
         if trainer is not None:
             try:
                 record("train", part(train_part, trainer))
                 record("sdpa_backend", part(sdpa_part, trainer))
+                record("step_profile", part(step_profile_part, trainer))
                 record("syncs", part(syncs_part, trainer, size.profile_steps - 1))
             finally:
                 trainer.close()
@@ -718,6 +914,16 @@ def table(result: dict[str, Any]) -> str:
         if r["planner_gpu"] else
         f"{len(r['gemms'])} GEMM shapes, {len(r['attention'])} attention shapes, copy {r['copy']['gb_s']} GB/s "
         "(measured only: no catalogue GPU)"))
+    add("(i) step profile", "step_profile", lambda r: (
+        f"busy {1e3 * r['busy_s']:.4g} / wall {1e3 * r['wall_s']:.4g} ms per step, idle "
+        f"{100 * r['idle_fraction']:.0f} % ({100 * r['idle_fraction_unprofiled']:.0f} % un-profiled); "
+        + ", ".join(f"{k} {100 * v / r['busy_s']:.0f} %" for k, v in r["categories_s"].items() if v > 0)
+        + ("; measured/predicted " + ", ".join(f"{k} {v:.2f}" for k, v in r["measured_over_predicted"].items())
+           if "measured_over_predicted" in r else
+           f"; planner ({r['planner']['hardware']}) {1e3 * r['planner']['step_s']:.4g} ms"
+           + (f": gemm {1e3 * r['planner_split']['gemm_s']:.4g}, attention "
+              f"{1e3 * r['planner_split']['attention_s']:.4g}, rest {1e3 * r['planner_split']['rest_s']:.4g}"
+              if r["planner_split"] else f" ({r['planner_split_reason']})"))))
     width = max(len(r[0]) for r in rows)
     head = f"pentatron gpu_check on {result['device']}, torch {result['torch']}" + \
            (" (toy sizes)" if result["toy"] else "") + f", {result['wall_s']} s"

@@ -8,6 +8,9 @@ import json
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 _spec = importlib.util.spec_from_file_location(
     "gpu_check", Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py")
@@ -16,12 +19,28 @@ gpu_check = importlib.util.module_from_spec(_spec)
 sys.modules["gpu_check"] = gpu_check
 _spec.loader.exec_module(gpu_check)
 
-PARTS = {"kernel_rates", "train", "sdpa_backend", "ring_kernel", "documents", "stage_startup", "syncs", "fp8",
-         "compile"}
+PARTS = {"kernel_rates", "train", "sdpa_backend", "step_profile", "ring_kernel", "documents", "stage_startup", "syncs",
+         "fp8", "compile"}
 
 
 def _number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _toy_gemm_seconds() -> float:
+    """The planner's GEMM seconds of a toy step from `Speeds.linear` shape by shape (q, k, v, o, gate, up,
+    down per layer, the head; bf16 on the reference GPU; the chunked loss's one chunk replays nothing)."""
+    from pentatron.hardware.catalogue import get_gpu
+    from pentatron.observe.report import REFERENCE_GPU
+
+    m, toy = gpu_check.TOY.model, gpu_check.TOY
+    gpu, tokens = get_gpu(REFERENCE_GPU), toy.micro_batch * toy.seq_len
+    h, hd, f = m["hidden_size"], m["hidden_size"] // m["n_heads"], m["ffn_hidden_size"]
+    shapes = [(m["n_heads"] * hd, h), (m["n_kv_heads"] * hd, h), (m["n_kv_heads"] * hd, h), (h, m["n_heads"] * hd),
+              (f, h), (f, h), (h, f)]
+    layer = sum(sum(gpu.speeds.linear(tokens, o, i, gpu.flops("bf16"), 2)) for o, i in shapes)
+    head = sum(gpu.speeds.head_linear(tokens, m["vocab_size"], h, gpu.flops("bf16"), 2))
+    return toy.global_batch // toy.micro_batch * (m["n_layers"] * layer + head)
 
 
 def test_every_part_runs_at_toy_size_with_real_numbers(tmp_path: Path, capsys):
@@ -51,6 +70,20 @@ def test_every_part_runs_at_toy_size_with_real_numbers(tmp_path: Path, capsys):
     # Only the stage is materialised: its peak is about its own parameters, far from the whole model's.
     assert 0.5 < st["peak_over_stage_params"] < 3 and st["stage_param_gib"] < st["full_model_fp32_gib"]
     assert _number(p["syncs"]["syncs_per_step"]) and p["syncs"]["syncs_per_step"] > 0
+    sp = p["step_profile"]  # CPU: ATen ops' self time; the toy step runs mm, SDPA's flash op and fused AdamW
+    cats, busy, wall = sp["categories_s"], sp["busy_s"], sp["wall_s"]
+    assert set(cats) == set(gpu_check.CATEGORY_NAMES) and all(_number(v) and v >= 0 for v in cats.values())
+    assert all(cats[k] > 0 for k in ("gemm", "attention", "optimizer", "other")), cats
+    assert abs(sum(cats.values()) - busy) <= 0.01 * busy and 0 < busy <= 1.05 * wall
+    assert math.isclose(sp["idle_fraction"], 1 - busy / wall) and sp["steps"] == gpu_check.STEP_PROFILE[1]
+    assert sp["top_kernels"] and all(len(k["name"]) <= 120 and k["calls_per_step"] > 0 and k["s_per_step"] > 0
+                                     for k in sp["top_kernels"])
+    assert sp["top_kernels"][0]["s_per_step"] >= sp["top_kernels"][-1]["s_per_step"]
+    split = sp["planner_split"]  # the reference GPU's split of the same step
+    assert split is not None and all(_number(v) and v > 0 for v in split.values())
+    assert split["optimizer_s"] == sp["planner"]["optimizer_s"] and split["rest_s"] < sp["planner"]["step_s"]
+    assert math.isclose(split["gemm_s"], _toy_gemm_seconds(), rel_tol=1e-12)
+    assert "measured_over_predicted" not in sp  # a datasheet GPU's prediction is not about this CPU
     fp8 = p["fp8"]  # the same stack, data and seed in bf16 and through train.fp8: real speeds, the same training
     assert set(fp8["runs"]) == {"bf16", "tensorwise", "rowwise"} and set(fp8["speedup"]) == {"tensorwise", "rowwise"}
     for run in fp8["runs"].values():
@@ -64,7 +97,8 @@ def test_every_part_runs_at_toy_size_with_real_numbers(tmp_path: Path, capsys):
     printed = capsys.readouterr().out
     for label in ("(a) training", "(b) SDPA backend", "(c) ring block kernel", "(c2) document masking",
                   "(d) stage start-up",
-                  "(e) syncs per step", "(f) compiled vs eager", "(g) FP8 vs bf16", "(h) kernel rates", "toy sizes"):
+                  "(e) syncs per step", "(f) compiled vs eager", "(g) FP8 vs bf16", "(h) kernel rates",
+                  "(i) step profile", "toy sizes"):
         assert label in printed, label
 
 
@@ -73,6 +107,51 @@ def test_the_backend_is_read_from_kernel_names():
     assert gpu_check.attention_backend(["fmha_cutlassF_bf16_aligned_64x64_rf_sm80"]) == "mem_efficient"
     assert gpu_check.attention_backend(["cudnn_generated_fort_native_sdpa_sm90_flash_fprop"]) == "cudnn"
     assert gpu_check.attention_backend(["aten::bmm", "aten::softmax"]) == "math"
+
+
+def test_kernel_names_fall_into_categories():
+    names = {
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "gemm",
+        "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>": "gemm",
+        "aten::addmm": "gemm",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128>>": "attention",
+        "fmha_cutlassB_bf16_aligned_64x64_k128_sm80": "attention",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128": "attention",
+        "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "compiled",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<TensorListMetadata<4>, "
+        "FusedAdamMathFunctor<float, 4>>": "optimizer",
+        "aten::_fused_adamw_": "optimizer",
+        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "nccl",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": "other",
+        "Memcpy HtoD (Pageable -> Device)": "other",
+        "aten::cumsum": "other",
+    }
+    assert {n: gpu_check.kernel_category(n) for n in names} == names
+
+
+def test_device_busy_counts_overlapping_kernels_once_and_only_device_work():
+    assert gpu_check.busy_seconds([]) == 0
+    assert gpu_check.busy_seconds([(5, 6), (0, 2), (1, 3), (5.5, 5.6), (3, 4)]) == 5  # [0, 4] and [5, 6]
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, start_us, end_us, device=cuda, **kw):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start_us, end=end_us),
+                               **kw)
+
+    # a torch whose events carry kineto's activity type: a GPU-side annotation spans its kernels and a gap
+    events = [ev("Optimizer.step#AdamW.step", 0, 1e6, activity_type="gpu_user_annotation"),
+              ev("nvjet_a", 0, 4e5, activity_type="kernel"), ev("triton_b", 2e5, 5e5, activity_type="kernel"),
+              ev("Memset (Device)", 8e5, 9e5, activity_type="gpu_memset")]
+    rows, busy = gpu_check.profile_seconds(events, cuda=True)
+    assert [r[0] for r in rows] == ["nvjet_a", "triton_b", "Memset (Device)"] and math.isclose(busy, 0.6)
+    assert math.isclose(sum(secs for _, secs in rows), 0.8)  # the categories' sum: the overlap is counted twice
+    # one without it: the host annotations' names and CUPTI's sync records are what is left out
+    events = [ev("Optimizer.step#AdamW.step", 0, 1e6, cpu, is_user_annotation=True),
+              ev("Optimizer.step#AdamW.step", 0, 1e6, is_user_annotation=False),
+              ev("Context Sync", 4e5, 1e6, is_user_annotation=False), ev("nvjet_a", 0, 4e5, is_user_annotation=False)]
+    rows, busy = gpu_check.profile_seconds(events, cuda=True)
+    assert [r[0] for r in rows] == ["nvjet_a"] and math.isclose(busy, 0.4)
 
 
 def test_some_parts_only_and_the_json_after_each(tmp_path: Path, capsys):
