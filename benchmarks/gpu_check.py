@@ -707,6 +707,11 @@ def _timed(fn: Callable[[], Any], device: torch.device, budget_s: float = 0.05) 
     return start.elapsed_time(end) / 1e3 / reps
 
 
+def _sig(x: float, digits: int = 4) -> float:
+    """x to `digits` significant figures (a toy CPU GEMM's 0.04 TFLOP/s stays non-zero)."""
+    return float(f"{x:.{digits}g}")
+
+
 def _causal_sdpa(qkv: tuple[torch.Tensor, ...], dout: torch.Tensor | None = None) -> None:
     """Causal GQA attention as the models call it; with `dout`, its backward too."""
     out = torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=True, enable_gqa=True)
@@ -740,7 +745,7 @@ def kernel_rates_part(device: torch.device) -> dict[str, Any]:
                 _timed(partial(torch.mm, dy.t(), x), device))
         row: dict[str, Any] = {"name": name, "tokens": m, "n_out": n, "n_in": k,
                                "ms": [round(1e3 * t, 4) for t in secs],
-                               "tflop_s": [round(2 * m * n * k / t / 1e12, 1) for t in secs]}
+                               "tflop_s": [_sig(2 * m * n * k / t / 1e12) for t in secs]}
         if gpu:
             pred = gpu.speeds.linear(m, n, k, peak, 2)
             row["predicted_ms"] = [round(1e3 * t, 4) for t in pred]
@@ -766,8 +771,8 @@ def kernel_rates_part(device: torch.device) -> dict[str, Any]:
                 continue
             bwd = max(fb - f, 1e-9)
             r: dict[str, Any] = {"forward_ms": round(1e3 * f, 4), "backward_ms": round(1e3 * bwd, 4),
-                                 "forward_tflop_s": round(flops / f / 1e12, 1),
-                                 "backward_tflop_s": round(2.5 * flops / bwd / 1e12, 1)}
+                                 "forward_tflop_s": _sig(flops / f / 1e12),
+                                 "backward_tflop_s": _sig(2.5 * flops / bwd / 1e12)}
             if gpu:
                 pf, pb = gpu.speeds.attention(flops, s, d, "bf16", TRAINING_ATTENTION, peak, 0.0)
                 r["measured_over_predicted"] = [round(f / pf, 3), round(bwd / pb, 3)]
