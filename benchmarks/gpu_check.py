@@ -154,20 +154,25 @@ def _gib(n: float | None) -> float | None:
 
 
 # ---------------------------------------------------------------------------- (a) training, (b) SDPA, (e) syncs
-def make_trainer(size: Sizes, device: torch.device, work: Path, *extra: str) -> Any:
+def run_config(size: Sizes, device_type: str, *extra: str) -> Any:
+    """The Config of a part's training run (the model, batch and precision the planner is told about)."""
     from pentatron.config import load_config
-    from pentatron.train.trainer import Trainer
 
-    steps = size.steps + size.profile_steps + sum(STEP_PROFILE)
     sets = [f"model.name={_toml(size.base)}", *(f"model.{k}={_toml(v)}" for k, v in size.model.items()),
             f"train.seq_len={size.seq_len}", f"train.micro_batch={size.micro_batch}",
             f"train.global_batch={size.global_batch}", f"train.steps={size.steps}", "train.warmup=2",
-            "train.precision='bf16'", f"train.device={_toml(device.type)}", "log.progress=false",
-            "log.tensorboard=false", f"log.every={max(1, size.steps // 6)}", f"log.dir={_toml(str(work / 'run'))}",
-            *extra]
-    if device.type == "cpu":
+            "train.precision='bf16'", f"train.device={_toml(device_type)}", *extra]
+    if device_type == "cpu":
         sets.append("train.peak_tflops=1.0")  # no CPU peak measurement in the toy run (seconds)
-    cfg = load_config(None, sets, world_size=1)
+    return load_config(None, sets, world_size=1)
+
+
+def make_trainer(size: Sizes, device: torch.device, work: Path, *extra: str) -> Any:
+    from pentatron.train.trainer import Trainer
+
+    steps = size.steps + size.profile_steps + sum(STEP_PROFILE)
+    cfg = run_config(size, device.type, "log.progress=false", "log.tensorboard=false",
+                     f"log.every={max(1, size.steps // 6)}", f"log.dir={_toml(str(work / 'run'))}", *extra)
     tokens = (steps + 2) * size.global_batch * (size.seq_len + 1)
     data = synthetic_dataset(work / "data", size.model["vocab_size"], tokens)
     return Trainer(cfg, dataset_dir=data)
@@ -803,6 +808,43 @@ def kernel_rates_part(device: torch.device) -> dict[str, Any]:
     return out
 
 
+# ---------------------------------------------------------------------------- the GPU's calibration
+def calibration(result: dict[str, Any]) -> dict[str, Any]:
+    """What this run calibrates on its GPU (calibrate/gpu_calibration.py): the attention curves, SDPA's kernel
+    and our step against the model, as a hardware file for `pentatron plan --hardware-profile`."""
+    from pentatron.calibrate.gpu_calibration import (
+        attention_by_seq,
+        calibrated,
+        hardware_toml,
+        measured_over_model,
+        sdpa_kernel,
+        with_kernels,
+    )
+    from pentatron.hardware.catalogue import detect_gpu
+    from pentatron.observe.report import planner_layout
+
+    p = result["parts"]
+    gpu = None if result["toy"] else detect_gpu(result["device"])
+    if gpu is None:
+        return {"status": "skipped: no catalogue GPU (toy run, or a GPU the catalogue does not know)"}
+    need = [k for k in ("kernel_rates", "sdpa_backend", "train") if p.get(k, {}).get("status") != "ok"]
+    if need:
+        return {"status": f"skipped: needs parts {', '.join(need)}"}
+    curves, sdpa = attention_by_seq(p["kernel_rates"]), sdpa_kernel(p["sdpa_backend"])
+    model = with_kernels(gpu, curves, sdpa)
+    runs = {"fused": (p["train"]["tokens_per_s"], ())}
+    if p.get("compile", {}).get("status") == "ok":
+        runs["eager"] = (p["compile"]["eager_tokens_per_s"], ("train.compile=false",))
+    ours = {}
+    for kernels, (tokens_per_s, extra) in runs.items():
+        lay, w = planner_layout(run_config(GPU, "cuda", *extra), 1, "cuda")
+        ours[kernels] = measured_over_model(w.global_batch * w.seq_len / tokens_per_s, w, lay, model, kernels)
+    eff = calibrated(gpu, curves, sdpa, ours)
+    source = f"benchmarks/gpu_check.py on {result['device']}, torch {result['torch']}"
+    return {"status": "ok", "base": gpu.name, "attention_by_seq": {k: [list(c) for c in v] for k, v in curves.items()},
+            "sdpa_kernel": eff.sdpa_kernel, "our_step": ours, "toml": hardware_toml(gpu.name, eff, source)}
+
+
 # ---------------------------------------------------------------------------- the run
 PARTS = ("kernel_rates", "train", "sdpa_backend", "step_profile", "syncs", "fp8", "compile", "ring_kernel", "documents",
          "stage_startup")
@@ -940,7 +982,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--toy", action="store_true", help="toy sizes on CPU (automatic without CUDA)")
     ap.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="where the JSON goes")
     ap.add_argument("--parts", default="", help="comma-separated parts to run (default: all): " + ", ".join(PARTS))
+    ap.add_argument("--calibration-out", type=Path, default=None,
+                    help="write the GPU's calibration as a hardware file (pentatron plan --hardware-profile)")
+    ap.add_argument("--from-json", type=Path, default=None,
+                    help="run nothing: the calibration of a stored gpu_check JSON (with --calibration-out)")
     args = ap.parse_args(argv)
+    if args.from_json is not None:
+        cal = calibration(json.loads(args.from_json.read_text()))
+        print(f"gpu_check: calibration {cal['status']}" + (f": our_step {cal['our_step']}, SDPA kernel "
+                                                           f"{cal['sdpa_kernel']}" if cal["status"] == "ok" else ""))
+        if cal["status"] == "ok" and args.calibration_out is not None:
+            args.calibration_out.write_text(cal["toml"])
+        return 0 if cal["status"] == "ok" else 1
     only = {p.strip() for p in args.parts.split(",") if p.strip()} or None
     if only and only - set(PARTS):
         print(f"gpu_check: unknown part(s) {', '.join(sorted(only - set(PARTS)))}; known: {', '.join(PARTS)}",
@@ -953,8 +1006,13 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="pentatron-gpu-check-") as tmp:
         result = run(args.toy, Path(tmp), only, save)
+    result["calibration"] = calibration(result)
     save(result)
     print(table(result))
+    print(f"gpu_check: calibration {result['calibration']['status']}")
+    if result["calibration"]["status"] == "ok" and args.calibration_out is not None:
+        args.calibration_out.write_text(result["calibration"]["toml"])
+        print(f"gpu_check: hardware file for `pentatron plan --hardware-profile` in {args.calibration_out}")
     print(f"gpu_check: JSON in {args.out}")
     done = all(r.get("status") == "ok" or r.get("status", "").startswith("skipped") for r in result["parts"].values())
     return 0 if done else 1

@@ -51,6 +51,7 @@ def test_every_part_runs_at_toy_size_with_real_numbers(tmp_path: Path, capsys):
     p = r["parts"]
     # on a CPU train.compile "auto" is eager: the compiled-vs-eager part is CUDA's (compile_speed.py is the CPU's)
     assert p.pop("compile")["status"].startswith("skipped: train.compile 'auto' is eager on a CPU")
+    assert r["calibration"]["status"].startswith("skipped: no catalogue GPU")
     assert all(q["status"] == "ok" for q in p.values()), {k: q["status"] for k, q in p.items()}
     t = p["train"]
     assert t["steps"] == gpu_check.TOY.steps and all(_number(t[k]) and t[k] > 0 for k in (
@@ -161,3 +162,18 @@ def test_some_parts_only_and_the_json_after_each(tmp_path: Path, capsys):
     assert capsys.readouterr().out.count("gpu_check: ") >= 3  # a line per part as it ends, then the JSON's
     assert gpu_check.main(["--toy", "--out", str(out), "--parts", "kernel_rate"]) == 2
     assert "unknown part(s) kernel_rate" in capsys.readouterr().err
+
+
+def test_the_catalogue_holds_what_the_stored_h200_run_calibrates(tmp_path: Path, capsys):
+    """H100/H200's measured attention, SDPA kernel and our step (hardware/catalogue.py) are exactly what
+    `--from-json` derives from the stored H200 run, and its hardware file loads to the same efficiencies."""
+    from pentatron.hardware.catalogue import get_gpu, load_hardware_toml
+
+    stored = Path(__file__).resolve().parents[1] / "benchmarks" / "measured" / "gpu_check_h200_2026-12-04.json"
+    out = tmp_path / "h200.toml"
+    assert gpu_check.main(["--from-json", str(stored), "--calibration-out", str(out)]) == 0
+    assert "calibration ok" in capsys.readouterr().out
+    got, h200 = load_hardware_toml(out), get_gpu("h200")
+    for field in ("attention_by_seq", "sdpa_kernel", "our_step"):
+        assert getattr(got.efficiency, field) == getattr(h200.efficiency, field), field
+    assert got.name == "h200-measured" and got.peak_flops == h200.peak_flops

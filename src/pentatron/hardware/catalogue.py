@@ -57,6 +57,7 @@ class Efficiency:
     # blocks, "eager") -> measured / modelled per-GPU work (the stage phases: what the model does not attribute
     # yet, e.g. the host syncs and launch gaps); empty = not measured, and `plan` labels our recipe unmeasured
     our_step: dict[str, float] = field(default_factory=dict)
+    our_step_source: str = ""  # where our_step was measured (a hardware file's own `source` where empty)
     hbm: float = 0.90  # streaming (elementwise) kernels of the HBM bandwidth
     # small-k loss of FP8 (1-byte) and 16-bit GEMMs: x k / (k + k0) (a fixed prologue/epilogue per output
     # tile); 0 = not measured for this GPU
@@ -261,6 +262,8 @@ _HOPPER_ATTENTION = {"flash2": ((2048, 4096, 8192), (0.298, 0.313, 0.302), (0.20
                      "cudnn": ((2048, 4096, 8192), (0.552, 0.570, 0.616), (0.354, 0.410, 0.460))}
 _HOPPER_EFF = Efficiency(matmul=0.80, attention=(0.30, 0.24), attention_by_seq=_HOPPER_ATTENTION, sdpa_kernel="cudnn",
                          our_step={"fused": 1.106, "eager": 1.197},
+                         our_step_source="benchmarks/gpu_check.py on one H200 SXM, 2026-12-04; the H100 SXM "
+                                         "taken alike",
                          attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.58, 0.41)},
                          fp8_gemm_k0=409.0, gemm_k0=244.0, fp8_rowwise=H100_ROWWISE)
 _B200_EFF = Efficiency(matmul=0.80, attention=(0.35, 0.30),
@@ -421,7 +424,52 @@ def _efficiency(d: dict[str, Any], base: Efficiency, where: str, problems: list[
             kw["attention"] = (float(ae[0]), float(ae[1]))
             # the given FlashAttention-2 fractions replace its measured curve
             kw["attention_by_seq"] = {k: v for k, v in base.attention_by_seq.items() if k != "flash2"}
+    if "attention_by_seq" in d:
+        kw["attention_by_seq"] = {**kw.get("attention_by_seq", base.attention_by_seq),
+                                  **_attention_curves(d["attention_by_seq"], where, problems)}
+    if (sk := d.get("sdpa_kernel")) is not None:
+        if sk not in ATTENTION_KERNELS:
+            problems.append(f"{where}: sdpa_kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {sk!r}")
+        else:
+            kw["sdpa_kernel"] = sk
+    if (ours := d.get("our_step")) is not None:
+        if not (isinstance(ours, dict) and set(ours) <= {"fused", "eager"}
+                and all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in ours.values())):
+            problems.append(f"{where}: our_step must be a table like {{ fused = 1.1, eager = 1.2 }} (positive)")
+        else:
+            kw["our_step"], kw["our_step_source"] = {k: float(v) for k, v in ours.items()}, ""
     return replace(base, **kw) if kw else base
+
+
+ATTENTION_KERNELS = ("flash2", "flash3", "cudnn")
+
+
+def _attention_curves(t: Any, where: str, problems: list[str]) -> dict[str, tuple[tuple[float, ...], ...]]:
+    """[attention_by_seq.KERNEL] tables: seq (increasing), forward and backward fractions in (0, 1]."""
+    if not isinstance(t, dict):
+        problems.append(f"{where}: attention_by_seq must hold tables like [attention_by_seq.cudnn]")
+        return {}
+    out: dict[str, tuple[tuple[float, ...], ...]] = {}
+    for kernel, c in t.items():
+        cols = _number_lists(c, ("seq", "forward", "backward"))
+        if (kernel not in ATTENTION_KERNELS or cols is None or any(a >= b for a, b in zip(cols[0], cols[0][1:]))
+                or not all(0 < v <= 1 for col in cols[1:] for v in col)):
+            problems.append(f"{where}: attention_by_seq.{kernel} must give a kernel of {', '.join(ATTENTION_KERNELS)} "
+                            "equal-length lists seq (increasing), forward and backward (fractions in (0, 1])")
+            continue
+        out[kernel] = cols
+    return out
+
+
+def _number_lists(t: Any, keys: tuple[str, ...]) -> tuple[tuple[float, ...], ...] | None:
+    """The lists under `keys` of table `t` as floats, when each is a non-empty list of numbers of one length."""
+    if not isinstance(t, dict):
+        return None
+    cols = [t.get(k) for k in keys]
+    if not all(isinstance(c, list) and c and all(isinstance(v, int | float) and not isinstance(v, bool) for v in c)
+               for c in cols) or len({len(c) for c in cols}) != 1:
+        return None
+    return tuple(tuple(float(v) for v in c) for c in cols)
 
 
 def hardware_from_dict(d: dict[str, Any], where: str = "hardware", profile: dict[str, Any] | None = None
@@ -431,7 +479,7 @@ def hardware_from_dict(d: dict[str, Any], where: str = "hardware", profile: dict
     problems: list[str] = []
     measured = {**{k: v for k, v in d.items() if k in PROFILE_KEYS}, **(profile or {})}
     known = PROFILE_KEYS | _META_KEYS | set(_DATASHEET_SCALARS) | set(_EFFICIENCY_SCALARS) \
-        | {"peak_tflops", "attention_efficiency"}
+        | {"peak_tflops", "attention_efficiency", "attention_by_seq", "sdpa_kernel", "our_step"}
     kw = _base(d, where, problems)
     kw["name"] = str(d.get("name", kw.get("name", "custom")))
     kw["source"] = str(d.get("source", kw.get("source", "user TOML")))

@@ -74,9 +74,9 @@ def calibration_note(p: Prediction, gpu: GPUSpec) -> str | None:
     if p.layout.recipe.name != "pentatron" or not gpu.efficiency.our_step:
         return None
     factors = ", ".join(f"{v:.2f}x with {k} kernels" for k, v in gpu.efficiency.our_step.items())
-    note = (f"calibrated: Pentatron's step was measured on one H200 (benchmarks/gpu_check.py, 2026-12-04; "
-            f"{gpu.name} taken alike): its per-GPU work took {factors} this model's, applied here; communication "
-            "between GPUs is the model's (our NCCL path has not been measured)")
+    note = (f"calibrated: Pentatron's own step was measured ({gpu.efficiency.our_step_source or gpu.source}): its "
+            f"per-GPU work took {factors} this model's, applied here; communication between GPUs is the model's "
+            "(our NCCL path has not been measured on a GPU)")
     if p.layout.precision == "fp8":  # the model prices fused casts; ours are not (yet)
         note += f". FP8: {EAGER_FP8_ON_GPU}, where this model predicts a speed-up"
     return note
