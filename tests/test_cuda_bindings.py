@@ -101,3 +101,20 @@ def test_the_step_end_waits_for_the_compute_stream_not_the_collectives(monkeypat
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: calls.append(("device", d)))
     wait_for_compute(device)
     assert calls == ([("stream", CUDA1)] if device.type == "cuda" else [])
+
+
+def test_host_batches_reach_a_gpu_pinned_and_asynchronously(monkeypatch):
+    """A pageable host→GPU copy waits for the stream's queued work (4 syncs per step on an H200): batches go
+    through pinned memory with non_blocking; a CPU run, or a tensor already on a device, moves plainly."""
+    from pentatron.host_copy import to_device
+
+    calls: list[tuple[str, tuple, dict]] = []
+    real_to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append(("pin", (), {})) or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append(("to", a, k)) or real_to(self, CPU))
+    t = torch.arange(4)
+    to_device(t, CUDA1)
+    assert calls == [("pin", (), {}), ("to", (CUDA1,), {"non_blocking": True})]
+    calls.clear()
+    to_device(t, CPU)
+    assert calls == [("to", (CPU,), {})]

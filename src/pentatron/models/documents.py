@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pentatron.host_copy import to_device
+
 
 @dataclass(frozen=True)
 class Documents:
@@ -158,7 +160,7 @@ def _varlen_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documen
     from torch.nn.attention.varlen import varlen_attn
 
     b, h, s, d = q.shape
-    cu = documents.cu_seqlens.to(q.device, non_blocking=True)
+    cu = to_device(documents.cu_seqlens, q.device)
     flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]  # [tokens, heads, d]
     kwargs = dict(_varlen_causal_kwargs() or {})
     if gqa and _varlen_takes_gqa():

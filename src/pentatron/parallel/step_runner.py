@@ -27,6 +27,7 @@ from torch import nn
 
 from pentatron.config import DataConfig, TrainConfig
 from pentatron.distributed.context import ParallelContext
+from pentatron.host_copy import to_device
 from pentatron.layout import ParallelLayout
 from pentatron.models.documents import Documents
 from pentatron.models.moe import finish_step, moe_layers, set_aux_loss_scale
@@ -98,7 +99,7 @@ class StepRunner:
         each one's RoPE positions (`positions`)."""
         if documents is not None and len(documents) != len(micro_batches):
             raise ValueError(f"{len(documents)} Documents for {len(micro_batches)} micro-batches")
-        batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
+        batches = [(to_device(x, self.device), to_device(y, self.device)) for x, y in micro_batches]
         if self.shard is not None:
             batches = [(self.shard.take(x), self.shard.take(y)) for x, y in batches]
         return batches, self.positions(documents, len(batches))
