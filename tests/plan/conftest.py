@@ -17,3 +17,11 @@ def accuracy() -> Any:
     sys.modules["planner_accuracy"] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
+
+
+def uncalibrated(gpu: Any) -> Any:
+    """`gpu` on the datasheet model alone: our step's measured calibration (`Efficiency.our_step`, which scales
+    our recipe's stage phases on H100/H200) left out, for tests of the model's own terms."""
+    import dataclasses
+
+    return dataclasses.replace(gpu, efficiency=dataclasses.replace(gpu.efficiency, our_step={}))

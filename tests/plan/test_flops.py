@@ -198,8 +198,9 @@ def test_the_runs_chunk_size_and_zero_bubbles_w_replay_are_timed():
     from pentatron.plan.layout import Layout, Workload
     from pentatron.plan.recipes import loss_chunk_tokens_of, not_ours, training_recipe
     from pentatron.plan.timing import head_gemm, head_phase, stage_phases
+    from tests.plan.conftest import uncalibrated
 
-    gpu = get_gpu("h100-sxm")
+    gpu = uncalibrated(get_gpu("h100-sxm"))
     w = Workload(get_model_config("llama3-8b"), 4096, 64)
     lay = Layout(dp=8, pp=2, micro_batch=1)
     gemm = head_gemm(w, lay, gpu).f

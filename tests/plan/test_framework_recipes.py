@@ -24,6 +24,7 @@ from pentatron.plan.layout import Layout, Workload, problems, trainable_problems
 from pentatron.plan.memory import llama_layer_activation_bytes, memory_for_rank, stage_extras
 from pentatron.plan.recipes import Recipe
 from pentatron.plan.timing import dense_linears, layer_phase, stage_phases, step_time, tp_overlap_split
+from tests.plan.conftest import uncalibrated
 
 H100 = H100_ = get_gpu("h100")
 CFG = ModelConfig(vocab_size=32000, hidden_size=1024, n_layers=8, n_heads=16, n_kv_heads=8,
@@ -203,8 +204,7 @@ def test_blocking_pipeline_sends_hold_the_sender():
     w = Workload(CFG, 2048, 64)
     lay = Layout(dp=2, pp=4, micro_batch=1)
     ds = lay.with_recipe(pp_p2p="blocking")
-    # the datasheet model alone: our step's measured calibration (Efficiency.our_step) scales ours, not theirs
-    H100 = dataclasses.replace(H100_, efficiency=dataclasses.replace(H100_.efficiency, our_step={}))
+    H100 = uncalibrated(H100_)  # our step's measured calibration scales ours, not theirs
     hop = pp_hop_time(w, lay, H100)
     assert hop > 0
     ours, theirs = stage_phases(w, lay, H100), stage_phases(w, ds, H100)

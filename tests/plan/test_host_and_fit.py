@@ -12,10 +12,9 @@ from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.memory import FRAGMENTATION, RUNTIME_RESERVED, memory_per_gpu
 from pentatron.plan.search import predict
 from pentatron.plan.timing import layer_phase, stage_phases, step_time
+from tests.plan.conftest import uncalibrated
 
-# the host terms on the datasheet model alone: our step's measured calibration (Efficiency.our_step) left out
-_H = get_gpu("h100")
-H100 = dataclasses.replace(_H, efficiency=dataclasses.replace(_H.efficiency, our_step={}))
+H100 = uncalibrated(get_gpu("h100"))  # the host terms on the datasheet model alone
 W = Workload(get_model_config("debug"), 64, 8)  # 4 layers, tied embeddings
 HOST = with_profile(H100, host_layer_s=(1e-3, 2e-3), host_ends_s=(3e-3, 4e-3), host_optimizer_per_tensor_s=1e-4)
 

@@ -15,11 +15,12 @@ from pentatron.models.registry import get_model_config
 from pentatron.plan.comm import Group, collective_time
 from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.timing import layer_phase, stage_phases
+from tests.plan.conftest import uncalibrated
 
 W = Workload(get_model_config("debug"), 64, 8)
 TP2 = Layout(dp=1, tp=2, micro_batch=4, precision="fp32")
 FLAT = ((4096.0, 1e9), (4.0 * 2**20, 1e9))  # 1 GB/s bus bandwidth at every size
-BASE = with_profile(get_gpu("h100"), busbw={"all_reduce": FLAT, "all_gather": FLAT},
+BASE = with_profile(uncalibrated(get_gpu("h100")), busbw={"all_reduce": FLAT, "all_gather": FLAT},
                     host_layer_s=(1e-4, 2e-4), host_ends_s=(3e-4, 4e-4))
 # in-step all-reduce: 1 ms at 4 KiB, 2 ms at 256 KiB (log-linear: 128 KiB is 5/6 of the way, 1.8333 ms)
 TPS = with_profile(BASE, host_tp_layer_s=(5e-4, 6e-4), host_tp_ends_s=(7e-4, 8e-4),
