@@ -263,3 +263,32 @@ def test_hsdp_shards_over_a_node_and_all_reduces_one_shard_across_nodes():
     n_params = sum(c.payload * c.count for c in dp if c.op == "reduce_scatter") / 4 / hsdp.microbatches(w)
     assert (rep.op, rep.count) == ("all_reduce", 1) and rep.payload == pytest.approx(n_params * 4 / 8)
     assert st.dp_exposed >= rep.time
+
+
+def test_h100_fabric_is_the_measured_all_reduce_where_it_was_measured():
+    """The H100 default network (hardware/fabric.py: NVIDIA's nccl-tests all-reduce over 4..1024 full nodes)
+    gives a node-full cross-node all-reduce its measured bus bandwidth, read on log scales between the
+    readings; groups with fewer GPUs per node, other collectives, messages under 1 MiB, other NICs and files
+    that set their own network keep the link model (the A100 has no curve)."""
+    from pentatron.hardware.catalogue import hardware_from_dict
+
+    link = dataclasses.replace(H100, efficiency=dataclasses.replace(H100.efficiency, fabric=None))
+    full = group_of(Layout(dp=32), "dp", H100)  # 4 nodes x 8 GPUs
+    gib = 2**30
+    assert bus_bandwidth(H100, "all_reduce", gib, full) == pytest.approx(352e9)
+    assert collective_time(H100, "all_reduce", gib, full) == pytest.approx(2 * 31 / 32 * gib / 352e9)
+    big = group_of(Layout(dp=8192), "dp", H100)  # 1024 nodes: 157 GB/s at 128 MiB, 217 at 256 MiB
+    assert bus_bandwidth(H100, "all_reduce", 2**27, big) == pytest.approx(157e9)
+    assert bus_bandwidth(H100, "all_reduce", 2**27 * 2**0.5, big) == pytest.approx((157e9 * 217e9) ** 0.5)
+    mid = group_of(Layout(dp=256), "dp", H100)  # 32 nodes: between the 16- and 128-node readings at 4 GiB
+    assert bus_bandwidth(H100, "all_reduce", 4 * gib, mid) == pytest.approx(372e9 ** (2 / 3) * 359e9 ** (1 / 3))
+    for other in ((Layout(dp=32, tp=8), "dp", "all_reduce", gib), (Layout(dp=32), "dp", "all_gather", gib),
+                  (Layout(dp=32), "dp", "all_reduce", 2**19), (Layout(tp=8), "tp", "all_reduce", gib)):
+        g = group_of(other[0], other[1], H100)
+        assert collective_time(H100, other[2], other[3], g) == collective_time(link, other[2], other[3], g)
+    fab = H100.efficiency.fabric
+    assert get_gpu("h200").efficiency.fabric is fab and get_gpu("a100").efficiency.fabric is None
+    slower = dataclasses.replace(H100, inter_node_bandwidth=25e9)
+    assert bus_bandwidth(slower, "all_reduce", gib, full) == pytest.approx(8 * 25e9 * 0.8)
+    assert hardware_from_dict({"base": "h100", "inter_node_latency_us": 35.5}).efficiency.fabric is None
+    assert hardware_from_dict({"base": "h100", "hbm_gib": 96}).efficiency.fabric is fab

@@ -16,6 +16,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
+from pentatron.hardware.fabric import H100_NDR_ALLREDUCE, FabricCurve
 from pentatron.hardware.fp8_rowwise import H100_ROWWISE, SpeedupGrid
 from pentatron.hardware.kernel_tables import log_grid_value
 from pentatron.hardware.profile import PROFILE_KEYS, PROFILE_SCHEMA, BusBwTable, Profile, interp_log, profile_from_dict
@@ -66,6 +67,9 @@ class Efficiency:
     # FP8 with row-wise scaling: the measured speedup over bf16 by shape (hardware/fp8_rowwise.py); None = not
     # measured on this GPU, and row-wise FP8 is refused
     fp8_rowwise: SpeedupGrid | None = None
+    # the cluster fabric's measured all-reduce by node count and bytes (hardware/fabric.py), used where it
+    # applies instead of the link x `collective`; None = link model only. A file setting the network drops it.
+    fabric: FabricCurve | None = None
 
 
 @dataclass(frozen=True)
@@ -221,6 +225,14 @@ _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float3
 #        sits within 1.5 % of the tile-lang M=N=8192 K-sweep (K = 1024..16384), a timed sweep of ordinary
 #        shapes, so it is kept. B200: carried over from H100 until measured.
 #  collective_efficiency: nccl-tests all_reduce bus bandwidth ~ 80% of NVLink/IB line rate at >=256 MB.
+#  fabric (H100 SXM, H200): cross-node all-reduce over all 8 GPUs of each node, NCCL bus bandwidth by node
+#        count (4..1024) and bytes (1 MiB..16 GiB), NVIDIA GTC 2024 S62129 slide 35 (NVLSTree, 32 to 8K GPUs,
+#        8 x 400 Gb/s per node; hardware/fabric.py has the readings): 365-379 GB/s at >= 4 GiB on every node
+#        count (the link model's 8 x 50 x 0.80 = 320), 276 GB/s at 128 MiB on 4 nodes and 157 on 1024 (the
+#        link model with NCCL's tree latency: ~300 and ~270). Replaces the link model only for what was
+#        measured; other groups and collectives keep it. The H200 has the same NICs (taken alike, inferred).
+#        A100 (8 x 200 Gb/s HDR): only one published point was found, 192 GB/s at 32 GPUs (GTC 2025 S72583
+#        slide 12, "NVL3 + 8x 200Gb RDMA (DGX A100)"), no node-count curve: not applied.
 #  sm_count: A100 108, H100 SXM/H200 132 (NVIDIA Hopper/Ampere whitepapers), B200 148 (2 dies x 74).
 #  attention_efficiency (FlashAttention-2, torch SDPA's flash backend): Dao 2023 (arXiv:2307.08691):
 #        A100 fwd up to 73%, bwd up to 63% of peak. flash3 on H100: fwd ~740 TF (75%), bwd ~60% (Shah et al.
@@ -265,7 +277,7 @@ _HOPPER_EFF = Efficiency(matmul=0.80, attention=(0.30, 0.24), attention_by_seq=_
                          our_step_source="benchmarks/gpu_check.py on one H200 SXM, 2026-12-04; the H100 SXM "
                                          "taken alike",
                          attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.58, 0.41)},
-                         fp8_gemm_k0=409.0, gemm_k0=244.0, fp8_rowwise=H100_ROWWISE)
+                         fp8_gemm_k0=409.0, gemm_k0=244.0, fp8_rowwise=H100_ROWWISE, fabric=H100_NDR_ALLREDUCE)
 _B200_EFF = Efficiency(matmul=0.80, attention=(0.35, 0.30),
                        attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.75, 0.60)})
 _CATALOGUE: dict[str, GPUSpec] = {
@@ -366,6 +378,7 @@ _DATASHEET_SCALARS: dict[str, tuple[str, float]] = {
     "sm_count": ("sm_count", 1),
     "nics_per_node": ("nics_per_node", 1),
 }
+_NETWORK_KEYS = frozenset({"gpus_per_node", "inter_node_bandwidth_gb_s", "inter_node_latency_us", "nics_per_node"})
 _INTEGRAL = frozenset({"hbm_bytes", "gpus_per_node", "sm_count", "nics_per_node"})
 # file key -> Efficiency field
 _EFFICIENCY_SCALARS = {"matmul_efficiency": "matmul", "collective_efficiency": "collective",
@@ -486,6 +499,8 @@ def hardware_from_dict(d: dict[str, Any], where: str = "hardware", profile: dict
     kw.update(_peak(d, where, problems))
     kw.update(_datasheet_scalars(d, where, problems))
     kw["efficiency"] = _efficiency(d, kw.get("efficiency", Efficiency()), where, problems)
+    if _NETWORK_KEYS & set(d):  # another network than the one the base's fabric curve was measured on
+        kw["efficiency"] = replace(kw["efficiency"], fabric=None)
     kw["profile"] = profile_from_dict(measured, where, problems)
     unknown = sorted(set(d) - known) + sorted(set(profile or {}) - PROFILE_KEYS)
     if unknown:

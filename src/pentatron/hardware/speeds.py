@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pentatron.distributed.ring import ring_bytes
+from pentatron.hardware.fabric import FabricCurve
 from pentatron.hardware.kernel_tables import attention_rate
 from pentatron.hardware.profile import Curve, Profile, interp_log, measured_then_curve
 
@@ -45,6 +46,7 @@ class _Efficiencies(Protocol):
     matmul: float
     collective: float
     hbm: float
+    fabric: FabricCurve | None
 
 
 class Datasheet(Protocol):
@@ -147,10 +149,22 @@ class Roofline:
         return params * bytes_per_param / self.stream_bandwidth(working_set)
 
     # ---- communication
+    def fabric_busbw(self, op: str, payload: float, g: Group) -> float | None:
+        """The measured fabric's all-reduce bus bandwidth (its latency included) where it applies
+        (hardware/fabric.py: node-full groups across nodes, on the fabric it was measured on), else None."""
+        gpu, fab = self.gpu, self.gpu.efficiency.fabric
+        if fab is None or op != "all_reduce" or not g.crosses_nodes:
+            return None
+        if not fab.applies(gpu.gpus_per_node, gpu.nics, gpu.inter_node_bandwidth, g.per_node, payload):
+            return None
+        return fab.bus_bandwidth(g.nodes, payload)
+
     def bus_bandwidth(self, op: str, payload: float, g: Group) -> float:
-        """Bus bandwidth (bytes/s): NVLink inside a node; across nodes the group's ranks on a node share
-        that node's NICs; times the collective efficiency."""
+        """Bus bandwidth (bytes/s): NVLink inside a node; across nodes the measured fabric's where it applies,
+        else the group's ranks on a node share that node's NICs; times the collective efficiency."""
         gpu = self.gpu
+        if (measured := self.fabric_busbw(op, payload, g)) is not None:
+            return measured
         if g.crosses_nodes:
             nic = gpu.inter_node_bandwidth * gpu.gpus_per_node / gpu.nics
             link = min(gpu.intra_node_bandwidth, min(g.per_node, gpu.nics) * nic)
@@ -160,8 +174,10 @@ class Roofline:
 
     def collective(self, op: str, payload: float, g: Group) -> float:
         """Ring alpha-beta: steps x latency + wire bytes / bus bandwidth; an all-reduce across nodes takes
-        NCCL's tree when its latency is lower."""
+        NCCL's tree when its latency is lower; the measured fabric's curve where it applies."""
         gpu = self.gpu
+        if (measured := self.fabric_busbw(op, payload, g)) is not None:  # its latency included
+            return wire_bytes(op, payload, g.size) / measured
         steps = 2 * (g.size - 1) if op == "all_reduce" else g.size - 1
         alpha = gpu.inter_node_latency if g.crosses_nodes else gpu.intra_node_latency
         beta = wire_bytes(op, payload, g.size) / self.bus_bandwidth(op, payload, g)
