@@ -34,7 +34,8 @@ Parts (each one reports on its own; a failing part does not stop the others):
                 on CPU the calls that would sync on CUDA (item, tolist, float(t), cpu(), ...), counted
   fp8           FP8 GEMMs (train.fp8 tensorwise and rowwise) against bf16 on an 8B-shaped stack (h 4096, ffn
                 14336, 32/8 heads, 4 layers, vocab 32000, seq 4096, micro-batch 2), each 10 steps through the
-                Trainer, all eager (train.fp8 does not compile yet): tokens/s of each and the ratios to bf16
+                Trainer, eager, and on CUDA again with compiled blocks (train.compile "auto": the FP8 casts
+                fused): tokens/s of each and the ratios to bf16 of the same compile setting
   compile       the training part's run (train.compile "auto": compiled blocks on CUDA) against the same run
                 with train.compile=false: tokens/s of each, the ratio, compile seconds and recompiles.
                 CUDA only: on a CPU "auto" is eager, and benchmarks/compile_speed.py compares the two there
@@ -504,15 +505,16 @@ def compile_part(size: Sizes, device: torch.device, work: Path, compiled: dict[s
 FP8_RUNS = ("bf16", "tensorwise", "rowwise")
 
 
-def fp8_part(size: Sizes, device: torch.device, work: Path) -> dict[str, Any]:
-    """Tokens/s of the same stack, data and seed in bf16 and with train.fp8 tensorwise / rowwise (the trainer's
-    FP8 path, parallel/fp8.py), one run after the other, each eager; the median of the steps after the first 3."""
+def _fp8_runs(size: Sizes, device: torch.device, work: Path, compile_: bool | str) -> dict[str, Any]:
+    """bf16, tensorwise and rowwise runs of `size` under train.compile=`compile_`, with the ratios to bf16."""
     runs: dict[str, Any] = {}
     for run in FP8_RUNS:
-        trainer = make_trainer(size, device, work / f"fp8_{run}", "train.compile=false",
-                               f"train.fp8={_toml('off' if run == 'bf16' else run)}")
+        fp8 = "off" if run == "bf16" else run
+        trainer = make_trainer(size, device, work / f"fp8_{run}{'_compiled' if compile_ else ''}",
+                               f"train.compile={_toml(compile_)}", f"train.fp8={_toml(fp8)}")
         try:
             records = trainer.fit()
+            compiled = trainer.runner.compiled.summary() if trainer.runner.compiled else None
         finally:
             trainer.close()
             del trainer
@@ -521,10 +523,24 @@ def fp8_part(size: Sizes, device: torch.device, work: Path) -> dict[str, Any]:
         runs[run] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
                      "step_time_s": statistics.median(r["step_time_s"] for r in steady),
                      "final_loss": records[-1]["loss"], "steps": len(records),
-                     "peak_allocated_gib": _gib(max(r["peak_mem_bytes"] for r in records))}
+                     "peak_allocated_gib": _gib(max(r["peak_mem_bytes"] for r in records)),
+                     **({"compiled": compiled} if compiled else {})}
     base = runs["bf16"]["tokens_per_s"]
-    return {"shape": {**size.model, "seq_len": size.seq_len, "micro_batch": size.micro_batch}, "runs": runs,
-            "speedup": {r: runs[r]["tokens_per_s"] / base for r in FP8_RUNS[1:]}}
+    return {"runs": runs, "speedup": {r: runs[r]["tokens_per_s"] / base for r in FP8_RUNS[1:]}}
+
+
+def fp8_part(size: Sizes, device: torch.device, work: Path) -> dict[str, Any]:
+    """Tokens/s of the same stack, data and seed in bf16 and with train.fp8 tensorwise / rowwise (the trainer's
+    FP8 path, parallel/fp8.py), one run after the other, each eager (`runs`, `speedup`); on CUDA the three again
+    with compiled blocks (train.compile "auto", the FP8 casts fused inside them: `compiled`, its speedups against
+    compiled bf16); the median of the steps after the first 3."""
+    from pentatron.config import compile_enabled
+
+    eager = _fp8_runs(size, device, work, False)
+    compiled = (_fp8_runs(size, device, work, "auto") if compile_enabled("auto", device.type) else
+                {"status": "skipped: train.compile 'auto' is eager on a CPU (the eager runs are the same)"})
+    return {"shape": {**size.model, "seq_len": size.seq_len, "micro_batch": size.micro_batch}, **eager,
+            "compiled": compiled}
 
 
 # ---------------------------------------------------------------------------- (c) ring attention's block kernel
@@ -951,8 +967,12 @@ def table(result: dict[str, Any]) -> str:
         f"{r['compile_s']} s compiling, {r['recompiles']} recompiles"))
     add("(g) FP8 vs bf16", "fp8", lambda r: (
         f"h {r['shape']['hidden_size']} × {r['shape']['n_layers']} layers, {r['shape']['micro_batch']}×"
-        f"{r['shape']['seq_len']} tokens: bf16 {r['runs']['bf16']['tokens_per_s']:,.0f} tokens/s; " + ", ".join(
-            f"{k} {r['runs'][k]['tokens_per_s']:,.0f} ({v:.2f}×)" for k, v in r["speedup"].items())))
+        f"{r['shape']['seq_len']} tokens: eager bf16 {r['runs']['bf16']['tokens_per_s']:,.0f} tokens/s; " + ", ".join(
+            f"{k} {r['runs'][k]['tokens_per_s']:,.0f} ({v:.2f}×)" for k, v in r["speedup"].items())
+        + ("; compiled bf16 {:,.0f}; ".format(r["compiled"]["runs"]["bf16"]["tokens_per_s"]) + ", ".join(
+            f"{k} {r['compiled']['runs'][k]['tokens_per_s']:,.0f} ({v:.2f}×)"
+            for k, v in r["compiled"]["speedup"].items()) if "runs" in r["compiled"] else
+           f"; compiled {r['compiled']['status']}")))
     add("(h) kernel rates", "kernel_rates", lambda r: (
         f"{len(r['gemms'])} GEMM shapes, measured/predicted median {r['gemm_measured_over_predicted_median']:.2f}; "
         + ", ".join(f"attention {b.lower().removesuffix('_attention')} fwd {f:.2f} bwd {bw:.2f}"

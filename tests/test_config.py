@@ -75,10 +75,8 @@ def test_int_is_accepted_for_float_fields(tmp_path):
     ("[parallel]\npp = 2\npp_layers = [1, 1, 2]\n[train]\nmicro_batch = 2", (), 2,
      "parallel.pp_layers lists 3 stages but there are 2 pipeline stages (pp=2)"),
     ("[parallel]\npp_layers = [4]", (), 1, "parallel.pp_layers=[4] needs parallel.pp > 1"),
-    # train.fp8: the recipes, compile, GEMM dimensions (a tp shard's, a micro-batch's tokens), skip patterns
+    # train.fp8: the recipes, GEMM dimensions (a tp shard's, a micro-batch's tokens), skip patterns
     ("[train]\nfp8 = 'blockwise'", (), None, "train.fp8 must be one of 'off', 'tensorwise', 'rowwise'"),
-    ("[train]\nfp8 = 'rowwise'\ncompile = true", (), None,
-     "train.fp8='rowwise' does not compose with train.compile=True yet: set train.compile=false"),
     ("[train]\nfp8 = 'tensorwise'\n[model]\nhidden_size = 96\n[parallel]\ntp = 2", (), 2,
      "train.fp8 needs every FP8 GEMM dimension divisible by 16: the kv width (n_kv_heads × head_dim) is 24 per "
      "tp rank (48 / tp=2)"),
@@ -102,6 +100,14 @@ def test_each_bad_value_gets_a_message_naming_the_field(tmp_path, toml, override
 
 # Each was a traceback, a "Lower train.lr" stop many seconds later, or a run that trained nothing (exit 0):
 # `x <= 0` is false for NaN. Every float field of every section is checked finite by its type.
+@pytest.mark.parametrize("compile_", ["true", "'try'", "'auto'", "false"])
+def test_fp8_composes_with_every_compile_setting(tmp_path, compile_):
+    """train.fp8's linears compile inside their blocks (parallel/compile.py): no train.compile value is refused."""
+    (tmp_path / "c.toml").write_text(f"[train]\nfp8 = 'rowwise'\ncompile = {compile_}\n")
+    cfg = load_config(tmp_path / "c.toml", [], world_size=1)
+    assert cfg.train.fp8 == "rowwise" and str(cfg.train.compile).lower() == compile_.strip("'")
+
+
 @pytest.mark.parametrize(("override", "expected"), [
     ("train.lr=nan", "train.lr must be a finite number, got nan"),
     ("train.lr=inf", "train.lr must be a finite number, got inf"),

@@ -90,6 +90,8 @@ def test_every_part_runs_at_toy_size_with_real_numbers(tmp_path: Path, capsys):
     for run in fp8["runs"].values():
         assert run["steps"] == gpu_check.FP8_TOY.steps and _number(run["tokens_per_s"]) and run["tokens_per_s"] > 0
         assert abs(run["final_loss"] - fp8["runs"]["bf16"]["final_loss"]) < 0.05
+    # the compiled FP8 runs are CUDA's ("auto" is eager on a CPU: they would repeat the eager ones)
+    assert fp8["compiled"]["status"].startswith("skipped: train.compile 'auto' is eager on a CPU")
     rates = p["kernel_rates"]  # CPU: measured only (a datasheet GPU's prediction is not about this machine)
     assert rates["planner_gpu"] is None and rates["copy"]["gb_s"] > 0 and rates["gemms"] and rates["attention"]
     assert all(_number(x) and x > 0 for g in rates["gemms"] for x in g["ms"] + g["tflop_s"])

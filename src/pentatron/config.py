@@ -231,8 +231,9 @@ class TrainConfig:
     """FP8 GEMMs in the decoder's linear layers (attention projections, dense MLPs; parallel/fp8.py): torchao's
     tensorwise recipe (one scale per tensor) or rowwise (a scale per row; power-of-two scales). The LM head,
     embedding, norms and the MoE router and experts stay in train.precision. With precision fp64 (the exact-parity
-    mode) the same FP8 operands are multiplied in float64. Every converted GEMM dimension must divide by 16; not
-    with train.compile on ("auto" compiles nothing under fp8)."""
+    mode) the same FP8 operands are multiplied in float64. Every converted GEMM dimension must divide by 16. Under
+    train.compile ("auto": on CUDA) the FP8 linears compile inside their blocks, which fuses their casts, except
+    where a cast all-reduces its amax (tp, cp) or under the zero-bubble schedule: those casts run eagerly."""
     fp8_skip: list[str] = field(default_factory=list)
     """Decoder linear layers kept out of train.fp8, as module-path patterns (`*` any layer index), e.g.
     ["layers.0.*", "layers.31.*"] for the first and last layer, or ["layers.*.attn.o_proj"]."""
@@ -759,14 +760,11 @@ def sources_problems(data: DataConfig) -> list[str]:
 
 
 def fp8_problems(tr: TrainConfig, model: ModelConfig, layout: ParallelLayout) -> list[str]:
-    """train.fp8's rules: a precision it composes with, no compile, every converted GEMM dimension (a rank's
-    weight shard, a micro-batch's tokens) divisible by 16 (torch._scaled_mm's rule on CUDA)."""
+    """train.fp8's rules: every converted GEMM dimension (a rank's weight shard, a micro-batch's tokens)
+    divisible by 16 (torch._scaled_mm's rule on CUDA). Any train.compile composes (parallel/compile.py)."""
     if tr.fp8 == "off":
         return [f"train.fp8_skip={tr.fp8_skip!r} is set but train.fp8 is off"] if tr.fp8_skip else []
     p = []
-    if tr.compile is True or tr.compile == "try":
-        p.append(f"train.fp8={tr.fp8!r} does not compose with train.compile={tr.compile!r} yet: set "
-                 "train.compile=false (or \"auto\", which compiles nothing under fp8)")
     align, tp = 16, max(layout.tp, 1)
     kv_local = (model.n_kv_heads // tp if model.n_kv_heads % tp == 0 else 1) * model.head_dim  # tp > kv: replicas
     dims = [("model.hidden_size", model.hidden_size, model.hidden_size),

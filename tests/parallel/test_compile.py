@@ -16,7 +16,7 @@ from pentatron.config import compile_enabled
 from pentatron.models.llama import build_model
 from pentatron.models.registry import get_model_config
 from pentatron.parallel import compile as compile_mod
-from pentatron.parallel.compile import CompileError, apply_compile
+from pentatron.parallel.compile import CompileError, apply_compile, eager_fp8_linears
 from tests.launchers import in_process
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "debug.toml")
@@ -55,6 +55,22 @@ def test_regions_follow_the_collectives():
     assert masked == ["layers.0.attn_norm", "layers.0.attn.rotate", "layers.0.mlp_norm", "layers.0.mlp"]
     masked = apply_compile(_model(1), True, CPU, split_backward=True, eager_attention=True).regions
     assert masked == ["layers.0.attn_norm", "layers.0.attn.rotate", "layers.0.mlp_norm", "layers.0.mlp.activate"]
+
+
+def test_fp8_linears_compile_inside_their_block_unless_their_casts_reduce():
+    """train.fp8's linears sit inside compiled blocks (their casts fuse); cp's amax all-reduce keeps them eager."""
+    from pentatron.parallel.fp8 import apply_fp8
+
+    model = _model(1)
+    names = apply_fp8(model, "tensorwise")
+    assert eager_fp8_linears(model) == names  # train.compile off: every cast eager
+    assert apply_compile(model, True, CPU).regions == ["layers.0"] and eager_fp8_linears(model) == []
+    model = _model(1)
+    apply_fp8(model, "tensorwise", cp=2)  # every cast spans the tokens: its amax is MAX-reduced over cp
+    assert apply_compile(model, True, CPU).regions == ["layers.0.attn_norm", "layers.0.attn.rotate",
+                                                       "layers.0.attn.core", "layers.0.mlp_norm",
+                                                       "layers.0.mlp.activate"]
+    assert eager_fp8_linears(model) == names
 
 
 def test_a_failure_is_one_line_or_falls_back_when_asked():

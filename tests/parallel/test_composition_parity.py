@@ -94,6 +94,10 @@ def _train(cfg: Config, dataset_dir: Path, validate: bool = False) -> dict[str, 
             out["comm"] = record["comm_calls"]
             out["grads"] = {n: g.double().numpy() for n, g in trainer.runner.full_gradients().items()}
     out["params"] = {n: t.double().numpy() for n, t in trainer.runner.full_parameters().items()}
+    if (report := trainer.runner.compiled) is not None:  # train.compile: its regions, FP8 linears outside them
+        from pentatron.parallel.compile import eager_fp8_linears
+
+        out["regions"], out["eager_fp8"] = list(report.regions), eager_fp8_linears(trainer.runner.model)
     if validate:
         out["val"] = trainer.validation.run()  # as `fit` runs it after the last step
     trainer.engine.close()

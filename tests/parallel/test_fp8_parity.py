@@ -17,6 +17,11 @@ becomes a ~1e-15 event per element, and everything is held to EXACT_RTOL (1e-10)
 suite. Every layout of one `run_ranks` launch on 2 ranks (2-layer model): dp2 ZeRO-3, tp2 + sp, pp2
 zero-bubble (its split backward asks our autograd Function for one gradient at a time), cp2 ring, MoE ep2,
 for the tensorwise recipe; tp2 + sp for rowwise (where tp splits a rowwise scale's axis).
+
+train.compile: the same numbers as the eager FP8 run. 1 process with compiled blocks (the FP8 linears inside
+them, casts traced) and cp2 ring compiled (its FP8 linears reduce their amax over cp, so they stay eager between
+compiled norms, RoPE and activation), both on the aot_eager backend (dynamo and AOTAutograd as inductor gets
+them, without code generation's test-time cost; inductor checked by hand: docs/testing.md).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from tests.strict_comm import strict_comm_fixture
 strict_comm = strict_comm_fixture("module")
 
 MOE = ["model.name='debug-moe'"]
+COMPILED = ["train.compile=true", "train.compile_backend='aot_eager'"]
 # Left out for the test-time budget, each passed at EXACT_RTOL when run (2026-12-03, 4 layers): tensorwise dp2
 # ZeRO-1 (its forward and casts are DDP's; ZeRO-3 below also gathers the parameters) and rowwise cp2 (its only
 # cp-reduced casts are the weight gradient's, which dropping the reduction moves by 1e-9: docs/testing.md).
@@ -48,6 +54,7 @@ CASES: dict[tuple[str, str], list[str]] = {
     ("tensorwise", "cp2 ring"): ["parallel.cp=2"],
     ("tensorwise", "moe ep2"): [*MOE, "parallel.ep=2"],
     ("rowwise", "tp2 sp"): ["parallel.tp=2", "parallel.sp=true"],
+    ("tensorwise", "cp2 ring compiled"): ["parallel.cp=2", *COMPILED],
 }
 
 
@@ -58,6 +65,17 @@ def _fp8_config(world: int, recipe: str, extra: list[str], log_dir: str) -> Conf
 
 def _ranks(rank: int, world: int, dataset_dir: Path, log_dir: str) -> dict[tuple[str, str], dict[str, Any]]:
     return {key: _train(_fp8_config(world, key[0], extra, log_dir), dataset_dir) for key, extra in CASES.items()}
+
+
+def _close(got: dict[str, Any], ref: dict[str, Any], label: str) -> None:
+    """One process's run against another's: every step's loss and norm, step-1 gradients, final parameters."""
+    for q in ("losses", "norms"):
+        err = max(abs(a - b) / abs(b) for a, b in zip(got[q], ref[q]))
+        assert err <= EXACT_RTOL, f"{label}: {q} off by {err:.2e}"
+    for q in ("grads", "params"):
+        assert got[q].keys() == ref[q].keys(), label
+        for n, t in got[q].items():
+            assert (err := relative_error(t, ref[q][n])) <= EXACT_RTOL, f"{label}: {q} of {n} off by {err:.2e}"
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
@@ -106,11 +124,17 @@ def test_fp8_layouts_equal_the_one_process_fp8_run(default_dataset, tmp_path):
         base = (key[0], MOE[0] if "moe" in key[1] else "")
         if base not in one:
             one[base] = _train(_fp8_config(1, key[0], [e for e in extra if e in MOE], str(tmp_path)), default_dataset)
+    # compiled blocks with the FP8 linears inside: the eager run's numbers (aot_eager: bitwise here)
+    compiled = _train(_fp8_config(1, "tensorwise", COMPILED, str(tmp_path)), default_dataset)
+    assert compiled["regions"] == ["layers.0", "layers.1"] and compiled["eager_fp8"] == []
+    _close(compiled, one[("tensorwise", "")], "tensorwise 1 process compiled")
     # FP8 is really on: the 1-process FP8 run is not the same run without it (quantisation moves the loss ~1e-4)
     plain = _train(_config(1, ["model.n_layers=2"], str(tmp_path)), default_dataset)["losses"]
     for recipe in ("tensorwise", "rowwise"):
         assert max(abs(a - b) / b for a, b in zip(one[(recipe, "")]["losses"], plain)) > 1e-5, recipe
     runs = run_ranks(_ranks, 2, args=(default_dataset, str(tmp_path)), timeout=900)
+    cp_compiled = runs[0][("tensorwise", "cp2 ring compiled")]  # regions compiled; every FP8 linear reduces: eager
+    assert cp_compiled["regions"] and len(cp_compiled["eager_fp8"]) == 14, cp_compiled["eager_fp8"]
     failures = []
     for key in CASES:
         ref = one[(key[0], MOE[0] if "moe" in key[1] else "")]

@@ -51,8 +51,9 @@ def test_an_untrainable_layout_is_not_emitted(tmp_path, capsys):
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
 def test_an_fp8_plan_is_emitted_as_a_config_training_accepts_with_fp8_on(tmp_path, default_dataset, capsys, scaling):
-    """--precision fp8 is trained as bf16 weights with train.fp8 = the plan's scaling (eager: no compile); the
-    emitted file passes the trainer's config validation and the run's preflight for its 2 ranks."""
+    """--precision fp8 is trained as bf16 weights with train.fp8 = the plan's scaling, compiled (the plan's fused
+    kernels on a GPU); the emitted file passes the trainer's config validation and the run's preflight for its 2
+    ranks."""
     from pentatron.preflight import preflight_problems
 
     path = tmp_path / "run.toml"
@@ -61,7 +62,7 @@ def test_an_fp8_plan_is_emitted_as_a_config_training_accepts_with_fp8_on(tmp_pat
         capsys.readouterr().err
     cfg = load_config(path, [f"data.path={json.dumps(str(default_dataset))}", 'checkpoint.dir=""',
                              f"log.dir={json.dumps(str(tmp_path / 'log'))}"], world_size=2)
-    assert (cfg.train.fp8, cfg.train.precision, cfg.train.compile) == (scaling, "bf16", False)
+    assert (cfg.train.fp8, cfg.train.precision, cfg.train.compile) == (scaling, "bf16", True)
     assert preflight_problems(cfg, world_size=2, build_default_data=False) == []
 
 

@@ -65,7 +65,7 @@ class LayerNumerics:
         self._before: dict[nn.Parameter, torch.Tensor] = {}
         self._hooks = [m.register_forward_hook(self._hook(name)) for name, m in self._blocks(model)]
         # train.fp8's GEMMs (parallel/fp8.py's Fp8Gemm, found by its statistics: no torchao import here)
-        self.fp8 = {name: m.gemm for name, m in model.named_modules() if hasattr(getattr(m, "gemm", None), "step_amax")}
+        self.fp8 = {name: m.gemm for name, m in model.named_modules() if hasattr(getattr(m, "gemm", None), "stats")}
 
     @staticmethod
     def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -88,8 +88,7 @@ class LayerNumerics:
         self._act = {}
         self._before = {}
         for gemm in self.fp8.values():
-            gemm.step_amax.clear()
-            gemm.step_scale.clear()
+            gemm.clear_stats()
 
     def gradients(self, owned: list[tuple[nn.Parameter, torch.Tensor]]) -> dict[str, Any]:
         """After the gradient sync: per-layer gradient and parameter norms; snapshot for the update ratio."""
@@ -107,14 +106,16 @@ class LayerNumerics:
                 "nonfinite_grads": bad}
 
     def _fp8(self) -> dict[str, Any]:
-        """fp8_amax / fp8_scale by "<module>.<operand>" (one device→host copy for both)."""
-        keys = [(f"{name}.{op}", g.step_amax[op], g.step_scale[op]) for name, g in self.fp8.items()
-                for op in g.step_amax]
-        if not keys:
+        """fp8_amax / fp8_scale by "<module>.<operand>", for the operands cast since `begin` (Fp8Gemm.stats: row 0
+        amax, -1 where none was cast; row 1 scale; columns x, w, dy), in one device→host copy."""
+        if not self.fp8:
             return {}
-        values = torch.stack([t.float() for _, a, s in keys for t in (a, s)]).tolist()
-        return {"fp8_amax": {k: _num(values[2 * i]) for i, (k, _, _) in enumerate(keys)},
-                "fp8_scale": {k: _num(values[2 * i + 1]) for i, (k, _, _) in enumerate(keys)}}
+        values = torch.stack([g.stats for g in self.fp8.values()]).tolist()
+        cast = [(f"{name}.{op}", amax[i], scale[i]) for name, (amax, scale) in zip(self.fp8, values)
+                for i, op in enumerate(("x", "w", "dy")) if amax[i] >= 0]
+        if not cast:
+            return {}
+        return {"fp8_amax": {k: _num(a) for k, a, _ in cast}, "fp8_scale": {k: _num(s) for k, _, s in cast}}
 
     def updates(self) -> dict[str, Any]:
         """After the optimizer step: ‖Δw‖ / ‖w‖ per layer (Adam's is about lr / typical |w|)."""

@@ -13,6 +13,8 @@ structurally on each block after tensor/context/expert parallelism replaced its 
   (`Attention.rotate`), the MLP's activation (`MLP.activate`) or a whole MLP that does not communicate,
   an MoE layer's shared experts; bare (column/row-parallel) linears gain nothing and stay eager. The
   routed experts and the router stay eager: their shapes follow the routing (data-dependent).
+* train.fp8's linears (parallel/fp8.py) compile inside their block, attention or MLP, which fuses their
+  casts, unless their casts all-reduce an amax (cp; tp's are column/row-parallel): those stay eager.
 * with document masking (`eager_attention`) the attention core stays eager, and so no block is compiled
   whole: its documents are host-side offsets that change every micro-batch (a graph per batch otherwise).
 * under the zero-bubble schedule (split backward) only weight-free elementwise regions and the norms are
@@ -171,8 +173,15 @@ def _backend(backend: str | Callable[..., Any]) -> str | Callable[..., Any]:
 
 
 def _communicates(m: nn.Module) -> bool:
-    """Holds a module that must stay eager: a collective's, an MoE layer, or a core marked `eager_only`."""
-    return any(hasattr(x, "comm") or isinstance(x, MoE) or getattr(x, "eager_only", False) for x in m.modules())
+    """Holds a module that must stay eager: a collective's, an MoE layer, a core marked `eager_only`, or an FP8
+    linear whose casts all-reduce their amax (parallel/fp8.py's `gemm.reduce`: cp's token split)."""
+    return any(hasattr(x, "comm") or isinstance(x, MoE) or getattr(x, "eager_only", False) or _fp8_reduces(x)
+               for x in m.modules())
+
+
+def _fp8_reduces(m: nn.Module) -> bool:
+    reduce = getattr(getattr(m, "gemm", None), "reduce", None)  # duck-typed: no torchao import here
+    return isinstance(reduce, dict) and any(reduce.values())
 
 
 def _hooked_inside(m: nn.Module) -> bool:
@@ -213,6 +222,13 @@ def _regions(m: nn.Module, name: str, report: CompileReport) -> None:
         _install(m, "activate", f"{name}.activate", report)
     for child_name, child in m.named_children():
         _regions(child, f"{name}.{child_name}", report)
+
+
+def eager_fp8_linears(model: nn.Module) -> list[str]:
+    """train.fp8's linears (duck-typed: a `gemm` with `stats`, parallel/fp8.py) inside no compiled region: their
+    casts run eagerly (train.compile off; tp / cp's reducing casts; the zero-bubble schedule's regions)."""
+    inside = {id(x) for m in model.modules() if isinstance(vars(m).get("forward"), _Region) for x in m.modules()}
+    return [n for n, m in model.named_modules() if hasattr(getattr(m, "gemm", None), "stats") and id(m) not in inside]
 
 
 def apply_compile(model: nn.Module, setting: bool | str, device: torch.device,

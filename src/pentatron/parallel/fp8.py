@@ -26,6 +26,12 @@ float64 (`to_original_precision`: fp8 value / scale, then an fp64 GEMM), so a la
 1-process run only by float64 rounding, far below the distance to any fp8 rounding boundary: the casts
 see the same values and quantise them identically, and parity holds to 1e-10.
 
+Under train.compile (parallel/compile.py) a decoder block, or its attention or MLP, whose FP8 linears reduce
+nothing is compiled with them inside, so inductor fuses each cast's amax, scale and cast (torchao's design:
+its float8 training is meant to run compiled); a linear whose casts all-reduce (tp: it communicates anyway,
+cp: `reduce`) stays eager with its collectives. So the Function below has no Python side effect a compiled
+graph could not replay: the numerics log's statistics are one float64 tensor updated in place (`stats`).
+
 Only what is named here converts: the attention projections and the dense MLP's (not the LM head, the
 embedding, the norms, the MoE router or experts: torch's grouped GEMM has no FP8 form on CPU), minus the
 train.fp8_skip patterns.
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,20 +102,29 @@ _AXES: dict[str, tuple[tuple[str, str], int]] = {
 # the operand each cast reads (the numerics log's keys): x, w or dy
 OPERAND = {"input": "x", "input_for_grad_weight": "x", "weight": "w", "weight_for_grad_input": "w",
            "grad_output": "dy", "grad_output_for_grad_weight": "dy"}
+OPERANDS = ("x", "w", "dy")  # the columns of Fp8Gemm.stats
+
+
+def _empty_stats(device: torch.device | str = "cpu") -> torch.Tensor:
+    """[amax, scale] × (x, w, dy) before any cast: amax -1 (no cast yet: an amax is ≥ 0), scale +inf."""
+    return torch.tensor([[-1.0] * 3, [math.inf] * 3], dtype=torch.float64, device=device)
 
 
 @dataclass
 class Fp8Gemm:
-    """One linear layer's FP8 GEMM: the recipe and the mesh dims each cast's amax is reduced over. `step_amax`
-    and `step_scale` keep, per operand (x, w, dy), the largest amax and the smallest scale its casts used since
-    the numerics log last cleared them (a rowwise cast: its largest row's): the log's per-layer statistics."""
+    """One linear layer's FP8 GEMM: the recipe and the mesh dims each cast's amax is reduced over. `stats` keeps,
+    per operand (columns x, w, dy), the largest amax (row 0) and the smallest scale (row 1) its casts used since
+    the numerics log last cleared them (a rowwise cast: its largest row's): the log's per-layer statistics, one
+    float64 tensor on the compute device updated in place (a compiled region replays that; no host sync)."""
 
     config: Float8LinearConfig
     mm_config: LinearMMConfig
     reduce: dict[str, tuple[str, ...]]  # role → mesh dims
     comm: Comm | None
-    step_amax: dict[str, torch.Tensor] = field(default_factory=dict)
-    step_scale: dict[str, torch.Tensor] = field(default_factory=dict)
+    stats: torch.Tensor = field(default_factory=_empty_stats)
+
+    def clear_stats(self) -> None:
+        self.stats.copy_(_empty_stats(self.stats.device))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return _Fp8Matmul.apply(x, weight, self)
@@ -125,9 +141,9 @@ class Fp8Gemm:
         for d in self.reduce[role]:
             self.comm.all_reduce(amax, d, op="max")
         scale = amax_to_scale(amax, cast.target_dtype, self.config.round_scales_to_power_of_2)
-        op, top, low = OPERAND[role], amax.max(), scale.min()
-        self.step_amax[op] = torch.maximum(self.step_amax[op], top) if op in self.step_amax else top
-        self.step_scale[op] = torch.minimum(self.step_scale[op], low) if op in self.step_scale else low
+        i = OPERANDS.index(OPERAND[role])
+        self.stats[0, i] = torch.maximum(self.stats[0, i], amax.max().to(torch.float64))
+        self.stats[1, i] = torch.minimum(self.stats[1, i], scale.min().to(torch.float64))
         gemm_role = (GemmInputRole.INPUT if role.startswith("input") else
                      GemmInputRole.WEIGHT if role.startswith("weight") else GemmInputRole.GRAD_OUTPUT)
         return hp_tensor_and_scale_to_float8(t, scale, cast.target_dtype, self.mm_config, gemm_role, dim)
@@ -220,12 +236,16 @@ def fp8_targets(model: nn.Module, skip: Sequence[str] = ()) -> list[str]:
 
 
 def apply_fp8(model: nn.Module, recipe: str | Float8LinearConfig, comm: Comm | None = None, cp: int = 1,
-              skip: Sequence[str] = ()) -> list[str]:
+              skip: Sequence[str] = (), device: torch.device | str | None = None) -> list[str]:
     """Give the decoder's linear layers FP8 GEMMs (after tensor parallelism: a column- or row-parallel layer
     keeps its collectives and gets the FP8 GEMM inside). Parameters are untouched (same objects, names,
-    placements). `recipe`: a train.fp8 name, or any torchao config (research ablations). Returns the converted
-    module names."""
+    placements). `recipe`: a train.fp8 name, or any torchao config (research ablations). `device`: where the
+    GEMMs run (their statistics live there; default: the parameters' device, CPU for a meta model). Returns the
+    converted module names."""
     config = recipe if isinstance(recipe, Float8LinearConfig) else recipe_config(recipe)
+    if device is None:
+        device = next(model.parameters()).device
+        device = torch.device("cpu") if device.type == "meta" else device
     mm_config = _mm_config(config)
     names = fp8_targets(model, skip)
     for name in names:
@@ -243,7 +263,7 @@ def apply_fp8(model: nn.Module, recipe: str | Float8LinearConfig, comm: Comm | N
             # a high-precision cast has no amax, so nothing to reduce
             spanned = [] if cast.scaling_type is ScalingType.DISABLED else [axes[dim]] if rowwise else list(axes)
             reduce[role] = tuple(sorted({d for a in spanned for d in split[a]}))
-        gemm = Fp8Gemm(config, mm_config, reduce, comm)
+        gemm = Fp8Gemm(config, mm_config, reduce, comm, _empty_stats(device))
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module.gemm = gemm
         else:

@@ -130,7 +130,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
         if cfg.train.fp8 != "off":
             from pentatron.parallel.fp8 import apply_fp8  # torchao: imported by FP8 runs only (seconds)
 
-            apply_fp8(part, cfg.train.fp8, ctx.comm, layout.cp, cfg.train.fp8_skip)
+            apply_fp8(part, cfg.train.fp8, ctx.comm, layout.cp, cfg.train.fp8_skip, ctx.device)
         apply_context_parallel(part, ctx.comm, layout)
     module = LocalStages(stages) if stages else model  # collected after TP replaced embedding and head
     ep_shards = apply_expert_parallel(module, ctx)
@@ -142,9 +142,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, policy: Pre
     for name, shard in ep_shards.items():  # expert weights: a slice of the experts, reduced over edp
         placements[name].expert, placements[name].grad_dims = shard, ("edp",)
     # compiled regions between the collectives, before checkpointing wraps them (parallel/compile.py)
-    # train.fp8: compile is refused by the config, and "auto" compiles nothing (the casts' collectives)
-    compile_setting = False if cfg.train.fp8 != "off" else cfg.train.compile
-    compiled = apply_compile(module, compile_setting, ctx.device, cfg.train.compile_backend,
+    compiled = apply_compile(module, cfg.train.compile, ctx.device, cfg.train.compile_backend,
                              split_backward=layout.pp > 1 and make_schedule(layout.pp_schedule, layout.pp,
                                                                             layout.microbatches, layout.virtual
                                                                             ).split_backward,

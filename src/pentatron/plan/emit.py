@@ -6,7 +6,7 @@ layout's world size) before it is reported as written, so what the planner emits
 accepts. A layout training cannot run yet (`plan.layout.trainable_problems`) is refused with the reasons;
 a recipe other than ours is refused with one message. The kernels the plan assumed are written as
 `train.compile` (fused: true, eager: false). `--precision fp8` is written as bf16 weights with
-`train.fp8` = the plan's `--fp8-scaling` (tensorwise or rowwise), eager (fp8 does not compile yet).
+`train.fp8` = the plan's `--fp8-scaling` (tensorwise or rowwise), compiled as the kernels say (its casts fuse).
 
 Beside the layout: the schedule (train.steps from the tokens to train — `--train-tokens`, else 20 per
 parameter — with a warmup and a starting LR), placeholders for what only the user knows (data.path,
@@ -144,9 +144,6 @@ def training_config_text(w: Workload, lay: Layout, header: str = "", kernels: st
     }
     if lay.precision == "fp8":  # bf16 weights, fp32 masters, FP8 GEMMs in the decoder's linears (parallel/fp8.py)
         sections["train"]["fp8"] = lay.fp8_scaling
-        if sections["train"]["compile"]:
-            sections["train"]["compile"] = False
-            comments["compile"] = "train.fp8 runs eagerly: the fused kernels the plan costed are not what trains"
     for section, name, what in _PLACEHOLDERS:
         sections.setdefault(section, {})[name] = PLACEHOLDER + what
     if w.documents is not None:  # planned with packed documents masked: train them so

@@ -37,12 +37,13 @@ from pentatron.hardware.catalogue import GPUSpec
 from pentatron.plan.layout import compute_dtype
 from pentatron.plan.search import Prediction
 
-# What train.fp8 costs where it runs on a GPU today: eager (no torch.compile), so each cast is several unfused
-# kernels. Measured on one H200 (benchmarks/gpu_check.py part fp8, 2026-12-04; benchmarks/measured/): a 4-layer
-# Llama-3-8B-shaped stack, 2 x 4096 tokens: bf16 62,769 tokens/s, tensorwise 37,825, rowwise 36,511.
-EAGER_FP8_ON_GPU = ("train.fp8 runs eager (its casts are not compiled yet): on an H200 it measured 0.60x "
-                    "(tensorwise) and 0.58x (rowwise) bf16's tokens/s (benchmarks/gpu_check.py, 2026-12-04), "
-                    "so it is slower, not faster, on a GPU for now")
+# What train.fp8 costs on a GPU where its casts run eager (train.compile off, or linears outside compiled regions:
+# tp, cp, zero-bubble), each cast several unfused kernels. Measured on one H200 (benchmarks/gpu_check.py part fp8,
+# 2026-12-04; benchmarks/measured/): a 4-layer Llama-3-8B-shaped stack, 2 x 4096 tokens, all eager: bf16 62,769
+# tokens/s, tensorwise 37,825, rowwise 36,511. FP8 inside compiled blocks (casts fused) is not measured yet.
+EAGER_FP8_ON_GPU = ("eager FP8 casts measured 0.60x (tensorwise) and 0.58x (rowwise) bf16's tokens/s on an H200 "
+                    "(benchmarks/gpu_check.py, 2026-12-04): slower, not faster, on a GPU; FP8 in compiled blocks "
+                    "(casts fused) is not measured yet")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from pentatron.observe.report import layout_key
 from pentatron.observe.run_observer import RunObserver
 from pentatron.observe.system import bounded_mfu, peak_flops
 from pentatron.observe.wandb_log import WandbRun
+from pentatron.parallel.compile import eager_fp8_linears
 from pentatron.parallel.pipeline.trace import write_rank_trace
 from pentatron.parallel.step_runner import host_scalars
 from pentatron.plan.flops import DocumentLengths, model_flops_per_token
@@ -220,8 +221,9 @@ class Trainer:
             lay = cfg.layout(self.world_size)
             if idle := idle_warning(lay.pp_schedule, lay.pp, lay.microbatches, lay.virtual, lay.dp, lay.micro_batch):
                 print(f"pentatron: {idle}", flush=True)
-            if cfg.train.fp8 != "off" and self.device.type == "cuda":
-                print(wrapped(f"pentatron: warning: {EAGER_FP8_ON_GPU}"), flush=True)
+            if cfg.train.fp8 != "off" and self.device.type == "cuda" and (eager := eager_fp8_linears(self.model)):
+                print(wrapped(f"pentatron: warning: {len(eager)} FP8 linears (e.g. {eager[0]}) run outside compiled "
+                              f"regions: {EAGER_FP8_ON_GPU}"), flush=True)
         records = []
         last_table = None
         # every record names its layout and where this start began: the report compares a prediction
