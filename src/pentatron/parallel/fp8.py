@@ -124,7 +124,9 @@ class Fp8Gemm:
     stats: torch.Tensor = field(default_factory=_empty_stats)
 
     def clear_stats(self) -> None:
-        self.stats.copy_(_empty_stats(self.stats.device))
+        """Back to `_empty_stats`, by device kernels (no host-to-device copy, which would synchronise)."""
+        self.stats[0].fill_(-1.0)
+        self.stats[1].fill_(math.inf)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return _Fp8Matmul.apply(x, weight, self)
