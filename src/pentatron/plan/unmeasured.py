@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from pentatron.hardware.catalogue import GPUSpec
 from pentatron.plan.layout import compute_dtype
+from pentatron.plan.recipes import not_ours
 from pentatron.plan.search import Prediction
 
 # What train.fp8 costs on a GPU where its casts run eager (train.compile off, or linears outside compiled regions:
@@ -72,7 +73,7 @@ def measured_on(gpu: GPUSpec) -> bool:
 
 def calibration_note(p: Prediction, gpu: GPUSpec) -> str | None:
     """Our recipe on a GPU whose step gpu_check measured: what was measured and what still is the model's."""
-    if p.layout.recipe.name != "pentatron" or not gpu.efficiency.our_step:
+    if not_ours(p.layout.recipe) is not None or not gpu.efficiency.our_step:  # as timing.our_step_factor applies
         return None
     factors = ", ".join(f"{v:.2f}x with {k} kernels" for k, v in gpu.efficiency.our_step.items())
     note = (f"calibrated: Pentatron's own step was measured ({gpu.efficiency.our_step_source or gpu.source}): its "
