@@ -1,10 +1,14 @@
-"""The prepared device check (issue 35): one command, about 5 minutes on one H200, a JSON file and a table.
+"""The prepared device check (issue 35): one command, about 3-5 minutes on one H200, a JSON file and a table.
 
     python benchmarks/gpu_check.py --out gpu_check.json      # on a CUDA host: the real sizes
     python benchmarks/gpu_check.py --toy                     # every part at toy size on CPU (make test runs it)
     python benchmarks/gpu_check.py --parts kernel_rates,train # some parts only
+    python benchmarks/gpu_check.py --calibration-out hw.toml  # also the GPU's calibration, as a hardware file
+    python benchmarks/gpu_check.py --from-json run.json --calibration-out hw.toml  # that of a stored run
 
-The JSON is rewritten after each part, so a run cut short keeps what it measured.
+The JSON is rewritten after each part, so a run cut short keeps what it measured. The first run on a GPU (one
+H200, 2026-12-04) is benchmarks/measured/gpu_check_h200_2026-12-04.json; the H100/H200 catalogue entries hold
+its calibration (calibrate/gpu_calibration.py).
 
 Parts (each one reports on its own; a failing part does not stop the others):
   kernel_rates  each GEMM of the linears of the training part's model, Llama-3-8B and -70B (forward, dX, dW),
