@@ -594,7 +594,11 @@ def multi_gpu_run(layout: MultiLayout, n: int, size: Sizes, device_type: str, da
         row["status"] = f"failed: exit code {code}" if code is not None else f"failed: stopped after {timeout_s:.0f} s"
         row["stderr_tail"] = (err or out)[-TAIL_CHARS:]
         return row
-    run_dir = next(p for p in sorted(log_dir.iterdir()) if (p / "metrics.jsonl").is_file())
+    found = sorted(p for p in log_dir.iterdir() if (p / "metrics.jsonl").is_file()) if log_dir.is_dir() else []
+    if not found:
+        row.update(status="failed: exit code 0 but no metrics.jsonl under log.dir", stderr_tail=err[-TAIL_CHARS:])
+        return row
+    run_dir = found[0]  # the one run (its directory, or `latest` beside it)
     records = load_records(run_dir)
     info = json.loads((run_dir / RUN_INFO).read_text())
     steady = records[min(3, len(records) - 1):]  # the first steps pay for allocator, NCCL and kernel warm-up
