@@ -1,4 +1,5 @@
-"""The prepared device check (issue 35): one command, about 3-5 minutes on one H200, a JSON file and a table.
+"""The prepared device check (issue 35): one command, about 3-5 minutes on one H200 (part multi_gpu adds at most
+3.5 on a host with several), a JSON file and a table.
 
     python benchmarks/gpu_check.py --out gpu_check.json      # on a CUDA host: the real sizes
     python benchmarks/gpu_check.py --toy                     # every part at toy size on CPU (make test runs it)
@@ -43,6 +44,14 @@ Parts (each one reports on its own; a failing part does not stop the others):
   compile       the training part's run (train.compile "auto": compiled blocks on CUDA) against the same run
                 with train.compile=false: tokens/s of each, the ratio, compile seconds and recompiles.
                 CUDA only: on a CPU "auto" is eager, and benchmarks/compile_speed.py compares the two there
+  multi_gpu     our multi-process training as users launch it (`pentatron train --nproc N`, N = min(GPUs, 8)
+                rounded down to a power of two, NCCL) on the training part's model and random tokens, the global
+                batch × dp: dp N ZeRO-1, dp N ZeRO-3, tp N + sp and (N >= 4) tp 2 + sp × dp N/2 ZeRO-1, 12 steps
+                each: steady tokens/s and the ledger's bytes sent per step beside the planner's step and bytes for
+                the same layout and world size on this GPU's catalogue entry (its calibration applied),
+                measured/predicted. Within 150 s (the layouts left when it is spent are not started, and named);
+                a failed launch keeps its stderr tail. One GPU: skipped. CPU: dp 2 ZeRO-1 on 2 gloo ranks only,
+                measured only (a datasheet GPU's prediction is not about this machine)
 
 With --toy, or when no CUDA device is present, every part runs at toy size on CPU; a part without a CPU
 analogue says "skipped: ..." (compile).
@@ -159,17 +168,22 @@ def _gib(n: float | None) -> float | None:
 
 
 # ---------------------------------------------------------------------------- (a) training, (b) SDPA, (e) syncs
-def run_config(size: Sizes, device_type: str, *extra: str) -> Any:
-    """The Config of a part's training run (the model, batch and precision the planner is told about)."""
-    from pentatron.config import load_config
-
+def run_sets(size: Sizes, device_type: str, *extra: str) -> list[str]:
+    """The overrides of a part's training run (the model, batch and precision the planner is told about)."""
     sets = [f"model.name={_toml(size.base)}", *(f"model.{k}={_toml(v)}" for k, v in size.model.items()),
             f"train.seq_len={size.seq_len}", f"train.micro_batch={size.micro_batch}",
             f"train.global_batch={size.global_batch}", f"train.steps={size.steps}", "train.warmup=2",
             "train.precision='bf16'", f"train.device={_toml(device_type)}", *extra]
     if device_type == "cpu":
         sets.append("train.peak_tflops=1.0")  # no CPU peak measurement in the toy run (seconds)
-    return load_config(None, sets, world_size=1)
+    return sets
+
+
+def run_config(size: Sizes, device_type: str, *extra: str) -> Any:
+    """The Config of a part's 1-process training run."""
+    from pentatron.config import load_config
+
+    return load_config(None, run_sets(size, device_type, *extra), world_size=1)
 
 
 def make_trainer(size: Sizes, device: torch.device, work: Path, *extra: str) -> Any:
@@ -503,6 +517,152 @@ def compile_part(size: Sizes, device: torch.device, work: Path, compiled: dict[s
     return {"compiled_tokens_per_s": compiled["tokens_per_s"], "eager_tokens_per_s": eager,
             "speedup": compiled["tokens_per_s"] / eager, "compile_s": compiled["compiled"]["compile_s"],
             "recompiles": compiled["compiled"]["recompiles"], "graphs": compiled["compiled"]["graphs"]}
+
+
+# ---------------------------------------------------------------------------- (j) multi-GPU
+MULTI_STEPS, TOY_MULTI_STEPS = 12, 6  # each layout's run; the steps after the first 3 are its steady rate
+MULTI_BUDGET_S, TOY_MULTI_BUDGET_S = 150.0, 120.0  # the whole part: layouts left when it is spent are not started
+LAUNCH_GRACE_S = 60.0  # how far past the budget a started launch may run before it is stopped (a hung collective)
+TAIL_CHARS = 3000  # of a failed launch's stderr, kept in the JSON
+
+
+@dataclass(frozen=True)
+class MultiLayout:
+    name: str
+    sets: tuple[str, ...]  # its parallel.* overrides
+    dp: int  # the global batch grows with dp: each replica does the training part's step (weak scaling)
+
+
+def multi_gpu_layouts(n: int, toy: bool) -> list[MultiLayout]:
+    """What the part runs on n ranks: on CPU only the first (the suite's cost is a launch per layout)."""
+    out = [MultiLayout(f"dp{n} zero1", ("parallel.zero=1",), n)]
+    if not toy:
+        out += [MultiLayout(f"dp{n} zero3", ("parallel.zero=3",), n),
+                MultiLayout(f"tp{n} sp", (f"parallel.tp={n}", "parallel.sp=true"), 1)]
+        if n >= 4:
+            out.append(MultiLayout(f"tp2 sp dp{n // 2} zero1",
+                                   ("parallel.tp=2", "parallel.sp=true", "parallel.zero=1"), n // 2))
+    return out
+
+
+def launch_train(sets: list[str], nproc: int, cwd: Path, timeout_s: float) -> tuple[int | None, str, str]:
+    """`pentatron train --nproc N --set ...` as a user runs it (this process's pentatron and interpreter):
+    (exit code, None when it was stopped after `timeout_s`; stdout; stderr)."""
+    import subprocess
+
+    import pentatron
+
+    env = {k: v for k, v in os.environ.items()  # no outer launcher's variables: the CLI launches its own ranks
+           if not k.startswith(("SLURM_", "TORCHELASTIC_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(pentatron.__file__).resolve().parents[1]),
+                                                      env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "pentatron.cli", "train", "--nproc", str(nproc), *(f"--set={s}" for s in sets)]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the elastic agent stops its ranks on SIGTERM; a SIGKILLed one takes them along
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        return None, out, err
+
+
+def multi_gpu_run(layout: MultiLayout, n: int, size: Sizes, device_type: str, data: Path, work: Path,
+                  steps: int, timeout_s: float, gpu: Any) -> dict[str, Any]:
+    """One layout launched on n ranks: its steady tokens/s from the run's metrics.jsonl, the ledger's bytes,
+    and on a catalogue GPU the planner's step for the layout the run wrote to run.json."""
+    from dataclasses import replace
+
+    from pentatron.observe.report import RUN_INFO, layout_and_workload, load_records, measured
+    from pentatron.plan.comm import bytes_by_dim
+    from pentatron.plan.recipes import kernels_for_compile
+    from pentatron.plan.search import predict
+
+    log_dir = work / f"multi_{layout.name.replace(' ', '_')}"
+    sz = replace(size, global_batch=size.global_batch * layout.dp, steps=steps)
+    sets = run_sets(sz, device_type, *layout.sets, "log.progress=false", "log.tensorboard=false",
+                    f"log.every={steps}", f"log.dir={_toml(str(log_dir))}", f"data.path={_toml(str(data))}")
+    started = time.perf_counter()
+    code, out, err = launch_train(sets, n, work, timeout_s)
+    row: dict[str, Any] = {"launch_s": round(time.perf_counter() - started, 1), "global_batch": sz.global_batch}
+    if code != 0:
+        row["status"] = f"failed: exit code {code}" if code is not None else f"failed: stopped after {timeout_s:.0f} s"
+        row["stderr_tail"] = (err or out)[-TAIL_CHARS:]
+        return row
+    found = sorted(p for p in log_dir.iterdir() if (p / "metrics.jsonl").is_file()) if log_dir.is_dir() else []
+    if not found:
+        row.update(status="failed: exit code 0 but no metrics.jsonl under log.dir", stderr_tail=err[-TAIL_CHARS:])
+        return row
+    run_dir = found[0]  # the one run (its directory, or `latest` beside it)
+    records = load_records(run_dir)
+    info = json.loads((run_dir / RUN_INFO).read_text())
+    steady = records[min(3, len(records) - 1):]  # the first steps pay for allocator, NCCL and kernel warm-up
+    meas = measured(records)
+    lay, w = layout_and_workload(info["config"], info["world_size"], device_type)
+    row.update(status="ok", layout=lay.short(), world=info["world_size"], steps=len(records),
+               tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
+               step_time_s=statistics.median(r["step_time_s"] for r in steady), final_loss=records[-1]["loss"],
+               peak_gib_rank0=_gib(max(r["peak_mem_bytes"] for r in records)),
+               comm_sent_per_step=meas["comm_sent_per_step"], comm_bytes_per_step=meas["comm_bytes_per_step"])
+    if gpu is not None:
+        kernels = kernels_for_compile(info["config"]["train"]["compile"], device_type)
+        st = predict(w, lay, gpu, kernels=kernels).step
+        row["planner"] = {"step_time_s": st.step, "tokens_per_s": w.global_batch * w.seq_len / st.step,
+                          "kernels": kernels, "dp_exposed_s": st.dp_exposed, "exposed_by_dim": st.exposed_by_dim,
+                          "comm_sent_per_step": bytes_by_dim(list(st.collectives))}
+        row["measured_over_predicted"] = row["step_time_s"] / st.step
+    return row
+
+
+def multi_gpu_part(size: Sizes, device: torch.device, work: Path) -> dict[str, Any]:
+    """Our multi-process training through the CLI launcher, a few layouts on N = min(GPUs, 8) (a power of
+    two) NCCL ranks, each beside the planner's step on this GPU's catalogue entry (its calibration applied);
+    on CPU (--toy) one layout on 2 gloo ranks, measured only."""
+    from pentatron.hardware.catalogue import detect_gpu
+
+    cuda = device.type == "cuda"
+    count = torch.cuda.device_count() if cuda else 0
+    if cuda and count < 2:
+        return {"status": "skipped: one GPU"}
+    n = 1 << (min(count, 8).bit_length() - 1) if cuda else 2
+    steps, budget = (MULTI_STEPS, MULTI_BUDGET_S) if cuda else (TOY_MULTI_STEPS, TOY_MULTI_BUDGET_S)
+    layouts = multi_gpu_layouts(n, toy=not cuda)
+    tokens = (steps + 2) * size.global_batch * max(lay.dp for lay in layouts) * (size.seq_len + 1)
+    data = synthetic_dataset(work / "multi_data", size.model["vocab_size"], tokens)
+    gpu = detect_gpu(torch.cuda.get_device_name(device)) if cuda else None
+    started, runs, skipped = time.perf_counter(), {}, []
+    for layout in layouts:
+        spent = time.perf_counter() - started
+        if spent > budget:
+            skipped.append(layout.name)
+            continue
+        try:
+            runs[layout.name] = multi_gpu_run(layout, n, size, device.type, data, work, steps,
+                                              budget - spent + LAUNCH_GRACE_S, gpu)
+        except Exception as e:  # noqa: BLE001 - one layout's unreadable run must not hide the others'
+            runs[layout.name] = {"status": f"failed: {type(e).__name__}: {e}",
+                                 "traceback": traceback.format_exc(limit=-6)}
+    out: dict[str, Any] = {
+        "world": n, "devices": count if cuda else None, "backend": "nccl" if cuda else "gloo", "steps": steps,
+        "budget_s": budget, "planner_gpu": gpu.name if gpu else None, "runs": runs,
+        "how": "pentatron train --nproc N on the training part's model and random tokens; global batch = the "
+               "training part's × dp; median tokens/s of the steps after the first 3 (rank 0's metrics.jsonl); "
+               "peak_gib_rank0: allocated since training began on CUDA, the resident set on CPU"}
+    if skipped:
+        out["skipped_layouts"] = skipped
+        out["note"] = f"the part's {budget:.0f} s budget was spent: {', '.join(skipped)} not run"
+    if cuda and gpu is None:
+        out["note_planner"] = "no catalogue GPU: measured only"
+    failed = [name for name, r in runs.items() if r["status"] != "ok"]
+    if failed:
+        out["status"] = "failed: " + "; ".join(f"{name} ({runs[name]['status'].removeprefix('failed: ')})"
+                                               for name in failed)
+    return out
 
 
 # ---------------------------------------------------------------------------- (g) FP8 vs bf16
@@ -866,8 +1026,8 @@ def calibration(result: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- the run
-PARTS = ("kernel_rates", "train", "sdpa_backend", "step_profile", "syncs", "fp8", "compile", "ring_kernel", "documents",
-         "stage_startup")
+PARTS = ("kernel_rates", "train", "sdpa_backend", "step_profile", "syncs", "fp8", "compile", "multi_gpu", "ring_kernel",
+         "documents", "stage_startup")
 
 
 def run(toy: bool, work: Path, only: set[str] | None = None,
@@ -922,6 +1082,8 @@ def run(toy: bool, work: Path, only: set[str] | None = None,
     if wanted("compile"):
         record("compile", part(compile_part, size, device, work, parts.get("train", {})))
         release_memory(device)
+    if wanted("multi_gpu"):
+        record("multi_gpu", part(multi_gpu_part, size, device, work))
     if wanted("ring_kernel"):
         record("ring_kernel", part(ring_kernel_part, size, device))
     if wanted("documents"):
@@ -929,6 +1091,23 @@ def run(toy: bool, work: Path, only: set[str] | None = None,
     if wanted("stage_startup"):
         record("stage_startup", part(stage_startup_part, size, device))
     return result
+
+
+def multi_gpu_row(r: dict[str, Any]) -> str:
+    def one(name: str, x: dict[str, Any]) -> str:
+        if x["status"] != "ok":
+            return f"{name} {x['status'].upper()}"
+        sent = sum(x["comm_sent_per_step"].values()) / MIB
+        text = f"{name} {x['tokens_per_s']:,.0f} tokens/s, sent {sent:,.1f} MiB/step"
+        if "planner" in x:
+            text += (f" (planner {x['planner']['tokens_per_s']:,.0f} tokens/s, "
+                     f"{sum(x['planner']['comm_sent_per_step'].values()) / MIB:,.1f} MiB; measured/predicted step "
+                     f"{x['measured_over_predicted']:.2f})")
+        return text
+
+    return (f"{r['world']} {r['backend']} ranks: " + "; ".join(one(k, x) for k, x in r["runs"].items())
+            + (f"; {r['note']}" if "note" in r else "")
+            + ("" if r["planner_gpu"] else " (measured only: no catalogue GPU)"))
 
 
 def table(result: dict[str, Any]) -> str:
@@ -995,6 +1174,7 @@ def table(result: dict[str, Any]) -> str:
            + (f": gemm {1e3 * r['planner_split']['gemm_s']:.4g}, attention "
               f"{1e3 * r['planner_split']['attention_s']:.4g}, rest {1e3 * r['planner_split']['rest_s']:.4g}"
               if r["planner_split"] else f" ({r['planner_split_reason']})"))))
+    add("(j) multi-GPU", "multi_gpu", multi_gpu_row)
     width = max(len(r[0]) for r in rows)
     head = f"pentatron gpu_check on {result['device']}, torch {result['torch']}" + \
            (" (toy sizes)" if result["toy"] else "") + f", {result['wall_s']} s"

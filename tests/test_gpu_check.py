@@ -20,7 +20,7 @@ sys.modules["gpu_check"] = gpu_check
 _spec.loader.exec_module(gpu_check)
 
 PARTS = {"kernel_rates", "train", "sdpa_backend", "step_profile", "ring_kernel", "documents", "stage_startup", "syncs",
-         "fp8", "compile"}
+         "fp8", "compile", "multi_gpu"}
 
 
 def _number(x: object) -> bool:
@@ -97,12 +97,23 @@ def test_every_part_runs_at_toy_size_with_real_numbers(tmp_path: Path, capsys):
     assert all(_number(x) and x > 0 for g in rates["gemms"] for x in g["ms"] + g["tflop_s"])
     assert all(_number(a["backends"]["default"][k]) and a["backends"]["default"][k] > 0 for a in rates["attention"]
                for k in ("forward_ms", "backward_ms"))
+    mg = p["multi_gpu"]  # CPU: `pentatron train --nproc 2` on gloo, one layout, measured only (no planner GPU)
+    assert (mg["world"], mg["backend"], mg["planner_gpu"]) == (2, "gloo", None) and set(mg["runs"]) == {"dp2 zero1"}
+    dp = mg["runs"]["dp2 zero1"]
+    assert dp["status"] == "ok" and dp["world"] == 2 and dp["layout"].startswith("dp2 tp1 pp1 cp1 z1 ")
+    assert dp["steps"] == gpu_check.TOY_MULTI_STEPS and dp["global_batch"] == 2 * gpu_check.TOY.global_batch
+    assert all(_number(dp[k]) and dp[k] > 0 for k in ("tokens_per_s", "step_time_s", "final_loss", "peak_gib_rank0"))
+    # the ledger's bytes: ZeRO-1's gradient reduce-scatter and parameter all-gather, all of it over dp
+    assert set(dp["comm_sent_per_step"]) == {"dp"} and dp["comm_sent_per_step"]["dp"] > t["model_parameters"]
+    assert "planner" not in dp and "skipped_layouts" not in mg
     printed = capsys.readouterr().out
     for label in ("(a) training", "(b) SDPA backend", "(c) ring block kernel", "(c2) document masking",
                   "(d) stage start-up",
                   "(e) syncs per step", "(f) compiled vs eager", "(g) FP8 vs bf16", "(h) kernel rates",
-                  "(i) step profile", "toy sizes"):
+                  "(i) step profile", "(j) multi-GPU", "toy sizes"):
         assert label in printed, label
+    row = next(line for line in printed.splitlines() if line.lstrip().startswith("(j) multi-GPU"))
+    assert "2 gloo ranks: dp2 zero1 " in row and "tokens/s, sent " in row and row.endswith("no catalogue GPU)")
 
 
 def test_the_backend_is_read_from_kernel_names():
