@@ -438,29 +438,26 @@ def planner_split(pi: PlannerInputs) -> tuple[dict[str, float], dict[str, float]
     return step, split, None
 
 
+def _wall_per_step(trainer: Any, steps: int) -> float:
+    """Wall seconds per training step over `steps` steps, the device drained before and after."""
+    from pentatron.calibrate.timers import sync
+
+    sync(trainer.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    sync(trainer.device)
+    return (time.perf_counter() - t0) / steps
+
+
 def step_profile_part(trainer: Any) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = trainer.device.type == "cuda"
     warm, steps = STEP_PROFILE
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(trainer.device)
-
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(warm):
-        trainer.train_step()
-    sync()
-    warm_wall = (time.perf_counter() - t0) / warm
+    warm_wall = _wall_per_step(trainer, warm)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            trainer.train_step()
-        sync()
-        wall = (time.perf_counter() - t0) / steps
+        wall = _wall_per_step(trainer, steps)
     rows, busy = profile_seconds(list(prof.events()), cuda)
     busy /= steps
     cats = dict.fromkeys(CATEGORY_NAMES, 0.0)
@@ -714,14 +711,14 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _best_time(fn: Callable[[], Any], device: torch.device, repeats: int = 5) -> float:
     """Seconds of the fastest of `repeats` calls, the device synchronised around each."""
+    from pentatron.calibrate.timers import sync
+
     best = float("inf")
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -872,7 +869,9 @@ SDPA_BACKENDS = ("default", "FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATT
 
 
 def _timed(fn: Callable[[], Any], device: torch.device, budget_s: float = 0.05) -> float:
-    """Mean seconds of `fn` over enough calls to fill `budget_s` (CUDA events on a GPU), after 2 warm-ups."""
+    """Mean seconds of `fn` over enough calls to fill `budget_s` (CUDA events on a GPU), after 2 warm-ups. Not
+    calibrate.timers.timed: that checks its budget by draining the device after every call past the third, a host
+    round trip per call that sub-millisecond kernels (the attention backward at seq 2048) would pay."""
     for _ in range(2):
         fn()
     cuda = device.type == "cuda"

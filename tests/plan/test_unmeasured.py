@@ -64,7 +64,6 @@ def test_the_text_output_says_unmeasured_and_below_the_band_the_range_follows_th
 def test_hopper_is_calibrated_by_the_recorded_gpu_check(capsys):
     """The H200 run of benchmarks/gpu_check.py (benchmarks/measured/) calibrates our recipe on Hopper: the model
     reproduces the two runs the constants come from, and the run that was not used for them within 10 %."""
-    from pentatron.config import load_config
     from pentatron.observe.report import planner_layout
     from pentatron.plan.search import predict
 
@@ -77,10 +76,7 @@ def test_hopper_is_calibrated_by_the_recorded_gpu_check(capsys):
     h200 = get_gpu("h200")
 
     def ratio(size: object, kernels: str, tokens_per_s: float, *extra: str) -> float:
-        sets = [f"model.name={gc._toml(size.base)}", *(f"model.{k}={gc._toml(v)}" for k, v in size.model.items()),
-                f"train.seq_len={size.seq_len}", f"train.micro_batch={size.micro_batch}",
-                f"train.global_batch={size.global_batch}", "train.precision='bf16'", *extra]
-        lay, w = planner_layout(load_config(None, sets, world_size=1), 1, "cuda")
+        lay, w = planner_layout(gc.run_config(size, "cuda", *extra), 1, "cuda")  # the part's own run
         return w.global_batch * w.seq_len / tokens_per_s / predict(w, lay, h200, kernels=kernels).step.step
 
     assert ratio(gc.GPU, "fused", parts["train"]["tokens_per_s"]) == pytest.approx(1.0, abs=0.005)
