@@ -20,8 +20,9 @@ def accuracy() -> Any:
 
 
 def uncalibrated(gpu: Any) -> Any:
-    """`gpu` on the datasheet model alone: our step's measured calibration (`Efficiency.our_step`, which scales
-    our recipe's stage phases on H100/H200) left out, for tests of the model's own terms."""
+    """`gpu` on the datasheet model alone, for tests of the model's own terms: our step's measured calibration
+    (`Efficiency.our_step`, which scales our recipe's stage phases on H100/H200) and the slowest-chip factor
+    (`Efficiency.chip_spread`, which scales every recipe's on n > 1 GPUs) left out."""
     import dataclasses
 
-    return dataclasses.replace(gpu, efficiency=dataclasses.replace(gpu.efficiency, our_step={}))
+    return dataclasses.replace(gpu, efficiency=dataclasses.replace(gpu.efficiency, our_step={}, chip_spread=0.0))

@@ -62,6 +62,7 @@ def test_user_hardware_toml(tmp_path):
     ({"base": "h100", "hbm_gb": 80}, "unknown key"),
     ({"base": "h100", "hbm_gib": "lots"}, "must be a number"),
     ({"base": "h100", "matmul_efficiency": 1.5}, r"matmul_efficiency must be in \(0, 1\]"),
+    ({"base": "h100", "chip_spread": 0.5}, r"chip_spread must be in \[0, 0.2\)"),
     ({"base": "h100", "busbw": {"all_reduce": {"bytes": [1, 2], "gb_s": [1]}}}, "equal-length"),
 ])
 def test_bad_hardware_is_reported(data, match):
@@ -134,3 +135,36 @@ def test_gpu_bench_profile_reproduces_its_own_gemm():
     t = gemm_time(prof, n, n, n, prof.flops("bf16"), 2) - KERNEL_OVERHEAD
     assert prof.peak_flops["bf16"] == pytest.approx(989.4e12)
     assert 2 * n**3 / t == pytest.approx(measured, rel=1e-3)
+
+
+def test_a_step_on_n_chips_computes_at_the_expected_slowest_of_them():
+    """hardware/chip_spread.py: sigma from Sinha et al.'s 8 % whisker spread, the expected maximum of n normal
+    draws (Blom) against a sampled one, and the planner's stage phases scaled by it on n GPUs only; a hardware
+    file's chip_spread = 0 turns it off."""
+    import random
+    import statistics
+
+    from pentatron.hardware.chip_spread import CHIP_SPREAD, slowest_chip
+    from pentatron.models.registry import get_model_config
+    from pentatron.plan.layout import Layout, Workload
+    from pentatron.plan.timing import stage_phases
+
+    # Tukey's whiskers of a large normal sample sit at Q3 + 1.5 IQR = 2.698 sigma: 8 % whisker to whisker
+    whisker = statistics.NormalDist().inv_cdf(0.75) * 4
+    assert pytest.approx(0.08 / (2 * whisker), rel=1e-3) == CHIP_SPREAD and 0.0147 < CHIP_SPREAD < 0.0149
+    assert slowest_chip(1, CHIP_SPREAD) == 1.0 and slowest_chip(256, 0.0) == 1.0
+    rng = random.Random(0)
+    for n, expect in ((8, 1.021), (256, 1.042), (12288, 1.058)):
+        assert slowest_chip(n, CHIP_SPREAD) == pytest.approx(expect, abs=6e-4)
+        if n <= 256:  # the order statistic sampled: 4,000 jobs of n chips (standard error ~1e-4 here)
+            sampled = statistics.fmean(max(rng.gauss(0, 1) for _ in range(n)) for _ in range(4000))
+            assert 1 + CHIP_SPREAD * sampled == pytest.approx(slowest_chip(n, CHIP_SPREAD), abs=4e-4)
+    h100 = get_gpu("h100-sxm")
+    alike = hardware_from_dict({"base": "h100-sxm", "name": "h100-alike", "chip_spread": 0})
+    assert h100.efficiency.chip_spread == CHIP_SPREAD and alike.efficiency.chip_spread == 0.0
+    assert get_gpu("a100-80gb").efficiency.chip_spread == CHIP_SPREAD
+    w = Workload(get_model_config("llama3-8b"), 4096, 64)
+    for lay in (Layout(dp=8, micro_batch=1), Layout(dp=1, micro_batch=1)):
+        with_spread, without = stage_phases(w, lay, h100, "eager"), stage_phases(w, lay, alike, "eager")
+        k = slowest_chip(lay.world, CHIP_SPREAD)
+        assert [x.total for x in with_spread] == pytest.approx([x.total * k for x in without], rel=1e-12)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from pentatron.hardware.catalogue import get_gpu
+from pentatron.hardware.chip_spread import slowest_chip
 from pentatron.models.registry import get_model_config
 from pentatron.plan import memory, timing
 from pentatron.plan.layout import _PARALLEL_FIELDS as PARALLEL_FIELDS
@@ -66,7 +67,8 @@ def test_floors_are_below_every_estimate_and_breakdown():
         fresh = list(timing._stage_phases.__wrapped__(w, timing.Without(lay, frozenset()), timing.Same(H100), "fused"))
         if timing.split_backward(lay):  # zero bubble's W replays the chunked loss's head: added outside the memo
             fresh[-1] = timing.Phase(fresh[-1].f, fresh[-1].b, fresh[-1].w + timing.head_gemm(w, lay, H100).f)
-        measured = timing.our_step_factor(lay, H100, "fused")  # our step's calibration on this GPU: outside too
+        # our step's calibration on this GPU and the slowest of the layout's chips: outside too
+        measured = timing.our_step_factor(lay, H100, "fused") * slowest_chip(lay.world, H100.efficiency.chip_spread)
         assert timing.stage_phases(w, lay, H100) == [ph.scale(measured) for ph in fresh]
 
 

@@ -16,6 +16,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
+from pentatron.hardware.chip_spread import CHIP_SPREAD
 from pentatron.hardware.fabric import H100_NDR_ALLREDUCE, FabricCurve
 from pentatron.hardware.fp8_rowwise import H100_ROWWISE, SpeedupGrid
 from pentatron.hardware.kernel_tables import log_grid_value
@@ -70,6 +71,9 @@ class Efficiency:
     # the cluster fabric's measured all-reduce by node count and bytes (hardware/fabric.py), used where it
     # applies instead of the link x `collective`; None = link model only. A file setting the network drops it.
     fabric: FabricCurve | None = None
+    # sigma of one chip's compute speed around the median chip's (hardware/chip_spread.py): a step on n chips
+    # computes at the expected slowest of n; 0 = every chip alike (CPUs)
+    chip_spread: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -266,10 +270,13 @@ _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float3
 #        measured here, k0 = 0.
 #  fp8_rowwise (H100, H200): torchao's row-wise FP8 block speedup table measured on an H100 (hardware/fp8_rowwise.py);
 #        the H200 has the same SM90 die and the same CUTLASS kernel, so the H100's ratios are used there.
+#  chip_spread (every datasheet GPU): 1.48 % of the median chip's speed, from Sinha et al. SC22's 8 % average
+#        spread between same-SKU GPUs of five clusters (hardware/chip_spread.py); a step on n GPUs computes at
+#        the expected slowest of n. V100/MI60-era measurements, taken to hold for A100, Hopper, Blackwell.
 #  hbm_efficiency: streaming kernels reach ~90% of nominal HBM bandwidth (BabelStream copy/triad on
 #        A100 and H100, Deakin et al.); applied to elementwise traffic, not to GEMM/attention roofs.
 #  HBM capacity is the nominal GiB; torch reports slightly less (e.g. 79.1 GiB on an H100 80GB).
-_A100_EFF = Efficiency(matmul=0.825, attention=(0.73, 0.63))
+_A100_EFF = Efficiency(matmul=0.825, attention=(0.73, 0.63), chip_spread=CHIP_SPREAD)
 _HOPPER_ATTENTION = {"flash2": ((2048, 4096, 8192), (0.298, 0.313, 0.302), (0.204, 0.237, 0.287)),
                      "cudnn": ((2048, 4096, 8192), (0.552, 0.570, 0.616), (0.354, 0.410, 0.460))}
 _HOPPER_EFF = Efficiency(matmul=0.80, attention=(0.30, 0.24), attention_by_seq=_HOPPER_ATTENTION, sdpa_kernel="cudnn",
@@ -277,9 +284,10 @@ _HOPPER_EFF = Efficiency(matmul=0.80, attention=(0.30, 0.24), attention_by_seq=_
                          our_step_source="benchmarks/gpu_check.py on one H200 SXM, 2026-12-04; the H100 SXM "
                                          "taken alike",
                          attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.58, 0.41)},
-                         fp8_gemm_k0=409.0, gemm_k0=244.0, fp8_rowwise=H100_ROWWISE, fabric=H100_NDR_ALLREDUCE)
+                         fp8_gemm_k0=409.0, gemm_k0=244.0, fp8_rowwise=H100_ROWWISE, fabric=H100_NDR_ALLREDUCE,
+                         chip_spread=CHIP_SPREAD)
 _B200_EFF = Efficiency(matmul=0.80, attention=(0.35, 0.30),
-                       attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.75, 0.60)})
+                       attention_kernels={"flash3": (0.75, 0.60), "cudnn": (0.75, 0.60)}, chip_spread=CHIP_SPREAD)
 _CATALOGUE: dict[str, GPUSpec] = {
     "a100-40gb": GPUSpec(
         name="a100-40gb",
@@ -382,7 +390,8 @@ _NETWORK_KEYS = frozenset({"gpus_per_node", "inter_node_bandwidth_gb_s", "inter_
 _INTEGRAL = frozenset({"hbm_bytes", "gpus_per_node", "sm_count", "nics_per_node"})
 # file key -> Efficiency field
 _EFFICIENCY_SCALARS = {"matmul_efficiency": "matmul", "collective_efficiency": "collective",
-                       "hbm_efficiency": "hbm", "fp8_gemm_k0": "fp8_gemm_k0", "gemm_k0": "gemm_k0"}
+                       "hbm_efficiency": "hbm", "fp8_gemm_k0": "fp8_gemm_k0", "gemm_k0": "gemm_k0",
+                       "chip_spread": "chip_spread"}
 _META_KEYS = frozenset({"base", "name", "source", "measured"})  # `measured`: free-form bench metadata
 
 
@@ -445,6 +454,9 @@ def _efficiency(d: dict[str, Any], base: Efficiency, where: str, problems: list[
             problems.append(f"{where}: sdpa_kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {sk!r}")
         else:
             kw["sdpa_kernel"] = sk
+    if not 0.0 <= kw.get("chip_spread", 0.0) < 0.2:
+        problems.append(f"{where}: chip_spread must be in [0, 0.2): the spread of one chip's speed around the "
+                        f"median chip's, as a fraction (the catalogue's is {CHIP_SPREAD:.4f}), got {kw['chip_spread']}")
     if (ours := d.get("our_step")) is not None:
         if not (isinstance(ours, dict) and set(ours) <= {"fused", "eager"}
                 and all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in ours.values())):

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from pentatron.hardware.catalogue import GiB, GPUSpec
+from pentatron.hardware.chip_spread import slowest_chip
 from pentatron.plan.comm import bytes_by_dim
 from pentatron.plan.flops import MFU_CONVENTION, matmul_params, total_params
 from pentatron.plan.layout import Layout, Workload, compute_dtype
@@ -61,7 +62,7 @@ def ranked_table(w: Workload, preds: list[Prediction]) -> str:
 # rows' figures are not quoted. tests/plan/test_heldout.py recomputes it from the file and fails until this
 # line is updated after a planner change.
 MEASURED_ACCURACY = ("held-out published runs (split 2026-12-03, 67 runs from 5 sources): tokens/s median error "
-                     "8.3 %, p90 28.5 %, signed median +8.1 %; peak memory (21 runs) median 4.7 %, p90 15.6 %, "
+                     "4.8 %, p90 26.2 %, signed median +4.5 %; peak memory (21 runs) median 4.7 %, p90 15.6 %, "
                      "signed median -4.7 %")
 ACCURACY_COMMAND = "python benchmarks/planner_accuracy.py --split heldout"
 
@@ -126,6 +127,9 @@ def detail(w: Workload, p: Prediction, gpu: GPUSpec, *, train_tokens: float | No
         out.append("  (none: a single GPU)")
     out.append(f"pipeline: {st.pipeline:.3f} s incl. bubble {100 * st.bubble_fraction:.1f}% of it "
                f"(simulated {_mode(p)} schedule)" if lay.pp > 1 else f"compute: {st.pipeline:.3f} s")
+    if (slow := slowest_chip(lay.world, gpu.efficiency.chip_spread)) != 1.0:
+        out.append(f"  compute at the expected slowest of {lay.world} GPUs: x{slow:.3f} of one median chip's (same-SKU "
+                   f"chips spread {100 * gpu.efficiency.chip_spread:.2f} % in speed; hardware/chip_spread.py)")
     out.append(f"step time {st.step:.3f} s = pipeline {st.pipeline:.3f} + exposed DP {st.dp_exposed:.3f} + optimizer "
                f"{st.optimizer:.3f} + SM contention {st.contention:.3f}"
                + (f" + tied-embedding gradients {st.tied_grads:.3f}" if st.tied_grads else "")
@@ -183,6 +187,7 @@ def prediction_json(w: Workload, p: Prediction, rank: int, *, train_tokens: floa
         "dp_exposed_s": st.dp_exposed,
         "optimizer_s": st.optimizer,
         "contention_s": st.contention,
+        "slowest_chip_factor": slowest_chip(lay.world, gpu.efficiency.chip_spread) if gpu is not None else None,
         "tied_grads_s": st.tied_grads,
         "partial_grads_s": st.partial_grads,
         "step_scalars_s": st.scalars,

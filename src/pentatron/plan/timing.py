@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from pentatron.hardware.catalogue import GPUSpec
+from pentatron.hardware.chip_spread import slowest_chip
 from pentatron.hardware.fp8_rowwise import LN_SIGMOID_BYTES_PER_ELEMENT, rowwise_seconds
 from pentatron.hardware.speeds import KERNEL_OVERHEAD
 from pentatron.plan.comm import (
@@ -379,13 +380,14 @@ def stage_phases(w: Workload, lay: Layout, gpu: GPUSpec, kernels: str = "fused")
     """Per global pipeline stage (chunk), the F/B/W seconds of one micro-batch. They depend neither on
     the ZeRO stage nor on the schedule (beyond its chunks): memoised on the layout without them, so the
     search's ZeRO and 1F1B/ZB variants of a layout share them; zero bubble's one difference is added
-    here: its W re-enters the chunked loss and replays the head's forward GEMM for every chunk."""
+    here: its W re-enters the chunked loss and replays the head's forward GEMM for every chunk. Last, they
+    are scaled by our recipe's measured step factor and by the expected slowest of the layout's chips."""
     phases = list(_stage_phases(w, Without(lay, _NOT_IN_PHASES), Same(gpu), kernels))
     if split_backward(lay) and lay.recipe.cross_entropy == "chunked":
         last = phases[-1]
         phases[-1] = Phase(last.f, last.b, last.w + head_gemm(w, lay, gpu).f)
-    if (measured := our_step_factor(lay, gpu, kernels)) != 1.0:
-        phases = [ph.scale(measured) for ph in phases]
+    if (k := our_step_factor(lay, gpu, kernels) * slowest_chip(lay.world, gpu.efficiency.chip_spread)) != 1.0:
+        phases = [ph.scale(k) for ph in phases]
     return phases
 
 
