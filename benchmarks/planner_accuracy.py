@@ -162,7 +162,7 @@ def row_from_dict(r: dict[str, Any], models: dict[str, ModelConfig], sources: di
     if "hw" in r:
         gpu = hardware_from_dict({"base": gpu.name, **r["hw"]}, where=r["id"])
     row = Row(r["id"], r["source"], src["split"], r.get("confirmed", True), w, gpu, 0.0, None,
-              tuple(r.get("inferred", ())), tuple(plan_args(r, src.get("recipe", "pentatron"))),
+              tuple(r.get("inferred", ())), tuple(plan_args(r, r.get("recipe", src.get("recipe", "pentatron")))),
               r.get("recompute") == "auto", r.get("memory_rank"))
     lay = row.layout
     if lay.world != r["gpus"]:

@@ -13,7 +13,15 @@ from pentatron.hardware.catalogue import get_gpu, hardware_from_dict
 from pentatron.hardware.fp8_rowwise import rowwise_seconds
 from pentatron.models.config import ModelConfig
 from pentatron.models.registry import get_model_config
-from pentatron.plan.comm import Collective, Group, Traffic, bus_bandwidth, collective_time, dp_collectives
+from pentatron.plan.comm import (
+    Collective,
+    Group,
+    Traffic,
+    bus_bandwidth,
+    collective_time,
+    dp_collectives,
+    step_collectives,
+)
 from pentatron.plan.flops import flop_breakdown, recompute_flops_per_token
 from pentatron.plan.layout import Layout, Workload
 from pentatron.plan.memory import llama_layer_activation_bytes, memory_per_gpu
@@ -141,7 +149,29 @@ def _coll(op: str, t: float) -> Collective:
 def test_zero3_exposure(tg, trs, expected):
     ph = Phase(1.0, 0.5, 1.5)  # 10 layers: 0.1 s forward and 0.2 s backward each
     assert zero3_exposed(Layout(dp=8, zero=3), [_coll("all_gather", tg), _coll("reduce_scatter", trs)], ph, 10,
-                         2) == pytest.approx(expected)
+                         2, 9) == pytest.approx(expected)
+
+
+def test_deepspeeds_early_zero3_waits_for_every_gather_and_copies_per_rank():
+    """zero3_fetch="per_param_sync" (DeepSpeed 0.3.x): one collective per parameter tensor, 9 per Llama layer,
+    so a layer's latency is paid 9 times; each micro-batch gathers every layer twice (forward, and backward
+    with its recompute), exposed, and each collective copies one kernel per rank of the 1,536 (3 us each); the
+    reduce-scatters and their copies hide behind the layer's backward but for the last layer's."""
+    lay = Layout(dp=1536, zero=3)
+    ds = lay.with_recipe(zero3_fetch="per_param_sync")
+    w = Workload(get_model_config("llama3-8b"), 4096, 1536)
+    by_layer, by_tensor = (dp_collectives(x, H100, 8e9, "dp", m=1, a=2, layers=32 * (9 if x is ds else 1))
+                           for x in (lay, ds))
+    for c, d in zip(by_layer, by_tensor, strict=True):  # the same bytes in 9x the calls
+        assert d.count == 9 * c.count and d.payload * d.count == pytest.approx(c.payload * c.count)
+    gathers = [c.count for c in step_collectives(w, ds, H100, 8e9, 0, 32, 0, True, True) if c.op == "all_gather"]
+    assert gathers == [2 * 32 * 9]
+    ph = Phase(1.0, 0.5, 1.5)  # 10 layers: 0.1 s forward and 0.2 s backward each
+    colls = [_coll("all_gather", 0.005), _coll("reduce_scatter", 0.01)]  # one tensor's
+    copies = 1536 * 3e-6  # per collective
+    gather, rs = 9 * (0.005 + copies), 9 * (0.01 + copies)
+    per_mb = 2 * 10 * gather + 10 * max(0.0, rs - 0.2) + rs
+    assert zero3_exposed(ds, colls, ph, 10, 2, 9) == pytest.approx(2 * per_mb)
 
 
 def test_torchtitan_recompute_modes():

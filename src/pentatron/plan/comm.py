@@ -30,7 +30,7 @@ from pentatron.plan.context import (
     kv_heads_after_ulysses,
     layer_cost,
 )
-from pentatron.plan.flops import MoESpec
+from pentatron.plan.flops import MoESpec, layer_tensors
 from pentatron.plan.layout import Layout, Workload, kv_heads_per_tp_rank, nodes_spanned
 from pentatron.plan.memory import DP_BUCKET, act_bytes
 
@@ -421,7 +421,9 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
         g = group_of(lay, "pp", gpu)
         out.append(Collective("pp", "send", tied, 1, p2p_time(gpu, tied, g.crosses_nodes, both_ways=True),
                               Traffic.TIED, tied))
-    out += dp_collectives(lay, gpu, dense_params, "dp_cp", m, a, layers_on_rank)
+    # ZeRO-3's calls: one per layer, or one per parameter tensor (`Recipe.zero3_fetch`, DeepSpeed 0.3.x)
+    calls = layer_tensors(cfg) if lay.zero == 3 and lay.recipe.zero3_fetch == "per_param_sync" else 1
+    out += dp_collectives(lay, gpu, dense_params, "dp_cp", m, a, layers_on_rank * calls)
     if expert_params:
         out += dp_collectives(lay, gpu, expert_params, "edp", m, a, max(1, moe_layers_on_rank))
     n_experts = w.moe_spec.num_experts if w.moe_spec is not None else 0

@@ -139,6 +139,12 @@ class LayerParams:
     norms: int  # the two RMSNorm gains (and Qwen3's q/k norm gains, head_dim each)
 
 
+def layer_tensors(cfg: ModelConfig) -> int:
+    """Parameter tensors of one decoder layer as our architecture holds them (no biases): q, k, v, o, the
+    MLP's 3 (SwiGLU) or 2 matrices, 2 norms and Qwen3's 2 q/k norms."""
+    return 4 + (3 if cfg.mlp == "swiglu" else 2) + 2 + (2 if cfg.qk_norm else 0)
+
+
 def layer_params(cfg: ModelConfig, index: int = 0, moe: MoESpec | None = None) -> LayerParams:
     """Parameters of layer `index` (MoE layers differ from the first `first_dense_layers`)."""
     h, f = cfg.hidden_size, cfg.ffn_hidden_size

@@ -71,6 +71,13 @@ class Recipe:
     # Data-parallel traffic behind compute (ours, DDP/FSDP, Megatron). False: one blocking reduction after
     # the last backward and a blocking gather after the optimizer (nanotron's ZeRO-1, DeepSpeed's pipe)
     dp_overlap: bool = True
+    # ZeRO-3's parameter traffic: "prefetch" (ours, FSDP: one collective per layer, the next layer's gather
+    # behind this one's compute) or "per_param_sync" (DeepSpeed 0.3.x, read at v0.3.15: stage3.py
+    # fetch_sub_module and partition_parameters.py _allgather_param/_reduce_scatter_gradient): one collective
+    # per parameter tensor; each gather is launched after torch.cuda.synchronize() and waited with another
+    # before the module runs, so none overlaps compute; each all-gather and reduce-scatter passes a list of
+    # group-size tensors, which torch's ProcessGroupNCCL copies to or from its flat buffer one kernel each
+    zero3_fetch: Literal["prefetch", "per_param_sync"] = "prefetch"
     # ZeRO-1's gradient collective: "reduce_scatter" or "all_reduce" (every rank receives all of it and
     # keeps its shard: nanotron, DeepSpeed's pipeline engine)
     zero1_reduce: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"

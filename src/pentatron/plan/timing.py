@@ -44,6 +44,7 @@ from pentatron.plan.context import cp_degrees
 from pentatron.plan.flops import (
     hardware_flops_per_token,
     layer_params,
+    layer_tensors,
     loss_replayed_tokens,
     model_flops_per_token,
     sac_op_replayed_matmuls,
@@ -648,9 +649,9 @@ def _dp_exposed(w: Workload, lay: Layout, traffic: list[Collective], phases: lis
         dp_exposed += e
         acc.hidden += max(0.0, total - e)
         acc.add("dp", e)
-    z3 = zero3_exposed(lay, traffic, phases[0], rank.layers, m)
+    z3 = zero3_exposed(lay, traffic, phases[0], rank.layers, m, layer_tensors(w.cfg))
     dp_exposed += z3
-    acc.hidden += sum(c.time_per_step for c in traffic if lay.zero == 3 and c.dim in ("dp_cp", "edp")) - z3
+    acc.hidden += max(0.0, sum(c.time_per_step for c in traffic if lay.zero == 3 and c.dim in ("dp_cp", "edp")) - z3)
     if z3:
         acc.add("dp", z3)
     return dp_exposed
@@ -666,12 +667,11 @@ def _optimizer_time(w: Workload, lay: Layout, gpu: GPUSpec, rank: _Rank) -> floa
     if lay.precision == "fp16":  # dynamic loss scaling: one more read of the fp32 gradients (inf/nan check)
         per_param += 4
     # the step runs tensor by tensor: its working set is about one layer's parameters at a time; its
-    # parameter tensors: 9 per decoder layer (q, k, v, o, 3 MLP, 2 norms; +2 q/k norms) and, on rank 0, the embedding
+    # parameter tensors: `layer_tensors` per decoder layer and, on rank 0, the embedding
     # (+ the final norm and an untied head when it is also the last stage)
     ends = 1 + ((2 if not w.cfg.tie_embeddings else 1) if lay.pp == 1 else 0)
     n = rank.layers
-    per_layer = 11 if w.cfg.qk_norm else 9
-    return gpu.speeds.optimizer(local, per_param, per_param * local / max(1, n), per_layer * n + ends)
+    return gpu.speeds.optimizer(local, per_param, per_param * local / max(1, n), layer_tensors(w.cfg) * n + ends)
 
 
 def _pipeline_exposed(w: Workload, lay: Layout, gpu: GPUSpec, traffic: list[Collective], rank: _Rank, m: int,
@@ -750,12 +750,15 @@ def dense_linears(w: Workload, lay: Layout, gpu: GPUSpec) -> DenseLinears:
 
 
 def zero3_exposed(lay: Layout, colls: tuple[Collective, ...] | list[Collective], ph: Phase, n_layers: int,
-                  m: int) -> float:
+                  m: int, tensors: int) -> float:
     """ZeRO-3 per micro-batch: forward gathers each layer while the previous one computes (prefetch of
     one layer), so a layer's gather is exposed by what exceeds one layer's forward, plus the first
     layer's gather; backward runs the next layer's gather and this layer's gradient reduce-scatter
     together behind one layer's backward, plus the last reduce-scatter. With pp and
-    zero3_gather="step" the stage is gathered and reduced once per step instead."""
+    zero3_gather="step" the stage is gathered and reduced once per step instead.
+    `zero3_fetch="per_param_sync"` (DeepSpeed 0.3.x): the collectives are one per parameter tensor, `tensors`
+    per layer (`comm.dp_collectives`), each gather exposed, and each collective costs a copy kernel per rank of
+    the group besides; the reduce-scatters (with their copies) still run behind the backward."""
     if lay.zero != 3:
         return 0.0
     tg = sum(c.time for c in colls if c.dim in ("dp_cp", "edp") and c.op == "all_gather")
@@ -764,6 +767,10 @@ def zero3_exposed(lay: Layout, colls: tuple[Collective, ...] | list[Collective],
         return 0.0
     n = max(1, n_layers)
     f_l, b_l = ph.f / n, (ph.b + ph.w) / n
+    if lay.recipe.zero3_fetch == "per_param_sync":  # tg, trs: one tensor's; a layer issues `tensors` of each
+        copies = lay.zero_group * KERNEL_OVERHEAD
+        gather, rs = tensors * (tg + copies if tg else 0.0), tensors * (trs + copies if trs else 0.0)
+        return m * (2 * n * gather + n * max(0.0, rs - b_l) + rs)
     fwd = n * max(0.0, tg - f_l) + tg
     bwd = n * max(0.0, tg + trs - b_l) + trs
     if lay.pp > 1 and lay.zero3_gather == "step":
