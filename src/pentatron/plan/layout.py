@@ -222,8 +222,11 @@ def knob_problems(w: Workload, lay: Layout, gpu: GPUSpec) -> list[str]:
     if rc.tp_overlap and not (lay.sp and lay.tp > 1):
         out.append("recipe.tp_overlap pipelines the sequence-parallel all-gathers and reduce-scatters with their "
                    "GEMMs: it needs tp > 1 with sp")
-    if not rc.dp_overlap and lay.zero == 3:
-        out.append("recipe.dp_overlap=false is modelled for ZeRO 0-2 (ZeRO-3 gathers layer by layer behind compute)")
+    if not rc.dp_overlap and lay.zero == 3 and rc.zero3_fetch == "prefetch":
+        out.append("recipe.dp_overlap=false is modelled for ZeRO 0-2; ZeRO-3's overlap is recipe.zero3_fetch: "
+                   "'prefetch' (ours, FSDP) gathers layer by layer behind compute, so set dp_overlap=true, or "
+                   "zero3_fetch='per_param_sync' for DeepSpeed's ZeRO-3 of 2021 (0.3.13-0.5.0), which waits for "
+                   "every gather")
     if rc.cp_rotate == "allgather" and lay.cp > 1 and lay.cp_mode != "ring":
         out.append("recipe.cp_rotate='allgather' is torch's ring attention: it needs cp_mode='ring'")
     if lay.ep > 1 and moe is None:

@@ -72,8 +72,8 @@ class Recipe:
     # the last backward and a blocking gather after the optimizer (nanotron's ZeRO-1, DeepSpeed's pipe)
     dp_overlap: bool = True
     # ZeRO-3's parameter traffic: "prefetch" (ours, FSDP: one collective per layer, the next layer's gather
-    # behind this one's compute) or "per_param_sync" (DeepSpeed 0.3.x, read at v0.3.15: stage3.py
-    # fetch_sub_module and partition_parameters.py _allgather_param/_reduce_scatter_gradient): one collective
+    # behind this one's compute) or "per_param_sync" (DeepSpeed's ZeRO-3 of 2021, 0.3.13-0.5.0, read at v0.3.15:
+    # stage3.py fetch_sub_module and partition_parameters.py _allgather_param/_reduce_scatter_gradient): one collective
     # per parameter tensor; each gather is launched after torch.cuda.synchronize() and waited with another
     # before the module runs, so none overlaps compute; each all-gather and reduce-scatter passes a list of
     # group-size tensors, which torch's ProcessGroupNCCL copies to or from its flat buffer one kernel each

@@ -757,7 +757,7 @@ def zero3_exposed(lay: Layout, colls: tuple[Collective, ...] | list[Collective],
     together behind one layer's backward, plus the last reduce-scatter. With pp and
     zero3_gather="step" the stage is gathered and reduced once per step instead.
     `zero3_fetch="per_param_sync"` (DeepSpeed 0.3.x): the collectives are one per parameter tensor, `tensors`
-    per layer (`comm.dp_collectives`), each gather exposed, and each collective costs a copy kernel per rank of
+    per layer (`comm.step_collectives`), each gather exposed, and each collective costs a copy kernel per rank of
     the group besides; the reduce-scatters (with their copies) still run behind the backward."""
     if lay.zero != 3:
         return 0.0
