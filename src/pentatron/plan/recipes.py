@@ -188,10 +188,11 @@ NANOTRON = Recipe(name="nanotron", sp_inputs="sharded", qkv_saved="packed", cros
 TORCHTITAN = Recipe(name="torchtitan", param_shard="fp32", pp_buffers="per_microbatch", pp_all_warmup=False,
                     cp_rotate="allgather", cp_kv_heads="q", selective="selective-op", kernels="fused",
                     fused_scope="everywhere")
-# Megatron-DeepSpeed's pipeline engine: blocking p2p, stage outputs partitioned over the tp ranks, the
-# gradients all-reduced after the last backward.
+# Megatron-DeepSpeed of 2021-22 (MT-NLG, BLOOM): its pipeline engine's blocking p2p, stage outputs partitioned
+# over the tp ranks, the gradients all-reduced after the last backward; ZeRO-3 as DeepSpeed ran it in 2021.
 DEEPSPEED = Recipe(name="deepspeed", pp_p2p="blocking", pp_scatter_gather=True, dp_overlap=False,
-                   zero1_reduce="all_reduce", kernels="fused", fused_scope="everywhere")
+                   zero1_reduce="all_reduce", zero3_fetch="per_param_sync", kernels="fused",
+                   fused_scope="everywhere")
 # llm-foundry (MPT): eager PyTorch ops, low-precision LayerNorm, flash-attn's fused cross-entropy.
 LLM_FOUNDRY = Recipe(name="llm-foundry", cross_entropy="fused", norm="fused", kernels="eager",
                      fused_scope="everywhere")
