@@ -1,5 +1,5 @@
-"""The prepared device check (issue 35): one command, about 3-5 minutes on one H200 (part multi_gpu adds at most
-3.5 on a host with several), a JSON file and a table.
+"""The prepared device check (issue 35): one command, about 3-5 minutes on one H200 (on a host with several, part
+multi_gpu adds at most 3.5 and chip_spread a quarter of a minute), a JSON file and a table.
 
     python benchmarks/gpu_check.py --out gpu_check.json      # on a CUDA host: the real sizes
     python benchmarks/gpu_check.py --toy                     # every part at toy size on CPU (make test runs it)
@@ -52,6 +52,10 @@ Parts (each one reports on its own; a failing part does not stop the others):
                 measured/predicted. Within 150 s (the layouts left when it is spent are not started, and named);
                 a failed launch keeps its stderr tail. One GPU: skipped. CPU: dp 2 ZeRO-1 on 2 gloo ranks only,
                 measured only (a datasheet GPU's prediction is not about this machine)
+  chip_spread   the same bf16 GEMM (8192^3) sustained on every GPU of the host at once (10 s after a 3 s warm-up,
+                so the clocks settle under the power limit): each GPU's TFLOP/s, their median, spread and slowest,
+                beside the planner's same-SKU spread (hardware/chip_spread.py: sigma 1.48 %, the expected slowest
+                of n). Needs 2 or more GPUs: skipped on one and on a CPU
 
 With --toy, or when no CUDA device is present, every part runs at toy size on CPU; a part without a CPU
 analogue says "skipped: ..." (compile).
@@ -987,6 +991,61 @@ def kernel_rates_part(device: torch.device) -> dict[str, Any]:
     return out
 
 
+CHIP_SPREAD_GEMM = 8192  # m = n = k of the sustained GEMM
+CHIP_SPREAD_WARMUP_S, CHIP_SPREAD_S = 3.0, 10.0
+
+
+def chip_spread_stats(tflop_s: list[float]) -> dict[str, Any]:
+    """Per-chip rates of one sustained GEMM (n >= 2): their median, whisker-free spread and the slowest chip's
+    time over the median chip's, beside the planner's model for n chips (hardware/chip_spread.py)."""
+    from pentatron.hardware.chip_spread import CHIP_SPREAD, slowest_chip
+
+    med = statistics.median(tflop_s)
+    return {"tflop_s": [_sig(x) for x in tflop_s], "median_tflop_s": _sig(med),
+            "range_over_median": round((max(tflop_s) - min(tflop_s)) / med, 4),
+            "sigma_over_median": round(statistics.stdev(tflop_s) / med, 4),
+            "slowest_time_over_median": round(med / min(tflop_s), 4),
+            "planner_sigma": round(CHIP_SPREAD, 4),
+            "planner_slowest": round(slowest_chip(len(tflop_s), CHIP_SPREAD), 4)}
+
+
+def _sustained_gemm(device: torch.device, out: dict[int, float]) -> None:
+    """One GPU's bf16 GEMM rate over CHIP_SPREAD_S seconds, after CHIP_SPREAD_WARMUP_S of the same (a thread)."""
+    n = CHIP_SPREAD_GEMM
+    with torch.cuda.device(device):
+        a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+        for seconds in (CHIP_SPREAD_WARMUP_S, CHIP_SPREAD_S):
+            torch.cuda.synchronize(device)
+            calls, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                for _ in range(20):
+                    torch.mm(a, b)
+                calls += 20
+                torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - t0
+        out[device.index] = 2 * n**3 * calls / elapsed / 1e12
+
+
+def chip_spread_part(device: torch.device) -> dict[str, Any]:
+    """Every GPU of the host running the same GEMM at once: how far apart same-SKU chips are (see the docstring)."""
+    import threading
+
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if gpus < 2:
+        return {"status": f"skipped: needs 2 or more CUDA GPUs (found {gpus})"}
+    rates: dict[int, float] = {}
+    threads = [threading.Thread(target=_sustained_gemm, args=(torch.device("cuda", i), rates)) for i in range(gpus)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if len(rates) != gpus:
+        return {"status": f"failed: {gpus - len(rates)} of {gpus} GPUs reported no rate"}
+    names = sorted({torch.cuda.get_device_name(i) for i in range(gpus)})
+    return {"gpus": gpus, "names": names, "gemm": CHIP_SPREAD_GEMM, "seconds_each": CHIP_SPREAD_S,
+            **chip_spread_stats([rates[i] for i in range(gpus)])}
+
+
 # ---------------------------------------------------------------------------- the GPU's calibration
 def calibration(result: dict[str, Any]) -> dict[str, Any]:
     """What this run calibrates on its GPU (calibrate/gpu_calibration.py): the attention curves, SDPA's kernel
@@ -1025,8 +1084,8 @@ def calibration(result: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- the run
-PARTS = ("kernel_rates", "train", "sdpa_backend", "step_profile", "syncs", "fp8", "compile", "multi_gpu", "ring_kernel",
-         "documents", "stage_startup")
+PARTS = ("kernel_rates", "train", "sdpa_backend", "step_profile", "syncs", "fp8", "compile", "multi_gpu", "chip_spread",
+         "ring_kernel", "documents", "stage_startup")
 
 
 def run(toy: bool, work: Path, only: set[str] | None = None,
@@ -1083,6 +1142,8 @@ def run(toy: bool, work: Path, only: set[str] | None = None,
         release_memory(device)
     if wanted("multi_gpu"):
         record("multi_gpu", part(multi_gpu_part, size, device, work))
+    if wanted("chip_spread"):
+        record("chip_spread", part(chip_spread_part, device))
     if wanted("ring_kernel"):
         record("ring_kernel", part(ring_kernel_part, size, device))
     if wanted("documents"):
@@ -1174,6 +1235,11 @@ def table(result: dict[str, Any]) -> str:
               f"{1e3 * r['planner_split']['attention_s']:.4g}, rest {1e3 * r['planner_split']['rest_s']:.4g}"
               if r["planner_split"] else f" ({r['planner_split_reason']})"))))
     add("(j) multi-GPU", "multi_gpu", multi_gpu_row)
+    add("(k) chip spread", "chip_spread", lambda r: (
+        f"{r['gpus']} GPUs, bf16 GEMM {r['gemm']}^3 for {r['seconds_each']:g} s each at once: median "
+        f"{r['median_tflop_s']:,} TFLOP/s, range {100 * r['range_over_median']:.1f} %, sigma "
+        f"{100 * r['sigma_over_median']:.2f} % (planner {100 * r['planner_sigma']:.2f} %), slowest "
+        f"x{r['slowest_time_over_median']:.3f} of the median's time (planner x{r['planner_slowest']:.3f})"))
     width = max(len(r[0]) for r in rows)
     head = f"pentatron gpu_check on {result['device']}, torch {result['torch']}" + \
            (" (toy sizes)" if result["toy"] else "") + f", {result['wall_s']} s"

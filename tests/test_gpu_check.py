@@ -20,7 +20,7 @@ sys.modules["gpu_check"] = gpu_check
 _spec.loader.exec_module(gpu_check)
 
 PARTS = {"kernel_rates", "train", "sdpa_backend", "step_profile", "ring_kernel", "documents", "stage_startup", "syncs",
-         "fp8", "compile", "multi_gpu"}
+         "fp8", "compile", "multi_gpu", "chip_spread"}
 
 
 def _number(x: object) -> bool:
@@ -51,6 +51,7 @@ def test_every_part_runs_at_toy_size_with_real_numbers(tmp_path: Path, capsys):
     p = r["parts"]
     # on a CPU train.compile "auto" is eager: the compiled-vs-eager part is CUDA's (compile_speed.py is the CPU's)
     assert p.pop("compile")["status"].startswith("skipped: train.compile 'auto' is eager on a CPU")
+    assert p.pop("chip_spread")["status"] == "skipped: needs 2 or more CUDA GPUs (found 0)"  # chips of a host
     assert r["calibration"]["status"].startswith("skipped: no catalogue GPU")
     assert all(q["status"] == "ok" for q in p.values()), {k: q["status"] for k, q in p.items()}
     t = p["train"]
@@ -190,3 +191,20 @@ def test_the_catalogue_holds_what_the_stored_h200_run_calibrates(tmp_path: Path,
     for field in ("attention_by_seq", "sdpa_kernel", "our_step"):
         assert getattr(got.efficiency, field) == getattr(h200.efficiency, field), field
     assert got.name == "h200-measured" and got.peak_flops == h200.peak_flops
+
+
+def test_the_chip_spread_is_read_against_the_planners_model():
+    """Part chip_spread's arithmetic on 8 known rates: median, range, sigma and the slowest chip's time over the
+    median chip's, beside hardware/chip_spread.py's sigma and expected slowest of 8."""
+    from pentatron.hardware.chip_spread import CHIP_SPREAD, slowest_chip
+
+    rates = [700.0, 710.0, 690.0, 705.0, 695.0, 702.0, 698.0, 660.0]
+    r = gpu_check.chip_spread_stats(rates)
+    assert r["median_tflop_s"] == 699.0 and r["range_over_median"] == round(50 / 699, 4)
+    assert r["sigma_over_median"] == round(15.3902 / 699, 4)  # sample standard deviation of the rates
+    assert r["slowest_time_over_median"] == round(699 / 660, 4)
+    assert r["planner_sigma"] == round(CHIP_SPREAD, 4)
+    assert r["planner_slowest"] == round(slowest_chip(8, CHIP_SPREAD), 4)
+    table = gpu_check.table({"device": "x", "torch": "t", "toy": False, "wall_s": 1.0, "parts": {"chip_spread": {
+        "status": "ok", "gpus": 8, "gemm": 8192, "seconds_each": 10.0, **r}}})
+    assert "(k) chip spread" in table and "sigma 2.20 % (planner 1.48 %)" in table

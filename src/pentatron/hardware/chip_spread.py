@@ -14,6 +14,7 @@ The time model's kernel rates are one (median) chip's, so on n chips that wait f
 slowest of n draws: 1 + sigma * E[max of n standard normals] (Blom's approximation of the order statistic):
 +2.1 % on 8 GPUs, +4.2 % on 256, +5.8 % on 12,288. Applied on every datasheet GPU (A100, Hopper, Blackwell
 alike; the measurement is of V100/MI60-era power management, inferred to hold); 0 on CPUs and for one chip.
+`benchmarks/gpu_check.py` part chip_spread measures the spread of a host's GPUs against this model.
 """
 
 from __future__ import annotations
