@@ -53,8 +53,8 @@ def _resident_bytes() -> int:
 
 def test_peak_memory_excludes_the_set_up_peak_on_cpu():
     # 256 MiB touched during "set-up", in an anonymous mapping of its own: unmapping it returns the pages
-    # to the system whatever the allocator does. (A freed torch tensor need not: on a CI runner glibc
-    # kept it resident, the resident set stayed at its peak and the reset could not lower it.)
+    # to the system whatever the allocator does. (A freed torch tensor need not: on a CI runner the peak after
+    # the reset equalled the set-up peak to the byte, the freed pages presumably still resident.)
     blob = mmap.mmap(-1, 256 * 2**20)
     for offset in range(0, len(blob), mmap.PAGESIZE):
         blob[offset] = 1
