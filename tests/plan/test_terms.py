@@ -153,8 +153,8 @@ def test_zero3_exposure(tg, trs, expected):
 
 
 def test_deepspeeds_early_zero3_waits_for_every_gather_and_copies_per_rank():
-    """zero3_fetch="per_param_sync" (DeepSpeed's ZeRO-3 of 2021): one collective per parameter tensor, 9 per Llama layer,
-    so a layer's latency is paid 9 times; each micro-batch gathers every layer twice (forward, and backward
+    """zero3_fetch="per_param_sync" (DeepSpeed's ZeRO-3 of 2021): one collective per parameter tensor, 9 per
+    Llama layer, so a layer's latency is paid 9 times; each micro-batch gathers every layer twice (forward, and backward
     with its recompute), exposed, and each collective copies one kernel per rank of the 1,536 (3 us each); the
     reduce-scatters and their copies hide behind the layer's backward but for the last layer's."""
     lay = Layout(dp=1536, zero=3)
