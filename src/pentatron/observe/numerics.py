@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pentatron.parallel.fp8_stats import OPERANDS, fp8_gemm
+
 _BLOCK = re.compile(r"(?:^|\.)(layers\.\d+)(?:\.|$)")
 
 
@@ -64,8 +66,8 @@ class LayerNumerics:
         self._act: dict[str, torch.Tensor] = {}
         self._before: dict[nn.Parameter, torch.Tensor] = {}
         self._hooks = [m.register_forward_hook(self._hook(name)) for name, m in self._blocks(model)]
-        # train.fp8's GEMMs (parallel/fp8.py's Fp8Gemm, found by its statistics: no torchao import here)
-        self.fp8 = {name: m.gemm for name, m in model.named_modules() if hasattr(getattr(m, "gemm", None), "stats")}
+        # train.fp8's GEMMs (parallel/fp8.py's Fp8Gemm, found without importing torchao)
+        self.fp8 = {name: g for name, m in model.named_modules() if (g := fp8_gemm(m)) is not None}
 
     @staticmethod
     def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -112,7 +114,7 @@ class LayerNumerics:
             return {}
         values = torch.stack([g.stats for g in self.fp8.values()]).tolist()
         cast = [(f"{name}.{op}", amax[i], scale[i]) for name, (amax, scale) in zip(self.fp8, values)
-                for i, op in enumerate(("x", "w", "dy")) if amax[i] >= 0]
+                for i, op in enumerate(OPERANDS) if amax[i] >= 0]
         if not cast:
             return {}
         return {"fp8_amax": {k: _num(a) for k, a, _ in cast}, "fp8_scale": {k: _num(s) for k, _, s in cast}}

@@ -50,6 +50,7 @@ from torch import nn
 from pentatron.config import compile_enabled
 from pentatron.models.llama import MLP, Attention, AttentionCore, RMSNorm
 from pentatron.models.moe import MoE
+from pentatron.parallel.fp8_stats import fp8_gemm
 
 # AOTAutograd's switch that compiles the backward inside the forward's compile (absent: the lazy backward).
 _EAGER_BACKWARD = "force_non_lazy_backward_lowering"
@@ -180,8 +181,7 @@ def _communicates(m: nn.Module) -> bool:
 
 
 def _fp8_reduces(m: nn.Module) -> bool:
-    reduce = getattr(getattr(m, "gemm", None), "reduce", None)  # duck-typed: no torchao import here
-    return isinstance(reduce, dict) and any(reduce.values())
+    return (gemm := fp8_gemm(m)) is not None and any(gemm.reduce.values())
 
 
 def _hooked_inside(m: nn.Module) -> bool:
@@ -225,10 +225,10 @@ def _regions(m: nn.Module, name: str, report: CompileReport) -> None:
 
 
 def eager_fp8_linears(model: nn.Module) -> list[str]:
-    """train.fp8's linears (duck-typed: a `gemm` with `stats`, parallel/fp8.py) inside no compiled region: their
-    casts run eagerly (train.compile off; tp / cp's reducing casts; the zero-bubble schedule's regions)."""
+    """train.fp8's linears (parallel/fp8_stats.fp8_gemm) inside no compiled region: their casts run eagerly
+    (train.compile off; tp / cp's reducing casts; the zero-bubble schedule's regions)."""
     inside = {id(x) for m in model.modules() if isinstance(vars(m).get("forward"), _Region) for x in m.modules()}
-    return [n for n, m in model.named_modules() if hasattr(getattr(m, "gemm", None), "stats") and id(m) not in inside]
+    return [n for n, m in model.named_modules() if fp8_gemm(m) is not None and id(m) not in inside]
 
 
 def apply_compile(model: nn.Module, setting: bool | str, device: torch.device,

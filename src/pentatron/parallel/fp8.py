@@ -79,6 +79,7 @@ from torchao.float8.float8_training_tensor import (  # noqa: E402
 from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax  # noqa: E402
 
 from pentatron.models.llama import MLP, Attention  # noqa: E402
+from pentatron.parallel.fp8_stats import OPERANDS, empty_stats  # noqa: E402
 from pentatron.parallel.tensor import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 
 FP8_RECIPES = ("tensorwise", "rowwise")
@@ -102,12 +103,6 @@ _AXES: dict[str, tuple[tuple[str, str], int]] = {
 # the operand each cast reads (the numerics log's keys): x, w or dy
 OPERAND = {"input": "x", "input_for_grad_weight": "x", "weight": "w", "weight_for_grad_input": "w",
            "grad_output": "dy", "grad_output_for_grad_weight": "dy"}
-OPERANDS = ("x", "w", "dy")  # the columns of Fp8Gemm.stats
-
-
-def _empty_stats(device: torch.device | str = "cpu") -> torch.Tensor:
-    """[amax, scale] × (x, w, dy) before any cast: amax -1 (no cast yet: an amax is ≥ 0), scale +inf."""
-    return torch.tensor([[-1.0] * 3, [math.inf] * 3], dtype=torch.float64, device=device)
 
 
 @dataclass
@@ -121,10 +116,10 @@ class Fp8Gemm:
     mm_config: LinearMMConfig
     reduce: dict[str, tuple[str, ...]]  # role → mesh dims
     comm: Comm | None
-    stats: torch.Tensor = field(default_factory=_empty_stats)
+    stats: torch.Tensor = field(default_factory=empty_stats)
 
     def clear_stats(self) -> None:
-        """Back to `_empty_stats`, by device kernels (no host-to-device copy, which would synchronise)."""
+        """Back to `empty_stats`, by device kernels (no host-to-device copy, which would synchronise)."""
         self.stats[0].fill_(-1.0)
         self.stats[1].fill_(math.inf)
 
@@ -265,7 +260,7 @@ def apply_fp8(model: nn.Module, recipe: str | Float8LinearConfig, comm: Comm | N
             # a high-precision cast has no amax, so nothing to reduce
             spanned = [] if cast.scaling_type is ScalingType.DISABLED else [axes[dim]] if rowwise else list(axes)
             reduce[role] = tuple(sorted({d for a in spanned for d in split[a]}))
-        gemm = Fp8Gemm(config, mm_config, reduce, comm, _empty_stats(device))
+        gemm = Fp8Gemm(config, mm_config, reduce, comm, empty_stats(device))
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module.gemm = gemm
         else:
