@@ -21,6 +21,7 @@ from functools import lru_cache
 
 from pentatron.hardware.catalogue import GPUSpec
 from pentatron.hardware.speeds import Group, wire_bytes
+from pentatron.models.config import ModelConfig
 from pentatron.plan.context import (
     CpLayerCost,
     allgather_exposure,
@@ -421,9 +422,7 @@ def step_collectives(w: Workload, lay: Layout, gpu: GPUSpec, dense_params: float
         g = group_of(lay, "pp", gpu)
         out.append(Collective("pp", "send", tied, 1, p2p_time(gpu, tied, g.crosses_nodes, both_ways=True),
                               Traffic.TIED, tied))
-    # ZeRO-3's calls: one per layer, or one per parameter tensor (`Recipe.zero3_fetch`, DeepSpeed 0.3.x)
-    calls = layer_tensors(cfg) if lay.zero == 3 and lay.recipe.zero3_fetch == "per_param_sync" else 1
-    out += dp_collectives(lay, gpu, dense_params, "dp_cp", m, a, layers_on_rank * calls)
+    out += dp_collectives(lay, gpu, dense_params, "dp_cp", m, a, layers_on_rank * zero3_calls_per_layer(cfg, lay))
     if expert_params:
         out += dp_collectives(lay, gpu, expert_params, "edp", m, a, max(1, moe_layers_on_rank))
     n_experts = w.moe_spec.num_experts if w.moe_spec is not None else 0
@@ -481,6 +480,12 @@ def tied_grad_bytes(params: float, lay: Layout) -> float:
     only the piece it owns under ZeRO >= 1 (sharded over dp x cp)."""
     shard = lay.zero_group if lay.zero >= 1 else 1
     return params * lay.grad_bytes / shard
+
+
+def zero3_calls_per_layer(cfg: ModelConfig, lay: Layout) -> int:
+    """ZeRO-3's collectives of each kind per layer: one, or one per parameter tensor (`Recipe.zero3_fetch`
+    "per_param_sync", DeepSpeed's ZeRO-3 of 2021)."""
+    return layer_tensors(cfg) if lay.zero == 3 and lay.recipe.zero3_fetch == "per_param_sync" else 1
 
 
 def dp_collectives(lay: Layout, gpu: GPUSpec, params: float, dim: str, m: int, a: int,

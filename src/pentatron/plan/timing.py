@@ -39,6 +39,7 @@ from pentatron.plan.comm import (
     pp_hop_time,
     report_dim,
     step_collectives,
+    zero3_calls_per_layer,
 )
 from pentatron.plan.context import cp_degrees
 from pentatron.plan.flops import (
@@ -649,7 +650,7 @@ def _dp_exposed(w: Workload, lay: Layout, traffic: list[Collective], phases: lis
         dp_exposed += e
         acc.hidden += max(0.0, total - e)
         acc.add("dp", e)
-    z3 = zero3_exposed(lay, traffic, phases[0], rank.layers, m, layer_tensors(w.cfg))
+    z3 = zero3_exposed(lay, traffic, phases[0], rank.layers, m, zero3_calls_per_layer(w.cfg, lay))
     dp_exposed += z3
     acc.hidden += max(0.0, sum(c.time_per_step for c in traffic if lay.zero == 3 and c.dim in ("dp_cp", "edp")) - z3)
     if z3:
@@ -750,15 +751,15 @@ def dense_linears(w: Workload, lay: Layout, gpu: GPUSpec) -> DenseLinears:
 
 
 def zero3_exposed(lay: Layout, colls: tuple[Collective, ...] | list[Collective], ph: Phase, n_layers: int,
-                  m: int, tensors: int) -> float:
+                  m: int, calls: int) -> float:
     """ZeRO-3 per micro-batch: forward gathers each layer while the previous one computes (prefetch of
     one layer), so a layer's gather is exposed by what exceeds one layer's forward, plus the first
     layer's gather; backward runs the next layer's gather and this layer's gradient reduce-scatter
     together behind one layer's backward, plus the last reduce-scatter. With pp and
     zero3_gather="step" the stage is gathered and reduced once per step instead.
-    `zero3_fetch="per_param_sync"` (DeepSpeed 0.3.x): the collectives are one per parameter tensor, `tensors`
-    per layer (`comm.step_collectives`), each gather exposed, and each collective costs a copy kernel per rank of
-    the group besides; the reduce-scatters (with their copies) still run behind the backward."""
+    `zero3_fetch="per_param_sync"` (DeepSpeed's ZeRO-3 of 2021): `calls` collectives of each kind per layer, one
+    per parameter tensor (`comm.zero3_calls_per_layer`), each gather exposed, and each collective costs a copy
+    kernel per rank of the group besides; the reduce-scatters (with their copies) still run behind the backward."""
     if lay.zero != 3:
         return 0.0
     tg = sum(c.time for c in colls if c.dim in ("dp_cp", "edp") and c.op == "all_gather")
@@ -767,9 +768,9 @@ def zero3_exposed(lay: Layout, colls: tuple[Collective, ...] | list[Collective],
         return 0.0
     n = max(1, n_layers)
     f_l, b_l = ph.f / n, (ph.b + ph.w) / n
-    if lay.recipe.zero3_fetch == "per_param_sync":  # tg, trs: one tensor's; a layer issues `tensors` of each
+    if lay.recipe.zero3_fetch == "per_param_sync":  # tg, trs: one tensor's; a layer issues `calls` of each
         copies = lay.zero_group * KERNEL_OVERHEAD
-        gather, rs = tensors * (tg + copies if tg else 0.0), tensors * (trs + copies if trs else 0.0)
+        gather, rs = calls * (tg + copies if tg else 0.0), calls * (trs + copies if trs else 0.0)
         return m * (2 * n * gather + n * max(0.0, rs - b_l) + rs)
     fwd = n * max(0.0, tg - f_l) + tg
     bwd = n * max(0.0, tg + trs - b_l) + trs
